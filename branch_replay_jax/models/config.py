@@ -1,0 +1,85 @@
+"""Architecture description of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+  """Llama-3.1 frequency-dependent RoPE scaling (Meta's `apply_scaling`, HF `rope_type="llama3"`)."""
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of one decoder. Frozen and hashable: it is static under `jax.jit`.
+
+  Fields:
+    arch: one of `ARCHITECTURES`; only changes which optional parts below are expected.
+    vocab_size: rows of the token embedding (tokens).
+    num_layers: decoder blocks.
+    d_model: residual stream width.
+    num_heads: query heads (Hq).
+    num_kv_heads: key/value heads (Hkv); `num_heads % num_kv_heads == 0` (GQA).
+    head_dim: per-head width (D).
+    ffn_dim: SwiGLU hidden width.
+    rope_theta: RoPE base.
+    rope_scaling: Llama-3 scaling, or None.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: output projection is the transposed token embedding.
+    qkv_bias: Q/K/V projections carry a bias (Qwen2/2.5).
+    qk_norm: per-head RMSNorm on Q and K before RoPE (Qwen3).
+    max_positions: the context length the weights were trained for (tokens).
+  """
+
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: Llama3RopeScaling | None = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  max_positions: int = 8192
+  arch: str = "llama"
+
+  def __post_init__(self):
+    if self.arch not in ARCHITECTURES:
+      raise ValueError(f"ModelConfig.arch={self.arch!r} is not supported; expected one of {ARCHITECTURES}")
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                 "max_positions"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+
+  @property
+  def params_per_token_linear(self) -> int:
+    """Multiply-adds per token of the dense layers (projections, MLP, output head), no attention."""
+    d, hq, hkv, hd, f = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn_dim
+    per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
+    return self.num_layers * per_layer + d * self.vocab_size
+
+
+def tiny_config(**overrides) -> ModelConfig:
+  """A 2-layer random model for tests: GQA 4/2, head_dim 8, vocab 64."""
+  base = dict(vocab_size=64, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=48,
+              rope_theta=10000.0, max_positions=256)
+  base.update(overrides)
+  return ModelConfig(**base)

@@ -1,0 +1,243 @@
+"""A Llama-family decoder in Flax NNX that runs ONE SEGMENT of a rollout tree.
+
+Layer parameters are stacked on a leading layer axis and the forward scans over layers
+(`jax.lax.scan`), so a 30-layer model compiles as one layer. A segment's forward takes the
+K/V of its ancestors (prompt, shared response segments, a decode cache) and returns its own
+per-layer K/V and its final hidden states: exactly what branch replay needs to run the prompt
+once and each branch on top of it.
+
+Parameter layout (L layers, d model width, Hq/Hkv heads, D head dim, F MLP width, V vocab):
+
+    embed          [V, d]            lm_head   [d, V]   (absent when tie_embeddings)
+    final_norm     [d]
+    layers.attn_norm [L, d]          layers.mlp_norm [L, d]
+    layers.wq [L, d, Hq, D]   layers.wk, layers.wv [L, d, Hkv, D]   layers.wo [L, Hq, D, d]
+    layers.bq [L, Hq, D], bk, bv [L, Hkv, D]           (qkv_bias, Qwen2)
+    layers.q_norm, layers.k_norm [L, D]                (qk_norm, Qwen3)
+    layers.w_gate, layers.w_up [L, d, F]   layers.w_down [L, F, d]
+
+Formulas: RMSNorm (Zhang & Sennrich 2019), RoPE in the "rotate half" layout (Su et al. 2021,
+arXiv 2104.09864, eq. 34), SwiGLU (Shazeer 2020, arXiv 2002.05202), GQA (Ainslie et al. 2023,
+arXiv 2305.13245), Llama-3 RoPE scaling (Meta's `apply_scaling`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from branch_replay_jax.kernels import KVBlock, suffix_attention
+from branch_replay_jax.kernels.reference import accum_dtype
+from branch_replay_jax.models.config import ModelConfig
+
+ATTENTION_IMPLS = ("xla",)
+
+
+class SegmentOutput(NamedTuple):
+  """What one segment's forward returns.
+
+  kv: the segment's own keys/values, k, v [L, B, T, Hkv, D] in the compute dtype, valid [B, T].
+  hidden_btd: [B, T, d] final hidden states (after the final RMSNorm), compute dtype.
+  """
+
+  kv: KVBlock
+  hidden_btd: jax.Array
+
+
+def rms_norm(x, weight, eps):
+  """RMSNorm computed in float32 (float64 for float64 x), returned in x's dtype."""
+  acc = accum_dtype(x.dtype)
+  x32 = x.astype(acc)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * weight.astype(acc)).astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, dtype=jnp.float32) -> jax.Array:
+  """[D/2] inverse frequencies (float32, or float64 when asked), with Llama-3 scaling where configured."""
+  d = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=dtype) / d))
+  s = config.rope_scaling
+  if s is None:
+    return inv_freq
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_bthd, positions_bt, inv_freq):
+  """Rotate-half RoPE at absolute positions (the segment's offset + i)."""
+  acc = accum_dtype(x_bthd.dtype)
+  angles = positions_bt[..., None].astype(acc) * inv_freq.astype(acc)      # [B, T, D/2]
+  cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+  sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+  x = x_bthd.astype(acc)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return (x * cos + rotated * sin).astype(x_bthd.dtype)
+
+
+def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], own_valid_bt):
+  """One decoder block. Returns (new residual stream, (k, v) of this layer)."""
+  dt = x_btd.dtype
+  h = rms_norm(x_btd, p["attn_norm"], config.norm_eps)
+  q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
+  k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
+  v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+  if config.qkv_bias:
+    q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+  if config.qk_norm:
+    q = rms_norm(q, p["q_norm"], config.norm_eps)
+    k = rms_norm(k, p["k_norm"], config.norm_eps)
+  q = apply_rope(q, positions_bt, inv_freq)
+  k = apply_rope(k, positions_bt, inv_freq)
+  attn, _ = suffix_attention(q, ancestors, KVBlock(k, v, own_valid_bt))
+  x_btd = x_btd + jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
+  h = rms_norm(x_btd, p["mlp_norm"], config.norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
+  up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
+  x_btd = x_btd + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"].astype(dt))
+  return x_btd, (k, v)
+
+
+class DecoderLayers(nnx.Module):
+  """The L decoder blocks, each parameter stacked on a leading layer axis."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    L, d, hq, hkv, hd, f = (config.num_layers, config.d_model, config.num_heads, config.num_kv_heads,
+                            config.head_dim, config.ffn_dim)
+    init = nnx.initializers.normal(0.02)
+    self.attn_norm = nnx.Param(jnp.ones((L, d)))
+    self.mlp_norm = nnx.Param(jnp.ones((L, d)))
+    self.wq = nnx.Param(init(rngs.params(), (L, d, hq, hd)))
+    self.wk = nnx.Param(init(rngs.params(), (L, d, hkv, hd)))
+    self.wv = nnx.Param(init(rngs.params(), (L, d, hkv, hd)))
+    self.wo = nnx.Param(init(rngs.params(), (L, hq, hd, d)))
+    self.w_gate = nnx.Param(init(rngs.params(), (L, d, f)))
+    self.w_up = nnx.Param(init(rngs.params(), (L, d, f)))
+    self.w_down = nnx.Param(init(rngs.params(), (L, f, d)))
+    if config.qkv_bias:
+      self.bq = nnx.Param(init(rngs.params(), (L, hq, hd)))
+      self.bk = nnx.Param(init(rngs.params(), (L, hkv, hd)))
+      self.bv = nnx.Param(init(rngs.params(), (L, hkv, hd)))
+    if config.qk_norm:
+      self.q_norm = nnx.Param(jnp.ones((L, hd)))
+      self.k_norm = nnx.Param(jnp.ones((L, hd)))
+
+  def stacked(self) -> dict:
+    return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+class Llama(nnx.Module):
+  """Llama-family decoder; see the module docstring for the parameter layout.
+
+  Args:
+    config: the architecture.
+    dtype: compute dtype (float32, bfloat16, or float64 under `jax_enable_x64`). Parameters
+      keep their own dtype (float32 when loaded) and are cast at use.
+    remat: recompute each layer's activations in the backward pass (`jax.checkpoint`).
+    rngs: initialisation randomness (the loaders overwrite every parameter).
+  """
+
+  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, remat: bool = False,
+               rngs: nnx.Rngs | None = None):
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    self.remat = remat
+    self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.d_model)))
+    self.layers = DecoderLayers(config, rngs=rngs)
+    self.final_norm = nnx.Param(jnp.ones((config.d_model,)))
+    if not config.tie_embeddings:
+      self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.d_model, config.vocab_size)))
+
+  def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[KVBlock] = (),
+               valid_bt: jax.Array | None = None) -> SegmentOutput:
+    """Forward of one segment.
+
+    Args:
+      tokens_bt: [B, T] int token ids.
+      offset: int or [B] int: absolute position of the segment's first token (the sum of its
+        ancestors' lengths). RoPE uses offset + i.
+      ancestors: stacked KV blocks of the ancestors, k, v [L, B or 1, S, Hkv, D], valid
+        [B or 1, S]; every ancestor key is visible to every query of the segment.
+      valid_bt: [B, T] bool, False on padding; default all True. Padded positions are masked
+        out as keys; their own outputs are garbage that callers must mask.
+
+    Returns:
+      SegmentOutput(kv with k, v [L, B, T, Hkv, D], hidden_btd [B, T, d]).
+    """
+    cfg = self.config
+    b, t = tokens_bt.shape
+    if valid_bt is None:
+      valid_bt = jnp.ones((b, t), dtype=bool)
+    positions = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1)) + jnp.arange(t, dtype=jnp.int32)[None]
+    positions = jnp.broadcast_to(positions, (b, t))
+    inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
+    x = self.embed[...][tokens_bt].astype(self.dtype)
+    anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
+    anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
+    anc_valid = [blk.valid for blk in ancestors]
+
+    def body(x, xs):
+      p, ks, vs = xs
+      blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
+      return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt)
+
+    if self.remat:
+      body = jax.checkpoint(body)
+    x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), anc_k, anc_v))
+    hidden = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+    return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
+
+  def unembedding(self) -> jax.Array:
+    """[d, V] output projection (the transposed embedding when tied)."""
+    return self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
+
+  def logits(self, hidden_btd: jax.Array) -> jax.Array:
+    """[B, T, V] float32 (float64 for float64 compute) logits. Only for short segments; long ones use `token_logprobs`."""
+    w = self.unembedding().astype(hidden_btd.dtype)
+    return jnp.einsum("btd,dv->btv", hidden_btd, w, preferred_element_type=accum_dtype(hidden_btd.dtype))
+
+
+def token_logprobs(hidden_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *, chunk: int = 256) -> jax.Array:
+  """log softmax(h_t W)[target_t] without holding [T, V] logits for the whole segment.
+
+  Positions are processed `chunk` at a time with `jax.lax.map`; each chunk's logits are
+  recomputed in the backward pass (`jax.checkpoint`), so memory is O(B * chunk * V).
+
+  Args:
+    hidden_btd: [B, T, d] hidden states that predict the targets (position t predicts target t).
+    w_dv: [d, V] unembedding.
+    targets_bt: [B, T] int token ids.
+    chunk: positions per chunk (tokens).
+
+  Returns:
+    [B, T] float32 log-probabilities (float64 for float64 hidden states).
+  """
+  b, t, d = hidden_btd.shape
+  c = max(1, min(chunk, t))
+  n = -(-t // c)
+  pad = n * c - t
+  h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
+  y = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+  w = w_dv.astype(hidden_btd.dtype)
+
+  @jax.checkpoint
+  def one(args):
+    h_bcd, y_bc = args
+    logits = jnp.einsum("bcd,dv->bcv", h_bcd, w, preferred_element_type=accum_dtype(h_bcd.dtype))
+    picked = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+  out = jax.lax.map(one, (h, y))                   # [n, B, c]
+  return out.swapaxes(0, 1).reshape(b, n * c)[:, :t]

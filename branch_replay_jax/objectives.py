@@ -1,0 +1,126 @@
+"""Advantages, loss normalisation and per-token objectives (pure functions on arrays).
+
+Every function here takes arrays and keyword arguments, never a config, and is exact under
+replay because it is token-local: a token's term depends only on that token's log-prob and
+on per-branch constants (advantage, weights). See DESIGN.md, "Losses on trees".
+
+Shapes: G branches (completions) of a group, T padded completion length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NORMALISATIONS = ("sequence_mean", "token_mean", "constant")
+
+
+def group_advantages(rewards_g: jax.Array, *, eps: float = 1e-6, ddof: int = 1) -> jax.Array:
+  """GRPO group-normalised advantages A_i = (r_i - mean(r)) / (std(r) + eps).
+
+  DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), section 4.1.2 ("outcome supervision").
+
+  Args:
+    rewards_g: [..., G] rewards of one group (or a batch of groups on leading axes).
+    eps: added to the std so that a group of equal rewards gives A = 0, not NaN.
+    ddof: 1 for the unbiased std (as `torch.std`, used by TRL), 0 for the population std.
+
+  Returns:
+    [..., G] advantages, float32 (or float64 for float64 input).
+
+  Raises:
+    ValueError: if G <= ddof (the std is undefined).
+  """
+  rewards_g = jnp.asarray(rewards_g)
+  if not jnp.issubdtype(rewards_g.dtype, jnp.floating):
+    rewards_g = rewards_g.astype(jnp.float32)
+  g = rewards_g.shape[-1]
+  if g <= ddof:
+    raise ValueError(f"group_advantages: a group of G={g} rewards has no std with ddof={ddof}; GRPO needs G >= 2")
+  mean = rewards_g.mean(axis=-1, keepdims=True)
+  std = rewards_g.std(axis=-1, keepdims=True, ddof=ddof)
+  return (rewards_g - mean) / (std + eps)
+
+
+def token_weights(lengths_g, num_tokens: int, *, mode: str, max_length: int | None = None) -> np.ndarray:
+  """Per-token loss weights w[g, t] that implement one loss normalisation (0 on padding).
+
+  The group loss is Σ_g Σ_t w[g, t] ℓ[g, t]. Modes:
+    sequence_mean: w = 1 / (G |o_g|)     -- mean over each completion, then over the group
+                   (GRPO, arXiv 2402.03300 eq. 3).
+    token_mean:    w = 1 / Σ_g |o_g|     -- mean over all tokens of the group
+                   (DAPO, arXiv 2503.14476 eq. 8).
+    constant:      w = 1 / (G L_max)     -- a constant that does not depend on lengths
+                   (Dr. GRPO, arXiv 2503.20783 section 3.1); L_max = max_length or T.
+
+  Args:
+    lengths_g: [G] ints, completion lengths |o_g| in tokens, each in [0, num_tokens].
+    num_tokens: T, the padded completion length.
+    mode: one of NORMALISATIONS.
+    max_length: L_max for mode="constant" (default: num_tokens).
+
+  Returns:
+    [G, T] float64 numpy weights (host constants; cast where used).
+
+  Raises:
+    ValueError: unknown mode, a length outside [0, T], or an all-empty group.
+  """
+  lengths = np.asarray(lengths_g, dtype=np.int64)
+  if mode not in NORMALISATIONS:
+    raise ValueError(f"token_weights: mode={mode!r} is not one of {NORMALISATIONS}")
+  if lengths.ndim != 1 or np.any(lengths < 0) or np.any(lengths > num_tokens):
+    raise ValueError(f"token_weights: lengths {lengths.tolist()} must be a 1-D array in [0, {num_tokens}]")
+  if lengths.sum() == 0:
+    raise ValueError("token_weights: every completion in the group is empty")
+  g = lengths.shape[0]
+  mask = np.arange(num_tokens)[None, :] < lengths[:, None]
+  if mode == "sequence_mean":
+    per = np.where(lengths > 0, 1.0 / (g * np.maximum(lengths, 1)), 0.0)[:, None]
+  elif mode == "token_mean":
+    per = np.full((g, 1), 1.0 / lengths.sum())
+  else:
+    per = np.full((g, 1), 1.0 / (g * (max_length or num_tokens)))
+  return np.where(mask, per, 0.0)
+
+
+def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+  """Per-token KL(π || π_ref) estimator k3 = exp(q - p) - (q - p) - 1, with p = logp, q = ref_logp.
+
+  Unbiased and non-negative; J. Schulman, "Approximating KL Divergence" (2020), the "k3" estimator;
+  used by GRPO (arXiv 2402.03300 eq. 4).
+  """
+  d = ref_logp - logp
+  return jnp.exp(d) - d - 1.0
+
+
+def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, advantages: jax.Array, *,
+                    clip_eps: float = 0.2, kl_coef: float = 0.0) -> tuple[jax.Array, dict]:
+  """Per-token GRPO loss ℓ_t = -min(r_t A, clip(r_t, 1-ε, 1+ε) A) + β k3_t, r_t = exp(logp - old_logp).
+
+  PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347 eq. 7) with the GRPO KL term
+  (arXiv 2402.03300 eq. 3). Token-local: exact under replay for any tree.
+
+  Args:
+    logp, old_logp, ref_logp: [..., T] float log-probs of the sampled tokens under the current,
+      sampling and reference policies (old/ref are constants).
+    advantages: broadcastable to logp, e.g. [..., 1].
+    clip_eps: ε.
+    kl_coef: β (0 disables the KL term; ref_logp is then unused).
+
+  Returns:
+    loss [..., T] and a dict of per-token metrics {"clipped": bool [..., T], "kl": [..., T]}.
+  """
+  old_logp = jax.lax.stop_gradient(old_logp)
+  ref_logp = jax.lax.stop_gradient(ref_logp)
+  ratio = jnp.exp(logp - old_logp)
+  unclipped = ratio * advantages
+  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+  kl = k3_kl(logp, ref_logp)
+  loss = -jnp.minimum(unclipped, clipped) + kl_coef * kl
+  return loss, {"clipped": clipped < unclipped, "kl": kl}
+
+
+def weighted_logprob_loss(logp: jax.Array, weights: jax.Array) -> jax.Array:
+  """-Σ_t w_t logp_t: the policy-gradient / SFT objective with per-token weights (e.g. w = A/|o|)."""
+  return -jnp.sum(weights * logp)

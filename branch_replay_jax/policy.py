@@ -1,0 +1,145 @@
+"""A Llama policy's log-probs and objective gradients on a rollout group: replay and naive.
+
+Both paths compute the same function of the parameters,
+
+    loss(θ) = Σ_g objective(logp_g(θ), branch_g),   logp_g[i] = log π_θ(o_g,i | prompt, o_g,<i),
+
+where `objective(logp [T], branch) -> (scalar, aux)` is token-local with padding weighted 0
+(see objectives.py), and `branch` holds that completion's arrays: "tokens" [T], "mask" [T] and
+whatever the objective reads ("weights", "advantage", "old_logp", "ref_logp", ...).
+
+- replay: the prompt runs once (`replay_vjp`); each completion runs on top of its K/V at
+  positions P..P+T-1; completion token 0 is scored from the prompt's last hidden state.
+- naive: each completion is appended to a copy of the prompt and the batch of G full sequences
+  runs forward and backward (the "[B] -> [B*G]" of today's pipelines), scoring only completion
+  positions (the strongest naive: no [P, V] logits), in micro-batches of sequences.
+
+The model enters through `nnx.split`: `graphdef, params = nnx.split(model)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.replay import replay_map, replay_vjp
+from branch_replay_jax.tree import RolloutGroup
+
+Objective = Callable[[jax.Array, dict], tuple[jax.Array, Any]]
+
+
+def group_arrays(group: RolloutGroup, **extras) -> dict:
+  """The group as a dict of device arrays: prompt, completions and per-branch extras [G, ...]."""
+  g = group.num_completions
+  for name, value in extras.items():
+    if np.shape(value)[:1] != (g,):
+      raise ValueError(f"group_arrays: extra {name!r} has shape {np.shape(value)}; needs a leading axis G={g}")
+  return {
+      "prompt_ids": jnp.asarray(group.prompt_ids),
+      "prompt_len": jnp.asarray(group.prompt_len, jnp.int32),
+      "branches": {"tokens": jnp.asarray(group.completion_ids), "mask": jnp.asarray(group.completion_mask),
+                   **{k: jnp.asarray(v) for k, v in extras.items()}},
+  }
+
+
+def _prefix_fn(graphdef, arrays):
+  def prefix_fn(params):
+    model = nnx.merge(graphdef, params)
+    p_pad = arrays["prompt_ids"].shape[0]
+    valid = jnp.arange(p_pad) < arrays["prompt_len"]
+    out = model(arrays["prompt_ids"][None], 0, valid_bt=valid[None])
+    last_hidden = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], arrays["prompt_len"] - 1, keepdims=False)
+    return out.kv, last_hidden
+  return prefix_fn
+
+
+def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk):
+  kv, last_hidden = prefix_out
+  model = nnx.merge(graphdef, params)
+  out = model(branch["tokens"][None], prompt_len, ancestors=[kv], valid_bt=branch["mask"][None])
+  hidden = jnp.concatenate([last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
+  logp = token_logprobs(hidden[None], model.unembedding(), branch["tokens"][None], chunk=chunk)[0]
+  return jnp.where(branch["mask"], logp, 0.0)
+
+
+def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
+                          logprob_chunk: int = 256):
+  """(loss, aux [G, ...], grads) of Σ_g objective by branch replay. See the module docstring."""
+  def branch_fn(p, prefix_out, branch):
+    logp = _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
+    return objective(logp, branch)
+  return replay_vjp(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch)
+
+
+def replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
+  """[G, T] float32 log-probs of every completion token (0 on padding), forward-only replay."""
+  def branch_fn(p, prefix_out, branch):
+    return _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
+  return replay_map(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch)
+
+
+def _naive_batch(arrays):
+  """Full sequences [G, P_pad + T], LEFT-padded so every completion starts at the same column."""
+  prompt, p_len = arrays["prompt_ids"], arrays["prompt_len"]
+  p_pad = prompt.shape[0]
+  shift = p_pad - p_len
+  prompt_left = jnp.roll(prompt, shift)  # real tokens move to the end; pads wrap to the front
+  prompt_valid = jnp.arange(p_pad) >= shift
+  br = arrays["branches"]
+  g = br["tokens"].shape[0]
+  tokens = jnp.concatenate([jnp.broadcast_to(prompt_left, (g, p_pad)), br["tokens"]], axis=1)
+  valid = jnp.concatenate([jnp.broadcast_to(prompt_valid, (g, p_pad)), br["mask"]], axis=1)
+  return tokens, valid, -shift  # offset: the first real prompt token sits at position 0
+
+
+def _naive_logprobs(graphdef, params, tokens, valid, offset, p_pad, chunk):
+  model = nnx.merge(graphdef, params)
+  out = model(tokens, offset, valid_bt=valid)
+  t = tokens.shape[1] - p_pad
+  hidden = out.hidden_btd[:, p_pad - 1:p_pad - 1 + t]
+  logp = token_logprobs(hidden, model.unembedding(), tokens[:, p_pad:], chunk=chunk)
+  return jnp.where(valid[:, p_pad:], logp, 0.0)
+
+
+def naive_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int | None = None,
+                         logprob_chunk: int = 256):
+  """(loss, aux [G, ...], grads) of Σ_g objective with the prompt repeated per completion.
+
+  micro_batch: sequences per forward+backward (must divide G; default G, one batch); the
+  gradients of the micro-batches are summed in a `lax.scan`.
+  """
+  tokens, valid, offset = _naive_batch(arrays)
+  p_pad = arrays["prompt_ids"].shape[0]
+  g = tokens.shape[0]
+  m = g if micro_batch is None else micro_batch
+  if m < 1 or g % m:
+    raise ValueError(f"naive_value_and_grad: micro_batch={micro_batch!r} must be a positive divisor of G={g}")
+  split = lambda x: x.reshape((g // m, m) + x.shape[1:])
+  batches = jax.tree_util.tree_map(split, (tokens, valid, arrays["branches"]))
+
+  def loss_fn(p, mb):
+    tok, val, branches = mb
+    logp = _naive_logprobs(graphdef, p, tok, val, offset, p_pad, logprob_chunk)
+    losses, aux = jax.vmap(objective)(logp, branches)
+    return jnp.sum(losses), aux
+
+  def step(carry, mb):
+    loss_acc, grads_acc = carry
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+    return (loss_acc + loss, jax.tree_util.tree_map(jnp.add, grads_acc, grads)), aux
+
+  first = jax.tree_util.tree_map(lambda x: x[0], batches)
+  loss0 = jnp.zeros((), jax.eval_shape(loss_fn, params, first)[0].dtype)
+  (loss, grads), aux = jax.lax.scan(step, (loss0, jax.tree_util.tree_map(jnp.zeros_like, params)), batches)
+  return loss, jax.tree_util.tree_map(lambda x: x.reshape((g,) + x.shape[2:]), aux), grads
+
+
+def naive_logprobs(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> jax.Array:
+  """[G, T] completion log-probs from full sequences (the reference for `replay_logprobs`)."""
+  tokens, valid, offset = _naive_batch(arrays)
+  return _naive_logprobs(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)

@@ -1,0 +1,39 @@
+"""Shared helpers: a tiny random Llama, random rollout groups, and the relative-error metric."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.tree import make_group
+
+
+def tiny_model(dtype=jnp.float32, param_dtype=jnp.float32, seed=0, **config_overrides):
+  """(graphdef, params) of a 2-layer random model; params cast to param_dtype."""
+  model = Llama(tiny_config(**config_overrides), dtype=dtype, rngs=nnx.Rngs(seed))
+  graphdef, params = nnx.split(model)
+  return graphdef, jax.tree_util.tree_map(lambda x: x.astype(param_dtype), params)
+
+
+def random_group(lengths, prompt_len=11, seed=0, vocab=64, **kwargs):
+  rng = np.random.default_rng(seed)
+  prompt = rng.integers(0, vocab, prompt_len)
+  comps = [rng.integers(0, vocab, n) for n in lengths]
+  return make_group(prompt, comps, vocab_size=vocab, max_positions=256, **kwargs)
+
+
+def max_rel_err(got, want) -> float:
+  """max over leaves of max|got - want| / max|want| (a leaf with want == 0 uses absolute error)."""
+  def leaf(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.abs(b).max()
+    return np.abs(a - b).max() / (scale if scale > 0 else 1.0)
+  return max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, got, want)))
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
