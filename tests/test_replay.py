@@ -21,6 +21,10 @@ def grpo_objective(logp, br):
   return jnp.sum(br["weights"] * loss), {"logp": logp, "clipped": jnp.sum(metrics["clipped"] & br["mask"])}
 
 
+def logprob_objective(logp, br):
+  return obj.weighted_logprob_loss(logp, br["weights"]), logp
+
+
 def grpo_arrays(group, dtype, seed=1, mode="sequence_mean"):
   rng = np.random.default_rng(seed)
   g, t = group.completion_ids.shape
@@ -34,10 +38,14 @@ def grpo_arrays(group, dtype, seed=1, mode="sequence_mean"):
                       ref_logp=(-4.2 + 0.3 * rng.normal(size=(g, 64))[:, :t]).astype(dtype))
 
 
+# Module-level jits: tests that share shapes share compiles (graphdef and objective are static).
+_replay = jax.jit(replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch",))
+_naive = jax.jit(naive_value_and_grad, static_argnums=(0, 3))
+
+
 def both(graphdef, params, arrays, objective=grpo_objective, micro_batch=1):
-  replay = jax.jit(lambda p, a: replay_value_and_grad(graphdef, p, a, objective, micro_batch=micro_batch))
-  naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, objective))
-  return replay(params, arrays), naive(params, arrays)
+  return (_replay(graphdef, params, arrays, objective, micro_batch=micro_batch),
+          _naive(graphdef, params, arrays, objective))
 
 
 @pytest.mark.parametrize("g", [1, 2, 7])
@@ -109,8 +117,7 @@ def test_first_completion_token_loss_reaches_the_prompt(x64):
   first_only = np.zeros(group.completion_ids.shape)
   first_only[:, 0] = 1.0
   arrays = group_arrays(group, weights=first_only)
-  objective = lambda logp, br: (obj.weighted_logprob_loss(logp, br["weights"]), logp)
-  (_, _, gr), (_, _, gn) = both(graphdef, params, arrays, objective)
+  (_, _, gr), (_, _, gn) = both(graphdef, params, arrays, logprob_objective)
   prompt_rows = np.unique(group.prompt_ids[:group.prompt_len])
   embed_replay = np.asarray(gr["embed"][...])[prompt_rows]
   embed_naive = np.asarray(gn["embed"][...])[prompt_rows]

@@ -1,0 +1,201 @@
+"""Benchmark a GRPO gradient step on prompt groups: the strongest naive step versus branch replay.
+
+  python -m branch_replay_jax.bench --config=experiments/bench_replay.py
+
+Prints one JSON object per case (and per failed naive candidate) with: case, P, T, G,
+naive_s, replay_s, speedup, ideal_flop_ratio, token_positions_naive, token_positions_computed,
+max_rel_grad_err, naive_peak_bytes, replay_peak_bytes, memory_measure, compile seconds and the
+naive micro-batch that won.
+
+Method:
+- Both steps are jitted; each is timed `repeats` times after its compile (median reported;
+  compile seconds reported separately).
+- The naive baseline is the strongest naive: one jitted step with log-probs only at completion
+  positions, at its fastest micro-batch among the configured candidates (each candidate is
+  compiled and timed once; the winner is then timed `repeats` times in a fresh process).
+- Memory: on CPU there are no device memory stats, so each mode runs in a fresh subprocess and
+  reports its peak resident set size (`ru_maxrss`, bytes; it includes the parameters and the
+  runtime); on accelerators, `peak_bytes_in_use` from the device's memory stats.
+- max_rel_grad_err: max over parameter leaves of max|g_replay - g_naive| / max|g_naive|.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+from branch_replay_jax import objectives as obj
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.policy import group_arrays, naive_value_and_grad, replay_value_and_grad
+from branch_replay_jax.tree import group_counts, make_group
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/bench_replay.py", "Benchmark config.")
+_WORKER = flags.DEFINE_string("worker", "", "Internal: JSON job for one measurement in a fresh process.")
+
+
+def _objective(logp, br):
+  loss, _ = obj.grpo_token_loss(logp, br["old_logp"], br["ref_logp"], br["advantage"], clip_eps=0.2, kl_coef=0.04)
+  return jnp.sum(br["weights"] * loss), None
+
+
+def _load(config):
+  dtype = jnp.dtype(config.dtype)
+  if config.model == "tiny":
+    return Llama(tiny_config(vocab_size=256, max_positions=4096), dtype=dtype, rngs=nnx.Rngs(0))
+  from branch_replay_jax.models import load
+  return load(config.model, dtype=dtype)[0]
+
+
+def _case_arrays(config, case, model_config):
+  p, t, g = case
+  rng = np.random.default_rng(config.seed)
+  group = make_group(rng.integers(0, model_config.vocab_size, p), [rng.integers(0, model_config.vocab_size, t)
+                                                                    for _ in range(g)],
+                     vocab_size=model_config.vocab_size, max_positions=model_config.max_positions,
+                     prompt_bucket=p, completion_bucket=t)
+  return group, group_arrays(group,
+                             weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(np.float32),
+                             advantage=np.asarray(obj.group_advantages(jnp.asarray(rng.normal(size=g)))),
+                             old_logp=(-3.0 + 0.1 * rng.normal(size=(g, t))).astype(np.float32),
+                             ref_logp=(-3.0 + 0.1 * rng.normal(size=(g, t))).astype(np.float32))
+
+
+def _peak_bytes() -> tuple[int, str]:
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"]), "device_peak_bytes_in_use"
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
+
+
+def _worker(job: dict) -> dict:
+  """One mode of one case at one micro-batch, timed; saves (naive) or compares (replay) grads."""
+  config = ml_collections.ConfigDict(job["config"])
+  model = _load(config)
+  model_config = model.config
+  graphdef, params = nnx.split(model)
+  del model
+  _, arrays = _case_arrays(config, tuple(job["case"]), model_config)
+  fn = replay_value_and_grad if job["mode"] == "replay" else naive_value_and_grad
+  step = jax.jit(lambda p, a: fn(graphdef, p, a, _objective, micro_batch=job["micro_batch"],
+                                 logprob_chunk=config.logprob_chunk))
+  t0 = time.perf_counter()
+  compiled = step.lower(params, arrays).compile()
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(job["repeats"]):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(compiled(params, arrays))
+    times.append(time.perf_counter() - t0)
+  peak, measure = _peak_bytes()  # before any comparison array is loaded
+  leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out[2])]
+  result = {"mode": job["mode"], "micro_batch": job["micro_batch"], "seconds": statistics.median(times),
+            "times": times, "compile_s": compile_s, "peak_bytes": peak, "memory_measure": measure,
+            "loss": float(out[0])}
+  if job.get("save_grads"):
+    np.savez(job["save_grads"], *leaves)
+  if job.get("compare_grads"):
+    with np.load(job["compare_grads"]) as ref:
+      want = [ref[f"arr_{i}"] for i in range(len(leaves))]
+    result["max_rel_grad_err"] = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                                     for a, b in zip(leaves, want))
+  return result
+
+
+def _run_worker(job: dict) -> dict:
+  cmd = [sys.executable, "-m", "branch_replay_jax.bench", f"--worker={json.dumps(job)}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  for line in proc.stdout.splitlines():
+    if line.startswith("BENCH_RESULT "):
+      return json.loads(line[len("BENCH_RESULT "):])
+  status = "killed by the OS (out of memory?)" if proc.returncode < 0 else f"exit code {proc.returncode}"
+  return {"error": status, "stderr_tail": proc.stderr[-1500:]}
+
+
+def _candidates(spec: str, g: int) -> list[int]:
+  out = []
+  for item in str(spec).split(","):
+    m = g if item.strip() == "G" else int(item)
+    if m < 1:
+      raise ValueError(f"naive_micro_batches: {item!r} is not a positive int or 'G'")
+    if g % m == 0 and m not in out:
+      out.append(m)
+  return out
+
+
+def run_case(config, index: int, emit) -> dict:
+  """Measure one (P, T, G) case; `emit` receives every JSON record (failed candidates too)."""
+  p, t, g = (int(x) for x in config.cases[index])
+  base = {"config": config.to_dict(), "case": [p, t, g]}
+  with tempfile.TemporaryDirectory() as tmp:
+    trials = {}
+    for m in _candidates(config.naive_micro_batches, g):
+      trials[m] = _run_worker({**base, "mode": "naive", "micro_batch": m, "repeats": 1})
+      if "error" in trials[m]:
+        emit({"case": index, "P": p, "T": t, "G": g, "naive_micro_batch": m, **trials[m]})
+    ok = {m: r for m, r in trials.items() if "error" not in r}
+    if not ok:
+      raise RuntimeError(f"bench: every naive micro-batch failed for case {index} {(p, t, g)}")
+    best_m = min(ok, key=lambda m: ok[m]["seconds"])
+    grads = os.path.join(tmp, "naive_grads.npz")
+    naive = _run_worker({**base, "mode": "naive", "micro_batch": best_m, "repeats": config.repeats,
+                         "save_grads": grads})
+    replay = _run_worker({**base, "mode": "replay", "micro_batch": config.replay_micro_batch,
+                          "repeats": config.repeats, "compare_grads": grads})
+  for name, r in (("naive", naive), ("replay", replay)):
+    if "error" in r:
+      raise RuntimeError(f"bench: the {name} step failed for case {(p, t, g)}: {r['error']}\n{r['stderr_tail']}")
+  model_config = _load_config(config)
+  record = {"case": index, "P": p, "T": t, "G": g, "naive_s": naive["seconds"], "replay_s": replay["seconds"],
+            "speedup": naive["seconds"] / replay["seconds"],
+            **group_counts(p, [t] * g, model_config),
+            "max_rel_grad_err": replay["max_rel_grad_err"],
+            "naive_peak_bytes": naive["peak_bytes"], "replay_peak_bytes": replay["peak_bytes"],
+            "memory_measure": replay["memory_measure"], "naive_micro_batch": best_m,
+            "replay_micro_batch": config.replay_micro_batch, "naive_compile_s": naive["compile_s"],
+            "replay_compile_s": replay["compile_s"], "naive_times": naive["times"], "replay_times": replay["times"],
+            "model": config.model, "dtype": config.dtype, "backend": jax.default_backend()}
+  record["speedup_over_ideal"] = record["speedup"] / record["ideal_flop_ratio"]
+  emit(record)
+  return record
+
+
+def _load_config(config):
+  if config.model == "tiny":
+    return tiny_config(vocab_size=256, max_positions=4096)
+  return _load(config).config
+
+
+def main(argv):
+  del argv
+  if _WORKER.value:
+    print("BENCH_RESULT " + json.dumps(_worker(json.loads(_WORKER.value))), flush=True)
+    return
+  config = _CONFIG.value
+
+  def emit(record):
+    line = json.dumps(record)
+    print(line, flush=True)
+    if config.output:
+      with open(config.output, "a") as f:
+        f.write(line + "\n")
+
+  for i in range(len(config.cases)):
+    run_case(config, i, emit)
+
+
+if __name__ == "__main__":
+  app.run(main)
