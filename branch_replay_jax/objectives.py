@@ -124,3 +124,26 @@ def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, a
 def weighted_logprob_loss(logp: jax.Array, weights: jax.Array) -> jax.Array:
   """-Σ_t w_t logp_t: the policy-gradient / SFT objective with per-token weights (e.g. w = A/|o|)."""
   return -jnp.sum(weights * logp)
+
+
+def grpo_objective(logp: jax.Array, branch: dict, *, clip_eps: float, kl_coef: float,
+                   on_policy: bool) -> tuple[jax.Array, dict]:
+  """One completion's GRPO loss Σ_t w_t ℓ_t (see `grpo_token_loss`) and its metric sums.
+
+  Args:
+    logp: [T] log-probs of the completion's tokens under the current parameters (0 on padding).
+    branch: arrays of that completion: "mask" [T] bool, "weights" [T] (`token_weights`, 0 on
+      padding), "advantage" [], "old_logp" [T] (read unless on_policy), "ref_logp" [T] (read when
+      kl_coef > 0).
+    on_policy: the sampling policy is the current one (one update per batch): old_logp is
+      stop_gradient(logp), so the ratio is exactly 1 and its gradient is ∇logp.
+
+  Returns:
+    (loss, {"clipped": clipped token count, "kl": Σ_t k3 over real tokens}).
+  """
+  old = jax.lax.stop_gradient(logp) if on_policy else branch["old_logp"]
+  ref = branch["ref_logp"] if kl_coef else jax.lax.stop_gradient(logp)
+  loss, metrics = grpo_token_loss(logp, old, ref, branch["advantage"], clip_eps=clip_eps, kl_coef=kl_coef)
+  mask = branch["mask"]
+  return jnp.sum(branch["weights"] * loss), {"clipped": jnp.sum(metrics["clipped"] & mask),
+                                             "kl": jnp.sum(jnp.where(mask, metrics["kl"], 0.0))}

@@ -1,0 +1,64 @@
+"""Checkpoints of a training run with orbax: parameters, optimizer state, step, PRNG key, data position.
+
+orbax writes each step to a temporary directory and renames it when complete, so a run killed
+mid-save leaves the previous checkpoint as the latest usable one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class RunCheckpoints:
+  """`RUN_DIR/checkpoints/<step>/` managed by `ocp.CheckpointManager`; keeps the newest `max_to_keep`."""
+
+  def __init__(self, run_dir: str, *, max_to_keep: int = 2):
+    self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state, meta: dict) -> None:
+    """state: pytree of arrays (params, opt_state, PRNG key data); meta: JSON (step, data position)."""
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)))
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_state):
+    """Restore into the structure, shapes and dtypes of `abstract_state` (e.g. `jax.eval_shape`)."""
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)),
+        meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def check_run_dir(run_dir: str, fingerprint: dict) -> None:
+  """Record the experiment's identity in RUN_DIR/experiment.json; refuse a run dir of another one.
+
+  Raises:
+    ValueError: RUN_DIR holds checkpoints of an experiment whose fingerprint differs (naming the
+      differing fields).
+  """
+  os.makedirs(run_dir, exist_ok=True)
+  path = os.path.join(run_dir, "experiment.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+    has_checkpoints = os.path.isdir(os.path.join(run_dir, "checkpoints")) and os.listdir(
+        os.path.join(run_dir, "checkpoints"))
+    if diff and has_checkpoints:
+      raise ValueError(f"run_dir={run_dir!r} holds checkpoints of a different experiment (fields {diff} differ: "
+                       f"{ {k: old.get(k) for k in diff} } vs { {k: fingerprint.get(k) for k in diff} }); "
+                       "choose another run_dir")
+  with open(path, "w") as f:
+    json.dump(fingerprint, f, indent=1, sort_keys=True)

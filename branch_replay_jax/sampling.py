@@ -1,0 +1,270 @@
+"""KV-cache sampler for RL rollouts: one shared prefill, G samples decoded on top of it.
+
+The prompt is run ONCE with batch 1. Its K/V block (batch 1) is an ancestor of every decode
+step, and the suffix attention broadcasts a batch-1 block, so the prompt is never tiled G times.
+Generated tokens go to a preallocated cache, k/v [L, G, N, Hkv, D]:
+
+    ancestors of decode step t (sample g, query = token t at position P + t):
+
+      prompt block, batch 1       generated cache, batch G       own
+      [ p0 p1 ... pP-1 . . . ]    [ y0 y1 ... yt-1 . . . . ]    [ yt ]
+        '.' = bucket padding        '.' = not yet written
+        (masked invalid)            (valid = positions < t)
+
+The prompt is right-padded to a bucket length (a power of two >= 16 by default) so that
+prompts of similar length reuse one compiled program; positions continue from the real
+length P, not the bucket length. The decode loop is a `jax.lax.while_loop` that exits once
+every sample has stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from branch_replay_jax.kernels import KVBlock
+from branch_replay_jax.models.llama import Llama
+
+
+class Rollouts(NamedTuple):
+  """One group of G samples for one prompt (N = max_new_tokens).
+
+  prompt_ids: [P] int32, the prompt without bucket padding.
+  tokens: [G, N] int32 generated ids; positions >= lengths[g] hold the `pad_id` passed to
+    `sample_group` (0 by default).
+  logprobs: [G, N] float32 log pi(token_t | prompt, tokens_<t) under the UNTEMPERED, untruncated
+    model distribution log_softmax(logits): the "old policy" log-probs of PPO/GRPO, whatever
+    temperature/top-p drew the token. 0.0 at positions >= lengths[g].
+  lengths: [G] int32 generated tokens, counting the EOS/stop token when one was hit.
+  finished: [G] bool, True when the sample hit an EOS/stop id (False: cut at N tokens).
+  """
+
+  prompt_ids: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  lengths: jax.Array
+  finished: jax.Array
+
+  def completion_mask(self) -> jax.Array:
+    """[G, N] bool, True on generated (non-padding) positions."""
+    return jnp.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
+
+
+def prompt_bucket_length(prompt_len: int, *, minimum: int = 16) -> int:
+  """Smallest power of two >= max(prompt_len, minimum) (tokens): the default prompt bucket."""
+  n = max(int(prompt_len), int(minimum), 1)
+  return 1 << (n - 1).bit_length()
+
+
+def init_cache(model: Llama, batch: int, length: int) -> KVBlock:
+  """An empty generated-token cache: k, v [L, batch, length, Hkv, D] zeros in the model's compute
+  dtype, valid [batch, length] all False."""
+  cfg = model.config
+  shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+  return KVBlock(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype), jnp.zeros((batch, length), bool))
+
+
+def prefill(model: Llama, prompt_bt: jax.Array, prompt_len) -> tuple[KVBlock, jax.Array]:
+  """Forward of a right-padded prompt; returns its K/V block and the next-token logits.
+
+  Args:
+    model: the decoder.
+    prompt_bt: [B, T] int token ids (B is 1 for a shared prompt), right-padded to a bucket T.
+    prompt_len: int scalar (may be traced), real length P <= T; keys at positions >= P are invalid.
+
+  Returns:
+    kv: k, v [L, B, T, Hkv, D], valid [B, T] (False on the padding).
+    logits_bv: [B, V] float32 logits at position P - 1 (they predict the first generated token).
+  """
+  b, t = prompt_bt.shape
+  valid_bt = jnp.broadcast_to(jnp.arange(t) < prompt_len, (b, t))
+  out = model(prompt_bt, 0, valid_bt=valid_bt)
+  last_b1d = jax.lax.dynamic_slice_in_dim(out.hidden_btd, prompt_len - 1, 1, axis=1)
+  return out.kv, model.logits(last_b1d)[:, 0]
+
+
+def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[KVBlock], cache: KVBlock,
+                step) -> tuple[jax.Array, KVBlock]:
+  """Runs one token per sample on top of `ancestors` and the cache; writes its K/V at `step`.
+
+  Args:
+    model: the decoder.
+    tokens_b: [B] int ids of the tokens being fed (generated token `step` of each sample).
+    offset: int scalar or [B]: their absolute position (prompt length + step).
+    ancestors: K/V blocks before the cache, k, v [L, B or 1, S, Hkv, D]; the shared prompt is
+      passed with batch 1 and broadcast by the attention, not copied.
+    cache: k, v [L, B, N, Hkv, D], valid [B, N]; entries valid before the call are attended to.
+    step: int scalar (may be traced), cache slot of this token, 0 <= step < N.
+
+  Returns:
+    logits_bv: [B, V] float32 next-token logits.
+    cache: the cache with this token's K/V at slot `step` and valid[:, step] = True.
+  """
+  out = model(tokens_b[:, None], offset, ancestors=[*ancestors, cache])
+  zero = jnp.zeros((), jnp.int32)
+  start = (zero, zero, jnp.asarray(step, jnp.int32), zero, zero)
+  k = jax.lax.dynamic_update_slice(cache.k, out.kv.k.astype(cache.k.dtype), start)
+  v = jax.lax.dynamic_update_slice(cache.v, out.kv.v.astype(cache.v.dtype), start)
+  valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((tokens_b.shape[0], 1), bool), start[1:3])
+  return model.logits(out.hidden_btd)[:, 0], KVBlock(k, v, valid)
+
+
+def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
+  """Nucleus filter: logits outside the smallest top set with probability >= top_p become -inf.
+
+  Holtzman et al. 2019 (arXiv 1904.09751), Sec. 3.1, eq. 3. The most likely token is always kept;
+  tokens tied with the smallest kept probability are kept too.
+
+  Args:
+    logits_bv: [B, V] float logits (already divided by the temperature).
+    top_p: float scalar in (0, 1].
+
+  Returns:
+    [B, V] logits of the same dtype with -inf outside the nucleus.
+  """
+  probs = jax.nn.softmax(logits_bv.astype(jnp.float32), axis=-1)
+  sorted_probs = -jnp.sort(-probs, axis=-1)
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  kept = mass_before < top_p
+  threshold = jnp.min(jnp.where(kept, sorted_probs, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(probs >= threshold, logits_bv, -jnp.inf)
+
+
+def sample_token(logits_bv: jax.Array, keys_b: jax.Array, step, *, temperature, top_p, greedy: bool) -> jax.Array:
+  """Draws one token per row: argmax if `greedy`, else softmax(logits / temperature) after top-p.
+
+  Args:
+    logits_bv: [B, V] float32 logits.
+    keys_b: [B] PRNG keys, one per sample; row b uses fold_in(keys_b[b], step).
+    step: int scalar: the index of the token being drawn, so each step gets fresh randomness.
+    temperature: float scalar > 0 (ignored when greedy).
+    top_p: float scalar in (0, 1], or None for no nucleus filter (ignored when greedy).
+    greedy: static bool.
+
+  Returns:
+    [B] int32 token ids.
+  """
+  if greedy:
+    return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+  scaled = logits_bv / temperature
+  if top_p is not None:
+    scaled = top_p_filter(scaled, top_p)
+  draw = lambda key, row: jax.random.categorical(jax.random.fold_in(key, step), row)
+  return jax.vmap(draw)(keys_b, scaled).astype(jnp.int32)
+
+
+def _picked_logprob(logits_bv, tokens_b):
+  return jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
+def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, stop_ids, pad_id, *,
+              max_new_tokens, greedy, use_top_p):
+  model = nnx.merge(graphdef, state)
+  g, n = keys_g.shape[0], max_new_tokens
+  sample = functools.partial(sample_token, keys_b=keys_g, temperature=temperature,
+                             top_p=top_p if use_top_p else None, greedy=greedy)
+  prompt_kv, logits_1v = prefill(model, prompt_1t, prompt_len)
+  logits_gv = jnp.broadcast_to(logits_1v, (g, logits_1v.shape[-1]))
+  tok = sample(logits_gv, step=0)
+  tokens = jnp.full((g, n), pad_id, jnp.int32).at[:, 0].set(tok)
+  logprobs = jnp.zeros((g, n), jnp.float32).at[:, 0].set(_picked_logprob(logits_gv, tok))
+  done = jnp.isin(tok, stop_ids)
+  carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n), tokens, logprobs)
+
+  def cond(c):
+    t, _, done, *_ = c
+    return (t < n - 1) & ~jnp.all(done)
+
+  def body(c):
+    t, tok, done, lengths, cache, tokens, logprobs = c
+    logits, cache = decode_step(model, tok, prompt_len + t, [prompt_kv], cache, t)
+    new = sample(logits, step=t + 1)
+    lp = _picked_logprob(logits, new)
+    new, lp = jnp.where(done, pad_id, new), jnp.where(done, 0.0, lp)
+    tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, t + 1))
+    logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], (0, t + 1))
+    lengths = lengths + (~done).astype(jnp.int32)
+    return t + 1, new, done | jnp.isin(new, stop_ids), lengths, cache, tokens, logprobs
+
+  _, _, done, lengths, _, tokens, logprobs = jax.lax.while_loop(cond, body, carry)
+  return tokens, logprobs, lengths, done
+
+
+def _check_ids(name, ids, vocab):
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+    raise ValueError(f"sample_group: {name} must lie in [0, {vocab}), got {ids.tolist()}")
+
+
+def _validate(cfg, prompt, stops, *, num_samples, max_new_tokens, temperature, top_p, pad_id):
+  if num_samples < 1:
+    raise ValueError(f"sample_group: num_samples must be >= 1, got {num_samples}")
+  if max_new_tokens < 1:
+    raise ValueError(f"sample_group: max_new_tokens must be >= 1, got {max_new_tokens}")
+  if not temperature >= 0:
+    raise ValueError(f"sample_group: temperature must be >= 0, got {temperature}")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"sample_group: top_p must be in (0, 1], got {top_p}")
+  if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+    raise ValueError(f"sample_group: prompt_ids must be a non-empty 1-D int sequence, got shape {prompt.shape} "
+                     f"dtype {prompt.dtype}")
+  _check_ids("prompt_ids", prompt, cfg.vocab_size)
+  _check_ids("eos_ids/stop_ids", stops, cfg.vocab_size)
+  _check_ids("pad_id", np.asarray([pad_id]), cfg.vocab_size)
+  if prompt.size + max_new_tokens > cfg.max_positions:
+    raise ValueError(f"sample_group: prompt length {prompt.size} + max_new_tokens {max_new_tokens} exceeds "
+                     f"model.config.max_positions={cfg.max_positions}")
+
+
+def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: int, key: jax.Array,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, eos_ids: Sequence[int] = (),
+                 stop_ids: Sequence[int] = (), pad_id: int = 0, prompt_bucket: int | None = None) -> Rollouts:
+  """Samples G = num_samples completions of one prompt with one shared prefill and a KV cache.
+
+  Compiles once per (prompt bucket, G, N, greedy, top_p < 1, model structure); temperature,
+  top_p's value, up to 8 stop ids, the key and the prompt within its bucket do not recompile.
+
+  Args:
+    model: the decoder (any compute dtype).
+    prompt_ids: [P] int token ids, 1 <= P.
+    num_samples: G >= 1.
+    max_new_tokens: N >= 1, tokens generated per sample at most; P + N <= model.config.max_positions.
+    key: PRNG key; sample g draws token t with fold_in(split(key, G)[g], t): reproducible for a key.
+    temperature: >= 0; 0 means greedy (argmax).
+    top_p: nucleus mass in (0, 1]; 1 disables the filter. Applied after the temperature.
+    greedy: argmax decoding (every sample then equals the others).
+    eos_ids, stop_ids: ids that end a sample (kept as its last token); both act the same.
+    pad_id: id written after a sample's end, in [0, V).
+    prompt_bucket: padded prompt length (>= P); default `prompt_bucket_length(P)`.
+
+  Returns:
+    Rollouts (see its docstring for shapes and the padding/log-prob conventions).
+
+  Raises:
+    ValueError: num_samples < 1, max_new_tokens < 1, temperature < 0, top_p outside (0, 1], empty
+      or non-1-D prompt, any id outside [0, V), P + max_new_tokens > max_positions, prompt_bucket < P.
+  """
+  prompt = np.asarray(prompt_ids)
+  stops = np.asarray([*eos_ids, *stop_ids], np.int64).reshape(-1)
+  _validate(model.config, prompt, stops, num_samples=num_samples, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, pad_id=pad_id)
+  p = prompt.size
+  bucket = prompt_bucket_length(p) if prompt_bucket is None else prompt_bucket
+  if bucket < p:
+    raise ValueError(f"sample_group: prompt_bucket={bucket} is shorter than the prompt ({p} tokens)")
+  padded = np.zeros((1, bucket), np.int32)
+  padded[0, :p] = prompt
+  # -1 never matches a token; padding the stop list to a multiple of 8 keeps its shape (and the compile) stable.
+  stops = np.pad(stops, (0, max(8, -(-stops.size // 8) * 8) - stops.size), constant_values=-1)
+  graphdef, state = nnx.split(model)
+  greedy = greedy or temperature == 0
+  tokens, logprobs, lengths, finished = _generate(
+      graphdef, state, jnp.asarray(padded), jnp.int32(p), jax.random.split(key, num_samples),
+      jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.asarray(stops, jnp.int32),
+      jnp.int32(pad_id), max_new_tokens=max_new_tokens, greedy=greedy, use_top_p=top_p < 1 and not greedy)
+  return Rollouts(jnp.asarray(prompt, jnp.int32), tokens, logprobs, lengths, finished)

