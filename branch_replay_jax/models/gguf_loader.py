@@ -1,0 +1,231 @@
+"""Read a llama.cpp GGUF file: architecture, dequantised tensors and tokenizer, without torch.
+
+The file is parsed once (`gguf.GGUFReader`, ~2 s for SmolLM2-135M, mostly the 49k-entry
+vocabulary) and serves both the weights and the tokenizer.
+
+Tensors are dequantised with the `gguf` package's reference `gguf.quants.dequantize` (Q4_0,
+Q4_1, Q8_0, K-quants, F16, BF16, F32, ...), the same numbers llama.cpp computes, and returned
+as float32 numpy arrays in numpy order [out, in] (GGUF lists dimensions the other way round).
+
+llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) reorders the rows of
+the Q and K projections of arch "llama" for its interleaved RoPE:
+
+    w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+with n_head = query heads for Q and KV heads for K. `unpermute_rows` undoes it to the HF
+"rotate half" layout our model uses. Qwen2/Qwen3 files are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import gguf
+import numpy as np
+from tokenizers import Tokenizer
+
+from branch_replay_jax.models.config import ModelConfig
+
+# GGUF names: the same for every supported architecture; which optional ones must be present
+# follows from the config (qkv_bias, qk_norm, tie_embeddings).
+GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+LAYER_PREFIX = "blk.{}."
+LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm",
+    "ffn_norm.weight": "mlp_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_output.weight": "o",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+}
+# Whether llama.cpp's converter permuted the Q/K rows of this architecture.
+QK_PERMUTED = {"llama": True, "qwen2": False, "qwen3": False}
+
+
+@dataclasses.dataclass
+class GGUFContents:
+  """Everything `load` needs from one GGUF file.
+
+  config: the architecture from the metadata.
+  tensors: GGUF tensor name -> float32 array in numpy order [out, in] (1-D for norms, biases),
+    still in llama.cpp's Q/K row order.
+  metadata: the `tokenizer.*` metadata fields, decoded to Python values.
+  """
+
+  config: ModelConfig
+  tensors: dict[str, np.ndarray]
+  metadata: dict
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+  """llama.cpp's Q/K row permutation (for tests and for writing GGUF files): HF -> GGUF order."""
+  rows = w.shape[0]
+  return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: np.ndarray, n_head: int, name: str = "tensor") -> np.ndarray:
+  """Inverse of `permute_rows`: GGUF row order -> HF rotate-half order.
+
+  Args:
+    w: [n_head * head_dim, ...] rows of a Q (n_head = query heads) or K (n_head = KV heads,
+      see transformers #31766) projection or bias.
+    n_head: the head count the rows were permuted with.
+    name: used in the error message.
+
+  Raises:
+    ValueError: the rows do not split into n_head heads of even size.
+  """
+  rows = w.shape[0]
+  if rows % (2 * n_head):
+    raise ValueError(f"{name}: {rows} rows do not split into {n_head} heads of even size for RoPE un-permutation")
+  return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize(tensor) -> np.ndarray:
+  """One `gguf.ReaderTensor` -> float32 array in numpy order (the GGUF dims reversed)."""
+  shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+  values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+  if values.size != int(np.prod(shape)):
+    raise ValueError(f"GGUF tensor {tensor.name}: {tensor.tensor_type.name} data dequantises to {values.shape}, "
+                     f"not the declared shape {shape}")
+  return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: str, default=None, required: bool = True):
+  field = reader.fields.get(key)
+  if field is None:
+    if required and default is None:
+      raise ValueError(f"{path}: GGUF metadata key {key!r} is missing")
+    return default
+  return field.contents()
+
+
+def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
+  """The `ModelConfig` the metadata describes.
+
+  Raises:
+    ValueError: an architecture other than llama/qwen2/qwen3, RoPE scaling (not supported from
+      GGUF metadata), a missing key, or a vocabulary size that disagrees with the token list.
+  """
+  arch = _field(reader, "general.architecture", path)
+  if arch not in QK_PERMUTED:
+    raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; expected one of {sorted(QK_PERMUTED)}")
+  scaling = _field(reader, f"{arch}.rope.scaling.type", path, required=False)
+  if scaling not in (None, "none"):
+    raise ValueError(f"{path}: GGUF RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported")
+  d = int(_field(reader, f"{arch}.embedding_length", path))
+  heads = int(_field(reader, f"{arch}.attention.head_count", path))
+  kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", path, default=heads))
+  head_dim = int(_field(reader, f"{arch}.attention.key_length", path, default=d // heads))
+  value_dim = int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim))
+  if value_dim != head_dim:
+    raise ValueError(f"{path}: key_length {head_dim} != value_length {value_dim} is not supported")
+  vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+  if vocab is None:
+    raise ValueError(f"{path}: GGUF metadata key 'tokenizer.ggml.tokens' is missing")
+  declared_vocab = _field(reader, f"{arch}.vocab_size", path, required=False)
+  if declared_vocab is not None and int(declared_vocab) != vocab:
+    raise ValueError(f"{path}: {arch}.vocab_size={declared_vocab} but tokenizer.ggml.tokens has {vocab} entries")
+  names = {t.name for t in reader.tensors}
+  return ModelConfig(
+      arch=arch,
+      vocab_size=vocab,
+      num_layers=int(_field(reader, f"{arch}.block_count", path)),
+      d_model=d,
+      num_heads=heads,
+      num_kv_heads=kv_heads,
+      head_dim=head_dim,
+      ffn_dim=int(_field(reader, f"{arch}.feed_forward_length", path)),
+      rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, default=10000.0)),
+      norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+      tie_embeddings="output.weight" not in names,
+      qkv_bias=arch == "qwen2",
+      qk_norm=arch == "qwen3",
+      max_positions=int(_field(reader, f"{arch}.context_length", path)),
+  )
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFContents:
+  """Parse a GGUF file once: config, dequantised tensors, tokenizer metadata.
+
+  Raises:
+    ValueError: see `read_config`; a tensor whose data does not match its declared shape.
+  """
+  path = os.fspath(path)
+  reader = gguf.GGUFReader(path)
+  config = read_config(reader, path)
+  tensors = {}
+  for tensor in reader.tensors:
+    if tensor.name in tensors:
+      raise ValueError(f"{path}: tensor {tensor.name!r} appears twice")
+    tensors[tensor.name] = dequantize(tensor)
+  metadata = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("tokenizer.")}
+  return GGUFContents(config=config, tensors=tensors, metadata=metadata)
+
+
+def _drop_tokens_beyond(backend, vocab_size: int):
+  """Remove added tokens with id >= vocab_size from a `tokenizers.Tokenizer`.
+
+  transformers' byte-level builder (`GPT2Tokenizer`) defaults its special tokens to
+  "<|endoftext|>" and appends it when the vocabulary lacks it (Llama 3 GGUFs, which say
+  "<|end_of_text|>"): an id the embedding does not have, emitted whenever a text contains it.
+  """
+  spec = json.loads(backend.to_str())
+  kept = [t for t in spec["added_tokens"] if t["id"] < vocab_size]
+  if len(kept) == len(spec["added_tokens"]):
+    return backend
+  spec["added_tokens"] = kept
+  return Tokenizer.from_str(json.dumps(spec))
+
+
+def build_tokenizer(arch: str, metadata: dict, path: str):
+  """A `PreTrainedTokenizerFast` from the `tokenizer.*` metadata, without torch.
+
+  Uses transformers' own GGUF tokenizer mapping (`gguf_tokenizer_mapping`), the code behind
+  `AutoTokenizer.from_pretrained(..., gguf_file=...)`, fed from our already-parsed metadata.
+  `tokenizer.ggml.add_bos_token` decides whether encoding adds BOS (sentencepiece vocabularies
+  without the flag add it, as llama.cpp does). The file's token list is the whole vocabulary:
+  tokens the builder invents beyond it are dropped (see `_drop_tokens_beyond`).
+
+  Raises:
+    ValueError: the metadata describes a tokenizer type transformers cannot build.
+  """
+  from transformers import PreTrainedTokenizerFast
+  from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+  tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+                    if f"tokenizer.{key}" in metadata}
+  if "tokens" not in tokenizer_dict:
+    raise ValueError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens")
+  try:
+    backend, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
+  except ValueError as e:
+    raise ValueError(f"{path}: cannot build the tokenizer: {e}") from e
+  tokens = tokenizer_dict["tokens"]
+  backend = _drop_tokens_beyond(backend, len(tokens))
+
+  def special(key):
+    token_id = metadata.get(f"tokenizer.ggml.{key}")
+    return None if token_id is None else tokens[int(token_id)]
+
+  add_bos = metadata.get("tokenizer.ggml.add_bos_token", tokenizer_dict.get("tokenizer_type") == "llama")
+  return PreTrainedTokenizerFast(
+      tokenizer_object=backend,
+      chat_template=metadata.get("tokenizer.chat_template"),
+      bos_token=special("bos_token_id"),
+      eos_token=special("eos_token_id"),
+      pad_token=special("padding_token_id"),
+      unk_token=special("unknown_token_id"),
+      add_bos_token=bool(add_bos),
+      add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+  )

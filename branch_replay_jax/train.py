@@ -1,0 +1,238 @@
+"""The GRPO loop (orchestration only): sample, score, advantages, reference log-probs, gradient, AdamW.
+
+One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
+  1. chat-format the problem and sample G completions sharing one prefill (sampling.py);
+  2. score them with the task's verifier (tasks/);
+  3. group-normalised advantages (objectives.group_advantages);
+  4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
+  5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
+     over the step's groups, clipped by global norm and applied with optax AdamW.
+Everything a run writes goes to RUN_DIR: metrics.jsonl, samples.jsonl, reward.png,
+throughput.png, experiment.json and checkpoints/ (orbax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from branch_replay_jax import objectives as obj
+from branch_replay_jax import plots
+from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.policy import (group_arrays, naive_logprobs, naive_value_and_grad, replay_logprobs,
+                                      replay_value_and_grad)
+from branch_replay_jax.sampling import sample_group
+from branch_replay_jax.tasks import format_messages, make_task
+from branch_replay_jax.tree import bucket_length, group_counts, group_from_padded
+
+GRADIENTS = ("replay", "naive")
+SCHEDULES = ("constant", "cosine")
+
+
+def validate(config) -> None:
+  """Raise ValueError (naming the field and value) for settings that cannot run, before any compute."""
+  r, t, l = config.rollout, config.train, config.loss
+  if r.group_size < 2:
+    raise ValueError(f"rollout.group_size={r.group_size}: GRPO's group-normalised advantage needs G >= 2")
+  for name, value in [("rollout.prompts_per_step", r.prompts_per_step), ("rollout.max_new_tokens", r.max_new_tokens),
+                      ("train.steps", t.steps), ("train.micro_batch", t.micro_batch),
+                      ("train.inner_epochs", t.inner_epochs), ("checkpoint_every", config.checkpoint_every)]:
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int")
+  if r.group_size % t.micro_batch:
+    raise ValueError(f"train.micro_batch={t.micro_batch} must divide rollout.group_size={r.group_size}")
+  if t.gradient not in GRADIENTS:
+    raise ValueError(f"train.gradient={t.gradient!r} is not one of {GRADIENTS}")
+  if t.lr_schedule not in SCHEDULES:
+    raise ValueError(f"train.lr_schedule={t.lr_schedule!r} is not one of {SCHEDULES}")
+  if l.normalisation not in obj.NORMALISATIONS:
+    raise ValueError(f"loss.normalisation={l.normalisation!r} is not one of {obj.NORMALISATIONS}")
+  if not 0 < l.clip_eps < 1 or l.kl_coef < 0:
+    raise ValueError(f"loss.clip_eps={l.clip_eps} must lie in (0, 1) and loss.kl_coef={l.kl_coef} be >= 0")
+
+
+def build_model(config):
+  """(model, tokenizer). "tiny" is a random 2-layer model over SmolLM2's real tokenizer."""
+  from branch_replay_jax.models.loading import load, load_tokenizer
+  dtype = jnp.dtype(config.model.dtype)
+  if config.model.name == "tiny":
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    cfg = tiny_config(vocab_size=len(tokenizer), max_positions=2048)
+    return Llama(cfg, dtype=dtype, remat=config.model.remat, rngs=nnx.Rngs(config.seed)), tokenizer
+  return load(config.model.name, dtype=dtype, remat=config.model.remat)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  t = config.train
+  if t.lr_schedule == "cosine":
+    lr = optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), max(t.steps, 2),
+                                            end_value=0.1 * t.learning_rate)
+  else:
+    lr = optax.join_schedules([optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps),
+                               optax.constant_schedule(t.learning_rate)], [t.warmup_steps])
+  return optax.chain(optax.clip_by_global_norm(t.max_grad_norm), optax.adamw(lr, weight_decay=t.weight_decay))
+
+
+def fingerprint(config) -> dict:
+  """Fields that define an experiment: a run dir's checkpoints must belong to the same ones."""
+  return {"model": config.model.name, "task": config.task.name, "task_seed": config.task.seed,
+          "group_size": config.rollout.group_size, "prompts_per_step": config.rollout.prompts_per_step,
+          "seed": config.seed}
+
+
+@dataclasses.dataclass
+class Group:
+  """One prompt's rollouts after scoring: host arrays for the update, texts for the logs."""
+  arrays: dict
+  rewards: np.ndarray
+  correct: np.ndarray
+  counts: dict
+  sample: dict
+  sample_s: float
+  score_s: float
+
+
+def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
+  problem = task[data_pos % len(task)]
+  from branch_replay_jax.models.loading import encode_chat
+  ids = encode_chat(tokenizer, format_messages(problem))
+  r, cfg = config.rollout, model.config
+  if len(ids) + r.max_new_tokens > cfg.max_positions:
+    raise ValueError(f"task item {data_pos}: prompt of {len(ids)} tokens + rollout.max_new_tokens={r.max_new_tokens} "
+                     f"exceeds the model's max_positions={cfg.max_positions}")
+  t0 = time.perf_counter()
+  ro = sample_group(model, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
+                    temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id],
+                    pad_id=tokenizer.pad_token_id or 0)
+  tokens, lengths = np.asarray(ro.tokens), np.asarray(ro.lengths)
+  t1 = time.perf_counter()
+  texts = tokenizer.batch_decode([row[:n] for row, n in zip(tokens, lengths)], skip_special_tokens=True)
+  scores = [task.score(text, problem) for text in texts]
+  rewards = np.array([s.reward for s in scores], np.float32)
+  t2 = time.perf_counter()
+  group = group_from_padded(ids, tokens, lengths, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
+                            pad_id=tokenizer.pad_token_id or 0,
+                            completion_bucket=bucket_length(r.max_new_tokens, minimum=8))
+  t = group.completion_ids.shape[1]
+  advantages = np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=config.loss.advantage_eps))
+  weights = obj.token_weights(group.lengths, t, mode=config.loss.normalisation, max_length=r.max_new_tokens)
+  old = np.zeros((r.group_size, t), np.float32)
+  old[:, :tokens.shape[1]] = np.asarray(ro.logprobs)
+  arrays = group_arrays(group, weights=weights.astype(np.float32), advantage=advantages.astype(np.float32),
+                        old_logp=old, ref_logp=np.zeros_like(old))
+  sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer, "completion": texts[0],
+            "reward": float(rewards[0])}
+  return Group(arrays, rewards, np.array([s.correct for s in scores]),
+               group_counts(group.prompt_len, group.lengths, cfg), sample, t1 - t0, t2 - t1)
+
+
+class StepFunctions:
+  """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape)."""
+
+  def __init__(self, config, graphdef, optimizer):
+    t, l = config.train, config.loss
+    naive = t.gradient == "naive"
+    self.objective = functools.partial(obj.grpo_objective, clip_eps=l.clip_eps, kl_coef=l.kl_coef,
+                                       on_policy=t.inner_epochs == 1)
+    grad_fn = naive_value_and_grad if naive else replay_value_and_grad
+    lp_fn = naive_logprobs if naive else functools.partial(replay_logprobs, micro_batch=t.micro_batch)
+    self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective, micro_batch=t.micro_batch))
+    self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a))
+
+    def update(params, opt_state, grads):
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    self.update = jax.jit(update, donate_argnums=(0, 1))
+
+
+def update_on_batch(config, fns: StepFunctions, params, ref_params, opt_state, groups: list[Group]):
+  """Reference (and old) log-probs, then inner_epochs updates on the step's groups."""
+  for g in groups:
+    if config.loss.kl_coef:
+      g.arrays["branches"]["ref_logp"] = fns.logprobs(ref_params, g.arrays)
+    if config.train.inner_epochs > 1:
+      g.arrays["branches"]["old_logp"] = fns.logprobs(params, g.arrays)
+  for _ in range(config.train.inner_epochs):
+    total, loss, aux = None, 0.0, []
+    for g in groups:
+      group_loss, group_aux, grads = fns.grad(params, g.arrays)
+      total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
+      loss, aux = loss + float(group_loss), aux + [group_aux]
+    mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
+    params, opt_state, grad_norm = fns.update(params, opt_state, mean)
+  tokens = sum(float(np.sum(g.arrays["branches"]["mask"])) for g in groups)
+  stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm),
+           "kl": sum(float(np.sum(a["kl"])) for a in aux) / tokens,
+           "clip_frac": sum(float(np.sum(a["clipped"])) for a in aux) / tokens}
+  return params, opt_state, stats
+
+
+def train(config) -> list[dict]:
+  """Run the experiment in `config` (see experiments/grpo_smollm2_arith.py); returns the metrics of this run."""
+  validate(config)
+  task = make_task(config.task.name, seed=config.task.seed, size=config.task.size,
+                   format_bonus=config.task.format_bonus, **config.task.options.to_dict())
+  check_run_dir(config.run_dir, fingerprint(config))
+  model, tokenizer = build_model(config)
+  graphdef, params = nnx.split(model)
+  ref_params = jax.tree_util.tree_map(jnp.copy, params)
+  optimizer = make_optimizer(config)
+  opt_state = optimizer.init(params)
+  key = jax.random.key(config.seed)
+  ckpt = RunCheckpoints(config.run_dir)
+  start, data_pos = 0, 0
+  if config.resume and ckpt.latest_step() is not None:
+    abstract = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+    state, meta = ckpt.restore(ckpt.latest_step(), abstract)
+    params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
+    start, data_pos = meta["step"], meta["data_pos"]
+  metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
+  plots.truncate_jsonl(metrics_path, keep_below_step=start)   # drop steps logged after the last checkpoint
+  fns = StepFunctions(config, graphdef, optimizer)
+  history = []
+  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps, desc="grpo", unit="step")
+  for step in bar:
+    t0 = time.perf_counter()
+    groups = []
+    policy = nnx.merge(graphdef, params)
+    for i in range(config.rollout.prompts_per_step):
+      groups.append(rollout(config, policy, tokenizer, task, data_pos, jax.random.fold_in(jax.random.fold_in(key, step), i)))
+      data_pos += 1
+    t1 = time.perf_counter()
+    params, opt_state, stats = update_on_batch(config, fns, params, ref_params, opt_state, groups)
+    t2 = time.perf_counter()
+    record = step_record(step, groups, stats, rollout_s=t1 - t0, update_s=t2 - t1)
+    history.append(record)
+    plots.append_jsonl(metrics_path, record)
+    plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **groups[0].sample})
+    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.1f}")
+    if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.train.steps:
+      ckpt.save(step + 1, {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)},
+                {"step": step + 1, "data_pos": data_pos})
+  ckpt.close()
+  plots.write_plots(config.run_dir)
+  return history
+
+
+def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float) -> dict:
+  rewards = np.concatenate([g.rewards for g in groups])
+  lengths = np.concatenate([np.asarray(g.arrays["branches"]["mask"]).sum(1) for g in groups])
+  counts = {k: sum(g.counts[k] for g in groups) for k in ("token_positions_naive", "token_positions_computed")}
+  return {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+          "accuracy": float(np.concatenate([g.correct for g in groups]).mean()), **stats,
+          "completion_len_mean": float(lengths.mean()),
+          "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)), **counts,
+          "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
+          "sample_s": sum(g.sample_s for g in groups), "score_s": sum(g.score_s for g in groups),
+          "update_s": update_s, "step_s": rollout_s + update_s}

@@ -1,0 +1,71 @@
+"""GRPO with branch replay on SmolLM2-135M-Instruct and reasoning-gym's basic_arithmetic.
+
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py            # default, <10 min CPU
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:long       # longer run
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:smoke      # tiny model, 2 steps
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
+  c.model.dtype = "float32"               # compute dtype: float32 or bfloat16 (parameters stay float32)
+  c.model.remat = False                   # recompute layer activations in the backward pass
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.tasks.TASKS (also gsm_symbolic)
+  c.task.size = 100_000                   # problems in the generated dataset (the data position wraps around)
+  c.task.seed = 0                         # reasoning-gym generator seed
+  c.task.options = ml_collections.ConfigDict()  # generator options overriding the task's defaults
+  c.task.format_bonus = 0.1               # reward added when the answer is inside <answer></answer> tags
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.prompts_per_step = 2          # groups per optimizer step
+  c.rollout.group_size = 8                # G: completions sampled per prompt (one shared prefill)
+  c.rollout.max_new_tokens = 32           # tokens generated per completion at most
+  c.rollout.temperature = 1.0             # sampling temperature
+  c.rollout.top_p = 1.0                   # nucleus mass (1 disables the filter)
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.clip_eps = 0.2                   # PPO/GRPO ratio clip epsilon
+  c.loss.kl_coef = 0.04                   # beta of the k3 KL penalty to the initial policy (0 disables it)
+  c.loss.normalisation = "sequence_mean"  # sequence_mean (GRPO), token_mean (DAPO) or constant (Dr. GRPO)
+  c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 12                      # optimizer steps
+  c.train.learning_rate = 2e-6            # peak AdamW learning rate
+  c.train.lr_schedule = "constant"        # constant or cosine (decay to 10% over the run, after warmup)
+  c.train.warmup_steps = 0                # linear warmup steps
+  c.train.weight_decay = 0.0              # AdamW decoupled weight decay
+  c.train.max_grad_norm = 1.0             # global-norm gradient clipping
+  c.train.inner_epochs = 1                # updates per sampled batch; > 1 replays old log-probs first
+  c.train.gradient = "replay"             # replay (shared prompt once) or naive (prompt repeated per completion)
+  c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G
+
+  c.seed = 0                              # sampling and initialisation seed
+  c.run_dir = "runs/grpo_smollm2_arith"   # metrics.jsonl, plots, checkpoints
+  c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)
+  c.resume = False                        # continue from the latest checkpoint in run_dir
+
+  if arg == "long":
+    c.train.steps = 60
+    c.rollout.prompts_per_step = 4
+    c.run_dir = "runs/grpo_smollm2_arith_long"
+  elif arg == "smoke":
+    c.model.name = "tiny"
+    c.task.size = 64
+    c.rollout.prompts_per_step = 2
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 8
+    c.train.steps = 2
+    c.train.learning_rate = 1e-5
+    c.train.micro_batch = 2
+    c.checkpoint_every = 1
+    c.run_dir = "runs/grpo_smoke"
+  elif arg not in (None, ""):
+    raise ValueError(f"experiments/grpo_smollm2_arith.py: unknown variant {arg!r}; use '', 'long' or 'smoke'")
+  return c
