@@ -3,7 +3,7 @@
 import json
 import os
 
-from absl import app
+from absl import app, logging
 from ml_collections import config_flags
 
 from branch_replay_jax import train
@@ -14,6 +14,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "experiments/grpo_smollm2_ar
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go through --config.FIELD=VALUE")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint phase at INFO
   config = _CONFIG.value
   run_dir = os.path.abspath(config.run_dir)
   print(f"run dir: {run_dir}", flush=True)

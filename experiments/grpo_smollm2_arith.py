@@ -36,7 +36,7 @@ def get_config(arg=None):
   c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std
 
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 12                      # optimizer steps
+  c.train.steps = 30                      # optimizer steps
   c.train.learning_rate = 2e-6            # peak AdamW learning rate
   c.train.lr_schedule = "constant"        # constant or cosine (decay to 10% over the run, after warmup)
   c.train.warmup_steps = 0                # linear warmup steps
@@ -52,8 +52,7 @@ def get_config(arg=None):
   c.resume = False                        # continue from the latest checkpoint in run_dir
 
   if arg == "long":
-    c.train.steps = 60
-    c.rollout.prompts_per_step = 4
+    c.train.steps = 80
     c.run_dir = "runs/grpo_smollm2_arith_long"
   elif arg == "smoke":
     c.model.name = "tiny"
