@@ -43,45 +43,58 @@ def group_advantages(rewards_g: jax.Array, *, eps: float = 1e-6, ddof: int = 1) 
   return (rewards_g - mean) / (std + eps)
 
 
-def token_weights(lengths_g, num_tokens: int, *, mode: str, max_length: int | None = None) -> np.ndarray:
-  """Per-token loss weights w[g, t] that implement one loss normalisation (0 on padding).
+def trajectory_weights(lengths_g, *, mode: str, max_length: int | None = None) -> np.ndarray:
+  """[G] per-token loss weight of each trajectory (the same for all its tokens) for one normalisation.
 
-  The group loss is Σ_g Σ_t w[g, t] ℓ[g, t]. Modes:
-    sequence_mean: w = 1 / (G |o_g|)     -- mean over each completion, then over the group
+  The group loss is Σ_g w_g Σ_{t in o_g} ℓ[g, t]. Modes:
+    sequence_mean: w_g = 1 / (G |o_g|)   -- mean over each completion, then over the group
                    (GRPO, arXiv 2402.03300 eq. 3).
-    token_mean:    w = 1 / Σ_g |o_g|     -- mean over all tokens of the group
+    token_mean:    w_g = 1 / Σ_g |o_g|   -- mean over all tokens of the group
                    (DAPO, arXiv 2503.14476 eq. 8).
-    constant:      w = 1 / (G L_max)     -- a constant that does not depend on lengths
-                   (Dr. GRPO, arXiv 2503.20783 section 3.1); L_max = max_length or T.
+    constant:      w_g = 1 / (G L_max)   -- a constant that does not depend on lengths
+                   (Dr. GRPO, arXiv 2503.20783 section 3.1); L_max = max_length.
+  On a tree, a token shared by several trajectories carries one term per trajectory.
 
   Args:
-    lengths_g: [G] ints, completion lengths |o_g| in tokens, each in [0, num_tokens].
-    num_tokens: T, the padded completion length.
+    lengths_g: [G] completion lengths |o_g| (tokens), >= 0.
     mode: one of NORMALISATIONS.
-    max_length: L_max for mode="constant" (default: num_tokens).
-
-  Returns:
-    [G, T] float64 numpy weights (host constants; cast where used).
+    max_length: L_max, required for mode="constant".
 
   Raises:
-    ValueError: unknown mode, a length outside [0, T], or an all-empty group.
+    ValueError: unknown mode, a negative length, an all-empty group, constant without max_length.
   """
   lengths = np.asarray(lengths_g, dtype=np.int64)
   if mode not in NORMALISATIONS:
     raise ValueError(f"token_weights: mode={mode!r} is not one of {NORMALISATIONS}")
-  if lengths.ndim != 1 or np.any(lengths < 0) or np.any(lengths > num_tokens):
-    raise ValueError(f"token_weights: lengths {lengths.tolist()} must be a 1-D array in [0, {num_tokens}]")
+  if lengths.ndim != 1 or np.any(lengths < 0):
+    raise ValueError(f"token_weights: lengths {lengths.tolist()} must be a 1-D array of lengths >= 0")
   if lengths.sum() == 0:
     raise ValueError("token_weights: every completion in the group is empty")
   g = lengths.shape[0]
-  mask = np.arange(num_tokens)[None, :] < lengths[:, None]
   if mode == "sequence_mean":
-    per = np.where(lengths > 0, 1.0 / (g * np.maximum(lengths, 1)), 0.0)[:, None]
-  elif mode == "token_mean":
-    per = np.full((g, 1), 1.0 / lengths.sum())
-  else:
-    per = np.full((g, 1), 1.0 / (g * (max_length or num_tokens)))
-  return np.where(mask, per, 0.0)
+    return np.where(lengths > 0, 1.0 / (g * np.maximum(lengths, 1)), 0.0)
+  if mode == "token_mean":
+    return np.full(g, 1.0 / lengths.sum())
+  if not max_length:
+    raise ValueError("token_weights: mode='constant' needs max_length (L_max)")
+  return np.full(g, 1.0 / (g * max_length))
+
+
+def token_weights(lengths_g, num_tokens: int, *, mode: str, max_length: int | None = None) -> np.ndarray:
+  """[G, T] float64 weights w[g, t] = `trajectory_weights`[g] on real tokens, 0 on padding.
+
+  Args:
+    lengths_g: [G] completion lengths in [0, num_tokens].
+    num_tokens: T, the padded completion length; also L_max for mode="constant" by default.
+
+  Raises:
+    ValueError: as `trajectory_weights`, or a length outside [0, T].
+  """
+  lengths = np.asarray(lengths_g, dtype=np.int64)
+  if lengths.ndim != 1 or np.any(lengths < 0) or np.any(lengths > num_tokens):
+    raise ValueError(f"token_weights: lengths {lengths.tolist()} must be a 1-D array in [0, {num_tokens}]")
+  w = trajectory_weights(lengths, mode=mode, max_length=max_length or num_tokens)
+  return np.where(np.arange(num_tokens)[None, :] < lengths[:, None], w[:, None], 0.0)
 
 
 def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
@@ -147,3 +160,28 @@ def grpo_objective(logp: jax.Array, branch: dict, *, clip_eps: float, kl_coef: f
   mask = branch["mask"]
   return jnp.sum(branch["weights"] * loss), {"clipped": jnp.sum(metrics["clipped"] & mask),
                                              "kl": jnp.sum(jnp.where(mask, metrics["kl"], 0.0))}
+
+
+def grpo_tree_objective(logp: jax.Array, node: dict, *, clip_eps: float, kl_coef: float,
+                        on_policy: bool) -> tuple[jax.Array, dict]:
+  """GRPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, A_g) (DESIGN.md, "Losses on trees").
+
+  A token shared by several trajectories has one log-prob but one term per trajectory g below it:
+  the surrogate is evaluated per (token, trajectory) pair, which keeps PPO-clip exact although it
+  is non-linear in the advantage.
+
+  Args:
+    logp: [T] log-probs of the node's tokens (0 on padding).
+    node: "weights" [T, G] (`trajectory_weights`[g] where trajectory g passes the token, else 0),
+      "advantage" [G], "mask" [T], "old_logp" [T] (unless on_policy), "ref_logp" [T] (if kl_coef).
+
+  Returns:
+    (loss, {"clipped": clipped (token, trajectory) pairs, "kl": Σ_t k3 over real tokens}).
+  """
+  old = jax.lax.stop_gradient(logp) if on_policy else node["old_logp"]
+  ref = node["ref_logp"] if kl_coef else jax.lax.stop_gradient(logp)
+  loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], node["advantage"][None, :],
+                                  clip_eps=clip_eps, kl_coef=kl_coef)
+  w = node["weights"]
+  return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & (w > 0)),
+                             "kl": jnp.sum(jnp.where(node["mask"], metrics["kl"][:, 0], 0.0))}

@@ -19,7 +19,7 @@ The model enters through `nnx.split`: `graphdef, params = nnx.split(model)`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 
 from branch_replay_jax.models.llama import token_logprobs
-from branch_replay_jax.replay import replay_map, replay_vjp
-from branch_replay_jax.tree import RolloutGroup
+from branch_replay_jax.replay import nested_replay_vjp, replay_map, replay_vjp
+from branch_replay_jax.tree import PaddedTree, RolloutGroup
 
 Objective = Callable[[jax.Array, dict], tuple[jax.Array, Any]]
 
@@ -143,3 +143,59 @@ def naive_logprobs(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) 
   """[G, T] completion log-probs from full sequences (the reference for `replay_logprobs`)."""
   tokens, valid, offset = _naive_batch(arrays)
   return _naive_logprobs(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)
+
+
+def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> dict:
+  """Device arrays of a padded tree: per level "tokens", "mask" and each per-node field.
+
+  per_node: name -> list indexed by node id of arrays [L_n, ...] (e.g. "weights" [L_n, G],
+    "old_logp" [L_n]); scattered into the level slots with `PaddedTree.place` (0 on padding).
+  shared: name -> array given to every node unchanged (e.g. "advantage" [G]).
+  """
+  levels = []
+  for d in range(1, len(padded.tokens) + 1):
+    slots = padded.node_ids[d - 1].shape
+    level = {"tokens": jnp.asarray(padded.tokens[d - 1]), "mask": jnp.asarray(padded.mask[d - 1])}
+    level.update({k: jnp.asarray(padded.place(v, d)) for k, v in per_node.items()})
+    level.update({k: jnp.broadcast_to(jnp.asarray(v), slots + np.shape(v)) for k, v in shared.items()})
+    levels.append(level)
+  return {"prompt_ids": jnp.asarray(padded.prompt_ids), "prompt_len": jnp.asarray(padded.prompt_len, jnp.int32),
+          "levels": levels}
+
+
+def _tree_root_fn(graphdef, arrays):
+  prefix = _prefix_fn(graphdef, arrays)
+
+  def root_fn(params):
+    kv, last_hidden = prefix(params)
+    return {"kv": kv, "last_hidden": last_hidden, "end": arrays["prompt_len"]}
+  return root_fn
+
+
+def _tree_node_fn(graphdef, objective, chunk):
+  def node_fn(params, ancestors, node):
+    parent = ancestors[-1]
+    model = nnx.merge(graphdef, params)
+    out = model(node["tokens"][None], parent["end"], ancestors=[a["kv"] for a in ancestors],
+                valid_bt=node["mask"][None])
+    hidden = jnp.concatenate([parent["last_hidden"][None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]])
+    logp = token_logprobs(hidden[None], model.unembedding(), node["tokens"][None], chunk=chunk)[0]
+    logp = jnp.where(node["mask"], logp, 0.0)
+    loss, aux = objective(logp, node)
+    n = jnp.sum(node["mask"].astype(jnp.int32))
+    last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)
+    return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, loss, {"logp": logp, "aux": aux}
+  return node_fn
+
+
+def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
+                               logprob_chunk: int = 256):
+  """(loss, aux per level, grads) of Σ over tree nodes of objective(logp_node, node), by nested replay.
+
+  arrays: from `tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
+  per-node/shared fields (for GRPO on trees, `objectives.grpo_tree_objective`). aux[d] holds
+  {"logp": [F_1..F_d, T_d], "aux": objective aux} per slot.
+  """
+  node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
+  return nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
+                           arrays["levels"], micro_batch=micro_batch)
