@@ -68,12 +68,14 @@ def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk):
 
 
 def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
-                          logprob_chunk: int = 256):
-  """(loss, aux [G, ...], grads) of Σ_g objective by branch replay. See the module docstring."""
+                          logprob_chunk: int = 256, reduce_prefix_cotangent=None):
+  """(loss, aux [G, ...], grads) of Σ_g objective by branch replay. See the module docstring and
+  `replay_vjp` for `reduce_prefix_cotangent`."""
   def branch_fn(p, prefix_out, branch):
     logp = _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
     return objective(logp, branch)
-  return replay_vjp(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch)
+  return replay_vjp(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch,
+                    reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
 def replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:

@@ -57,7 +57,8 @@ def _unstack(tree: PyTree, g: int) -> PyTree:
 
 def replay_vjp(prefix_fn: Callable[[PyTree], PyTree],
                branch_fn: Callable[[PyTree, PyTree, PyTree], tuple[jax.Array, PyTree]],
-               params: PyTree, branches: PyTree, *, micro_batch: int = 1) -> tuple[jax.Array, PyTree, PyTree]:
+               params: PyTree, branches: PyTree, *, micro_batch: int = 1,
+               reduce_prefix_cotangent: Callable[[PyTree], PyTree] | None = None) -> tuple[jax.Array, PyTree, PyTree]:
   """Loss, aux and parameter gradient of Σ_g branch_fn(params, prefix_fn(params), branch_g).
 
   Args:
@@ -69,6 +70,9 @@ def replay_vjp(prefix_fn: Callable[[PyTree], PyTree],
     branches: pytree whose leaves all have the leading branch axis G.
     micro_batch: branches vmapped together inside each `lax.scan` step; must divide G. Peak
       memory grows with micro_batch, not with G.
+    reduce_prefix_cotangent: applied to the summed prefix cotangent (a list of float arrays)
+      before the single pullback; under `shard_map` this is where the branch shards' cotangents
+      are all-reduced (see sharding.py).
 
   Returns:
     loss: scalar, the sum of the branch losses.
@@ -104,8 +108,12 @@ def replay_vjp(prefix_fn: Callable[[PyTree], PyTree],
 
   zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
   first = jax.tree_util.tree_map(lambda x: x[0], batches)
-  loss0 = jnp.zeros((), jax.eval_shape(step_loss, params, float_leaves, first)[0].dtype)
+  # zeros_like of a prefix output keeps its sharding type (varying under shard_map) for the carry.
+  loss0 = jnp.zeros_like(float_leaves[0], shape=(),
+                         dtype=jax.eval_shape(step_loss, params, float_leaves, first)[0].dtype)
   (loss, d_params, d_floats), aux = jax.lax.scan(step, (loss0, zeros(params), zeros(float_leaves)), batches)
+  if reduce_prefix_cotangent is not None:
+    d_floats = reduce_prefix_cotangent(d_floats)
   it = iter(d_floats)
   d_prefix = jax.tree_util.tree_unflatten(
       treedef, [next(it) if f else np.zeros(x.shape, jax.dtypes.float0) for x, f in zip(leaves, is_float)])

@@ -1,6 +1,11 @@
 """Shared helpers: a tiny random Llama, random rollout groups, and the relative-error metric."""
 
-import jax
+import os
+
+# Eight fake CPU devices for the mesh tests (tests/test_mesh.py); must precede JAX's backend start.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 import pytest
