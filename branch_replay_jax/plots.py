@@ -1,9 +1,12 @@
-"""Run logs (JSON lines) and the end-of-run plots: reward.png and throughput.png."""
+"""Run logs (JSON lines), the end-of-run plots (reward.png, throughput.png) and rollout-tree drawings."""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
+
+import numpy as np
 
 
 def append_jsonl(path: str, record: dict) -> None:
@@ -57,4 +60,74 @@ def write_plots(run_dir: str) -> None:
   ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(run_dir, "throughput.png"), dpi=100)
+  plt.close(fig)
+
+
+def draw_tree(tree, rewards: Sequence[float], path: str, title: str = "") -> None:
+  """Draw a rollout tree to `path` (PNG): one box per segment, labelled with its token count.
+
+  Depth runs left to right (the prompt at depth 0), edges join parent and child, and each node
+  where trajectories end is coloured by their reward (the mean when several end there) on a
+  viridis scale with a colorbar; other nodes are grey. Leaves get one row each, in node-id order.
+
+  Args:
+    tree: a `tree.RolloutTree` with G = len(tree.ends) trajectories.
+    rewards: [G] rewards, aligned with tree.ends.
+    path: output file; its extension picks the format.
+    title: figure title.
+
+  Raises:
+    ValueError: len(rewards) != G.
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rewards = np.asarray(rewards, np.float64).reshape(-1)
+  if rewards.size != len(tree.ends):
+    raise ValueError(f"draw_tree: rewards has {rewards.size} values, the tree has {len(tree.ends)} trajectories")
+  children = [tree.children(n) for n in range(tree.num_nodes)]
+  depth = [0] * tree.num_nodes
+  for n in range(1, tree.num_nodes):   # parents precede children
+    depth[n] = depth[tree.parents[n]] + 1
+  row, next_row = [0.0] * tree.num_nodes, [0]
+
+  def place(n):
+    for c in children[n]:
+      place(c)
+    if children[n]:
+      row[n] = float(np.mean([row[c] for c in children[n]]))
+    else:
+      row[n] = next_row[0]
+      next_row[0] += 1
+
+  place(0)
+  ended = {}
+  for g, e in enumerate(tree.ends):
+    ended.setdefault(e, []).append(rewards[g])
+  lo, hi = float(rewards.min()), float(rewards.max())
+  norm = matplotlib.colors.Normalize(lo - 0.5, hi + 0.5) if lo == hi else matplotlib.colors.Normalize(lo, hi)
+  cmap = matplotlib.colormaps["viridis"]
+
+  fig, ax = plt.subplots(figsize=(2.5 + 1.6 * (max(depth) + 1), max(2.5, 0.45 * next_row[0] + 1.2)))
+  for n in range(1, tree.num_nodes):
+    p = tree.parents[n]
+    ax.plot([depth[p], depth[n]], [row[p], row[n]], color="0.55", lw=1, zorder=1)
+  for n in range(tree.num_nodes):
+    length = len(tree.segments[n])
+    label = f"prompt\n{length} tok" if n == 0 else f"{length} tok"
+    face = cmap(norm(np.mean(ended[n]))) if n in ended else "0.9"
+    text = "white" if n in ended and norm(np.mean(ended[n])) < 0.6 else "black"
+    ax.text(depth[n], row[n], label, ha="center", va="center", fontsize=8, color=text, zorder=2,
+            bbox=dict(boxstyle="round,pad=0.35", facecolor=face, edgecolor="0.3"))
+  ax.set_xlim(-0.6, max(depth) + 0.6)
+  ax.set_ylim(next_row[0] - 0.4, -0.6)
+  ax.set_xticks(range(max(depth) + 1), [f"depth {d}" for d in range(max(depth) + 1)])
+  ax.set_yticks([])
+  for side in ("left", "right", "top"):
+    ax.spines[side].set_visible(False)
+  fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="reward (trajectory end)")
+  ax.set_title(title or f"rollout tree: {tree.num_nodes} segments, {len(tree.ends)} trajectories")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
   plt.close(fig)

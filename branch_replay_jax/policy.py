@@ -28,7 +28,7 @@ from flax import nnx
 
 from branch_replay_jax.models.llama import token_logprobs
 from branch_replay_jax.replay import nested_replay_vjp, replay_map, replay_vjp
-from branch_replay_jax.tree import PaddedTree, RolloutGroup
+from branch_replay_jax.tree import PaddedTree, RolloutGroup, RolloutTree, make_group
 
 Objective = Callable[[jax.Array, dict], tuple[jax.Array, Any]]
 
@@ -201,3 +201,28 @@ def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Object
   node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
   return nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
                            arrays["levels"], micro_batch=micro_batch)
+
+
+def trajectory_group_arrays(tree: RolloutTree, per_node: dict[str, Sequence], trajectory_weights, *,
+                            vocab_size: int, max_positions: int, completion_bucket: int | None = None,
+                            **shared) -> dict:
+  """The naive counterpart of `tree_arrays`: every trajectory of `tree` as a completion of one group.
+
+  Per-node fields [L_n] are concatenated along each trajectory's path; "weights" is
+  trajectory_weights[g] on its tokens (the tree's per-(token, trajectory) weights, unshared), so
+  `naive_value_and_grad` with a group objective computes the same loss as tree replay with the
+  tree objective.
+  """
+  g = len(tree.ends)
+  comps = [tree.completion(k) for k in range(g)]
+  group = make_group(tree.segments[0], comps, vocab_size=vocab_size, max_positions=max_positions,
+                     completion_bucket=completion_bucket)
+  t = group.completion_ids.shape[1]
+
+  def along(values):
+    rows = [np.concatenate([np.asarray(values[m]) for m in tree.path(tree.ends[k])[1:]]) for k in range(g)]
+    return np.stack([np.pad(r, (0, t - len(r))) for r in rows])
+  extras = {k: along(v) for k, v in per_node.items()}
+  extras["weights"] = (group.completion_mask * np.asarray(trajectory_weights)[:, None]).astype(
+      np.result_type(np.asarray(trajectory_weights).dtype, np.float32))
+  return group_arrays(group, **extras, **shared)

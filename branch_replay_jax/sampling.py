@@ -162,14 +162,32 @@ def _picked_logprob(logits_bv, tokens_b):
   return jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
-def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, stop_ids, pad_id, *,
-              max_new_tokens, greedy, use_top_p):
-  model = nnx.merge(graphdef, state)
+def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array, offset, keys_g: jax.Array, *,
+                temperature, top_p, stop_ids: jax.Array, pad_id, max_new_tokens: int,
+                greedy: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVBlock]:
+  """Samples G continuations of one context whose K/V are `ancestors` and next-token logits `logits_1v`.
+
+  Token 0 is drawn from `logits_1v`; token t + 1 from the decode step that feeds token t. The loop
+  (`jax.lax.while_loop`) exits once every sample has hit a stop id or N - 1 steps ran, so the LAST
+  token of a full-length sample is drawn but never fed: cache slot N - 1 stays empty.
+
+  Args:
+    model: the decoder.
+    ancestors: K/V blocks of the context, k, v [L, 1 (or G), S_i, Hkv, D]; batch-1 blocks are broadcast.
+    logits_1v: [1, V] float32 logits at the context's last position.
+    offset: int scalar (may be traced): absolute position of token 0 (the context length).
+    keys_g: [G] PRNG keys; sample g draws token t with fold_in(keys_g[g], t).
+    temperature, top_p, greedy: as in `sample_token` (top_p None: no nucleus filter).
+    stop_ids: [S] int32 ids that end a sample (-1 never matches).
+    pad_id: int32 id written after a sample's end.
+    max_new_tokens: N, static.
+
+  Returns:
+    tokens [G, N] int32, logprobs [G, N] float32 (untempered, 0 after the end), lengths [G] int32,
+    finished [G] bool (hit a stop id), and the cache (k, v [L, G, N, Hkv, D]) of the fed tokens.
+  """
   g, n = keys_g.shape[0], max_new_tokens
-  sample = functools.partial(sample_token, keys_b=keys_g, temperature=temperature,
-                             top_p=top_p if use_top_p else None, greedy=greedy)
-  prompt_kv, logits_1v = prefill(model, prompt_1t, prompt_len)
+  sample = functools.partial(sample_token, keys_b=keys_g, temperature=temperature, top_p=top_p, greedy=greedy)
   logits_gv = jnp.broadcast_to(logits_1v, (g, logits_1v.shape[-1]))
   tok = sample(logits_gv, step=0)
   tokens = jnp.full((g, n), pad_id, jnp.int32).at[:, 0].set(tok)
@@ -183,7 +201,7 @@ def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p
 
   def body(c):
     t, tok, done, lengths, cache, tokens, logprobs = c
-    logits, cache = decode_step(model, tok, prompt_len + t, [prompt_kv], cache, t)
+    logits, cache = decode_step(model, tok, offset + t, ancestors, cache, t)
     new = sample(logits, step=t + 1)
     lp = _picked_logprob(logits, new)
     new, lp = jnp.where(done, pad_id, new), jnp.where(done, 0.0, lp)
@@ -192,7 +210,18 @@ def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p
     lengths = lengths + (~done).astype(jnp.int32)
     return t + 1, new, done | jnp.isin(new, stop_ids), lengths, cache, tokens, logprobs
 
-  _, _, done, lengths, _, tokens, logprobs = jax.lax.while_loop(cond, body, carry)
+  _, _, done, lengths, cache, tokens, logprobs = jax.lax.while_loop(cond, body, carry)
+  return tokens, logprobs, lengths, done, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
+def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, stop_ids, pad_id, *,
+              max_new_tokens, greedy, use_top_p):
+  model = nnx.merge(graphdef, state)
+  prompt_kv, logits_1v = prefill(model, prompt_1t, prompt_len)
+  tokens, logprobs, lengths, done, _ = decode_from(
+      model, [prompt_kv], logits_1v, prompt_len, keys_g, temperature=temperature, top_p=top_p if use_top_p else None,
+      stop_ids=stop_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy)
   return tokens, logprobs, lengths, done
 
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from branch_replay_jax import objectives as obj
 from branch_replay_jax.models import tiny_config
-from branch_replay_jax.policy import group_arrays, naive_value_and_grad, tree_arrays, tree_replay_value_and_grad
-from branch_replay_jax.tree import RolloutTree, make_group, pad_tree, tree_counts, tree_from_trajectories
+from branch_replay_jax.policy import (naive_value_and_grad, trajectory_group_arrays, tree_arrays,
+                                      tree_replay_value_and_grad)
+from branch_replay_jax.tree import RolloutTree, pad_tree, tree_counts, tree_from_trajectories
 
 MODES = obj.NORMALISATIONS
 L_MAX = 16
@@ -94,12 +95,8 @@ def _both(tree, graphdef, params, mode, dtype, seed=0):
   per_node = {"weights": [x.astype(dtype) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": ref}
   tree_out = _tree_step(graphdef, params, tree_arrays(pad_tree(tree), per_node, advantage=adv), _tree_objective)
 
-  comps = [tree.completion(k) for k in range(g)]
-  group = make_group(tree.segments[0], comps, vocab_size=64, max_positions=256, completion_bucket=L_MAX)
-  along = lambda vals, k: np.concatenate([vals[m] for m in tree.path(tree.ends[k])[1:]])
-  pad = lambda rows: np.stack([np.pad(r, (0, L_MAX - len(r))) for r in rows]).astype(dtype)
-  arrays = group_arrays(group, weights=(group.completion_mask * w[:, None]).astype(dtype), advantage=adv,
-                        old_logp=pad([along(old, k) for k in range(g)]), ref_logp=pad([along(ref, k) for k in range(g)]))
+  arrays = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w.astype(dtype), vocab_size=64,
+                                   max_positions=256, completion_bucket=L_MAX, advantage=adv)
   return tree_out, _naive_step(graphdef, params, arrays, _group_objective)
 
 

@@ -1,0 +1,217 @@
+"""Tree rollouts: one prompt prefill, then fixed-length segments that branch (TreePO, arXiv 2508.17445).
+
+With fanouts [F_1, ..., F_D] and segment length S, the prompt is run once (batch 1); F_1 child
+segments of S tokens are sampled on top of it; each child that did not hit EOS gets F_2 children
+sampled on top of [prompt ; child], and so on. A segment that hits EOS ends there (it keeps the
+EOS token) and is a leaf: its descendants are never sampled.
+
+    fanouts [2, 2], S = 3, no EOS (node ids in preorder, `.` = bucket padding):
+
+      node 0: prompt p0..p6 . . .          ancestors of node 2's decode:
+        ├─ node 1: a0 a1 a2                  [ prompt, batch 1 | node 1's block, batch 1 | own cache, batch 2 ]
+        │    ├─ node 2: b0 b1 b2             positions 7..9 for node 1, 10..12 for nodes 2 and 3
+        │    └─ node 3: c0 c1 c2
+        └─ node 4: d0 d1 d2
+             ├─ node 5 ...
+             └─ node 6 ...
+
+Every ancestor is a K/V block with batch 1, broadcast by the suffix attention, never tiled per
+child. The children of one node are decoded together (batch F_d) with `sampling.decode_from`.
+
+K/V reuse, no extra segment forward: the decode cache of a segment holds the K/V of the tokens it
+fed, i.e. all but the last. For segments that get children, the sampler runs ONE more decode step
+that feeds the last token; it writes the last cache slot and yields the logits that start the
+children. The added cost is one decode step (batch F_d) per internal node, instead of a full
+forward over the segment. The children then attend to the parent's cache row as their ancestor
+block, exactly the K/V a full-sequence forward would compute (up to float rounding).
+
+Compiles: one prefill per prompt bucket, and one decode program per depth (its ancestors' shapes
+are fixed per depth: prompt bucket, then d - 1 blocks of S tokens). Temperature, top-p's value,
+the key, the EOS ids (up to 8) and the prompt within its bucket do not recompile.
+
+Host work: one jitted call per internal node (depth-first), each followed by a device-to-host copy
+of its children's tokens and EOS flags, which decides which children are expanded next.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from branch_replay_jax.kernels import KVBlock
+from branch_replay_jax.models.llama import Llama
+from branch_replay_jax.sampling import decode_from, decode_step, prefill, prompt_bucket_length
+from branch_replay_jax.tree import RolloutTree
+
+BRANCH_ON = ("fixed",)
+
+
+class TreeRollout(NamedTuple):
+  """A sampled rollout tree (G trajectories, N nodes).
+
+  tree: the RolloutTree. segments[0] is the prompt; every other segment is S sampled tokens
+    (`last_segment_length` at depth D), or fewer when it ends with an EOS id. Node ids are in
+    preorder (a node, then the subtrees of its children in sampling order), so `tree.ends`, the
+    leaves, are in lexicographic order of their child-index paths: with fanouts [2, 2] and no EOS,
+    trajectory g = 2 * i_1 + i_2 is child i_2 of child i_1.
+  logprobs: per node, [L_n] float32 log π(token | context) under the UNTEMPERED, untruncated model
+    distribution, as in `sampling.Rollouts`; an empty array for the prompt (node 0).
+  finished: [G] bool: trajectory g hit an EOS id (False: it reached full depth without one).
+  """
+
+  tree: RolloutTree
+  logprobs: list
+  finished: np.ndarray
+
+  def completion_logprobs(self, g: int) -> np.ndarray:
+    """[len(tree.completion(g))] float32 log-probs of trajectory g's completion."""
+    return np.concatenate([self.logprobs[n] for n in self.tree.path(self.tree.ends[g])[1:]])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill(graphdef, state, prompt_1t, prompt_len):
+  return prefill(nnx.merge(graphdef, state), prompt_1t, prompt_len)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_children", "segment_length", "greedy", "use_top_p",
+                                             "feed_last"))
+def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature, top_p, stop_ids, pad_id, *,
+            num_children, segment_length, greedy, use_top_p, feed_last):
+  """Samples the children of one node. Child i's key is fold_in(fold_in(node_key, 1), i); its tokens are
+  drawn with fold_in(child_key, 0) (then the step is folded in), so token draws and the keys handed to
+  grandchildren never share a key. With `feed_last`, also returns the children's K/V [L, F, S, Hkv, D]
+  with every slot written, and their next-token logits [F, V]."""
+  model = nnx.merge(graphdef, state)
+  child_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(node_key, 1), i))(jnp.arange(num_children))
+  draw_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(child_keys)
+  tokens, logprobs, lengths, done, cache = decode_from(
+      model, ancestors, logits_1v, offset, draw_keys, temperature=temperature, top_p=top_p if use_top_p else None,
+      stop_ids=stop_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy)
+  if not feed_last:
+    return tokens, logprobs, lengths, done, child_keys, None, None
+  # Rows that stopped early are leaves: their slot and logits here are garbage and never used.
+  last = segment_length - 1
+  logits, cache = decode_step(model, tokens[:, last], offset + last, ancestors, cache, last)
+  return tokens, logprobs, lengths, done, child_keys, cache, logits
+
+
+def _row(kv: KVBlock, i: int) -> KVBlock:
+  """Child i's own block, batch 1: k, v [L, 1, S, Hkv, D], valid [1, S]."""
+  return KVBlock(kv.k[:, i:i + 1], kv.v[:, i:i + 1], kv.valid[i:i + 1])
+
+
+def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length, temperature, top_p, pad_id,
+              branch_on):
+  if branch_on not in BRANCH_ON:
+    raise ValueError(f"sample_tree: branch_on must be one of {BRANCH_ON}, got {branch_on!r} (entropy-based "
+                     "branching, TreeRL arXiv 2506.11902, is not implemented)")
+  if len(fanouts) == 0:
+    raise ValueError("sample_tree: fanouts is empty; give at least one level, e.g. fanouts=[4]")
+  for d, f in enumerate(fanouts):
+    if int(f) != f or f < 1:
+      raise ValueError(f"sample_tree: fanouts[{d}] must be an integer >= 1, got {f!r}")
+  if segment_length < 1:
+    raise ValueError(f"sample_tree: segment_length must be >= 1, got {segment_length}")
+  if last_segment_length < 1:
+    raise ValueError(f"sample_tree: last_segment_length must be >= 1, got {last_segment_length}")
+  if not temperature >= 0:
+    raise ValueError(f"sample_tree: temperature must be >= 0, got {temperature}")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"sample_tree: top_p must be in (0, 1], got {top_p}")
+  if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+    raise ValueError(f"sample_tree: prompt_ids must be a non-empty 1-D int sequence, got shape {prompt.shape} "
+                     f"dtype {prompt.dtype}")
+  for name, ids in [("prompt_ids", prompt), ("eos_ids", eos), ("pad_id", np.asarray([pad_id]))]:
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+      raise ValueError(f"sample_tree: {name} must lie in [0, {cfg.vocab_size}), got {ids.tolist()}")
+  total = prompt.size + (len(fanouts) - 1) * segment_length + last_segment_length
+  if total > cfg.max_positions:
+    raise ValueError(f"sample_tree: prompt length {prompt.size} + {len(fanouts) - 1} x segment_length "
+                     f"{segment_length} + last_segment_length {last_segment_length} = {total} exceeds "
+                     f"model.config.max_positions={cfg.max_positions}")
+
+
+def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_length: int, key: jax.Array,
+                temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
+                branch_on: str = "fixed", last_segment_length: int | None = None,
+                prompt_bucket: int | None = None) -> TreeRollout:
+  """Samples a tree of fixed-length segments on one shared prompt prefill (see the module docstring).
+
+  Without EOS the tree has prod(fanouts) trajectories, each of (D - 1) * S + S_last tokens, and
+  1 + F_1 + F_1 F_2 + ... nodes. Node n's segment is sampled with one decode loop per parent, on
+  top of the batch-1 K/V blocks of its ancestors.
+
+  Args:
+    model: the decoder.
+    prompt_ids: [P] int token ids, P >= 1.
+    fanouts: [F_1, ..., F_D], children per node at each depth, each >= 1 (D = len(fanouts) >= 1).
+    segment_length: S >= 1, tokens per segment at depths 1..D-1 (and at D unless overridden).
+    key: PRNG key. Node keys follow the child-index path (child i of a node with key k has key
+      fold_in(fold_in(k, 1), i), the root has `key`), so the same key gives the same tree, and a
+      path's tokens do not depend on whether another branch stopped.
+    temperature: >= 0; 0 means greedy (then every sibling equals the others).
+    top_p: nucleus mass in (0, 1]; 1 disables the filter. Applied after the temperature.
+    eos_ids: ids that end a path (kept as the segment's last token); up to 8 share one compile.
+    pad_id: id in [0, V) used for padding inside the sampler (never in the returned segments).
+    branch_on: "fixed" (segment boundaries every S tokens). Nothing else is implemented.
+    last_segment_length: S_last >= 1, tokens of the depth-D segments; default S.
+    prompt_bucket: padded prompt length (>= P); default `prompt_bucket_length(P)`.
+
+  Returns:
+    TreeRollout (see its docstring for the node order and log-prob convention).
+
+  Raises:
+    ValueError: branch_on other than "fixed", empty fanouts, a fanout < 1, segment_length or
+      last_segment_length < 1, temperature < 0, top_p outside (0, 1], an empty or non-1-D prompt, an id
+      outside [0, V), P + (D - 1) S + S_last > max_positions, prompt_bucket < P.
+  """
+  prompt = np.asarray(prompt_ids)
+  eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
+  fanouts = list(fanouts)
+  s_last = segment_length if last_segment_length is None else last_segment_length
+  _validate(model.config, prompt, eos, fanouts=fanouts, segment_length=segment_length, last_segment_length=s_last,
+            temperature=temperature, top_p=top_p, pad_id=pad_id, branch_on=branch_on)
+  fanouts = [int(f) for f in fanouts]
+  p = prompt.size
+  bucket = prompt_bucket_length(p) if prompt_bucket is None else prompt_bucket
+  if bucket < p:
+    raise ValueError(f"sample_tree: prompt_bucket={bucket} is shorter than the prompt ({p} tokens)")
+  padded = np.zeros((1, bucket), np.int32)
+  padded[0, :p] = prompt
+  # -1 never matches a token; a stop list padded to a multiple of 8 keeps its shape (and the compile) stable.
+  stops = jnp.asarray(np.pad(eos, (0, max(8, -(-eos.size // 8) * 8) - eos.size), constant_values=-1), jnp.int32)
+  graphdef, state = nnx.split(model)
+  greedy = temperature == 0
+  scalars = dict(temperature=jnp.float32(1.0 if greedy else temperature), top_p=jnp.float32(top_p), stop_ids=stops,
+                 pad_id=jnp.int32(pad_id))
+  static = dict(greedy=greedy, use_top_p=top_p < 1 and not greedy)
+
+  segments, parents, logprobs, ends, finished = [prompt.astype(np.int32)], [-1], [np.zeros((0,), np.float32)], [], []
+  prompt_kv, logits_1v = _prefill(graphdef, state, jnp.asarray(padded), jnp.int32(p))
+
+  def visit(node, depth, ancestors, logits_1v, node_key, offset):
+    last_level = depth + 1 == len(fanouts)
+    seg_len = s_last if last_level else segment_length
+    tokens, lps, lengths, done, child_keys, kv, next_logits = _expand(
+        graphdef, state, ancestors, logits_1v, jnp.int32(offset), node_key, **scalars, **static,
+        num_children=fanouts[depth], segment_length=seg_len, feed_last=not last_level)
+    tokens, lps, lengths, done = (np.asarray(x) for x in (tokens, lps, lengths, done))
+    for i in range(fanouts[depth]):
+      child = len(segments)
+      segments.append(tokens[i, :lengths[i]])
+      parents.append(node)
+      logprobs.append(lps[i, :lengths[i]])
+      if done[i] or last_level:
+        ends.append(child)
+        finished.append(bool(done[i]))
+      else:
+        visit(child, depth + 1, [*ancestors, _row(kv, i)], next_logits[i:i + 1], child_keys[i], offset + seg_len)
+
+  visit(0, 0, [prompt_kv], logits_1v, key, p)
+  tree = RolloutTree(tuple(segments), tuple(parents), tuple(ends))
+  return TreeRollout(tree, logprobs, np.asarray(finished, bool))
