@@ -13,7 +13,6 @@ throughput.png, experiment.json and checkpoints/ (orbax).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -30,11 +29,10 @@ from branch_replay_jax import objectives as obj
 from branch_replay_jax import plots
 from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
 from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.policy import (group_arrays, naive_logprobs, naive_value_and_grad, replay_logprobs,
-                                      replay_value_and_grad)
-from branch_replay_jax.sampling import sample_group
-from branch_replay_jax.tasks import format_messages, make_task
-from branch_replay_jax.tree import bucket_length, group_counts, group_from_padded
+from branch_replay_jax.policy import (naive_logprobs, naive_value_and_grad, replay_logprobs, replay_value_and_grad,
+                                      tree_replay_value_and_grad)
+from branch_replay_jax.rollout import Group, rollout
+from branch_replay_jax.tasks import make_task
 
 GRADIENTS = ("replay", "naive")
 SCHEDULES = ("constant", "cosine")
@@ -50,7 +48,7 @@ def validate(config) -> None:
                       ("train.inner_epochs", t.inner_epochs), ("checkpoint_every", config.checkpoint_every)]:
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}={value!r} must be a positive int")
-  if r.group_size % t.micro_batch:
+  if not r.tree_fanouts and r.group_size % t.micro_batch:
     raise ValueError(f"train.micro_batch={t.micro_batch} must divide rollout.group_size={r.group_size}")
   if t.gradient not in GRADIENTS:
     raise ValueError(f"train.gradient={t.gradient!r} is not one of {GRADIENTS}")
@@ -60,6 +58,16 @@ def validate(config) -> None:
     raise ValueError(f"loss.normalisation={l.normalisation!r} is not one of {obj.NORMALISATIONS}")
   if not 0 < l.clip_eps < 1 or l.kl_coef < 0:
     raise ValueError(f"loss.clip_eps={l.clip_eps} must lie in (0, 1) and loss.kl_coef={l.kl_coef} be >= 0")
+  if r.tree_fanouts:
+    if any(not isinstance(f, int) or f < 1 for f in r.tree_fanouts) or r.segment_length < 1:
+      raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)} needs ints >= 1 and rollout.segment_length="
+                       f"{r.segment_length} >= 1")
+    if l.kl_coef or t.inner_epochs > 1:
+      # Forward-only replay on trees (reference / old log-probs) is not implemented yet.
+      raise ValueError(f"rollout.tree_fanouts is set: loss.kl_coef={l.kl_coef} must be 0 and train.inner_epochs="
+                       f"{t.inner_epochs} must be 1 with tree rollouts for now")
+    if t.micro_batch != 1 and t.gradient == "replay" and r.tree_fanouts[-1] % t.micro_batch:
+      raise ValueError(f"train.micro_batch={t.micro_batch} must divide the last fan-out {r.tree_fanouts[-1]}")
 
 
 def build_model(config):
@@ -91,61 +99,16 @@ def fingerprint(config) -> dict:
           "seed": config.seed}
 
 
-@dataclasses.dataclass
-class Group:
-  """One prompt's rollouts after scoring: host arrays for the update, texts for the logs."""
-  arrays: dict
-  rewards: np.ndarray
-  correct: np.ndarray
-  counts: dict
-  sample: dict
-  sample_s: float
-  score_s: float
-
-
-def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
-  problem = task[data_pos % len(task)]
-  from branch_replay_jax.models.loading import encode_chat
-  ids = encode_chat(tokenizer, format_messages(problem))
-  r, cfg = config.rollout, model.config
-  if len(ids) + r.max_new_tokens > cfg.max_positions:
-    raise ValueError(f"task item {data_pos}: prompt of {len(ids)} tokens + rollout.max_new_tokens={r.max_new_tokens} "
-                     f"exceeds the model's max_positions={cfg.max_positions}")
-  t0 = time.perf_counter()
-  ro = sample_group(model, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
-                    temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id],
-                    pad_id=tokenizer.pad_token_id or 0)
-  tokens, lengths = np.asarray(ro.tokens), np.asarray(ro.lengths)
-  t1 = time.perf_counter()
-  texts = tokenizer.batch_decode([row[:n] for row, n in zip(tokens, lengths)], skip_special_tokens=True)
-  scores = [task.score(text, problem) for text in texts]
-  rewards = np.array([s.reward for s in scores], np.float32)
-  t2 = time.perf_counter()
-  group = group_from_padded(ids, tokens, lengths, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
-                            pad_id=tokenizer.pad_token_id or 0,
-                            completion_bucket=bucket_length(r.max_new_tokens, minimum=8))
-  t = group.completion_ids.shape[1]
-  advantages = np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=config.loss.advantage_eps))
-  weights = obj.token_weights(group.lengths, t, mode=config.loss.normalisation, max_length=r.max_new_tokens)
-  old = np.zeros((r.group_size, t), np.float32)
-  old[:, :tokens.shape[1]] = np.asarray(ro.logprobs)
-  arrays = group_arrays(group, weights=weights.astype(np.float32), advantage=advantages.astype(np.float32),
-                        old_logp=old, ref_logp=np.zeros_like(old))
-  sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer, "completion": texts[0],
-            "reward": float(rewards[0])}
-  return Group(arrays, rewards, np.array([s.correct for s in scores]),
-               group_counts(group.prompt_len, group.lengths, cfg), sample, t1 - t0, t2 - t1)
-
-
 class StepFunctions:
   """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape)."""
 
   def __init__(self, config, graphdef, optimizer):
     t, l = config.train, config.loss
     naive = t.gradient == "naive"
-    self.objective = functools.partial(obj.grpo_objective, clip_eps=l.clip_eps, kl_coef=l.kl_coef,
-                                       on_policy=t.inner_epochs == 1)
-    grad_fn = naive_value_and_grad if naive else replay_value_and_grad
+    tree = bool(config.rollout.tree_fanouts) and not naive
+    self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
+                                       kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
+    grad_fn = naive_value_and_grad if naive else tree_replay_value_and_grad if tree else replay_value_and_grad
     lp_fn = naive_logprobs if naive else functools.partial(replay_logprobs, micro_batch=t.micro_batch)
     self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective, micro_batch=t.micro_batch))
     self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a))
@@ -154,6 +117,12 @@ class StepFunctions:
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
     self.update = jax.jit(update, donate_argnums=(0, 1))
+
+
+def _aux_sums(kind: str, aux) -> tuple[float, float]:
+  """(Σ k3 KL, Σ clipped) from a group's aux {"kl", "clipped"} or a tree's per-level [{"aux": {...}}]."""
+  parts = [aux] if kind == "group" else [level["aux"] for level in aux]
+  return sum(float(np.sum(p["kl"])) for p in parts), sum(float(np.sum(p["clipped"])) for p in parts)
 
 
 def update_on_batch(config, fns: StepFunctions, params, ref_params, opt_state, groups: list[Group]):
@@ -171,10 +140,10 @@ def update_on_batch(config, fns: StepFunctions, params, ref_params, opt_state, g
       loss, aux = loss + float(group_loss), aux + [group_aux]
     mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
     params, opt_state, grad_norm = fns.update(params, opt_state, mean)
-  tokens = sum(float(np.sum(g.arrays["branches"]["mask"])) for g in groups)
+  pairs = sum(int(g.lengths.sum()) for g in groups)   # completion tokens, one per (token, trajectory) pair
+  sums = [_aux_sums(g.kind, a) for g, a in zip(groups, aux)]
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm),
-           "kl": sum(float(np.sum(a["kl"])) for a in aux) / tokens,
-           "clip_frac": sum(float(np.sum(a["clipped"])) for a in aux) / tokens}
+           "kl": sum(k for k, _ in sums) / pairs, "clip_frac": sum(c for _, c in sums) / pairs}
   return params, opt_state, stats
 
 
@@ -216,6 +185,10 @@ def train(config) -> list[dict]:
     history.append(record)
     plots.append_jsonl(metrics_path, record)
     plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **groups[0].sample})
+    if groups[0].tree is not None:
+      os.makedirs(os.path.join(config.run_dir, "trees"), exist_ok=True)
+      plots.draw_tree(groups[0].tree, groups[0].rewards, os.path.join(config.run_dir, "trees", f"step_{step + 1}.png"),
+                      title=f"step {step + 1}: {groups[0].sample['question']}")
     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.1f}")
     if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.train.steps:
       ckpt.save(step + 1, {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)},
@@ -227,12 +200,13 @@ def train(config) -> list[dict]:
 
 def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float) -> dict:
   rewards = np.concatenate([g.rewards for g in groups])
-  lengths = np.concatenate([np.asarray(g.arrays["branches"]["mask"]).sum(1) for g in groups])
+  lengths = np.concatenate([g.lengths for g in groups])
   counts = {k: sum(g.counts[k] for g in groups) for k in ("token_positions_naive", "token_positions_computed")}
   return {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
           "accuracy": float(np.concatenate([g.correct for g in groups]).mean()), **stats,
           "completion_len_mean": float(lengths.mean()),
           "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)), **counts,
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
+          "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),
           "sample_s": sum(g.sample_s for g in groups), "score_s": sum(g.score_s for g in groups),
           "update_s": update_s, "step_s": rollout_s + update_s}

@@ -28,6 +28,8 @@ def get_config(arg=None):
   c.rollout.max_new_tokens = 32           # tokens generated per completion at most
   c.rollout.temperature = 1.0             # sampling temperature
   c.rollout.top_p = 1.0                   # nucleus mass (1 disables the filter)
+  c.rollout.tree_fanouts = ()             # e.g. (4, 2, 2): sample a tree (TreePO) instead of G independent samples
+  c.rollout.segment_length = 0            # tokens per tree segment (used when tree_fanouts is set)
 
   c.loss = ml_collections.ConfigDict()
   c.loss.clip_eps = 0.2                   # PPO/GRPO ratio clip epsilon

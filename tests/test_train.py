@@ -145,3 +145,20 @@ def test_run_dir_of_another_experiment_is_refused(replay_run):
 def test_prompt_longer_than_context_is_refused(tmp_path):
   with pytest.raises(ValueError, match="exceeds the model's max_positions"):
     train.train(smoke(tmp_path, **{"rollout.max_new_tokens": 4000}))
+
+
+def test_tree_rollouts_replay_equals_naive(tmp_path):
+  # The tree experiment's smoke variant (fan-outs (2, 2), 4-token segments): nested replay and the
+  # naive step over the same 4 trajectories must train to the same parameters, and a tree is drawn
+  # per step.
+  from experiments import grpo_tree_smollm2_arith
+  runs = {}
+  for mode in ("replay", "naive"):
+    config = grpo_tree_smollm2_arith.get_config("smoke")
+    config.run_dir = str(tmp_path / mode)
+    config.train.gradient = mode
+    history = train.train(config)
+    assert history[0]["token_positions_naive"] > history[0]["token_positions_computed"]
+    runs[mode], _ = final_params(tmp_path / mode)
+  assert os.path.getsize(tmp_path / "replay" / "trees" / "step_2.png") > 0
+  assert max_rel(runs["replay"], runs["naive"]) <= 1e-5
