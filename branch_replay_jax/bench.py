@@ -22,6 +22,7 @@ Method:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -41,16 +42,16 @@ from ml_collections import config_flags
 
 from branch_replay_jax import objectives as obj
 from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.policy import group_arrays, naive_value_and_grad, replay_value_and_grad
-from branch_replay_jax.tree import group_counts, make_group
+from branch_replay_jax.policy import (group_arrays, naive_value_and_grad, replay_value_and_grad,
+                                      trajectory_group_arrays, tree_arrays, tree_replay_value_and_grad)
+from branch_replay_jax.tree import RolloutTree, group_counts, make_group, pad_tree, tree_counts
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/bench_replay.py", "Benchmark config.")
 _WORKER = flags.DEFINE_string("worker", "", "Internal: JSON job for one measurement in a fresh process.")
 
 
-def _objective(logp, br):
-  loss, _ = obj.grpo_token_loss(logp, br["old_logp"], br["ref_logp"], br["advantage"], clip_eps=0.2, kl_coef=0.04)
-  return jnp.sum(br["weights"] * loss), None
+_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.04, on_policy=False)
+_tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.04, on_policy=False)
 
 
 def _load(config):
@@ -61,18 +62,51 @@ def _load(config):
   return load(config.model, dtype=dtype)[0]
 
 
-def _case_arrays(config, case, model_config):
-  p, t, g = case
+def _case(config, index: int) -> dict:
+  """Case `index` over config.cases (prompt groups) then config.tree_cases (full trees)."""
+  if index < len(config.cases):
+    p, t, g = (int(x) for x in config.cases[index])
+    return {"kind": "group", "P": p, "T": t, "G": g}
+  p, s, fanouts = config.tree_cases[index - len(config.cases)]
+  fanouts = [int(f) for f in str(fanouts).split(",")]
+  return {"kind": "tree", "P": int(p), "T": int(s), "fanouts": fanouts, "G": int(np.prod(fanouts))}
+
+
+def _full_tree(case, vocab, rng) -> RolloutTree:
+  segments, parents, frontier = [rng.integers(0, vocab, case["P"])], [-1], [0]
+  for fanout in case["fanouts"]:
+    nxt = []
+    for node in frontier:
+      for _ in range(fanout):
+        segments.append(rng.integers(0, vocab, case["T"]))
+        parents.append(node)
+        nxt.append(len(segments) - 1)
+    frontier = nxt
+  return RolloutTree(tuple(segments), tuple(parents), tuple(frontier))
+
+
+def _case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
+  """(naive arrays, replay arrays, counts) of one case; random tokens and old/ref log-probs."""
   rng = np.random.default_rng(config.seed)
-  group = make_group(rng.integers(0, model_config.vocab_size, p), [rng.integers(0, model_config.vocab_size, t)
-                                                                    for _ in range(g)],
-                     vocab_size=model_config.vocab_size, max_positions=model_config.max_positions,
-                     prompt_bucket=p, completion_bucket=t)
-  return group, group_arrays(group,
-                             weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(np.float32),
-                             advantage=np.asarray(obj.group_advantages(jnp.asarray(rng.normal(size=g)))),
-                             old_logp=(-3.0 + 0.1 * rng.normal(size=(g, t))).astype(np.float32),
-                             ref_logp=(-3.0 + 0.1 * rng.normal(size=(g, t))).astype(np.float32))
+  v, g = model_config.vocab_size, case["G"]
+  adv = np.asarray(obj.group_advantages(jnp.asarray(rng.normal(size=g))))
+  if case["kind"] == "group":
+    p, t = case["P"], case["T"]
+    group = make_group(rng.integers(0, v, p), [rng.integers(0, v, t) for _ in range(g)], vocab_size=v,
+                       max_positions=model_config.max_positions, prompt_bucket=p, completion_bucket=t)
+    arrays = group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(np.float32),
+                          advantage=adv, old_logp=(-3.0 + 0.1 * rng.normal(size=(g, t))).astype(np.float32),
+                          ref_logp=(-3.0 + 0.1 * rng.normal(size=(g, t))).astype(np.float32))
+    return arrays, arrays, {**group_counts(p, [t] * g, model_config), "padding_fraction": 0.0}
+  tree = _full_tree(case, v, rng)
+  per_node = {k: [(-3.0 + 0.1 * rng.normal(size=len(s))).astype(np.float32) for s in tree.segments]
+              for k in ("old_logp", "ref_logp")}
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean").astype(np.float32)
+  padded = pad_tree(tree, prompt_bucket=case["P"])
+  naive = trajectory_group_arrays(tree, per_node, w, vocab_size=v, max_positions=model_config.max_positions,
+                                  completion_bucket=case["T"] * len(case["fanouts"]), advantage=adv)
+  replay = tree_arrays(padded, {**per_node, "weights": tree.node_weights(w)}, advantage=adv)
+  return naive, replay, {**tree_counts(tree, model_config), "padding_fraction": padded.padding_fraction}
 
 
 def _peak_bytes() -> tuple[int, str]:
@@ -89,9 +123,15 @@ def _worker(job: dict) -> dict:
   model_config = model.config
   graphdef, params = nnx.split(model)
   del model
-  _, arrays = _case_arrays(config, tuple(job["case"]), model_config)
-  fn = replay_value_and_grad if job["mode"] == "replay" else naive_value_and_grad
-  step = jax.jit(lambda p, a: fn(graphdef, p, a, _objective, micro_batch=job["micro_batch"],
+  case = _case(config, job["case"])
+  naive_arrays, replay_arrays, _ = _case_inputs(config, case, model_config)
+  if job["mode"] == "naive":
+    fn, objective, arrays = naive_value_and_grad, _objective, naive_arrays
+  elif case["kind"] == "tree":
+    fn, objective, arrays = tree_replay_value_and_grad, _tree_objective, replay_arrays
+  else:
+    fn, objective, arrays = replay_value_and_grad, _objective, replay_arrays
+  step = jax.jit(lambda p, a: fn(graphdef, p, a, objective, micro_batch=job["micro_batch"],
                                  logprob_chunk=config.logprob_chunk))
   t0 = time.perf_counter()
   compiled = step.lower(params, arrays).compile()
@@ -138,15 +178,17 @@ def _candidates(spec: str, g: int) -> list[int]:
 
 
 def run_case(config, index: int, emit) -> dict:
-  """Measure one (P, T, G) case; `emit` receives every JSON record (failed candidates too)."""
-  p, t, g = (int(x) for x in config.cases[index])
-  base = {"config": config.to_dict(), "case": [p, t, g]}
+  """Measure one case; `emit` receives every JSON record (failed candidates too)."""
+  case = _case(config, index)
+  p, t, g = case["P"], case["T"], case["G"]
+  shape = {"case": index, "kind": case["kind"], "P": p, "T": t, "G": g, "fanouts": case.get("fanouts")}
+  base = {"config": config.to_dict(), "case": index}
   with tempfile.TemporaryDirectory() as tmp:
     trials = {}
     for m in _candidates(config.naive_micro_batches, g):
       trials[m] = _run_worker({**base, "mode": "naive", "micro_batch": m, "repeats": 1})
       if "error" in trials[m]:
-        emit({"case": index, "P": p, "T": t, "G": g, "naive_micro_batch": m, **trials[m]})
+        emit({**shape, "naive_micro_batch": m, **trials[m]})
     ok = {m: r for m, r in trials.items() if "error" not in r}
     if not ok:
       raise RuntimeError(f"bench: every naive micro-batch failed for case {index} {(p, t, g)}")
@@ -155,7 +197,8 @@ def run_case(config, index: int, emit) -> dict:
     # The winner's trial run counts as its first timed run: repeats - 1 more in a fresh process.
     naive = _run_worker({**base, "mode": "naive", "micro_batch": best_m, "repeats": max(config.repeats - 1, 1),
                          "save_grads": grads})
-    replay = _run_worker({**base, "mode": "replay", "micro_batch": config.replay_micro_batch,
+    replay_m = config.replay_micro_batch if case["kind"] == "group" else config.tree_replay_micro_batch
+    replay = _run_worker({**base, "mode": "replay", "micro_batch": replay_m,
                           "repeats": config.repeats, "compare_grads": grads})
   for name, r in (("naive", naive), ("replay", replay)):
     if "error" in r:
@@ -163,14 +206,13 @@ def run_case(config, index: int, emit) -> dict:
   naive["times"] = ok[best_m]["times"] + naive["times"]
   naive["seconds"] = statistics.median(naive["times"])
   naive["peak_bytes"] = max(naive["peak_bytes"], ok[best_m]["peak_bytes"])
-  model_config = _load_config(config)
-  record = {"case": index, "P": p, "T": t, "G": g, "naive_s": naive["seconds"], "replay_s": replay["seconds"],
-            "speedup": naive["seconds"] / replay["seconds"],
-            **group_counts(p, [t] * g, model_config),
+  counts = _case_inputs(config, case, _load_config(config))[2]
+  record = {**shape, "naive_s": naive["seconds"], "replay_s": replay["seconds"],
+            "speedup": naive["seconds"] / replay["seconds"], **counts,
             "max_rel_grad_err": replay["max_rel_grad_err"],
             "naive_peak_bytes": naive["peak_bytes"], "replay_peak_bytes": replay["peak_bytes"],
             "memory_measure": replay["memory_measure"], "naive_micro_batch": best_m,
-            "replay_micro_batch": config.replay_micro_batch, "naive_compile_s": naive["compile_s"],
+            "replay_micro_batch": replay_m, "naive_compile_s": naive["compile_s"],
             "replay_compile_s": replay["compile_s"], "naive_times": naive["times"], "replay_times": replay["times"],
             "model": config.model, "dtype": config.dtype, "backend": jax.default_backend()}
   record["speedup_over_ideal"] = record["speedup"] / record["ideal_flop_ratio"]
@@ -198,7 +240,7 @@ def main(argv):
       with open(config.output, "a") as f:
         f.write(line + "\n")
 
-  for i in range(len(config.cases)):
+  for i in range(len(config.cases) + len(config.tree_cases)):
     run_case(config, i, emit)
 
 
