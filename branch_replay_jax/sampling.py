@@ -225,9 +225,19 @@ def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p
   return tokens, logprobs, lengths, done
 
 
-def _check_ids(name, ids, vocab):
-  if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-    raise ValueError(f"sample_group: {name} must lie in [0, {vocab}), got {ids.tolist()}")
+def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, stops: np.ndarray, *, temperature, top_p,
+                          pad_id) -> None:
+  """ValueErrors (prefixed with `caller`) for the inputs every sampler shares."""
+  if not temperature >= 0:
+    raise ValueError(f"{caller}: temperature must be >= 0, got {temperature}")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"{caller}: top_p must be in (0, 1], got {top_p}")
+  if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+    raise ValueError(f"{caller}: prompt_ids must be a non-empty 1-D int sequence, got shape {prompt.shape} "
+                     f"dtype {prompt.dtype}")
+  for name, ids in [("prompt_ids", prompt), ("eos_ids/stop_ids", stops), ("pad_id", np.asarray([pad_id]))]:
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+      raise ValueError(f"{caller}: {name} must lie in [0, {cfg.vocab_size}), got {ids.tolist()}")
 
 
 def _validate(cfg, prompt, stops, *, num_samples, max_new_tokens, temperature, top_p, pad_id):
@@ -235,16 +245,7 @@ def _validate(cfg, prompt, stops, *, num_samples, max_new_tokens, temperature, t
     raise ValueError(f"sample_group: num_samples must be >= 1, got {num_samples}")
   if max_new_tokens < 1:
     raise ValueError(f"sample_group: max_new_tokens must be >= 1, got {max_new_tokens}")
-  if not temperature >= 0:
-    raise ValueError(f"sample_group: temperature must be >= 0, got {temperature}")
-  if not 0 < top_p <= 1:
-    raise ValueError(f"sample_group: top_p must be in (0, 1], got {top_p}")
-  if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-    raise ValueError(f"sample_group: prompt_ids must be a non-empty 1-D int sequence, got shape {prompt.shape} "
-                     f"dtype {prompt.dtype}")
-  _check_ids("prompt_ids", prompt, cfg.vocab_size)
-  _check_ids("eos_ids/stop_ids", stops, cfg.vocab_size)
-  _check_ids("pad_id", np.asarray([pad_id]), cfg.vocab_size)
+  check_sampling_inputs("sample_group", cfg, prompt, stops, temperature=temperature, top_p=top_p, pad_id=pad_id)
   if prompt.size + max_new_tokens > cfg.max_positions:
     raise ValueError(f"sample_group: prompt length {prompt.size} + max_new_tokens {max_new_tokens} exceeds "
                      f"model.config.max_positions={cfg.max_positions}")

@@ -45,7 +45,7 @@ from flax import nnx
 
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
-from branch_replay_jax.sampling import decode_from, decode_step, prefill, prompt_bucket_length
+from branch_replay_jax.sampling import check_sampling_inputs, decode_from, decode_step, prefill, prompt_bucket_length
 from branch_replay_jax.tree import RolloutTree
 
 BRANCH_ON = ("fixed",)
@@ -119,16 +119,7 @@ def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length,
     raise ValueError(f"sample_tree: segment_length must be >= 1, got {segment_length}")
   if last_segment_length < 1:
     raise ValueError(f"sample_tree: last_segment_length must be >= 1, got {last_segment_length}")
-  if not temperature >= 0:
-    raise ValueError(f"sample_tree: temperature must be >= 0, got {temperature}")
-  if not 0 < top_p <= 1:
-    raise ValueError(f"sample_tree: top_p must be in (0, 1], got {top_p}")
-  if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-    raise ValueError(f"sample_tree: prompt_ids must be a non-empty 1-D int sequence, got shape {prompt.shape} "
-                     f"dtype {prompt.dtype}")
-  for name, ids in [("prompt_ids", prompt), ("eos_ids", eos), ("pad_id", np.asarray([pad_id]))]:
-    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
-      raise ValueError(f"sample_tree: {name} must lie in [0, {cfg.vocab_size}), got {ids.tolist()}")
+  check_sampling_inputs("sample_tree", cfg, prompt, eos, temperature=temperature, top_p=top_p, pad_id=pad_id)
   total = prompt.size + (len(fanouts) - 1) * segment_length + last_segment_length
   if total > cfg.max_positions:
     raise ValueError(f"sample_tree: prompt length {prompt.size} + {len(fanouts) - 1} x segment_length "
