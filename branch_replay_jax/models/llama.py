@@ -30,11 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from branch_replay_jax.kernels import KVBlock, suffix_attention
+from branch_replay_jax.kernels import ATTENTION_IMPLS, KVBlock, attention_fn, resolve_attention_impl, suffix_attention
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models.config import ModelConfig
-
-ATTENTION_IMPLS = ("xla",)
 
 
 class SegmentOutput(NamedTuple):
@@ -86,8 +84,9 @@ def apply_rope(x_bthd, positions_bt, inv_freq):
   return (x * cos + rotated * sin).astype(x_bthd.dtype)
 
 
-def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], own_valid_bt):
-  """One decoder block. Returns (new residual stream, (k, v) of this layer)."""
+def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], own_valid_bt,
+           attention=suffix_attention):
+  """One decoder block; `attention` has `suffix_attention`'s signature. Returns (new residual, (k, v))."""
   dt = x_btd.dtype
   h = rms_norm(x_btd, p["attn_norm"], config.norm_eps)
   q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
@@ -100,7 +99,7 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
     k = rms_norm(k, p["k_norm"], config.norm_eps)
   q = apply_rope(q, positions_bt, inv_freq)
   k = apply_rope(k, positions_bt, inv_freq)
-  attn, _ = suffix_attention(q, ancestors, KVBlock(k, v, own_valid_bt))
+  attn, _ = attention(q, ancestors, KVBlock(k, v, own_valid_bt))
   x_btd = x_btd + jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
   h = rms_norm(x_btd, p["mlp_norm"], config.norm_eps)
   gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
@@ -145,15 +144,19 @@ class Llama(nnx.Module):
     dtype: compute dtype (float32, bfloat16, or float64 under `jax_enable_x64`). Parameters
       keep their own dtype (float32 when loaded) and are cast at use.
     remat: recompute each layer's activations in the backward pass (`jax.checkpoint`).
+    attention_impl: suffix attention, one of `ATTENTION_IMPLS`: "xla" (dense jnp reference),
+      "pallas" (FlashAttention-2 kernels, interpreted on the CPU), "auto" (pallas on a GPU when
+      the head dim allows, else xla); resolved once here and stored as `self.attention_impl`.
     rngs: initialisation randomness (the loaders overwrite every parameter).
   """
 
-  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, remat: bool = False,
+  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, remat: bool = False, attention_impl: str = "xla",
                rngs: nnx.Rngs | None = None):
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.remat = remat
+    self.attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
     self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.d_model)))
     self.layers = DecoderLayers(config, rngs=rngs)
     self.final_norm = nnx.Param(jnp.ones((config.d_model,)))
@@ -187,11 +190,12 @@ class Llama(nnx.Module):
     anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
     anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
     anc_valid = [blk.valid for blk in ancestors]
+    attention = attention_fn(self.attention_impl)
 
     def body(x, xs):
       p, ks, vs = xs
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
-      return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt)
+      return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention)
 
     if self.remat:
       body = jax.checkpoint(body)

@@ -1,0 +1,119 @@
+"""Times suffix attention forward and forward+backward on the default device; one JSON line per case.
+
+Implementations, all on the same inputs (bf16, batch 1, Hq=32, Hkv=8, D=128 by default):
+  pallas       `suffix_attention_pallas` (interpreted only if the default backend is the CPU)
+  reference    the dense jnp `suffix_attention` (XLA)
+  dpa_xla      `jax.nn.dot_product_attention(implementation="xla")` over [ancestors ; own] keys with
+               the explicit [B, 1, T, S+T] suffix mask
+  dpa_cudnn    the same with implementation="cudnn" (an "error" entry where cuDNN refuses the mask)
+
+Per implementation: compile_s (lower + compile, seconds, forward+backward program), fwd_ms and
+fwd_bwd_ms (median of --repeats timed calls after one warm-up call, milliseconds; the backward
+takes gradients w.r.t. q and every K/V), plus each one's max |out - reference out|.
+
+    python scripts/bench_attention.py [--cases 1024:128,8192:256,32768:512] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas
+
+
+def suffix_mask(anc_valid_bs, own_valid_bt):
+  """[B, 1, T, S+T] bool: every valid ancestor key, own keys bottom-right causal and valid."""
+  t = own_valid_bt.shape[1]
+  own = jnp.tril(jnp.ones((t, t), bool))[None] & own_valid_bt[:, None, :]
+  anc = jnp.broadcast_to(anc_valid_bs[:, None, :], (own.shape[0], t, anc_valid_bs.shape[1]))
+  return jnp.concatenate([anc, own], axis=-1)[:, None]
+
+
+def make_impls():
+  def kernel(fn):
+    return lambda q, ka, va, ko, vo, ma, mo: fn(q, [KVBlock(ka, va, ma)], KVBlock(ko, vo, mo))[0]
+
+  def dpa(implementation):
+    def f(q, ka, va, ko, vo, ma, mo):
+      k, v = jnp.concatenate([ka, ko], axis=1), jnp.concatenate([va, vo], axis=1)
+      return jax.nn.dot_product_attention(q, k, v, mask=suffix_mask(ma, mo), implementation=implementation)
+    return f
+
+  return {"pallas": kernel(suffix_attention_pallas), "reference": kernel(suffix_attention),
+          "dpa_xla": dpa("xla"), "dpa_cudnn": dpa("cudnn")}
+
+
+def timed(compiled, args, repeats):
+  jax.block_until_ready(compiled(*args))           # warm-up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), times
+
+
+def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats):
+  rng = np.random.default_rng(0)
+  x = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+  q, ka, va, ko, vo = x(b, t, hq, d), x(b, s_anc, hkv, d), x(b, s_anc, hkv, d), x(b, t, hkv, d), x(b, t, hkv, d)
+  ma = jnp.asarray(rng.random((b, s_anc)) > 0.05)  # a few padded prefix keys
+  mo = jnp.ones((b, t), bool)
+  cot = x(b, t, hq, d)
+  args = (q, ka, va, ko, vo, ma, mo)
+  # Nominal FLOPs of the unmasked suffix attention: 4 T Hq D (S + (T+1)/2) forward, 2.5x that backward.
+  fwd_flops = 4 * b * t * hq * d * (s_anc + (t + 1) / 2)
+  row = {"s_anc": s_anc, "t": t, "b": b, "hq": hq, "hkv": hkv, "d": d, "dtype": jnp.dtype(dtype).name,
+         "fwd_bwd_gflop": round(3.5 * fwd_flops / 1e9, 2), "device": str(jax.devices()[0])}
+  ref_out = None
+  for name, fn in make_impls().items():
+    try:
+      fwd = jax.jit(fn)
+      loss = lambda q, ka, va, ko, vo, ma, mo: jnp.sum(fn(q, ka, va, ko, vo, ma, mo).astype(jnp.float32) * cot)
+      t0 = time.perf_counter()
+      fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
+      compile_s = time.perf_counter() - t0
+      out = fwd(*args)
+      fwd_ms, _ = timed(fwd, args, repeats)
+      fwd_bwd_ms, all_ms = timed(fwd_bwd, args, repeats)
+      ref_out = out if name == "reference" else ref_out
+      entry = {"compile_s": round(compile_s, 2), "fwd_ms": round(fwd_ms, 3), "fwd_bwd_ms": round(fwd_bwd_ms, 3),
+               "fwd_bwd_ms_all": [round(v, 3) for v in all_ms],
+               "fwd_bwd_tflops": round(3.5 * fwd_flops / (fwd_bwd_ms * 1e-3) / 1e12, 1), "_out": out}
+    except Exception as e:  # noqa: BLE001 - a refused implementation is a result, not a crash
+      entry = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    row[name] = entry
+  for name in make_impls():
+    out = row[name].pop("_out", None)
+    if out is not None and ref_out is not None:
+      row[name]["max_abs_diff_vs_reference"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) -
+                                                                   ref_out.astype(jnp.float32))))
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--cases", default="1024:128,8192:256,32768:512", help="S_anc:T pairs")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--heads", default="32:8", help="Hq:Hkv")
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--dtype", default="bfloat16")
+  a = parser.parse_args()
+  hq, hkv = map(int, a.heads.split(":"))
+  for case in a.cases.split(","):
+    s_anc, t = map(int, case.split(":"))
+    row = bench_case(s_anc, t, b=a.batch, hq=hq, hkv=hkv, d=a.head_dim, dtype=jnp.dtype(a.dtype),
+                     repeats=a.repeats)
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()

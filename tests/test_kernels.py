@@ -1,0 +1,224 @@
+"""Pallas suffix attention (interpret mode on the CPU) against the dense reference.
+
+Accuracy rule (flash-attention's): on the same rounded inputs, the kernel's error against a
+float64 evaluation of the reference is at most 2x the error of the reference itself run in the
+same low precision. Errors are max|x - x64| / max|x64| per output (out, lse, dQ and dK/dV of every
+block). Where both errors are at float32 noise (~1e-7: every float32 output, and the bfloat16 lse,
+which both compute in float32) their ratio means nothing, so FLOOR = 1e-6 (~10 float32 ulps of the
+output scale) is added; bfloat16 errors are ~2e-3, far above it.
+"""
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_rel_err, random_group
+from flax import nnx
+
+from branch_replay_jax import objectives as obj
+from branch_replay_jax.kernels import KVBlock, resolve_attention_impl, suffix_attention, suffix_attention_pallas
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.policy import group_arrays, replay_value_and_grad
+
+FLOOR = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  dtype: type
+  b: int
+  t: int
+  s_anc: tuple[int, ...]          # one ancestor block per entry (0: an empty block)
+  hq: int
+  hkv: int
+  d: int
+  pad_keys: bool = False          # random invalid ancestor keys
+  pad_queries: bool = False       # own valid False on a tail (ragged segments)
+  shared: bool = False            # the first ancestor block has batch 1 (a shared prompt)
+
+
+CASES = {
+    "f32-gqa1-d64-T!=S-padkeys": Case(jnp.float32, b=2, t=16, s_anc=(40,), hq=2, hkv=2, d=64, pad_keys=True),
+    "bf16-gqa3-d128-padq": Case(jnp.bfloat16, b=1, t=8, s_anc=(24,), hq=6, hkv=2, d=128, pad_queries=True),
+    "bf16-gqa8-T1-shared-2blocks": Case(jnp.bfloat16, b=2, t=1, s_anc=(32, 8), hq=8, hkv=1, d=64, pad_keys=True,
+                                        shared=True),
+    "f32-gqa8-d128-T1": Case(jnp.float32, b=1, t=1, s_anc=(48,), hq=8, hkv=1, d=128, pad_keys=True),
+    "f32-gqa3-d128-S0": Case(jnp.float32, b=2, t=12, s_anc=(), hq=3, hkv=1, d=128, pad_queries=True),
+    "bf16-gqa1-d64-S0-emptyblock": Case(jnp.bfloat16, b=1, t=16, s_anc=(0,), hq=2, hkv=2, d=64),
+    "bf16-gqa3-d64-shared-padq": Case(jnp.bfloat16, b=2, t=20, s_anc=(64,), hq=3, hkv=1, d=64, pad_keys=True,
+                                      pad_queries=True, shared=True),
+}
+
+
+def make_inputs(case: Case, seed=0):
+  """float64 numpy inputs (q, [k_i], [v_i], [valid_i], k_own, v_own, valid_own, do, dlse)."""
+  rng = np.random.default_rng(seed)
+  b, t, hkv, d = case.b, case.t, case.hkv, case.d
+  anc_b = [1 if (case.shared and i == 0) else b for i in range(len(case.s_anc))]
+  k = [rng.normal(size=(bb, s, hkv, d)) for bb, s in zip(anc_b, case.s_anc)]
+  v = [rng.normal(size=(bb, s, hkv, d)) for bb, s in zip(anc_b, case.s_anc)]
+  valid = [rng.random((bb, s)) > (0.3 if case.pad_keys else -1) for bb, s in zip(anc_b, case.s_anc)]
+  lengths = rng.integers(1, t + 1, size=b) if case.pad_queries else np.full(b, t)
+  if case.pad_queries:
+    lengths[0] = max(1, t // 2)           # at least one row really padded
+  own_valid = np.arange(t)[None] < lengths[:, None]
+  q = rng.normal(size=(b, t, case.hq, d)) * 1.5  # sharper softmax than unit scale
+  return (q, k, v, valid, rng.normal(size=(b, t, hkv, d)), rng.normal(size=(b, t, hkv, d)), own_valid,
+          rng.normal(size=(b, t, case.hq, d)), rng.normal(size=(b, t, case.hq)))
+
+
+def run(fn, dtype, inputs):
+  """(out, lse, dq, dk_anc..., dv_anc..., dk_own, dv_own) as float64 numpy, computed in `dtype`."""
+  q, k, v, valid, ko, vo, own_valid, do, dlse = inputs
+  cast = lambda x: jnp.asarray(x, dtype)
+  masks = [jnp.asarray(m) for m in valid]
+
+  def f(q, k, v, ko, vo):
+    return fn(q, [KVBlock(kk, vv, m) for kk, vv, m in zip(k, v, masks)], KVBlock(ko, vo, jnp.asarray(own_valid)))
+
+  @jax.jit
+  def fwd_bwd(q, k, v, ko, vo, do, dlse):
+    (out, lse), pullback = jax.vjp(f, q, k, v, ko, vo)
+    dq, dk, dv, dko, dvo = pullback((do, dlse.astype(lse.dtype)))
+    return [out, lse, dq, *dk, *dv, dko, dvo]
+
+  res = fwd_bwd(cast(q), [cast(x) for x in k], [cast(x) for x in v], cast(ko), cast(vo), cast(do), cast(dlse))
+  return [np.asarray(x, np.float64) for x in res]
+
+
+def rel_err(got, want):
+  finite = np.isfinite(want)
+  np.testing.assert_array_equal(np.isfinite(got), finite)  # -inf lse exactly where the reference has it
+  scale = np.abs(want[finite]).max() if finite.any() and np.abs(want[finite]).max() > 0 else 1.0
+  return np.abs(np.where(finite, got - want, 0.0)).max() / scale if got.size else 0.0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_error_at_most_twice_reference_error(name):
+  case = CASES[name]
+  inputs = make_inputs(case)
+  # Judge both on the same rounded inputs: round to the low dtype first, then evaluate in float64.
+  rounded = jax.tree_util.tree_map(lambda x: np.asarray(jnp.asarray(x, case.dtype), np.float64)
+                                   if x.dtype != bool else x, inputs)
+  with jax.enable_x64(True):
+    exact = run(suffix_attention, jnp.float64, rounded)
+  reference = run(suffix_attention, case.dtype, inputs)
+  kernel = run(suffix_attention_pallas, case.dtype, inputs)
+  n = len(case.s_anc)
+  names = ["out", "lse", "dq"] + [f"dk_anc{i}" for i in range(n)] + [f"dv_anc{i}" for i in range(n)] + ["dk_own",
+                                                                                                       "dv_own"]
+  for label, got, ref, want in zip(names, kernel, reference, exact):
+    assert got.shape == want.shape, (label, got.shape, want.shape)
+    err_kernel, err_ref = rel_err(got, want), rel_err(ref, want)
+    assert err_kernel <= 2 * err_ref + FLOOR, (label, err_kernel, err_ref)
+  if case.dtype == jnp.bfloat16:
+    assert rel_err(reference[0], exact[0]) > 1e-4, "bfloat16 must actually round (else the rule checks nothing)"
+
+
+def test_fully_masked_rows_give_zeros_and_no_nan():
+  # No ancestor key is valid and own key 0 is padding, so query 0 sees nothing at all:
+  #   keys:   anc . . . . . . . .   own . x x x
+  #   query 0     . . . . . . . .       . . . .   <- no key: out 0, lse -inf
+  #   query 1     . . . . . . . .       . x . .
+  case = Case(jnp.float32, b=2, t=4, s_anc=(8,), hq=4, hkv=2, d=32)
+  q, k, v, valid, ko, vo, own_valid, do, dlse = make_inputs(case, seed=3)
+  valid = [np.zeros_like(valid[0])]
+  own_valid = np.array([[False, True, True, True], [True, True, True, False]])
+  inputs = (q, k, v, valid, ko, vo, own_valid, do, dlse)
+  kernel = run(suffix_attention_pallas, jnp.float32, inputs)
+  reference = run(suffix_attention, jnp.float32, inputs)
+  out, lse = kernel[:2]
+  assert np.all(out[0, 0] == 0.0) and np.all(lse[0, 0] == -np.inf)
+  assert np.all(np.isfinite(lse[0, 1:])) and np.all(np.isfinite(lse[1]))
+  for got, want in zip(kernel, reference):
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert np.all(kernel[3] == 0.0) and np.all(kernel[4] == 0.0), "invalid ancestor keys get no gradient"
+
+
+@pytest.mark.parametrize("dtype, b, t, s, hq, hkv, d, shared", [
+    (jnp.bfloat16, 2, 1, 40, 8, 1, 64, True),      # decode step on a shared prompt
+    (jnp.float32, 1, 12, 24, 6, 2, 128, False),
+])
+def test_forward_and_backward_lower_to_triton_without_a_gpu(dtype, b, t, s, hq, hkv, d, shared):
+  # Lowering for CUDA runs the Pallas Triton lowering rules here (power-of-two tiles, dot operand
+  # shapes, supported primitives); only Triton's own compile to PTX needs the GPU.
+  sds = jax.ShapeDtypeStruct
+  kv_anc, kv_own = sds((1 if shared else b, s, hkv, d), dtype), sds((b, t, hkv, d), dtype)
+  mask_anc, mask_own = jnp.ones((kv_anc.shape[0], s), bool), jnp.ones((b, t), bool)
+
+  def loss(q, ka, va, ko, vo):
+    out, _ = suffix_attention_pallas(q, [KVBlock(ka, va, mask_anc)], KVBlock(ko, vo, mask_own), interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  lowered = jax.jit(jax.grad(loss, argnums=range(5))).trace(sds((b, t, hq, d), dtype), kv_anc, kv_anc, kv_own,
+                                                            kv_own).lower(lowering_platforms=("cuda",))
+  # forward, dQ, and dK/dV for each of the two blocks
+  assert lowered.as_text().count("custom_call @__gpu$xla.gpu.triton") == 4
+
+
+def _blocks(b=1, t=4, s=8, hq=2, hkv=1, d=64, dtype=jnp.float32):
+  zeros = lambda *shape: jnp.zeros(shape, dtype)
+  q = zeros(b, t, hq, d)
+  anc = KVBlock(zeros(b, s, hkv, d), zeros(b, s, hkv, d), jnp.ones((b, s), bool))
+  own = KVBlock(zeros(b, t, hkv, d), zeros(b, t, hkv, d), jnp.ones((b, t), bool))
+  return q, [anc], own
+
+
+@pytest.mark.parametrize("kwargs, call, match", [
+    (dict(d=80), {}, "head dim 80"),
+    (dict(d=8), {}, "head dim 8"),
+    (dict(hq=3, hkv=2), {}, "multiple of Hkv"),
+    ({}, dict(block_q=24), "power of two"),
+    ({}, dict(block_k=8), "power of two"),
+])
+def test_bad_shapes_raise(kwargs, call, match):
+  q, anc, own = _blocks(**kwargs)
+  with pytest.raises(ValueError, match=match):
+    suffix_attention_pallas(q, anc, own, **call)
+
+
+def test_own_block_must_match_queries_and_dtypes_must_agree():
+  q, anc, own = _blocks()
+  with pytest.raises(ValueError, match="own keys have length"):
+    suffix_attention_pallas(q[:, :3], anc, own)
+  with pytest.raises(ValueError, match="K/V are"):
+    suffix_attention_pallas(q.astype(jnp.bfloat16), anc, own._replace(k=own.k.astype(jnp.bfloat16),
+                                                                        v=own.v.astype(jnp.bfloat16)))
+
+
+def test_attention_impl_resolution(caplog):
+  assert resolve_attention_impl("xla", 8) == "xla"
+  assert resolve_attention_impl("auto", 64, backend="cpu") == "xla"
+  assert resolve_attention_impl("auto", 64, backend="gpu") == "pallas"
+  with caplog.at_level(logging.WARNING):
+    assert resolve_attention_impl("auto", 80, backend="gpu") == "xla"
+  assert "head dim 80" in caplog.text, "the fallback must be logged, never silent"
+  with pytest.raises(ValueError, match="head dim"):
+    Llama(tiny_config(), attention_impl="pallas")           # tiny_config has head_dim 8
+  with pytest.raises(ValueError, match="attention_impl"):
+    resolve_attention_impl("flash", 64)
+
+
+def test_replay_with_pallas_equals_replay_with_xla():
+  # Same parameters, only the attention implementation differs: float32 rounding, <= 1e-4.
+  config = tiny_config(head_dim=16)
+  split = lambda impl: nnx.split(Llama(config, attention_impl=impl, rngs=nnx.Rngs(0)))
+  (gd_xla, params), (gd_pallas, params_pallas) = split("xla"), split("pallas")
+  assert max_rel_err(params_pallas, params) == 0.0
+  assert nnx.merge(gd_pallas, params).attention_impl == "pallas", "the switch must survive split/merge"
+  group = random_group([3, 7])                              # ragged: the short branch is padded
+  weights = obj.token_weights(group.lengths, group.completion_ids.shape[1], mode="sequence_mean")
+  arrays = group_arrays(group, weights=(weights * np.array([[1.0], [-0.5]])).astype(np.float32))
+  objective = lambda logp, br: (obj.weighted_logprob_loss(logp, br["weights"]), logp)
+  # micro_batch=2: both branches in one vmapped step, so the kernels also run under jax.vmap.
+  fn = jax.jit(functools.partial(replay_value_and_grad, micro_batch=2), static_argnums=(0, 3))
+  loss_xla, logp_xla, g_xla = fn(gd_xla, params, arrays, objective)
+  loss_pallas, logp_pallas, g_pallas = fn(gd_pallas, params, arrays, objective)
+  assert abs(float(loss_pallas) - float(loss_xla)) <= 1e-5 * max(1.0, abs(float(loss_xla)))
+  np.testing.assert_allclose(logp_pallas, logp_xla, atol=1e-5)
+  assert max_rel_err(g_pallas, g_xla) <= 1e-4
