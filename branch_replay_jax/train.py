@@ -77,8 +77,9 @@ def build_model(config):
   if config.model.name == "tiny":
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     cfg = tiny_config(vocab_size=len(tokenizer), max_positions=2048)
-    return Llama(cfg, dtype=dtype, remat=config.model.remat, rngs=nnx.Rngs(config.seed)), tokenizer
-  return load(config.model.name, dtype=dtype, remat=config.model.remat)
+    return Llama(cfg, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl,
+                 rngs=nnx.Rngs(config.seed)), tokenizer
+  return load(config.model.name, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl)
 
 
 def make_optimizer(config) -> optax.GradientTransformation:

@@ -13,7 +13,8 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict()
   c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
   c.model.dtype = "float32"               # compute dtype: float32 or bfloat16 (parameters stay float32)
-  c.model.remat = False                   # recompute layer activations in the backward pass
+  c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs) or save_kv (inputs + K/V)
+  c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, auto (pallas on GPU)
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.tasks.TASKS (also gsm_symbolic)

@@ -15,9 +15,9 @@ from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.tree import make_group
 
 
-def tiny_model(dtype=jnp.float32, param_dtype=jnp.float32, seed=0, **config_overrides):
+def tiny_model(dtype=jnp.float32, param_dtype=jnp.float32, seed=0, remat="none", **config_overrides):
   """(graphdef, params) of a 2-layer random model; params cast to param_dtype."""
-  model = Llama(tiny_config(**config_overrides), dtype=dtype, rngs=nnx.Rngs(seed))
+  model = Llama(tiny_config(**config_overrides), dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))
   graphdef, params = nnx.split(model)
   return graphdef, jax.tree_util.tree_map(lambda x: x.astype(param_dtype), params)
 

@@ -434,8 +434,8 @@ def test_unknown_name_is_refused():
 def test_dtype_and_remat_reach_the_model_and_params_stay_float32(tmp_path, good_tensors):
   # dtype is the compute dtype only: a bf16 model still holds the float32 weights it was given.
   config, tensors = good_tensors
-  model, _ = load(write_hf_dir(tmp_path / "m", config, tensors), dtype=jnp.bfloat16, remat=True)
-  assert model.dtype == jnp.bfloat16 and model.remat
+  model, _ = load(write_hf_dir(tmp_path / "m", config, tensors), dtype=jnp.bfloat16, remat="full")
+  assert model.dtype == jnp.bfloat16 and model.remat == "full"
   assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.float32)}
   want = tensors["model.layers.1.mlp.down_proj.weight"].T
   np.testing.assert_array_equal(np.asarray(model.layers.w_down[...][1]), want)

@@ -189,3 +189,16 @@ def test_replay_rejects_bad_micro_batch_and_ragged_branches():
     replay_vjp(prefix_fn, branch_fn, params, jnp.ones(3), micro_batch=2)
   with pytest.raises(ValueError, match="same leading branch axis"):
     replay_vjp(prefix_fn, lambda p, h, b: (b["x"].sum(), None), params, {"x": jnp.ones(3), "y": jnp.ones(4)})
+
+
+def test_every_remat_policy_gives_the_same_gradient(x64):
+  # Rematerialisation recomputes the same float64 operations in the backward pass: same gradient.
+  arrays = grpo_arrays(random_group(LENGTHS[2]), jnp.float64)
+  grads = {}
+  for policy in ("none", "full", "save_kv"):
+    graphdef, params = tiny_model(jnp.float64, jnp.float64, remat=policy)
+    (_, _, grads[policy]), _ = both(graphdef, params, arrays)
+  assert max_rel_err(grads["full"], grads["none"]) <= 1e-12
+  assert max_rel_err(grads["save_kv"], grads["none"]) <= 1e-12
+  with pytest.raises(ValueError, match="remat=True"):
+    tiny_model(remat=True)

@@ -29,10 +29,14 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from branch_replay_jax.kernels import ATTENTION_IMPLS, KVBlock, attention_fn, resolve_attention_impl, suffix_attention
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models.config import ModelConfig
+
+
+REMAT_POLICIES = ("none", "full", "save_kv")
 
 
 class SegmentOutput(NamedTuple):
@@ -98,7 +102,8 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
     q = rms_norm(q, p["q_norm"], config.norm_eps)
     k = rms_norm(k, p["k_norm"], config.norm_eps)
   q = apply_rope(q, positions_bt, inv_freq)
-  k = apply_rope(k, positions_bt, inv_freq)
+  k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "k")
+  v = checkpoint_name(v, "v")
   attn, _ = attention(q, ancestors, KVBlock(k, v, own_valid_bt))
   x_btd = x_btd + jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
   h = rms_norm(x_btd, p["mlp_norm"], config.norm_eps)
@@ -143,18 +148,23 @@ class Llama(nnx.Module):
     config: the architecture.
     dtype: compute dtype (float32, bfloat16, or float64 under `jax_enable_x64`). Parameters
       keep their own dtype (float32 when loaded) and are cast at use.
-    remat: recompute each layer's activations in the backward pass (`jax.checkpoint`).
+    remat: rematerialisation policy of each layer (`jax.checkpoint` around the scanned layer body),
+      one of REMAT_POLICIES: "none" keeps every activation for the backward pass; "full" keeps
+      only each layer's input and recomputes the rest; "save_kv" keeps each layer's input and its
+      K/V (`checkpoint_name` "k", "v") and recomputes the rest. Gradients are identical.
     attention_impl: suffix attention, one of `ATTENTION_IMPLS`: "xla" (dense jnp reference),
       "pallas" (FlashAttention-2 kernels, interpreted on the CPU), "auto" (pallas on a GPU when
       the head dim allows, else xla); resolved once here and stored as `self.attention_impl`.
     rngs: initialisation randomness (the loaders overwrite every parameter).
   """
 
-  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, remat: bool = False, attention_impl: str = "xla",
+  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla",
                rngs: nnx.Rngs | None = None):
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     self.config = config
     self.dtype = jnp.dtype(dtype)
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"Llama: remat={remat!r} is not one of {REMAT_POLICIES}")
     self.remat = remat
     self.attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
     self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.d_model)))
@@ -197,8 +207,10 @@ class Llama(nnx.Module):
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
       return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention)
 
-    if self.remat:
+    if self.remat == "full":
       body = jax.checkpoint(body)
+    elif self.remat == "save_kv":
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("k", "v"))
     x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), anc_k, anc_v))
     hidden = rms_norm(x, self.final_norm[...], cfg.norm_eps)
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden)

@@ -138,9 +138,11 @@ def assemble_params(config: ModelConfig, globs: dict, layers: dict) -> dict:
   return params
 
 
-def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: bool = False) -> Llama:
+def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: str = "none",
+                attention_impl: str = "xla") -> Llama:
   """A `Llama` holding exactly `params` (no random initialisation is run)."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, remat=remat, rngs=nnx.Rngs(0))))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, remat=remat, attention_impl=attention_impl,
+                                                          rngs=nnx.Rngs(0))))
   wanted = jax.tree.map(lambda s: s.shape, nnx.to_pure_dict(state))
   got = jax.tree.map(lambda a: a.shape, params)
   assert wanted == got, f"loader/model parameter layout disagree: model {wanted}, loader {got}"
@@ -154,7 +156,7 @@ def _check_vocab(tokenizer, config: ModelConfig, source: str, exact: bool):
     raise ValueError(f"{source}: tokenizer has {n} tokens but the model's embedding has {config.vocab_size} rows")
 
 
-def _load_gguf(path: str, dtype, remat):
+def _load_gguf(path: str, dtype, model_options: dict):
   contents = gguf_loader.read_gguf(path)
   config = contents.config
   globs, layers = canonical_tensors(contents.tensors, config, global_names=gguf_loader.GLOBAL_NAMES,
@@ -165,10 +167,10 @@ def _load_gguf(path: str, dtype, remat):
     layers["k"] = [gguf_loader.unpermute_rows(w, config.num_kv_heads, f"{path}: attn_k") for w in layers["k"]]
   tokenizer = gguf_loader.build_tokenizer(config.arch, contents.metadata, path)
   _check_vocab(tokenizer, config, path, exact=True)
-  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat), tokenizer
+  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, **model_options), tokenizer
 
 
-def _load_hf(directory: str, dtype, remat):
+def _load_hf(directory: str, dtype, model_options: dict):
   config = hf_loader.read_config(directory)
   tensors = hf_loader.read_tensors(directory)
   if config.tie_embeddings and "lm_head.weight" in tensors:
@@ -184,10 +186,10 @@ def _load_hf(directory: str, dtype, remat):
   tokenizer = hf_loader.load_tokenizer(directory)
   # HF embeddings are often padded past the tokenizer (Qwen2.5: 151936 rows, 151665 tokens).
   _check_vocab(tokenizer, config, directory, exact=False)
-  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat), tokenizer
+  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, **model_options), tokenizer
 
 
-def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: bool = False):
+def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla"):
   """Load a pretrained decoder and its tokenizer from local files.
 
   Args:
@@ -195,7 +197,7 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: bool = False
       file (arch llama/qwen2/qwen3; any quantisation the `gguf` package dequantises), or a
       directory with config.json, *.safetensors (f32/f16/bf16) and tokenizer files.
     dtype: compute dtype of the model; parameters are float32 (dequantised exactly).
-    remat: recompute layer activations in the backward pass (see `Llama`).
+    remat, attention_impl: passed to `Llama` (rematerialisation policy, suffix-attention kernel).
 
   Returns:
     (model, tokenizer): a `Llama` and a transformers fast tokenizer (with its chat template).
@@ -206,14 +208,15 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: bool = False
       not fit the embedding. Nothing is loaded partially.
   """
   name = os.fspath(name_or_path)
+  options = {"remat": remat, "attention_impl": attention_impl}
   if name == "smollm2-135m-instruct":
-    return _load_gguf(smollm2_gguf_path(), dtype, remat)
+    return _load_gguf(smollm2_gguf_path(), dtype, options)
   if os.path.isfile(name) and name.endswith(".gguf"):
-    return _load_gguf(name, dtype, remat)
+    return _load_gguf(name, dtype, options)
   if os.path.isdir(name):
     if not os.path.isfile(os.path.join(name, "config.json")):
       raise ValueError(f"{name}: directory has no config.json")
-    return _load_hf(name, dtype, remat)
+    return _load_hf(name, dtype, options)
   raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
 
 
