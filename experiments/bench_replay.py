@@ -11,10 +11,10 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m-instruct"   # a name or path for models.load, or "tiny" (random 2-layer model)
   c.dtype = "float32"                 # compute dtype: float32 or bfloat16
-  c.cases = [(1024, 128, 8), (2048, 128, 8), (512, 64, 16)]  # (P prompt tokens, T completion tokens, G)
+  c.cases = ((1024, 128, 8), (2048, 128, 8), (512, 64, 16))  # (P prompt tokens, T completion tokens, G)
   c.repeats = 3                       # timed runs after the compile; the median is reported
   c.naive_micro_batches = "1,2,G"     # candidates for the naive step's micro-batch; the fastest is reported
-  c.tree_cases = [(1024, 64, "4,2,2"), (256, 32, "2,2,2,2")]  # (P, segment tokens, fan-outs per level): full trees
+  c.tree_cases = ((1024, 64, "4,2,2"), (256, 32, "2,2,2,2"))  # (P, segment tokens, fan-outs per level): full trees
   c.replay_micro_batch = 1            # branches vmapped per replay scan step
   c.tree_replay_micro_batch = 1       # leaf siblings vmapped per scan step in nested (tree) replay
   c.logprob_chunk = 128               # positions per log-prob chunk (no [T, V] logits in either mode)
@@ -22,8 +22,8 @@ def get_config(arg=None):
   c.output = ""                       # also append the JSON lines to this file when set
   if arg == "smoke":
     c.model = "tiny"
-    c.cases = [(24, 6, 4)]
-    c.tree_cases = [(16, 4, "2,2")]
+    c.cases = ((24, 6, 4),)
+    c.tree_cases = ((16, 4, "2,2"),)
     c.repeats = 2
   elif arg not in (None, ""):
     raise ValueError(f"experiments/bench_replay.py: unknown variant {arg!r}; use '' or 'smoke'")
