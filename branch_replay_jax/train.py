@@ -49,6 +49,7 @@ def validate(config) -> None:
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}={value!r} must be a positive int")
   if not r.tree_fanouts and r.group_size % t.micro_batch:
+    # Groups have a fixed G; a micro-batch that does not divide it is a configuration mistake.
     raise ValueError(f"train.micro_batch={t.micro_batch} must divide rollout.group_size={r.group_size}")
   if t.gradient not in GRADIENTS:
     raise ValueError(f"train.gradient={t.gradient!r} is not one of {GRADIENTS}")
@@ -66,8 +67,6 @@ def validate(config) -> None:
       # Forward-only replay on trees (reference / old log-probs) is not implemented yet.
       raise ValueError(f"rollout.tree_fanouts is set: loss.kl_coef={l.kl_coef} must be 0 and train.inner_epochs="
                        f"{t.inner_epochs} must be 1 with tree rollouts for now")
-    if t.micro_batch != 1 and t.gradient == "replay" and r.tree_fanouts[-1] % t.micro_batch:
-      raise ValueError(f"train.micro_batch={t.micro_batch} must divide the last fan-out {r.tree_fanouts[-1]}")
 
 
 def build_model(config):
@@ -100,6 +99,17 @@ def fingerprint(config) -> dict:
           "seed": config.seed}
 
 
+def _siblings(arrays: dict) -> int:
+  """Completions of a group, or leaf slots under one parent of a padded tree."""
+  if "branches" in arrays:
+    return arrays["branches"]["tokens"].shape[0]
+  return arrays["levels"][-1]["tokens"].shape[-2]
+
+
+def _fit_micro_batch(requested: int, n: int) -> int:
+  return max(m for m in range(1, min(requested, n) + 1) if n % m == 0)
+
+
 class StepFunctions:
   """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape)."""
 
@@ -110,9 +120,13 @@ class StepFunctions:
     self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
                                        kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
     grad_fn = naive_value_and_grad if naive else tree_replay_value_and_grad if tree else replay_value_and_grad
-    lp_fn = naive_logprobs if naive else functools.partial(replay_logprobs, micro_batch=t.micro_batch)
-    self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective, micro_batch=t.micro_batch))
-    self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a))
+    lp_fn = naive_logprobs if naive else replay_logprobs
+    # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
+    # each compiled shape uses the largest divisor of that count not above train.micro_batch.
+    self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective,
+                                             micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
+    self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a) if naive else
+                            lp_fn(graphdef, p, a, micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
 
     def update(params, opt_state, grads):
       updates, opt_state = optimizer.update(grads, opt_state, params)

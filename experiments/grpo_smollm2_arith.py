@@ -47,7 +47,7 @@ def get_config(arg=None):
   c.train.max_grad_norm = 1.0             # global-norm gradient clipping
   c.train.inner_epochs = 1                # updates per sampled batch; > 1 replays old log-probs first
   c.train.gradient = "replay"             # replay (shared prompt once) or naive (prompt repeated per completion)
-  c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G
+  c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G (trees: at most)
 
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/grpo_smollm2_arith"   # metrics.jsonl, plots, checkpoints

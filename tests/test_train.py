@@ -162,3 +162,23 @@ def test_tree_rollouts_replay_equals_naive(tmp_path):
     runs[mode], _ = final_params(tmp_path / mode)
   assert os.path.getsize(tmp_path / "replay" / "trees" / "step_2.png") > 0
   assert max_rel(runs["replay"], runs["naive"]) <= 1e-5
+
+
+def test_checkpoint_killed_mid_save_leaves_the_previous_one_usable(replay_run, tmp_path):
+  # orbax writes step N into "N.orbax-checkpoint-tmp-*" and renames it when complete. A run killed
+  # mid-save leaves such a directory behind (here: a copy of the run with a half-written step 3);
+  # resuming must see step 2 as the latest and restore it intact.
+  import shutil
+  run_dir, _ = replay_run
+  copy = tmp_path / "run"
+  shutil.copytree(run_dir, copy)
+  partial = copy / "checkpoints" / "3.orbax-checkpoint-tmp-1764400000000000"
+  partial.mkdir()
+  (partial / "state").mkdir()
+  (partial / "state" / "garbage").write_bytes(b"\x00" * 100)
+  ckpt = RunCheckpoints(str(copy))
+  assert ckpt.latest_step() == 2
+  ckpt.close()
+  got, meta = final_params(copy)
+  want, _ = final_params(run_dir)
+  assert meta["step"] == 2 and max_rel(got, want) == 0.0
