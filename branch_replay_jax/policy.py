@@ -1,4 +1,4 @@
-"""A Llama policy's log-probs and objective gradients on a rollout group: replay and naive.
+"""A Llama policy's log-probs and objective gradients on a rollout group or tree: replay and naive.
 
 Both paths compute the same function of the parameters,
 
@@ -10,6 +10,8 @@ whatever the objective reads ("weights", "advantage", "old_logp", "ref_logp", ..
 
 - replay: the prompt runs once (`replay_vjp`); each completion runs on top of its K/V at
   positions P..P+T-1; completion token 0 is scored from the prompt's last hidden state.
+- tree replay: every node of a padded rollout tree runs once on its ancestors' K/V
+  (`nested_replay_vjp`); the objective sees one node's tokens (`tree_replay_value_and_grad`).
 - naive: each completion is appended to a copy of the prompt and the batch of G full sequences
   runs forward and backward (the "[B] -> [B*G]" of today's pipelines), scoring only completion
   positions (the strongest naive: no [P, V] logits), in micro-batches of sequences.
@@ -58,13 +60,21 @@ def _prefix_fn(graphdef, arrays):
   return prefix_fn
 
 
+def _segment(model, segment: dict, offset, ancestors: list, parent_last_hidden, chunk):
+  """Forward of one segment on its ancestors' K/V and the log-probs of its tokens.
+
+  Token 0 is scored from the parent's last hidden state, token i > 0 from the segment's own
+  position i - 1. Returns (SegmentOutput, logp [T] with 0 on padding).
+  """
+  out = model(segment["tokens"][None], offset, ancestors=ancestors, valid_bt=segment["mask"][None])
+  hidden = jnp.concatenate([parent_last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
+  logp = token_logprobs(hidden[None], model.unembedding(), segment["tokens"][None], chunk=chunk)[0]
+  return out, jnp.where(segment["mask"], logp, 0.0)
+
+
 def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk):
   kv, last_hidden = prefix_out
-  model = nnx.merge(graphdef, params)
-  out = model(branch["tokens"][None], prompt_len, ancestors=[kv], valid_bt=branch["mask"][None])
-  hidden = jnp.concatenate([last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
-  logp = token_logprobs(hidden[None], model.unembedding(), branch["tokens"][None], chunk=chunk)[0]
-  return jnp.where(branch["mask"], logp, 0.0)
+  return _segment(nnx.merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk)[1]
 
 
 def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
@@ -177,12 +187,8 @@ def _tree_root_fn(graphdef, arrays):
 def _tree_node_fn(graphdef, objective, chunk):
   def node_fn(params, ancestors, node):
     parent = ancestors[-1]
-    model = nnx.merge(graphdef, params)
-    out = model(node["tokens"][None], parent["end"], ancestors=[a["kv"] for a in ancestors],
-                valid_bt=node["mask"][None])
-    hidden = jnp.concatenate([parent["last_hidden"][None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]])
-    logp = token_logprobs(hidden[None], model.unembedding(), node["tokens"][None], chunk=chunk)[0]
-    logp = jnp.where(node["mask"], logp, 0.0)
+    out, logp = _segment(nnx.merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
+                         parent["last_hidden"], chunk)
     loss, aux = objective(logp, node)
     n = jnp.sum(node["mask"].astype(jnp.int32))
     last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)
