@@ -240,6 +240,19 @@ def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, stops: np.ndarra
       raise ValueError(f"{caller}: {name} must lie in [0, {cfg.vocab_size}), got {ids.tolist()}")
 
 
+def bucketed_prompt_and_stops(caller: str, prompt: np.ndarray, prompt_bucket: int | None,
+                              stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The prompt right-padded to its bucket [1, bucket] and the stop ids padded with -1 to a
+  multiple of 8 (-1 never matches a token): both shapes, hence the compile, stay stable."""
+  p = prompt.size
+  bucket = prompt_bucket_length(p) if prompt_bucket is None else prompt_bucket
+  if bucket < p:
+    raise ValueError(f"{caller}: prompt_bucket={bucket} is shorter than the prompt ({p} tokens)")
+  padded = np.zeros((1, bucket), np.int32)
+  padded[0, :p] = prompt
+  return padded, np.pad(stops, (0, max(8, -(-stops.size // 8) * 8) - stops.size), constant_values=-1)
+
+
 def _validate(cfg, prompt, stops, *, num_samples, max_new_tokens, temperature, top_p, pad_id):
   if num_samples < 1:
     raise ValueError(f"sample_group: num_samples must be >= 1, got {num_samples}")
@@ -284,13 +297,7 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
   _validate(model.config, prompt, stops, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, pad_id=pad_id)
   p = prompt.size
-  bucket = prompt_bucket_length(p) if prompt_bucket is None else prompt_bucket
-  if bucket < p:
-    raise ValueError(f"sample_group: prompt_bucket={bucket} is shorter than the prompt ({p} tokens)")
-  padded = np.zeros((1, bucket), np.int32)
-  padded[0, :p] = prompt
-  # -1 never matches a token; padding the stop list to a multiple of 8 keeps its shape (and the compile) stable.
-  stops = np.pad(stops, (0, max(8, -(-stops.size // 8) * 8) - stops.size), constant_values=-1)
+  padded, stops = bucketed_prompt_and_stops("sample_group", prompt, prompt_bucket, stops)
   graphdef, state = nnx.split(model)
   greedy = greedy or temperature == 0
   tokens, logprobs, lengths, finished = _generate(

@@ -45,7 +45,8 @@ from flax import nnx
 
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
-from branch_replay_jax.sampling import check_sampling_inputs, decode_from, decode_step, prefill, prompt_bucket_length
+from branch_replay_jax.sampling import (bucketed_prompt_and_stops, check_sampling_inputs, decode_from, decode_step,
+                                        prefill)
 from branch_replay_jax.tree import RolloutTree
 
 BRANCH_ON = ("fixed",)
@@ -169,13 +170,8 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
             temperature=temperature, top_p=top_p, pad_id=pad_id, branch_on=branch_on)
   fanouts = [int(f) for f in fanouts]
   p = prompt.size
-  bucket = prompt_bucket_length(p) if prompt_bucket is None else prompt_bucket
-  if bucket < p:
-    raise ValueError(f"sample_tree: prompt_bucket={bucket} is shorter than the prompt ({p} tokens)")
-  padded = np.zeros((1, bucket), np.int32)
-  padded[0, :p] = prompt
-  # -1 never matches a token; a stop list padded to a multiple of 8 keeps its shape (and the compile) stable.
-  stops = jnp.asarray(np.pad(eos, (0, max(8, -(-eos.size // 8) * 8) - eos.size), constant_values=-1), jnp.int32)
+  padded, stops = bucketed_prompt_and_stops("sample_tree", prompt, prompt_bucket, eos)
+  stops = jnp.asarray(stops, jnp.int32)
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
   scalars = dict(temperature=jnp.float32(1.0 if greedy else temperature), top_p=jnp.float32(top_p), stop_ids=stops,

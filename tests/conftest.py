@@ -42,3 +42,14 @@ def max_rel_err(got, want) -> float:
 def x64():
   with jax.enable_x64(True):
     yield
+
+
+def jaxpr_shapes(jaxpr):
+  """Every intermediate's shape in a jaxpr, recursing into jit/while/scan/cond bodies."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval.shape for v in eqn.outvars)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from jaxpr_shapes(sub)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jaxpr_shapes
+
 from branch_replay_jax import sampling
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models import Llama, tiny_config
@@ -174,17 +176,6 @@ def test_keys_reproducible_and_per_sample(model):
   assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
 
 
-def _avals(jaxpr):
-  """Every intermediate's shape in a jaxpr, recursing into jit/while/scan/cond bodies."""
-  for eqn in jaxpr.eqns:
-    yield from (v.aval.shape for v in eqn.outvars)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _avals(sub)
-
-
 def test_prompt_kv_is_never_tiled(model):
   # The shared prefill has batch 1: the program holds the prompt K/V as [L, 1, T, Hkv, D] and no
   # intermediate anywhere (prefill, while-loop, attention) has a [G, T, Hkv, D] copy of it.
@@ -197,7 +188,7 @@ def test_prompt_kv_is_never_tiled(model):
                               temperature=jnp.float32(1), top_p=jnp.float32(0.9), stop_ids=jnp.zeros((8,), jnp.int32),
                               pad_id=jnp.int32(0), max_new_tokens=5, greedy=False, use_top_p=True)
 
-  shapes = list(_avals(jax.make_jaxpr(run)(state).jaxpr))
+  shapes = list(jaxpr_shapes(jax.make_jaxpr(run)(state).jaxpr))
   hd = (cfg.num_kv_heads, cfg.head_dim)
   assert (cfg.num_layers, 1, t, *hd) in shapes
   assert not [s for s in shapes if tuple(s[-4:]) == (g, t, *hd)]

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jaxpr_shapes
+
 from branch_replay_jax import objectives as obj
 from branch_replay_jax import tree_sampling
 from branch_replay_jax.kernels import KVBlock
@@ -151,16 +153,6 @@ def test_second_tree_does_not_recompile(model):
   assert (tree_sampling._prefill._cache_size(), tree_sampling._expand._cache_size()) == before
 
 
-def _avals(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield from (v.aval.shape for v in eqn.outvars)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _avals(sub)
-
-
 def test_ancestors_are_never_tiled(model):
   # A depth-2 decode of F = 3 children of 3 tokens on top of the prompt block [L, 1, 16, Hkv, D] and the parent's
   # block [L, 1, 4, Hkv, D]: no intermediate anywhere (decode loop, attention) has a [3, 16 or 4, Hkv, D] copy.
@@ -176,7 +168,7 @@ def test_ancestors_are_never_tiled(model):
                                  jnp.int32(0), num_children=f, segment_length=3, greedy=False, use_top_p=True,
                                  feed_last=False)
 
-  shapes = [tuple(s) for s in _avals(jax.make_jaxpr(run)(state).jaxpr)]
+  shapes = [tuple(s) for s in jaxpr_shapes(jax.make_jaxpr(run)(state).jaxpr)]
   assert (cfg.num_layers, f, 3, *hd) in shapes                    # the children's own cache
   assert not [s for s in shapes if s[-4:] in ((f, 16, *hd), (f, 4, *hd))]
 
