@@ -55,7 +55,7 @@ def get_config(arg=None):
   c.resume = False                        # continue from the latest checkpoint in run_dir
 
   if arg == "long":
-    c.train.steps = 60
+    c.train.steps = 40
     c.run_dir = "runs/grpo_smollm2_arith_long"
   elif arg == "smoke":
     c.model.name = "tiny"
