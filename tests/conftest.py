@@ -53,3 +53,18 @@ def jaxpr_shapes(jaxpr):
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
           yield from jaxpr_shapes(sub)
+
+
+@pytest.fixture(scope="module")
+def peaked_model():
+  """The tiny random model with its (tied) embedding scaled by 30: logits are ~30x larger, so greedy
+  argmax has margins far above float32 rounding and cannot flip between two equivalent computations."""
+  m = Llama(tiny_config(), rngs=nnx.Rngs(0))
+  m.embed[...] = m.embed[...] * 30.0
+  return m
+
+
+@nnx.jit
+def forward_logits(model, tokens_1t):
+  """[T, V] logits of one full-sequence forward (no cache): the sampler tests' reference."""
+  return model.logits(model(tokens_1t, 0).hidden_btd)[0]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import jaxpr_shapes
+from conftest import forward_logits, jaxpr_shapes
 
 from branch_replay_jax import sampling
 from branch_replay_jax.kernels import KVBlock
@@ -25,25 +25,11 @@ def model():
   return Llama(tiny_config(), rngs=nnx.Rngs(0))
 
 
-@pytest.fixture(scope="module")
-def peaked_model():
-  """Same random model with the (tied) embedding scaled by 30: logits are ~30x larger, so greedy
-  argmax has margins far above float32 rounding and cannot flip between two equivalent computations."""
-  m = Llama(tiny_config(), rngs=nnx.Rngs(0))
-  m.embed[...] = m.embed[...] * 30.0
-  return m
-
-
-@nnx.jit
-def _forward_logits(model, tokens_1t):
-  return model.logits(model(tokens_1t, 0).hidden_btd)[0]
-
-
 def full_logits(model, seq):
   """[len(seq), V] float32 logits of one forward over the whole sequence, no cache. The sequence is
   right-padded to 32 tokens to compile once; causal attention keeps the padding out of earlier positions."""
   assert len(seq) <= 32
-  return _forward_logits(model, jnp.asarray([list(seq) + [0] * (32 - len(seq))], jnp.int32))[:len(seq)]
+  return forward_logits(model, jnp.asarray([list(seq) + [0] * (32 - len(seq))], jnp.int32))[:len(seq)]
 
 
 def full_logprobs(model, prompt, generated):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import jaxpr_shapes
+from conftest import forward_logits, jaxpr_shapes
 
 from branch_replay_jax import objectives as obj
 from branch_replay_jax import tree_sampling
@@ -30,26 +30,13 @@ def model():
   return Llama(tiny_config(), rngs=nnx.Rngs(0))
 
 
-@pytest.fixture(scope="module")
-def peaked_model():
-  """The tiny model with its (tied) embedding scaled by 30: argmax margins far above float32 rounding."""
-  m = Llama(tiny_config(), rngs=nnx.Rngs(0))
-  m.embed[...] = m.embed[...] * 30.0
-  return m
-
-
-@nnx.jit
-def _forward_logits(model, tokens_1t):
-  return model.logits(model(tokens_1t, 0).hidden_btd)[0]
-
-
 def full_logprobs(model, prompt, completion):
   """log_softmax of ONE forward over prompt + completion (no cache, no blocks) at the positions that predict the
   completion (position P - 1 + i predicts token i). Right-padded to 32 tokens to compile once; causal attention
   keeps the padding out of earlier positions."""
   seq = list(prompt) + list(completion)
   assert len(seq) <= 32
-  logits = _forward_logits(model, jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32))
+  logits = forward_logits(model, jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32))
   logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
   return logp[len(prompt) - 1 + np.arange(len(completion)), np.asarray(completion)]
 
