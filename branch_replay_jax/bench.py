@@ -17,6 +17,10 @@ Method:
 - Memory: on CPU there are no device memory stats, so each mode runs in a fresh subprocess and
   reports its peak resident set size (`ru_maxrss`, bytes; it includes the parameters and the
   runtime); on accelerators, `peak_bytes_in_use` from the device's memory stats.
+- CPU seconds (user + system, all threads of the worker process) are reported beside wall
+  seconds as naive_cpu_s / replay_cpu_s / cpu_speedup: the work each step did, which other jobs
+  sharing the cores do not inflate the way they inflate wall time.
+- Replay's micro-batch is chosen like naive's: each candidate timed once, the fastest kept.
 - max_rel_grad_err: max over parameter leaves of max|g_replay - g_naive| / max|g_naive|.
 """
 
@@ -115,6 +119,13 @@ def _peak_bytes() -> tuple[int, str]:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
 
 
+def _cpu_seconds() -> float:
+  """User + system CPU seconds of this process, all threads: the work done, robust to other jobs
+  sharing the cores (wall time is not)."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
 def _worker(job: dict) -> dict:
   """One mode of one case at one micro-batch, timed; saves (naive) or compares (replay) grads."""
   config = ml_collections.ConfigDict(job["config"])
@@ -135,15 +146,16 @@ def _worker(job: dict) -> dict:
   t0 = time.perf_counter()
   compiled = step.lower(params, arrays).compile()
   compile_s = time.perf_counter() - t0
-  times = []
+  times, cpu_times = [], []
   for _ in range(job["repeats"]):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     out = jax.block_until_ready(compiled(params, arrays))
     times.append(time.perf_counter() - t0)
+    cpu_times.append(_cpu_seconds() - c0)
   peak, measure = _peak_bytes()  # before any comparison array is loaded
   leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out[2])]
   result = {"mode": job["mode"], "micro_batch": job["micro_batch"], "seconds": statistics.median(times),
-            "times": times, "compile_s": compile_s, "peak_bytes": peak, "memory_measure": measure,
+            "times": times, "cpu_times": cpu_times, "compile_s": compile_s, "peak_bytes": peak, "memory_measure": measure,
             "loss": float(out[0])}
   if job.get("save_grads"):
     np.savez(job["save_grads"], *leaves)
@@ -173,7 +185,7 @@ def _candidates(spec: str, g: int) -> list[int]:
   for item in str(spec).split(","):
     m = g if item.strip() == "G" else int(item)
     if m < 1:
-      raise ValueError(f"naive_micro_batches: {item!r} is not a positive int or 'G'")
+      raise ValueError(f"micro_batches: {item!r} in {spec!r} is not a positive int or 'G'")
     if g % m == 0 and m not in out:
       out.append(m)
   return out
@@ -192,7 +204,18 @@ def run_case(config, index: int, emit) -> dict:
       if "error" in trials[m]:
         emit({**shape, "naive_micro_batch": m, **trials[m]})
     ok = {m: r for m, r in trials.items() if "error" not in r}
-    replay_m = config.replay_micro_batch if case["kind"] == "group" else config.tree_replay_micro_batch
+    replay_spec = config.replay_micro_batches if case["kind"] == "group" else config.tree_replay_micro_batches
+    replay_trials = {}
+    replay_cands = _candidates(replay_spec, g if case["kind"] == "group" else max(case["fanouts"]))
+    if len(replay_cands) > 1:   # same rule as naive: each candidate timed once, the fastest wins
+      for m in replay_cands:
+        replay_trials[m] = _run_worker({**base, "mode": "replay", "micro_batch": m, "repeats": 1})
+        if "error" in replay_trials[m]:
+          emit({**shape, "replay_micro_batch": m, **replay_trials[m]})
+      fine = {m: r for m, r in replay_trials.items() if "error" not in r}
+      replay_m = min(fine, key=lambda m: fine[m]["seconds"]) if fine else replay_cands[0]
+    else:
+      replay_m = replay_cands[0]
     if not ok:   # naive does not fit this machine at any micro-batch: measure replay alone
       replay = _run_worker({**base, "mode": "replay", "micro_batch": replay_m, "repeats": config.repeats})
       record = {**shape, "naive_s": None, "naive_error": "every naive micro-batch failed (see rows above)",
@@ -212,15 +235,20 @@ def run_case(config, index: int, emit) -> dict:
     if "error" in r:
       raise RuntimeError(f"bench: the {name} step failed for case {(p, t, g)}: {r['error']}\n{r['stderr_tail']}")
   naive["times"] = ok[best_m]["times"] + naive["times"]
+  naive["cpu_times"] = ok[best_m]["cpu_times"] + naive["cpu_times"]
   naive["seconds"] = statistics.median(naive["times"])
   naive["peak_bytes"] = max(naive["peak_bytes"], ok[best_m]["peak_bytes"])
   counts = _case_inputs(config, case, _load_config(config))[2]
   record = {**shape, "naive_s": naive["seconds"], "replay_s": replay["seconds"],
             "speedup": naive["seconds"] / replay["seconds"], **counts,
+            "naive_cpu_s": statistics.median(naive["cpu_times"]), "replay_cpu_s": statistics.median(replay["cpu_times"]),
+            "cpu_speedup": statistics.median(naive["cpu_times"]) / statistics.median(replay["cpu_times"]),
             "max_rel_grad_err": replay["max_rel_grad_err"], "grad_abs_max": replay["grad_abs_max"],
             "naive_peak_bytes": naive["peak_bytes"], "replay_peak_bytes": replay["peak_bytes"],
             "memory_measure": replay["memory_measure"], "naive_micro_batch": best_m,
-            "replay_micro_batch": replay_m, "naive_compile_s": naive["compile_s"],
+            "replay_micro_batch": replay_m,
+            "replay_micro_batch_trials": {m: r.get("seconds") for m, r in replay_trials.items()},
+            "naive_compile_s": naive["compile_s"],
             "replay_compile_s": replay["compile_s"], "naive_times": naive["times"], "replay_times": replay["times"],
             "model": config.model, "dtype": config.dtype, "backend": jax.default_backend()}
   record["speedup_over_ideal"] = record["speedup"] / record["ideal_flop_ratio"]

@@ -6,7 +6,11 @@ import os
 from absl import app, logging
 from ml_collections import config_flags
 
-from branch_replay_jax import train
+import importlib
+
+# config.algorithm -> the module whose train(config) runs it (imported on demand).
+# RLOO is the GRPO loop with loss.advantage = "rloo".
+TRAINERS = {"grpo": "branch_replay_jax.train"}
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/grpo_smollm2_arith.py", "Experiment config file.")
 
@@ -18,7 +22,10 @@ def main(argv):
   config = _CONFIG.value
   run_dir = os.path.abspath(config.run_dir)
   print(f"run dir: {run_dir}", flush=True)
-  history = train.train(config)
+  algorithm = config.get("algorithm", "grpo")
+  if algorithm not in TRAINERS:
+    raise ValueError(f"algorithm={algorithm!r} is not one of {sorted(TRAINERS)}")
+  history = importlib.import_module(TRAINERS[algorithm]).train(config)
   if history:
     last = history[-1]
     print(json.dumps({k: last[k] for k in ("step", "reward_mean", "accuracy", "kl", "step_s")}))
