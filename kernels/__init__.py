@@ -1,5 +1,6 @@
 """Suffix attention for branch replay: a dense jnp reference (the oracle and CPU default) and
-Pallas FlashAttention-2 kernels with the same signature (`suffix_attention_pallas`).
+Pallas FlashAttention-2 kernels with the same signature (`suffix_attention_pallas`, Triton on GPUs)
+and, for TPUs, JAX's splash attention behind that signature (`suffix_attention_splash`).
 
 Installed as `branch_replay_jax.kernels` (see setup.cfg) so that it never shadows the unrelated
 top-level `kernels` package of the Hugging Face ecosystem.
@@ -8,6 +9,7 @@ top-level `kernels` package of the Hugging Face ecosystem.
 from branch_replay_jax.kernels.dispatch import ATTENTION_IMPLS, attention_fn, resolve_attention_impl
 from branch_replay_jax.kernels.pallas_attention import suffix_attention_pallas
 from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
+from branch_replay_jax.kernels.splash_attention import suffix_attention_splash
 
 __all__ = ["ATTENTION_IMPLS", "KVBlock", "attention_fn", "resolve_attention_impl", "suffix_attention",
-           "suffix_attention_pallas"]
+           "suffix_attention_pallas", "suffix_attention_splash"]

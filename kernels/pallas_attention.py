@@ -34,7 +34,9 @@ dK = dS^T Q as two 16-bit operands hi + lo rather than one rounded dS (two extra
 pair in the backward). float32 inputs use exact float32 dots, never TF32.
 
 Targets: NVIDIA GPUs through the Triton lowering; the CPU through the Pallas interpreter (tests).
-Mosaic (TPU) is not wired: use the reference there.
+On TPUs, attention_impl="pallas" resolves to splash attention (`splash_attention.py`) instead:
+these kernels were written for Triton (its compiler params, a whole K/V block per program, 1-D
+row statistics) and are not ported to Mosaic.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Implementations, all on the same inputs (bf16, batch 1, Hq=32, Hkv=8, D=128 by default):
   pallas       `suffix_attention_pallas` (interpreted only if the default backend is the CPU)
+  splash       `suffix_attention_splash`: JAX's TPU splash kernels behind our signature (with lse)
+  splash_public  `make_splash_mha` as shipped, on the concatenated keys with CausalMask(offset=S_anc)
+               and segment ids for padded keys, no lse: the wrapper's overhead is splash - splash_public
   reference    the dense jnp `suffix_attention` (XLA)
   dpa_xla      `jax.nn.dot_product_attention(implementation="xla")` over [ancestors ; own] keys with
                the explicit [B, 1, T, S+T] suffix mask
@@ -11,7 +14,7 @@ Per implementation: compile_s (lower + compile, seconds, forward+backward progra
 fwd_bwd_ms (median of --repeats timed calls after one warm-up call, milliseconds; the backward
 takes gradients w.r.t. q and every K/V), plus each one's max |out - reference out|.
 
-    python scripts/bench_attention.py [--cases 1024:128,8192:256,32768:512] [--repeats 5]
+    python scripts/bench_attention.py [--cases 1024:128,8192:256,32768:512] [--repeats 5] [--impls pallas,reference]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas
+from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas, suffix_attention_splash
 
 
 def suffix_mask(anc_valid_bs, own_valid_bt):
@@ -46,7 +49,26 @@ def make_impls():
       return jax.nn.dot_product_attention(q, k, v, mask=suffix_mask(ma, mo), implementation=implementation)
     return f
 
-  return {"pallas": kernel(suffix_attention_pallas), "reference": kernel(suffix_attention),
+  def splash_public(q, ka, va, ko, vo, ma, mo):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    (b, t, hq, d), s = q.shape, ka.shape[1]
+    t_pad, l_pad = -(-t // 128) * 128, -(-(s + t) // 128) * 128
+    tile = lambda n: next(x for x in (512, 256, 128) if n % x == 0)   # suffix_attention_splash's rule
+    bq, bkv = tile(t_pad), tile(l_pad)
+    sizes = sa.BlockSizes(block_q=bq, block_kv=bkv, block_q_dkv=bq, block_kv_dkv=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    mask = sa.MultiHeadMask([sa.CausalMask((t_pad, l_pad), offset=s)] * hq)
+    kern = sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              interpret=jax.default_backend() == "cpu")
+    pad = lambda x, n: jnp.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
+    qh = pad((q * d ** -0.5).astype(q.dtype).transpose(0, 2, 1, 3), t_pad)
+    kh = pad(jnp.concatenate([ka, ko], axis=1).transpose(0, 2, 1, 3), l_pad)
+    vh = pad(jnp.concatenate([va, vo], axis=1).transpose(0, 2, 1, 3), l_pad)
+    ids = jnp.pad(jnp.concatenate([ma, mo], axis=1).astype(jnp.int32), [(0, 0), (0, l_pad - s - t)])
+    one = lambda q, k, v, i: kern(q, k, v, segment_ids=sa.SegmentIds(jnp.ones((t_pad,), jnp.int32), i))
+    return jax.vmap(one)(qh, kh, vh, ids)[:, :, :t].transpose(0, 2, 1, 3)
+
+  return {"pallas": kernel(suffix_attention_pallas), "splash": kernel(suffix_attention_splash),
+          "splash_public": splash_public, "reference": kernel(suffix_attention),
           "dpa_xla": dpa("xla"), "dpa_cudnn": dpa("cudnn")}
 
 
@@ -60,7 +82,7 @@ def timed(compiled, args, repeats):
   return statistics.median(times), times
 
 
-def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats):
+def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats, impls=None):
   rng = np.random.default_rng(0)
   x = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
   q, ka, va, ko, vo = x(b, t, hq, d), x(b, s_anc, hkv, d), x(b, s_anc, hkv, d), x(b, t, hkv, d), x(b, t, hkv, d)
@@ -73,7 +95,8 @@ def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats):
   row = {"s_anc": s_anc, "t": t, "b": b, "hq": hq, "hkv": hkv, "d": d, "dtype": jnp.dtype(dtype).name,
          "fwd_bwd_gflop": round(3.5 * fwd_flops / 1e9, 2), "device": str(jax.devices()[0])}
   ref_out = None
-  for name, fn in make_impls().items():
+  chosen = {name: fn for name, fn in make_impls().items() if impls is None or name in impls}
+  for name, fn in chosen.items():
     try:
       fwd = jax.jit(fn)
       loss = lambda q, ka, va, ko, vo, ma, mo: jnp.sum(fn(q, ka, va, ko, vo, ma, mo).astype(jnp.float32) * cot)
@@ -90,7 +113,7 @@ def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats):
     except Exception as e:  # noqa: BLE001 - a refused implementation is a result, not a crash
       entry = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     row[name] = entry
-  for name in make_impls():
+  for name in chosen:
     out = row[name].pop("_out", None)
     if out is not None and ref_out is not None:
       row[name]["max_abs_diff_vs_reference"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) -
@@ -106,12 +129,16 @@ def main():
   parser.add_argument("--heads", default="32:8", help="Hq:Hkv")
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--impls", default=None, help="comma-separated subset of the implementations (default all)")
   a = parser.parse_args()
+  impls = None if a.impls is None else set(a.impls.split(","))
+  if impls is not None and (unknown := impls - set(make_impls())):
+    parser.error(f"--impls: unknown {sorted(unknown)}; choose from {list(make_impls())}")
   hq, hkv = map(int, a.heads.split(":"))
   for case in a.cases.split(","):
     s_anc, t = map(int, case.split(":"))
     row = bench_case(s_anc, t, b=a.batch, hq=hq, hkv=hkv, d=a.head_dim, dtype=jnp.dtype(a.dtype),
-                     repeats=a.repeats)
+                     repeats=a.repeats, impls=impls)
     print(json.dumps(row), flush=True)
 
 

@@ -20,7 +20,8 @@ from conftest import max_rel_err, random_group
 from flax import nnx
 
 from branch_replay_jax import objectives as obj
-from branch_replay_jax.kernels import KVBlock, resolve_attention_impl, suffix_attention, suffix_attention_pallas
+from branch_replay_jax.kernels import (KVBlock, attention_fn, resolve_attention_impl, suffix_attention,
+                                      suffix_attention_pallas, suffix_attention_splash)
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.policy import group_arrays, replay_value_and_grad
 
@@ -97,17 +98,26 @@ def rel_err(got, want):
   return np.abs(np.where(finite, got - want, 0.0)).max() / scale if got.size else 0.0
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_kernel_error_at_most_twice_reference_error(name):
+# Splash attention (the TPU path) runs interpreted here; its head dims start at 64. One case per
+# property the issue lists: T != S_anc with padded keys (GQA 1), T = 1 on a shared prompt (GQA 8),
+# S_anc = 0 with padded queries, bfloat16 with every kind of padding.
+SPLASH_CASES = ["f32-gqa1-d64-T!=S-padkeys", "bf16-gqa8-T1-shared-2blocks", "f32-gqa3-d128-S0",
+                "bf16-gqa3-d64-shared-padq"]
+
+
+@pytest.mark.parametrize("fn, name", [(suffix_attention_pallas, n) for n in CASES] +
+                         [(suffix_attention_splash, n) for n in SPLASH_CASES],
+                         ids=[f"pallas-{n}" for n in CASES] + [f"splash-{n}" for n in SPLASH_CASES])
+def test_kernel_error_at_most_twice_reference_error(fn, name):
   case = CASES[name]
   inputs = make_inputs(case)
   # Judge both on the same rounded inputs: round to the low dtype first, then evaluate in float64.
   rounded = jax.tree_util.tree_map(lambda x: np.asarray(jnp.asarray(x, case.dtype), np.float64)
                                    if x.dtype != bool else x, inputs)
-  with jax.enable_x64(True):
+  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):   # TPUs have no float64
     exact = run(suffix_attention, jnp.float64, rounded)
   reference = run(suffix_attention, case.dtype, inputs)
-  kernel = run(suffix_attention_pallas, case.dtype, inputs)
+  kernel = run(fn, case.dtype, inputs)
   n = len(case.s_anc)
   names = ["out", "lse", "dq"] + [f"dk_anc{i}" for i in range(n)] + [f"dv_anc{i}" for i in range(n)] + ["dk_own",
                                                                                                        "dv_own"]
@@ -119,17 +129,19 @@ def test_kernel_error_at_most_twice_reference_error(name):
     assert rel_err(reference[0], exact[0]) > 1e-4, "bfloat16 must actually round (else the rule checks nothing)"
 
 
-def test_fully_masked_rows_give_zeros_and_no_nan():
+@pytest.mark.parametrize("fn", [suffix_attention_pallas, suffix_attention_splash], ids=["pallas", "splash"])
+def test_fully_masked_rows_give_zeros_and_no_nan(fn):
   # No ancestor key is valid and own key 0 is padding, so query 0 sees nothing at all:
   #   keys:   anc . . . . . . . .   own . x x x
   #   query 0     . . . . . . . .       . . . .   <- no key: out 0, lse -inf
   #   query 1     . . . . . . . .       . x . .
-  case = Case(jnp.float32, b=2, t=4, s_anc=(8,), hq=4, hkv=2, d=32)
+  # (Splash attention itself has no such rows: the wrapper must zero them, its kernel would average V.)
+  case = Case(jnp.float32, b=2, t=4, s_anc=(8,), hq=4, hkv=2, d=64)
   q, k, v, valid, ko, vo, own_valid, do, dlse = make_inputs(case, seed=3)
   valid = [np.zeros_like(valid[0])]
   own_valid = np.array([[False, True, True, True], [True, True, True, False]])
   inputs = (q, k, v, valid, ko, vo, own_valid, do, dlse)
-  kernel = run(suffix_attention_pallas, jnp.float32, inputs)
+  kernel = run(fn, jnp.float32, inputs)
   reference = run(suffix_attention, jnp.float32, inputs)
   out, lse = kernel[:2]
   assert np.all(out[0, 0] == 0.0) and np.all(lse[0, 0] == -np.inf)
@@ -161,6 +173,28 @@ def test_forward_and_backward_lower_to_triton_without_a_gpu(dtype, b, t, s, hq, 
   assert lowered.as_text().count("custom_call @__gpu$xla.gpu.triton") == 4
 
 
+@pytest.mark.parametrize("dtype, b, t, s, hq, hkv, d, shared", [
+    (jnp.bfloat16, 2, 1, 40, 8, 1, 64, True),      # decode step on a shared prompt
+    (jnp.float32, 1, 130, 300, 6, 2, 128, False),  # lengths that are not multiples of 128
+])
+def test_splash_forward_and_backward_lower_to_mosaic_without_a_tpu(dtype, b, t, s, hq, hkv, d, shared):
+  # Lowering for TPU runs the Pallas Mosaic lowering rules here (block shapes against the (8, 128)
+  # tiling, memory spaces, scalar prefetch, the batching of the kernels by jax.vmap); only Mosaic's
+  # own layout passes and compile need libtpu. Gradients also flow through lse.
+  sds = jax.ShapeDtypeStruct
+  kv_anc, kv_own = sds((1 if shared else b, s, hkv, d), dtype), sds((b, t, hkv, d), dtype)
+  mask_anc, mask_own = jnp.ones((kv_anc.shape[0], s), bool), jnp.ones((b, t), bool)
+
+  def loss(q, ka, va, ko, vo):
+    out, lse = suffix_attention_splash(q, [KVBlock(ka, va, mask_anc)], KVBlock(ko, vo, mask_own), interpret=False)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  lowered = jax.jit(jax.grad(loss, argnums=range(5))).trace(sds((b, t, hq, d), dtype), kv_anc, kv_anc, kv_own,
+                                                            kv_own).lower(lowering_platforms=("tpu",))
+  # forward, dK/dV and dQ: one kernel each for the concatenated keys, the batch folded into the grid
+  assert lowered.as_text().count("custom_call @tpu_custom_call") == 3
+
+
 def _blocks(b=1, t=4, s=8, hq=2, hkv=1, d=64, dtype=jnp.float32):
   zeros = lambda *shape: jnp.zeros(shape, dtype)
   q = zeros(b, t, hq, d)
@@ -180,6 +214,19 @@ def test_bad_shapes_raise(kwargs, call, match):
   q, anc, own = _blocks(**kwargs)
   with pytest.raises(ValueError, match=match):
     suffix_attention_pallas(q, anc, own, **call)
+
+
+@pytest.mark.parametrize("kwargs, call, match", [
+    (dict(d=32), {}, "head dim 32"),
+    (dict(hq=3, hkv=2), {}, "multiple of Hkv"),
+    ({}, dict(block_q=64), "multiple of 128"),
+    (dict(s=300), dict(block_kv=256), "dividing the padded length 384"),
+    (dict(dtype=jnp.float16), {}, "float16"),
+])
+def test_splash_bad_shapes_raise(kwargs, call, match):
+  q, anc, own = _blocks(**kwargs)
+  with pytest.raises(ValueError, match=match):
+    suffix_attention_splash(q, anc, own, **call)
 
 
 def test_own_block_must_match_queries_and_dtypes_must_agree():
@@ -202,15 +249,28 @@ def test_attention_impl_resolution(caplog):
     Llama(tiny_config(), attention_impl="pallas")           # tiny_config has head_dim 8
   with pytest.raises(ValueError, match="attention_impl"):
     resolve_attention_impl("flash", 64)
+  # On a TPU "pallas" means the splash kernels, whose head dims differ from Triton's.
+  assert resolve_attention_impl("pallas", 64, backend="tpu") == "splash"
+  assert resolve_attention_impl("auto", 128, backend="tpu") == "splash"
+  assert resolve_attention_impl("splash", 64, backend="cpu") == "splash"
+  assert attention_fn("splash") is suffix_attention_splash and attention_fn("pallas") is suffix_attention_pallas
+  with pytest.raises(ValueError, match="splash kernels on tpu"):
+    resolve_attention_impl("pallas", 16, backend="tpu")    # fine for Triton, not for splash
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    assert resolve_attention_impl("auto", 16, backend="tpu") == "xla"
+  assert "head dim 16" in caplog.text
 
 
-def test_replay_with_pallas_equals_replay_with_xla():
+# splash: ~30 s on 2 cores (the interpreter runs its kernels in both layers, forward and backward).
+@pytest.mark.parametrize("impl, head_dim", [("pallas", 16), pytest.param("splash", 64, marks=pytest.mark.slow)])
+def test_replay_with_pallas_equals_replay_with_xla(impl, head_dim):
   # Same parameters, only the attention implementation differs: float32 rounding, <= 1e-4.
-  config = tiny_config(head_dim=16)
+  config = tiny_config(head_dim=head_dim)
   split = lambda impl: nnx.split(Llama(config, attention_impl=impl, rngs=nnx.Rngs(0)))
-  (gd_xla, params), (gd_pallas, params_pallas) = split("xla"), split("pallas")
+  (gd_xla, params), (gd_pallas, params_pallas) = split("xla"), split(impl)
   assert max_rel_err(params_pallas, params) == 0.0
-  assert nnx.merge(gd_pallas, params).attention_impl == "pallas", "the switch must survive split/merge"
+  assert nnx.merge(gd_pallas, params).attention_impl == impl, "the switch must survive split/merge"
   group = random_group([3, 7])                              # ragged: the short branch is padded
   weights = obj.token_weights(group.lengths, group.completion_ids.shape[1], mode="sequence_mean")
   arrays = group_arrays(group, weights=(weights * np.array([[1.0], [-0.5]])).astype(np.float32))
