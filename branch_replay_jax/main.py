@@ -10,7 +10,7 @@ import importlib
 
 # config.algorithm -> the module whose train(config) runs it (imported on demand).
 # RLOO is the GRPO loop with loss.advantage = "rloo".
-TRAINERS = {"grpo": "branch_replay_jax.train"}
+TRAINERS = {"grpo": "branch_replay_jax.train", "ppo": "branch_replay_jax.ppo", "dpo": "branch_replay_jax.dpo"}
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/grpo_smollm2_arith.py", "Experiment config file.")
 
@@ -28,12 +28,16 @@ def main(argv):
   history = importlib.import_module(TRAINERS[algorithm]).train(config)
   if history:
     last = history[-1]
-    print(json.dumps({k: last[k] for k in ("step", "reward_mean", "accuracy", "kl", "step_s")}))
+    keys = ("step", "reward_mean", "accuracy", "kl", "loss", "reward_accuracy", "step_s")
+    print(json.dumps({k: last[k] for k in keys if k in last}))
     samples = os.path.join(run_dir, "samples.jsonl")
-    with open(samples) as f:
-      sample = json.loads(f.readlines()[-1])
-    print(f"last sampled completion (step {sample['step']}):\n  Q: {sample['question']}\n"
-          f"  A: {sample['completion']!r}\n  reward {sample['reward']} (answer {sample['answer']})")
+    sample = json.loads(open(samples).readlines()[-1]) if os.path.exists(samples) else {}
+    if "completion" in sample:
+      print(f"last sampled completion (step {sample['step']}):\n  Q: {sample['question']}\n"
+            f"  A: {sample['completion']!r}\n  reward {sample['reward']} (answer {sample['answer']})")
+    elif "chosen" in sample:   # a preference pair (dpo)
+      print(f"last pair (step {sample['step']}):\n  Q: {sample['prompt']}\n  chosen: {sample['chosen']!r}\n"
+            f"  rejected: {sample['rejected']!r}")
   print(f"metrics, plots and checkpoints in {run_dir}")
 
 

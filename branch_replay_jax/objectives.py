@@ -185,3 +185,180 @@ def grpo_tree_objective(logp: jax.Array, node: dict, *, clip_eps: float, kl_coef
   w = node["weights"]
   return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & (w > 0)),
                              "kl": jnp.sum(jnp.where(node["mask"], metrics["kl"][:, 0], 0.0))}
+
+
+ADVANTAGES = ("grpo", "rloo")
+
+
+def rloo_advantages(rewards_g: jax.Array) -> jax.Array:
+  """REINFORCE leave-one-out advantages A_i = r_i - (1/(G-1)) Σ_{j≠i} r_j = (G r_i - Σ_j r_j) / (G - 1).
+
+  Ahmadian et al. 2024 ("Back to Basics", arXiv 2402.14740), section 3.2, the RLOO estimator
+  (Kool et al. 2019): each sample's baseline is the mean reward of the other G - 1 samples of the
+  same prompt. On a tree, the G trajectories (root-to-leaf paths) are the samples.
+
+  Args:
+    rewards_g: [..., G] rewards of one group (or a batch of groups on leading axes).
+
+  Returns:
+    [..., G] advantages, float32 (or float64 for float64 input); they sum to 0 over G.
+
+  Raises:
+    ValueError: if G < 2 (no other sample to form the baseline).
+  """
+  rewards_g = jnp.asarray(rewards_g)
+  if not jnp.issubdtype(rewards_g.dtype, jnp.floating):
+    rewards_g = rewards_g.astype(jnp.float32)
+  g = rewards_g.shape[-1]
+  if g < 2:
+    raise ValueError(f"rloo_advantages: a group of G={g} rewards has no leave-one-out baseline; RLOO needs G >= 2")
+  return (g * rewards_g - rewards_g.sum(axis=-1, keepdims=True)) / (g - 1)
+
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo")
+
+
+def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array, ref_rejected: jax.Array, *,
+             beta: float, loss_type: str = "sigmoid") -> tuple[jax.Array, dict]:
+  """Per-pair preference loss from per-sequence log-prob sums (log π(y|x) = Σ_t logp_t).
+
+  With h = (log π(y_w|x) - log π_ref(y_w|x)) - (log π(y_l|x) - log π_ref(y_l|x)):
+    sigmoid: ℓ = -log σ(β h)            DPO, Rafailov et al. 2023 (arXiv 2305.18290) eq. 7;
+    ipo:     ℓ = (h - 1/(2β))^2         IPO, Azar et al. 2023 (arXiv 2310.12036) eq. 17 with τ = β.
+  The loss couples a sequence's tokens only through its sum, so dℓ/dlogp_t = dℓ/dsum for every
+  token t of that sequence (used by preference.py for the exact two-pass replay gradient).
+
+  Args:
+    policy_chosen, policy_rejected: [K] log-prob sums of the chosen (y_w) and rejected (y_l)
+      completions of K pairs under the policy (differentiable).
+    ref_chosen, ref_rejected: [K] the same under the frozen reference (constants).
+    beta: β > 0 (DPO's KL strength; IPO's τ).
+    loss_type: one of PREFERENCE_LOSSES.
+
+  Returns:
+    (loss [K], metrics) with metrics "chosen_reward" = β (log π(y_w) - log π_ref(y_w)) [K],
+    "rejected_reward" [K] likewise, "margin" = their difference [K] (= β h) and "correct" =
+    margin > 0 [K] bool (the implicit reward ranks the pair right), all without gradient.
+
+  Raises:
+    ValueError: unknown loss_type or beta <= 0.
+  """
+  if loss_type not in PREFERENCE_LOSSES:
+    raise ValueError(f"dpo_loss: loss_type={loss_type!r} is not one of {PREFERENCE_LOSSES}")
+  if not beta > 0:
+    raise ValueError(f"dpo_loss: beta={beta!r} must be > 0")
+  ref_chosen, ref_rejected = jax.lax.stop_gradient(ref_chosen), jax.lax.stop_gradient(ref_rejected)
+  chosen = policy_chosen - ref_chosen
+  rejected = policy_rejected - ref_rejected
+  h = chosen - rejected
+  loss = jax.nn.softplus(-beta * h) if loss_type == "sigmoid" else (h - 1.0 / (2.0 * beta)) ** 2
+  margin = jax.lax.stop_gradient(beta * h)
+  return loss, {"chosen_reward": jax.lax.stop_gradient(beta * chosen),
+                "rejected_reward": jax.lax.stop_gradient(beta * rejected), "margin": margin, "correct": margin > 0}
+
+
+def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamma: float,
+        lam: float) -> tuple[jax.Array, jax.Array]:
+  """Generalized advantage estimates and value targets of trajectories, token by token.
+
+  Schulman et al. 2015 (arXiv 1506.02438) eq. 16: δ_t = r_t + γ V(s_{t+1}) - V(s_t) and
+  A_t = Σ_{l>=0} (γλ)^l δ_{t+l}, computed backwards as A_t = δ_t + γλ A_{t+1}; the value target is
+  R_t = A_t + V(s_t). Token t is action t; V(s_t) is the value of the context before it. The state
+  after a trajectory's last token is terminal: V = 0 there (no bootstrap), and A = 0 beyond it.
+
+  Args:
+    rewards_bt: [B, T] per-token rewards (e.g. the task's reward on each trajectory's last token).
+    values_bt: [B, T] V(s_t) predicted for every token.
+    mask_bt: [B, T] bool, True on the real tokens; each row's real tokens are a prefix.
+    gamma: γ in [0, 1], the discount per token.
+    lam: λ in [0, 1] (λ = 1: Monte-Carlo returns minus V; λ = 0: one-step TD errors).
+
+  Returns:
+    (advantages [B, T], returns [B, T]), float32 (float64 for float64 input), 0 on padding.
+
+  Raises:
+    ValueError: gamma or lam outside [0, 1], or mismatched shapes.
+  """
+  if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+    raise ValueError(f"gae: gamma={gamma!r} and lam={lam!r} must lie in [0, 1]")
+  rewards, values, mask = jnp.asarray(rewards_bt), jnp.asarray(values_bt), jnp.asarray(mask_bt, bool)
+  if not rewards.shape == values.shape == mask.shape or rewards.ndim != 2:
+    raise ValueError(f"gae: rewards {rewards.shape}, values {values.shape} and mask {mask.shape} must be equal [B, T]")
+  dtype = jnp.result_type(rewards.dtype, values.dtype, jnp.float32)
+  rewards, values = rewards.astype(dtype), values.astype(dtype)
+
+  def step(carry, xs):   # carry: (V(s_{t+1}), A_{t+1}), both 0 past a trajectory's end
+    next_value, next_adv = carry
+    r, v, m = xs
+    adv = r + gamma * next_value - v + gamma * lam * next_adv
+    return (jnp.where(m, v, 0.0), jnp.where(m, adv, 0.0)), jnp.where(m, adv, 0.0)
+
+  zeros = jnp.zeros(rewards.shape[0], dtype)
+  _, adv = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+  adv = adv.T
+  return adv, jnp.where(mask, adv + values, 0.0)
+
+
+def ppo_token_loss(logp, old_logp, values, old_values, advantages, returns, *, clip_eps: float, vf_coef: float,
+                   value_clip: float) -> tuple[jax.Array, dict]:
+  """Per-(token, trajectory) PPO actor-critic loss ℓ = ℓ_clip + c_v ℓ_V (arrays broadcast together).
+
+  ℓ_clip = -min(r A, clip(r, 1-ε, 1+ε) A), r = exp(logp - old_logp)  (arXiv 1707.06347 eq. 7);
+  ℓ_V = ½ (V - R)^2, or with value clipping ½ max((V - R)^2, (V_old + clip(V - V_old, -ε_V, ε_V) - R)^2)
+  (the clipped value loss of OpenAI baselines' ppo2, as analysed by Engstrom et al. 2020, arXiv
+  2005.12729 eq. 4); eq. 9 of 1707.06347 combines the two with c_v = vf_coef.
+
+  Args:
+    logp, values: current log-probs and values (differentiated).
+    old_logp, old_values, advantages, returns: constants from the sampling-time policy and critic.
+    clip_eps: ε; vf_coef: c_v >= 0; value_clip: ε_V (0 disables value clipping).
+
+  Returns:
+    loss and {"policy": ℓ_clip, "value": ℓ_V, "clipped": bool (ratio clipped), "kl": k3(old || new)}.
+  """
+  old_logp, old_values, advantages, returns = (jax.lax.stop_gradient(x) for x in
+                                               (old_logp, old_values, advantages, returns))
+  ratio = jnp.exp(logp - old_logp)
+  unclipped = ratio * advantages
+  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+  policy = -jnp.minimum(unclipped, clipped)
+  value = jnp.square(values - returns)
+  if value_clip:
+    clipped_values = old_values + jnp.clip(values - old_values, -value_clip, value_clip)
+    value = jnp.maximum(value, jnp.square(clipped_values - returns))
+  value = 0.5 * value
+  return policy + vf_coef * value, {"policy": policy, "value": value, "clipped": clipped < unclipped,
+                                    "kl": k3_kl(old_logp, logp)}
+
+
+def ppo_tree_objective(logp: jax.Array, values: jax.Array, node: dict, *, clip_eps: float, vf_coef: float,
+                       value_clip: float) -> tuple[jax.Array, dict]:
+  """PPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, V_t, A[t, g], R[t, g]) (`ppo_token_loss`).
+
+  A shared token has one log-prob and one value (one context) but, below it, one advantage and
+  one return per trajectory g (GAE runs along each trajectory): the loss sums per (token,
+  trajectory) pair (DESIGN.md, "Losses on trees"), which is exact although ℓ is non-linear in A, R.
+
+  Args:
+    logp, values: [T] current log-probs and values of the node's tokens (0 on padding).
+    node: "mask" [T], "weights" [T, G] (`trajectory_weights`[g] where trajectory g passes, else
+      0), "advantages" [T, G], "returns" [T, G], "old_logp" [T], "old_values" [T].
+
+  Returns:
+    (loss, sums over pairs with w > 0: {"policy": Σ w ℓ_clip, "value": Σ w ℓ_V, "clipped": count,
+    "kl": Σ k3(old || new)}).
+  """
+  loss, m = ppo_token_loss(logp[:, None], node["old_logp"][:, None], values[:, None], node["old_values"][:, None],
+                           node["advantages"], node["returns"], clip_eps=clip_eps, vf_coef=vf_coef,
+                           value_clip=value_clip)
+  w = node["weights"]
+  on = (w > 0) & node["mask"][:, None]
+  return jnp.sum(w * loss), {"policy": jnp.sum(w * m["policy"]), "value": jnp.sum(w * m["value"]),
+                             "clipped": jnp.sum(m["clipped"] & on), "kl": jnp.sum(jnp.where(on, m["kl"], 0.0))}
+
+
+def ppo_objective(logp: jax.Array, values: jax.Array, branch: dict, *, clip_eps: float, vf_coef: float,
+                  value_clip: float) -> tuple[jax.Array, dict]:
+  """`ppo_tree_objective` of one completion: branch "weights", "advantages", "returns" are [T]."""
+  node = {**branch, **{k: branch[k][:, None] for k in ("weights", "advantages", "returns")}}
+  return ppo_tree_objective(logp, values, node, clip_eps=clip_eps, vf_coef=vf_coef, value_clip=value_clip)

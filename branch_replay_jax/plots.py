@@ -48,7 +48,36 @@ def write_plots(run_dir: str) -> None:
   fig.tight_layout()
   fig.savefig(os.path.join(run_dir, "reward.png"), dpi=100)
   plt.close(fig)
+  _throughput_plot(run_dir, records)
 
+
+def write_preference_plots(run_dir: str) -> None:
+  """The DPO loop's plots: RUN_DIR/preference.png (loss, implicit-reward accuracy and margin per
+  step; steps without pairs are left out) and RUN_DIR/throughput.png (as `write_plots`)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  if not records:
+    return
+  done = [r for r in records if r["loss"] is not None]
+  steps = [r["step"] for r in done]
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  for key, marker in (("loss", "o"), ("reward_accuracy", "s"), ("reward_margin", "^")):
+    ax.plot(steps, [r[key] for r in done], marker=marker, label=key)
+  ax.set_xlabel("step")
+  ax.set_title("Preference loss and implicit reward per step")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(run_dir, "preference.png"), dpi=100)
+  plt.close(fig)
+  _throughput_plot(run_dir, records)
+
+
+def _throughput_plot(run_dir: str, records: list[dict]) -> None:
+  import matplotlib.pyplot as plt
+  steps = [r["step"] for r in records]
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.plot(steps, [r["token_positions_naive"] / r["update_s"] for r in records], marker="o",
           label="naive-equivalent positions / s")

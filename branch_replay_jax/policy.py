@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx
 
 from branch_replay_jax.models.llama import token_logprobs
-from branch_replay_jax.replay import nested_replay_vjp, replay_map, replay_vjp
+from branch_replay_jax.replay import replay_map, replay_vjp
 from branch_replay_jax.tree import PaddedTree, RolloutGroup, RolloutTree, make_group
+from branch_replay_jax.tree_replay import nested_replay_map, nested_replay_vjp
 
 Objective = Callable[[jax.Array, dict], tuple[jax.Array, Any]]
 
@@ -60,21 +61,23 @@ def _prefix_fn(graphdef, arrays):
   return prefix_fn
 
 
-def _segment(model, segment: dict, offset, ancestors: list, parent_last_hidden, chunk):
+def _segment(model, segment: dict, offset, ancestors: list, parent_last_hidden, chunk, attention=None):
   """Forward of one segment on its ancestors' K/V and the log-probs of its tokens.
 
   Token 0 is scored from the parent's last hidden state, token i > 0 from the segment's own
-  position i - 1. Returns (SegmentOutput, logp [T] with 0 on padding).
+  position i - 1. `attention` overrides the model's (context parallelism). Returns
+  (SegmentOutput, logp [T] with 0 on padding).
   """
-  out = model(segment["tokens"][None], offset, ancestors=ancestors, valid_bt=segment["mask"][None])
+  out = model(segment["tokens"][None], offset, ancestors=ancestors, valid_bt=segment["mask"][None],
+              attention=attention)
   hidden = jnp.concatenate([parent_last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
   logp = token_logprobs(hidden[None], model.unembedding(), segment["tokens"][None], chunk=chunk)[0]
   return out, jnp.where(segment["mask"], logp, 0.0)
 
 
-def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk):
+def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
   kv, last_hidden = prefix_out
-  return _segment(nnx.merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk)[1]
+  return _segment(nnx.merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention)[1]
 
 
 def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
@@ -184,28 +187,48 @@ def _tree_root_fn(graphdef, arrays):
   return root_fn
 
 
-def _tree_node_fn(graphdef, objective, chunk):
+def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None):
+  """(the node's output for its children, logp [T_d]) of one tree node on its ancestors' outputs."""
+  parent = ancestors[-1]
+  out, logp = _segment(nnx.merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
+                       parent["last_hidden"], chunk, attention)
+  n = jnp.sum(node["mask"].astype(jnp.int32))
+  last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)
+  return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, logp
+
+
+def _tree_node_fn(graphdef, objective, chunk, attention=None):
   def node_fn(params, ancestors, node):
-    parent = ancestors[-1]
-    out, logp = _segment(nnx.merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
-                         parent["last_hidden"], chunk)
+    out, logp = _tree_segment(graphdef, params, ancestors, node, chunk, attention)
     loss, aux = objective(logp, node)
-    n = jnp.sum(node["mask"].astype(jnp.int32))
-    last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)
-    return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, loss, {"logp": logp, "aux": aux}
+    return out, loss, {"logp": logp, "aux": aux}
   return node_fn
 
 
 def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
-                               logprob_chunk: int = 256):
+                               logprob_chunk: int = 256, schedule: str = "depth_first"):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp_node, node), by nested replay.
 
   arrays: from `tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
   per-node/shared fields (for GRPO on trees, `objectives.grpo_tree_objective`). aux[d] holds
-  {"logp": [F_1..F_d, T_d], "aux": objective aux} per slot.
+  {"logp": [F_1..F_d, T_d], "aux": objective aux} per slot. schedule: "depth_first" (least
+  memory) or "level" (batched levels, faster); see tree_replay.py.
   """
   node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
   return nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
+                           arrays["levels"], micro_batch=micro_batch, schedule=schedule)
+
+
+def tree_replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
+  """Per level d (d = 1..D): [F_1..F_d, T_d] float32 log-probs of every node's tokens (0 on padding).
+
+  Forward-only nested replay (`tree_replay.nested_replay_map`): each node runs once, level by
+  level, on its ancestors' K/V. A node's log-probs are those of every trajectory through it (same
+  context), so they are the reference / old log-probs of the tree objective. arrays: from
+  `tree_arrays`; micro_batch: leaf siblings per scan step (divides the last fan-out).
+  """
+  node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk)
+  return nested_replay_map(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
                            arrays["levels"], micro_batch=micro_batch)
 
 

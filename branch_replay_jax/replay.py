@@ -31,6 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Trees of any depth (nested replay) live in tree_replay.py; re-exported for existing imports.
+from branch_replay_jax.tree_replay import nested_replay_map, nested_replay_vjp  # noqa: F401
+
 PyTree = Any
 
 
@@ -137,109 +140,3 @@ def replay_map(prefix_fn: Callable[[PyTree], PyTree], branch_fn: Callable[[PyTre
 
   _, out = jax.lax.scan(step, None, batches)
   return _unstack(out, g)
-
-
-def _partition(tree: PyTree):
-  """(float leaves, rebuild(floats) -> tree): only floating leaves take cotangents."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  is_float = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-
-  def rebuild(floats):
-    it = iter(floats)
-    return jax.tree_util.tree_unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, is_float)])
-  return [x for x, f in zip(leaves, is_float) if f], rebuild
-
-
-def _tree_add(a, b):
-  return jax.tree_util.tree_map(jnp.add, a, b)
-
-
-def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Callable], params: PyTree,
-                      levels: list[PyTree], *, micro_batch: int = 1) -> tuple[jax.Array, list, PyTree]:
-  """`replay_vjp` for trees of any depth laid out on uniform levels (see tree.PaddedTree).
-
-  Every node runs forward once given its ancestors' outputs; its children are processed by a
-  `lax.scan` over the sibling slots, their cotangents for the node's (and its ancestors') outputs
-  are summed, and the node pulls back once. Only one root-to-leaf path of residuals is alive at
-  a time, plus one micro-batch of leaves.
-
-      root ── vjp ──► scan over level-1 slots ── vjp ──► scan over level-2 slots ... ► leaves
-           ◄─ pullback(Σ cotangents) ◄──────────────── pullback(Σ cotangents) ◄────── value_and_grad
-
-  Args:
-    prefix_fn: params -> root output pytree.
-    node_fns: one per level d = 0..D-1 (level 0 = children of the root):
-      node_fns[d](params, ancestors, node) -> (out, loss, aux) where ancestors is the tuple of
-      outputs from the root down to the parent, node a slot of levels[d] without its leading axes,
-      out the node's output pytree (ignored at the last level), loss a scalar.
-    levels: levels[d] is a pytree whose leaves have leading axes [F_0, ..., F_d] (fan-outs).
-    micro_batch: leaf slots vmapped per scan step at the last level (must divide F_{D-1});
-      internal nodes run one at a time.
-
-  Returns:
-    (loss summed over all nodes, aux per level stacked on the levels' leading axes, grads).
-  """
-  depth = len(levels)
-  if depth == 0 or len(node_fns) != depth:
-    raise ValueError(f"nested_replay_vjp: need one node_fn per level, got {len(node_fns)} for {depth} levels")
-  root_out, root_pullback = jax.vjp(prefix_fn, params)
-  root_floats, root_rebuild = _partition(root_out)
-  loss, aux, d_params, d_anc = _subtree(node_fns, params, [(root_floats, root_rebuild)], levels, micro_batch)
-  (d_root,) = root_pullback(_with_float0(root_out, d_anc[0]))
-  return loss, aux, _tree_add(d_params, d_root)
-
-
-def _with_float0(tree, float_cotangents):
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  it = iter(float_cotangents)
-  return jax.tree_util.tree_unflatten(treedef, [next(it) if jnp.issubdtype(x.dtype, jnp.inexact)
-                                                else np.zeros(x.shape, jax.dtypes.float0) for x in leaves])
-
-
-def _subtree(node_fns, params, ancestors, levels, micro_batch):
-  """All children (one slot axis of levels[0]) of the node whose ancestors' outputs are given.
-
-  ancestors: list of (float leaves, rebuild) from the root down. Returns (loss, aux, d_params,
-  d_anc) with d_anc the summed cotangents of every ancestor's float leaves.
-  """
-  d = len(node_fns) - len(levels)
-  anc_floats = [f for f, _ in ancestors]
-  rebuild = lambda floats: tuple(rb(f) for f, (_, rb) in zip(floats, ancestors))
-  zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
-  fn = node_fns[d]
-
-  if len(levels) == 1:   # leaves: value_and_grad of a vmapped micro-batch, as in replay_vjp
-    def step_loss(p, floats, mb):
-      _, losses, aux = jax.vmap(fn, in_axes=(None, None, 0))(p, rebuild(floats), mb)
-      return jnp.sum(losses), aux
-    batches, f = _micro_batches(levels[0], micro_batch)
-    grad_fn = jax.value_and_grad(step_loss, argnums=(0, 1), has_aux=True)
-
-    def leaf_step(carry, mb):
-      (loss, aux), (dp, da) = grad_fn(params, anc_floats, mb)
-      return (carry[0] + loss, _tree_add(carry[1], dp), _tree_add(carry[2], da)), aux
-    first = jax.tree_util.tree_map(lambda x: x[0], batches)
-    loss0 = jnp.zeros((), jax.eval_shape(step_loss, params, anc_floats, first)[0].dtype)
-    (loss, d_params, d_anc), aux = jax.lax.scan(leaf_step, (loss0, zeros(params), zeros(anc_floats)), batches)
-    return loss, [_unstack(aux, f)], d_params, d_anc
-
-  def child_step(carry, child):   # one internal node and its whole subtree
-    out_rebuild = {}
-
-    def node(p, floats):
-      out, loss, aux = fn(p, rebuild(floats), child[0])
-      out_floats, out_rebuild["fn"] = _partition(out)
-      return (out_floats, loss), aux
-    (out_floats, loss), pullback, aux = jax.vjp(node, params, anc_floats, has_aux=True)
-    loss_c, aux_c, dp_c, da_c = _subtree(node_fns, params, ancestors + [(out_floats, out_rebuild["fn"])],
-                                         child[1:], micro_batch)
-    dp, da = pullback((da_c[-1], jnp.ones_like(loss)))
-    da = _tree_add(da, da_c[:-1])
-    new = (carry[0] + loss + loss_c, _tree_add(carry[1], _tree_add(dp, dp_c)), _tree_add(carry[2], da))
-    return new, [aux] + aux_c
-
-  first = [jax.tree_util.tree_map(lambda x: x[0], lvl) for lvl in levels]
-  loss_dtype = jax.eval_shape(lambda p, fl: fn(p, rebuild(fl), first[0])[1], params, anc_floats).dtype
-  init = (jnp.zeros((), loss_dtype), zeros(params), zeros(anc_floats))
-  (loss, d_params, d_anc), aux = jax.lax.scan(child_step, init, levels)
-  return loss, aux, d_params, d_anc

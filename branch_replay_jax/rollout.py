@@ -3,9 +3,9 @@
 `rollout` samples G completions sharing one prefill (sampling.sample_group) and returns the
 arrays of a rollout group; with `rollout.tree_fanouts` set it samples a tree (TreePO-style
 fixed-length segments, tree_sampling.sample_tree) whose trajectories are the completions.
-Either way the trajectories get GRPO advantages from the task's rewards, and the arrays are
-laid out for replay (group or tree) or, with `train.gradient = "naive"`, for the naive step
-over the same trajectories.
+Either way the trajectories get GRPO (or, with `loss.advantage = "rloo"`, leave-one-out RLOO)
+advantages from the task's rewards, and the arrays are laid out for replay (group or tree) or,
+with `train.gradient = "naive"`, for the naive step over the same trajectories.
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   t2 = time.perf_counter()
 
   lengths = np.array([len(c) for c in completions])
-  advantages = np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=config.loss.advantage_eps), np.float32)
+  if config.loss.advantage == "rloo":
+    advantages = np.asarray(obj.rloo_advantages(jnp.asarray(rewards)), np.float32)
+  else:
+    advantages = np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=config.loss.advantage_eps), np.float32)
   w = obj.trajectory_weights(lengths, mode=config.loss.normalisation, max_length=budget).astype(np.float32)
   bucket = bucket_length(budget, minimum=8)
   naive = config.train.gradient == "naive"

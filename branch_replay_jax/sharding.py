@@ -1,14 +1,16 @@
-"""Branch replay on a device mesh with `jax.shard_map`: groups over `data`, branches over `branch`.
+"""Branch replay on a device mesh with `jax.shard_map`: groups over `data`, branches over `branch`,
+the prompt over `seq`.
 
-Mesh axes ("data", "branch", "seq"), every axis type Explicit:
+Mesh axes ("data", "branch", "seq"), every axis type Explicit (`jax.sharding.AxisType`):
 
-    data   : a batch of B rollout groups is split over devices (B % data == 0);
-    branch : each group's G completions are split over devices (G % branch == 0); every device
-             runs the prompt's forward (replicated compute, no communication) and its own
-             completions; the prompt's cotangent is all-reduced over `branch` once, before the
-             single prompt pullback;
-    seq    : reserved for a sequence-sharded prompt (context parallelism); only size 1 is
-             supported for now (ValueError otherwise).
+    data   : a batch of B rollout groups (or trees) is split over devices (B % data == 0);
+    branch : each group's G completions (a tree's first-level subtrees) are split over devices
+             (G % branch == 0); every device runs the prompt's forward (replicated over `branch`)
+             and its own completions; the prompt's cotangent is all-reduced over `branch` once,
+             before the single prompt pullback;
+    seq    : the padded prompt's P_pad tokens are split over devices (P_pad % seq == 0), context
+             parallelism: see seq_parallel.py and kernels/context_parallel.py. Completions are
+             replicated over `seq`.
 
 Gradients are all-reduced once per step. The trap (jax-ml/jax #3970; shared/cases C15): with
 `check_vma=True`, differentiating inside `shard_map` with respect to a replicated (invariant)
@@ -17,7 +19,18 @@ psum on top over-counts by the device count. Here the parameters are first cast 
 (`jax.lax.pcast(..., to="varying")`), so the gradients stay per-device until the one explicit
 psum. The prompt cotangent is divided by the branch count after its all-reduce: every branch
 device then pulls back 1/n of it, and the final psum over `branch` adds the n identical
-shares back to one (exact for power-of-two n, one rounding otherwise).
+shares back to one (exact for power-of-two n, one rounding otherwise). With seq = S > 1 every
+`seq` device computes the whole loss (the completions are replicated and see the whole prompt
+through the log-sum-exp merge), so the psum over the mesh is S times the gradient: divided by S.
+
+Parameters are replicated or FSDP-sharded at rest (`param_specs`). FSDP here shards each leaf's
+largest evenly divisible dimension over all devices; the step's `jit` all-gathers the full
+parameters at the `shard_map` boundary (`jax.reshard` to P()) and keeps each device's slice of
+the all-reduced gradients (`jax.reshard` back to the FSDP layout), so the per-device program is
+the replicated one (same gradients) and the optimizer state follows the parameters' shardings.
+Chosen over a per-layer all-gather inside the layer scan for simplicity and because it leaves the
+model untouched: it saves the memory of the parameters and the optimizer state at rest (1/N per
+device), not the step's peak of one full parameter copy and one full gradient.
 """
 
 from __future__ import annotations
@@ -25,19 +38,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from branch_replay_jax.policy import Objective, replay_value_and_grad
+from branch_replay_jax.policy import Objective, _tree_node_fn, _tree_root_fn, replay_value_and_grad
+from branch_replay_jax.replay import nested_replay_vjp
+from branch_replay_jax.seq_parallel import (check_prompt_split, chunk_replay_value_and_grad,
+                                            chunk_tree_replay_value_and_grad)
 
 MESH_AXES = ("data", "branch", "seq")
+PARAM_MODES = ("replicated", "fsdp")
 
 
 def make_mesh(data: int, branch: int, seq: int = 1, devices=None) -> jax.sharding.Mesh:
   """A ("data", "branch", "seq") mesh with Explicit axis types over `devices` (default: all).
 
   Raises:
-    ValueError: a size < 1, a product that is not the device count, or seq > 1.
+    ValueError: a size < 1, or a product that is not the device count.
   """
   devices = jax.devices() if devices is None else devices
   sizes = {"data": data, "branch": branch, "seq": seq}
@@ -47,13 +65,11 @@ def make_mesh(data: int, branch: int, seq: int = 1, devices=None) -> jax.shardin
   if data * branch * seq != len(devices):
     raise ValueError(f"make_mesh: data x branch x seq = {data} x {branch} x {seq} = {data * branch * seq} "
                      f"must equal the device count {len(devices)}")
-  if seq != 1:
-    raise ValueError(f"make_mesh: seq={seq}: a sequence-sharded prompt is not implemented yet; use seq=1")
   return jax.make_mesh((data, branch, seq), MESH_AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
 
 
 def stack_groups(groups: list[dict]) -> dict:
-  """Stack `group_arrays` dicts of equal shapes on a leading group axis [B, ...].
+  """Stack `group_arrays` (or `tree_arrays`) dicts of equal shapes on a leading axis [B, ...].
 
   Raises:
     ValueError: groups whose shapes differ (bucket them to the same prompt/completion lengths).
@@ -65,13 +81,96 @@ def stack_groups(groups: list[dict]) -> dict:
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *groups)
 
 
+def batch_specs(batch: dict, mesh) -> dict:
+  """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] P("data", "seq"); completions
+  ("branches" [B, G, ...]) and tree levels ("levels" [B, F_0, ...]) P("data", "branch"); the rest P("data").
+
+  Raises:
+    ValueError: B, G (F_0) or P_pad not divisible by the data, branch or seq size.
+  """
+  def spec(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    if "branches" in keys or "levels" in keys:
+      name, s = "branches" if "branches" in keys else "levels", P("data", "branch")
+    elif "prompt_ids" in keys:
+      name, s = "prompt_ids", P("data", "seq")
+    else:
+      name, s = keys[-1], P("data")
+    for dim, axis in enumerate(s):
+      if x.shape[dim] % mesh.shape[axis]:
+        raise ValueError(f"batch[{name!r}]: axis {dim} has size {x.shape[dim]}, not divisible by "
+                         f"{axis}={mesh.shape[axis]}")
+    return s
+  return jax.tree_util.tree_map_with_path(spec, batch)
+
+
 def shard_batch(batch: dict, mesh) -> dict:
-  """Place a stacked batch: groups over `data`, branches (their axis 1) over `branch`."""
-  def place(path, x):
-    in_branches = any(getattr(k, "key", None) == "branches" for k in path)
-    spec = P("data", "branch") if in_branches else P("data")
-    return jax.device_put(x, NamedSharding(mesh, spec))
-  return jax.tree_util.tree_map_with_path(place, batch)
+  """Place a stacked batch on `mesh` with `batch_specs`."""
+  return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), batch,
+                                batch_specs(batch, mesh))
+
+
+def param_specs(params, mesh, mode: str = "replicated"):
+  """PartitionSpecs of the parameters: P() for "replicated"; for "fsdp" each leaf's largest
+  dimension divisible by the device count is split over all mesh axes (P() when none is).
+
+  Raises:
+    ValueError: for a mode outside PARAM_MODES.
+  """
+  if mode not in PARAM_MODES:
+    raise ValueError(f"param_specs: mode={mode!r} is not one of {PARAM_MODES}")
+  n = mesh.size
+
+  def spec(x):
+    if mode == "replicated":
+      return P()
+    for dim in sorted(range(x.ndim), key=lambda i: -x.shape[i]):
+      if x.shape[dim] % n == 0:
+        return P(*([None] * dim), MESH_AXES)
+    return P()
+  return jax.tree_util.tree_map(spec, params)
+
+
+def shard_params(params, mesh, mode: str = "replicated"):
+  """Place parameters (or an optimizer state shaped like them) with `param_specs`."""
+  return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                                param_specs(params, mesh, mode))
+
+
+def _mesh_value_and_grad(per_group, params, batch, mesh):
+  """Σ over the batch of per_group(local params, one group's arrays, reduce) under shard_map.
+
+  per_group returns (loss, grads) of one group on this device; reduce is the prompt-cotangent
+  all-reduce over `branch`. Returns (loss, grads) replicated, grads resharded like `params`.
+  """
+  n_branch, n_seq = mesh.shape["branch"], mesh.shape["seq"]
+
+  def reduce_prompt_cotangent(cotangent):
+    # psum makes the cotangent invariant over `branch`; the pullback expects the prompt output's
+    # own type (varying over `branch`), so cast back.
+    return jax.tree_util.tree_map(
+        lambda c: jax.lax.pcast(jax.lax.psum(c, "branch") / n_branch, "branch", to="varying"), cotangent)
+
+  def per_device(params, batch):
+    local = jax.lax.pcast(params, MESH_AXES, to="varying")
+
+    def one_group(carry, arrays):
+      loss, grads = per_group(local, arrays, reduce_prompt_cotangent)
+      return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, local)
+    loss0 = jnp.zeros_like(jax.tree_util.tree_leaves(local)[0], shape=())
+    (loss, grads), _ = jax.lax.scan(one_group, (loss0, zeros), batch)
+    loss, grads = jax.lax.psum(loss, MESH_AXES), jax.lax.psum(grads, MESH_AXES)
+    if n_seq > 1:   # every seq device computed the whole loss (module docstring)
+      loss, grads = loss / n_seq, jax.tree_util.tree_map(lambda g: g / n_seq, grads)
+    return loss, grads
+
+  full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)), out_specs=(P(), P()),
+                     check_vma=True)
+  loss, grads = fn(full, batch)
+  return loss, jax.tree_util.tree_map(lambda g, x: jax.reshard(g, jax.typeof(x).sharding.spec), grads, params)
 
 
 def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Objective, mesh, *,
@@ -79,38 +178,66 @@ def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Obje
   """(loss, grads) summed over a batch of groups, by replay under `shard_map` on `mesh`.
 
   Args:
-    params: replicated parameters (an nnx.State).
-    batch: `stack_groups` output placed with `shard_batch`: prompt [B, P_pad], branches [B, G, ...].
+    params: parameters (an nnx.State) placed with `shard_params` (replicated or FSDP).
+    batch: `stack_groups` output placed with `shard_batch`: prompt_ids [B, P_pad], prompt_len [B],
+      branches [B, G, ...].
     micro_batch: completions per scan step on each device; must divide G / branch.
 
   Returns:
     loss: scalar, Σ over groups and completions of the objective (replicated).
-    grads: like params (replicated): equal to the single-device replay and naive gradients.
+    grads: like params (same shardings): equal to the single-device replay and naive gradients.
+
+  Raises:
+    ValueError: B, G or P_pad not divisible by the data, branch or seq size; a bad micro_batch.
   """
-  n_branch = mesh.shape["branch"]
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
 
-  def reduce_prompt_cotangent(cotangent):
-    # psum makes the cotangent invariant over `branch`; the pullback expects the prompt output's
-    # own type (varying over both axes), so cast back.
-    return jax.tree_util.tree_map(
-        lambda c: jax.lax.pcast(jax.lax.psum(c, "branch") / n_branch, "branch", to="varying"), cotangent)
+  def per_group(local, arrays, reduce):
+    kw = dict(micro_batch=micro_batch, logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce)
+    if n_seq > 1:
+      loss, _, grads = chunk_replay_value_and_grad(graphdef, local, arrays, objective, **kw)
+    else:
+      loss, _, grads = replay_value_and_grad(graphdef, local, arrays, objective, **kw)
+    return loss, grads
+  return _mesh_value_and_grad(per_group, params, batch, mesh)
 
-  def per_device(params, batch):
-    local = jax.lax.pcast(params, ("data", "branch"), to="varying")
 
-    def one_group(carry, arrays):
-      loss, _, grads = replay_value_and_grad(graphdef, local, arrays, objective, micro_batch=micro_batch,
-                                             logprob_chunk=logprob_chunk,
-                                             reduce_prefix_cotangent=reduce_prompt_cotangent)
-      return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), None
+def sharded_tree_replay_value_and_grad(graphdef, params, batch: dict, objective: Objective, mesh, *,
+                                       micro_batch: int = 1, logprob_chunk: int = 256):
+  """(loss, grads) summed over a batch of rollout trees (stacked `tree_arrays`), by nested replay
+  under `shard_map`: trees over `data`, first-level subtrees (F_0) over `branch`, prompt over `seq`.
 
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, local)
-    loss0 = jnp.zeros_like(jax.tree_util.tree_leaves(local)[0], shape=())
-    (loss, grads), _ = jax.lax.scan(one_group, (loss0, zeros), batch)
-    return jax.lax.psum(loss, ("data", "branch")), jax.lax.psum(grads, ("data", "branch"))
+  Returns and raises as `sharded_replay_value_and_grad` (with F_0 in place of G).
+  """
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
 
-  specs = jax.tree_util.tree_map_with_path(
-      lambda path, _: P("data", "branch") if any(getattr(k, "key", None) == "branches" for k in path) else P("data"),
-      batch)
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), P()), check_vma=True)
-  return fn(params, batch)
+  def per_group(local, arrays, reduce):
+    kw = dict(micro_batch=micro_batch, logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce)
+    if n_seq > 1:
+      loss, _, grads = chunk_tree_replay_value_and_grad(graphdef, local, arrays, objective, **kw)
+    else:
+      node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
+      loss, _, grads = nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), local,
+                                         arrays["levels"], micro_batch=micro_batch, reduce_prefix_cotangent=reduce)
+    return loss, grads
+  return _mesh_value_and_grad(per_group, params, batch, mesh)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,
+                    micro_batch: int = 1, logprob_chunk: int = 256):
+  """A jitted (params, opt_state, batch) -> (params, opt_state, loss) optimizer step on `mesh`.
+
+  The parameters keep their shardings (replicated or FSDP, `shard_params`); the optimizer state
+  initialised from them (`jax.jit(tx.init)(params)`) has the same shardings and keeps them.
+  """
+  value_and_grad = sharded_tree_replay_value_and_grad if trees else sharded_replay_value_and_grad
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = value_and_grad(graphdef, params, batch, objective, mesh, micro_batch=micro_batch,
+                                 logprob_chunk=logprob_chunk)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step

@@ -3,7 +3,8 @@
 One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
   1. chat-format the problem and sample G completions sharing one prefill (sampling.py);
   2. score them with the task's verifier (tasks/);
-  3. group-normalised advantages (objectives.group_advantages);
+  3. group-normalised advantages (objectives.group_advantages), or RLOO's leave-one-out ones
+     (objectives.rloo_advantages) with loss.advantage = "rloo";
   4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
   5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
      over the step's groups, clipped by global norm and applied with optax AdamW.
@@ -30,9 +31,10 @@ from branch_replay_jax import plots
 from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.policy import (naive_logprobs, naive_value_and_grad, replay_logprobs, replay_value_and_grad,
-                                      tree_replay_value_and_grad)
+                                      tree_replay_logprobs, tree_replay_value_and_grad)
 from branch_replay_jax.rollout import Group, rollout
 from branch_replay_jax.tasks import make_task
+from branch_replay_jax.tree_replay import SCHEDULES as TREE_SCHEDULES
 
 GRADIENTS = ("replay", "naive")
 SCHEDULES = ("constant", "cosine")
@@ -55,6 +57,8 @@ def validate(config) -> None:
     raise ValueError(f"train.gradient={t.gradient!r} is not one of {GRADIENTS}")
   if t.lr_schedule not in SCHEDULES:
     raise ValueError(f"train.lr_schedule={t.lr_schedule!r} is not one of {SCHEDULES}")
+  if l.advantage not in obj.ADVANTAGES:
+    raise ValueError(f"loss.advantage={l.advantage!r} is not one of {obj.ADVANTAGES}")
   if l.normalisation not in obj.NORMALISATIONS:
     raise ValueError(f"loss.normalisation={l.normalisation!r} is not one of {obj.NORMALISATIONS}")
   if not 0 < l.clip_eps < 1 or l.kl_coef < 0:
@@ -63,10 +67,8 @@ def validate(config) -> None:
     if any(not isinstance(f, int) or f < 1 for f in r.tree_fanouts) or r.segment_length < 1:
       raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)} needs ints >= 1 and rollout.segment_length="
                        f"{r.segment_length} >= 1")
-    if l.kl_coef or t.inner_epochs > 1:
-      # Forward-only replay on trees (reference / old log-probs) is not implemented yet.
-      raise ValueError(f"rollout.tree_fanouts is set: loss.kl_coef={l.kl_coef} must be 0 and train.inner_epochs="
-                       f"{t.inner_epochs} must be 1 with tree rollouts for now")
+  if t.tree_schedule not in TREE_SCHEDULES:
+    raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
 
 
 def build_model(config):
@@ -119,8 +121,9 @@ class StepFunctions:
     tree = bool(config.rollout.tree_fanouts) and not naive
     self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
                                        kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
-    grad_fn = naive_value_and_grad if naive else tree_replay_value_and_grad if tree else replay_value_and_grad
-    lp_fn = naive_logprobs if naive else replay_logprobs
+    grad_fn = (naive_value_and_grad if naive else replay_value_and_grad if not tree else
+               functools.partial(tree_replay_value_and_grad, schedule=t.tree_schedule))
+    lp_fn = naive_logprobs if naive else tree_replay_logprobs if tree else replay_logprobs
     # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
     # each compiled shape uses the largest divisor of that count not above train.micro_batch.
     self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective,
@@ -140,13 +143,22 @@ def _aux_sums(kind: str, aux) -> tuple[float, float]:
   return sum(float(np.sum(p["kl"])) for p in parts), sum(float(np.sum(p["clipped"])) for p in parts)
 
 
+def _store_logprobs(group: Group, name: str, logp) -> None:
+  """Per-token log-probs into a group's arrays: [G, T] per branch, or a tree's per-level [F_1..F_d, T_d]."""
+  if group.kind == "tree":
+    for level, lp in zip(group.arrays["levels"], logp):
+      level[name] = lp
+  else:
+    group.arrays["branches"][name] = logp
+
+
 def update_on_batch(config, fns: StepFunctions, params, ref_params, opt_state, groups: list[Group]):
   """Reference (and old) log-probs, then inner_epochs updates on the step's groups."""
   for g in groups:
     if config.loss.kl_coef:
-      g.arrays["branches"]["ref_logp"] = fns.logprobs(ref_params, g.arrays)
+      _store_logprobs(g, "ref_logp", fns.logprobs(ref_params, g.arrays))
     if config.train.inner_epochs > 1:
-      g.arrays["branches"]["old_logp"] = fns.logprobs(params, g.arrays)
+      _store_logprobs(g, "old_logp", fns.logprobs(params, g.arrays))
   for _ in range(config.train.inner_epochs):
     total, loss, aux = None, 0.0, []
     for g in groups:
@@ -173,44 +185,63 @@ def train(config) -> list[dict]:
   ref_params = jax.tree_util.tree_map(jnp.copy, params)
   optimizer = make_optimizer(config)
   opt_state = optimizer.init(params)
-  key = jax.random.key(config.seed)
   ckpt = RunCheckpoints(config.run_dir)
-  start, data_pos = 0, 0
-  if config.resume and ckpt.latest_step() is not None:
-    abstract = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
-    state, meta = ckpt.restore(ckpt.latest_step(), abstract)
-    params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
-    start, data_pos = meta["step"], meta["data_pos"]
-  metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
-  plots.truncate_jsonl(metrics_path, keep_below_step=start)   # drop steps logged after the last checkpoint
+  params, opt_state, key, start, data_pos = resume_state(config, ckpt, params, opt_state)
+  plots.truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), keep_below_step=start)
   fns = StepFunctions(config, graphdef, optimizer)
   history = []
   bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps, desc="grpo", unit="step")
   for step in bar:
     t0 = time.perf_counter()
-    groups = []
-    policy = nnx.merge(graphdef, params)
-    for i in range(config.rollout.prompts_per_step):
-      groups.append(rollout(config, policy, tokenizer, task, data_pos, jax.random.fold_in(jax.random.fold_in(key, step), i)))
-      data_pos += 1
+    groups, data_pos = sample_groups(config, nnx.merge(graphdef, params), tokenizer, task, key, step, data_pos)
     t1 = time.perf_counter()
     params, opt_state, stats = update_on_batch(config, fns, params, ref_params, opt_state, groups)
     t2 = time.perf_counter()
-    record = step_record(step, groups, stats, rollout_s=t1 - t0, update_s=t2 - t1)
-    history.append(record)
-    plots.append_jsonl(metrics_path, record)
-    plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **groups[0].sample})
-    if groups[0].tree is not None:
-      os.makedirs(os.path.join(config.run_dir, "trees"), exist_ok=True)
-      plots.draw_tree(groups[0].tree, groups[0].rewards, os.path.join(config.run_dir, "trees", f"step_{step + 1}.png"),
-                      title=f"step {step + 1}: {groups[0].sample['question']}")
-    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.1f}")
-    if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.train.steps:
-      ckpt.save(step + 1, {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)},
-                {"step": step + 1, "data_pos": data_pos})
+    history.append(log_step(config, bar, step, groups, stats, rollout_s=t1 - t0, update_s=t2 - t1))
+    save_if_due(config, ckpt, step, params, opt_state, key, data_pos)
   ckpt.close()
   plots.write_plots(config.run_dir)
   return history
+
+
+# The loop's bookkeeping, shared with the PPO loop (ppo.py).
+
+def resume_state(config, ckpt: RunCheckpoints, params, opt_state):
+  """(params, opt_state, key, start step, data position): the latest checkpoint's with config.resume
+  (restored into the given structures), else the given ones, the seed's key, step 0, position 0."""
+  key = jax.random.key(config.seed)
+  if not (config.resume and ckpt.latest_step() is not None):
+    return params, opt_state, key, 0, 0
+  abstract = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+  state, meta = ckpt.restore(ckpt.latest_step(), abstract)
+  return (state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"]), meta["step"],
+          meta["data_pos"])
+
+
+def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int) -> tuple[list[Group], int]:
+  """The step's rollouts, one per prompt (keys from (seed, step, i): a resumed run samples the same)."""
+  groups = [rollout(config, policy, tokenizer, task, data_pos + i, jax.random.fold_in(jax.random.fold_in(key, step), i))
+            for i in range(config.rollout.prompts_per_step)]
+  return groups, data_pos + len(groups)
+
+
+def log_step(config, bar, step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float) -> dict:
+  """Append the step's record to metrics.jsonl, a sample to samples.jsonl, draw a tree; returns the record."""
+  record = step_record(step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+  plots.append_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), record)
+  plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **groups[0].sample})
+  if groups[0].tree is not None:
+    os.makedirs(os.path.join(config.run_dir, "trees"), exist_ok=True)
+    plots.draw_tree(groups[0].tree, groups[0].rewards, os.path.join(config.run_dir, "trees", f"step_{step + 1}.png"),
+                    title=f"step {step + 1}: {groups[0].sample['question']}")
+  bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.1f}")
+  return record
+
+
+def save_if_due(config, ckpt: RunCheckpoints, step: int, params, opt_state, key, data_pos: int) -> None:
+  if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.train.steps:
+    ckpt.save(step + 1, {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)},
+              {"step": step + 1, "data_pos": data_pos})
 
 
 def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float) -> dict:

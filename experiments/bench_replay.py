@@ -11,12 +11,17 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m-instruct"   # a name or path for models.load, or "tiny" (random 2-layer model)
   c.dtype = "float32"                 # compute dtype: float32 or bfloat16
-  c.cases = ((1024, 128, 8), (2048, 128, 8), (512, 64, 16))  # (P prompt tokens, T completion tokens, G)
+  # (P prompt tokens, T completion tokens, G[, remat]): at P = 2048 neither mode fits 24 GiB without remat
+  c.cases = ((1024, 128, 8), (2048, 128, 8, "save_kv"), (512, 64, 16))
   c.repeats = 3                       # timed runs after the compile; the median is reported
   c.naive_micro_batches = "1,2,G"     # candidates for the naive step's micro-batch; the fastest is reported
   c.tree_cases = ((1024, 64, "4,2,2"), (256, 32, "2,2,2,2"))  # (P, segment tokens, fan-outs per level): full trees
   c.replay_micro_batches = "1,4"      # candidates for branches vmapped per replay scan step; the fastest is reported
   c.tree_replay_micro_batches = "1,2"  # candidates for leaf siblings vmapped per scan step (tree replay)
+  c.ppo_cases = ((512, 64, 8),)       # (P, T, G): PPO step, policy + critic (ppo_policy.py), naive vs replay
+  c.ppo_critic = "value_head"         # critic of the PPO cases: value_head or separate (models/critic.py)
+  c.tree_schedule = "level"           # tree replay schedule: level (batched levels, fastest) or depth_first (least memory)
+  c.remat = "none"                    # rematerialisation of both modes unless a case names one: none, full, save_kv
   c.logprob_chunk = 128               # positions per log-prob chunk (no [T, V] logits in either mode)
   c.seed = 0                          # token ids, old/ref log-probs and rewards are drawn from it
   c.output = ""                       # also append the JSON lines to this file when set
@@ -24,7 +29,11 @@ def get_config(arg=None):
     c.model = "tiny"
     c.cases = ((24, 6, 4),)
     c.tree_cases = ((16, 4, "2,2"),)
+    c.ppo_cases = ((24, 6, 4),)
     c.repeats = 2
+    c.naive_micro_batches = "1,G"   # one fresh process per candidate: keep the smoke run short
+    c.replay_micro_batches = "1"
+    c.tree_replay_micro_batches = "1"
   elif arg not in (None, ""):
     raise ValueError(f"experiments/bench_replay.py: unknown variant {arg!r}; use '' or 'smoke'")
   return c

@@ -14,7 +14,7 @@ def get_config(arg=None):
   c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
   c.model.dtype = "float32"               # compute dtype: float32 or bfloat16 (parameters stay float32)
   c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs) or save_kv (inputs + K/V)
-  c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, auto (pallas on GPU)
+  c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.tasks.TASKS (also gsm_symbolic)
@@ -36,7 +36,8 @@ def get_config(arg=None):
   c.loss.clip_eps = 0.2                   # PPO/GRPO ratio clip epsilon
   c.loss.kl_coef = 0.04                   # beta of the k3 KL penalty to the initial policy (0 disables it)
   c.loss.normalisation = "sequence_mean"  # sequence_mean (GRPO), token_mean (DAPO) or constant (Dr. GRPO)
-  c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std
+  c.loss.advantage = "grpo"               # grpo (group-normalised) or rloo (leave-one-out baseline, arXiv 2402.14740)
+  c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std (grpo)
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 30                      # optimizer steps
@@ -48,6 +49,7 @@ def get_config(arg=None):
   c.train.inner_epochs = 1                # updates per sampled batch; > 1 replays old log-probs first
   c.train.gradient = "replay"             # replay (shared prompt once) or naive (prompt repeated per completion)
   c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G (trees: at most)
+  c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)
 
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/grpo_smollm2_arith"   # metrics.jsonl, plots, checkpoints

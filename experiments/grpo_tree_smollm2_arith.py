@@ -15,7 +15,6 @@ def get_config(arg=None):
   c = grpo_smollm2_arith.get_config("smoke" if arg == "smoke" else None)
   c.rollout.tree_fanouts = (4, 2, 2)     # 16 trajectories per prompt
   c.rollout.segment_length = 12          # tokens per segment: completions of up to 36 tokens
-  c.loss.kl_coef = 0.0                   # no forward-only tree replay for reference log-probs yet
   c.train.micro_batch = 2                # leaf siblings vmapped together (divides the last fan-out)
   c.train.steps = 20
   c.run_dir = "runs/grpo_tree_smollm2_arith"

@@ -20,7 +20,7 @@ def test_bench_smoke_prints_one_json_row_per_case():
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
   rows = [r for r in rows if "error" not in r]
-  assert [r["kind"] for r in rows] == ["group", "tree"]
+  assert [r["kind"] for r in rows] == ["group", "tree", "ppo"]
   for r in rows:
     assert REQUIRED <= set(r)
     # float32 replay vs naive on the tiny model: rounding only.
@@ -31,3 +31,65 @@ def test_bench_smoke_prints_one_json_row_per_case():
   assert (rows[0]["token_positions_naive"], rows[0]["token_positions_computed"]) == (120, 48)
   # Tree (16, 4, [2, 2]): 4 paths of 16 + 8 = 96 naive positions; 16 + 2*4 + 4*4 = 40 computed.
   assert (rows[1]["token_positions_naive"], rows[1]["token_positions_computed"]) == (96, 40)
+  # PPO (24, 6, 4): the group's positions, for policy log-probs and values alike.
+  assert (rows[2]["token_positions_naive"], rows[2]["token_positions_computed"]) == (120, 48)
+
+
+def _bench_memory(*overrides):
+  proc = subprocess.run([sys.executable, "-m", "branch_replay_jax.bench_memory",
+                         "--config=experiments/bench_memory.py:smoke", *overrides],
+                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+@pytest.mark.heavy   # minutes on 2 cores; `make test-all` runs it, CI does not
+def test_bench_memory_smoke_rows():
+  rows = _bench_memory()
+  attempts = [r for r in rows if not r.get("summary")]
+  assert all(r["bound"] is None for r in attempts), [r.get("error") for r in attempts]
+  # memory_vs_g: replay and naive (micro-batch 1) at G = 2 and 8; longest_context: P = 64, 128 for
+  # replay (offload_kv) and naive (none), then max_p = 128 ends each search.
+  assert [(r["study"], r["mode"], r["G"], r["P"]) for r in attempts] == [
+      ("memory_vs_g", "replay", 2, 64), ("memory_vs_g", "naive", 2, 64),
+      ("memory_vs_g", "replay", 8, 64), ("memory_vs_g", "naive", 8, 64),
+      ("longest_context", "replay", 4, 64), ("longest_context", "replay", 4, 128),
+      ("longest_context", "naive", 4, 64), ("longest_context", "naive", 4, 128)]
+  for r in attempts:
+    assert r["temp_bytes"] > 0 and r["peak_bytes"] > r["temp_bytes"]   # RSS adds parameters and runtime
+    assert r["token_positions_naive"] == r["G"] * (r["P"] + r["T"])
+  summaries = {(r["study"], r["mode"]): r for r in rows if r.get("summary")}
+  # Micro-batch 1: one branch's activations live at a time; G enters only through the [G, T]
+  # inputs (tens of bytes here), so the compiled temp bytes of G=8 and G=2 agree within 5%.
+  assert summaries["memory_vs_g", "replay"]["temp_ratio_G8_over_G2"] == pytest.approx(1.0, abs=0.05)
+  for mode in ("replay", "naive"):
+    s = summaries["longest_context", mode]
+    assert (s["largest_P"], s["failed_P"], s["stopped_by"], s["attempts"]) == (128, None, "max_p", 2)
+    assert s["token_positions_naive"] == 4 * (128 + 8)
+
+
+def test_bench_memory_search_names_the_bound_that_stopped_it():
+  # A 1 s cap stops an attempt before JAX has even compiled; a 300 MB resident-set cap stops it
+  # while compiling (the tiny model's worker peaks near 600 MB). Either way P = 64 fails first.
+  base = ("--config.studies=longest_context", "--config.policies=save_kv", "--config.naive_policies=")
+  for override, bound in (("--config.attempt_timeout_s=1", "time"), ("--config.rss_limit_bytes=300000000", "memory")):
+    (attempt, summary) = _bench_memory(*base, override)
+    assert (attempt["P"], attempt["bound"]) == (64, bound)
+    assert (summary["largest_P"], summary["failed_P"], summary["stopped_by"]) == (None, 64, bound)
+
+
+def test_largest_passing_doubles_then_bisects_to_the_granularity():
+  from branch_replay_jax.bench_memory import largest_passing
+  tried = []
+
+  def attempt(p):   # passes up to 1500 tokens, then "memory"
+    tried.append(p)
+    return None if p <= 1500 else "memory"
+  # 1024 passes, 2048 fails; bisection: 1536 fails, 1280 passes; 1536 - 1280 = 256 ends it.
+  assert largest_passing(attempt, 1024, 256, 1 << 20) == (1280, 1536, "memory")
+  assert tried == [1024, 2048, 1536, 1280]
+  assert largest_passing(lambda p: None, 1024, 256, 3000) == (3000, None, "max_p")   # 1024, 2048, 3000
+  assert largest_passing(lambda p: "time", 1024, 256, 4096) == (None, 1024, "time")
+  with pytest.raises(ValueError, match="max_p=512"):
+    largest_passing(attempt, 1024, 256, 512)

@@ -1,19 +1,37 @@
-"""Replay under shard_map on 8 fake CPU devices: sharded == single-device replay == naive."""
+"""Replay under shard_map on 8 fake CPU devices: sharded == single-device replay == naive.
+
+Meshes are data x branch x seq. Expected values: the naive single-device gradient (the prompt
+repeated per completion, no sharding), to float32 rounding (<= 1e-5 relative, the issue's bound);
+sharding only reorders float sums.
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import max_rel_err, random_group, tiny_model
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_replay import grpo_arrays, grpo_objective
 
-from branch_replay_jax.policy import naive_value_and_grad, replay_value_and_grad
+from branch_replay_jax import objectives as obj
+from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
+from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
+from branch_replay_jax.models.llama import REMAT_POLICIES
+from branch_replay_jax.policy import (naive_value_and_grad, replay_value_and_grad, trajectory_group_arrays,
+                                      tree_arrays, tree_replay_value_and_grad)
 from branch_replay_jax.replay import replay_vjp
-from branch_replay_jax.sharding import make_mesh, shard_batch, sharded_replay_value_and_grad, stack_groups
+from branch_replay_jax.sharding import (make_mesh, make_train_step, param_specs, shard_batch, shard_params,
+                                        sharded_replay_value_and_grad, sharded_tree_replay_value_and_grad,
+                                        stack_groups)
+from branch_replay_jax.tree import pad_tree, tree_from_trajectories
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1)]
 
 
 def test_c15_no_double_psum():
@@ -38,6 +56,38 @@ def test_c15_no_double_psum():
   assert float(replayed_loss) == 56.0 and float(grads) == 56.0
 
 
+def test_context_parallel_attention_equals_unsharded():
+  # A 16-key prompt split 2 keys per device over 8 devices (positions 11..15 padding, so the last
+  # chunks have no valid key), then a 4-token branch on top. Expected: suffix_attention on the
+  # whole prompt: the loss Σ prompt out² + Σ branch out² and its gradients w.r.t. the prompt's
+  # q, k, v. Each device holds its chunk's prompt term and 1/8 of the (replicated) branch term.
+  rng = np.random.default_rng(0)
+  mesh = make_mesh(1, 1, 8)
+  n = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  qp, kp, vp, qb, kb, vb = n(1, 16, 4, 8), n(1, 16, 2, 8), n(1, 16, 2, 8), n(1, 4, 4, 8), n(1, 4, 2, 8), n(1, 4, 2, 8)
+  pvalid, bvalid = jnp.arange(16)[None] < 11, jnp.ones((1, 4), bool)
+
+  def loss(attn_prompt, attn_branch, branch_share, qp, kp, vp, pvalid):
+    out_p, _ = attn_prompt(qp, [], KVBlock(kp, vp, pvalid))
+    out_b, _ = attn_branch(qb, [KVBlock(kp, vp, pvalid)], KVBlock(kb, vb, bvalid))
+    return jnp.sum(jnp.where(pvalid[..., None, None], out_p, 0.0) ** 2) + branch_share * jnp.sum(out_b ** 2)
+  want, want_grads = jax.value_and_grad(functools.partial(loss, suffix_attention, suffix_attention, 1.0),
+                                        argnums=(0, 1, 2))(qp, kp, vp, pvalid)
+
+  def per_device(qp, kp, vp, pvalid):
+    f = functools.partial(loss, prompt_chunk_attention(suffix_attention), over_sharded_prompt(suffix_attention), 1 / 8)
+    val, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(qp, kp, vp, pvalid)
+    return jax.lax.psum(val, "seq"), grads
+
+  spec = P(None, "seq")
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (qp, kp, vp, pvalid)]
+    val, grads = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 4, out_specs=(P(), (spec,) * 3),
+                                       check_vma=True))(*args)
+  assert float(val) == pytest.approx(float(want), rel=1e-6)
+  assert max_rel_err(grads, want_grads) <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def reference():
   graphdef, params = tiny_model()
@@ -48,35 +98,114 @@ def reference():
   add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)
   naive_out = [naive(params, a) for a in groups]
   replay_out = [replay(params, a) for a in groups]
-  n_grads = naive_out[0][2]
-  r_grads = replay_out[0][2]
-  for out in naive_out[1:]:
-    n_grads = add(n_grads, out[2])
-  for out in replay_out[1:]:
-    r_grads = add(r_grads, out[2])
+  n_grads = functools.reduce(add, [o[2] for o in naive_out])
+  r_grads = functools.reduce(add, [o[2] for o in replay_out])
+  assert min(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(n_grads)) > 0   # not vacuous
   return graphdef, params, groups, sum(float(o[0]) for o in naive_out), n_grads, r_grads
 
 
-@pytest.mark.parametrize("data,branch", [(8, 1), (1, 8), (2, 4), (4, 2)])
-def test_sharded_replay_equals_single_device_and_naive(reference, data, branch):
+def _sharded(graphdef, params, groups, mesh, mode="replicated"):
+  """(loss, grads) / scale on `mesh`; 8 data shards need 8 groups: the 4 groups twice (scale 2)."""
+  scale = 2 if mesh.shape["data"] == 8 else 1
+  with jax.set_mesh(mesh):
+    batch = shard_batch(stack_groups(groups * scale), mesh)
+    loss, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh))(
+        shard_params(params, mesh, mode), batch)
+  return float(loss) / scale, jax.tree_util.tree_map(lambda g: g / scale, grads)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=["x".join(map(str, s)) for s in MESHES])
+def test_sharded_replay_equals_single_device_and_naive(reference, shape):
   graphdef, params, groups, naive_loss, naive_grads, replay_grads = reference
   assert max_rel_err(replay_grads, naive_grads) <= 1e-5
-  mesh = make_mesh(data, branch)
+  loss, grads = _sharded(graphdef, params, groups, make_mesh(*shape))
+  assert loss == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
+  assert max_rel_err(grads, naive_grads) <= 1e-5
+  assert max_rel_err(grads, replay_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r != "none"])
+def test_every_remat_policy_on_a_sequence_sharded_mesh(reference, remat):
+  # Rematerialisation recomputes the same operations (collectives included): the naive gradient.
+  _, params, groups, naive_loss, naive_grads, _ = reference
+  graphdef, _ = tiny_model(remat=remat)
+  loss, grads = _sharded(graphdef, params, groups, make_mesh(2, 2, 2))
+  assert loss == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
+  assert max_rel_err(grads, naive_grads) <= 1e-5
+
+
+def test_fsdp_step_equals_replicated_gradient(reference):
+  # SGD with momentum 0.9, one step: the momentum trace equals the gradient and the new parameters
+  # are params - 0.1 * gradient, both in the FSDP layout of the parameters.
+  graphdef, params, groups, naive_loss, naive_grads, _ = reference
+  mesh = make_mesh(2, 2, 2)
+  tx = optax.sgd(0.1, momentum=0.9)
   with jax.set_mesh(mesh):
-    batch = shard_batch(stack_groups(groups * (2 if data == 8 else 1)), mesh)
-    loss, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh))(
-        params, batch)
-  scale = 2 if data == 8 else 1   # 8 data shards need 8 groups: the 4 groups twice
-  assert float(loss) == pytest.approx(scale * naive_loss, rel=1e-5, abs=1e-6)
-  assert max_rel_err(jax.tree_util.tree_map(lambda g: g / scale, grads), naive_grads) <= 1e-5
+    sharded = shard_params(params, mesh, "fsdp")
+    opt_state = jax.jit(tx.init)(sharded)
+    step = make_train_step(graphdef, tx, grpo_objective, mesh)
+    new_params, new_state, loss = step(sharded, opt_state, shard_batch(stack_groups(groups), mesh))
+  specs = param_specs(params, mesh, "fsdp")
+  assert jax.tree_util.tree_leaves(specs)[0] == P(("data", "branch", "seq"))   # embed [64, 32]: rows split
+  for tree in (new_params, new_state[0].trace):
+    same = jax.tree_util.tree_map(lambda x, s: x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), tree, specs)
+    assert all(jax.tree_util.tree_leaves(same))
+  assert float(loss) == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
+  assert max_rel_err(new_state[0].trace, naive_grads) <= 1e-5
+  want = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, naive_grads)
+  assert max_rel_err(new_params, want) <= 1e-6
 
 
-def test_make_mesh_rejects_bad_shapes():
+def _random_tree(seed):
+  """A prompt of 11 tokens, 4 first-level segments of 3 tokens, each with 2 children of 2-5 tokens."""
+  rng = np.random.default_rng(seed)
+  heads = [list(rng.integers(0, 64, 3)) for _ in range(4)]
+  comps = [h + list(rng.integers(0, 64, 2 + (i + j) % 4)) for i, h in enumerate(heads) for j in range(2)]
+  return tree_from_trajectories(list(rng.integers(0, 64, 11)), comps)
+
+
+@pytest.mark.slow   # three compiles: naive, tree replay, the sharded step
+def test_sharded_tree_replay_equals_naive():
+  # Two trees (fan-outs 4 x 2) on data=2 x branch=2 (first-level subtrees) x seq=2 (prompt):
+  # the naive gradient of all their trajectories, and single-device tree replay.
+  graphdef, params = tiny_model()
+  tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+  group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+  trees, naive_loss, naive_grads, replay_grads = [], 0.0, None, None
+  add = lambda a, b: b if a is None else jax.tree_util.tree_map(jnp.add, a, b)
+  for seed in range(2):
+    tree, rng = _random_tree(seed), np.random.default_rng(seed)
+    adv = rng.normal(size=len(tree.ends)).astype(np.float32)
+    old = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(np.float32) for s in tree.segments]
+    w = obj.trajectory_weights(tree.completion_lengths(), mode="token_mean", max_length=16)
+    per_node = {"weights": [x.astype(np.float32) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": old}
+    trees.append(tree_arrays(pad_tree(tree, prompt_bucket=16), per_node, advantage=adv))
+    naive = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": old}, w.astype(np.float32), vocab_size=64,
+                                    max_positions=256, completion_bucket=16, advantage=adv)
+    loss, _, grads = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, group_obj))(params, naive)
+    naive_loss, naive_grads = naive_loss + float(loss), add(naive_grads, grads)
+    replay_grads = add(replay_grads, jax.jit(lambda p, a: tree_replay_value_and_grad(graphdef, p, a, tree_obj))(
+        params, trees[-1])[2])
+  assert max_rel_err(replay_grads, naive_grads) <= 1e-5
+  mesh = make_mesh(2, 2, 2)
+  with jax.set_mesh(mesh):
+    loss, grads = jax.jit(lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, tree_obj, mesh))(
+        shard_params(params, mesh), shard_batch(stack_groups(trees), mesh))
+  assert float(loss) == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
+  assert max_rel_err(grads, naive_grads) <= 1e-5
+
+
+def test_make_mesh_and_placement_reject_bad_shapes():
   with pytest.raises(ValueError, match="must equal the device count 8"):
     make_mesh(2, 2)
-  with pytest.raises(ValueError, match="seq=2"):
-    make_mesh(2, 2, 2)
   with pytest.raises(ValueError, match="branch=0"):
     make_mesh(8, 0)
   with pytest.raises(ValueError, match="different shapes"):
     stack_groups([grpo_arrays(random_group([2, 3]), np.float32), grpo_arrays(random_group([2, 30]), np.float32)])
+  odd_prompt = stack_groups([grpo_arrays(random_group([2, 3], prompt_bucket=12), np.float32)])
+  with pytest.raises(ValueError, match=r"batch\['prompt_ids'\]: axis 1 has size 12, not divisible by seq=8"):
+    shard_batch(odd_prompt, make_mesh(1, 1, 8))
+  with pytest.raises(ValueError, match=r"batch\['branches'\]: axis 1 has size 2, not divisible by branch=8"):
+    shard_batch(odd_prompt, make_mesh(1, 8, 1))
+  with pytest.raises(ValueError, match="mode='zero3'"):
+    param_specs({"w": jnp.zeros(8)}, make_mesh(8, 1), "zero3")

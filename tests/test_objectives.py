@@ -78,3 +78,46 @@ def test_grpo_clip_hand_case():
   np.testing.assert_array_equal(metrics["clipped"], [True, False])
   grad = jax.grad(lambda lp: jnp.sum(f(lp)[0]))(logp)
   np.testing.assert_allclose(grad, [0.0, 1.5], rtol=1e-6)
+
+
+def test_rloo_advantages_hand_case():
+  # Rewards (1, 0, 0, 1), G = 4, total 2. Leave-one-out baselines: for r=1 the others are (0, 0, 1),
+  # mean 1/3, so A = 1 - 1/3 = 2/3; for r=0 the others are (1, 0, 1), mean 2/3, so A = 0 - 2/3 = -2/3.
+  np.testing.assert_allclose(obj.rloo_advantages(jnp.array([1.0, 0.0, 0.0, 1.0])), [2 / 3, -2 / 3, -2 / 3, 2 / 3],
+                             rtol=1e-6)
+  # G = 2: each baseline is the other reward: (3, 1) -> (3 - 1, 1 - 3) = (2, -2). Leading axes are batches.
+  np.testing.assert_allclose(obj.rloo_advantages(jnp.array([[3.0, 1.0], [0.5, 0.5]])), [[2.0, -2.0], [0.0, 0.0]])
+  with pytest.raises(ValueError, match="G=1"):
+    obj.rloo_advantages(jnp.ones(1))
+
+
+def test_rloo_is_a_rescaled_mean_baseline():
+  # A_i = r_i - (S - r_i)/(G-1) = G/(G-1) (r_i - mean r): the group-mean baseline scaled by G/(G-1).
+  r = jnp.array([0.3, 1.7, -0.4, 2.2, 0.0])
+  np.testing.assert_allclose(obj.rloo_advantages(r), 5 / 4 * (r - r.mean()), rtol=1e-5, atol=1e-6)
+
+
+def test_dpo_sigmoid_and_ipo_hand_case():
+  # Log-prob sums: policy chosen -10, rejected -12; reference chosen -11, rejected -11.
+  # h = (-10 - -11) - (-12 - -11) = 1 - (-1) = 2. beta = 0.1: beta*h = 0.2.
+  # sigmoid: -log sigmoid(0.2) = log(1 + exp(-0.2)) = 0.598139; d/dh = -beta * sigmoid(-0.2) = -0.045017.
+  # IPO (tau = beta = 0.1): (h - 1/(2*0.1))^2 = (2 - 5)^2 = 9; d/dh = 2 (h - 5) = -6.
+  pc, pr, rc, rr = (jnp.array([x]) for x in (-10.0, -12.0, -11.0, -11.0))
+  loss, m = obj.dpo_loss(pc, pr, rc, rr, beta=0.1)
+  np.testing.assert_allclose(loss, [np.log1p(np.exp(-0.2))], rtol=1e-6)
+  np.testing.assert_allclose(loss, [0.598139], rtol=1e-5)
+  np.testing.assert_allclose(m["chosen_reward"], [0.1], rtol=1e-5)      # 0.1 * (-10 + 11)
+  np.testing.assert_allclose(m["rejected_reward"], [-0.1], rtol=1e-5)   # 0.1 * (-12 + 11)
+  np.testing.assert_allclose(m["margin"], [0.2], rtol=1e-5)
+  assert bool(m["correct"][0])
+  grad = jax.grad(lambda c, r: obj.dpo_loss(c, r, rc, rr, beta=0.1)[0].sum(), argnums=(0, 1))(pc, pr)
+  np.testing.assert_allclose(grad[0], [-0.1 / (1 + np.exp(0.2))], rtol=1e-5)   # -0.045017
+  np.testing.assert_allclose(grad[1], [+0.1 / (1 + np.exp(0.2))], rtol=1e-5)
+  loss, _ = obj.dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="ipo")
+  np.testing.assert_allclose(loss, [9.0], rtol=1e-6)
+  grad = jax.grad(lambda c: obj.dpo_loss(c, pr, rc, rr, beta=0.1, loss_type="ipo")[0].sum())(pc)
+  np.testing.assert_allclose(grad, [-6.0], rtol=1e-6)
+  with pytest.raises(ValueError, match="loss_type='hinge'"):
+    obj.dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="hinge")
+  with pytest.raises(ValueError, match="beta=0"):
+    obj.dpo_loss(pc, pr, rc, rr, beta=0)

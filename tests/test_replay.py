@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from conftest import max_rel_err, random_group, tiny_model
 
 from branch_replay_jax import objectives as obj
+from branch_replay_jax.models.llama import REMAT_POLICIES
 from branch_replay_jax.policy import (group_arrays, naive_logprobs, naive_value_and_grad, replay_logprobs,
                                       replay_value_and_grad)
 from branch_replay_jax.replay import replay_vjp
@@ -192,13 +194,43 @@ def test_replay_rejects_bad_micro_batch_and_ragged_branches():
 
 
 def test_every_remat_policy_gives_the_same_gradient(x64):
-  # Rematerialisation recomputes the same float64 operations in the backward pass: same gradient.
+  # Rematerialisation recomputes (or moves to host and back) the same float64 values: same gradient.
   arrays = grpo_arrays(random_group(LENGTHS[2]), jnp.float64)
   grads = {}
-  for policy in ("none", "full", "save_kv"):
+  for policy in REMAT_POLICIES:
     graphdef, params = tiny_model(jnp.float64, jnp.float64, remat=policy)
     (_, _, grads[policy]), _ = both(graphdef, params, arrays)
-  assert max_rel_err(grads["full"], grads["none"]) <= 1e-12
-  assert max_rel_err(grads["save_kv"], grads["none"]) <= 1e-12
+  for policy in REMAT_POLICIES:
+    assert max_rel_err(grads[policy], grads["none"]) <= 1e-12, policy
   with pytest.raises(ValueError, match="remat=True"):
     tiny_model(remat=True)
+
+
+def _host_puts(jaxpr):
+  """Outputs of device_put equations that land in host memory, recursing into sub-jaxprs."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "device_put":
+      yield from (v.aval.shape for v in eqn.outvars if v.aval.memory_space == jax.memory.Space.Host)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _host_puts(sub)
+
+
+def test_offload_kv_moves_layer_inputs_and_kv_to_host_and_needs_a_host_memory(monkeypatch):
+  # One segment of T=5 tokens through the 2-layer tiny model (d=32, Hkv=2, D=8): the pullback's
+  # residuals per layer are its input [1, 5, 32] and its K and V [1, 5, 2, 8]; "offload_kv" puts
+  # exactly those three in host memory, "save_kv" none.
+  tokens = jnp.arange(5)[None]
+  for policy, want in (("offload_kv", [(1, 5, 2, 8), (1, 5, 2, 8), (1, 5, 32)]), ("save_kv", [])):
+    graphdef, params = tiny_model(remat=policy)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens, 0).hidden_btd ** 2)
+    assert sorted(_host_puts(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)) == want, policy
+
+  class NoHostMemory:   # a backend with one memory space (no "pinned_host")
+    def addressable_memories(self):
+      return [type("Memory", (), {"kind": "device"})()]
+  monkeypatch.setattr(jax, "devices", lambda *a: [NoHostMemory()])
+  with pytest.raises(ValueError, match="remat='offload_kv' needs a 'pinned_host'"):
+    tiny_model(remat="offload_kv")

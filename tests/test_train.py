@@ -164,6 +164,26 @@ def test_tree_rollouts_replay_equals_naive(tmp_path):
   assert max_rel(runs["replay"], runs["naive"]) <= 1e-5
 
 
+def test_tree_rollouts_with_kl_and_inner_epochs_replay_equals_naive(tmp_path):
+  # Reference log-probs (kl_coef > 0) and old log-probs (inner_epochs = 2) come from forward-only
+  # tree replay in replay mode and from the naive per-trajectory forward in naive mode; the two
+  # runs (replay on the level schedule) must train to the same parameters, as above. A wrong
+  # ref/old log-prob (e.g. a node's log-probs placed in another slot) changes the KL and ratio
+  # terms of whole trajectories and moves parameters by ~lr (> 1e-4 relative).
+  from experiments import grpo_tree_smollm2_arith
+  runs = {}
+  for mode in ("replay", "naive"):
+    config = grpo_tree_smollm2_arith.get_config("smoke")
+    config.run_dir = str(tmp_path / mode)
+    config.train.gradient = mode
+    config.train.tree_schedule = "level"
+    config.loss.kl_coef = 0.1
+    config.train.inner_epochs = 2
+    train.train(config)
+    runs[mode], _ = final_params(tmp_path / mode)
+  assert max_rel(runs["replay"], runs["naive"]) <= 1e-5
+
+
 def test_checkpoint_killed_mid_save_leaves_the_previous_one_usable(replay_run, tmp_path):
   # orbax writes step N into "N.orbax-checkpoint-tmp-*" and renames it when complete. A run killed
   # mid-save leaves such a directory behind (here: a copy of the run with a half-written step 3);

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from branch_replay_jax import objectives as obj
 from branch_replay_jax.models import tiny_config
-from branch_replay_jax.policy import (naive_value_and_grad, trajectory_group_arrays, tree_arrays,
-                                      tree_replay_value_and_grad)
+from branch_replay_jax.policy import (naive_logprobs, naive_value_and_grad, trajectory_group_arrays, tree_arrays,
+                                      tree_replay_logprobs, tree_replay_value_and_grad)
 from branch_replay_jax.tree import RolloutTree, pad_tree, tree_counts, tree_from_trajectories
+from branch_replay_jax.tree_replay import SCHEDULES
 
 MODES = obj.NORMALISATIONS
 L_MAX = 16
@@ -78,14 +79,16 @@ def random_trees(draw):
   return RolloutTree(tuple(segments), tuple(parents), tuple(leaves))
 
 
-_tree_step = jax.jit(tree_replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch",))
+_tree_step = jax.jit(tree_replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch", "schedule"))
 _naive_step = jax.jit(naive_value_and_grad, static_argnums=(0, 3))
 _tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 _group_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 
 
 def _both(tree, graphdef, params, mode, dtype, seed=0):
-  """Tree replay and the naive group of the tree's trajectories, with the same per-token values."""
+  """Tree replay under each schedule and the naive group of the tree's trajectories, with the same
+  per-token values: ({schedule: (loss, aux, grads)}, naive (loss, aux, grads)). The level schedule
+  runs all leaf siblings in one step (micro_batch = last fan-out), depth-first one at a time."""
   rng = np.random.default_rng(seed)
   g = len(tree.ends)
   adv = rng.normal(size=g).astype(dtype)
@@ -93,7 +96,11 @@ def _both(tree, graphdef, params, mode, dtype, seed=0):
   ref = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in tree.segments]
   w = obj.trajectory_weights(tree.completion_lengths(), mode=mode, max_length=L_MAX)
   per_node = {"weights": [x.astype(dtype) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": ref}
-  tree_out = _tree_step(graphdef, params, tree_arrays(pad_tree(tree), per_node, advantage=adv), _tree_objective)
+  padded = pad_tree(tree)
+  tree_arrs = tree_arrays(padded, per_node, advantage=adv)
+  last_fanout = padded.node_ids[-1].shape[-1]
+  tree_out = {s: _tree_step(graphdef, params, tree_arrs, _tree_objective, schedule=s,
+                            micro_batch=last_fanout if s == "level" else 1) for s in SCHEDULES}
 
   arrays = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w.astype(dtype), vocab_size=64,
                                    max_positions=256, completion_bucket=L_MAX, advantage=adv)
@@ -106,9 +113,10 @@ def test_tree_replay_equals_naive_float64(tree):
   with jax.enable_x64(True):
     graphdef, params = tiny_model(jnp.float64, jnp.float64)
     for mode in MODES:
-      (lt, _, gt), (ln, _, gn) = _both(tree, graphdef, params, mode, np.float64)
-      assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), mode
-      assert max_rel_err(gt, gn) <= 1e-10, mode
+      replay, (ln, _, gn) = _both(tree, graphdef, params, mode, np.float64)
+      for schedule, (lt, _, gt) in replay.items():
+        assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), (mode, schedule)
+        assert max_rel_err(gt, gn) <= 1e-10, (mode, schedule)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -116,9 +124,10 @@ def test_tree_replay_equals_naive_float64(tree):
 def test_tree_replay_equals_naive_float32(tree):
   graphdef, params = tiny_model()
   for mode in MODES:
-    (lt, _, gt), (ln, _, gn) = _both(tree, graphdef, params, mode, np.float32)
-    assert abs(float(lt) - float(ln)) <= 1e-5 * max(1.0, abs(float(ln))), mode
-    assert max_rel_err(gt, gn) <= 1e-4, mode
+    replay, (ln, _, gn) = _both(tree, graphdef, params, mode, np.float32)
+    for schedule, (lt, _, gt) in replay.items():
+      assert abs(float(lt) - float(ln)) <= 1e-5 * max(1.0, abs(float(ln))), (mode, schedule)
+      assert max_rel_err(gt, gn) <= 1e-4, (mode, schedule)
 
 
 def test_c01_normalisations_on_a_tree():
@@ -139,3 +148,39 @@ def test_c01_normalisations_on_a_tree():
     arrays = tree_arrays(pad_tree(tree), {"weights": tree.node_weights(w)}, advantage=adv)
     loss, _, _ = _tree_step(graphdef, params, arrays, objective)
     assert float(loss) == pytest.approx(want, abs=1e-6), mode
+
+
+def test_forward_only_tree_logprobs_equal_naive(x64):
+  # Ragged depth-3 tree with an early end (trajectory 1 stops at depth 1) and a one-token leaf.
+  # Each node's log-probs, read along a trajectory's path, must equal that trajectory's naive
+  # per-token log-probs (same context, same tokens): float64 rounding only.
+  rng = np.random.default_rng(3)
+  segs = [rng.integers(0, 64, n) for n in (5, 3, 2, 4, 1, 3, 2, 2)]
+  tree = RolloutTree(tuple(segs), (-1, 0, 1, 1, 0, 3, 3, 2), (7, 4, 5, 6))
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  padded = pad_tree(tree)
+  got = tree_replay_logprobs(graphdef, params, tree_arrays(padded, {}), micro_batch=2)
+  assert [x.shape for x in got] == [t.shape for t in padded.tokens]
+  arrays = trajectory_group_arrays(tree, {}, np.ones(4), vocab_size=64, max_positions=256, completion_bucket=16)
+  want = np.asarray(naive_logprobs(graphdef, params, arrays))
+  for g, end in enumerate(tree.ends):
+    row = []
+    for n in tree.path(end)[1:]:
+      level = tree.depth(n)
+      slot = tuple(np.argwhere(padded.node_ids[level - 1] == n)[0])
+      row.append(np.asarray(got[level - 1][slot])[:len(tree.segments[n])])
+    row = np.concatenate(row)
+    assert np.all(row < 0) and np.abs(row - want[g, :len(row)]).max() <= 1e-10, g
+  # Padding slots and positions hold exactly 0.
+  for level, mask in zip(got, padded.mask):
+    assert np.all(np.asarray(level)[~mask] == 0.0)
+
+
+def test_bad_schedule_and_micro_batch_raise():
+  tree = tree_from_trajectories([9, 9, 9], [[1, 2, 3], [1, 2, 4, 5], [7]])
+  graphdef, params = tiny_model()
+  arrays = tree_arrays(pad_tree(tree), {"weights": tree.node_weights(np.ones(3))}, advantage=np.zeros(3))
+  with pytest.raises(ValueError, match="schedule='breadth'"):
+    tree_replay_value_and_grad(graphdef, params, arrays, _tree_objective, schedule="breadth")
+  with pytest.raises(ValueError, match="micro_batch=3"):   # the last fan-out is 2
+    tree_replay_value_and_grad(graphdef, params, arrays, _tree_objective, micro_batch=3)

@@ -36,7 +36,15 @@ from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models.config import ModelConfig
 
 
-REMAT_POLICIES = ("none", "full", "save_kv")
+REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
+
+
+def _check_host_memory(remat: str) -> None:
+  """Raise ValueError when the default device has no "pinned_host" memory kind to offload residuals to."""
+  kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+  if "pinned_host" not in kinds:
+    raise ValueError(f"Llama: remat={remat!r} needs a 'pinned_host' memory kind on {jax.devices()[0]}; "
+                     f"this backend has {sorted(kinds)} (use remat='save_kv')")
 
 
 class SegmentOutput(NamedTuple):
@@ -151,9 +159,13 @@ class Llama(nnx.Module):
     remat: rematerialisation policy of each layer (`jax.checkpoint` around the scanned layer body),
       one of REMAT_POLICIES: "none" keeps every activation for the backward pass; "full" keeps
       only each layer's input and recomputes the rest; "save_kv" keeps each layer's input and its
-      K/V (`checkpoint_name` "k", "v") and recomputes the rest. Gradients are identical.
+      K/V (`checkpoint_name` "k", "v") and recomputes the rest; "offload_kv" keeps the same
+      residuals ("layer_input", "k", "v") in host memory ("pinned_host" memory kind) instead of
+      device memory, and raises ValueError here on a backend without that memory kind.
+      Gradients are identical.
     attention_impl: suffix attention, one of `ATTENTION_IMPLS`: "xla" (dense jnp reference),
-      "pallas" (FlashAttention-2 kernels, interpreted on the CPU), "auto" (pallas on a GPU when
+      "pallas" (FlashAttention-2 kernels, interpreted on the CPU; splash attention on a TPU),
+      "splash" (TPU splash attention, interpreted on the CPU), "auto" (pallas on a GPU or TPU when
       the head dim allows, else xla); resolved once here and stored as `self.attention_impl`.
     rngs: initialisation randomness (the loaders overwrite every parameter).
   """
@@ -165,6 +177,8 @@ class Llama(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     if remat not in REMAT_POLICIES:
       raise ValueError(f"Llama: remat={remat!r} is not one of {REMAT_POLICIES}")
+    if remat == "offload_kv":
+      _check_host_memory(remat)
     self.remat = remat
     self.attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
     self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.d_model)))
@@ -174,7 +188,7 @@ class Llama(nnx.Module):
       self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.d_model, config.vocab_size)))
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[KVBlock] = (),
-               valid_bt: jax.Array | None = None) -> SegmentOutput:
+               valid_bt: jax.Array | None = None, attention=None) -> SegmentOutput:
     """Forward of one segment.
 
     Args:
@@ -185,6 +199,8 @@ class Llama(nnx.Module):
         [B or 1, S]; every ancestor key is visible to every query of the segment.
       valid_bt: [B, T] bool, False on padding; default all True. Padded positions are masked
         out as keys; their own outputs are garbage that callers must mask.
+      attention: a `suffix_attention`-compatible function replacing the model's own (default:
+        `attention_impl`); context parallelism passes the wrappers of `kernels/context_parallel.py`.
 
     Returns:
       SegmentOutput(kv with k, v [L, B, T, Hkv, D], hidden_btd [B, T, d]).
@@ -200,10 +216,11 @@ class Llama(nnx.Module):
     anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
     anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
     anc_valid = [blk.valid for blk in ancestors]
-    attention = attention_fn(self.attention_impl)
+    attention = attention_fn(self.attention_impl) if attention is None else attention
 
     def body(x, xs):
       p, ks, vs = xs
+      x = checkpoint_name(x, "layer_input")  # every use below reads the named copy, so "offload_kv" can offload it
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
       return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention)
 
@@ -211,6 +228,10 @@ class Llama(nnx.Module):
       body = jax.checkpoint(body)
     elif self.remat == "save_kv":
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("k", "v"))
+    elif self.remat == "offload_kv":
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input", "k", "v"),
+          offload_src="device", offload_dst="pinned_host"))
     x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), anc_k, anc_v))
     hidden = rms_norm(x, self.final_norm[...], cfg.norm_eps)
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden)

@@ -1,0 +1,230 @@
+"""Long-context memory benchmarks of one GRPO step: peak memory versus G, and the longest prompt.
+
+  python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py
+
+Two studies (config.studies), every attempt in a fresh process (`bench._run_worker`), one JSON
+object per attempt and one summary object per study, mode and remat policy:
+
+1. memory_vs_g: one replay step (micro-batch 1) for each G in config.memory_vs_g.groups at fixed
+   P and T, and the naive step alongside at each naive micro-batch candidate (the lowest peak
+   is the summary's). The summary gives peak_ratio = peak(G_max) / peak(G_min) and the same
+   ratio of the compiled program's temp bytes (target: replay within 1.2x).
+2. longest_context: for each remat policy, the largest P for which one step with G, T completes:
+   P = start_p, 2 start_p, ... until an attempt fails, then bisection to `granularity` tokens.
+   Naive likewise at its first micro-batch candidate that completes (a larger micro-batch is tried
+   only after a time failure: it needs more memory, never less). `stopped_by` names the bound
+   met at failed_P: "memory" (killed by the OS or by config.rss_limit_bytes, or an allocator
+   error), "time" (config.attempt_timeout_s of wall time, load and compile included), "max_p"
+   (never failed), or "error" (anything else; see stderr_tail). The search assumes both bounds
+   are monotone in P. token_positions_naive = G (P + T) at the largest P.
+
+Memory, per attempt: peak_bytes is the process peak resident set on CPU (`ru_maxrss`: parameters,
+runtime and the compiler included; rss_after_compile_bytes is the resident set just before the
+step) or the device's peak_bytes_in_use on accelerators; temp_bytes, argument_bytes and
+output_bytes come from the compiled executable's `memory_analysis()` (XLA's buffer assignment:
+device-independent, no compiler or runtime overhead). host_temp_bytes is the part XLA places in
+host memory; on the CPU backend "offload_kv" moves nothing (JAX lowers a transfer to host memory
+to a no-op there: host and device memory are the same RAM), so there it measures as "save_kv".
+Positions beyond the model's trained context (max_positions) are computed like any other: the
+cost is the real one, the log-probs are meaningless and unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import ml_collections
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+from branch_replay_jax import bench
+from branch_replay_jax.models.llama import REMAT_POLICIES
+from branch_replay_jax.policy import naive_value_and_grad, replay_value_and_grad
+from branch_replay_jax.tree import group_counts
+
+_MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError", "bad_alloc")
+
+
+def _worker(job: dict) -> dict:
+  """One step of `job["mode"]` ("replay" or "naive") at (P, T, G), micro-batch and remat: memory and seconds."""
+  config = ml_collections.ConfigDict(job["config"])
+  model = bench._load(config, remat=job["remat"])
+  p, t, g = job["P"], job["T"], job["G"]
+  # Lift the context check: the benchmark measures cost at P + T beyond the trained context too.
+  model_config = dataclasses.replace(model.config, max_positions=max(model.config.max_positions, p + t))
+  graphdef, params = nnx.split(model)
+  del model
+  arrays = bench._case_inputs(config, {"kind": "group", "P": p, "T": t, "G": g}, model_config)[0]
+  fn = replay_value_and_grad if job["mode"] == "replay" else naive_value_and_grad
+  step = jax.jit(lambda prm, a: fn(graphdef, prm, a, bench._objective, micro_batch=job["micro_batch"],
+                                   logprob_chunk=config.logprob_chunk))
+  t0 = time.perf_counter()
+  compiled = step.lower(params, arrays).compile()
+  compile_s = time.perf_counter() - t0
+  stats = compiled.memory_analysis()
+  rss_after_compile = bench._rss_bytes(os.getpid())
+  t0, c0 = time.perf_counter(), bench._cpu_seconds()
+  loss = jax.block_until_ready(compiled(params, arrays))[0]
+  step_s, step_cpu_s = time.perf_counter() - t0, bench._cpu_seconds() - c0
+  peak, measure = bench._peak_bytes()
+  return {"compile_s": compile_s, "step_s": step_s, "step_cpu_s": step_cpu_s, "peak_bytes": peak,
+          "memory_measure": measure, "rss_after_compile_bytes": rss_after_compile,
+          **{f"{k}_bytes": getattr(stats, f"{k}_size_in_bytes", None) if stats is not None else None
+             for k in ("temp", "argument", "output", "host_temp")},
+          "loss": float(loss), "backend": jax.default_backend()}
+
+
+def _bound(result: dict) -> str | None:
+  """None when the attempt completed, else the bound it met: "time", "memory" or "error"."""
+  if "error" not in result:
+    return None
+  if result["error"] == "timeout":
+    return "time"
+  if result["error"] in ("rss_limit", "killed by the OS (out of memory?)") or any(
+      s in result.get("stderr_tail", "") for s in _MEMORY_ERRORS):
+    return "memory"
+  return "error"
+
+
+def _attempt(config, emit, study: str, **job) -> dict:
+  """Run one attempt in a fresh process and emit its record (with `bound` and the token counts)."""
+  result = bench._run_worker({"config": config.to_dict(), **job}, module="branch_replay_jax.bench_memory",
+                             timeout_s=config.attempt_timeout_s, rss_limit_bytes=config.rss_limit_bytes or None)
+  counts = group_counts(job["P"], [job["T"]] * job["G"])
+  record = {"study": study, **job, **counts, **result, "bound": _bound(result), "model": config.model,
+            "dtype": config.dtype}
+  emit(record)
+  return record
+
+
+def largest_passing(attempt, start: int, granularity: int, max_p: int) -> tuple[int | None, int | None, str]:
+  """(largest P that passed, smallest P that failed, bound met there) of a monotone search.
+
+  attempt(P) -> None when P passes, else the bound's name. P doubles from `start` until a failure
+  or `max_p` (then bound "max_p", failed P None), then bisects between the last pass and the first
+  failure down to `granularity` tokens (P stays a multiple of it when `start` is).
+  Raises ValueError for start < 1, granularity < 1 or max_p < start.
+  """
+  if start < 1 or granularity < 1 or max_p < start:
+    raise ValueError(f"largest_passing: need 1 <= start <= max_p and granularity >= 1, got start={start}, "
+                     f"granularity={granularity}, max_p={max_p}")
+  lo, p = None, start
+  while True:
+    bound = attempt(p)
+    if bound is not None:
+      hi, hi_bound = p, bound
+      break
+    lo = p
+    if p == max_p:
+      return lo, None, "max_p"
+    p = min(2 * p, max_p)
+  if lo is None:
+    return None, hi, hi_bound
+  while hi - lo > granularity:
+    mid = lo + max((hi - lo) // 2 // granularity, 1) * granularity
+    bound = attempt(mid)
+    if bound is None:
+      lo = mid
+    else:
+      hi, hi_bound = mid, bound
+  return lo, hi, hi_bound
+
+
+def memory_vs_g(config, emit) -> None:
+  c = config.memory_vs_g
+  common = {"P": c.P, "T": c.T, "remat": c.remat}
+  best = {"replay": {}, "naive": {}}
+  for g in c.groups:
+    r = _attempt(config, emit, "memory_vs_g", mode="replay", G=g, micro_batch=c.replay_micro_batch, **common)
+    best["replay"][g] = r
+    if not c.naive:
+      continue
+    for m in bench._candidates(c.naive_micro_batches, g):
+      r = _attempt(config, emit, "memory_vs_g", mode="naive", G=g, micro_batch=m, **common)
+      if r["bound"] is None and (g not in best["naive"] or r["peak_bytes"] < best["naive"][g]["peak_bytes"]):
+        best["naive"][g] = r
+  for mode, rows in best.items():
+    if not c.naive and mode == "naive":
+      continue
+    ok = {g: r for g, r in rows.items() if r.get("bound", "missing") is None}
+    lo, hi = min(c.groups), max(c.groups)
+    ratio = lambda k: ok[hi][k] / ok[lo][k] if lo in ok and hi in ok and ok[lo][k] else None
+    emit({"study": "memory_vs_g", "summary": True, "mode": mode, **common,
+          "peak_bytes": {g: r["peak_bytes"] for g, r in ok.items()},
+          "temp_bytes": {g: r["temp_bytes"] for g, r in ok.items()},
+          "micro_batch": {g: r["micro_batch"] for g, r in ok.items()},
+          "failed_G": [g for g in c.groups if g not in ok],
+          f"peak_ratio_G{hi}_over_G{lo}": ratio("peak_bytes"), f"temp_ratio_G{hi}_over_G{lo}": ratio("temp_bytes")})
+
+
+def longest_context(config, emit) -> None:
+  c = config.longest_context
+  runs = [("replay", r) for r in _names(config.policies)] + [("naive", r) for r in _names(config.naive_policies)]
+  for mode, remat in runs:
+    tries, winners = [], {}
+
+    def attempt(p):
+      micro = [c.replay_micro_batch] if mode == "replay" else bench._candidates(c.naive_micro_batches, c.G)
+      for m in micro:
+        tries.append(_attempt(config, emit, "longest_context", mode=mode, remat=remat, P=p, T=c.T, G=c.G,
+                              micro_batch=m))
+        if tries[-1]["bound"] is None:
+          winners[p] = m
+          return None
+        if tries[-1]["bound"] != "time":   # a larger micro-batch needs more memory, never less
+          return tries[-1]["bound"]
+      return tries[-1]["bound"]
+
+    largest, failed, bound = largest_passing(attempt, c.start_p, c.granularity, c.max_p)
+    emit({"study": "longest_context", "summary": True, "mode": mode, "remat": remat, "G": c.G, "T": c.T,
+          "largest_P": largest, "failed_P": failed, "stopped_by": bound,
+          "micro_batch": winners.get(largest), "attempts": len(tries),
+          "token_positions_naive": c.G * (largest + c.T) if largest else None,
+          "token_positions_computed": largest + c.G * c.T if largest else None,
+          "model": config.model, "dtype": config.dtype, "attempt_timeout_s": config.attempt_timeout_s})
+
+
+def _names(spec: str) -> list[str]:
+  return [s.strip() for s in str(spec).split(",") if s.strip()]
+
+
+STUDIES = {"memory_vs_g": memory_vs_g, "longest_context": longest_context}
+
+
+def main(argv):
+  del argv
+  if flags.FLAGS.worker:
+    print("BENCH_RESULT " + json.dumps(_worker(json.loads(flags.FLAGS.worker))), flush=True)
+    return
+  config = flags.FLAGS.config
+  studies = _names(config.studies)
+  for name in studies:
+    if name not in STUDIES:
+      raise ValueError(f"bench_memory: config.studies names {name!r}; expected some of {tuple(STUDIES)}")
+  for field, spec in (("policies", config.policies), ("naive_policies", config.naive_policies),
+                      ("memory_vs_g.remat", config.memory_vs_g.remat)):
+    for name in _names(spec):
+      if name not in REMAT_POLICIES:
+        raise ValueError(f"bench_memory: config.{field} names {name!r}; expected some of {REMAT_POLICIES}")
+
+  def emit(record):
+    line = json.dumps(record)
+    print(line, flush=True)
+    if config.output:
+      with open(config.output, "a") as f:
+        f.write(line + "\n")
+
+  for name in studies:
+    STUDIES[name](config, emit)
+
+
+if __name__ == "__main__":
+  # Flags are defined only when run as a program, so that other benchmarks can import this module.
+  config_flags.DEFINE_config_file("config", "experiments/bench_memory.py", "Benchmark config.")
+  flags.DEFINE_string("worker", "", "Internal: JSON job for one attempt in a fresh process.")
+  app.run(main)

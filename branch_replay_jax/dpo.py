@@ -1,0 +1,260 @@
+"""The DPO loop (orchestration only): preference pairs, reference sums, the exact replay gradient, AdamW.
+
+One step:
+  1. pairs. data.source = "task": for each of `rollout.prompts_per_step` prompts of a reasoning-gym
+     task, sample G completions sharing one prefill (sampling.py), score them, and pair the
+     best-reward completion (chosen) with the worst (rejected); a prompt whose G rewards are all
+     equal gives no pair (counted in skipped_prompts). data.source = "jsonl": the next
+     `data.pairs_per_step` lines of a {"prompt", "chosen", "rejected"} file (wrapping around);
+  2. layout: one group per distinct prompt, its distinct completions as branches (preference.py);
+  3. reference log-prob sums of the frozen initial policy (forward-only replay);
+  4. the DPO (or IPO) gradient by two-pass replay (or naive), clipped by global norm, AdamW.
+A step without pairs makes no update. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
+preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume like train.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from branch_replay_jax import objectives as obj
+from branch_replay_jax import plots
+from branch_replay_jax import preference as pref
+from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
+from branch_replay_jax.models.loading import encode_chat
+from branch_replay_jax.sampling import sample_group
+from branch_replay_jax.tasks import format_messages, make_task
+from branch_replay_jax.train import SCHEDULES, build_model, make_optimizer, resume_state, save_if_due
+
+GRADIENTS = ("replay", "naive")
+SOURCES = ("task", "jsonl")
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+def validate(config) -> None:
+  """Raise ValueError (naming the field and value) for settings that cannot run, before any compute."""
+  d, r, t, p = config.data, config.rollout, config.train, config.dpo
+  if d.source not in SOURCES:
+    raise ValueError(f"data.source={d.source!r} is not one of {SOURCES}")
+  if p.loss not in obj.PREFERENCE_LOSSES:
+    raise ValueError(f"dpo.loss={p.loss!r} is not one of {obj.PREFERENCE_LOSSES}")
+  if not p.beta > 0:
+    raise ValueError(f"dpo.beta={p.beta!r} must be > 0")
+  if t.gradient not in GRADIENTS:
+    raise ValueError(f"train.gradient={t.gradient!r} is not one of {GRADIENTS}")
+  if t.lr_schedule not in SCHEDULES:
+    raise ValueError(f"train.lr_schedule={t.lr_schedule!r} is not one of {SCHEDULES}")
+  counts = [("train.steps", t.steps), ("train.micro_batch", t.micro_batch),
+            ("checkpoint_every", config.checkpoint_every)]
+  if d.source == "jsonl":
+    counts.append(("data.pairs_per_step", d.pairs_per_step))
+  else:
+    counts += [("rollout.prompts_per_step", r.prompts_per_step), ("rollout.max_new_tokens", r.max_new_tokens)]
+    if r.group_size < 2:
+      raise ValueError(f"rollout.group_size={r.group_size}: a preference pair needs G >= 2 sampled completions")
+  for name, value in counts:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def fingerprint(config) -> dict:
+  """Fields that define a DPO experiment: a run dir's checkpoints must belong to the same ones."""
+  d = config.data
+  data = ({"path": os.path.abspath(d.path), "pairs_per_step": d.pairs_per_step} if d.source == "jsonl" else
+          {"task": config.task.name, "task_seed": config.task.seed, "group_size": config.rollout.group_size,
+           "prompts_per_step": config.rollout.prompts_per_step})
+  return {"algorithm": "dpo", "model": config.model.name, "source": d.source, **data, "seed": config.seed}
+
+
+def read_pairs_jsonl(path: str) -> list[dict]:
+  """[{"prompt", "chosen", "rejected"}] from a JSON-lines file (blank lines skipped).
+
+  Raises:
+    ValueError: a missing file, or a line that is not a JSON object with non-empty string fields
+      prompt, chosen and rejected, or whose chosen equals its rejected (naming the line number and
+      the field); a file without pairs.
+  """
+  if not os.path.isfile(path):
+    raise ValueError(f"data.path={path!r} is not a file")
+  records = []
+  with open(path) as f:
+    for n, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from e
+      if not isinstance(record, dict):
+        raise ValueError(f"{path} line {n}: expected a JSON object with fields {FIELDS}")
+      for field in FIELDS:
+        if not isinstance(record.get(field), str) or not record[field].strip():
+          raise ValueError(f"{path} line {n}: field {field!r} must be a non-empty string, got {record.get(field)!r}")
+      if record["chosen"] == record["rejected"]:
+        raise ValueError(f"{path} line {n}: field 'rejected' equals field 'chosen'")
+      records.append({k: record[k] for k in FIELDS})
+  if not records:
+    raise ValueError(f"data.path={path!r} holds no preference pairs")
+  return records
+
+
+def encode_pairs(records: list[dict], tokenizer, max_positions: int) -> list[pref.PreferencePair]:
+  """Token ids: the prompt as a user turn through the chat template (models.loading.encode_chat),
+  each completion as its text's ids followed by EOS (the sampler ends a reply the same way).
+
+  Raises:
+    ValueError: a prompt + completion longer than max_positions (naming the record's index).
+  """
+  pairs = []
+  for i, r in enumerate(records):
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": r["prompt"]}])
+    comps = [tokenizer.encode(r[f], add_special_tokens=False) + [tokenizer.eos_token_id]
+             for f in ("chosen", "rejected")]
+    if len(prompt) + max(map(len, comps)) > max_positions:
+      raise ValueError(f"pair {i}: prompt ({len(prompt)} tokens) + completion ({max(map(len, comps))} tokens) "
+                       f"exceeds the model's max_positions={max_positions}")
+    pairs.append(pref.PreferencePair(np.asarray(prompt), np.asarray(comps[0]), np.asarray(comps[1])))
+  return pairs
+
+
+def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int) -> tuple[list, dict]:
+  """(pairs, info) from `rollout.prompts_per_step` task prompts; info: the sampled completions'
+  rewards and correctness [prompts * G], skipped_prompts, sample_s, score_s and one logged sample."""
+  r = config.rollout
+  pad = tokenizer.pad_token_id or 0
+  pairs, rewards, correct, skipped, sample_s, score_s, sample = [], [], [], 0, 0.0, 0.0, None
+  for i in range(r.prompts_per_step):
+    problem = task[(data_pos + i) % len(task)]
+    ids = encode_chat(tokenizer, format_messages(problem))
+    t0 = time.perf_counter()
+    ro = sample_group(policy, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens,
+                      key=jax.random.fold_in(jax.random.fold_in(key, step), i), temperature=r.temperature,
+                      top_p=r.top_p, eos_ids=[tokenizer.eos_token_id], pad_id=pad)
+    comps = [row[:n] for row, n in zip(np.asarray(ro.tokens), np.asarray(ro.lengths))]
+    t1 = time.perf_counter()
+    texts = tokenizer.batch_decode(comps, skip_special_tokens=True)
+    scores = [task.score(text, problem) for text in texts]
+    t2 = time.perf_counter()
+    sample_s, score_s = sample_s + t1 - t0, score_s + t2 - t1
+    rew = np.array([s.reward for s in scores], np.float32)
+    rewards.append(rew)
+    correct.append(np.array([s.correct for s in scores]))
+    if np.ptp(rew) == 0:
+      skipped += 1
+      continue
+    best, worst = int(np.argmax(rew)), int(np.argmin(rew))
+    pairs.append(pref.PreferencePair(np.asarray(ids), comps[best], comps[worst]))
+    if sample is None:
+      sample = {"data_pos": data_pos + i, "prompt": problem.question, "answer": problem.answer,
+                "chosen": texts[best], "rejected": texts[worst], "chosen_reward": float(rew[best]),
+                "rejected_reward": float(rew[worst])}
+  info = {"rewards": np.concatenate(rewards), "correct": np.concatenate(correct), "skipped_prompts": skipped,
+          "sample_s": sample_s, "score_s": score_s, "sample": sample}
+  return pairs, info
+
+
+class StepFunctions:
+  """Jitted pieces of a DPO step (compiled per group / batch shape)."""
+
+  def __init__(self, config, graphdef, optimizer):
+    t, p = config.train, config.dpo
+    self.naive = t.gradient == "naive"
+    self.replay = pref.ReplaySteps(graphdef, micro_batch=t.micro_batch)
+    self.naive_ref = jax.jit(lambda prm, n: pref.naive_ref_sums(graphdef, prm, n, micro_batch=t.micro_batch))
+    self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
+        graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, micro_batch=t.micro_batch))
+    self.beta, self.loss_type = p.beta, p.loss
+
+    def update(params, opt_state, grads):
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    self.update = jax.jit(update, donate_argnums=(0, 1))
+
+  def step(self, params, ref_params, opt_state, batch: pref.PreferenceBatch):
+    """Reference sums, the loss gradient and one optimizer update; returns (params, opt_state, stats)."""
+    if self.naive:
+      loss, metrics, grads = self.naive_grad(params, batch.naive, self.naive_ref(ref_params, batch.naive))
+    else:
+      ref = self.replay.flat_sums(ref_params, batch)
+      loss, metrics, grads = self.replay.value_and_grad(params, batch, ref, beta=self.beta, loss_type=self.loss_type)
+    params, opt_state, grad_norm = self.update(params, opt_state, grads)
+    stats = {"loss": float(loss), "chosen_reward": float(np.mean(metrics["chosen_reward"])),
+             "rejected_reward": float(np.mean(metrics["rejected_reward"])),
+             "reward_margin": float(np.mean(metrics["margin"])),
+             "reward_accuracy": float(np.mean(metrics["correct"])), "grad_norm": float(grad_norm)}
+    return params, opt_state, stats
+
+
+def train(config) -> list[dict]:
+  """Run the DPO experiment in `config` (see experiments/dpo_smollm2_arith.py); returns this run's metrics."""
+  validate(config)
+  d, r = config.data, config.rollout
+  records = read_pairs_jsonl(d.path) if d.source == "jsonl" else None
+  task = None if records else make_task(config.task.name, seed=config.task.seed, size=config.task.size,
+                                        format_bonus=config.task.format_bonus, **config.task.options.to_dict())
+  check_run_dir(config.run_dir, fingerprint(config))
+  model, tokenizer = build_model(config)
+  cfg = model.config
+  data = encode_pairs(records, tokenizer, cfg.max_positions) if records else None
+  graphdef, params = nnx.split(model)
+  ref_params = jax.tree_util.tree_map(jnp.copy, params)
+  optimizer = make_optimizer(config)
+  opt_state = optimizer.init(params)
+  ckpt = RunCheckpoints(config.run_dir)
+  params, opt_state, key, start, data_pos = resume_state(config, ckpt, params, opt_state)
+  plots.truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), keep_below_step=start)
+  fns = StepFunctions(config, graphdef, optimizer)
+  history = []
+  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps, desc="dpo", unit="step")
+  for step in bar:
+    t0 = time.perf_counter()
+    if data is not None:
+      pairs = [data[(data_pos + i) % len(data)] for i in range(d.pairs_per_step)]
+      info = {"skipped_prompts": 0, "sample": _text_sample(records, data_pos)}
+      data_pos += d.pairs_per_step
+    else:
+      pairs, info = sample_pairs(config, nnx.merge(graphdef, params), tokenizer, task, key, step, data_pos)
+      data_pos += r.prompts_per_step
+    t1 = time.perf_counter()
+    stats, counts = {}, {"token_positions_naive": 0, "token_positions_computed": 0}
+    if pairs:
+      batch = pref.make_batch(pairs, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
+                              pad_id=tokenizer.pad_token_id or 0)
+      params, opt_state, stats = fns.step(params, ref_params, opt_state, batch)
+      counts = batch.counts
+    t2 = time.perf_counter()
+    record = _record(step, len(pairs), info, stats, counts, rollout_s=t1 - t0, update_s=t2 - t1)
+    history.append(record)
+    plots.append_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), record)
+    if info["sample"] is not None:
+      plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **info["sample"]})
+    bar.set_postfix(loss=f"{record['loss']:.4f}" if pairs else "-", pairs=len(pairs), step_s=f"{record['step_s']:.1f}")
+    save_if_due(config, ckpt, step, params, opt_state, key, data_pos)
+  ckpt.close()
+  plots.write_preference_plots(config.run_dir)
+  return history
+
+
+def _text_sample(records: list[dict], data_pos: int) -> dict:
+  return {"data_pos": data_pos, **records[data_pos % len(records)]}
+
+
+def _record(step: int, num_pairs: int, info: dict, stats: dict, counts: dict, *, rollout_s: float,
+            update_s: float) -> dict:
+  """One metrics.jsonl line; the loss fields are null for a step without pairs (no update)."""
+  loss_fields = ("loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "grad_norm")
+  record = {"step": step + 1, "pairs": num_pairs, "skipped_prompts": info["skipped_prompts"],
+            **{k: stats.get(k) for k in loss_fields}, **counts}
+  if "rewards" in info:   # sampled pairs: the task reward of every sampled completion
+    record.update(reward_mean=float(info["rewards"].mean()), accuracy=float(info["correct"].mean()),
+                  sample_s=info["sample_s"], score_s=info["score_s"])
+  return {**record, "update_s": update_s, "step_s": rollout_s + update_s}

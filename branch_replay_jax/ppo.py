@@ -1,0 +1,238 @@
+"""The PPO loop (orchestration only): sample, score, old log-probs and values, GAE, epochs of minibatches.
+
+One step, for `prompts_per_step` prompts of a reasoning-gym task:
+  1. sample and score G completions per prompt, or a tree (rollout.py, as the GRPO loop);
+  2. old log-probs and old values of the sampling-time policy and critic by forward-only replay
+     (ppo_policy.py; the prompt is computed once for both);
+  3. the task's reward on each trajectory's last token, GAE along every trajectory
+     (objectives.gae; on a tree, one advantage and return per (token, trajectory) pair),
+     optionally whitened over the step's (token, trajectory) pairs;
+  4. `ppo.epochs` passes over the step's groups/trees, shuffled and split into `ppo.minibatches`
+     minibatches; each minibatch's mean gradient of the clipped policy loss plus the value loss
+     (objectives.ppo_objective / ppo_tree_objective; policy and critic) is applied with AdamW
+     (grpo_train.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
+Outputs as the GRPO loop (train.py): RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from branch_replay_jax import objectives as obj
+from branch_replay_jax import plots
+from branch_replay_jax import ppo_policy as pp
+from branch_replay_jax import train as grpo_train
+from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
+from branch_replay_jax.models.critic import CRITICS, ActorCritic
+from branch_replay_jax.rollout import Group
+from branch_replay_jax.tasks import make_task
+from branch_replay_jax.tree import RolloutTree, pad_tree
+
+
+def validate(config) -> None:
+  """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `grpo_train.validate`."""
+  p = config.ppo
+  if p.critic not in CRITICS:
+    raise ValueError(f"ppo.critic={p.critic!r} is not one of {CRITICS}")
+  for name, value in [("ppo.epochs", p.epochs), ("ppo.minibatches", p.minibatches)]:
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int")
+  if config.rollout.prompts_per_step % p.minibatches:
+    raise ValueError(f"ppo.minibatches={p.minibatches} must divide rollout.prompts_per_step="
+                     f"{config.rollout.prompts_per_step} (minibatches of whole groups or trees)")
+  if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
+    raise ValueError(f"ppo.gamma={p.gamma} and ppo.lam={p.lam} must lie in [0, 1]")
+  if p.vf_coef < 0 or p.value_clip < 0 or p.critic_lr_scale <= 0:
+    raise ValueError(f"ppo.vf_coef={p.vf_coef} and ppo.value_clip={p.value_clip} must be >= 0, "
+                     f"ppo.critic_lr_scale={p.critic_lr_scale} > 0")
+  if config.loss.kl_coef:
+    raise ValueError(f"loss.kl_coef={config.loss.kl_coef}: this PPO loss has no KL term; set it to 0")
+  if config.train.inner_epochs != 1:
+    raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "
+                     "set it to 1")
+  grpo_train.validate(config)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  """`train.make_optimizer` for the policy; the critic's parameters (value head, separate trunk) get
+  its updates scaled by ppo.critic_lr_scale (a larger step for a head that starts at zero)."""
+  base = grpo_train.make_optimizer(config)
+  critic = optax.chain(base, optax.scale(config.ppo.critic_lr_scale))
+  labels = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: "policy" if path[0].key == "policy" else "critic", params)
+  return optax.multi_transform({"policy": base, "critic": critic}, labels)
+
+
+def fingerprint(config) -> dict:
+  return {**grpo_train.fingerprint(config), "algorithm": "ppo", "critic": config.ppo.critic}
+
+
+class PPOFunctions:
+  """The jitted pieces of a PPO step (compiled per shape): gradient, forward-only pass, update."""
+
+  def __init__(self, config, graphdef, optimizer):
+    t, p = config.train, config.ppo
+    self.naive = t.gradient == "naive"
+    tree = bool(config.rollout.tree_fanouts) and not self.naive
+    objective = functools.partial(obj.ppo_tree_objective if tree else obj.ppo_objective, clip_eps=config.loss.clip_eps,
+                                  vf_coef=p.vf_coef, value_clip=p.value_clip)
+    grad_fn = (pp.naive_value_and_grad if self.naive else
+               pp.tree_replay_value_and_grad if tree else pp.replay_value_and_grad)
+    fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
+    mb = lambda a: grpo_train._fit_micro_batch(t.micro_batch, grpo_train._siblings(a))
+    self.grad = jax.jit(lambda prm, a: grad_fn(graphdef, prm, a, objective, micro_batch=mb(a)))
+    self.forward = jax.jit(lambda prm, a: pp.naive_logprobs_values(graphdef, prm, a) if self.naive
+                           else fwd_fn(graphdef, prm, a, micro_batch=mb(a)))
+
+    def update(params, opt_state, grads):
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    self.update = jax.jit(update, donate_argnums=(0, 1))
+
+
+# Host-side layout of a tree's per-node values along trajectories (and back).
+
+def level_to_nodes(tree: RolloutTree, node_ids: tuple, levels: list) -> list[np.ndarray]:
+  """Per node [L_n] (root: zeros) from per-level slot arrays [F_1..F_d, T_d] (`PaddedTree.node_ids`)."""
+  out = [np.zeros(len(s), np.float32) for s in tree.segments]
+  for ids, values in zip(node_ids, levels):
+    values = np.asarray(values)
+    for slot in zip(*np.nonzero(ids >= 0)):
+      out[ids[slot]] = values[slot][:len(tree.segments[ids[slot]])]
+  return out
+
+
+def trajectory_rows(tree: RolloutTree, per_node: list, width: int) -> np.ndarray:
+  """[G, width]: per-node values [L_n] concatenated along each trajectory's path, 0-padded."""
+  rows = np.zeros((len(tree.ends), width), np.result_type(*per_node))
+  for g, end in enumerate(tree.ends):
+    row = np.concatenate([np.asarray(per_node[m]) for m in tree.path(end)[1:]])
+    rows[g, :len(row)] = row
+  return rows
+
+
+def node_columns(tree: RolloutTree, rows: np.ndarray) -> list[np.ndarray]:
+  """Inverse of `trajectory_rows` per trajectory: per node [L_n, G], row g's values at node n's
+  positions of trajectory g's path where g passes n, else 0."""
+  out = [np.zeros((len(s), len(tree.ends)), rows.dtype) for s in tree.segments]
+  for g, end in enumerate(tree.ends):
+    pos = 0
+    for m in tree.path(end)[1:]:
+      out[m][:, g] = rows[g, pos:pos + len(tree.segments[m])]
+      pos += len(tree.segments[m])
+  return out
+
+
+def _old_rows(fns: PPOFunctions, params, group: Group):
+  """(old logp, old values, mask) [G, T] per trajectory; trees also return their per-node lists."""
+  out = fns.forward(params, group.arrays)
+  if group.kind == "group":
+    return np.asarray(out["logp"]), np.asarray(out["values"]), np.asarray(group.arrays["branches"]["mask"]), None
+  tree, width = group.tree, int(group.lengths.max())
+  ids = pad_tree(tree).node_ids
+  nodes = {k: level_to_nodes(tree, ids, [lvl[k] for lvl in out]) for k in ("logp", "values")}
+  mask = np.arange(width)[None] < group.lengths[:, None]
+  return trajectory_rows(tree, nodes["logp"], width), trajectory_rows(tree, nodes["values"], width), mask, nodes
+
+
+def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
+  """Old log-probs/values, GAE advantages and returns into each group's arrays; returns value stats."""
+  p = config.ppo
+  olds, adv, ret = [], [], []
+  for g in groups:
+    logp, values, mask, nodes = _old_rows(fns, params, g)
+    rewards = np.zeros(values.shape, np.float32)
+    rewards[np.arange(len(g.lengths)), g.lengths - 1] = g.rewards
+    a, r = (np.asarray(x) for x in obj.gae(rewards, values, mask, gamma=p.gamma, lam=p.lam))
+    olds.append((logp, values, mask, nodes))
+    adv.append(a)
+    ret.append(r)
+  flat_adv = np.concatenate([a[m] for a, (*_, m, _) in zip(adv, olds)])
+  resid = np.concatenate([(r - v)[m] for r, (_, v, m, _) in zip(ret, olds)])
+  returns = np.concatenate([r[m] for r, (*_, m, _) in zip(ret, olds)])
+  if p.whiten_advantages:
+    adv = [np.where(m, (a - flat_adv.mean()) / (flat_adv.std() + 1e-8), 0.0) for a, (*_, m, _) in zip(adv, olds)]
+  for g, a, r, (logp, values, mask, nodes) in zip(groups, adv, ret, olds):
+    if g.kind == "group":
+      g.arrays["branches"].update(old_logp=jnp.asarray(logp), old_values=jnp.asarray(values),
+                                  advantages=jnp.asarray(a, jnp.float32), returns=jnp.asarray(r, jnp.float32))
+      continue
+    padded = pad_tree(g.tree)
+    fields = {"old_logp": nodes["logp"], "old_values": nodes["values"],
+              "advantages": node_columns(g.tree, a.astype(np.float32)), "returns": node_columns(g.tree, r)}
+    for d, level in enumerate(g.arrays["levels"], start=1):
+      level.update({k: jnp.asarray(padded.place(v, d)) for k, v in fields.items()})
+  return {"value_mean": float(np.mean(returns - resid)), "return_mean": float(returns.mean()),
+          # 1 - Var[R - V_old] / Var[R]; None when every return is equal (undefined).
+          "explained_variance": float(1.0 - resid.var() / returns.var()) if returns.var() > 0 else None}
+
+
+def _aux_sums(kind: str, aux) -> dict:
+  parts = [aux] if kind == "group" else [level["aux"] for level in aux]
+  return {k: sum(float(np.sum(part[k])) for part in parts) for k in ("policy", "value", "clipped", "kl")}
+
+
+def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[Group], step: int):
+  """ppo.epochs x ppo.minibatches AdamW updates over the step's groups; metrics of the last epoch."""
+  p = config.ppo
+  for epoch in range(p.epochs):
+    order = np.random.default_rng((config.seed, step, epoch)).permutation(len(groups))
+    sums, losses = {"policy": 0.0, "value": 0.0, "clipped": 0.0, "kl": 0.0}, []
+    for minibatch in np.array_split(order, p.minibatches):
+      total = None
+      for i in minibatch:
+        loss, aux, grads = fns.grad(params, groups[i].arrays)
+        total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
+        losses.append(float(loss))
+        part = _aux_sums(groups[i].kind, aux)
+        sums = {k: sums[k] + part[k] for k in sums}
+      mean = jax.tree_util.tree_map(lambda x: x / len(minibatch), total)
+      params, opt_state, grad_norm = fns.update(params, opt_state, mean)
+  pairs = sum(int(g.lengths.sum()) for g in groups)   # (token, trajectory) pairs
+  stats = {"loss": float(np.mean(losses)), "policy_loss": sums["policy"] / len(groups),
+           "value_loss": sums["value"] / len(groups), "grad_norm": float(grad_norm),
+           "kl": sums["kl"] / pairs, "clip_frac": sums["clipped"] / pairs}
+  return params, opt_state, stats
+
+
+def train(config) -> list[dict]:
+  """Run the PPO experiment in `config` (see experiments/ppo_smollm2_arith.py); returns this run's metrics."""
+  validate(config)
+  task = make_task(config.task.name, seed=config.task.seed, size=config.task.size,
+                   format_bonus=config.task.format_bonus, **config.task.options.to_dict())
+  check_run_dir(config.run_dir, fingerprint(config))
+  model, tokenizer = grpo_train.build_model(config)
+  graphdef, params = nnx.split(ActorCritic(model, critic=config.ppo.critic))
+  optimizer = make_optimizer(config)
+  opt_state = optimizer.init(params)
+  ckpt = RunCheckpoints(config.run_dir)
+  params, opt_state, key, start, data_pos = grpo_train.resume_state(config, ckpt, params, opt_state)
+  metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
+  plots.truncate_jsonl(metrics_path, keep_below_step=start)
+  fns = PPOFunctions(config, graphdef, optimizer)
+  history = []
+  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps, desc="ppo", unit="step")
+  for step in bar:
+    t0 = time.perf_counter()
+    groups, data_pos = grpo_train.sample_groups(config, nnx.merge(graphdef, params).policy, tokenizer, task, key, step,
+                                           data_pos)
+    t1 = time.perf_counter()
+    value_stats = prepare(config, fns, params, groups)
+    params, opt_state, stats = update_on_batch(config, fns, params, opt_state, groups, step)
+    t2 = time.perf_counter()
+    history.append(grpo_train.log_step(config, bar, step, groups, {**stats, **value_stats}, rollout_s=t1 - t0,
+                                  update_s=t2 - t1))
+    grpo_train.save_if_due(config, ckpt, step, params, opt_state, key, data_pos)
+  ckpt.close()
+  plots.write_plots(config.run_dir)
+  return history
+

@@ -1,0 +1,186 @@
+"""PPO's policy + critic on a rollout group or tree: replay and naive gradients, forward-only passes.
+
+The model is an `ActorCritic` (models/critic.py) entering through `nnx.split`. Both paths compute
+
+    loss(θ) = Σ_g objective(logp_g(θ), values_g(θ), branch_g)
+
+where logp_g[i] = log π_θ(o_g,i | prompt, o_g,<i) and values_g[i] = V_θ(prompt, o_g,<i): token i's
+value is read from the hidden state that predicts token i (for i = 0, the prompt's last one).
+The objective is `objectives.ppo_objective` (groups) or `objectives.ppo_tree_objective` (one tree
+node; per (token, trajectory) pair).
+
+- replay: the prompt runs once through the policy AND, with a separate critic, through the
+  critic's trunk; every completion (group) or tree node runs once on its ancestors' K/V of each
+  trunk, so the prompt is computed once for values too (`replay_vjp`, `nested_replay_vjp`).
+- naive: every completion is appended to a copy of the prompt (policy.py's left-padded batch)
+  and the G full sequences run forward and backward through both trunks, in micro-batches.
+
+Forward-only replay (`replay_map`, `nested_replay_map`) gives the old log-probs and old values.
+Per-segment state passed from a node to its descendants ("ancestor"): {"kv": the policy's K/V,
+"last": its last real hidden state [d], "end": position after the node} plus "critic_kv",
+"critic_last" for a separate critic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from branch_replay_jax.models.critic import ActorCritic
+from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.policy import _naive_batch
+from branch_replay_jax.replay import nested_replay_map, nested_replay_vjp, replay_map, replay_vjp
+
+PPOObjective = Callable[[jax.Array, jax.Array, dict], tuple[jax.Array, Any]]
+
+
+def _trunks(ac: ActorCritic) -> list[tuple[str, Any]]:
+  return [("", ac.policy)] + ([("critic_", ac.critic)] if ac.critic is not None else [])
+
+
+def _forward(ac: ActorCritic, tokens_t, valid_t, offset, ancestors) -> dict:
+  """One segment through each trunk on its ancestors' K/V: {"kv", "hidden" [T, d]} (+ "critic_*")."""
+  out = {}
+  for pre, trunk in _trunks(ac):
+    o = trunk(tokens_t[None], offset, ancestors=[a[pre + "kv"] for a in ancestors], valid_bt=valid_t[None])
+    out[pre + "kv"], out[pre + "hidden"] = o.kv, o.hidden_btd[0]
+  return out
+
+
+def _state(ac: ActorCritic, fwd: dict, n) -> dict:
+  """What descendants need of a segment with n >= 1 real tokens: each trunk's K/V and last hidden state."""
+  out = {}
+  for pre, _ in _trunks(ac):
+    out[pre + "kv"] = fwd[pre + "kv"]
+    out[pre + "last"] = jax.lax.dynamic_index_in_dim(fwd[pre + "hidden"], n - 1, keepdims=False)
+  return out
+
+
+def _score(ac: ActorCritic, fwd: dict, parent: dict, tokens_t, mask_t, chunk):
+  """(logp [T], values [T]) of a segment's tokens, 0 on padding; token 0 from the parent's last state."""
+  def shifted(pre):
+    h = fwd[pre + "hidden"]
+    return jnp.concatenate([parent[pre + "last"][None].astype(h.dtype), h[:-1]], axis=0)
+  logp = token_logprobs(shifted("")[None], ac.policy.unembedding(), tokens_t[None], chunk=chunk)[0]
+  values = ac.value(shifted("critic_" if ac.critic is not None else ""))
+  return jnp.where(mask_t, logp, 0.0), jnp.where(mask_t, values, 0.0)
+
+
+def _root_fn(graphdef, arrays):
+  def root_fn(params):
+    ac = nnx.merge(graphdef, params)
+    prompt, p_len = arrays["prompt_ids"], arrays["prompt_len"]
+    fwd = _forward(ac, prompt, jnp.arange(prompt.shape[0]) < p_len, 0, [])
+    return {**_state(ac, fwd, p_len), "end": p_len}
+  return root_fn
+
+
+def _node_fn(graphdef, chunk, objective=None):
+  """(params, ancestors, node) -> (state, loss, {"logp", "values", "aux"}), or without an objective
+  (forward only) -> (state, {"logp", "values"})."""
+  def node_fn(params, ancestors, node):
+    ac = nnx.merge(graphdef, params)
+    parent = ancestors[-1]
+    fwd = _forward(ac, node["tokens"], node["mask"], parent["end"], ancestors)
+    logp, values = _score(ac, fwd, parent, node["tokens"], node["mask"], chunk)
+    n = jnp.sum(node["mask"].astype(jnp.int32))
+    state = {**_state(ac, fwd, jnp.maximum(n, 1)), "end": parent["end"] + n}
+    if objective is None:
+      return state, {"logp": logp, "values": values}
+    loss, aux = objective(logp, values, node)
+    return state, loss, {"logp": logp, "values": values, "aux": aux}
+  return node_fn
+
+
+def replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int = 1,
+                          logprob_chunk: int = 256):
+  """(loss, aux [G, ...], grads for policy AND critic) of Σ_g objective over a group, by branch replay.
+
+  arrays: `policy.group_arrays` with the objective's fields per completion. aux holds the
+  objective's aux per completion.
+  """
+  node_fn = _node_fn(graphdef, logprob_chunk, objective)
+  branch_fn = lambda p, root, branch: node_fn(p, (root,), branch)[1:]
+  loss, aux, grads = replay_vjp(_root_fn(graphdef, arrays), branch_fn, params, arrays["branches"],
+                                micro_batch=micro_batch)
+  return loss, aux["aux"], grads
+
+
+def replay_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> dict:
+  """{"logp", "values"}: [G, T] float32 each (0 on padding), by forward-only replay of a group."""
+  node_fn = _node_fn(graphdef, logprob_chunk)
+  return replay_map(_root_fn(graphdef, arrays), lambda p, root, branch: node_fn(p, (root,), branch)[1], params,
+                    arrays["branches"], micro_batch=micro_batch)
+
+
+def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int = 1,
+                               logprob_chunk: int = 256):
+  """(loss, aux per level, grads) of Σ over tree nodes of objective(logp, values, node), by nested replay.
+
+  arrays: `policy.tree_arrays`; aux[d] = {"logp", "values": [F_1..F_d, T_d], "aux": ...} per slot.
+  """
+  node_fn = _node_fn(graphdef, logprob_chunk, objective)
+  return nested_replay_vjp(_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params, arrays["levels"],
+                           micro_batch=micro_batch)
+
+
+def tree_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
+  """Per level d: {"logp", "values": [F_1..F_d, T_d]} (0 on padding), by forward-only nested replay."""
+  node_fn = _node_fn(graphdef, logprob_chunk)
+  return nested_replay_map(_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params, arrays["levels"],
+                           micro_batch=micro_batch)
+
+
+def _naive_forward(graphdef, params, tokens, valid, offset, p_pad, chunk):
+  """(logp, values) [B, T] of the completion part of full left-padded sequences (0 on padding)."""
+  ac = nnx.merge(graphdef, params)
+  t = tokens.shape[1] - p_pad
+  scored = lambda out: out.hidden_btd[:, p_pad - 1:p_pad - 1 + t]   # position P+i-1 predicts token i
+  out = ac.policy(tokens, offset, valid_bt=valid)
+  logp = token_logprobs(scored(out), ac.policy.unembedding(), tokens[:, p_pad:], chunk=chunk)
+  if ac.critic is not None:
+    out = ac.critic(tokens, offset, valid_bt=valid)
+  values = ac.value(scored(out))
+  mask = valid[:, p_pad:]
+  return jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0)
+
+
+def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int | None = None,
+                         logprob_chunk: int = 256):
+  """(loss, aux [G, ...], grads) of Σ_g objective with the prompt repeated per completion (the reference).
+
+  micro_batch: sequences per forward+backward (a positive divisor of G; default G); the
+  micro-batches' gradients are summed in a `lax.scan`.
+  """
+  tokens, valid, offset = _naive_batch(arrays)
+  p_pad, g = arrays["prompt_ids"].shape[0], tokens.shape[0]
+  m = g if micro_batch is None else micro_batch
+  if m < 1 or g % m:
+    raise ValueError(f"naive_value_and_grad: micro_batch={micro_batch!r} must be a positive divisor of G={g}")
+  batches = jax.tree_util.tree_map(lambda x: x.reshape((g // m, m) + x.shape[1:]),
+                                   (tokens, valid, arrays["branches"]))
+
+  def loss_fn(p, mb):
+    tok, val, branches = mb
+    logp, values = _naive_forward(graphdef, p, tok, val, offset, p_pad, logprob_chunk)
+    losses, aux = jax.vmap(objective)(logp, values, branches)
+    return jnp.sum(losses), aux
+
+  def step(carry, mb):
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+    return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
+
+  first = jax.tree_util.tree_map(lambda x: x[0], batches)
+  loss0 = jnp.zeros((), jax.eval_shape(loss_fn, params, first)[0].dtype)
+  (loss, grads), aux = jax.lax.scan(step, (loss0, jax.tree_util.tree_map(jnp.zeros_like, params)), batches)
+  return loss, jax.tree_util.tree_map(lambda x: x.reshape((g,) + x.shape[2:]), aux), grads
+
+
+def naive_logprobs_values(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> dict:
+  """{"logp", "values"}: [G, T] from full sequences (the reference for `replay_logprobs_values`)."""
+  tokens, valid, offset = _naive_batch(arrays)
+  logp, values = _naive_forward(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)
+  return {"logp": logp, "values": values}

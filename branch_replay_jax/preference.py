@@ -1,0 +1,213 @@
+"""Preference pairs (DPO, IPO) on shared prompts: layout and the exact two-pass replay gradient.
+
+Layout. Pairs whose prompts have the same token ids form one group (a tree of depth 1); the
+group's branches are its DISTINCT completions, so a prompt shared by k pairs runs once for up
+to 2k completions, and a completion shared by two pairs runs once too:
+
+    pair 0: x  -> (y_w0, y_l0)         group 0: prompt x    branches [y_w0, y_l0, y_w1]
+    pair 1: x  -> (y_w1, y_l0)         group 1: prompt x'   branches [y_w2, y_l2]
+    pair 2: x' -> (y_w2, y_l2)         chosen = [0, 2, 3], rejected = [1, 1, 4]  (flat branch ids)
+
+Gradient. The DPO loss L(S) = mean_k ℓ(S_{w_k}, S_{l_k}) couples a completion's tokens only
+through its log-prob sum S_i = Σ_t logp_{i,t}(θ) (objectives.dpo_loss). By the chain rule
+
+    dL/dθ = Σ_i c_i dS_i/dθ,   c_i = ∂L/∂S_i,
+
+which is the gradient of the LINEAR surrogate Σ_i c_i S_i(θ) with c held constant. So:
+  pass 1: forward-only replay (policy.replay_logprobs) gives every S_i; c = jax.grad of L w.r.t.
+          the sums (closed form, [N] scalars);
+  pass 2: branch replay (policy.replay_value_and_grad) of the token-local objective
+          -Σ_t w_{i,t} logp_{i,t} with w_{i,t} = -c_i on real tokens (objectives.weighted_logprob_loss).
+The gradient equals that of the DPO loss exactly (up to float rounding order); the loss
+reported is L itself, not the surrogate's value. Pass 1 costs one extra forward of the unique
+positions; in exchange pass 2's memory is bounded by a micro-batch of branches, whatever G.
+
+Naive counterpart (what TRL does): every pair's two sequences with the prompt repeated
+([2K, P + T] tokens), the loss of each micro-batch of pairs differentiated directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay_jax import objectives as obj
+from branch_replay_jax.policy import group_arrays, naive_logprobs, replay_logprobs, replay_value_and_grad
+from branch_replay_jax.tree import bucket_length, group_counts, make_group
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferencePair:
+  """Token ids of one preference pair: prompt x, chosen completion y_w, rejected completion y_l (1-D int)."""
+  prompt_ids: np.ndarray
+  chosen_ids: np.ndarray
+  rejected_ids: np.ndarray
+
+
+@dataclasses.dataclass
+class PreferenceBatch:
+  """K pairs laid out for replay (one group per distinct prompt) and for the naive step.
+
+  groups: one `policy.group_arrays` dict per distinct prompt (branches: the prompt's distinct
+    completions; pass 2 adds their "weights" [G_j, T_j]).
+  chosen, rejected: [K] int, each pair's completions as indices into the concatenation of all
+    groups' branches (group 0's first, then group 1's, ...).
+  naive: the pairs stacked for the naive step: "prompt_ids" [K, P_pad], "prompt_len" [K],
+    "branches" {"tokens", "mask"} [K, 2, T] (row 0 chosen, row 1 rejected).
+  counts: token_positions_naive = Σ_k (2 P_k + |y_w| + |y_l|), token_positions_computed =
+    Σ_groups (P + Σ distinct completion lengths) (tokens, real positions only).
+  """
+  groups: list
+  chosen: np.ndarray
+  rejected: np.ndarray
+  naive: dict
+  counts: dict
+
+  @property
+  def num_pairs(self) -> int:
+    return int(self.chosen.shape[0])
+
+
+def make_batch(pairs: Sequence[PreferencePair], *, vocab_size: int, max_positions: int,
+               pad_id: int = 0) -> PreferenceBatch:
+  """Group pairs by prompt, dedupe completions, pad (buckets as `tree.make_group`).
+
+  Raises:
+    ValueError: no pairs, a pair whose chosen and rejected ids are equal (naming its index), or
+      anything `tree.make_group` raises (empty sequences, ids outside [0, vocab_size), too long).
+  """
+  if not pairs:
+    raise ValueError("make_batch: no preference pairs")
+  as_ids = lambda x: tuple(int(t) for t in np.asarray(x).reshape(-1))
+  prompts: dict[tuple, list[tuple]] = {}
+  for k, pair in enumerate(pairs):
+    if as_ids(pair.chosen_ids) == as_ids(pair.rejected_ids):
+      raise ValueError(f"make_batch: pairs[{k}] has identical chosen and rejected completions")
+    comps = prompts.setdefault(as_ids(pair.prompt_ids), [])
+    for c in (as_ids(pair.chosen_ids), as_ids(pair.rejected_ids)):
+      if c not in comps:
+        comps.append(c)
+  groups, flat, offset, computed = [], {}, 0, 0
+  for prompt, comps in prompts.items():
+    group = make_group(prompt, comps, vocab_size=vocab_size, max_positions=max_positions, pad_id=pad_id)
+    groups.append(group_arrays(group))
+    flat.update({(prompt, c): offset + i for i, c in enumerate(comps)})
+    offset += len(comps)
+    computed += group_counts(group.prompt_len, group.lengths)["token_positions_computed"]
+  keys = [(as_ids(p.prompt_ids), as_ids(p.chosen_ids), as_ids(p.rejected_ids)) for p in pairs]
+  chosen = np.array([flat[(x, w)] for x, w, _ in keys])
+  rejected = np.array([flat[(x, l)] for x, _, l in keys])
+  p_bucket = bucket_length(max(len(x) for x, _, _ in keys))
+  t_bucket = bucket_length(max(max(len(w), len(l)) for _, w, l in keys), minimum=8)
+  naive = [group_arrays(make_group(x, [w, l], vocab_size=vocab_size, max_positions=max_positions, pad_id=pad_id,
+                                   prompt_bucket=p_bucket, completion_bucket=t_bucket)) for x, w, l in keys]
+  naive = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *naive)
+  naive_positions = sum(2 * len(x) + len(w) + len(l) for x, w, l in keys)
+  return PreferenceBatch(groups, chosen, rejected, naive,
+                         {"token_positions_naive": naive_positions, "token_positions_computed": computed})
+
+
+def fit_micro_batch(requested: int, n: int) -> int:
+  """The largest divisor of n that is <= requested (a group's G or a batch's K varies per step)."""
+  return max(m for m in range(1, min(requested, n) + 1) if n % m == 0)
+
+
+def _surrogate(logp, branch):
+  return obj.weighted_logprob_loss(logp, branch["weights"]), jnp.zeros((), logp.dtype)
+
+
+def _mean_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta, loss_type):
+  losses, metrics = obj.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta,
+                                 loss_type=loss_type)
+  return jnp.mean(losses), metrics
+
+
+class ReplaySteps:
+  """Jitted pieces of the two-pass replay step; each compiles once per group shape.
+
+  sums(params, arrays) -> [G] log-prob sums (pass 1, forward only);
+  surrogate_grad(params, arrays) -> grads of Σ_i c_i S_i, with -c_i in arrays' "weights" (pass 2).
+  """
+
+  def __init__(self, graphdef, *, micro_batch: int = 1, logprob_chunk: int = 256):
+    mb = lambda a: fit_micro_batch(micro_batch, a["branches"]["tokens"].shape[0])
+    self.sums = jax.jit(lambda p, a: replay_logprobs(graphdef, p, a, micro_batch=mb(a),
+                                                     logprob_chunk=logprob_chunk).sum(-1))
+    self.surrogate_grad = jax.jit(lambda p, a: replay_value_and_grad(graphdef, p, a, _surrogate, micro_batch=mb(a),
+                                                                     logprob_chunk=logprob_chunk)[2])
+
+  def flat_sums(self, params, batch: PreferenceBatch) -> jax.Array:
+    """[N] log-prob sums of every distinct completion (N = Σ_j G_j), in `batch.chosen`'s indexing."""
+    return jnp.concatenate([self.sums(params, a) for a in batch.groups])
+
+  def value_and_grad(self, params, batch: PreferenceBatch, ref_sums: jax.Array, *, beta: float,
+                     loss_type: str = "sigmoid"):
+    """(loss, metrics [K], grads) of mean_k ℓ_k by the two-pass scheme in the module docstring.
+
+    ref_sums: [N] the reference's `flat_sums` (frozen; compute once per batch).
+    """
+    sums = self.flat_sums(params, batch)
+    c, r = jnp.asarray(batch.chosen), jnp.asarray(batch.rejected)
+    (loss, metrics), (d_chosen, d_rejected) = jax.value_and_grad(_mean_loss, argnums=(0, 1), has_aux=True)(
+        sums[c], sums[r], ref_sums[c], ref_sums[r], beta=beta, loss_type=loss_type)
+    coef = jnp.zeros_like(sums).at[c].add(d_chosen).at[r].add(d_rejected)   # c_i = ∂L/∂S_i
+    grads, start = None, 0
+    for arrays in batch.groups:
+      br = arrays["branches"]
+      g = br["tokens"].shape[0]
+      weights = jnp.where(br["mask"], -coef[start:start + g, None], 0.0)
+      start += g
+      gr = self.surrogate_grad(params, {**arrays, "branches": {**br, "weights": weights}})
+      grads = gr if grads is None else jax.tree_util.tree_map(jnp.add, grads, gr)
+    return loss, metrics, grads
+
+
+def _pair_sums(graphdef, params, naive_mb, chunk):
+  """[m, 2] log-prob sums of m pairs (row 0 chosen, row 1 rejected) from full sequences."""
+  return jax.vmap(lambda a: naive_logprobs(graphdef, params, a, logprob_chunk=chunk).sum(-1))(naive_mb)
+
+
+def _split(tree, k: int, m: int):
+  return jax.tree_util.tree_map(lambda x: x.reshape((k // m, m) + x.shape[1:]), tree)
+
+
+def naive_ref_sums(graphdef, params, naive: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
+  """[K, 2] reference log-prob sums of the stacked pairs (`PreferenceBatch.naive`), forward only."""
+  k = naive["prompt_len"].shape[0]
+  m = fit_micro_batch(micro_batch, k)
+  _, sums = jax.lax.scan(lambda _, mb: (None, _pair_sums(graphdef, params, mb, logprob_chunk)), None,
+                         _split(naive, k, m))
+  return sums.reshape(k, 2)
+
+
+def naive_value_and_grad(graphdef, params, naive: dict, ref_sums_k2: jax.Array, *, beta: float,
+                         loss_type: str = "sigmoid", micro_batch: int = 1, logprob_chunk: int = 256):
+  """(loss, metrics [K], grads) of mean_k ℓ_k, differentiated directly on full sequences.
+
+  Each pair's loss depends on its own two sequences only, so micro-batches of `micro_batch`
+  pairs (largest divisor of K not above it) are differentiated one `lax.scan` step at a time.
+
+  Args:
+    naive: `PreferenceBatch.naive`; ref_sums_k2: [K, 2] from `naive_ref_sums` on the reference.
+  """
+  k = naive["prompt_len"].shape[0]
+  m = fit_micro_batch(micro_batch, k)
+
+  def mb_loss(p, mb):
+    arrays, ref = mb
+    s = _pair_sums(graphdef, p, arrays, logprob_chunk)
+    losses, metrics = obj.dpo_loss(s[:, 0], s[:, 1], ref[:, 0], ref[:, 1], beta=beta, loss_type=loss_type)
+    return jnp.sum(losses) / k, metrics
+
+  def step(carry, mb):
+    (loss, metrics), grads = jax.value_and_grad(mb_loss, has_aux=True)(params, mb)
+    return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), metrics
+
+  batches = _split((naive, ref_sums_k2), k, m)
+  loss0 = jnp.zeros((), ref_sums_k2.dtype)
+  (loss, grads), metrics = jax.lax.scan(step, (loss0, jax.tree_util.tree_map(jnp.zeros_like, params)), batches)
+  return loss, jax.tree_util.tree_map(lambda x: x.reshape((k,) + x.shape[2:]), metrics), grads

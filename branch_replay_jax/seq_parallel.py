@@ -1,0 +1,88 @@
+"""The prompt of a group or tree split over a mesh axis (context parallelism), for replay inside `shard_map`.
+
+    prompt_ids [P_pad]  ──split over "seq"──►  device i: positions [i*C, (i+1)*C),  C = P_pad / S
+
+    prefix forward : chunk i runs on device i; each layer all-gathers K/V over "seq" and the chunk's
+                     queries see the valid keys before them (kernels/context_parallel.py);
+    prefix output  : the local chunk's per-layer K/V [L, 1, C, Hkv, D] (stays sharded) and the
+                     prompt's last hidden state [d] (psum over "seq" from its owner: every device);
+    branches       : replicated over "seq"; their queries attend to the local chunk and the partial
+                     results are merged across "seq" by log-sum-exp (`over_sharded_prompt`).
+
+Every "seq" device thus computes the whole loss; sharding.py divides the gradients summed over
+the mesh by S. The prompt's K/V cotangent stays on the device that owns the chunk.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from branch_replay_jax.kernels import attention_fn
+from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
+from branch_replay_jax.policy import Objective, _branch_logprobs, _tree_node_fn
+from branch_replay_jax.replay import nested_replay_vjp, replay_vjp
+
+
+def check_prompt_split(p_pad: int, seq: int) -> int:
+  """C = P_pad / seq, the prompt tokens per "seq" device.
+
+  Raises:
+    ValueError: if seq does not divide P_pad (choose a prompt bucket that is a multiple of seq).
+  """
+  if p_pad % seq:
+    raise ValueError(f"prompt_ids: padded prompt length P_pad={p_pad} is not divisible by seq={seq}; "
+                     f"use a prompt bucket that is a multiple of {seq}")
+  return p_pad // seq
+
+
+def _chunk_prefix_fn(graphdef, arrays: dict, axis: str):
+  """params -> (the local chunk's KVBlock, last hidden [d] of the prompt, on every device of `axis`)."""
+  def prefix_fn(params):
+    model = nnx.merge(graphdef, params)
+    chunk = arrays["prompt_ids"]                      # this device's [C] tokens
+    c = chunk.shape[0]
+    start = jax.lax.axis_index(axis) * c
+    valid = start + jnp.arange(c) < arrays["prompt_len"]
+    attention = prompt_chunk_attention(attention_fn(model.attention_impl), axis)
+    out = model(chunk[None], start, valid_bt=valid[None], attention=attention)
+    local = arrays["prompt_len"] - 1 - start          # the last prompt token's index in this chunk
+    owner = (local >= 0) & (local < c)
+    last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.clip(local, 0, c - 1), keepdims=False)
+    return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis)
+  return prefix_fn
+
+
+def chunk_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, axis: str = "seq",
+                                micro_batch: int = 1, logprob_chunk: int = 256, reduce_prefix_cotangent=None):
+  """`policy.replay_value_and_grad` for a group whose arrays["prompt_ids"] is this device's prompt chunk [C].
+
+  Call inside `shard_map` over `axis` with the prompt split as P(..., axis) and the branches
+  replicated over `axis`. Returns (loss, aux [G, ...], grads) as on one device, except that the
+  grads are this device's share: summed over `axis` they give S x d loss / d params (every device
+  computes the whole loss).
+  """
+  impl = nnx.merge(graphdef, params).attention_impl
+  attention = over_sharded_prompt(attention_fn(impl), axis)
+
+  def branch_fn(p, prefix_out, branch):
+    logp = _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
+    return objective(logp, branch)
+  return replay_vjp(_chunk_prefix_fn(graphdef, arrays, axis), branch_fn, params, arrays["branches"],
+                    micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)
+
+
+def chunk_tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, axis: str = "seq",
+                                     micro_batch: int = 1, logprob_chunk: int = 256, reduce_prefix_cotangent=None):
+  """`policy.tree_replay_value_and_grad` for a tree whose prompt is split over `axis` (see
+  `chunk_replay_value_and_grad`); every tree node is replicated over `axis`."""
+  impl = nnx.merge(graphdef, params).attention_impl
+  prefix = _chunk_prefix_fn(graphdef, arrays, axis)
+
+  def root_fn(p):
+    kv, last_hidden = prefix(p)
+    return {"kv": kv, "last_hidden": last_hidden, "end": arrays["prompt_len"]}
+  node_fn = _tree_node_fn(graphdef, objective, logprob_chunk, over_sharded_prompt(attention_fn(impl), axis))
+  return nested_replay_vjp(root_fn, [node_fn] * len(arrays["levels"]), params, arrays["levels"],
+                           micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)

@@ -1,0 +1,252 @@
+"""PPO: GAE and the loss by hand, replay == naive gradients for policy AND critic (groups, random
+trees), forward-only replay == naive, and the experiment's smoke run through main (with resume)."""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_rel_err, random_group
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_train import _length_score, final_params, max_rel
+from test_tree_replay import random_trees
+
+from branch_replay_jax import main as entry
+from branch_replay_jax import objectives as obj
+from branch_replay_jax import ppo
+from branch_replay_jax import ppo_policy as pp
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.models.critic import ActorCritic
+from branch_replay_jax.policy import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.tasks import Task
+from branch_replay_jax.tree import pad_tree
+from experiments import ppo_smollm2_arith
+
+KW = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
+T_MAX = 16
+
+
+def test_gae_three_tokens_by_hand():
+  # V = (0.5, 0.2, -0.1), reward 1 on the last token, gamma 0.9, lambda 0.8, V = 0 after the end:
+  #   delta_2 = 1 + 0.9*0 - (-0.1) = 1.1        A_2 = 1.1
+  #   delta_1 = 0 + 0.9*(-0.1) - 0.2 = -0.29    A_1 = -0.29 + 0.72*1.1   = 0.502
+  #   delta_0 = 0 + 0.9*0.2 - 0.5 = -0.32       A_0 = -0.32 + 0.72*0.502 = 0.04144
+  # returns R_t = A_t + V_t = (0.54144, 0.702, 1.0). Row 2 is the same trajectory cut to 2 tokens
+  # (reward on token 1) with a garbage value on the padding, which must not leak in:
+  #   A_1 = 1 - 0.2 = 0.8, A_0 = 0.9*0.2 - 0.5 + 0.72*0.8 = 0.256.
+  rewards = np.array([[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+  values = np.array([[0.5, 0.2, -0.1, 7.0], [0.5, 0.2, 9.0, 9.0]])
+  mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
+  adv, ret = obj.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+  np.testing.assert_allclose(adv, [[0.04144, 0.502, 1.1, 0.0], [0.256, 0.8, 0.0, 0.0]], atol=1e-6)
+  np.testing.assert_allclose(ret, [[0.54144, 0.702, 1.0, 0.0], [0.756, 1.0, 0.0, 0.0]], atol=1e-6)
+  with pytest.raises(ValueError, match="lam=1.5"):
+    obj.gae(rewards, values, mask, gamma=0.9, lam=1.5)
+
+
+def test_ppo_token_loss_by_hand():
+  # ratio 1.5 with A = 2: clipped to 1.2, policy term -min(3, 2.4) = -2.4. V = 1, V_old = 0.5,
+  # R = 2: unclipped (1 - 2)^2 = 1; V clipped to 0.5 + 0.2 = 0.7 gives (0.7 - 2)^2 = 1.69, the max;
+  # value term 0.5 * 1.69 = 0.845; total -2.4 + 0.5 * 0.845 = -1.9775.
+  loss, m = obj.ppo_token_loss(jnp.log(1.5), 0.0, 1.0, 0.5, 2.0, 2.0, **KW)
+  assert float(loss) == pytest.approx(-1.9775, abs=1e-6)
+  assert float(m["value"]) == pytest.approx(0.845, abs=1e-6) and bool(m["clipped"])
+  # Without value clipping the value term is 0.5 * 1 = 0.5: total -2.4 + 0.25.
+  loss, _ = obj.ppo_token_loss(jnp.log(1.5), 0.0, 1.0, 0.5, 2.0, 2.0, **{**KW, "value_clip": 0.0})
+  assert float(loss) == pytest.approx(-2.15, abs=1e-6)
+
+
+def actor_critic(critic, dtype, seed=0):
+  """(graphdef, params) of the tiny model with a RANDOM value head (the real one starts at zero,
+  which would make the value loss's gradient into the trunk vanish and the test vacuous)."""
+  ac = ActorCritic(Llama(tiny_config(), dtype=dtype, rngs=nnx.Rngs(seed)), critic=critic)
+  ac.value_w[...] = 0.5 * jax.random.normal(jax.random.key(seed + 1), ac.value_w.shape, ac.value_w.dtype)
+  ac.value_b[...] = jnp.asarray(0.3)
+  graphdef, params = nnx.split(ac)
+  return graphdef, jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+
+
+def _random_fields(rng, shape, dtype):
+  """old_logp near the tiny model's (log 1/64 ~ -4.2), old values, advantages and returns."""
+  return {"old_logp": (-4.0 + 0.3 * rng.normal(size=shape)).astype(dtype),
+          "old_values": rng.normal(size=shape).astype(dtype)}
+
+
+def _assert_nonzero_grads(grads, critic):
+  g = nnx.to_pure_dict(grads)
+  assert np.abs(np.asarray(g["value_w"])).max() > 0 and abs(float(g["value_b"])) > 0
+  assert np.abs(np.asarray(g["policy"]["layers"]["w_down"])).max() > 0
+  if critic == "separate":
+    assert np.abs(np.asarray(g["critic"]["layers"]["w_down"])).max() > 0
+
+
+_group_step = jax.jit(pp.replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch",))
+_naive_step = jax.jit(pp.naive_value_and_grad, static_argnums=(0, 3))
+_group_objective = functools.partial(obj.ppo_objective, **KW)
+_tree_objective = functools.partial(obj.ppo_tree_objective, **KW)
+
+
+@pytest.mark.parametrize("critic", ["value_head", "separate"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-10), (jnp.float32, 1e-4)])
+def test_group_replay_equals_naive_for_policy_and_critic(critic, dtype, tol):
+  with jax.enable_x64(dtype == jnp.float64):
+    graphdef, params = actor_critic(critic, dtype)
+    group = random_group([3, 7, 1, 5])
+    rng = np.random.default_rng(0)
+    shape = group.completion_ids.shape
+    w = obj.token_weights(group.lengths, shape[1], mode="token_mean").astype(dtype)
+    arrays = group_arrays(group, weights=w, advantages=rng.normal(size=shape).astype(dtype),
+                          returns=rng.normal(size=shape).astype(dtype), **_random_fields(rng, shape, dtype))
+    lr, aux_r, gr = _group_step(graphdef, params, arrays, _group_objective, micro_batch=2)
+    ln, aux_n, gn = _naive_step(graphdef, params, arrays, _group_objective)
+    assert abs(float(lr) - float(ln)) <= tol * max(1.0, abs(float(ln)))
+    assert max_rel_err(gr, gn) <= tol
+    assert max_rel_err(aux_r["value"], aux_n["value"]) <= tol
+    _assert_nonzero_grads(gn, critic)
+    fwd_r = jax.jit(pp.replay_logprobs_values, static_argnums=0)(graphdef, params, arrays)
+    fwd_n = jax.jit(pp.naive_logprobs_values, static_argnums=0)(graphdef, params, arrays)
+    assert max_rel_err(fwd_r, fwd_n) <= tol and np.abs(np.asarray(fwd_n["values"])).max() > 0
+
+
+def _tree_case(tree, graphdef, params, dtype, seed=0):
+  """Tree replay and the naive group of the tree's trajectories with the same per-(token,
+  trajectory) advantages/returns (random rows laid out per node by `ppo.node_columns`)."""
+  rng = np.random.default_rng(seed)
+  g = len(tree.ends)
+  per_node = {k: [(-4.0 + 0.3 * rng.normal(size=len(s))) if k == "old_logp" else rng.normal(size=len(s))
+                  for s in tree.segments] for k in ("old_logp", "old_values")}
+  per_node = {k: [x.astype(dtype) for x in v] for k, v in per_node.items()}
+  mask = np.arange(T_MAX)[None] < tree.completion_lengths()[:, None]
+  rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0).astype(dtype) for k in ("advantages", "returns")}
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean").astype(dtype)
+  nodes = {**per_node, "weights": [x.astype(dtype) for x in tree.node_weights(w)],
+           **{k: ppo.node_columns(tree, v) for k, v in rows.items()}}
+  padded = pad_tree(tree)
+  tree_arr = tree_arrays(padded, nodes)
+  naive_arr = trajectory_group_arrays(tree, per_node, w, vocab_size=64, max_positions=256, completion_bucket=T_MAX,
+                                      **rows)
+  return padded, tree_arr, naive_arr
+
+
+_tree_step = jax.jit(pp.tree_replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch",))
+_tree_fwd = jax.jit(pp.tree_logprobs_values, static_argnums=0)
+_naive_fwd = jax.jit(pp.naive_logprobs_values, static_argnums=0)
+
+
+def _check_tree(tree, critic, dtype, tol):
+  graphdef, params = actor_critic(critic, dtype)
+  padded, tree_arr, naive_arr = _tree_case(tree, graphdef, params, dtype)
+  lt, _, gt = _tree_step(graphdef, params, tree_arr, _tree_objective)
+  ln, _, gn = _naive_step(graphdef, params, naive_arr, _group_objective)
+  assert abs(float(lt) - float(ln)) <= tol * max(1.0, abs(float(ln)))
+  assert max_rel_err(gt, gn) <= tol
+  _assert_nonzero_grads(gn, critic)
+  # Forward-only nested replay, laid out per trajectory, equals the naive forward.
+  levels = _tree_fwd(graphdef, params, tree_arr)
+  naive = _naive_fwd(graphdef, params, naive_arr)
+  for k in ("logp", "values"):
+    rows = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [lvl[k] for lvl in levels]), T_MAX)
+    assert max_rel_err(rows, naive[k]) <= tol, k
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=random_trees(), critic=st.sampled_from(["value_head", "separate"]))
+def test_tree_replay_equals_naive_float64(tree, critic):
+  with jax.enable_x64(True):
+    _check_tree(tree, critic, jnp.float64, 1e-10)
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=random_trees(), critic=st.sampled_from(["value_head", "separate"]))
+def test_tree_replay_equals_naive_float32(tree, critic):
+  _check_tree(tree, critic, jnp.float32, 1e-4)
+
+
+def test_node_columns_inverts_trajectory_rows():
+  # Trajectories [1, 2, 3] and [1, 2, 4, 5] share node [1, 2]: its column 0 holds row 0's first two
+  # values, column 1 row 1's; node [3] only row 0's third value.
+  from branch_replay_jax.tree import tree_from_trajectories
+  tree = tree_from_trajectories([9], [[1, 2, 3], [1, 2, 4, 5]])
+  rows = np.array([[10.0, 11.0, 12.0, 0.0], [20.0, 21.0, 22.0, 23.0]])
+  cols = ppo.node_columns(tree, rows)
+  assert [c.tolist() for c in cols[1:]] == [[[10.0, 20.0], [11.0, 21.0]], [[12.0, 0.0]], [[0.0, 22.0], [0.0, 23.0]]]
+  per_node = [np.zeros(1), np.array([1.0, 2.0]), np.array([3.0]), np.array([4.0, 5.0])]
+  assert ppo.trajectory_rows(tree, per_node, 4).tolist() == [[1, 2, 3, 0], [1, 2, 4, 5]]
+
+
+# ---- the experiment through main's dispatch -------------------------------------------------------
+
+@pytest.fixture(autouse=True, scope="module")
+def varied_rewards():
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", _length_score)   # see test_train: non-zero advantages for a random model
+    yield
+
+
+def _run(run_dir, variant="smoke", **overrides):
+  config = ppo_smollm2_arith.get_config(variant)
+  config.run_dir = str(run_dir)
+  for dotted, value in overrides.items():
+    node = config
+    *path, leaf = dotted.split(".")
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return importlib.import_module(entry.TRAINERS[config.algorithm]).train(config)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  run_dir = tmp_path_factory.mktemp("ppo")
+  return run_dir, _run(run_dir)
+
+
+def test_smoke_run_trains_policy_and_critic(smoke_run):
+  run_dir, history = smoke_run
+  assert entry.TRAINERS["ppo"] == "branch_replay_jax.ppo"
+  assert [r["step"] for r in history] == [1, 2]
+  # The length reward varies inside groups, so the (zero-initialised) critic has returns to fit:
+  # its value loss is > 0 and the head moves from zero.
+  assert any(r["value_loss"] > 0 for r in history) and all(np.isfinite(r["loss"]) for r in history)
+  params, meta = final_params(run_dir)
+  assert meta == {"step": 2, "data_pos": 4}
+  assert np.abs(np.asarray(params["value_w"])).max() > 0
+
+
+def test_resumed_run_equals_uninterrupted(smoke_run, tmp_path):
+  run_dir, _ = smoke_run
+  _run(tmp_path, **{"train.steps": 1})
+  history = _run(tmp_path, resume=True)
+  assert [r["step"] for r in history] == [2]
+  got, _ = final_params(tmp_path)
+  want, _ = final_params(run_dir)
+  assert max_rel(got, want) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.heavy   # minutes on 2 cores; `make test-all` runs it, CI does not
+def test_tree_smoke_replay_equals_naive(tmp_path):
+  # Tree rollouts (fan-outs (2, 2)): nested replay and the naive step over the same trajectories
+  # (old values, GAE, 2 epochs x 2 minibatches) must train to the same parameters (float32 noise
+  # through Adam: see test_train's bound).
+  for mode in ("replay", "naive"):
+    history = _run(tmp_path / mode, "tree_smoke", **{"train.gradient": mode})
+    assert history[0]["token_positions_naive"] > history[0]["token_positions_computed"]
+  got, _ = final_params(tmp_path / "replay")
+  want, _ = final_params(tmp_path / "naive")
+  assert max_rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("ppo.critic", "oracle", "ppo.critic='oracle'"),
+    ("ppo.minibatches", 3, "ppo.minibatches=3"),
+    ("ppo.lam", 1.5, "ppo.lam=1.5"),
+    ("loss.kl_coef", 0.1, "loss.kl_coef=0.1"),
+])
+def test_bad_config_fails_before_any_compute(tmp_path, field, value, match):
+  with pytest.raises(ValueError, match=match):
+    _run(tmp_path, **{field: value})

@@ -1,0 +1,82 @@
+"""Compiled memory of one GRPO gradient step on full rollout trees: naive versus nested replay.
+
+  python tools/bench_tree_memory.py                          # SmolLM2-135M, P=64, 16-token segments
+  python tools/bench_tree_memory.py --model=tiny --fanouts=2,2:4,4
+
+For each tree (fan-outs per level, e.g. "2,2,2" = 8 trajectories) and each mode, the step is
+jitted, lowered and compiled (never run), and the executable's `memory_analysis()` is printed as
+one JSON line: temp_bytes (XLA's scratch buffers: activations, residuals, accumulators; the part
+that depends on the schedule), argument_bytes (parameters + inputs), output_bytes, alias_bytes and
+peak_bytes (XLA's own peak estimate where the backend reports it). These come from XLA's buffer
+assignment, so they are the same on a loaded or an idle machine and need no device memory stats
+(CPU has none).
+
+Modes: naive at micro-batch G (all trajectories in one batch, the fastest naive) and at
+micro-batch 1 (one trajectory per scan step, the least memory); replay with schedule
+"depth_first" and "level" (tree_replay.py), both at micro-batch 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import ml_collections
+from absl import app, flags
+from flax import nnx
+
+from branch_replay_jax.bench import _case_inputs, _load, _objective, _tree_objective
+from branch_replay_jax.policy import naive_value_and_grad, tree_replay_value_and_grad
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "models.load name, or 'tiny' (random 2-layer model).")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype.")
+_PROMPT = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens P.")
+_SEGMENT = flags.DEFINE_integer("segment_len", 16, "Tokens per response segment.")
+_FANOUTS = flags.DEFINE_string("fanouts", "2,2:2,2,2:2,2,2,2:4,4", "Trees, ':'-separated; each fan-outs per level.")
+_MODES = flags.DEFINE_string("modes", "naive_G,naive_1,depth_first,level", "Modes to compile (see the docstring).")
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  out = {"temp_bytes": m.temp_size_in_bytes, "argument_bytes": m.argument_size_in_bytes,
+         "output_bytes": m.output_size_in_bytes, "alias_bytes": m.alias_size_in_bytes}
+  if hasattr(m, "peak_memory_in_bytes"):
+    out["peak_bytes"] = m.peak_memory_in_bytes
+  return out
+
+
+def main(argv):
+  del argv
+  config = ml_collections.ConfigDict({"model": _MODEL.value, "dtype": _DTYPE.value, "seed": 0})
+  model = _load(config)
+  graphdef, params = nnx.split(model)
+  model_config = model.config
+  del model
+  for spec in _FANOUTS.value.split(":"):
+    fanouts = [int(f) for f in spec.split(",")]
+    g = 1
+    for f in fanouts:
+      g *= f
+    case = {"kind": "tree", "P": _PROMPT.value, "T": _SEGMENT.value, "fanouts": fanouts, "G": g}
+    naive_arrays, replay_arrays, counts = _case_inputs(config, case, model_config)
+    steps = {
+        "naive_G": (functools.partial(naive_value_and_grad, micro_batch=g), _objective, naive_arrays),
+        "naive_1": (functools.partial(naive_value_and_grad, micro_batch=1), _objective, naive_arrays),
+        "depth_first": (functools.partial(tree_replay_value_and_grad, schedule="depth_first"), _tree_objective,
+                        replay_arrays),
+        "level": (functools.partial(tree_replay_value_and_grad, schedule="level"), _tree_objective, replay_arrays),
+    }
+    for mode in _MODES.value.split(","):
+      fn, objective, arrays = steps[mode]
+      step = jax.jit(lambda p, a, fn=fn, objective=objective: fn(graphdef, p, a, objective))
+      compiled = step.lower(params, arrays).compile()
+      print(json.dumps({"model": config.model, "dtype": config.dtype, "P": case["P"], "segment": case["T"],
+                        "fanouts": fanouts, "G": g, "mode": mode, **_memory(compiled),
+                        "token_positions_naive": counts["token_positions_naive"],
+                        "token_positions_computed": counts["token_positions_computed"],
+                        "backend": jax.default_backend()}), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
