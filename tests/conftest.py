@@ -68,3 +68,16 @@ def peaked_model():
 def forward_logits(model, tokens_1t):
   """[T, V] logits of one full-sequence forward (no cache): the sampler tests' reference."""
   return model.logits(model(tokens_1t, 0).hidden_btd)[0]
+
+
+def experiment_config(module, variant: str, run_dir, **overrides):
+  """`module.get_config(variant)` writing to run_dir, with dotted overrides ("train.steps": 1)."""
+  config = module.get_config(variant)
+  config.run_dir = str(run_dir)
+  for dotted, value in overrides.items():
+    node = config
+    *path, leaf = dotted.split(".")
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return config

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import max_rel_err, random_group
+from conftest import experiment_config, max_rel_err, random_group
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -188,14 +188,7 @@ def varied_rewards():
 
 
 def _run(run_dir, variant="smoke", **overrides):
-  config = ppo_smollm2_arith.get_config(variant)
-  config.run_dir = str(run_dir)
-  for dotted, value in overrides.items():
-    node = config
-    *path, leaf = dotted.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
+  config = experiment_config(ppo_smollm2_arith, variant, run_dir, **overrides)
   return importlib.import_module(entry.TRAINERS[config.algorithm]).train(config)
 
 

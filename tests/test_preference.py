@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import max_rel_err, tiny_model
+from conftest import experiment_config, max_rel_err, tiny_model
 
 from branch_replay_jax import preference as pref
 
@@ -108,16 +108,7 @@ def varied_rewards():
     yield
 
 
-def _config(module, variant, run_dir, **overrides):
-  config = module.get_config(variant)
-  config.run_dir = str(run_dir)
-  for dotted, value in overrides.items():
-    node = config
-    *path, leaf = dotted.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return config
+_config = experiment_config
 
 
 def _run(config):

@@ -12,6 +12,7 @@ from flax import nnx
 from branch_replay_jax import train
 from branch_replay_jax.checkpoint import RunCheckpoints
 from branch_replay_jax.tasks import Score, Task
+from conftest import experiment_config
 from experiments import grpo_smollm2_arith
 
 REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean",
@@ -20,15 +21,7 @@ REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", 
 
 
 def smoke(run_dir, **overrides):
-  config = grpo_smollm2_arith.get_config("smoke")
-  config.run_dir = str(run_dir)
-  for dotted, value in overrides.items():
-    node = config
-    *path, leaf = dotted.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return experiment_config(grpo_smollm2_arith, "smoke", run_dir, **overrides)
 
 
 def _pure(tree):
