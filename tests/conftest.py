@@ -1,5 +1,6 @@
 """Shared helpers: a tiny random Llama, random rollout groups, and the relative-error metric."""
 
+import gc
 import os
 
 # Eight fake CPU devices for the mesh tests (tests/test_mesh.py); must precede JAX's backend start.
@@ -13,6 +14,17 @@ from flax import nnx
 
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.tree import make_group
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+  """Drops every compiled executable after each test module. XLA:CPU maps several memory regions
+  per executable and never unmaps them while the jit caches hold it; the whole suite in one
+  process compiles thousands of programs, passed Linux's default vm.max_map_count (65530) and
+  died with a segmentation fault inside the compiler. Clearing per module keeps the count low."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 def tiny_model(dtype=jnp.float32, param_dtype=jnp.float32, seed=0, remat="none", **config_overrides):

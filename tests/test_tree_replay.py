@@ -110,6 +110,7 @@ def _both(tree, graphdef, params, mode, dtype, seed=0):
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=random_trees())
 def test_tree_replay_equals_naive_float64(tree):
+  jax.clear_caches()   # every example compiles new shapes: keep XLA's mapped executables few (conftest)
   with jax.enable_x64(True):
     graphdef, params = tiny_model(jnp.float64, jnp.float64)
     for mode in MODES:
@@ -122,6 +123,7 @@ def test_tree_replay_equals_naive_float64(tree):
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=random_trees())
 def test_tree_replay_equals_naive_float32(tree):
+  jax.clear_caches()
   graphdef, params = tiny_model()
   for mode in MODES:
     replay, (ln, _, gn) = _both(tree, graphdef, params, mode, np.float32)
