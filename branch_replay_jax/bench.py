@@ -319,6 +319,17 @@ def run_case(config, index: int, emit) -> dict:
   return record
 
 
+def emitter(output: str):
+  """A function that prints a record as one JSON line and, when `output` is set, appends it there."""
+  def emit(record):
+    line = json.dumps(record)
+    print(line, flush=True)
+    if output:
+      with open(output, "a") as f:
+        f.write(line + "\n")
+  return emit
+
+
 def _load_config(config):
   if config.model == "tiny":
     return tiny_config(vocab_size=256, max_positions=4096)
@@ -331,14 +342,7 @@ def main(argv):
     print("BENCH_RESULT " + json.dumps(_worker(json.loads(flags.FLAGS.worker))), flush=True)
     return
   config = flags.FLAGS.config
-
-  def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    if config.output:
-      with open(config.output, "a") as f:
-        f.write(line + "\n")
-
+  emit = emitter(config.output)
   for i in range(len(config.cases) + len(config.tree_cases) + len(config.ppo_cases)):
     run_case(config, i, emit)
 

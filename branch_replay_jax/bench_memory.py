@@ -211,14 +211,7 @@ def main(argv):
     for name in _names(spec):
       if name not in REMAT_POLICIES:
         raise ValueError(f"bench_memory: config.{field} names {name!r}; expected some of {REMAT_POLICIES}")
-
-  def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    if config.output:
-      with open(config.output, "a") as f:
-        f.write(line + "\n")
-
+  emit = bench.emitter(config.output)
   for name in studies:
     STUDIES[name](config, emit)
 

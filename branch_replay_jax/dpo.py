@@ -20,7 +20,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -29,11 +28,10 @@ from tqdm import tqdm
 from branch_replay_jax import objectives as obj
 from branch_replay_jax import plots
 from branch_replay_jax import preference as pref
-from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
 from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.sampling import sample_group
-from branch_replay_jax.tasks import format_messages, make_task
-from branch_replay_jax.train import SCHEDULES, build_model, make_optimizer, resume_state, save_if_due
+from branch_replay_jax.tasks import format_messages
+from branch_replay_jax.train import SCHEDULES, make_task_from, save_if_due, start_run
 
 GRADIENTS = ("replay", "naive")
 SOURCES = ("task", "jsonl")
@@ -199,22 +197,15 @@ def train(config) -> list[dict]:
   validate(config)
   d, r = config.data, config.rollout
   records = read_pairs_jsonl(d.path) if d.source == "jsonl" else None
-  task = None if records else make_task(config.task.name, seed=config.task.seed, size=config.task.size,
-                                        format_bonus=config.task.format_bonus, **config.task.options.to_dict())
-  check_run_dir(config.run_dir, fingerprint(config))
-  model, tokenizer = build_model(config)
-  cfg = model.config
+  task = None if records else make_task_from(config)
+  run = start_run(config, fingerprint(config), keep_initial=True)
+  graphdef, params, ref_params, opt_state, key = run.graphdef, run.params, run.initial_params, run.opt_state, run.key
+  tokenizer, cfg, data_pos = run.tokenizer, run.model_config, run.data_pos
   data = encode_pairs(records, tokenizer, cfg.max_positions) if records else None
-  graphdef, params = nnx.split(model)
-  ref_params = jax.tree_util.tree_map(jnp.copy, params)
-  optimizer = make_optimizer(config)
-  opt_state = optimizer.init(params)
-  ckpt = RunCheckpoints(config.run_dir)
-  params, opt_state, key, start, data_pos = resume_state(config, ckpt, params, opt_state)
-  plots.truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), keep_below_step=start)
-  fns = StepFunctions(config, graphdef, optimizer)
+  fns = StepFunctions(config, graphdef, run.optimizer)
   history = []
-  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps, desc="dpo", unit="step")
+  bar = tqdm(range(run.start, config.train.steps), initial=run.start, total=config.train.steps, desc="dpo",
+             unit="step")
   for step in bar:
     t0 = time.perf_counter()
     if data is not None:
@@ -238,8 +229,8 @@ def train(config) -> list[dict]:
     if info["sample"] is not None:
       plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **info["sample"]})
     bar.set_postfix(loss=f"{record['loss']:.4f}" if pairs else "-", pairs=len(pairs), step_s=f"{record['step_s']:.1f}")
-    save_if_due(config, ckpt, step, params, opt_state, key, data_pos)
-  ckpt.close()
+    save_if_due(config, run.ckpt, step, params, opt_state, key, data_pos)
+  run.ckpt.close()
   plots.write_preference_plots(config.run_dir)
   return history
 

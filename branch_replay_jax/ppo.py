@@ -17,7 +17,6 @@ Outputs as the GRPO loop (train.py): RUN_DIR/metrics.jsonl, samples.jsonl, plots
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import jax
@@ -31,10 +30,8 @@ from branch_replay_jax import objectives as obj
 from branch_replay_jax import plots
 from branch_replay_jax import ppo_policy as pp
 from branch_replay_jax import train as grpo_train
-from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout import Group
-from branch_replay_jax.tasks import make_task
 from branch_replay_jax.tree import RolloutTree, pad_tree
 
 
@@ -207,32 +204,24 @@ def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[G
 def train(config) -> list[dict]:
   """Run the PPO experiment in `config` (see experiments/ppo_smollm2_arith.py); returns this run's metrics."""
   validate(config)
-  task = make_task(config.task.name, seed=config.task.seed, size=config.task.size,
-                   format_bonus=config.task.format_bonus, **config.task.options.to_dict())
-  check_run_dir(config.run_dir, fingerprint(config))
-  model, tokenizer = grpo_train.build_model(config)
-  graphdef, params = nnx.split(ActorCritic(model, critic=config.ppo.critic))
-  optimizer = make_optimizer(config)
-  opt_state = optimizer.init(params)
-  ckpt = RunCheckpoints(config.run_dir)
-  params, opt_state, key, start, data_pos = grpo_train.resume_state(config, ckpt, params, opt_state)
-  metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
-  plots.truncate_jsonl(metrics_path, keep_below_step=start)
-  fns = PPOFunctions(config, graphdef, optimizer)
-  history = []
-  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps, desc="ppo", unit="step")
+  task = grpo_train.make_task_from(config)
+  run = grpo_train.start_run(config, fingerprint(config), optimizer_fn=make_optimizer,
+                             wrap=lambda model: ActorCritic(model, critic=config.ppo.critic))
+  fns = PPOFunctions(config, run.graphdef, run.optimizer)
+  params, opt_state, data_pos, history = run.params, run.opt_state, run.data_pos, []
+  bar = tqdm(range(run.start, config.train.steps), initial=run.start, total=config.train.steps, desc="ppo",
+             unit="step")
   for step in bar:
     t0 = time.perf_counter()
-    groups, data_pos = grpo_train.sample_groups(config, nnx.merge(graphdef, params).policy, tokenizer, task, key, step,
-                                           data_pos)
+    groups, data_pos = grpo_train.sample_groups(config, nnx.merge(run.graphdef, params).policy, run.tokenizer, task,
+                                                run.key, step, data_pos)
     t1 = time.perf_counter()
     value_stats = prepare(config, fns, params, groups)
     params, opt_state, stats = update_on_batch(config, fns, params, opt_state, groups, step)
     t2 = time.perf_counter()
     history.append(grpo_train.log_step(config, bar, step, groups, {**stats, **value_stats}, rollout_s=t1 - t0,
-                                  update_s=t2 - t1))
-    grpo_train.save_if_due(config, ckpt, step, params, opt_state, key, data_pos)
-  ckpt.close()
+                                       update_s=t2 - t1))
+    grpo_train.save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
+  run.ckpt.close()
   plots.write_plots(config.run_dir)
   return history
-

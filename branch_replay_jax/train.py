@@ -14,10 +14,11 @@ throughput.png, experiment.json and checkpoints/ (orbax).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -177,45 +178,78 @@ def update_on_batch(config, fns: StepFunctions, params, ref_params, opt_state, g
 def train(config) -> list[dict]:
   """Run the experiment in `config` (see experiments/grpo_smollm2_arith.py); returns the metrics of this run."""
   validate(config)
-  task = make_task(config.task.name, seed=config.task.seed, size=config.task.size,
-                   format_bonus=config.task.format_bonus, **config.task.options.to_dict())
-  check_run_dir(config.run_dir, fingerprint(config))
-  model, tokenizer = build_model(config)
-  graphdef, params = nnx.split(model)
-  ref_params = jax.tree_util.tree_map(jnp.copy, params)
-  optimizer = make_optimizer(config)
-  opt_state = optimizer.init(params)
-  ckpt = RunCheckpoints(config.run_dir)
-  params, opt_state, key, start, data_pos = resume_state(config, ckpt, params, opt_state)
-  plots.truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), keep_below_step=start)
-  fns = StepFunctions(config, graphdef, optimizer)
-  history = []
-  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps, desc="grpo", unit="step")
+  task = make_task_from(config)
+  run = start_run(config, fingerprint(config), keep_initial=True)
+  fns = StepFunctions(config, run.graphdef, run.optimizer)
+  params, opt_state, data_pos, history = run.params, run.opt_state, run.data_pos, []
+  bar = tqdm(range(run.start, config.train.steps), initial=run.start, total=config.train.steps, desc="grpo",
+             unit="step")
   for step in bar:
     t0 = time.perf_counter()
-    groups, data_pos = sample_groups(config, nnx.merge(graphdef, params), tokenizer, task, key, step, data_pos)
+    groups, data_pos = sample_groups(config, nnx.merge(run.graphdef, params), run.tokenizer, task, run.key, step,
+                                     data_pos)
     t1 = time.perf_counter()
-    params, opt_state, stats = update_on_batch(config, fns, params, ref_params, opt_state, groups)
+    params, opt_state, stats = update_on_batch(config, fns, params, run.initial_params, opt_state, groups)
     t2 = time.perf_counter()
     history.append(log_step(config, bar, step, groups, stats, rollout_s=t1 - t0, update_s=t2 - t1))
-    save_if_due(config, ckpt, step, params, opt_state, key, data_pos)
-  ckpt.close()
+    save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
+  run.ckpt.close()
   plots.write_plots(config.run_dir)
   return history
 
 
-# The loop's bookkeeping, shared with the PPO loop (ppo.py).
+# The loop's bookkeeping, shared with the PPO (ppo.py) and DPO (dpo.py) loops.
 
-def resume_state(config, ckpt: RunCheckpoints, params, opt_state):
-  """(params, opt_state, key, start step, data position): the latest checkpoint's with config.resume
-  (restored into the given structures), else the given ones, the seed's key, step 0, position 0."""
-  key = jax.random.key(config.seed)
-  if not (config.resume and ckpt.latest_step() is not None):
-    return params, opt_state, key, 0, 0
-  abstract = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
-  state, meta = ckpt.restore(ckpt.latest_step(), abstract)
-  return (state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"]), meta["step"],
-          meta["data_pos"])
+def make_task_from(config):
+  """The reasoning-gym task named in config.task (tasks.make_task)."""
+  t = config.task
+  return make_task(t.name, seed=t.seed, size=t.size, format_bonus=t.format_bonus, **t.options.to_dict())
+
+
+@dataclasses.dataclass
+class Run:
+  """What a training loop starts from (start_run). `start` and `data_pos` are the step and data
+  position to continue from; `initial_params` is a copy of the parameters before any update (the
+  frozen reference policy; also after a resume), or None."""
+  tokenizer: Any
+  model_config: Any
+  graphdef: Any
+  params: Any
+  initial_params: Any
+  optimizer: optax.GradientTransformation
+  opt_state: Any
+  ckpt: RunCheckpoints
+  key: jax.Array
+  start: int
+  data_pos: int
+
+
+def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wrap=None,
+              keep_initial: bool = False) -> Run:
+  """Checks RUN_DIR against `run_fingerprint` (checkpoint.check_run_dir), builds the model
+  (`wrap(model)` when given, e.g. an actor-critic), the optimizer `optimizer_fn(config)` and its
+  state, restores the latest checkpoint when config.resume, and drops metrics.jsonl lines at or
+  after the step it continues from.
+
+  Raises:
+    ValueError: RUN_DIR holds another experiment's checkpoints (check_run_dir).
+  """
+  check_run_dir(config.run_dir, run_fingerprint)
+  model, tokenizer = build_model(config)
+  model_config = model.config
+  graphdef, params = nnx.split(model if wrap is None else wrap(model))
+  initial = jax.tree_util.tree_map(jnp.copy, params) if keep_initial else None
+  optimizer = optimizer_fn(config)
+  opt_state = optimizer.init(params)
+  ckpt = RunCheckpoints(config.run_dir)
+  key, start, data_pos = jax.random.key(config.seed), 0, 0
+  if config.resume and ckpt.latest_step() is not None:
+    abstract = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+    state, meta = ckpt.restore(ckpt.latest_step(), abstract)
+    params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
+    start, data_pos = meta["step"], meta["data_pos"]
+  plots.truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), keep_below_step=start)
+  return Run(tokenizer, model_config, graphdef, params, initial, optimizer, opt_state, ckpt, key, start, data_pos)
 
 
 def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int) -> tuple[list[Group], int]:
