@@ -78,10 +78,10 @@ def _case(config, index: int) -> dict:
   if index >= len(config.cases) + len(config.tree_cases):   # PPO step (policy + critic) on a prompt group
     p, t, g = (int(x) for x in config.ppo_cases[index - len(config.cases) - len(config.tree_cases)])
     return {"kind": "ppo", "P": p, "T": t, "G": g, "remat": config.remat}
-  p, s, fanouts = config.tree_cases[index - len(config.cases)]
+  p, s, fanouts, *remat = config.tree_cases[index - len(config.cases)]   # optional 4th entry: remat
   fanouts = [int(f) for f in str(fanouts).split(",")]
   return {"kind": "tree", "P": int(p), "T": int(s), "fanouts": fanouts, "G": int(np.prod(fanouts)),
-          "remat": config.remat}
+          "remat": remat[0] if remat else config.remat}
 
 
 def _full_tree(case, vocab, rng) -> RolloutTree:

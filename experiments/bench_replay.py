@@ -15,7 +15,9 @@ def get_config(arg=None):
   c.cases = ((1024, 128, 8), (2048, 128, 8, "save_kv"), (512, 64, 16))
   c.repeats = 3                       # timed runs after the compile; the median is reported
   c.naive_micro_batches = "1,2,G"     # candidates for the naive step's micro-batch; the fastest is reported
-  c.tree_cases = ((1024, 64, "4,2,2"), (256, 32, "2,2,2,2"))  # (P, segment tokens, fan-outs per level): full trees
+  # (P, segment tokens, fan-outs per level[, remat]): full trees. The level schedule holds a whole
+  # level's residuals: at P = 1024 with [4,2,2] and remat none the replay step was killed for memory.
+  c.tree_cases = ((1024, 64, "4,2,2", "save_kv"), (256, 32, "2,2,2,2"))
   c.replay_micro_batches = "1,4"      # candidates for branches vmapped per replay scan step; the fastest is reported
   c.tree_replay_micro_batches = "1,2"  # candidates for leaf siblings vmapped per scan step (tree replay)
   c.ppo_cases = ((512, 64, 8),)       # (P, T, G): PPO step, policy + critic (ppo_policy.py), naive vs replay

@@ -93,3 +93,16 @@ def test_largest_passing_doubles_then_bisects_to_the_granularity():
   assert largest_passing(lambda p: "time", 1024, 256, 4096) == (None, 1024, "time")
   with pytest.raises(ValueError, match="max_p=512"):
     largest_passing(attempt, 1024, 256, 512)
+
+
+def test_default_cases_parse_with_their_remat_policies():
+  # experiments/bench_replay.py: three groups, two trees, one PPO case; a 4th tuple entry names the
+  # case's remat policy (both modes), otherwise config.remat ("none") applies.
+  from branch_replay_jax import bench
+  from experiments import bench_replay
+  config = bench_replay.get_config()
+  cases = [bench._case(config, i) for i in range(len(config.cases) + len(config.tree_cases) + len(config.ppo_cases))]
+  assert [(c["kind"], c["P"], c["T"], c["G"], c["remat"]) for c in cases] == [
+      ("group", 1024, 128, 8, "none"), ("group", 2048, 128, 8, "save_kv"), ("group", 512, 64, 16, "none"),
+      ("tree", 1024, 64, 16, "save_kv"), ("tree", 256, 32, 16, "none"), ("ppo", 512, 64, 8, "none")]
+  assert cases[3]["fanouts"] == [4, 2, 2] and cases[4]["fanouts"] == [2, 2, 2, 2]
