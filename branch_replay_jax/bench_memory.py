@@ -16,7 +16,10 @@ object per attempt and one summary object per study, mode and remat policy:
    met at failed_P: "memory" (killed by the OS or by config.rss_limit_bytes, or an allocator
    error), "time" (config.attempt_timeout_s of wall time, load and compile included), "max_p"
    (never failed), or "error" (anything else; see stderr_tail). The search assumes both bounds
-   are monotone in P. token_positions_naive = G (P + T) at the largest P.
+   are monotone in P. token_positions_naive = G (P + T) at the largest P. With
+   longest_context.compile_only, attempts only compile: an attempt fails with "memory" when its
+   estimated_peak_bytes (resident set after compile + XLA's temp and output bytes) exceeds
+   config.memory_budget_bytes. That is the memory bound alone, where running would meet time first.
 
 Memory, per attempt: peak_bytes is the process peak resident set on CPU (`ru_maxrss`: parameters,
 runtime and the compiler included; rss_after_compile_bytes is the resident set just before the
@@ -68,21 +71,28 @@ def _worker(job: dict) -> dict:
   compile_s = time.perf_counter() - t0
   stats = compiled.memory_analysis()
   rss_after_compile = bench._rss_bytes(os.getpid())
+  sizes = {f"{k}_bytes": getattr(stats, f"{k}_size_in_bytes", None) if stats is not None else None
+           for k in ("temp", "argument", "output", "host_temp")}
+  if job.get("compile_only"):
+    # The resident set after compile already holds the arguments (parameters, inputs) and the
+    # runtime; the step adds XLA's temp and output buffers.
+    return {"compile_s": compile_s, "rss_after_compile_bytes": rss_after_compile, **sizes,
+            "estimated_peak_bytes": rss_after_compile + (sizes["temp_bytes"] or 0) + (sizes["output_bytes"] or 0),
+            "memory_measure": "compiled_estimate", "backend": jax.default_backend()}
   t0, c0 = time.perf_counter(), bench._cpu_seconds()
   loss = jax.block_until_ready(compiled(params, arrays))[0]
   step_s, step_cpu_s = time.perf_counter() - t0, bench._cpu_seconds() - c0
   peak, measure = bench._peak_bytes()
   return {"compile_s": compile_s, "step_s": step_s, "step_cpu_s": step_cpu_s, "peak_bytes": peak,
-          "memory_measure": measure, "rss_after_compile_bytes": rss_after_compile,
-          **{f"{k}_bytes": getattr(stats, f"{k}_size_in_bytes", None) if stats is not None else None
-             for k in ("temp", "argument", "output", "host_temp")},
+          "memory_measure": measure, "rss_after_compile_bytes": rss_after_compile, **sizes,
           "loss": float(loss), "backend": jax.default_backend()}
 
 
-def _bound(result: dict) -> str | None:
-  """None when the attempt completed, else the bound it met: "time", "memory" or "error"."""
+def _bound(result: dict, memory_budget_bytes: float = 0) -> str | None:
+  """None when the attempt completed, else the bound it met: "time", "memory" or "error". A
+  compile-only attempt meets "memory" when its estimated peak exceeds memory_budget_bytes."""
   if "error" not in result:
-    return None
+    return "memory" if result.get("estimated_peak_bytes", 0) > (memory_budget_bytes or float("inf")) else None
   if result["error"] == "timeout":
     return "time"
   if result["error"] in ("rss_limit", "killed by the OS (out of memory?)") or any(
@@ -96,7 +106,8 @@ def _attempt(config, emit, study: str, **job) -> dict:
   result = bench._run_worker({"config": config.to_dict(), **job}, module="branch_replay_jax.bench_memory",
                              timeout_s=config.attempt_timeout_s, rss_limit_bytes=config.rss_limit_bytes or None)
   counts = group_counts(job["P"], [job["T"]] * job["G"])
-  record = {"study": study, **job, **counts, **result, "bound": _bound(result), "model": config.model,
+  record = {"study": study, **job, **counts, **result, "bound": _bound(result, config.memory_budget_bytes),
+            "model": config.model,
             "dtype": config.dtype}
   emit(record)
   return record
@@ -172,7 +183,7 @@ def longest_context(config, emit) -> None:
       micro = [c.replay_micro_batch] if mode == "replay" else bench._candidates(c.naive_micro_batches, c.G)
       for m in micro:
         tries.append(_attempt(config, emit, "longest_context", mode=mode, remat=remat, P=p, T=c.T, G=c.G,
-                              micro_batch=m))
+                              micro_batch=m, compile_only=c.compile_only))
         if tries[-1]["bound"] is None:
           winners[p] = m
           return None
@@ -186,7 +197,8 @@ def longest_context(config, emit) -> None:
           "micro_batch": winners.get(largest), "attempts": len(tries),
           "token_positions_naive": c.G * (largest + c.T) if largest else None,
           "token_positions_computed": largest + c.G * c.T if largest else None,
-          "model": config.model, "dtype": config.dtype, "attempt_timeout_s": config.attempt_timeout_s})
+          "model": config.model, "dtype": config.dtype, "attempt_timeout_s": config.attempt_timeout_s,
+          "compile_only": c.compile_only})
 
 
 def _names(spec: str) -> list[str]:

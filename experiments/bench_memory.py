@@ -4,6 +4,8 @@
   python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py:smoke    # tiny model, minutes
   python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py \\
       --config.studies=longest_context --config.policies=save_kv --config.longest_context.max_p=16384
+  python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py \\
+      --config.studies=longest_context --config.longest_context.compile_only=True   # memory bound only
 """
 
 import ml_collections
@@ -21,6 +23,7 @@ def get_config(arg=None):
   c.attempt_timeout_s = 900.0         # wall seconds per attempt (load + compile + one step), then killed
   c.rss_limit_bytes = 0               # kill an attempt whose resident set exceeds this (0: the OS decides)
   c.output = ""                       # also append the JSON lines to this file when set
+  c.memory_budget_bytes = 24 * 2**30  # compile-only attempts above this estimated peak fail with bound "memory"
 
   c.memory_vs_g = ml_collections.ConfigDict()
   c.memory_vs_g.P = 2048              # prompt tokens
@@ -39,6 +42,10 @@ def get_config(arg=None):
   c.longest_context.max_p = 131072    # never try a larger P (the search reports stopped_by="max_p")
   c.longest_context.replay_micro_batch = 1
   c.longest_context.naive_micro_batches = "1,2"  # tried in this order until one completes
+  # Compile only: each attempt compiles the step and compares XLA's buffer sizes plus the resident
+  # set after compile (`estimated_peak_bytes`) with memory_budget_bytes; nothing runs. The memory
+  # bound alone, in minutes, where running each step would hit the time bound first.
+  c.longest_context.compile_only = False
   if arg == "smoke":
     c.model = "tiny"
     c.policies = "offload_kv"

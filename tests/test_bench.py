@@ -106,3 +106,21 @@ def test_default_cases_parse_with_their_remat_policies():
       ("group", 1024, 128, 8, "none"), ("group", 2048, 128, 8, "save_kv"), ("group", 512, 64, 16, "none"),
       ("tree", 1024, 64, 16, "save_kv"), ("tree", 256, 32, 16, "none"), ("ppo", 512, 64, 8, "none")]
   assert cases[3]["fanouts"] == [4, 2, 2] and cases[4]["fanouts"] == [2, 2, 2, 2]
+
+
+def test_compile_only_attempt_estimates_memory_and_meets_the_budget():
+  # A compile-only longest-context attempt runs nothing: its estimated peak is the resident set
+  # after compile plus XLA's temp and output buffers, and it fails with bound "memory" exactly when
+  # that estimate exceeds config.memory_budget_bytes.
+  from branch_replay_jax import bench_memory
+  from experiments import bench_memory as bench_memory_config
+  config = bench_memory_config.get_config("smoke")
+  job = {"config": config.to_dict(), "mode": "replay", "remat": "save_kv", "P": 64, "T": 8, "G": 4, "micro_batch": 1,
+         "compile_only": True}
+  r = bench_memory._worker(job)
+  assert "step_s" not in r and r["memory_measure"] == "compiled_estimate"
+  assert r["temp_bytes"] > 0
+  assert r["estimated_peak_bytes"] == r["rss_after_compile_bytes"] + r["temp_bytes"] + r["output_bytes"]
+  assert bench_memory._bound(r, memory_budget_bytes=r["estimated_peak_bytes"]) is None
+  assert bench_memory._bound(r, memory_budget_bytes=r["estimated_peak_bytes"] - 1) == "memory"
+  assert bench_memory._bound({"error": "timeout"}) == "time"
