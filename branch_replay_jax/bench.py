@@ -336,10 +336,18 @@ def _load_config(config):
   return _load(config).config
 
 
+def serve_worker(worker) -> bool:
+  """In a worker process (flag --worker=JSON job, see _run_worker): print `worker(job)` as the
+  BENCH_RESULT line and return True; otherwise return False."""
+  if not flags.FLAGS.worker:
+    return False
+  print("BENCH_RESULT " + json.dumps(worker(json.loads(flags.FLAGS.worker))), flush=True)
+  return True
+
+
 def main(argv):
   del argv
-  if flags.FLAGS.worker:
-    print("BENCH_RESULT " + json.dumps(_worker(json.loads(flags.FLAGS.worker))), flush=True)
+  if serve_worker(_worker):
     return
   config = flags.FLAGS.config
   emit = emitter(config.output)

@@ -35,7 +35,6 @@ cost is the real one, the log-probs are meaningless and unused.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -210,8 +209,7 @@ STUDIES = {"memory_vs_g": memory_vs_g, "longest_context": longest_context}
 
 def main(argv):
   del argv
-  if flags.FLAGS.worker:
-    print("BENCH_RESULT " + json.dumps(_worker(json.loads(flags.FLAGS.worker))), flush=True)
+  if bench.serve_worker(_worker):
     return
   config = flags.FLAGS.config
   studies = _names(config.studies)

@@ -23,7 +23,6 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from branch_replay_jax import objectives as obj
 from branch_replay_jax import plots
@@ -204,8 +203,7 @@ def train(config) -> list[dict]:
   data = encode_pairs(records, tokenizer, cfg.max_positions) if records else None
   fns = StepFunctions(config, graphdef, run.optimizer)
   history = []
-  bar = tqdm(range(run.start, config.train.steps), initial=run.start, total=config.train.steps, desc="dpo",
-             unit="step")
+  bar = run.progress(config, "dpo")
   for step in bar:
     t0 = time.perf_counter()
     if data is not None:

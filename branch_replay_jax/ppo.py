@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from branch_replay_jax import objectives as obj
 from branch_replay_jax import plots
@@ -209,8 +208,7 @@ def train(config) -> list[dict]:
                              wrap=lambda model: ActorCritic(model, critic=config.ppo.critic))
   fns = PPOFunctions(config, run.graphdef, run.optimizer)
   params, opt_state, data_pos, history = run.params, run.opt_state, run.data_pos, []
-  bar = tqdm(range(run.start, config.train.steps), initial=run.start, total=config.train.steps, desc="ppo",
-             unit="step")
+  bar = run.progress(config, "ppo")
   for step in bar:
     t0 = time.perf_counter()
     groups, data_pos = grpo_train.sample_groups(config, nnx.merge(run.graphdef, params).policy, run.tokenizer, task,

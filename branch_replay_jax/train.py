@@ -182,8 +182,7 @@ def train(config) -> list[dict]:
   run = start_run(config, fingerprint(config), keep_initial=True)
   fns = StepFunctions(config, run.graphdef, run.optimizer)
   params, opt_state, data_pos, history = run.params, run.opt_state, run.data_pos, []
-  bar = tqdm(range(run.start, config.train.steps), initial=run.start, total=config.train.steps, desc="grpo",
-             unit="step")
+  bar = run.progress(config, "grpo")
   for step in bar:
     t0 = time.perf_counter()
     groups, data_pos = sample_groups(config, nnx.merge(run.graphdef, params), run.tokenizer, task, run.key, step,
@@ -222,6 +221,11 @@ class Run:
   key: jax.Array
   start: int
   data_pos: int
+
+  def progress(self, config, desc: str):
+    """The steps still to run, start .. config.train.steps - 1, as a tqdm progress bar."""
+    return tqdm(range(self.start, config.train.steps), initial=self.start, total=config.train.steps, desc=desc,
+                unit="step")
 
 
 def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wrap=None,
