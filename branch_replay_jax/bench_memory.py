@@ -7,7 +7,8 @@ object per attempt and one summary object per study, mode and remat policy:
 
 1. memory_vs_g: one replay step (micro-batch 1) for each G in config.memory_vs_g.groups at fixed
    P and T, and the naive step alongside at each naive micro-batch candidate (the lowest peak
-   is the summary's). The summary gives peak_ratio = peak(G_max) / peak(G_min) and the same
+   is the summary's). Modes named in memory_vs_g.compile_only_modes only compile and report the
+   estimated peak (below) instead of a measured one. The summary gives peak_ratio = peak(G_max) / peak(G_min) and the same
    ratio of the compiled program's temp bytes (target: replay within 1.2x).
 2. longest_context: for each remat policy, the largest P for which one step with G, T completes:
    P = start_p, 2 start_p, ... until an attempt fails, then bisection to `granularity` tokens.
@@ -145,31 +146,45 @@ def largest_passing(attempt, start: int, granularity: int, max_p: int) -> tuple[
   return lo, hi, hi_bound
 
 
+def _peak(record: dict) -> int | None:
+  """The measured peak of a run attempt, or the estimated peak of a compile-only one."""
+  return record.get("peak_bytes", record.get("estimated_peak_bytes"))
+
+
 def memory_vs_g(config, emit) -> None:
   c = config.memory_vs_g
   common = {"P": c.P, "T": c.T, "remat": c.remat}
+  compile_only = set(_names(c.compile_only_modes))
+  if not compile_only <= {"replay", "naive"}:
+    raise ValueError(f"bench_memory: config.memory_vs_g.compile_only_modes={c.compile_only_modes!r}; "
+                     "expected a comma-separated subset of 'replay,naive'")
   best = {"replay": {}, "naive": {}}
   for g in c.groups:
-    r = _attempt(config, emit, "memory_vs_g", mode="replay", G=g, micro_batch=c.replay_micro_batch, **common)
+    r = _attempt(config, emit, "memory_vs_g", mode="replay", G=g, micro_batch=c.replay_micro_batch,
+                 compile_only="replay" in compile_only, **common)
     best["replay"][g] = r
     if not c.naive:
       continue
     for m in bench._candidates(c.naive_micro_batches, g):
-      r = _attempt(config, emit, "memory_vs_g", mode="naive", G=g, micro_batch=m, **common)
-      if r["bound"] is None and (g not in best["naive"] or r["peak_bytes"] < best["naive"][g]["peak_bytes"]):
+      r = _attempt(config, emit, "memory_vs_g", mode="naive", G=g, micro_batch=m,
+                   compile_only="naive" in compile_only, **common)
+      if r["bound"] is None and (g not in best["naive"] or _peak(r) < _peak(best["naive"][g])):
         best["naive"][g] = r
   for mode, rows in best.items():
     if not c.naive and mode == "naive":
       continue
     ok = {g: r for g, r in rows.items() if r.get("bound", "missing") is None}
     lo, hi = min(c.groups), max(c.groups)
+    peaks = {g: _peak(r) for g, r in ok.items()}
     ratio = lambda k: ok[hi][k] / ok[lo][k] if lo in ok and hi in ok and ok[lo][k] else None
     emit({"study": "memory_vs_g", "summary": True, "mode": mode, **common,
-          "peak_bytes": {g: r["peak_bytes"] for g, r in ok.items()},
+          "memory_measure": "compiled_estimate" if mode in compile_only else "measured",
+          "peak_bytes": peaks,
           "temp_bytes": {g: r["temp_bytes"] for g, r in ok.items()},
           "micro_batch": {g: r["micro_batch"] for g, r in ok.items()},
           "failed_G": [g for g in c.groups if g not in ok],
-          f"peak_ratio_G{hi}_over_G{lo}": ratio("peak_bytes"), f"temp_ratio_G{hi}_over_G{lo}": ratio("temp_bytes")})
+          f"peak_ratio_G{hi}_over_G{lo}": peaks[hi] / peaks[lo] if lo in peaks and hi in peaks else None,
+          f"temp_ratio_G{hi}_over_G{lo}": ratio("temp_bytes")})
 
 
 def longest_context(config, emit) -> None:

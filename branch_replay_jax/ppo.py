@@ -52,6 +52,9 @@ def validate(config) -> None:
                      f"ppo.critic_lr_scale={p.critic_lr_scale} > 0")
   if config.loss.kl_coef:
     raise ValueError(f"loss.kl_coef={config.loss.kl_coef}: this PPO loss has no KL term; set it to 0")
+  m = config.mesh
+  if (m.data, m.branch, m.seq) != (1, 1, 1):
+    raise ValueError(f"mesh={m.data}x{m.branch}x{m.seq}: the PPO loop runs on one device; use a 1x1x1 mesh")
   if config.train.inner_epochs != 1:
     raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "
                      "set it to 1")

@@ -22,7 +22,7 @@ from flax import nnx
 from branch_replay_jax.kernels import attention_fn
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
 from branch_replay_jax.policy import Objective, _branch_logprobs, _tree_node_fn
-from branch_replay_jax.replay import nested_replay_vjp, replay_vjp
+from branch_replay_jax.replay import nested_replay_vjp, replay_map, replay_vjp
 
 
 def check_prompt_split(p_pad: int, seq: int) -> int:
@@ -71,6 +71,18 @@ def chunk_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objec
     return objective(logp, branch)
   return replay_vjp(_chunk_prefix_fn(graphdef, arrays, axis), branch_fn, params, arrays["branches"],
                     micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)
+
+
+def chunk_replay_logprobs(graphdef, params, arrays: dict, *, axis: str = "seq", micro_batch: int = 1,
+                          logprob_chunk: int = 256) -> jax.Array:
+  """`policy.replay_logprobs` ([G, T] float32, 0 on padding) for a group whose prompt is split over
+  `axis` (see `chunk_replay_value_and_grad`); every device of `axis` returns the same values."""
+  attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).attention_impl), axis)
+
+  def branch_fn(p, prefix_out, branch):
+    return _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
+  return replay_map(_chunk_prefix_fn(graphdef, arrays, axis), branch_fn, params, arrays["branches"],
+                    micro_batch=micro_batch)
 
 
 def chunk_tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, axis: str = "seq",

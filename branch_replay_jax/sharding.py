@@ -42,9 +42,10 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from branch_replay_jax.policy import Objective, _tree_node_fn, _tree_root_fn, replay_value_and_grad
+from branch_replay_jax.policy import (Objective, _tree_node_fn, _tree_root_fn, replay_logprobs,
+                                      replay_value_and_grad)
 from branch_replay_jax.replay import nested_replay_vjp
-from branch_replay_jax.seq_parallel import (check_prompt_split, chunk_replay_value_and_grad,
+from branch_replay_jax.seq_parallel import (check_prompt_split, chunk_replay_logprobs, chunk_replay_value_and_grad,
                                             chunk_tree_replay_value_and_grad)
 
 MESH_AXES = ("data", "branch", "seq")
@@ -79,6 +80,23 @@ def stack_groups(groups: list[dict]) -> dict:
     raise ValueError(f"stack_groups: {len(groups)} groups have {len(shapes)} different shapes; pad them to "
                      "common prompt_bucket / completion_bucket lengths")
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *groups)
+
+
+def pad_prompts(groups: list[dict], multiple: int = 1) -> list[dict]:
+  """Right-pad every group's (or tree's) prompt_ids [P_pad] with token 0 to one length: the
+  longest P_pad, rounded up to a multiple of `multiple` (the mesh's `seq` size), so that
+  `stack_groups` can stack them. Positions at or after prompt_len are masked out of attention and
+  never scored, so each group's loss and gradient are unchanged (only the padding compute grows).
+
+  Raises:
+    ValueError: no groups, or multiple < 1.
+  """
+  if not groups or multiple < 1:
+    raise ValueError(f"pad_prompts: need at least one group and multiple >= 1, got {len(groups)} groups, "
+                     f"multiple={multiple}")
+  longest = max(g["prompt_ids"].shape[0] for g in groups)
+  p_pad = -(-longest // multiple) * multiple
+  return [{**g, "prompt_ids": jnp.pad(g["prompt_ids"], (0, p_pad - g["prompt_ids"].shape[0]))} for g in groups]
 
 
 def batch_specs(batch: dict, mesh) -> dict:
@@ -137,11 +155,21 @@ def shard_params(params, mesh, mode: str = "replicated"):
                                 param_specs(params, mesh, mode))
 
 
+def _invariant_over_seq(tree):
+  """Every `seq` device holds the same completion values (module docstring): mark them invariant
+  over `seq` (pmax of equal values is exact) so that out_specs may omit the axis."""
+  def varying(x):   # the value's varying manual axes (`.vma` in older JAX releases)
+    aval = jax.typeof(x)
+    return aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
+  return jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, "seq") if "seq" in varying(x) else x, tree)
+
+
 def _mesh_value_and_grad(per_group, params, batch, mesh):
   """Σ over the batch of per_group(local params, one group's arrays, reduce) under shard_map.
 
-  per_group returns (loss, grads) of one group on this device; reduce is the prompt-cotangent
-  all-reduce over `branch`. Returns (loss, grads) replicated, grads resharded like `params`.
+  per_group returns (loss, aux, grads) of one group on this device, aux with a leading G (or F_0)
+  axis; reduce is the prompt-cotangent all-reduce over `branch`. Returns (loss replicated, aux
+  [B, G, ...] sharded P("data", "branch"), grads resharded like `params`).
   """
   n_branch, n_seq = mesh.shape["branch"], mesh.shape["seq"]
 
@@ -155,27 +183,27 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
     local = jax.lax.pcast(params, MESH_AXES, to="varying")
 
     def one_group(carry, arrays):
-      loss, grads = per_group(local, arrays, reduce_prompt_cotangent)
-      return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), None
+      loss, aux, grads = per_group(local, arrays, reduce_prompt_cotangent)
+      return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, local)
     loss0 = jnp.zeros_like(jax.tree_util.tree_leaves(local)[0], shape=())
-    (loss, grads), _ = jax.lax.scan(one_group, (loss0, zeros), batch)
+    (loss, grads), aux = jax.lax.scan(one_group, (loss0, zeros), batch)
     loss, grads = jax.lax.psum(loss, MESH_AXES), jax.lax.psum(grads, MESH_AXES)
     if n_seq > 1:   # every seq device computed the whole loss (module docstring)
       loss, grads = loss / n_seq, jax.tree_util.tree_map(lambda g: g / n_seq, grads)
-    return loss, grads
+    return loss, _invariant_over_seq(aux), grads
 
   full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)), out_specs=(P(), P()),
-                     check_vma=True)
-  loss, grads = fn(full, batch)
-  return loss, jax.tree_util.tree_map(lambda g, x: jax.reshard(g, jax.typeof(x).sharding.spec), grads, params)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)),
+                     out_specs=(P(), P("data", "branch"), P()), check_vma=True)
+  loss, aux, grads = fn(full, batch)
+  return loss, aux, jax.tree_util.tree_map(lambda g, x: jax.reshard(g, jax.typeof(x).sharding.spec), grads, params)
 
 
 def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Objective, mesh, *,
                                   micro_batch: int = 1, logprob_chunk: int = 256):
-  """(loss, grads) summed over a batch of groups, by replay under `shard_map` on `mesh`.
+  """(loss, aux, grads) summed over a batch of groups, by replay under `shard_map` on `mesh`.
 
   Args:
     params: parameters (an nnx.State) placed with `shard_params` (replicated or FSDP).
@@ -185,6 +213,7 @@ def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Obje
 
   Returns:
     loss: scalar, Σ over groups and completions of the objective (replicated).
+    aux: the objective's aux per completion, [B, G, ...] sharded P("data", "branch").
     grads: like params (same shardings): equal to the single-device replay and naive gradients.
 
   Raises:
@@ -195,11 +224,8 @@ def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Obje
 
   def per_group(local, arrays, reduce):
     kw = dict(micro_batch=micro_batch, logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce)
-    if n_seq > 1:
-      loss, _, grads = chunk_replay_value_and_grad(graphdef, local, arrays, objective, **kw)
-    else:
-      loss, _, grads = replay_value_and_grad(graphdef, local, arrays, objective, **kw)
-    return loss, grads
+    fn = chunk_replay_value_and_grad if n_seq > 1 else replay_value_and_grad
+    return fn(graphdef, local, arrays, objective, **kw)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
@@ -216,13 +242,37 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: dict, objective:
   def per_group(local, arrays, reduce):
     kw = dict(micro_batch=micro_batch, logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce)
     if n_seq > 1:
-      loss, _, grads = chunk_tree_replay_value_and_grad(graphdef, local, arrays, objective, **kw)
-    else:
-      node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
-      loss, _, grads = nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), local,
-                                         arrays["levels"], micro_batch=micro_batch, reduce_prefix_cotangent=reduce)
-    return loss, grads
+      return chunk_tree_replay_value_and_grad(graphdef, local, arrays, objective, **kw)
+    node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
+    return nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), local,
+                             arrays["levels"], micro_batch=micro_batch, reduce_prefix_cotangent=reduce)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
+
+
+def sharded_replay_logprobs(graphdef, params, batch: dict, mesh, *, micro_batch: int = 1,
+                            logprob_chunk: int = 256) -> jax.Array:
+  """[B, G, T] float32 completion log-probs (0 on padding) of a batch of groups, by forward-only
+  replay under `shard_map` (reference and old-policy log-probs of the training loop).
+
+  Args and placement as `sharded_replay_value_and_grad`. Returns the log-probs sharded
+  P("data", "branch"), equal to `policy.replay_logprobs` group by group.
+  """
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
+
+  def per_device(params, batch):
+    # Varying over every axis, as in the gradient step: the prompt varies over `seq` and the
+    # completions over `branch`, and the layer scan's carry must keep one type while mixing them.
+    local = jax.lax.pcast(params, MESH_AXES, to="varying")
+
+    def one_group(_, arrays):
+      fn = chunk_replay_logprobs if n_seq > 1 else replay_logprobs
+      return None, fn(graphdef, local, arrays, micro_batch=micro_batch, logprob_chunk=logprob_chunk)
+    return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
+
+  full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)), out_specs=P("data", "branch"),
+                       check_vma=True)(full, batch)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,
@@ -236,7 +286,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objec
 
   @jax.jit
   def step(params, opt_state, batch):
-    loss, grads = value_and_grad(graphdef, params, batch, objective, mesh, micro_batch=micro_batch,
+    loss, _, grads = value_and_grad(graphdef, params, batch, objective, mesh, micro_batch=micro_batch,
                                  logprob_chunk=logprob_chunk)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss

@@ -8,12 +8,18 @@ One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
   4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
   5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
      over the step's groups, clipped by global norm and applied with optax AdamW.
+With a device mesh (config.mesh: data x branch x seq > 1, sharding.py), steps 4-5 run on the
+step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
+over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
+replicated or FSDP-sharded (mesh.params). Sampling (1) runs on the first device, on a copy of the
+parameters gathered there.
 Everything a run writes goes to RUN_DIR: metrics.jsonl, samples.jsonl, reward.png,
 throughput.png, experiment.json and checkpoints/ (orbax).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -34,6 +40,8 @@ from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.policy import (naive_logprobs, naive_value_and_grad, replay_logprobs, replay_value_and_grad,
                                       tree_replay_logprobs, tree_replay_value_and_grad)
 from branch_replay_jax.rollout import Group, rollout
+from branch_replay_jax.sharding import (PARAM_MODES, make_mesh, pad_prompts, shard_batch, shard_params,
+                                        sharded_replay_logprobs, sharded_replay_value_and_grad, stack_groups)
 from branch_replay_jax.tasks import make_task
 from branch_replay_jax.tree_replay import SCHEDULES as TREE_SCHEDULES
 
@@ -70,6 +78,43 @@ def validate(config) -> None:
                        f"{r.segment_length} >= 1")
   if t.tree_schedule not in TREE_SCHEDULES:
     raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
+  validate_mesh(config)
+
+
+def validate_mesh(config) -> None:
+  """Raise ValueError for a config.mesh the loop cannot run: sizes that are not positive ints or
+  whose product (when > 1) is not the device count, naive or tree updates on a mesh, and groups,
+  completions or micro-batches that do not split evenly."""
+  m, r, t = config.mesh, config.rollout, config.train
+  for name in ("data", "branch", "seq"):
+    if not isinstance(m[name], int) or m[name] < 1:
+      raise ValueError(f"mesh.{name}={m[name]!r} must be a positive int")
+  if m.params not in PARAM_MODES:
+    raise ValueError(f"mesh.params={m.params!r} is not one of {PARAM_MODES}")
+  n = m.data * m.branch * m.seq
+  if n == 1:
+    return
+  if n != jax.device_count():
+    raise ValueError(f"mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq} = {n} must equal the "
+                     f"device count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+  if t.gradient != "replay":
+    raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
+  if r.tree_fanouts:
+    raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)}: the training loop runs trees on one device "
+                     "(sampled trees differ in shape step to step); use a 1x1x1 mesh")
+  if r.prompts_per_step % m.data:
+    raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")
+  if r.group_size % m.branch:
+    raise ValueError(f"mesh.branch={m.branch} must divide rollout.group_size={r.group_size}")
+  if (r.group_size // m.branch) % t.micro_batch:
+    raise ValueError(f"train.micro_batch={t.micro_batch} must divide the completions per device, rollout.group_size "
+                     f"/ mesh.branch = {r.group_size} / {m.branch}")
+
+
+def mesh_from(config):
+  """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device)."""
+  m = config.mesh
+  return None if m.data * m.branch * m.seq == 1 else make_mesh(m.data, m.branch, m.seq)
 
 
 def build_model(config):
@@ -114,28 +159,56 @@ def _fit_micro_batch(requested: int, n: int) -> int:
 
 
 class StepFunctions:
-  """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape)."""
+  """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape).
+
+  grad and logprobs take one update unit (`units`): a group's or tree's arrays on one device, or,
+  with a mesh, the step's groups stacked [B, ...] and sharded. grad returns (loss, aux, grads)
+  summed over the unit's completions; logprobs the per-token log-probs laid out like its tokens.
+  """
 
   def __init__(self, config, graphdef, optimizer):
     t, l = config.train, config.loss
     naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not naive
+    self.mesh = mesh_from(config)
     self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
                                        kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
-    grad_fn = (naive_value_and_grad if naive else replay_value_and_grad if not tree else
-               functools.partial(tree_replay_value_and_grad, schedule=t.tree_schedule))
-    lp_fn = naive_logprobs if naive else tree_replay_logprobs if tree else replay_logprobs
-    # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
-    # each compiled shape uses the largest divisor of that count not above train.micro_batch.
-    self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective,
-                                             micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
-    self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a) if naive else
-                            lp_fn(graphdef, p, a, micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
+    if self.mesh is not None:
+      mesh, m = self.mesh, t.micro_batch
+      self.grad = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=m))
+      self.logprobs = jax.jit(lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=m))
+    else:
+      grad_fn = (naive_value_and_grad if naive else replay_value_and_grad if not tree else
+                 functools.partial(tree_replay_value_and_grad, schedule=t.tree_schedule))
+      lp_fn = naive_logprobs if naive else tree_replay_logprobs if tree else replay_logprobs
+      # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
+      # each compiled shape uses the largest divisor of that count not above train.micro_batch.
+      self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective,
+                                               micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
+      self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a) if naive else
+                              lp_fn(graphdef, p, a, micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
 
     def update(params, opt_state, grads):
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
     self.update = jax.jit(update, donate_argnums=(0, 1))
+
+  def units(self, groups: list[Group]) -> list[tuple[str, dict]]:
+    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh."""
+    if self.mesh is None:
+      return [(g.kind, g.arrays) for g in groups]
+    batch = stack_groups(pad_prompts([g.arrays for g in groups], self.mesh.shape["seq"]))
+    return [("group", shard_batch(batch, self.mesh))]
+
+  def place(self, tree, mode: str):
+    """Parameters or optimizer state onto the mesh (sharding.shard_params); unchanged without one."""
+    return tree if self.mesh is None else shard_params(tree, self.mesh, mode)
+
+  def for_sampling(self, params):
+    """The parameters the sampler reads: on the mesh, a copy gathered onto the first device."""
+    # A SingleDeviceSharding, not a bare device: device_put(x, device) keeps an FSDP array's
+    # sharded type (JAX 0.10), and the sampler's gathers would then ask for an out_sharding.
+    return params if self.mesh is None else jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 def _aux_sums(kind: str, aux) -> tuple[float, float]:
@@ -144,32 +217,33 @@ def _aux_sums(kind: str, aux) -> tuple[float, float]:
   return sum(float(np.sum(p["kl"])) for p in parts), sum(float(np.sum(p["clipped"])) for p in parts)
 
 
-def _store_logprobs(group: Group, name: str, logp) -> None:
-  """Per-token log-probs into a group's arrays: [G, T] per branch, or a tree's per-level [F_1..F_d, T_d]."""
-  if group.kind == "tree":
-    for level, lp in zip(group.arrays["levels"], logp):
+def _store_logprobs(kind: str, arrays: dict, name: str, logp) -> None:
+  """Per-token log-probs into a unit's arrays: [(B,) G, T] per branch, or a tree's per-level [F_1..F_d, T_d]."""
+  if kind == "tree":
+    for level, lp in zip(arrays["levels"], logp):
       level[name] = lp
   else:
-    group.arrays["branches"][name] = logp
+    arrays["branches"][name] = logp
 
 
 def update_on_batch(config, fns: StepFunctions, params, ref_params, opt_state, groups: list[Group]):
   """Reference (and old) log-probs, then inner_epochs updates on the step's groups."""
-  for g in groups:
+  units = fns.units(groups)
+  for kind, arrays in units:
     if config.loss.kl_coef:
-      _store_logprobs(g, "ref_logp", fns.logprobs(ref_params, g.arrays))
+      _store_logprobs(kind, arrays, "ref_logp", fns.logprobs(ref_params, arrays))
     if config.train.inner_epochs > 1:
-      _store_logprobs(g, "old_logp", fns.logprobs(params, g.arrays))
+      _store_logprobs(kind, arrays, "old_logp", fns.logprobs(params, arrays))
   for _ in range(config.train.inner_epochs):
     total, loss, aux = None, 0.0, []
-    for g in groups:
-      group_loss, group_aux, grads = fns.grad(params, g.arrays)
+    for _, arrays in units:
+      unit_loss, unit_aux, grads = fns.grad(params, arrays)
       total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-      loss, aux = loss + float(group_loss), aux + [group_aux]
+      loss, aux = loss + float(unit_loss), aux + [unit_aux]
     mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
     params, opt_state, grad_norm = fns.update(params, opt_state, mean)
   pairs = sum(int(g.lengths.sum()) for g in groups)   # completion tokens, one per (token, trajectory) pair
-  sums = [_aux_sums(g.kind, a) for g, a in zip(groups, aux)]
+  sums = [_aux_sums(kind, a) for (kind, _), a in zip(units, aux)]
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm),
            "kl": sum(k for k, _ in sums) / pairs, "clip_frac": sum(c for _, c in sums) / pairs}
   return params, opt_state, stats
@@ -181,14 +255,18 @@ def train(config) -> list[dict]:
   task = make_task_from(config)
   run = start_run(config, fingerprint(config), keep_initial=True)
   fns = StepFunctions(config, run.graphdef, run.optimizer)
-  params, opt_state, data_pos, history = run.params, run.opt_state, run.data_pos, []
+  mode = config.mesh.params
+  params, opt_state, ref_params = fns.place(run.params, mode), fns.place(run.opt_state, mode), fns.place(
+      run.initial_params, mode)
+  data_pos, history = run.data_pos, []
   bar = run.progress(config, "grpo")
   for step in bar:
     t0 = time.perf_counter()
-    groups, data_pos = sample_groups(config, nnx.merge(run.graphdef, params), run.tokenizer, task, run.key, step,
-                                     data_pos)
+    groups, data_pos = sample_groups(config, nnx.merge(run.graphdef, fns.for_sampling(params)), run.tokenizer, task,
+                                     run.key, step, data_pos)
     t1 = time.perf_counter()
-    params, opt_state, stats = update_on_batch(config, fns, params, run.initial_params, opt_state, groups)
+    with contextlib.nullcontext() if fns.mesh is None else jax.set_mesh(fns.mesh):
+      params, opt_state, stats = update_on_batch(config, fns, params, ref_params, opt_state, groups)
     t2 = time.perf_counter()
     history.append(log_step(config, bar, step, groups, stats, rollout_s=t1 - t0, update_s=t2 - t1))
     save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)

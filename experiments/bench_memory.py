@@ -33,6 +33,9 @@ def get_config(arg=None):
   c.memory_vs_g.replay_micro_batch = 1  # branches per replay scan step: 1 keeps peak memory flat in G
   c.memory_vs_g.naive_micro_batches = "1,2"  # naive candidates; the one with the lowest peak is reported
   c.memory_vs_g.naive = True          # measure naive alongside replay
+  # Modes ("replay", "naive", comma-separated) whose attempts only compile and report the estimated
+  # peak (resident set after compile + XLA temp + output bytes) instead of running the step.
+  c.memory_vs_g.compile_only_modes = ""
 
   c.longest_context = ml_collections.ConfigDict()
   c.longest_context.G = 16            # completions per group

@@ -51,6 +51,12 @@ def get_config(arg=None):
   c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G (trees: at most)
   c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)
 
+  c.mesh = ml_collections.ConfigDict()    # device mesh of the update (sharding.py); 1 x 1 x 1 = one device
+  c.mesh.data = 1                         # groups split over devices; must divide rollout.prompts_per_step
+  c.mesh.branch = 1                       # each group's completions split over devices; must divide group_size
+  c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
+  c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
+
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/grpo_smollm2_arith"   # metrics.jsonl, plots, checkpoints
   c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)

@@ -21,12 +21,12 @@ from branch_replay_jax import objectives as obj
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
 from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
 from branch_replay_jax.models.llama import REMAT_POLICIES
-from branch_replay_jax.policy import (naive_value_and_grad, replay_value_and_grad, trajectory_group_arrays,
-                                      tree_arrays, tree_replay_value_and_grad)
+from branch_replay_jax.policy import (naive_value_and_grad, replay_logprobs, replay_value_and_grad,
+                                      trajectory_group_arrays, tree_arrays, tree_replay_value_and_grad)
 from branch_replay_jax.replay import replay_vjp
-from branch_replay_jax.sharding import (make_mesh, make_train_step, param_specs, shard_batch, shard_params,
-                                        sharded_replay_value_and_grad, sharded_tree_replay_value_and_grad,
-                                        stack_groups)
+from branch_replay_jax.sharding import (make_mesh, make_train_step, pad_prompts, param_specs, shard_batch,
+                                        shard_params, sharded_replay_logprobs, sharded_replay_value_and_grad,
+                                        sharded_tree_replay_value_and_grad, stack_groups)
 from branch_replay_jax.tree import pad_tree, tree_from_trajectories
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -90,8 +90,11 @@ def test_context_parallel_attention_equals_unsharded():
 
 @pytest.fixture(scope="module")
 def reference():
+  # Group 3's 21-token prompt is bucketed to 32 tokens, the others' 11 tokens to 16: the mesh
+  # step pads every prompt to 32 (pad_prompts), which must leave each group's gradient unchanged.
   graphdef, params = tiny_model()
-  groups = [grpo_arrays(random_group([1, 5, 9, 3, 7, 1, 8, 4], seed=s, prompt_bucket=16, completion_bucket=16),
+  groups = [grpo_arrays(random_group([1, 5, 9, 3, 7, 1, 8, 4], seed=s, prompt_len=11 if s < 3 else 21,
+                                     prompt_bucket=16 if s < 3 else 32, completion_bucket=16),
                         np.float32, seed=s) for s in range(4)]
   naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective))
   replay = jax.jit(lambda p, a: replay_value_and_grad(graphdef, p, a, grpo_objective))
@@ -101,35 +104,58 @@ def reference():
   n_grads = functools.reduce(add, [o[2] for o in naive_out])
   r_grads = functools.reduce(add, [o[2] for o in replay_out])
   assert min(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(n_grads)) > 0   # not vacuous
-  return graphdef, params, groups, sum(float(o[0]) for o in naive_out), n_grads, r_grads
+  naive_aux = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[o[1] for o in naive_out])   # [4, G] each
+  return graphdef, params, groups, sum(float(o[0]) for o in naive_out), n_grads, r_grads, naive_aux
 
 
 def _sharded(graphdef, params, groups, mesh, mode="replicated"):
-  """(loss, grads) / scale on `mesh`; 8 data shards need 8 groups: the 4 groups twice (scale 2)."""
+  """(loss / scale, aux of the first 4 groups, grads / scale) on `mesh`; 8 data shards need 8
+  groups: the 4 groups twice (scale 2). Prompts are padded to one length first."""
   scale = 2 if mesh.shape["data"] == 8 else 1
   with jax.set_mesh(mesh):
-    batch = shard_batch(stack_groups(groups * scale), mesh)
-    loss, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh))(
+    batch = shard_batch(stack_groups(pad_prompts(groups * scale, mesh.shape["seq"])), mesh)
+    loss, aux, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh))(
         shard_params(params, mesh, mode), batch)
-  return float(loss) / scale, jax.tree_util.tree_map(lambda g: g / scale, grads)
+  aux = jax.tree_util.tree_map(lambda x: np.asarray(x)[:len(groups)], aux)
+  return float(loss) / scale, aux, jax.tree_util.tree_map(lambda g: g / scale, grads)
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=["x".join(map(str, s)) for s in MESHES])
 def test_sharded_replay_equals_single_device_and_naive(reference, shape):
-  graphdef, params, groups, naive_loss, naive_grads, replay_grads = reference
+  graphdef, params, groups, naive_loss, naive_grads, replay_grads, naive_aux = reference
   assert max_rel_err(replay_grads, naive_grads) <= 1e-5
-  loss, grads = _sharded(graphdef, params, groups, make_mesh(*shape))
+  loss, aux, grads = _sharded(graphdef, params, groups, make_mesh(*shape))
   assert loss == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, naive_grads) <= 1e-5
   assert max_rel_err(grads, replay_grads) <= 1e-5
+  # The per-completion aux comes back [B, G, ...] in group order: the clipped-token counts
+  # exactly, the log-probs [B, G, T] to float32 rounding.
+  np.testing.assert_array_equal(aux["clipped"], naive_aux["clipped"])
+  np.testing.assert_allclose(aux["logp"], naive_aux["logp"], rtol=1e-5, atol=1e-5)
+  assert naive_aux["clipped"].max() > 0   # not vacuous
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 8), (2, 4, 1)], ids=["2x2x2", "1x1x8", "2x4x1"])
+def test_sharded_logprobs_equal_single_device(reference, shape):
+  # Forward-only replay on the mesh (the training loop's reference and old log-probs): each group's
+  # [G, T] log-probs equal policy.replay_logprobs to float32 rounding, 0 on padding.
+  graphdef, params, groups = reference[:3]
+  want = np.stack([np.asarray(jax.jit(lambda p, a: replay_logprobs(graphdef, p, a))(params, a)) for a in groups])
+  mesh = make_mesh(*shape)
+  with jax.set_mesh(mesh):
+    batch = shard_batch(stack_groups(pad_prompts(groups, mesh.shape["seq"])), mesh)
+    got = jax.jit(lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh))(shard_params(params, mesh), batch)
+  assert got.sharding.spec == P("data", "branch", None)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got)[~np.stack([np.asarray(a["branches"]["mask"]) for a in groups])] == 0)
 
 
 @pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r != "none"])
 def test_every_remat_policy_on_a_sequence_sharded_mesh(reference, remat):
   # Rematerialisation recomputes the same operations (collectives included): the naive gradient.
-  _, params, groups, naive_loss, naive_grads, _ = reference
+  _, params, groups, naive_loss, naive_grads, _, _ = reference
   graphdef, _ = tiny_model(remat=remat)
-  loss, grads = _sharded(graphdef, params, groups, make_mesh(2, 2, 2))
+  loss, _, grads = _sharded(graphdef, params, groups, make_mesh(2, 2, 2))
   assert loss == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, naive_grads) <= 1e-5
 
@@ -137,14 +163,14 @@ def test_every_remat_policy_on_a_sequence_sharded_mesh(reference, remat):
 def test_fsdp_step_equals_replicated_gradient(reference):
   # SGD with momentum 0.9, one step: the momentum trace equals the gradient and the new parameters
   # are params - 0.1 * gradient, both in the FSDP layout of the parameters.
-  graphdef, params, groups, naive_loss, naive_grads, _ = reference
+  graphdef, params, groups, naive_loss, naive_grads, _, _ = reference
   mesh = make_mesh(2, 2, 2)
   tx = optax.sgd(0.1, momentum=0.9)
   with jax.set_mesh(mesh):
     sharded = shard_params(params, mesh, "fsdp")
     opt_state = jax.jit(tx.init)(sharded)
     step = make_train_step(graphdef, tx, grpo_objective, mesh)
-    new_params, new_state, loss = step(sharded, opt_state, shard_batch(stack_groups(groups), mesh))
+    new_params, new_state, loss = step(sharded, opt_state, shard_batch(stack_groups(pad_prompts(groups)), mesh))
   specs = param_specs(params, mesh, "fsdp")
   assert jax.tree_util.tree_leaves(specs)[0] == P(("data", "branch", "seq"))   # embed [64, 32]: rows split
   for tree in (new_params, new_state[0].trace):
@@ -189,7 +215,7 @@ def test_sharded_tree_replay_equals_naive():
   assert max_rel_err(replay_grads, naive_grads) <= 1e-5
   mesh = make_mesh(2, 2, 2)
   with jax.set_mesh(mesh):
-    loss, grads = jax.jit(lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, tree_obj, mesh))(
+    loss, _, grads = jax.jit(lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, tree_obj, mesh))(
         shard_params(params, mesh), shard_batch(stack_groups(trees), mesh))
   assert float(loss) == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, naive_grads) <= 1e-5
@@ -207,5 +233,10 @@ def test_make_mesh_and_placement_reject_bad_shapes():
     shard_batch(odd_prompt, make_mesh(1, 1, 8))
   with pytest.raises(ValueError, match=r"batch\['branches'\]: axis 1 has size 2, not divisible by branch=8"):
     shard_batch(odd_prompt, make_mesh(1, 8, 1))
+  # pad_prompts rounds the 12-token bucket up to seq's multiple, 16; it refuses an empty list.
+  assert stack_groups(pad_prompts([grpo_arrays(random_group([2, 3], prompt_bucket=12), np.float32)], 8))[
+      "prompt_ids"].shape == (1, 16)
+  with pytest.raises(ValueError, match="0 groups"):
+    pad_prompts([])
   with pytest.raises(ValueError, match="mode='zero3'"):
     param_specs({"w": jnp.zeros(8)}, make_mesh(8, 1), "zero3")

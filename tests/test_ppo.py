@@ -239,6 +239,7 @@ def test_tree_smoke_replay_equals_naive(tmp_path):
     ("ppo.minibatches", 3, "ppo.minibatches=3"),
     ("ppo.lam", 1.5, "ppo.lam=1.5"),
     ("loss.kl_coef", 0.1, "loss.kl_coef=0.1"),
+    ("mesh.data", 2, "mesh=2x1x1: the PPO loop runs on one device"),
 ])
 def test_bad_config_fails_before_any_compute(tmp_path, field, value, match):
   with pytest.raises(ValueError, match=match):

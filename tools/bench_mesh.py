@@ -71,7 +71,7 @@ def run_mesh(graphdef, params, groups, shape, repeats: int, micro_batch: int):
     placed = shard_params(params, mesh)
     step = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, OBJECTIVE, mesh, micro_batch=micro_batch))
     _compile_seconds[0] = 0.0
-    loss, grads = jax.block_until_ready(step(placed, batch))
+    loss, _, grads = jax.block_until_ready(step(placed, batch))
     compile_s = _compile_seconds[0]
     times = []
     for _ in range(repeats):
