@@ -23,6 +23,9 @@ shares back to one (exact for power-of-two n, one rounding otherwise). With seq 
 `seq` device computes the whole loss (the completions are replicated and see the whole prompt
 through the log-sum-exp merge), so the psum over the mesh is S times the gradient: divided by S.
 
+The GRPO / RLOO training loop (train.py) runs its update here when config.mesh is larger than
+1 x 1 x 1: the step's groups padded to one prompt length (`pad_prompts`), stacked and placed.
+
 Parameters are replicated or FSDP-sharded at rest (`param_specs`). FSDP here shards each leaf's
 largest evenly divisible dimension over all devices; the step's `jit` all-gathers the full
 parameters at the `shard_map` boundary (`jax.reshard` to P()) and keeps each device's slice of
