@@ -175,16 +175,14 @@ def memory_vs_g(config, emit) -> None:
       continue
     ok = {g: r for g, r in rows.items() if r.get("bound", "missing") is None}
     lo, hi = min(c.groups), max(c.groups)
-    peaks = {g: _peak(r) for g, r in ok.items()}
-    ratio = lambda k: ok[hi][k] / ok[lo][k] if lo in ok and hi in ok and ok[lo][k] else None
+    peaks, temps = {g: _peak(r) for g, r in ok.items()}, {g: r["temp_bytes"] for g, r in ok.items()}
+    ratio = lambda by_g: by_g[hi] / by_g[lo] if lo in by_g and hi in by_g and by_g[lo] else None
     emit({"study": "memory_vs_g", "summary": True, "mode": mode, **common,
           "memory_measure": "compiled_estimate" if mode in compile_only else "measured",
-          "peak_bytes": peaks,
-          "temp_bytes": {g: r["temp_bytes"] for g, r in ok.items()},
+          "peak_bytes": peaks, "temp_bytes": temps,
           "micro_batch": {g: r["micro_batch"] for g, r in ok.items()},
           "failed_G": [g for g in c.groups if g not in ok],
-          f"peak_ratio_G{hi}_over_G{lo}": peaks[hi] / peaks[lo] if lo in peaks and hi in peaks else None,
-          f"temp_ratio_G{hi}_over_G{lo}": ratio("temp_bytes")})
+          f"peak_ratio_G{hi}_over_G{lo}": ratio(peaks), f"temp_ratio_G{hi}_over_G{lo}": ratio(temps)})
 
 
 def longest_context(config, emit) -> None:

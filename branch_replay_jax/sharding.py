@@ -167,6 +167,22 @@ def _invariant_over_seq(tree):
   return jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, "seq") if "seq" in varying(x) else x, tree)
 
 
+def _over_mesh(per_device, params, batch, mesh, out_specs):
+  """`shard_map` of per_device(local params, this device's part of the batch) on `mesh`.
+
+  The parameters are all-gathered at the boundary (`jax.reshard` to P(); module docstring) and
+  cast to varying over every mesh axis inside: their gradients then stay per-device until an
+  explicit psum (no implicit one, C15), and the layer scan's carry keeps one type while mixing
+  the prompt (varying over `seq`) with the completions (varying over `branch`).
+  """
+  full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
+
+  def body(params, batch):
+    return per_device(jax.lax.pcast(params, MESH_AXES, to="varying"), batch)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)), out_specs=out_specs,
+                       check_vma=True)(full, batch)
+
+
 def _mesh_value_and_grad(per_group, params, batch, mesh):
   """Σ over the batch of per_group(local params, one group's arrays, reduce) under shard_map.
 
@@ -182,9 +198,7 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
     return jax.tree_util.tree_map(
         lambda c: jax.lax.pcast(jax.lax.psum(c, "branch") / n_branch, "branch", to="varying"), cotangent)
 
-  def per_device(params, batch):
-    local = jax.lax.pcast(params, MESH_AXES, to="varying")
-
+  def per_device(local, batch):
     def one_group(carry, arrays):
       loss, aux, grads = per_group(local, arrays, reduce_prompt_cotangent)
       return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
@@ -197,10 +211,7 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
       loss, grads = loss / n_seq, jax.tree_util.tree_map(lambda g: g / n_seq, grads)
     return loss, _invariant_over_seq(aux), grads
 
-  full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)),
-                     out_specs=(P(), P("data", "branch"), P()), check_vma=True)
-  loss, aux, grads = fn(full, batch)
+  loss, aux, grads = _over_mesh(per_device, params, batch, mesh, out_specs=(P(), P("data", "branch"), P()))
   return loss, aux, jax.tree_util.tree_map(lambda g, x: jax.reshard(g, jax.typeof(x).sharding.spec), grads, params)
 
 
@@ -263,19 +274,13 @@ def sharded_replay_logprobs(graphdef, params, batch: dict, mesh, *, micro_batch:
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
 
-  def per_device(params, batch):
-    # Varying over every axis, as in the gradient step: the prompt varies over `seq` and the
-    # completions over `branch`, and the layer scan's carry must keep one type while mixing them.
-    local = jax.lax.pcast(params, MESH_AXES, to="varying")
+  fn = chunk_replay_logprobs if n_seq > 1 else replay_logprobs
 
+  def per_device(local, batch):
     def one_group(_, arrays):
-      fn = chunk_replay_logprobs if n_seq > 1 else replay_logprobs
       return None, fn(graphdef, local, arrays, micro_batch=micro_batch, logprob_chunk=logprob_chunk)
     return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
-
-  full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
-  return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)), out_specs=P("data", "branch"),
-                       check_vma=True)(full, batch)
+  return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,

@@ -170,7 +170,7 @@ class StepFunctions:
     t, l = config.train, config.loss
     naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not naive
-    self.mesh = mesh_from(config)
+    self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
                                        kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
     if self.mesh is not None:
@@ -200,9 +200,10 @@ class StepFunctions:
     batch = stack_groups(pad_prompts([g.arrays for g in groups], self.mesh.shape["seq"]))
     return [("group", shard_batch(batch, self.mesh))]
 
-  def place(self, tree, mode: str):
-    """Parameters or optimizer state onto the mesh (sharding.shard_params); unchanged without one."""
-    return tree if self.mesh is None else shard_params(tree, self.mesh, mode)
+  def place(self, tree):
+    """Parameters or optimizer state onto the mesh in config.mesh.params's layout
+    (sharding.shard_params); unchanged without a mesh."""
+    return tree if self.mesh is None else shard_params(tree, self.mesh, self.param_mode)
 
   def for_sampling(self, params):
     """The parameters the sampler reads: on the mesh, a copy gathered onto the first device."""
@@ -255,9 +256,7 @@ def train(config) -> list[dict]:
   task = make_task_from(config)
   run = start_run(config, fingerprint(config), keep_initial=True)
   fns = StepFunctions(config, run.graphdef, run.optimizer)
-  mode = config.mesh.params
-  params, opt_state, ref_params = fns.place(run.params, mode), fns.place(run.opt_state, mode), fns.place(
-      run.initial_params, mode)
+  params, opt_state, ref_params = fns.place(run.params), fns.place(run.opt_state), fns.place(run.initial_params)
   data_pos, history = run.data_pos, []
   bar = run.progress(config, "grpo")
   for step in bar:
