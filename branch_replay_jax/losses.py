@@ -2,7 +2,7 @@
 
 Every function here takes arrays and keyword arguments, never a config, and is exact under
 replay because it is token-local: a token's term depends only on that token's log-prob and
-on per-branch constants (advantage, weights). See DESIGN.md, "Losses on trees".
+on per-branch constants (advantage, weights). See docs/design.md, "Losses on trees".
 
 Shapes: G branches (completions) of a group, T padded completion length.
 """
@@ -164,7 +164,7 @@ def grpo_objective(logp: jax.Array, branch: dict, *, clip_eps: float, kl_coef: f
 
 def grpo_tree_objective(logp: jax.Array, node: dict, *, clip_eps: float, kl_coef: float,
                         on_policy: bool) -> tuple[jax.Array, dict]:
-  """GRPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, A_g) (DESIGN.md, "Losses on trees").
+  """GRPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, A_g) (docs/design.md, "Losses on trees").
 
   A token shared by several trajectories has one log-prob but one term per trajectory g below it:
   the surrogate is evaluated per (token, trajectory) pair, which keeps PPO-clip exact although it
@@ -337,7 +337,7 @@ def ppo_tree_objective(logp: jax.Array, values: jax.Array, node: dict, *, clip_e
 
   A shared token has one log-prob and one value (one context) but, below it, one advantage and
   one return per trajectory g (GAE runs along each trajectory): the loss sums per (token,
-  trajectory) pair (DESIGN.md, "Losses on trees"), which is exact although ℓ is non-linear in A, R.
+  trajectory) pair (docs/design.md, "Losses on trees"), which is exact although ℓ is non-linear in A, R.
 
   Args:
     logp, values: [T] current log-probs and values of the node's tokens (0 on padding).

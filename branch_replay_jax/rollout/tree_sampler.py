@@ -45,9 +45,9 @@ from flax import nnx
 
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
-from branch_replay_jax.sampling import (bucketed_prompt_and_stops, check_sampling_inputs, decode_from, decode_step,
+from branch_replay_jax.rollout.sampler import (bucketed_prompt_and_stops, check_sampling_inputs, decode_from, decode_step,
                                         prefill)
-from branch_replay_jax.tree import RolloutTree
+from branch_replay_jax.data.trees import RolloutTree
 
 BRANCH_ON = ("fixed",)
 
