@@ -24,4 +24,4 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m branch_replay_jax.bench --config=experiments/bench_replay.py
+	$(PY) -m branch_replay_jax.benchmarks.replay --config=experiments/bench_replay.py

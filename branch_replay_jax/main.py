@@ -10,7 +10,7 @@ import importlib
 
 # config.algorithm -> the module whose train(config) runs it (imported on demand).
 # RLOO is the GRPO loop with loss.advantage = "rloo".
-TRAINERS = {"grpo": "branch_replay_jax.train", "ppo": "branch_replay_jax.ppo", "dpo": "branch_replay_jax.dpo"}
+TRAINERS = {"grpo": "branch_replay_jax.algorithms.grpo", "ppo": "branch_replay_jax.algorithms.ppo", "dpo": "branch_replay_jax.algorithms.dpo"}
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/grpo_smollm2_arith.py", "Experiment config file.")
 

@@ -1,10 +1,10 @@
 """Benchmark: memory of one GRPO replay step versus G, and the longest prompt one step fits.
 
-  python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py          # SmolLM2-135M, hours
-  python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py:smoke    # tiny model, minutes
-  python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py \\
+  python -m branch_replay_jax.benchmarks.memory --config=experiments/bench_memory.py          # SmolLM2-135M, hours
+  python -m branch_replay_jax.benchmarks.memory --config=experiments/bench_memory.py:smoke    # tiny model, minutes
+  python -m branch_replay_jax.benchmarks.memory --config=experiments/bench_memory.py \\
       --config.studies=longest_context --config.policies=save_kv --config.longest_context.max_p=16384
-  python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py \\
+  python -m branch_replay_jax.benchmarks.memory --config=experiments/bench_memory.py \\
       --config.studies=longest_context --config.longest_context.compile_only=True   # memory bound only
 """
 

@@ -1,7 +1,7 @@
 """Benchmark: one GRPO gradient step on a prompt group, naive versus branch replay.
 
-  python -m branch_replay_jax.bench --config=experiments/bench_replay.py          # SmolLM2-135M
-  python -m branch_replay_jax.bench --config=experiments/bench_replay.py:smoke    # tiny, seconds
+  python -m branch_replay_jax.benchmarks.replay --config=experiments/bench_replay.py          # SmolLM2-135M
+  python -m branch_replay_jax.benchmarks.replay --config=experiments/bench_replay.py:smoke    # tiny, seconds
 """
 
 import ml_collections
@@ -20,7 +20,7 @@ def get_config(arg=None):
   c.tree_cases = ((1024, 64, "4,2,2", "save_kv"), (256, 32, "2,2,2,2"))
   c.replay_micro_batches = "1,4"      # candidates for branches vmapped per replay scan step; the fastest is reported
   c.tree_replay_micro_batches = "1,2"  # candidates for leaf siblings vmapped per scan step (tree replay)
-  c.ppo_cases = ((512, 64, 8),)       # (P, T, G): PPO step, policy + critic (ppo_policy.py), naive vs replay
+  c.ppo_cases = ((512, 64, 8),)       # (P, T, G): PPO step, policy + critic (gradients/actor_critic.py), naive vs replay
   c.ppo_critic = "value_head"         # critic of the PPO cases: value_head or separate (models/critic.py)
   c.tree_schedule = "level"           # tree replay schedule: level (batched levels, fastest) or depth_first (least memory)
   c.remat = "none"                    # rematerialisation of both modes unless a case names one: none, full, save_kv

@@ -21,7 +21,7 @@ def get_config(arg=None):
   if arg not in VARIANTS:
     raise ValueError(f"experiments/dpo_smollm2_arith.py: unknown variant {arg!r}; use one of {VARIANTS}")
   c = ml_collections.ConfigDict()
-  c.algorithm = "dpo"                     # main.py runs branch_replay_jax.dpo.train
+  c.algorithm = "dpo"                     # main.py runs branch_replay_jax.algorithms.dpo.train
 
   c.model = ml_collections.ConfigDict()
   c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
@@ -36,7 +36,7 @@ def get_config(arg=None):
   c.data.pairs_per_step = 4               # pairs per optimizer step (source jsonl; wraps around the file)
 
   c.task = ml_collections.ConfigDict()    # source task
-  c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.tasks.TASKS
+  c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.rollout.tasks.TASKS
   c.task.size = 100_000                   # problems in the generated dataset (the data position wraps around)
   c.task.seed = 0                         # reasoning-gym generator seed
   c.task.options = ml_collections.ConfigDict()  # generator options overriding the task's defaults

@@ -17,7 +17,7 @@ def get_config(arg=None):
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.tasks.TASKS (also gsm_symbolic)
+  c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.rollout.tasks.TASKS (also gsm_symbolic)
   c.task.size = 100_000                   # problems in the generated dataset (the data position wraps around)
   c.task.seed = 0                         # reasoning-gym generator seed
   c.task.options = ml_collections.ConfigDict()  # generator options overriding the task's defaults
@@ -51,7 +51,7 @@ def get_config(arg=None):
   c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G (trees: at most)
   c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)
 
-  c.mesh = ml_collections.ConfigDict()    # device mesh of the update (sharding.py); 1 x 1 x 1 = one device
+  c.mesh = ml_collections.ConfigDict()    # device mesh of the update (distributed/mesh.py); 1 x 1 x 1 = one device
   c.mesh.data = 1                         # groups split over devices; must divide rollout.prompts_per_step
   c.mesh.branch = 1                       # each group's completions split over devices; must divide group_size
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)

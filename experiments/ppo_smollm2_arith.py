@@ -18,7 +18,7 @@ from experiments import grpo_smollm2_arith
 def get_config(arg=None):
   smoke = arg in ("smoke", "tree_smoke")
   c = grpo_smollm2_arith.get_config("smoke" if smoke else None)
-  c.algorithm = "ppo"                     # main.py dispatches to branch_replay_jax.ppo
+  c.algorithm = "ppo"                     # main.py dispatches to branch_replay_jax.algorithms.ppo
   c.loss.kl_coef = 0.0                    # the PPO loss has no KL term (must be 0)
   c.loss.normalisation = "token_mean"     # per-(token, trajectory) weights: mean over the group's tokens
 

@@ -33,7 +33,7 @@ segment's other ancestors and own keys (bottom-right causal) are counted once, l
 
 Under `shard_map(check_vma=True)` the segment's computation is replicated over the axis and varies
 with it only through the local prompt chunk: each device's loss is the whole loss, so gradients
-summed over the axis are S times the gradient (see sharding.py, which divides by S).
+summed over the axis are S times the gradient (see branch_replay_jax/distributed/mesh.py, which divides by S).
 """
 
 from __future__ import annotations

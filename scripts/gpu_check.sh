@@ -6,7 +6,7 @@
 #   2. runs tests/test_kernels.py with the kernels compiled by Triton (interpret is off off the CPU);
 #   3. times forward and forward+backward of the kernel against the jnp reference and
 #      jax.nn.dot_product_attention with an explicit mask, (S_anc, T) in {(1k, 128), (8k, 256), (32k, 512)},
-#      bf16, Hq=32, Hkv=8, D=128, batch 1: one JSON line per case (scripts/bench_attention.py).
+#      bf16, Hq=32, Hkv=8, D=128, batch 1: one JSON line per case (branch_replay_jax/benchmarks/attention.py).
 #
 #   bash scripts/gpu_check.sh
 #   JAX_CUDA=cuda12 bash scripts/gpu_check.sh     # CUDA 12 driver (default: cuda13)
@@ -43,5 +43,5 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 "$PY" -m pytest -q -p no:cachep
   || status=$?
 
 echo "== timings (median of 5 after compile; ms)"   # runs even when a test failed: the figures still tell
-timeout 300 "$PY" scripts/bench_attention.py --cases 1024:128,8192:256,32768:512 --repeats 5 || status=$?
+timeout 300 "$PY" -m branch_replay_jax.benchmarks.attention --cases 1024:128,8192:256,32768:512 --repeats 5 || status=$?
 exit "$status"

@@ -10,7 +10,7 @@
 #      (make_splash_mha on the concatenated keys, no lse), the jnp reference and
 #      jax.nn.dot_product_attention(implementation="xla") with an explicit mask, (S_anc, T) in
 #      {(1k, 128), (8k, 256), (32k, 512)}, bf16, Hq=32, Hkv=8, D=128, batch 1: one JSON line per case
-#      (scripts/bench_attention.py).
+#      (branch_replay_jax/benchmarks/attention.py).
 #
 #   bash scripts/tpu_check.sh
 #   WHEELS=.whl bash scripts/tpu_check.sh         # offline machine: install from a folder of wheels
@@ -48,6 +48,6 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 "$PY" -m pytest -q -p no:cachep
   -k "splash or resolution" || status=$?
 
 echo "== timings (median of 5 after compile; ms)"   # runs even when a test failed: the figures still tell
-timeout 300 "$PY" scripts/bench_attention.py --cases 1024:128,8192:256,32768:512 --repeats 5 \
+timeout 300 "$PY" -m branch_replay_jax.benchmarks.attention --cases 1024:128,8192:256,32768:512 --repeats 5 \
   --impls splash,splash_public,reference,dpa_xla || status=$?
 exit "$status"

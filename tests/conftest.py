@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.tree import make_group
+from branch_replay_jax.data.groups import make_group
 
 
 @pytest.fixture(autouse=True, scope="module")

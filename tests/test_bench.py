@@ -15,7 +15,7 @@ REQUIRED = {"case", "P", "T", "G", "naive_s", "replay_s", "speedup", "ideal_flop
 
 @pytest.mark.slow
 def test_bench_smoke_prints_one_json_row_per_case():
-  proc = subprocess.run([sys.executable, "-m", "branch_replay_jax.bench", "--config=experiments/bench_replay.py:smoke"],
+  proc = subprocess.run([sys.executable, "-m", "branch_replay_jax.benchmarks.replay", "--config=experiments/bench_replay.py:smoke"],
                         cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -36,7 +36,7 @@ def test_bench_smoke_prints_one_json_row_per_case():
 
 
 def _bench_memory(*overrides):
-  proc = subprocess.run([sys.executable, "-m", "branch_replay_jax.bench_memory",
+  proc = subprocess.run([sys.executable, "-m", "branch_replay_jax.benchmarks.memory",
                          "--config=experiments/bench_memory.py:smoke", *overrides],
                         cwd=ROOT, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,7 +80,7 @@ def test_bench_memory_search_names_the_bound_that_stopped_it():
 
 
 def test_largest_passing_doubles_then_bisects_to_the_granularity():
-  from branch_replay_jax.bench_memory import largest_passing
+  from branch_replay_jax.benchmarks.memory import largest_passing
   tried = []
 
   def attempt(p):   # passes up to 1500 tokens, then "memory"
@@ -98,10 +98,10 @@ def test_largest_passing_doubles_then_bisects_to_the_granularity():
 def test_default_cases_parse_with_their_remat_policies():
   # experiments/bench_replay.py: three groups, two trees, one PPO case; a 4th tuple entry names the
   # case's remat policy (both modes), otherwise config.remat ("none") applies.
-  from branch_replay_jax import bench
+  from branch_replay_jax.benchmarks import replay as bench
   from experiments import bench_replay
   config = bench_replay.get_config()
-  cases = [bench._case(config, i) for i in range(len(config.cases) + len(config.tree_cases) + len(config.ppo_cases))]
+  cases = [bench.parse_case(config, i) for i in range(len(config.cases) + len(config.tree_cases) + len(config.ppo_cases))]
   assert [(c["kind"], c["P"], c["T"], c["G"], c["remat"]) for c in cases] == [
       ("group", 1024, 128, 8, "none"), ("group", 2048, 128, 8, "save_kv"), ("group", 512, 64, 16, "none"),
       ("tree", 1024, 64, 16, "save_kv"), ("tree", 256, 32, 16, "none"), ("ppo", 512, 64, 8, "none")]
@@ -112,7 +112,7 @@ def test_compile_only_attempt_estimates_memory_and_meets_the_budget():
   # A compile-only longest-context attempt runs nothing: its estimated peak is the resident set
   # after compile plus XLA's temp and output buffers, and it fails with bound "memory" exactly when
   # that estimate exceeds config.memory_budget_bytes.
-  from branch_replay_jax import bench_memory
+  from branch_replay_jax.benchmarks import memory as bench_memory
   from experiments import bench_memory as bench_memory_config
   config = bench_memory_config.get_config("smoke")
   job = {"config": config.to_dict(), "mode": "replay", "remat": "save_kv", "P": 64, "T": 8, "G": 4, "micro_batch": 1,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay_jax import objectives as obj
+from branch_replay_jax import losses as obj
 
 
 def c01_case():

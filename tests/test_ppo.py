@@ -16,14 +16,14 @@ from test_train import _length_score, final_params, max_rel
 from test_tree_replay import random_trees
 
 from branch_replay_jax import main as entry
-from branch_replay_jax import objectives as obj
-from branch_replay_jax import ppo
-from branch_replay_jax import ppo_policy as pp
+from branch_replay_jax import losses as obj
+from branch_replay_jax.algorithms import ppo
+from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.critic import ActorCritic
-from branch_replay_jax.policy import group_arrays, trajectory_group_arrays, tree_arrays
-from branch_replay_jax.tasks import Task
-from branch_replay_jax.tree import pad_tree
+from branch_replay_jax.gradients.logprobs import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.rollout.tasks import Task
+from branch_replay_jax.data.trees import pad_tree
 from experiments import ppo_smollm2_arith
 
 KW = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
@@ -169,7 +169,7 @@ def test_tree_replay_equals_naive_float32(tree, critic):
 def test_node_columns_inverts_trajectory_rows():
   # Trajectories [1, 2, 3] and [1, 2, 4, 5] share node [1, 2]: its column 0 holds row 0's first two
   # values, column 1 row 1's; node [3] only row 0's third value.
-  from branch_replay_jax.tree import tree_from_trajectories
+  from branch_replay_jax.data.trees import tree_from_trajectories
   tree = tree_from_trajectories([9], [[1, 2, 3], [1, 2, 4, 5]])
   rows = np.array([[10.0, 11.0, 12.0, 0.0], [20.0, 21.0, 22.0, 23.0]])
   cols = ppo.node_columns(tree, rows)
@@ -200,7 +200,7 @@ def smoke_run(tmp_path_factory):
 
 def test_smoke_run_trains_policy_and_critic(smoke_run):
   run_dir, history = smoke_run
-  assert entry.TRAINERS["ppo"] == "branch_replay_jax.ppo"
+  assert entry.TRAINERS["ppo"] == "branch_replay_jax.algorithms.ppo"
   assert [r["step"] for r in history] == [1, 2]
   # The length reward varies inside groups, so the (zero-initialised) critic has returns to fit:
   # its value loss is > 0 and the head moves from zero.

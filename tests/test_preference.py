@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import experiment_config, max_rel_err, tiny_model
 
-from branch_replay_jax import preference as pref
+from branch_replay_jax.gradients import preference as pref
 
 
 def _pairs(seed=0, vocab=64):
@@ -92,9 +92,9 @@ import os  # noqa: E402
 
 from test_train import _length_score, final_params, max_rel  # noqa: E402
 
-from branch_replay_jax import dpo  # noqa: E402
+from branch_replay_jax.algorithms import dpo  # noqa: E402
 from branch_replay_jax import main as entry  # noqa: E402
-from branch_replay_jax.tasks import Task  # noqa: E402
+from branch_replay_jax.rollout.tasks import Task  # noqa: E402
 from experiments import dpo_smollm2_arith, rloo_smollm2_arith  # noqa: E402
 
 DPO_KEYS = {"step", "pairs", "skipped_prompts", "loss", "chosen_reward", "rejected_reward", "reward_margin",
@@ -118,7 +118,7 @@ def _run(config):
 @pytest.mark.slow
 def test_dpo_smoke_pairs_sampled_from_the_task(tmp_path):
   history = _run(_config(dpo_smollm2_arith, "smoke", tmp_path))
-  assert entry.TRAINERS["dpo"] == "branch_replay_jax.dpo"
+  assert entry.TRAINERS["dpo"] == "branch_replay_jax.algorithms.dpo"
   assert [r["step"] for r in history] == [1, 2]
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert len(records) == 2 and DPO_KEYS | {"reward_mean", "accuracy"} <= set(records[0])

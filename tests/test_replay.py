@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 from conftest import max_rel_err, random_group, tiny_model
 
-from branch_replay_jax import objectives as obj
+from branch_replay_jax import losses as obj
 from branch_replay_jax.models.llama import REMAT_POLICIES
-from branch_replay_jax.policy import (group_arrays, naive_logprobs, naive_value_and_grad, replay_logprobs,
+from branch_replay_jax.gradients.logprobs import (group_arrays, naive_logprobs, naive_value_and_grad, replay_logprobs,
                                       replay_value_and_grad)
-from branch_replay_jax.replay import replay_vjp
+from branch_replay_jax.core.replay import replay_vjp
 
 LENGTHS = {1: [6], 2: [1, 9], 7: [1, 5, 9, 3, 7, 1, 8]}
 
@@ -113,7 +113,7 @@ def test_first_completion_token_loss_reaches_the_prompt(x64):
   # Prompt ids come from [0, 32), completion ids from [32, 64): the two sets of rows are disjoint.
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
   rng = np.random.default_rng(3)
-  from branch_replay_jax.tree import make_group
+  from branch_replay_jax.data.groups import make_group
   group = make_group(rng.integers(0, 32, 9), [rng.integers(32, 64, n) for n in (4, 2, 6)], vocab_size=64,
                      max_positions=256)
   first_only = np.zeros(group.completion_ids.shape)

@@ -12,10 +12,10 @@ from flax import nnx
 
 from conftest import forward_logits, jaxpr_shapes
 
-from branch_replay_jax import sampling
+from branch_replay_jax.rollout import sampler as sampling
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.sampling import Rollouts, sample_group
+from branch_replay_jax.rollout.sampler import Rollouts, sample_group
 
 PROMPT = [3, 17, 42, 8, 9, 60, 1]
 

@@ -1,4 +1,4 @@
-"""Tests for branch_replay_jax.tasks: determinism, extraction rules, rewards, hostile completions.
+"""Tests for branch_replay_jax.rollout.tasks: determinism, extraction rules, rewards, hostile completions.
 
 Expected scores come from reasoning-gym's own scorers (version 0.1.25): the base
 ProceduralDataset.score_answer for basic_arithmetic (exact match 1.0, partial credit when the
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from branch_replay_jax import tasks
-from branch_replay_jax.tasks import DEFAULT_INSTRUCTION, TASKS, extract_answer, format_messages, make_task
+from branch_replay_jax.rollout import tasks
+from branch_replay_jax.rollout.tasks import DEFAULT_INSTRUCTION, TASKS, extract_answer, format_messages, make_task
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def gsm():
 
 def test_import_is_lazy():
   # reasoning_gym takes ~1 s to import (sympy, matplotlib); importing the module must not pay it.
-  code = "import sys, branch_replay_jax.tasks; print('reasoning_gym' in sys.modules)"
+  code = "import sys, branch_replay_jax.rollout.tasks; print('reasoning_gym' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "False"
 

@@ -9,9 +9,9 @@ import pytest
 
 from flax import nnx
 
-from branch_replay_jax import train
-from branch_replay_jax.checkpoint import RunCheckpoints
-from branch_replay_jax.tasks import Score, Task
+from branch_replay_jax.algorithms import grpo as train
+from branch_replay_jax.outputs.checkpoints import RunCheckpoints
+from branch_replay_jax.rollout.tasks import Score, Task
 from conftest import experiment_config
 from experiments import grpo_smollm2_arith
 

@@ -11,15 +11,16 @@ from flax import nnx
 
 from conftest import forward_logits, jaxpr_shapes
 
-from branch_replay_jax import objectives as obj
-from branch_replay_jax import tree_sampling
+from branch_replay_jax import losses as obj
+from branch_replay_jax.rollout import tree_sampler as tree_sampling
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.plots import draw_tree
-from branch_replay_jax.policy import tree_arrays, tree_replay_value_and_grad
-from branch_replay_jax.sampling import sample_group
-from branch_replay_jax.tree import pad_tree, tree_counts
-from branch_replay_jax.tree_sampling import TreeRollout, sample_tree
+from branch_replay_jax.outputs.plots import draw_tree
+from branch_replay_jax.gradients.logprobs import tree_arrays, tree_replay_value_and_grad
+from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.data.counts import tree_counts
+from branch_replay_jax.data.trees import pad_tree
+from branch_replay_jax.rollout.tree_sampler import TreeRollout, sample_tree
 
 PROMPT = [3, 17, 42, 8, 9, 60, 1]
 P = len(PROMPT)

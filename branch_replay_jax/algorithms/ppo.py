@@ -1,17 +1,17 @@
 """The PPO loop (orchestration only): sample, score, old log-probs and values, GAE, epochs of minibatches.
 
 One step, for `prompts_per_step` prompts of a reasoning-gym task:
-  1. sample and score G completions per prompt, or a tree (rollout.py, as the GRPO loop);
+  1. sample and score G completions per prompt, or a tree (rollout/collect.py, as the GRPO loop);
   2. old log-probs and old values of the sampling-time policy and critic by forward-only replay
-     (ppo_policy.py; the prompt is computed once for both);
+     (gradients/actor_critic.py; the prompt is computed once for both);
   3. the task's reward on each trajectory's last token, GAE along every trajectory
-     (objectives.gae; on a tree, one advantage and return per (token, trajectory) pair),
+     (losses.gae; on a tree, one advantage and return per (token, trajectory) pair),
      optionally whitened over the step's (token, trajectory) pairs;
   4. `ppo.epochs` passes over the step's groups/trees, shuffled and split into `ppo.minibatches`
      minibatches; each minibatch's mean gradient of the clipped policy loss plus the value loss
-     (objectives.ppo_objective / ppo_tree_objective; policy and critic) is applied with AdamW
+     (losses.ppo_objective / ppo_tree_objective; policy and critic) is applied with AdamW
      (grpo_train.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
-Outputs as the GRPO loop (train.py): RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
+Outputs as the GRPO loop (algorithms/grpo.py): RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from branch_replay_jax import objectives as obj
-from branch_replay_jax import plots
-from branch_replay_jax import ppo_policy as pp
-from branch_replay_jax import train as grpo_train
+from branch_replay_jax import losses as obj
+from branch_replay_jax.outputs import plots
+from branch_replay_jax.gradients import actor_critic as pp
+from branch_replay_jax.algorithms import grpo as grpo_train
+from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
-from branch_replay_jax.rollout import Group
-from branch_replay_jax.tree import RolloutTree, pad_tree
+from branch_replay_jax.rollout.collect import Group
+from branch_replay_jax.data.trees import RolloutTree, pad_tree
 
 
 def validate(config) -> None:
@@ -62,7 +63,7 @@ def validate(config) -> None:
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-  """`train.make_optimizer` for the policy; the critic's parameters (value head, separate trunk) get
+  """`grpo.make_optimizer` for the policy; the critic's parameters (value head, separate trunk) get
   its updates scaled by ppo.critic_lr_scale (a larger step for a head that starts at zero)."""
   base = grpo_train.make_optimizer(config)
   critic = optax.chain(base, optax.scale(config.ppo.critic_lr_scale))
@@ -87,7 +88,7 @@ class PPOFunctions:
     grad_fn = (pp.naive_value_and_grad if self.naive else
                pp.tree_replay_value_and_grad if tree else pp.replay_value_and_grad)
     fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
-    mb = lambda a: grpo_train._fit_micro_batch(t.micro_batch, grpo_train._siblings(a))
+    mb = lambda a: fit_micro_batch(t.micro_batch, grpo_train.siblings(a))
     self.grad = jax.jit(lambda prm, a: grad_fn(graphdef, prm, a, objective, micro_batch=mb(a)))
     self.forward = jax.jit(lambda prm, a: pp.naive_logprobs_values(graphdef, prm, a) if self.naive
                            else fwd_fn(graphdef, prm, a, micro_batch=mb(a)))

@@ -6,13 +6,13 @@ The model is an `ActorCritic` (models/critic.py) entering through `nnx.split`. B
 
 where logp_g[i] = log π_θ(o_g,i | prompt, o_g,<i) and values_g[i] = V_θ(prompt, o_g,<i): token i's
 value is read from the hidden state that predicts token i (for i = 0, the prompt's last one).
-The objective is `objectives.ppo_objective` (groups) or `objectives.ppo_tree_objective` (one tree
+The objective is `losses.ppo_objective` (groups) or `losses.ppo_tree_objective` (one tree
 node; per (token, trajectory) pair).
 
 - replay: the prompt runs once through the policy AND, with a separate critic, through the
   critic's trunk; every completion (group) or tree node runs once on its ancestors' K/V of each
   trunk, so the prompt is computed once for values too (`replay_vjp`, `nested_replay_vjp`).
-- naive: every completion is appended to a copy of the prompt (policy.py's left-padded batch)
+- naive: every completion is appended to a copy of the prompt (logprobs.naive_batch's left-padded batch)
   and the G full sequences run forward and backward through both trunks, in micro-batches.
 
 Forward-only replay (`replay_map`, `nested_replay_map`) gives the old log-probs and old values.
@@ -31,8 +31,9 @@ from flax import nnx
 
 from branch_replay_jax.models.critic import ActorCritic
 from branch_replay_jax.models.llama import token_logprobs
-from branch_replay_jax.policy import _naive_batch
-from branch_replay_jax.replay import nested_replay_map, nested_replay_vjp, replay_map, replay_vjp
+from branch_replay_jax.gradients.logprobs import naive_batch
+from branch_replay_jax.core.replay import replay_map, replay_vjp
+from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
 
 PPOObjective = Callable[[jax.Array, jax.Array, dict], tuple[jax.Array, Any]]
 
@@ -99,7 +100,7 @@ def replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjectiv
                           logprob_chunk: int = 256):
   """(loss, aux [G, ...], grads for policy AND critic) of Σ_g objective over a group, by branch replay.
 
-  arrays: `policy.group_arrays` with the objective's fields per completion. aux holds the
+  arrays: `logprobs.group_arrays` with the objective's fields per completion. aux holds the
   objective's aux per completion.
   """
   node_fn = _node_fn(graphdef, logprob_chunk, objective)
@@ -120,7 +121,7 @@ def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObj
                                logprob_chunk: int = 256):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp, values, node), by nested replay.
 
-  arrays: `policy.tree_arrays`; aux[d] = {"logp", "values": [F_1..F_d, T_d], "aux": ...} per slot.
+  arrays: `logprobs.tree_arrays`; aux[d] = {"logp", "values": [F_1..F_d, T_d], "aux": ...} per slot.
   """
   node_fn = _node_fn(graphdef, logprob_chunk, objective)
   return nested_replay_vjp(_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params, arrays["levels"],
@@ -155,7 +156,7 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective
   micro_batch: sequences per forward+backward (a positive divisor of G; default G); the
   micro-batches' gradients are summed in a `lax.scan`.
   """
-  tokens, valid, offset = _naive_batch(arrays)
+  tokens, valid, offset = naive_batch(arrays)
   p_pad, g = arrays["prompt_ids"].shape[0], tokens.shape[0]
   m = g if micro_batch is None else micro_batch
   if m < 1 or g % m:
@@ -181,6 +182,6 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective
 
 def naive_logprobs_values(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> dict:
   """{"logp", "values"}: [G, T] from full sequences (the reference for `replay_logprobs_values`)."""
-  tokens, valid, offset = _naive_batch(arrays)
+  tokens, valid, offset = naive_batch(arrays)
   logp, values = _naive_forward(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)
   return {"logp": logp, "values": values}

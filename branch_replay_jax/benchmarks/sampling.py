@@ -1,7 +1,7 @@
 """Tokens per second of `sample_group`: greedy G=1 and sampling G=8, compile time reported apart.
 
-    python tools/bench_sampling.py --model random-smollm2-shape
-    python tools/bench_sampling.py --model smollm2-135m-instruct --dtype bfloat16
+    python -m branch_replay_jax.benchmarks.sampling --model random-smollm2-shape
+    python -m branch_replay_jax.benchmarks.sampling --model smollm2-135m-instruct --dtype bfloat16
 
 Prints one JSON line per case. No EOS is set, so every sample decodes all `--new_tokens` tokens
 and `generated_tokens` = G * new_tokens. `compile_seconds` sums JAX's compile events of the
@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from branch_replay_jax.models import Llama, ModelConfig
-from branch_replay_jax.sampling import sample_group
+from branch_replay_jax.rollout.sampler import sample_group
 
 SMOLLM2_135M_SHAPE = ModelConfig(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3,
                                  head_dim=64, ffn_dim=1536, rope_theta=1e5, max_positions=8192)

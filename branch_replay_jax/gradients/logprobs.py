@@ -5,7 +5,7 @@ Both paths compute the same function of the parameters,
     loss(θ) = Σ_g objective(logp_g(θ), branch_g),   logp_g[i] = log π_θ(o_g,i | prompt, o_g,<i),
 
 where `objective(logp [T], branch) -> (scalar, aux)` is token-local with padding weighted 0
-(see objectives.py), and `branch` holds that completion's arrays: "tokens" [T], "mask" [T] and
+(see losses.py), and `branch` holds that completion's arrays: "tokens" [T], "mask" [T] and
 whatever the objective reads ("weights", "advantage", "old_logp", "ref_logp", ...).
 
 - replay: the prompt runs once (`replay_vjp`); each completion runs on top of its K/V at
@@ -29,9 +29,10 @@ import numpy as np
 from flax import nnx
 
 from branch_replay_jax.models.llama import token_logprobs
-from branch_replay_jax.replay import replay_map, replay_vjp
-from branch_replay_jax.tree import PaddedTree, RolloutGroup, RolloutTree, make_group
-from branch_replay_jax.tree_replay import nested_replay_map, nested_replay_vjp
+from branch_replay_jax.core.replay import replay_map, replay_vjp
+from branch_replay_jax.data.groups import RolloutGroup, make_group
+from branch_replay_jax.data.trees import PaddedTree, RolloutTree
+from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
 
 Objective = Callable[[jax.Array, dict], tuple[jax.Array, Any]]
 
@@ -75,7 +76,7 @@ def _segment(model, segment: dict, offset, ancestors: list, parent_last_hidden, 
   return out, jnp.where(segment["mask"], logp, 0.0)
 
 
-def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
+def branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
   kv, last_hidden = prefix_out
   return _segment(nnx.merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention)[1]
 
@@ -85,7 +86,7 @@ def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, 
   """(loss, aux [G, ...], grads) of Σ_g objective by branch replay. See the module docstring and
   `replay_vjp` for `reduce_prefix_cotangent`."""
   def branch_fn(p, prefix_out, branch):
-    logp = _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
+    logp = branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
     return objective(logp, branch)
   return replay_vjp(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch,
                     reduce_prefix_cotangent=reduce_prefix_cotangent)
@@ -94,11 +95,11 @@ def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, 
 def replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
   """[G, T] float32 log-probs of every completion token (0 on padding), forward-only replay."""
   def branch_fn(p, prefix_out, branch):
-    return _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
+    return branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
   return replay_map(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch)
 
 
-def _naive_batch(arrays):
+def naive_batch(arrays):
   """Full sequences [G, P_pad + T], LEFT-padded so every completion starts at the same column."""
   prompt, p_len = arrays["prompt_ids"], arrays["prompt_len"]
   p_pad = prompt.shape[0]
@@ -128,7 +129,7 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *
   micro_batch: sequences per forward+backward (must divide G; default G, one batch); the
   gradients of the micro-batches are summed in a `lax.scan`.
   """
-  tokens, valid, offset = _naive_batch(arrays)
+  tokens, valid, offset = naive_batch(arrays)
   p_pad = arrays["prompt_ids"].shape[0]
   g = tokens.shape[0]
   m = g if micro_batch is None else micro_batch
@@ -156,7 +157,7 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *
 
 def naive_logprobs(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> jax.Array:
   """[G, T] completion log-probs from full sequences (the reference for `replay_logprobs`)."""
-  tokens, valid, offset = _naive_batch(arrays)
+  tokens, valid, offset = naive_batch(arrays)
   return _naive_logprobs(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)
 
 
@@ -178,7 +179,7 @@ def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> 
           "levels": levels}
 
 
-def _tree_root_fn(graphdef, arrays):
+def tree_root_fn(graphdef, arrays):
   prefix = _prefix_fn(graphdef, arrays)
 
   def root_fn(params):
@@ -197,7 +198,7 @@ def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None):
   return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, logp
 
 
-def _tree_node_fn(graphdef, objective, chunk, attention=None):
+def tree_node_fn(graphdef, objective, chunk, attention=None):
   def node_fn(params, ancestors, node):
     out, logp = _tree_segment(graphdef, params, ancestors, node, chunk, attention)
     loss, aux = objective(logp, node)
@@ -210,25 +211,25 @@ def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Object
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp_node, node), by nested replay.
 
   arrays: from `tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
-  per-node/shared fields (for GRPO on trees, `objectives.grpo_tree_objective`). aux[d] holds
+  per-node/shared fields (for GRPO on trees, `losses.grpo_tree_objective`). aux[d] holds
   {"logp": [F_1..F_d, T_d], "aux": objective aux} per slot. schedule: "depth_first" (least
-  memory) or "level" (batched levels, faster); see tree_replay.py.
+  memory) or "level" (batched levels, faster); see core/tree_replay.py.
   """
-  node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
-  return nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
+  node_fn = tree_node_fn(graphdef, objective, logprob_chunk)
+  return nested_replay_vjp(tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
                            arrays["levels"], micro_batch=micro_batch, schedule=schedule)
 
 
 def tree_replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
   """Per level d (d = 1..D): [F_1..F_d, T_d] float32 log-probs of every node's tokens (0 on padding).
 
-  Forward-only nested replay (`tree_replay.nested_replay_map`): each node runs once, level by
+  Forward-only nested replay (`core.tree_replay.nested_replay_map`): each node runs once, level by
   level, on its ancestors' K/V. A node's log-probs are those of every trajectory through it (same
   context), so they are the reference / old log-probs of the tree objective. arrays: from
   `tree_arrays`; micro_batch: leaf siblings per scan step (divides the last fan-out).
   """
   node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk)
-  return nested_replay_map(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
+  return nested_replay_map(tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
                            arrays["levels"], micro_batch=micro_batch)
 
 

@@ -1,14 +1,14 @@
 """The GRPO loop (orchestration only): sample, score, advantages, reference log-probs, gradient, AdamW.
 
 One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
-  1. chat-format the problem and sample G completions sharing one prefill (sampling.py);
+  1. chat-format the problem and sample G completions sharing one prefill (rollout/sampler.py);
   2. score them with the task's verifier (tasks/);
-  3. group-normalised advantages (objectives.group_advantages), or RLOO's leave-one-out ones
-     (objectives.rloo_advantages) with loss.advantage = "rloo";
+  3. group-normalised advantages (losses.group_advantages), or RLOO's leave-one-out ones
+     (losses.rloo_advantages) with loss.advantage = "rloo";
   4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
   5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
      over the step's groups, clipped by global norm and applied with optax AdamW.
-With a device mesh (config.mesh: data x branch x seq > 1, sharding.py), steps 4-5 run on the
+With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on the
 step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
 replicated or FSDP-sharded (mesh.params). Sampling (1) runs on the first device, on a copy of the
@@ -33,17 +33,18 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from branch_replay_jax import objectives as obj
-from branch_replay_jax import plots
-from branch_replay_jax.checkpoint import RunCheckpoints, check_run_dir
+from branch_replay_jax import losses as obj
+from branch_replay_jax.outputs import plots
+from branch_replay_jax.outputs.checkpoints import RunCheckpoints, check_run_dir
 from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.policy import (naive_logprobs, naive_value_and_grad, replay_logprobs, replay_value_and_grad,
+from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs, replay_value_and_grad,
                                       tree_replay_logprobs, tree_replay_value_and_grad)
-from branch_replay_jax.rollout import Group, rollout
-from branch_replay_jax.sharding import (PARAM_MODES, make_mesh, pad_prompts, shard_batch, shard_params,
+from branch_replay_jax.rollout.collect import Group, rollout
+from branch_replay_jax.distributed.mesh import (PARAM_MODES, make_mesh, pad_prompts, shard_batch, shard_params,
                                         sharded_replay_logprobs, sharded_replay_value_and_grad, stack_groups)
-from branch_replay_jax.tasks import make_task
-from branch_replay_jax.tree_replay import SCHEDULES as TREE_SCHEDULES
+from branch_replay_jax.rollout.tasks import make_task
+from branch_replay_jax.core.accumulate import fit_micro_batch
+from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
 
 GRADIENTS = ("replay", "naive")
 SCHEDULES = ("constant", "cosine")
@@ -147,15 +148,11 @@ def fingerprint(config) -> dict:
           "seed": config.seed}
 
 
-def _siblings(arrays: dict) -> int:
+def siblings(arrays: dict) -> int:
   """Completions of a group, or leaf slots under one parent of a padded tree."""
   if "branches" in arrays:
     return arrays["branches"]["tokens"].shape[0]
   return arrays["levels"][-1]["tokens"].shape[-2]
-
-
-def _fit_micro_batch(requested: int, n: int) -> int:
-  return max(m for m in range(1, min(requested, n) + 1) if n % m == 0)
 
 
 class StepFunctions:
@@ -184,9 +181,9 @@ class StepFunctions:
       # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
       # each compiled shape uses the largest divisor of that count not above train.micro_batch.
       self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective,
-                                               micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
+                                               micro_batch=fit_micro_batch(t.micro_batch, siblings(a))))
       self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a) if naive else
-                              lp_fn(graphdef, p, a, micro_batch=_fit_micro_batch(t.micro_batch, _siblings(a))))
+                              lp_fn(graphdef, p, a, micro_batch=fit_micro_batch(t.micro_batch, siblings(a))))
 
     def update(params, opt_state, grads):
       updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -202,7 +199,7 @@ class StepFunctions:
 
   def place(self, tree):
     """Parameters or optimizer state onto the mesh in config.mesh.params's layout
-    (sharding.shard_params); unchanged without a mesh."""
+    (distributed.mesh.shard_params); unchanged without a mesh."""
     return tree if self.mesh is None else shard_params(tree, self.mesh, self.param_mode)
 
   def for_sampling(self, params):
@@ -307,7 +304,7 @@ class Run:
 
 def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wrap=None,
               keep_initial: bool = False) -> Run:
-  """Checks RUN_DIR against `run_fingerprint` (checkpoint.check_run_dir), builds the model
+  """Checks RUN_DIR against `run_fingerprint` (outputs.checkpoints.check_run_dir), builds the model
   (`wrap(model)` when given, e.g. an actor-critic), the optimizer `optimizer_fn(config)` and its
   state, restores the latest checkpoint when config.resume, and drops metrics.jsonl lines at or
   after the step it continues from.

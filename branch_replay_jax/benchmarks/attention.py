@@ -14,7 +14,7 @@ Per implementation: compile_s (lower + compile, seconds, forward+backward progra
 fwd_bwd_ms (median of --repeats timed calls after one warm-up call, milliseconds; the backward
 takes gradients w.r.t. q and every K/V), plus each one's max |out - reference out|.
 
-    python scripts/bench_attention.py [--cases 1024:128,8192:256,32768:512] [--repeats 5] [--impls pallas,reference]
+    python -m branch_replay_jax.benchmarks.attention [--cases 1024:128,8192:256,32768:512] [--repeats 5] [--impls pallas,reference]
 """
 
 from __future__ import annotations

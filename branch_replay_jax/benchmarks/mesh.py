@@ -1,7 +1,7 @@
 """Seconds per replay gradient step for each data x branch x seq mesh, on 8 fake CPU devices.
 
-    nice -n 15 python tools/bench_mesh.py                       # tiny random model
-    nice -n 15 python tools/bench_mesh.py --model random-smollm2-shape --prompt_len 128
+    nice -n 15 python -m branch_replay_jax.benchmarks.mesh                       # tiny random model
+    nice -n 15 python -m branch_replay_jax.benchmarks.mesh --model random-smollm2-shape --prompt_len 128
 
 A functional check, not a speed-up: the 8 fake devices share the host's cores. Prints one JSON
 line per mesh (the first, "1x1x1", is one device): `compile_seconds` sums JAX's compile events
@@ -28,12 +28,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from branch_replay_jax import objectives as obj  # noqa: E402
+from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.models import Llama, ModelConfig, tiny_config  # noqa: E402
-from branch_replay_jax.policy import group_arrays  # noqa: E402
-from branch_replay_jax.sharding import (make_mesh, shard_batch, shard_params, sharded_replay_value_and_grad,  # noqa: E402
+from branch_replay_jax.gradients.logprobs import group_arrays  # noqa: E402
+from branch_replay_jax.distributed.mesh import (make_mesh, shard_batch, shard_params, sharded_replay_value_and_grad,  # noqa: E402
                                         stack_groups)
-from branch_replay_jax.tree import make_group  # noqa: E402
+from branch_replay_jax.data.groups import make_group  # noqa: E402
 
 SMOLLM2_135M_SHAPE = ModelConfig(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3,
                                  head_dim=64, ffn_dim=1536, rope_theta=1e5, max_positions=8192)

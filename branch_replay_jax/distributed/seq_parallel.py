@@ -9,7 +9,7 @@
     branches       : replicated over "seq"; their queries attend to the local chunk and the partial
                      results are merged across "seq" by log-sum-exp (`over_sharded_prompt`).
 
-Every "seq" device thus computes the whole loss; sharding.py divides the gradients summed over
+Every "seq" device thus computes the whole loss; distributed/mesh.py divides the gradients summed over
 the mesh by S. The prompt's K/V cotangent stays on the device that owns the chunk.
 """
 
@@ -21,8 +21,9 @@ from flax import nnx
 
 from branch_replay_jax.kernels import attention_fn
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
-from branch_replay_jax.policy import Objective, _branch_logprobs, _tree_node_fn
-from branch_replay_jax.replay import nested_replay_vjp, replay_map, replay_vjp
+from branch_replay_jax.gradients.logprobs import Objective, branch_logprobs, tree_node_fn
+from branch_replay_jax.core.replay import replay_map, replay_vjp
+from branch_replay_jax.core.tree_replay import nested_replay_vjp
 
 
 def check_prompt_split(p_pad: int, seq: int) -> int:
@@ -56,7 +57,7 @@ def _chunk_prefix_fn(graphdef, arrays: dict, axis: str):
 
 def chunk_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, axis: str = "seq",
                                 micro_batch: int = 1, logprob_chunk: int = 256, reduce_prefix_cotangent=None):
-  """`policy.replay_value_and_grad` for a group whose arrays["prompt_ids"] is this device's prompt chunk [C].
+  """`gradients.logprobs.replay_value_and_grad` for a group whose arrays["prompt_ids"] is this device's prompt chunk [C].
 
   Call inside `shard_map` over `axis` with the prompt split as P(..., axis) and the branches
   replicated over `axis`. Returns (loss, aux [G, ...], grads) as on one device, except that the
@@ -67,7 +68,7 @@ def chunk_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objec
   attention = over_sharded_prompt(attention_fn(impl), axis)
 
   def branch_fn(p, prefix_out, branch):
-    logp = _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
+    logp = branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
     return objective(logp, branch)
   return replay_vjp(_chunk_prefix_fn(graphdef, arrays, axis), branch_fn, params, arrays["branches"],
                     micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)
@@ -75,19 +76,19 @@ def chunk_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objec
 
 def chunk_replay_logprobs(graphdef, params, arrays: dict, *, axis: str = "seq", micro_batch: int = 1,
                           logprob_chunk: int = 256) -> jax.Array:
-  """`policy.replay_logprobs` ([G, T] float32, 0 on padding) for a group whose prompt is split over
+  """`gradients.logprobs.replay_logprobs` ([G, T] float32, 0 on padding) for a group whose prompt is split over
   `axis` (see `chunk_replay_value_and_grad`); every device of `axis` returns the same values."""
   attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).attention_impl), axis)
 
   def branch_fn(p, prefix_out, branch):
-    return _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
+    return branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
   return replay_map(_chunk_prefix_fn(graphdef, arrays, axis), branch_fn, params, arrays["branches"],
                     micro_batch=micro_batch)
 
 
 def chunk_tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, axis: str = "seq",
                                      micro_batch: int = 1, logprob_chunk: int = 256, reduce_prefix_cotangent=None):
-  """`policy.tree_replay_value_and_grad` for a tree whose prompt is split over `axis` (see
+  """`gradients.logprobs.tree_replay_value_and_grad` for a tree whose prompt is split over `axis` (see
   `chunk_replay_value_and_grad`); every tree node is replicated over `axis`."""
   impl = nnx.merge(graphdef, params).attention_impl
   prefix = _chunk_prefix_fn(graphdef, arrays, axis)
@@ -95,6 +96,6 @@ def chunk_tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: 
   def root_fn(p):
     kv, last_hidden = prefix(p)
     return {"kv": kv, "last_hidden": last_hidden, "end": arrays["prompt_len"]}
-  node_fn = _tree_node_fn(graphdef, objective, logprob_chunk, over_sharded_prompt(attention_fn(impl), axis))
+  node_fn = tree_node_fn(graphdef, objective, logprob_chunk, over_sharded_prompt(attention_fn(impl), axis))
   return nested_replay_vjp(root_fn, [node_fn] * len(arrays["levels"]), params, arrays["levels"],
                            micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)

@@ -1,14 +1,14 @@
 """Nested replay on rollout trees of any depth: every node's forward and backward run once.
 
-A padded tree (tree.PaddedTree) is a root (the prompt) and D uniform levels: levels[d] holds the
+A padded tree (data.trees.PaddedTree) is a root (the prompt) and D uniform levels: levels[d] holds the
 nodes at depth d + 1 in slots [F_0, ..., F_d]; slot (i_0, ..., i_d) is child i_d of slot
 (i_0, ..., i_{d-1}). A node's forward needs the outputs of its ancestors (their K/V and the
 parent's last hidden state); the loss is a sum over nodes, so by the chain rule
 
     dθ = Σ_n ∂L_n/∂θ + Σ_n (∂out_n/∂θ)ᵀ · Σ_{c below n} ∂L_c/∂out_n
 
-and each node pulls back once with the cotangents of all its descendants summed (DESIGN.md, "The
-math"). Two schedules compute this same gradient; they differ in what is alive at once:
+and each node pulls back once with the cotangents of all its descendants summed (docs/design.md,
+"The replay math"). Two schedules compute this same gradient; they differ in what is alive at once:
 
   "depth_first": a `lax.scan` over the sibling slots of each level, recursing into each child's
       subtree before its pullback; internal nodes run one at a time, leaves in micro-batches.
@@ -110,7 +110,7 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
       EVERY parent per step (F_0...F_{D-2} m leaves).
     schedule: "depth_first" (least memory) or "level" (fastest); same gradient.
     reduce_prefix_cotangent: applied to the root output's summed cotangent (a list of float
-      arrays) before its pullback, as in `replay.replay_vjp` (under `shard_map`: the all-reduce
+      arrays) before its pullback, as in `core.replay.replay_vjp` (under `shard_map`: the all-reduce
       over the devices holding its children).
 
   Returns:

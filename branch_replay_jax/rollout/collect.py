@@ -1,8 +1,8 @@
 """One prompt's rollouts for the GRPO loop: sample (a group or a tree), score, build update arrays.
 
-`rollout` samples G completions sharing one prefill (sampling.sample_group) and returns the
+`rollout` samples G completions sharing one prefill (rollout.sampler.sample_group) and returns the
 arrays of a rollout group; with `rollout.tree_fanouts` set it samples a tree (TreePO-style
-fixed-length segments, tree_sampling.sample_tree) whose trajectories are the completions.
+fixed-length segments, rollout.tree_sampler.sample_tree) whose trajectories are the completions.
 Either way the trajectories get GRPO (or, with `loss.advantage = "rloo"`, leave-one-out RLOO)
 advantages from the task's rewards, and the arrays are laid out for replay (group or tree) or,
 with `train.gradient = "naive"`, for the naive step over the same trajectories.
@@ -16,14 +16,15 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay_jax import objectives as obj
+from branch_replay_jax import losses as obj
 from branch_replay_jax.models.loading import encode_chat
-from branch_replay_jax.policy import group_arrays, trajectory_group_arrays, tree_arrays
-from branch_replay_jax.sampling import sample_group
-from branch_replay_jax.tasks import format_messages
-from branch_replay_jax.tree import (RolloutTree, bucket_length, group_counts, group_from_padded, pad_tree,
-                                   tree_counts)
-from branch_replay_jax.tree_sampling import sample_tree
+from branch_replay_jax.gradients.logprobs import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.tasks import format_messages
+from branch_replay_jax.data.counts import group_counts, tree_counts
+from branch_replay_jax.data.groups import bucket_length, group_from_padded
+from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.rollout.tree_sampler import sample_tree
 
 
 @dataclasses.dataclass

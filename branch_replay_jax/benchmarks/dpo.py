@@ -1,17 +1,17 @@
 """Benchmark one DPO gradient step on a preference pair: naive (prompt repeated) versus two-pass replay.
 
-  nice -n 15 python tools/bench_dpo.py                         # SmolLM2-135M, P=512, two T=128 completions
-  python tools/bench_dpo.py --model=tiny --prompt=24 --completion=6 --repeats=2    # seconds
+  nice -n 15 python -m branch_replay_jax.benchmarks.dpo                         # SmolLM2-135M, P=512, two T=128 completions
+  python -m branch_replay_jax.benchmarks.dpo --model=tiny --prompt=24 --completion=6 --repeats=2    # seconds
 
-Prints one JSON line with the columns of branch_replay_jax.bench where they apply: case, P, T, G
+Prints one JSON line with the columns of branch_replay_jax.benchmarks.replay where they apply: case, P, T, G
 (completions: 2 per pair), pairs, naive_s, replay_s, speedup, naive_cpu_s, replay_cpu_s,
 cpu_speedup, compile seconds, token_positions_naive/computed, max_rel_grad_err, peak_rss_bytes
 (the whole process, both modes), plus ref_naive_s / ref_replay_s (the frozen reference's
 forward-only log-prob sums, computed once per batch in both modes and not part of *_s).
 
-- naive: `preference.naive_value_and_grad`, the pair's two full sequences [2, P + T] in one
+- naive: `gradients.preference.naive_value_and_grad`, the pair's two full sequences [2, P + T] in one
   forward + backward (the loss differentiated directly, as TRL does).
-- replay: `preference.ReplaySteps.value_and_grad`: pass 1 forward-only replay (prompt once, both
+- replay: `gradients.preference.ReplaySteps.value_and_grad`: pass 1 forward-only replay (prompt once, both
   completions on its K/V) for the log-prob sums, pass 2 replay forward + backward of the linear
   surrogate with the closed-form coefficients; the gradient equals naive's.
 Each step is compiled first (compile seconds = first call minus the median), then timed `repeats`
@@ -31,7 +31,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from branch_replay_jax import preference as pref
+from branch_replay_jax.gradients import preference as pref
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "models.load name/path, or tiny (random 2 layers)")
 _P = flags.DEFINE_integer("prompt", 512, "prompt tokens P")

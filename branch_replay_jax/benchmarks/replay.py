@@ -1,6 +1,6 @@
 """Benchmark a GRPO gradient step on prompt groups: the strongest naive step versus branch replay.
 
-  python -m branch_replay_jax.bench --config=experiments/bench_replay.py
+  python -m branch_replay_jax.benchmarks.replay --config=experiments/bench_replay.py
 
 Prints one JSON object per case (and per failed naive candidate) with: case, P, T, G,
 naive_s, replay_s, speedup, ideal_flop_ratio, token_positions_naive, token_positions_computed,
@@ -21,7 +21,7 @@ Method:
   seconds as naive_cpu_s / replay_cpu_s / cpu_speedup: the work each step did, which other jobs
   sharing the cores do not inflate the way they inflate wall time.
 - Replay's micro-batch is chosen like naive's: each candidate timed once, the fastest kept.
-- PPO cases (config.ppo_cases): the PPO step of ppo_policy.py, policy + critic (a value head,
+- PPO cases (config.ppo_cases): the PPO step of gradients/actor_critic.py, policy + critic (a value head,
   config.ppo_critic), instead of GRPO's; same columns.
 - max_rel_grad_err: max over parameter leaves of max|g_replay - g_naive| / max|g_naive|.
 """
@@ -46,23 +46,25 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from branch_replay_jax import objectives as obj
-from branch_replay_jax import ppo_policy as pp
+from branch_replay_jax import losses as obj
+from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.critic import ActorCritic
-from branch_replay_jax.policy import (group_arrays, naive_value_and_grad, replay_value_and_grad,
+from branch_replay_jax.gradients.logprobs import (group_arrays, naive_value_and_grad, replay_value_and_grad,
                                       trajectory_group_arrays, tree_arrays, tree_replay_value_and_grad)
-from branch_replay_jax.tree import RolloutTree, group_counts, make_group, pad_tree, tree_counts
+from branch_replay_jax.data.counts import group_counts, tree_counts
+from branch_replay_jax.data.groups import make_group
+from branch_replay_jax.data.trees import RolloutTree, pad_tree
 
 
 # The on-policy GRPO step (ratio 1, beta 0, as in Dr. GRPO / DAPO): random old/ref log-probs far
 # from the model's own would make the clipped and KL terms meaningless (exp of large gaps).
-_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
-_tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
-_ppo_objective = functools.partial(obj.ppo_objective, clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
+GRPO_OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
+TREE_OBJECTIVE = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
+PPO_OBJECTIVE = functools.partial(obj.ppo_objective, clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
 
 
-def _load(config, remat: str = "none"):
+def load_model(config, remat: str = "none"):
   dtype = jnp.dtype(config.dtype)
   if config.model == "tiny":
     return Llama(tiny_config(vocab_size=256, max_positions=4096), dtype=dtype, remat=remat, rngs=nnx.Rngs(0))
@@ -70,7 +72,7 @@ def _load(config, remat: str = "none"):
   return load(config.model, dtype=dtype, remat=remat)[0]
 
 
-def _case(config, index: int) -> dict:
+def parse_case(config, index: int) -> dict:
   """Case `index` over config.cases (prompt groups) then config.tree_cases (full trees)."""
   if index < len(config.cases):
     p, t, g, *remat = config.cases[index]   # an optional 4th entry overrides config.remat for the case
@@ -97,7 +99,7 @@ def _full_tree(case, vocab, rng) -> RolloutTree:
   return RolloutTree(tuple(segments), tuple(parents), tuple(frontier))
 
 
-def _case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
+def case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
   """(naive arrays, replay arrays, counts) of one case: random tokens and advantages."""
   rng = np.random.default_rng(config.seed)
   v, g = model_config.vocab_size, case["G"]
@@ -119,7 +121,7 @@ def _case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
 
 
 def _ppo_step(config, graphdef, params, arrays: dict, mode: str):
-  """(graphdef, params, fn, objective, arrays) of a PPO step (ppo_policy.py, policy + critic) on a group.
+  """(graphdef, params, fn, objective, arrays) of a PPO step (gradients/actor_critic.py, policy + critic) on a group.
 
   The model is wrapped in an ActorCritic (critic config.ppo_critic) whose value head is random
   (a zero head would contribute no value gradient to the trunk); old log-probs and old values
@@ -136,17 +138,17 @@ def _ppo_step(config, graphdef, params, arrays: dict, mode: str):
   random = lambda: jnp.asarray(rng.normal(size=branches["tokens"].shape), jnp.float32) * branches["mask"]
   branches.update(old_logp=old["logp"], old_values=old["values"], advantages=random(), returns=random())
   fn = pp.naive_value_and_grad if mode == "naive" else pp.replay_value_and_grad
-  return graphdef, params, fn, _ppo_objective, arrays
+  return graphdef, params, fn, PPO_OBJECTIVE, arrays
 
 
-def _peak_bytes() -> tuple[int, str]:
+def peak_bytes() -> tuple[int, str]:
   stats = jax.devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     return int(stats["peak_bytes_in_use"]), "device_peak_bytes_in_use"
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
   """User + system CPU seconds of this process, all threads: the work done, robust to other jobs
   sharing the cores (wall time is not)."""
   r = resource.getrusage(resource.RUSAGE_SELF)
@@ -156,21 +158,21 @@ def _cpu_seconds() -> float:
 def _worker(job: dict) -> dict:
   """One mode of one case at one micro-batch, timed; saves (naive) or compares (replay) grads."""
   config = ml_collections.ConfigDict(job["config"])
-  case = _case(config, job["case"])
-  model = _load(config, remat=case["remat"])   # both modes of a case use the same remat policy
+  case = parse_case(config, job["case"])
+  model = load_model(config, remat=case["remat"])   # both modes of a case use the same remat policy
   model_config = model.config
   graphdef, params = nnx.split(model)
   del model
-  naive_arrays, replay_arrays, _ = _case_inputs(config, case, model_config)
+  naive_arrays, replay_arrays, _ = case_inputs(config, case, model_config)
   if case["kind"] == "ppo":
     graphdef, params, fn, objective, arrays = _ppo_step(config, graphdef, params, naive_arrays, job["mode"])
   elif job["mode"] == "naive":
-    fn, objective, arrays = naive_value_and_grad, _objective, naive_arrays
+    fn, objective, arrays = naive_value_and_grad, GRPO_OBJECTIVE, naive_arrays
   elif case["kind"] == "tree":
     fn, objective, arrays = (functools.partial(tree_replay_value_and_grad, schedule=config.tree_schedule),
-                             _tree_objective, replay_arrays)
+                             TREE_OBJECTIVE, replay_arrays)
   else:
-    fn, objective, arrays = replay_value_and_grad, _objective, replay_arrays
+    fn, objective, arrays = replay_value_and_grad, GRPO_OBJECTIVE, replay_arrays
   step = jax.jit(lambda p, a: fn(graphdef, p, a, objective, micro_batch=job["micro_batch"],
                                  logprob_chunk=config.logprob_chunk))
   t0 = time.perf_counter()
@@ -178,11 +180,11 @@ def _worker(job: dict) -> dict:
   compile_s = time.perf_counter() - t0
   times, cpu_times = [], []
   for _ in range(job["repeats"]):
-    t0, c0 = time.perf_counter(), _cpu_seconds()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     out = jax.block_until_ready(compiled(params, arrays))
     times.append(time.perf_counter() - t0)
-    cpu_times.append(_cpu_seconds() - c0)
-  peak, measure = _peak_bytes()  # before any comparison array is loaded
+    cpu_times.append(cpu_seconds() - c0)
+  peak, measure = peak_bytes()  # before any comparison array is loaded
   leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out[2])]
   result = {"mode": job["mode"], "micro_batch": job["micro_batch"], "seconds": statistics.median(times),
             "times": times, "cpu_times": cpu_times, "compile_s": compile_s, "peak_bytes": peak, "memory_measure": measure,
@@ -200,7 +202,7 @@ def _worker(job: dict) -> dict:
   return result
 
 
-def _rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
   """Resident set of a live process (bytes); 0 once it has exited (no /proc entry or no VmRSS line)."""
   try:
     with open(f"/proc/{pid}/status") as f:
@@ -209,7 +211,7 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def _run_worker(job: dict, module: str = "branch_replay_jax.bench", timeout_s: float | None = None,
+def run_worker(job: dict, module: str = "branch_replay_jax.benchmarks.replay", timeout_s: float | None = None,
                 rss_limit_bytes: int | None = None) -> dict:
   """Run `python -m module --worker=JOB` in a fresh process and return its BENCH_RESULT record.
 
@@ -227,7 +229,7 @@ def _run_worker(job: dict, module: str = "branch_replay_jax.bench", timeout_s: f
     except subprocess.TimeoutExpired:
       if timeout_s is not None and time.monotonic() - start > timeout_s:
         status = "timeout"
-      elif rss_limit_bytes and proc.poll() is None and _rss_bytes(proc.pid) > rss_limit_bytes:
+      elif rss_limit_bytes and proc.poll() is None and rss_bytes(proc.pid) > rss_limit_bytes:
         status = "rss_limit"
       if status:
         proc.kill()
@@ -241,7 +243,7 @@ def _run_worker(job: dict, module: str = "branch_replay_jax.bench", timeout_s: f
   return {"error": status, "stderr_tail": err[-1500:]}
 
 
-def _candidates(spec: str, g: int) -> list[int]:
+def candidates(spec: str, g: int) -> list[int]:
   out = []
   for item in str(spec).split(","):
     m = g if item.strip() == "G" else int(item)
@@ -254,23 +256,23 @@ def _candidates(spec: str, g: int) -> list[int]:
 
 def run_case(config, index: int, emit) -> dict:
   """Measure one case; `emit` receives every JSON record (failed candidates too)."""
-  case = _case(config, index)
+  case = parse_case(config, index)
   p, t, g = case["P"], case["T"], case["G"]
   shape = {"case": index, "kind": case["kind"], "P": p, "T": t, "G": g, "fanouts": case.get("fanouts")}
   base = {"config": config.to_dict(), "case": index}
   with tempfile.TemporaryDirectory() as tmp:
     trials = {}
-    for m in _candidates(config.naive_micro_batches, g):
-      trials[m] = _run_worker({**base, "mode": "naive", "micro_batch": m, "repeats": 1})
+    for m in candidates(config.naive_micro_batches, g):
+      trials[m] = run_worker({**base, "mode": "naive", "micro_batch": m, "repeats": 1})
       if "error" in trials[m]:
         emit({**shape, "naive_micro_batch": m, **trials[m]})
     ok = {m: r for m, r in trials.items() if "error" not in r}
     replay_spec = config.replay_micro_batches if case["kind"] != "tree" else config.tree_replay_micro_batches
     replay_trials = {}
-    replay_cands = _candidates(replay_spec, g if case["kind"] != "tree" else max(case["fanouts"]))
+    replay_cands = candidates(replay_spec, g if case["kind"] != "tree" else max(case["fanouts"]))
     if len(replay_cands) > 1:   # same rule as naive: each candidate timed once, the fastest wins
       for m in replay_cands:
-        replay_trials[m] = _run_worker({**base, "mode": "replay", "micro_batch": m, "repeats": 1})
+        replay_trials[m] = run_worker({**base, "mode": "replay", "micro_batch": m, "repeats": 1})
         if "error" in replay_trials[m]:
           emit({**shape, "replay_micro_batch": m, **replay_trials[m]})
       fine = {m: r for m, r in replay_trials.items() if "error" not in r}
@@ -278,19 +280,19 @@ def run_case(config, index: int, emit) -> dict:
     else:
       replay_m = replay_cands[0]
     if not ok:   # naive does not fit this machine at any micro-batch: measure replay alone
-      replay = _run_worker({**base, "mode": "replay", "micro_batch": replay_m, "repeats": config.repeats})
+      replay = run_worker({**base, "mode": "replay", "micro_batch": replay_m, "repeats": config.repeats})
       record = {**shape, "naive_s": None, "naive_error": "every naive micro-batch failed (see rows above)",
                 **{k: replay.get(k) for k in ("seconds", "times", "compile_s", "peak_bytes", "memory_measure",
                                               "error")},
-                **_case_inputs(config, case, _load_config(config))[2]}
+                **case_inputs(config, case, _load_config(config))[2]}
       emit(record)
       return record
     best_m = min(ok, key=lambda m: ok[m]["seconds"])
     grads = os.path.join(tmp, "naive_grads.npz")
     # The winner's trial run counts as its first timed run: repeats - 1 more in a fresh process.
-    naive = _run_worker({**base, "mode": "naive", "micro_batch": best_m, "repeats": max(config.repeats - 1, 1),
+    naive = run_worker({**base, "mode": "naive", "micro_batch": best_m, "repeats": max(config.repeats - 1, 1),
                          "save_grads": grads})
-    replay = _run_worker({**base, "mode": "replay", "micro_batch": replay_m,
+    replay = run_worker({**base, "mode": "replay", "micro_batch": replay_m,
                           "repeats": config.repeats, "compare_grads": grads})
   for name, r in (("naive", naive), ("replay", replay)):
     if "error" in r:
@@ -299,7 +301,7 @@ def run_case(config, index: int, emit) -> dict:
   naive["cpu_times"] = ok[best_m]["cpu_times"] + naive["cpu_times"]
   naive["seconds"] = statistics.median(naive["times"])
   naive["peak_bytes"] = max(naive["peak_bytes"], ok[best_m]["peak_bytes"])
-  counts = _case_inputs(config, case, _load_config(config))[2]
+  counts = case_inputs(config, case, _load_config(config))[2]
   record = {**shape, "naive_s": naive["seconds"], "replay_s": replay["seconds"],
             "speedup": naive["seconds"] / replay["seconds"], **counts,
             "naive_cpu_s": statistics.median(naive["cpu_times"]), "replay_cpu_s": statistics.median(replay["cpu_times"]),
@@ -333,11 +335,11 @@ def emitter(output: str):
 def _load_config(config):
   if config.model == "tiny":
     return tiny_config(vocab_size=256, max_positions=4096)
-  return _load(config).config
+  return load_model(config).config
 
 
 def serve_worker(worker) -> bool:
-  """In a worker process (flag --worker=JSON job, see _run_worker): print `worker(job)` as the
+  """In a worker process (flag --worker=JSON job, see run_worker): print `worker(job)` as the
   BENCH_RESULT line and return True; otherwise return False."""
   if not flags.FLAGS.worker:
     return False

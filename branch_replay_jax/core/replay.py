@@ -31,9 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Trees of any depth (nested replay) live in tree_replay.py; re-exported for existing imports.
-from branch_replay_jax.tree_replay import nested_replay_map, nested_replay_vjp  # noqa: F401
-
 PyTree = Any
 
 
@@ -75,7 +72,7 @@ def replay_vjp(prefix_fn: Callable[[PyTree], PyTree],
       memory grows with micro_batch, not with G.
     reduce_prefix_cotangent: applied to the summed prefix cotangent (a list of float arrays)
       before the single pullback; under `shard_map` this is where the branch shards' cotangents
-      are all-reduced (see sharding.py).
+      are all-reduced (see distributed/mesh.py).
 
   Returns:
     loss: scalar, the sum of the branch losses.

@@ -9,15 +9,15 @@ to 2k completions, and a completion shared by two pairs runs once too:
     pair 2: x' -> (y_w2, y_l2)         chosen = [0, 2, 3], rejected = [1, 1, 4]  (flat branch ids)
 
 Gradient. The DPO loss L(S) = mean_k ℓ(S_{w_k}, S_{l_k}) couples a completion's tokens only
-through its log-prob sum S_i = Σ_t logp_{i,t}(θ) (objectives.dpo_loss). By the chain rule
+through its log-prob sum S_i = Σ_t logp_{i,t}(θ) (losses.dpo_loss). By the chain rule
 
     dL/dθ = Σ_i c_i dS_i/dθ,   c_i = ∂L/∂S_i,
 
 which is the gradient of the LINEAR surrogate Σ_i c_i S_i(θ) with c held constant. So:
-  pass 1: forward-only replay (policy.replay_logprobs) gives every S_i; c = jax.grad of L w.r.t.
+  pass 1: forward-only replay (logprobs.replay_logprobs) gives every S_i; c = jax.grad of L w.r.t.
           the sums (closed form, [N] scalars);
-  pass 2: branch replay (policy.replay_value_and_grad) of the token-local objective
-          -Σ_t w_{i,t} logp_{i,t} with w_{i,t} = -c_i on real tokens (objectives.weighted_logprob_loss).
+  pass 2: branch replay (logprobs.replay_value_and_grad) of the token-local objective
+          -Σ_t w_{i,t} logp_{i,t} with w_{i,t} = -c_i on real tokens (losses.weighted_logprob_loss).
 The gradient equals that of the DPO loss exactly (up to float rounding order); the loss
 reported is L itself, not the surrogate's value. Pass 1 costs one extra forward of the unique
 positions; in exchange pass 2's memory is bounded by a micro-batch of branches, whatever G.
@@ -35,9 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay_jax import objectives as obj
-from branch_replay_jax.policy import group_arrays, naive_logprobs, replay_logprobs, replay_value_and_grad
-from branch_replay_jax.tree import bucket_length, group_counts, make_group
+from branch_replay_jax import losses as obj
+from branch_replay_jax.core.accumulate import fit_micro_batch
+from branch_replay_jax.gradients.logprobs import group_arrays, naive_logprobs, replay_logprobs, replay_value_and_grad
+from branch_replay_jax.data.counts import group_counts
+from branch_replay_jax.data.groups import bucket_length, make_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,7 @@ class PreferencePair:
 class PreferenceBatch:
   """K pairs laid out for replay (one group per distinct prompt) and for the naive step.
 
-  groups: one `policy.group_arrays` dict per distinct prompt (branches: the prompt's distinct
+  groups: one `logprobs.group_arrays` dict per distinct prompt (branches: the prompt's distinct
     completions; pass 2 adds their "weights" [G_j, T_j]).
   chosen, rejected: [K] int, each pair's completions as indices into the concatenation of all
     groups' branches (group 0's first, then group 1's, ...).
@@ -74,11 +76,11 @@ class PreferenceBatch:
 
 def make_batch(pairs: Sequence[PreferencePair], *, vocab_size: int, max_positions: int,
                pad_id: int = 0) -> PreferenceBatch:
-  """Group pairs by prompt, dedupe completions, pad (buckets as `tree.make_group`).
+  """Group pairs by prompt, dedupe completions, pad (buckets as `data.groups.make_group`).
 
   Raises:
     ValueError: no pairs, a pair whose chosen and rejected ids are equal (naming its index), or
-      anything `tree.make_group` raises (empty sequences, ids outside [0, vocab_size), too long).
+      anything `data.groups.make_group` raises (empty sequences, ids outside [0, vocab_size), too long).
   """
   if not pairs:
     raise ValueError("make_batch: no preference pairs")
@@ -109,11 +111,6 @@ def make_batch(pairs: Sequence[PreferencePair], *, vocab_size: int, max_position
   naive_positions = sum(2 * len(x) + len(w) + len(l) for x, w, l in keys)
   return PreferenceBatch(groups, chosen, rejected, naive,
                          {"token_positions_naive": naive_positions, "token_positions_computed": computed})
-
-
-def fit_micro_batch(requested: int, n: int) -> int:
-  """The largest divisor of n that is <= requested (a group's G or a batch's K varies per step)."""
-  return max(m for m in range(1, min(requested, n) + 1) if n % m == 0)
 
 
 def _surrogate(logp, branch):

@@ -2,15 +2,15 @@
 
 One step:
   1. pairs. data.source = "task": for each of `rollout.prompts_per_step` prompts of a reasoning-gym
-     task, sample G completions sharing one prefill (sampling.py), score them, and pair the
+     task, sample G completions sharing one prefill (rollout/sampler.py), score them, and pair the
      best-reward completion (chosen) with the worst (rejected); a prompt whose G rewards are all
      equal gives no pair (counted in skipped_prompts). data.source = "jsonl": the next
      `data.pairs_per_step` lines of a {"prompt", "chosen", "rejected"} file (wrapping around);
-  2. layout: one group per distinct prompt, its distinct completions as branches (preference.py);
+  2. layout: one group per distinct prompt, its distinct completions as branches (gradients/preference.py);
   3. reference log-prob sums of the frozen initial policy (forward-only replay);
   4. the DPO (or IPO) gradient by two-pass replay (or naive), clipped by global norm, AdamW.
 A step without pairs makes no update. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
-preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume like train.py).
+preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume like algorithms/grpo.py).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from branch_replay_jax import objectives as obj
-from branch_replay_jax import plots
-from branch_replay_jax import preference as pref
+from branch_replay_jax import losses as obj
+from branch_replay_jax.outputs import plots
+from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat
-from branch_replay_jax.sampling import sample_group
-from branch_replay_jax.tasks import format_messages
-from branch_replay_jax.train import SCHEDULES, make_task_from, save_if_due, start_run
+from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.tasks import format_messages
+from branch_replay_jax.algorithms.grpo import SCHEDULES, make_task_from, save_if_due, start_run
 
 GRADIENTS = ("replay", "naive")
 SOURCES = ("task", "jsonl")

@@ -1,7 +1,7 @@
 """Compiled memory of one GRPO gradient step on full rollout trees: naive versus nested replay.
 
-  python tools/bench_tree_memory.py                          # SmolLM2-135M, P=64, 16-token segments
-  python tools/bench_tree_memory.py --model=tiny --fanouts=2,2:4,4
+  python -m branch_replay_jax.benchmarks.tree_memory                          # SmolLM2-135M, P=64, 16-token segments
+  python -m branch_replay_jax.benchmarks.tree_memory --model=tiny --fanouts=2,2:4,4
 
 For each tree (fan-outs per level, e.g. "2,2,2" = 8 trajectories) and each mode, the step is
 jitted, lowered and compiled (never run), and the executable's `memory_analysis()` is printed as
@@ -13,7 +13,7 @@ assignment, so they are the same on a loaded or an idle machine and need no devi
 
 Modes: naive at micro-batch G (all trajectories in one batch, the fastest naive) and at
 micro-batch 1 (one trajectory per scan step, the least memory); replay with schedule
-"depth_first" and "level" (tree_replay.py), both at micro-batch 1.
+"depth_first" and "level" (core/tree_replay.py), both at micro-batch 1.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import ml_collections
 from absl import app, flags
 from flax import nnx
 
-from branch_replay_jax.bench import _case_inputs, _load, _objective, _tree_objective
-from branch_replay_jax.policy import naive_value_and_grad, tree_replay_value_and_grad
+from branch_replay_jax.benchmarks.replay import case_inputs, load_model, GRPO_OBJECTIVE, TREE_OBJECTIVE
+from branch_replay_jax.gradients.logprobs import naive_value_and_grad, tree_replay_value_and_grad
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "models.load name, or 'tiny' (random 2-layer model).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype.")
@@ -49,7 +49,7 @@ def _memory(compiled) -> dict:
 def main(argv):
   del argv
   config = ml_collections.ConfigDict({"model": _MODEL.value, "dtype": _DTYPE.value, "seed": 0})
-  model = _load(config)
+  model = load_model(config)
   graphdef, params = nnx.split(model)
   model_config = model.config
   del model
@@ -59,13 +59,13 @@ def main(argv):
     for f in fanouts:
       g *= f
     case = {"kind": "tree", "P": _PROMPT.value, "T": _SEGMENT.value, "fanouts": fanouts, "G": g}
-    naive_arrays, replay_arrays, counts = _case_inputs(config, case, model_config)
+    naive_arrays, replay_arrays, counts = case_inputs(config, case, model_config)
     steps = {
-        "naive_G": (functools.partial(naive_value_and_grad, micro_batch=g), _objective, naive_arrays),
-        "naive_1": (functools.partial(naive_value_and_grad, micro_batch=1), _objective, naive_arrays),
-        "depth_first": (functools.partial(tree_replay_value_and_grad, schedule="depth_first"), _tree_objective,
+        "naive_G": (functools.partial(naive_value_and_grad, micro_batch=g), GRPO_OBJECTIVE, naive_arrays),
+        "naive_1": (functools.partial(naive_value_and_grad, micro_batch=1), GRPO_OBJECTIVE, naive_arrays),
+        "depth_first": (functools.partial(tree_replay_value_and_grad, schedule="depth_first"), TREE_OBJECTIVE,
                         replay_arrays),
-        "level": (functools.partial(tree_replay_value_and_grad, schedule="level"), _tree_objective, replay_arrays),
+        "level": (functools.partial(tree_replay_value_and_grad, schedule="level"), TREE_OBJECTIVE, replay_arrays),
     }
     for mode in _MODES.value.split(","):
       fn, objective, arrays = steps[mode]

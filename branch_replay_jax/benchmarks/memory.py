@@ -1,8 +1,8 @@
 """Long-context memory benchmarks of one GRPO step: peak memory versus G, and the longest prompt.
 
-  python -m branch_replay_jax.bench_memory --config=experiments/bench_memory.py
+  python -m branch_replay_jax.benchmarks.memory --config=experiments/bench_memory.py
 
-Two studies (config.studies), every attempt in a fresh process (`bench._run_worker`), one JSON
+Two studies (config.studies), every attempt in a fresh process (`bench.run_worker`), one JSON
 object per attempt and one summary object per study, mode and remat policy:
 
 1. memory_vs_g: one replay step (micro-batch 1) for each G in config.memory_vs_g.groups at fixed
@@ -45,10 +45,10 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from branch_replay_jax import bench
+from branch_replay_jax.benchmarks import replay as bench
 from branch_replay_jax.models.llama import REMAT_POLICIES
-from branch_replay_jax.policy import naive_value_and_grad, replay_value_and_grad
-from branch_replay_jax.tree import group_counts
+from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad
+from branch_replay_jax.data.counts import group_counts
 
 _MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError", "bad_alloc")
 
@@ -56,21 +56,21 @@ _MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "Memor
 def _worker(job: dict) -> dict:
   """One step of `job["mode"]` ("replay" or "naive") at (P, T, G), micro-batch and remat: memory and seconds."""
   config = ml_collections.ConfigDict(job["config"])
-  model = bench._load(config, remat=job["remat"])
+  model = bench.load_model(config, remat=job["remat"])
   p, t, g = job["P"], job["T"], job["G"]
   # Lift the context check: the benchmark measures cost at P + T beyond the trained context too.
   model_config = dataclasses.replace(model.config, max_positions=max(model.config.max_positions, p + t))
   graphdef, params = nnx.split(model)
   del model
-  arrays = bench._case_inputs(config, {"kind": "group", "P": p, "T": t, "G": g}, model_config)[0]
+  arrays = bench.case_inputs(config, {"kind": "group", "P": p, "T": t, "G": g}, model_config)[0]
   fn = replay_value_and_grad if job["mode"] == "replay" else naive_value_and_grad
-  step = jax.jit(lambda prm, a: fn(graphdef, prm, a, bench._objective, micro_batch=job["micro_batch"],
+  step = jax.jit(lambda prm, a: fn(graphdef, prm, a, bench.GRPO_OBJECTIVE, micro_batch=job["micro_batch"],
                                    logprob_chunk=config.logprob_chunk))
   t0 = time.perf_counter()
   compiled = step.lower(params, arrays).compile()
   compile_s = time.perf_counter() - t0
   stats = compiled.memory_analysis()
-  rss_after_compile = bench._rss_bytes(os.getpid())
+  rss_after_compile = bench.rss_bytes(os.getpid())
   sizes = {f"{k}_bytes": getattr(stats, f"{k}_size_in_bytes", None) if stats is not None else None
            for k in ("temp", "argument", "output", "host_temp")}
   if job.get("compile_only"):
@@ -79,10 +79,10 @@ def _worker(job: dict) -> dict:
     return {"compile_s": compile_s, "rss_after_compile_bytes": rss_after_compile, **sizes,
             "estimated_peak_bytes": rss_after_compile + (sizes["temp_bytes"] or 0) + (sizes["output_bytes"] or 0),
             "memory_measure": "compiled_estimate", "backend": jax.default_backend()}
-  t0, c0 = time.perf_counter(), bench._cpu_seconds()
+  t0, c0 = time.perf_counter(), bench.cpu_seconds()
   loss = jax.block_until_ready(compiled(params, arrays))[0]
-  step_s, step_cpu_s = time.perf_counter() - t0, bench._cpu_seconds() - c0
-  peak, measure = bench._peak_bytes()
+  step_s, step_cpu_s = time.perf_counter() - t0, bench.cpu_seconds() - c0
+  peak, measure = bench.peak_bytes()
   return {"compile_s": compile_s, "step_s": step_s, "step_cpu_s": step_cpu_s, "peak_bytes": peak,
           "memory_measure": measure, "rss_after_compile_bytes": rss_after_compile, **sizes,
           "loss": float(loss), "backend": jax.default_backend()}
@@ -103,7 +103,7 @@ def _bound(result: dict, memory_budget_bytes: float = 0) -> str | None:
 
 def _attempt(config, emit, study: str, **job) -> dict:
   """Run one attempt in a fresh process and emit its record (with `bound` and the token counts)."""
-  result = bench._run_worker({"config": config.to_dict(), **job}, module="branch_replay_jax.bench_memory",
+  result = bench.run_worker({"config": config.to_dict(), **job}, module="branch_replay_jax.benchmarks.memory",
                              timeout_s=config.attempt_timeout_s, rss_limit_bytes=config.rss_limit_bytes or None)
   counts = group_counts(job["P"], [job["T"]] * job["G"])
   record = {"study": study, **job, **counts, **result, "bound": _bound(result, config.memory_budget_bytes),
@@ -165,7 +165,7 @@ def memory_vs_g(config, emit) -> None:
     best["replay"][g] = r
     if not c.naive:
       continue
-    for m in bench._candidates(c.naive_micro_batches, g):
+    for m in bench.candidates(c.naive_micro_batches, g):
       r = _attempt(config, emit, "memory_vs_g", mode="naive", G=g, micro_batch=m,
                    compile_only="naive" in compile_only, **common)
       if r["bound"] is None and (g not in best["naive"] or _peak(r) < _peak(best["naive"][g])):
@@ -192,7 +192,7 @@ def longest_context(config, emit) -> None:
     tries, winners = [], {}
 
     def attempt(p):
-      micro = [c.replay_micro_batch] if mode == "replay" else bench._candidates(c.naive_micro_batches, c.G)
+      micro = [c.replay_micro_batch] if mode == "replay" else bench.candidates(c.naive_micro_batches, c.G)
       for m in micro:
         tries.append(_attempt(config, emit, "longest_context", mode=mode, remat=remat, P=p, T=c.T, G=c.G,
                               micro_batch=m, compile_only=c.compile_only))

@@ -12,7 +12,7 @@ Mesh axes ("data", "branch", "seq"), every axis type Explicit (`jax.sharding.Axi
              parallelism: see seq_parallel.py and kernels/context_parallel.py. Completions are
              replicated over `seq`.
 
-Gradients are all-reduced once per step. The trap (jax-ml/jax #3970; shared/cases C15): with
+Gradients are all-reduced once per step. The trap (jax-ml/jax #3970; docs/design.md, "Pitfalls"): with
 `check_vma=True`, differentiating inside `shard_map` with respect to a replicated (invariant)
 input already psums the gradient over the axes the computation varies on, and a hand-written
 psum on top over-counts by the device count. Here the parameters are first cast to "varying"
@@ -23,7 +23,7 @@ shares back to one (exact for power-of-two n, one rounding otherwise). With seq 
 `seq` device computes the whole loss (the completions are replicated and see the whole prompt
 through the log-sum-exp merge), so the psum over the mesh is S times the gradient: divided by S.
 
-The GRPO / RLOO training loop (train.py) runs its update here when config.mesh is larger than
+The GRPO / RLOO training loop (algorithms/grpo.py) runs its update here when config.mesh is larger than
 1 x 1 x 1: the step's groups padded to one prompt length (`pad_prompts`), stacked and placed.
 
 Parameters are replicated or FSDP-sharded at rest (`param_specs`). FSDP here shards each leaf's
@@ -45,10 +45,10 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from branch_replay_jax.policy import (Objective, _tree_node_fn, _tree_root_fn, replay_logprobs,
+from branch_replay_jax.gradients.logprobs import (Objective, tree_node_fn, tree_root_fn, replay_logprobs,
                                       replay_value_and_grad)
-from branch_replay_jax.replay import nested_replay_vjp
-from branch_replay_jax.seq_parallel import (check_prompt_split, chunk_replay_logprobs, chunk_replay_value_and_grad,
+from branch_replay_jax.core.tree_replay import nested_replay_vjp
+from branch_replay_jax.distributed.seq_parallel import (check_prompt_split, chunk_replay_logprobs, chunk_replay_value_and_grad,
                                             chunk_tree_replay_value_and_grad)
 
 MESH_AXES = ("data", "branch", "seq")
@@ -172,7 +172,7 @@ def _over_mesh(per_device, params, batch, mesh, out_specs):
 
   The parameters are all-gathered at the boundary (`jax.reshard` to P(); module docstring) and
   cast to varying over every mesh axis inside: their gradients then stay per-device until an
-  explicit psum (no implicit one, C15), and the layer scan's carry keeps one type while mixing
+  explicit psum (no implicit one; module docstring), and the layer scan's carry keeps one type while mixing
   the prompt (varying over `seq`) with the completions (varying over `branch`).
   """
   full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
@@ -257,8 +257,8 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: dict, objective:
     kw = dict(micro_batch=micro_batch, logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce)
     if n_seq > 1:
       return chunk_tree_replay_value_and_grad(graphdef, local, arrays, objective, **kw)
-    node_fn = _tree_node_fn(graphdef, objective, logprob_chunk)
-    return nested_replay_vjp(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), local,
+    node_fn = tree_node_fn(graphdef, objective, logprob_chunk)
+    return nested_replay_vjp(tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), local,
                              arrays["levels"], micro_batch=micro_batch, reduce_prefix_cotangent=reduce)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
@@ -269,7 +269,7 @@ def sharded_replay_logprobs(graphdef, params, batch: dict, mesh, *, micro_batch:
   replay under `shard_map` (reference and old-policy log-probs of the training loop).
 
   Args and placement as `sharded_replay_value_and_grad`. Returns the log-probs sharded
-  P("data", "branch"), equal to `policy.replay_logprobs` group by group.
+  P("data", "branch"), equal to `gradients.logprobs.replay_logprobs` group by group.
   """
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
