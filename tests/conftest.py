@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.data.groups import make_group
+from branch_replay_jax.models import Llama, tiny_config
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -20,10 +20,11 @@ from conftest import max_rel_err, random_group
 from flax import nnx
 
 from branch_replay_jax import losses as obj
+from branch_replay_jax.data.batches import group_arrays
+from branch_replay_jax.gradients.logprobs import replay_value_and_grad
 from branch_replay_jax.kernels import (KVBlock, attention_fn, resolve_attention_impl, suffix_attention,
                                       suffix_attention_pallas, suffix_attention_splash)
 from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.gradients.logprobs import group_arrays, replay_value_and_grad
 
 FLOOR = 1e-6
 

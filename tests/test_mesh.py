@@ -18,16 +18,17 @@ from jax.sharding import PartitionSpec as P
 from test_replay import grpo_arrays, grpo_objective
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
-from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
-from branch_replay_jax.models.llama import REMAT_POLICIES
-from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_logprobs, replay_value_and_grad,
-                                      trajectory_group_arrays, tree_arrays, tree_replay_value_and_grad)
 from branch_replay_jax.core.replay import replay_vjp
+from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
 from branch_replay_jax.distributed.mesh import (make_mesh, make_train_step, pad_prompts, param_specs, shard_batch,
                                         shard_params, sharded_replay_logprobs, sharded_replay_value_and_grad,
                                         sharded_tree_replay_value_and_grad, stack_groups)
-from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
+from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_logprobs, replay_value_and_grad,
+                                                  tree_replay_value_and_grad)
+from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
+from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
+from branch_replay_jax.models.llama import REMAT_POLICIES
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 

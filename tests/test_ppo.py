@@ -15,15 +15,15 @@ from hypothesis import strategies as st
 from test_train import _length_score, final_params, max_rel
 from test_tree_replay import random_trees
 
-from branch_replay_jax import main as entry
 from branch_replay_jax import losses as obj
+from branch_replay_jax import main as entry
 from branch_replay_jax.algorithms import ppo
+from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.critic import ActorCritic
-from branch_replay_jax.gradients.logprobs import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.rollout.tasks import Task
-from branch_replay_jax.data.trees import pad_tree
 from experiments import ppo_smollm2_arith
 
 KW = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)

@@ -92,8 +92,8 @@ import os  # noqa: E402
 
 from test_train import _length_score, final_params, max_rel  # noqa: E402
 
-from branch_replay_jax.algorithms import dpo  # noqa: E402
 from branch_replay_jax import main as entry  # noqa: E402
+from branch_replay_jax.algorithms import dpo  # noqa: E402
 from branch_replay_jax.rollout.tasks import Task  # noqa: E402
 from experiments import dpo_smollm2_arith, rloo_smollm2_arith  # noqa: E402
 

@@ -8,10 +8,11 @@ from flax import nnx
 from conftest import max_rel_err, random_group, tiny_model
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.models.llama import REMAT_POLICIES
-from branch_replay_jax.gradients.logprobs import (group_arrays, naive_logprobs, naive_value_and_grad, replay_logprobs,
-                                      replay_value_and_grad)
 from branch_replay_jax.core.replay import replay_vjp
+from branch_replay_jax.data.batches import group_arrays
+from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
+                                                  replay_value_and_grad)
+from branch_replay_jax.models.llama import REMAT_POLICIES
 
 LENGTHS = {1: [6], 2: [1, 9], 7: [1, 5, 9, 3, 7, 1, 8]}
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from branch_replay_jax.models import tiny_config
 from branch_replay_jax.data.counts import group_counts
 from branch_replay_jax.data.groups import bucket_length, group_from_padded, make_group
+from branch_replay_jax.models import tiny_config
 
 KW = dict(vocab_size=64, max_positions=64)
 

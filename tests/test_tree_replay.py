@@ -11,12 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.models import tiny_config
-from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, trajectory_group_arrays, tree_arrays,
-                                      tree_replay_logprobs, tree_replay_value_and_grad)
+from branch_replay_jax.core.tree_replay import SCHEDULES
+from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
-from branch_replay_jax.core.tree_replay import SCHEDULES
+from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, tree_replay_logprobs,
+                                                  tree_replay_value_and_grad)
+from branch_replay_jax.models import tiny_config
 
 MODES = obj.NORMALISATIONS
 L_MAX = 16

@@ -16,7 +16,8 @@ from branch_replay_jax.rollout import tree_sampler as tree_sampling
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.outputs.plots import draw_tree
-from branch_replay_jax.gradients.logprobs import tree_arrays, tree_replay_value_and_grad
+from branch_replay_jax.data.batches import tree_arrays
+from branch_replay_jax.gradients.logprobs import tree_replay_value_and_grad
 from branch_replay_jax.rollout.sampler import sample_group
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.trees import pad_tree

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
+
 PyTree = Any
 
 
@@ -48,11 +50,7 @@ def _micro_batches(branches: PyTree, micro_batch: int) -> tuple[PyTree, int]:
   g = _num_branches(branches)
   if not isinstance(micro_batch, int) or micro_batch < 1 or g % micro_batch:
     raise ValueError(f"replay: micro_batch={micro_batch!r} must be a positive divisor of the number of branches G={g}")
-  return jax.tree_util.tree_map(lambda x: x.reshape((g // micro_batch, micro_batch) + x.shape[1:]), branches), g
-
-
-def _unstack(tree: PyTree, g: int) -> PyTree:
-  return jax.tree_util.tree_map(lambda x: x.reshape((g,) + x.shape[2:]), tree)
+  return split_micro_batches(branches, micro_batch), g
 
 
 def replay_vjp(prefix_fn: Callable[[PyTree], PyTree],
@@ -94,24 +92,17 @@ def replay_vjp(prefix_fn: Callable[[PyTree], PyTree],
     it = iter(floats)
     return jax.tree_util.tree_unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, is_float)])
 
-  def step_loss(p, floats, mb):
+  def step_loss(primals, mb):
+    p, floats = primals
     losses, aux = jax.vmap(branch_fn, in_axes=(None, None, 0))(p, rebuild(floats), mb)
     return jnp.sum(losses), aux
 
-  grad_fn = jax.value_and_grad(step_loss, argnums=(0, 1), has_aux=True)
-  add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)
-
-  def step(carry, mb):
-    loss_acc, d_params, d_floats = carry
-    (loss, aux), (dp, dfl) = grad_fn(params, float_leaves, mb)
-    return (loss_acc + loss, add(d_params, dp), add(d_floats, dfl)), aux
-
-  zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
+  primals = (params, float_leaves)
   first = jax.tree_util.tree_map(lambda x: x[0], batches)
   # zeros_like of a prefix output keeps its sharding type (varying under shard_map) for the carry.
-  loss0 = jnp.zeros_like(float_leaves[0], shape=(),
-                         dtype=jax.eval_shape(step_loss, params, float_leaves, first)[0].dtype)
-  (loss, d_params, d_floats), aux = jax.lax.scan(step, (loss0, zeros(params), zeros(float_leaves)), batches)
+  loss0 = jnp.zeros_like(float_leaves[0], shape=(), dtype=jax.eval_shape(step_loss, primals, first)[0].dtype)
+  carry = (loss0, jax.tree_util.tree_map(jnp.zeros_like, primals))
+  (loss, (d_params, d_floats)), aux = scan_value_and_grad(step_loss, primals, batches, carry)
   if reduce_prefix_cotangent is not None:
     d_floats = reduce_prefix_cotangent(d_floats)
   it = iter(d_floats)
@@ -119,7 +110,7 @@ def replay_vjp(prefix_fn: Callable[[PyTree], PyTree],
       treedef, [next(it) if f else np.zeros(x.shape, jax.dtypes.float0) for x, f in zip(leaves, is_float)])
   (d_params_prefix,) = prefix_pullback(d_prefix)
   grads = jax.tree_util.tree_map(jnp.add, d_params, d_params_prefix)
-  return loss, _unstack(aux, g), grads
+  return loss, merge_micro_batches(aux, g), grads
 
 
 def replay_map(prefix_fn: Callable[[PyTree], PyTree], branch_fn: Callable[[PyTree, PyTree, PyTree], PyTree],
@@ -136,4 +127,4 @@ def replay_map(prefix_fn: Callable[[PyTree], PyTree], branch_fn: Callable[[PyTre
     return None, jax.vmap(branch_fn, in_axes=(None, None, 0))(params, prefix_out, mb)
 
   _, out = jax.lax.scan(step, None, batches)
-  return _unstack(out, g)
+  return merge_micro_batches(out, g)

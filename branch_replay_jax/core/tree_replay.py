@@ -1,9 +1,10 @@
 """Nested replay on rollout trees of any depth: every node's forward and backward run once.
 
 A padded tree (data.trees.PaddedTree) is a root (the prompt) and D uniform levels: levels[d] holds the
-nodes at depth d + 1 in slots [F_0, ..., F_d]; slot (i_0, ..., i_d) is child i_d of slot
-(i_0, ..., i_{d-1}). A node's forward needs the outputs of its ancestors (their K/V and the
-parent's last hidden state); the loss is a sum over nodes, so by the chain rule
+nodes at depth d + 1 in slots [F_1, ..., F_{d+1}] (PaddedTree's level d + 1, same slot indexing);
+slot (i_1, ..., i_{d+1}) is child i_{d+1} of slot (i_1, ..., i_d). A node's forward needs the
+outputs of its ancestors (their K/V and the parent's last hidden state); the loss is a sum over
+nodes, so by the chain rule
 
     dθ = Σ_n ∂L_n/∂θ + Σ_n (∂out_n/∂θ)ᵀ · Σ_{c below n} ∂L_c/∂out_n
 
@@ -21,16 +22,16 @@ and each node pulls back once with the cotangents of all its descendants summed 
       of T_d tokens per step): slow where the hardware wants big batches.
 
   "level": level-synchronous. Level d's nodes run forward together (nested `vmap` over the slot
-      axes [F_0..F_d]; an ancestor's K/V is broadcast to its descendants by the vmap, never
+      axes [F_1..F_{d+1}]; an ancestor's K/V is broadcast to its descendants by the vmap, never
       tiled) under one `jax.vjp`; the last level runs value_and_grad in micro-batches of its
       last slot axis; then the levels pull back from the deepest up. vmap's transpose sums the
       children's cotangents into their parent (the segment-sum over the parent index).
 
-        root ─vjp─► level 0 (F_0 nodes) ─vjp─► level 1 (F_0 F_1 nodes) ─► ... ─grad─► leaves
+        root ─vjp─► level 0 (F_1 nodes) ─vjp─► level 1 (F_1 F_2 nodes) ─► ... ─grad─► leaves
              ◄─pullback─           ◄─pullback─                 ◄──────────────────
 
       Residuals alive: all internal levels at once (memory grows with the number of internal
-      nodes) plus one leaf micro-batch across all parents; big matmuls (F_0...F_d segments per
+      nodes) plus one leaf micro-batch across all parents; big matmuls (F_1...F_{d+1} segments per
       call), so much faster on CPUs and accelerators when it fits.
 
 Both are exact: they evaluate the same sum, only the float summation order differs.
@@ -43,6 +44,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
 
 PyTree = Any
 SCHEDULES = ("depth_first", "level")
@@ -104,10 +107,10 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
       outputs from the root down to the parent, node a slot of levels[d] without its leading axes,
       out the node's output pytree (ignored at the last level), loss a float scalar.
     params: the differentiated pytree.
-    levels: levels[d] is a pytree whose leaves have leading axes [F_0, ..., F_d] (fan-outs).
+    levels: levels[d] is a pytree whose leaves have leading axes [F_1, ..., F_{d+1}] (fan-outs).
     micro_batch: leaf slots per sibling group run together per `lax.scan` step at the last level
-      (must divide F_{D-1}). depth_first: m leaves of one parent per step; level: m leaves of
-      EVERY parent per step (F_0...F_{D-2} m leaves).
+      (must divide F_D). depth_first: m leaves of one parent per step; level: m leaves of
+      EVERY parent per step (F_1...F_{D-1} m leaves).
     schedule: "depth_first" (least memory) or "level" (fastest); same gradient.
     reduce_prefix_cotangent: applied to the root output's summed cotangent (a list of float
       arrays) before its pullback, as in `core.replay.replay_vjp` (under `shard_map`: the all-reduce
@@ -115,7 +118,7 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
 
   Returns:
     (loss summed over all nodes, aux: list over levels of node_fn's aux stacked on the level's
-    slot axes [F_0..F_d, ...], grads like params).
+    slot axes [F_1..F_{d+1}, ...], grads like params).
 
   Raises:
     ValueError: no levels or not one node_fn per level, an unknown schedule, a micro_batch that
@@ -142,10 +145,6 @@ def _loss_dtype(fn, params, ancestors, level, d):
   return jax.eval_shape(lambda p: fn(p, anc, node)[1], params).dtype
 
 
-def _unstack(tree, n):
-  return jax.tree_util.tree_map(lambda x: x.reshape((n,) + x.shape[2:]), tree)
-
-
 def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
   """Depth-first: all children (one slot axis of levels[0]) of the node whose ancestors are given.
 
@@ -160,18 +159,15 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
   fn = node_fns[d]
 
   if len(levels) == 1:   # leaves: value_and_grad of a vmapped micro-batch, as in replay_vjp
-    def step_loss(p, floats, mb):
+    def step_loss(primals, mb):
+      p, floats = primals
       _, losses, aux = jax.vmap(fn, in_axes=(None, None, 0))(p, rebuild(floats), mb)
       return jnp.sum(losses), aux
     f = jax.tree_util.tree_leaves(levels[0])[0].shape[0]
-    batches = jax.tree_util.tree_map(lambda x: x.reshape((f // micro_batch, micro_batch) + x.shape[1:]), levels[0])
-    grad_fn = jax.value_and_grad(step_loss, argnums=(0, 1), has_aux=True)
-
-    def leaf_step(carry, mb):
-      (loss, aux), (dp, da) = grad_fn(params, anc_floats, mb)
-      return (carry[0] + loss, _add(carry[1], dp), _add(carry[2], da)), aux
-    (loss, d_params, d_anc), aux = jax.lax.scan(leaf_step, acc, batches)
-    return loss, [_unstack(aux, f)], d_params, d_anc
+    (loss, (d_params, d_anc)), aux = scan_value_and_grad(step_loss, (params, anc_floats),
+                                                         split_micro_batches(levels[0], micro_batch),
+                                                         (acc[0], (acc[1], acc[2])))
+    return loss, [merge_micro_batches(aux, f)], d_params, d_anc
 
   def child_step(carry, child):   # one internal node and its whole subtree
     loss_acc, d_params, d_anc = carry
@@ -193,8 +189,8 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
 
 
 def _vmapped(fn, d):
-  """fn over the slots [F_0..F_d] of level d. Its ancestors are (root, level 0, ..., level d-1);
-  level e's outputs carry slot axes [F_0..F_e], consumed by the outer e + 1 vmaps and broadcast by
+  """fn over the slots [F_1..F_{d+1}] of level d. Its ancestors are (root, level 0, ..., level d-1);
+  level e's outputs carry slot axes [F_1..F_{e+1}], consumed by the outer e + 1 vmaps and broadcast by
   the inner ones (so an ancestor's K/V is shared by its descendants, not copied)."""
   g = fn
   for k in reversed(range(d + 1)):
@@ -203,7 +199,7 @@ def _vmapped(fn, d):
 
 
 def _split_last(level, d, m):
-  """Slots [F_0..F_d] -> scan steps [F_d / m, F_0..F_{d-1}, m] (m leaf siblings of every parent per step)."""
+  """Slots [F_1..F_{d+1}] -> scan steps [F_{d+1} / m, F_1..F_d, m] (m leaf siblings of every parent per step)."""
   def split(x):
     s = x.shape
     x = x.reshape(s[:d] + (s[d] // m, m) + s[d + 1:])
@@ -212,7 +208,7 @@ def _split_last(level, d, m):
 
 
 def _merge_last(tree, d):
-  """Inverse of `_split_last` for scan outputs [F_d / m, F_0..F_{d-1}, m, ...]."""
+  """Inverse of `_split_last` for scan outputs [F_{d+1} / m, F_1..F_d, m, ...]."""
   def merge(x):
     x = jnp.moveaxis(x, 0, d)
     return x.reshape(x.shape[:d] + (x.shape[d] * x.shape[d + 1],) + x.shape[d + 2:])
@@ -240,18 +236,15 @@ def _level_schedule(node_fns, params, root, levels, micro_batch):
   fn = _vmapped(node_fns[last], last)
   anc_floats = [f for f, _ in ancestors]
 
-  def step_loss(p, floats, mb):
+  def step_loss(primals, mb):
+    p, floats = primals
     _, loss, aux = fn(p, tuple(rb(f) for f, (_, rb) in zip(floats, ancestors)), mb)
     return jnp.sum(loss), aux
-  grad_fn = jax.value_and_grad(step_loss, argnums=(0, 1), has_aux=True)
-
-  def leaf_step(carry, mb):
-    (loss, aux), (dp, da) = grad_fn(params, anc_floats, mb)
-    return (carry[0] + loss, _add(carry[1], dp), _add(carry[2], da)), aux
+  primals = (params, anc_floats)
   batches = _split_last(levels[last], last, micro_batch)
   first = jax.tree_util.tree_map(lambda x: x[0], batches)
-  loss0 = jnp.zeros_like(anc_floats[0][0], shape=(), dtype=jax.eval_shape(step_loss, params, anc_floats, first)[0].dtype)
-  (loss, d_params, d_anc), leaf_aux = jax.lax.scan(leaf_step, (loss0, _zeros(params), _zeros(anc_floats)), batches)
+  loss0 = jnp.zeros_like(anc_floats[0][0], shape=(), dtype=jax.eval_shape(step_loss, primals, first)[0].dtype)
+  (loss, (d_params, d_anc)), leaf_aux = scan_value_and_grad(step_loss, primals, batches, (loss0, _zeros(primals)))
 
   for d in reversed(range(depth - 1)):   # level d's outputs are ancestor d + 1
     pullback, level_loss = pullbacks[d]
@@ -271,11 +264,11 @@ def nested_replay_map(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
       `nested_replay_vjp` but with any pytree of arrays `value` in place of (loss, aux).
     params, levels: as in `nested_replay_vjp`.
     micro_batch: leaf siblings (of every parent) per `lax.scan` step at the last level; must
-      divide F_{D-1}. Nothing is kept for a backward pass, so memory is the outputs of all
+      divide F_D. Nothing is kept for a backward pass, so memory is the outputs of all
       internal nodes (their K/V) plus one level's activations.
 
   Returns:
-    list over levels d of node_fns[d]'s value stacked on the slot axes [F_0..F_d, ...].
+    list over levels d of node_fns[d]'s value stacked on the slot axes [F_1..F_{d+1}, ...].
 
   Raises:
     ValueError: as `nested_replay_vjp`.

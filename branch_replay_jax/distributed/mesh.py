@@ -45,11 +45,9 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from branch_replay_jax.gradients.logprobs import (Objective, tree_node_fn, tree_root_fn, replay_logprobs,
-                                      replay_value_and_grad)
-from branch_replay_jax.core.tree_replay import nested_replay_vjp
-from branch_replay_jax.distributed.seq_parallel import (check_prompt_split, chunk_replay_logprobs, chunk_replay_value_and_grad,
-                                            chunk_tree_replay_value_and_grad)
+from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
+from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
+                                                  tree_replay_value_and_grad)
 
 MESH_AXES = ("data", "branch", "seq")
 PARAM_MODES = ("replicated", "fsdp")
@@ -73,7 +71,7 @@ def make_mesh(data: int, branch: int, seq: int = 1, devices=None) -> jax.shardin
 
 
 def stack_groups(groups: list[dict]) -> dict:
-  """Stack `group_arrays` (or `tree_arrays`) dicts of equal shapes on a leading axis [B, ...].
+  """Stack `data.batches.group_arrays` (or `tree_arrays`) dicts of equal shapes on a leading axis [B, ...].
 
   Raises:
     ValueError: groups whose shapes differ (bucket them to the same prompt/completion lengths).
@@ -104,10 +102,10 @@ def pad_prompts(groups: list[dict], multiple: int = 1) -> list[dict]:
 
 def batch_specs(batch: dict, mesh) -> dict:
   """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] P("data", "seq"); completions
-  ("branches" [B, G, ...]) and tree levels ("levels" [B, F_0, ...]) P("data", "branch"); the rest P("data").
+  ("branches" [B, G, ...]) and tree levels ("levels" [B, F_1, ...]) P("data", "branch"); the rest P("data").
 
   Raises:
-    ValueError: B, G (F_0) or P_pad not divisible by the data, branch or seq size.
+    ValueError: B, G (F_1) or P_pad not divisible by the data, branch or seq size.
   """
   def spec(path, x):
     keys = [getattr(k, "key", None) for k in path]
@@ -186,7 +184,7 @@ def _over_mesh(per_device, params, batch, mesh, out_specs):
 def _mesh_value_and_grad(per_group, params, batch, mesh):
   """Σ over the batch of per_group(local params, one group's arrays, reduce) under shard_map.
 
-  per_group returns (loss, aux, grads) of one group on this device, aux with a leading G (or F_0)
+  per_group returns (loss, aux, grads) of one group on this device, aux with a leading G (or F_1)
   axis; reduce is the prompt-cotangent all-reduce over `branch`. Returns (loss replicated, aux
   [B, G, ...] sharded P("data", "branch"), grads resharded like `params`).
   """
@@ -237,29 +235,29 @@ def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Obje
   check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
 
   def per_group(local, arrays, reduce):
-    kw = dict(micro_batch=micro_batch, logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce)
-    fn = chunk_replay_value_and_grad if n_seq > 1 else replay_value_and_grad
-    return fn(graphdef, local, arrays, objective, **kw)
+    split = prompt_split(graphdef, local, arrays) if n_seq > 1 else {}
+    return replay_value_and_grad(graphdef, local, arrays, objective, micro_batch=micro_batch,
+                                 logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
 def sharded_tree_replay_value_and_grad(graphdef, params, batch: dict, objective: Objective, mesh, *,
-                                       micro_batch: int = 1, logprob_chunk: int = 256):
-  """(loss, grads) summed over a batch of rollout trees (stacked `tree_arrays`), by nested replay
-  under `shard_map`: trees over `data`, first-level subtrees (F_0) over `branch`, prompt over `seq`.
+                                       micro_batch: int = 1, logprob_chunk: int = 256,
+                                       schedule: str = "depth_first"):
+  """(loss, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`), by nested replay
+  under `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
+  schedule: as in `gradients.logprobs.tree_replay_value_and_grad`.
 
-  Returns and raises as `sharded_replay_value_and_grad` (with F_0 in place of G).
+  Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G).
   """
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
 
   def per_group(local, arrays, reduce):
-    kw = dict(micro_batch=micro_batch, logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce)
-    if n_seq > 1:
-      return chunk_tree_replay_value_and_grad(graphdef, local, arrays, objective, **kw)
-    node_fn = tree_node_fn(graphdef, objective, logprob_chunk)
-    return nested_replay_vjp(tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), local,
-                             arrays["levels"], micro_batch=micro_batch, reduce_prefix_cotangent=reduce)
+    split = prompt_split(graphdef, local, arrays) if n_seq > 1 else {}
+    return tree_replay_value_and_grad(graphdef, local, arrays, objective, micro_batch=micro_batch,
+                                      logprob_chunk=logprob_chunk, schedule=schedule,
+                                      reduce_prefix_cotangent=reduce, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
@@ -274,11 +272,11 @@ def sharded_replay_logprobs(graphdef, params, batch: dict, mesh, *, micro_batch:
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
 
-  fn = chunk_replay_logprobs if n_seq > 1 else replay_logprobs
-
   def per_device(local, batch):
     def one_group(_, arrays):
-      return None, fn(graphdef, local, arrays, micro_batch=micro_batch, logprob_chunk=logprob_chunk)
+      split = prompt_split(graphdef, local, arrays) if n_seq > 1 else {}
+      return None, replay_logprobs(graphdef, local, arrays, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
+                                   **split)
     return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
   return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
 

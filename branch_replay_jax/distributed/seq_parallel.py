@@ -21,9 +21,6 @@ from flax import nnx
 
 from branch_replay_jax.kernels import attention_fn
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
-from branch_replay_jax.gradients.logprobs import Objective, branch_logprobs, tree_node_fn
-from branch_replay_jax.core.replay import replay_map, replay_vjp
-from branch_replay_jax.core.tree_replay import nested_replay_vjp
 
 
 def check_prompt_split(p_pad: int, seq: int) -> int:
@@ -55,47 +52,15 @@ def _chunk_prefix_fn(graphdef, arrays: dict, axis: str):
   return prefix_fn
 
 
-def chunk_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, axis: str = "seq",
-                                micro_batch: int = 1, logprob_chunk: int = 256, reduce_prefix_cotangent=None):
-  """`gradients.logprobs.replay_value_and_grad` for a group whose arrays["prompt_ids"] is this device's prompt chunk [C].
+def prompt_split(graphdef, params, arrays: dict, *, axis: str = "seq") -> dict:
+  """{"prefix_fn", "attention"} for gradients.logprobs' replay functions when arrays["prompt_ids"] is
+  this device's prompt chunk [C] over `axis`: the chunk's prefix (`_chunk_prefix_fn`) and the
+  completions' attention over the sharded prompt K/V merged by log-sum-exp (`over_sharded_prompt`).
 
-  Call inside `shard_map` over `axis` with the prompt split as P(..., axis) and the branches
-  replicated over `axis`. Returns (loss, aux [G, ...], grads) as on one device, except that the
-  grads are this device's share: summed over `axis` they give S x d loss / d params (every device
-  computes the whole loss).
+  Call inside `shard_map` over `axis` with the prompt split as P(..., axis) and the completions (tree
+  nodes) replicated over `axis`. The replay functions then return (loss, aux, grads) as on one
+  device, except that the grads are this device's share: summed over `axis` they give S x d loss /
+  d params (every device computes the whole loss).
   """
-  impl = nnx.merge(graphdef, params).attention_impl
-  attention = over_sharded_prompt(attention_fn(impl), axis)
-
-  def branch_fn(p, prefix_out, branch):
-    logp = branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
-    return objective(logp, branch)
-  return replay_vjp(_chunk_prefix_fn(graphdef, arrays, axis), branch_fn, params, arrays["branches"],
-                    micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)
-
-
-def chunk_replay_logprobs(graphdef, params, arrays: dict, *, axis: str = "seq", micro_batch: int = 1,
-                          logprob_chunk: int = 256) -> jax.Array:
-  """`gradients.logprobs.replay_logprobs` ([G, T] float32, 0 on padding) for a group whose prompt is split over
-  `axis` (see `chunk_replay_value_and_grad`); every device of `axis` returns the same values."""
   attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).attention_impl), axis)
-
-  def branch_fn(p, prefix_out, branch):
-    return branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
-  return replay_map(_chunk_prefix_fn(graphdef, arrays, axis), branch_fn, params, arrays["branches"],
-                    micro_batch=micro_batch)
-
-
-def chunk_tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, axis: str = "seq",
-                                     micro_batch: int = 1, logprob_chunk: int = 256, reduce_prefix_cotangent=None):
-  """`gradients.logprobs.tree_replay_value_and_grad` for a tree whose prompt is split over `axis` (see
-  `chunk_replay_value_and_grad`); every tree node is replicated over `axis`."""
-  impl = nnx.merge(graphdef, params).attention_impl
-  prefix = _chunk_prefix_fn(graphdef, arrays, axis)
-
-  def root_fn(p):
-    kv, last_hidden = prefix(p)
-    return {"kv": kv, "last_hidden": last_hidden, "end": arrays["prompt_len"]}
-  node_fn = tree_node_fn(graphdef, objective, logprob_chunk, over_sharded_prompt(attention_fn(impl), axis))
-  return nested_replay_vjp(root_fn, [node_fn] * len(arrays["levels"]), params, arrays["levels"],
-                           micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)
+  return {"prefix_fn": _chunk_prefix_fn(graphdef, arrays, axis), "attention": attention}

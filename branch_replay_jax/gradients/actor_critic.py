@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from branch_replay_jax.models.critic import ActorCritic
-from branch_replay_jax.models.llama import token_logprobs
-from branch_replay_jax.gradients.logprobs import naive_batch
+from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
 from branch_replay_jax.core.replay import replay_map, replay_vjp
 from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
+from branch_replay_jax.gradients.logprobs import naive_batch
+from branch_replay_jax.models.critic import ActorCritic
+from branch_replay_jax.models.llama import token_logprobs
 
 PPOObjective = Callable[[jax.Array, jax.Array, dict], tuple[jax.Array, Any]]
 
@@ -100,7 +101,7 @@ def replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjectiv
                           logprob_chunk: int = 256):
   """(loss, aux [G, ...], grads for policy AND critic) of Σ_g objective over a group, by branch replay.
 
-  arrays: `logprobs.group_arrays` with the objective's fields per completion. aux holds the
+  arrays: `data.batches.group_arrays` with the objective's fields per completion. aux holds the
   objective's aux per completion.
   """
   node_fn = _node_fn(graphdef, logprob_chunk, objective)
@@ -118,14 +119,15 @@ def replay_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int =
 
 
 def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int = 1,
-                               logprob_chunk: int = 256):
+                               logprob_chunk: int = 256, schedule: str = "depth_first"):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp, values, node), by nested replay.
 
-  arrays: `logprobs.tree_arrays`; aux[d] = {"logp", "values": [F_1..F_d, T_d], "aux": ...} per slot.
+  arrays: `data.batches.tree_arrays`; aux[d] = {"logp", "values": [F_1..F_d, T_d], "aux": ...} per slot.
+  schedule: "depth_first" (least memory) or "level" (batched levels), as in core/tree_replay.py.
   """
   node_fn = _node_fn(graphdef, logprob_chunk, objective)
   return nested_replay_vjp(_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params, arrays["levels"],
-                           micro_batch=micro_batch)
+                           micro_batch=micro_batch, schedule=schedule)
 
 
 def tree_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
@@ -161,8 +163,6 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective
   m = g if micro_batch is None else micro_batch
   if m < 1 or g % m:
     raise ValueError(f"naive_value_and_grad: micro_batch={micro_batch!r} must be a positive divisor of G={g}")
-  batches = jax.tree_util.tree_map(lambda x: x.reshape((g // m, m) + x.shape[1:]),
-                                   (tokens, valid, arrays["branches"]))
 
   def loss_fn(p, mb):
     tok, val, branches = mb
@@ -170,14 +170,8 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective
     losses, aux = jax.vmap(objective)(logp, values, branches)
     return jnp.sum(losses), aux
 
-  def step(carry, mb):
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-    return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
-
-  first = jax.tree_util.tree_map(lambda x: x[0], batches)
-  loss0 = jnp.zeros((), jax.eval_shape(loss_fn, params, first)[0].dtype)
-  (loss, grads), aux = jax.lax.scan(step, (loss0, jax.tree_util.tree_map(jnp.zeros_like, params)), batches)
-  return loss, jax.tree_util.tree_map(lambda x: x.reshape((g,) + x.shape[2:]), aux), grads
+  (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, arrays["branches"]), m))
+  return loss, merge_micro_batches(aux, g), grads
 
 
 def naive_logprobs_values(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> dict:

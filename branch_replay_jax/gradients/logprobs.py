@@ -21,37 +21,22 @@ The model enters through `nnx.split`: `graphdef, params = nnx.split(model)`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
 from branch_replay_jax.core.replay import replay_map, replay_vjp
-from branch_replay_jax.data.groups import RolloutGroup, make_group
-from branch_replay_jax.data.trees import PaddedTree, RolloutTree
 from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
+from branch_replay_jax.models.llama import token_logprobs
 
 Objective = Callable[[jax.Array, dict], tuple[jax.Array, Any]]
 
 
-def group_arrays(group: RolloutGroup, **extras) -> dict:
-  """The group as a dict of device arrays: prompt, completions and per-branch extras [G, ...]."""
-  g = group.num_completions
-  for name, value in extras.items():
-    if np.shape(value)[:1] != (g,):
-      raise ValueError(f"group_arrays: extra {name!r} has shape {np.shape(value)}; needs a leading axis G={g}")
-  return {
-      "prompt_ids": jnp.asarray(group.prompt_ids),
-      "prompt_len": jnp.asarray(group.prompt_len, jnp.int32),
-      "branches": {"tokens": jnp.asarray(group.completion_ids), "mask": jnp.asarray(group.completion_mask),
-                   **{k: jnp.asarray(v) for k, v in extras.items()}},
-  }
-
-
-def _prefix_fn(graphdef, arrays):
+def prompt_prefix_fn(graphdef, arrays):
+  """params -> (the prompt's per-layer K/V, its last real position's hidden state [d]): replay's prefix."""
   def prefix_fn(params):
     model = nnx.merge(graphdef, params)
     p_pad = arrays["prompt_ids"].shape[0]
@@ -76,27 +61,36 @@ def _segment(model, segment: dict, offset, ancestors: list, parent_last_hidden, 
   return out, jnp.where(segment["mask"], logp, 0.0)
 
 
-def branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
+def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
   kv, last_hidden = prefix_out
   return _segment(nnx.merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention)[1]
 
 
 def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
-                          logprob_chunk: int = 256, reduce_prefix_cotangent=None):
+                          logprob_chunk: int = 256, reduce_prefix_cotangent=None, prefix_fn=None, attention=None):
   """(loss, aux [G, ...], grads) of Σ_g objective by branch replay. See the module docstring and
-  `replay_vjp` for `reduce_prefix_cotangent`."""
+  `replay_vjp` for `reduce_prefix_cotangent`.
+
+  prefix_fn, attention: replace `prompt_prefix_fn(graphdef, arrays)` and the completions' attention
+  (context parallelism: distributed/seq_parallel.py's `prompt_split`); default: the whole prompt
+  on this device and the model's own attention.
+  """
   def branch_fn(p, prefix_out, branch):
-    logp = branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
+    logp = _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
     return objective(logp, branch)
-  return replay_vjp(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch,
+  prefix_fn = prompt_prefix_fn(graphdef, arrays) if prefix_fn is None else prefix_fn
+  return replay_vjp(prefix_fn, branch_fn, params, arrays["branches"], micro_batch=micro_batch,
                     reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
-def replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
-  """[G, T] float32 log-probs of every completion token (0 on padding), forward-only replay."""
+def replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256,
+                    prefix_fn=None, attention=None) -> jax.Array:
+  """[G, T] float32 log-probs of every completion token (0 on padding), forward-only replay.
+  prefix_fn, attention: as in `replay_value_and_grad`."""
   def branch_fn(p, prefix_out, branch):
-    return branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk)
-  return replay_map(_prefix_fn(graphdef, arrays), branch_fn, params, arrays["branches"], micro_batch=micro_batch)
+    return _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
+  prefix_fn = prompt_prefix_fn(graphdef, arrays) if prefix_fn is None else prefix_fn
+  return replay_map(prefix_fn, branch_fn, params, arrays["branches"], micro_batch=micro_batch)
 
 
 def naive_batch(arrays):
@@ -135,8 +129,6 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *
   m = g if micro_batch is None else micro_batch
   if m < 1 or g % m:
     raise ValueError(f"naive_value_and_grad: micro_batch={micro_batch!r} must be a positive divisor of G={g}")
-  split = lambda x: x.reshape((g // m, m) + x.shape[1:])
-  batches = jax.tree_util.tree_map(split, (tokens, valid, arrays["branches"]))
 
   def loss_fn(p, mb):
     tok, val, branches = mb
@@ -144,15 +136,8 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *
     losses, aux = jax.vmap(objective)(logp, branches)
     return jnp.sum(losses), aux
 
-  def step(carry, mb):
-    loss_acc, grads_acc = carry
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-    return (loss_acc + loss, jax.tree_util.tree_map(jnp.add, grads_acc, grads)), aux
-
-  first = jax.tree_util.tree_map(lambda x: x[0], batches)
-  loss0 = jnp.zeros((), jax.eval_shape(loss_fn, params, first)[0].dtype)
-  (loss, grads), aux = jax.lax.scan(step, (loss0, jax.tree_util.tree_map(jnp.zeros_like, params)), batches)
-  return loss, jax.tree_util.tree_map(lambda x: x.reshape((g,) + x.shape[2:]), aux), grads
+  (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, arrays["branches"]), m))
+  return loss, merge_micro_batches(aux, g), grads
 
 
 def naive_logprobs(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> jax.Array:
@@ -161,26 +146,8 @@ def naive_logprobs(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) 
   return _naive_logprobs(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)
 
 
-def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> dict:
-  """Device arrays of a padded tree: per level "tokens", "mask" and each per-node field.
-
-  per_node: name -> list indexed by node id of arrays [L_n, ...] (e.g. "weights" [L_n, G],
-    "old_logp" [L_n]); scattered into the level slots with `PaddedTree.place` (0 on padding).
-  shared: name -> array given to every node unchanged (e.g. "advantage" [G]).
-  """
-  levels = []
-  for d in range(1, len(padded.tokens) + 1):
-    slots = padded.node_ids[d - 1].shape
-    level = {"tokens": jnp.asarray(padded.tokens[d - 1]), "mask": jnp.asarray(padded.mask[d - 1])}
-    level.update({k: jnp.asarray(padded.place(v, d)) for k, v in per_node.items()})
-    level.update({k: jnp.broadcast_to(jnp.asarray(v), slots + np.shape(v)) for k, v in shared.items()})
-    levels.append(level)
-  return {"prompt_ids": jnp.asarray(padded.prompt_ids), "prompt_len": jnp.asarray(padded.prompt_len, jnp.int32),
-          "levels": levels}
-
-
-def tree_root_fn(graphdef, arrays):
-  prefix = _prefix_fn(graphdef, arrays)
+def _tree_root_fn(graphdef, arrays, prefix_fn=None):
+  prefix = prompt_prefix_fn(graphdef, arrays) if prefix_fn is None else prefix_fn
 
   def root_fn(params):
     kv, last_hidden = prefix(params)
@@ -198,7 +165,7 @@ def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None):
   return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, logp
 
 
-def tree_node_fn(graphdef, objective, chunk, attention=None):
+def _tree_node_fn(graphdef, objective, chunk, attention=None):
   def node_fn(params, ancestors, node):
     out, logp = _tree_segment(graphdef, params, ancestors, node, chunk, attention)
     loss, aux = objective(logp, node)
@@ -207,17 +174,20 @@ def tree_node_fn(graphdef, objective, chunk, attention=None):
 
 
 def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
-                               logprob_chunk: int = 256, schedule: str = "depth_first"):
+                               logprob_chunk: int = 256, schedule: str = "depth_first", reduce_prefix_cotangent=None,
+                               prefix_fn=None, attention=None):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp_node, node), by nested replay.
 
-  arrays: from `tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
+  arrays: from `data.batches.tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
   per-node/shared fields (for GRPO on trees, `losses.grpo_tree_objective`). aux[d] holds
   {"logp": [F_1..F_d, T_d], "aux": objective aux} per slot. schedule: "depth_first" (least
-  memory) or "level" (batched levels, faster); see core/tree_replay.py.
+  memory) or "level" (batched levels, faster); see core/tree_replay.py. reduce_prefix_cotangent,
+  prefix_fn, attention: as in `replay_value_and_grad` (the prompt is the tree's root).
   """
-  node_fn = tree_node_fn(graphdef, objective, logprob_chunk)
-  return nested_replay_vjp(tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
-                           arrays["levels"], micro_batch=micro_batch, schedule=schedule)
+  node_fn = _tree_node_fn(graphdef, objective, logprob_chunk, attention)
+  return nested_replay_vjp(_tree_root_fn(graphdef, arrays, prefix_fn), [node_fn] * len(arrays["levels"]), params,
+                           arrays["levels"], micro_batch=micro_batch, schedule=schedule,
+                           reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
 def tree_replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
@@ -226,33 +196,8 @@ def tree_replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1
   Forward-only nested replay (`core.tree_replay.nested_replay_map`): each node runs once, level by
   level, on its ancestors' K/V. A node's log-probs are those of every trajectory through it (same
   context), so they are the reference / old log-probs of the tree objective. arrays: from
-  `tree_arrays`; micro_batch: leaf siblings per scan step (divides the last fan-out).
+  `data.batches.tree_arrays`; micro_batch: leaf siblings per scan step (divides the last fan-out).
   """
   node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk)
-  return nested_replay_map(tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
+  return nested_replay_map(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
                            arrays["levels"], micro_batch=micro_batch)
-
-
-def trajectory_group_arrays(tree: RolloutTree, per_node: dict[str, Sequence], trajectory_weights, *,
-                            vocab_size: int, max_positions: int, completion_bucket: int | None = None,
-                            **shared) -> dict:
-  """The naive counterpart of `tree_arrays`: every trajectory of `tree` as a completion of one group.
-
-  Per-node fields [L_n] are concatenated along each trajectory's path; "weights" is
-  trajectory_weights[g] on its tokens (the tree's per-(token, trajectory) weights, unshared), so
-  `naive_value_and_grad` with a group objective computes the same loss as tree replay with the
-  tree objective.
-  """
-  g = len(tree.ends)
-  comps = [tree.completion(k) for k in range(g)]
-  group = make_group(tree.segments[0], comps, vocab_size=vocab_size, max_positions=max_positions,
-                     completion_bucket=completion_bucket)
-  t = group.completion_ids.shape[1]
-
-  def along(values):
-    rows = [np.concatenate([np.asarray(values[m]) for m in tree.path(tree.ends[k])[1:]]) for k in range(g)]
-    return np.stack([np.pad(r, (0, t - len(r))) for r in rows])
-  extras = {k: along(v) for k, v in per_node.items()}
-  extras["weights"] = (group.completion_mask * np.asarray(trajectory_weights)[:, None]).astype(
-      np.result_type(np.asarray(trajectory_weights).dtype, np.float32))
-  return group_arrays(group, **extras, **shared)

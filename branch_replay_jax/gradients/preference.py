@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.gradients.logprobs import group_arrays, naive_logprobs, replay_logprobs, replay_value_and_grad
+from branch_replay_jax.core.accumulate import fit_micro_batch, merge_micro_batches, scan_value_and_grad, split_micro_batches
+from branch_replay_jax.data.batches import group_arrays
 from branch_replay_jax.data.counts import group_counts
 from branch_replay_jax.data.groups import bucket_length, make_group
+from branch_replay_jax.gradients.logprobs import naive_logprobs, replay_logprobs, replay_value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class PreferencePair:
 class PreferenceBatch:
   """K pairs laid out for replay (one group per distinct prompt) and for the naive step.
 
-  groups: one `logprobs.group_arrays` dict per distinct prompt (branches: the prompt's distinct
+  groups: one `data.batches.group_arrays` dict per distinct prompt (branches: the prompt's distinct
     completions; pass 2 adds their "weights" [G_j, T_j]).
   chosen, rejected: [K] int, each pair's completions as indices into the concatenation of all
     groups' branches (group 0's first, then group 1's, ...).
@@ -168,16 +169,12 @@ def _pair_sums(graphdef, params, naive_mb, chunk):
   return jax.vmap(lambda a: naive_logprobs(graphdef, params, a, logprob_chunk=chunk).sum(-1))(naive_mb)
 
 
-def _split(tree, k: int, m: int):
-  return jax.tree_util.tree_map(lambda x: x.reshape((k // m, m) + x.shape[1:]), tree)
-
-
 def naive_ref_sums(graphdef, params, naive: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
   """[K, 2] reference log-prob sums of the stacked pairs (`PreferenceBatch.naive`), forward only."""
   k = naive["prompt_len"].shape[0]
   m = fit_micro_batch(micro_batch, k)
   _, sums = jax.lax.scan(lambda _, mb: (None, _pair_sums(graphdef, params, mb, logprob_chunk)), None,
-                         _split(naive, k, m))
+                         split_micro_batches(naive, m))
   return sums.reshape(k, 2)
 
 
@@ -200,11 +197,6 @@ def naive_value_and_grad(graphdef, params, naive: dict, ref_sums_k2: jax.Array, 
     losses, metrics = obj.dpo_loss(s[:, 0], s[:, 1], ref[:, 0], ref[:, 1], beta=beta, loss_type=loss_type)
     return jnp.sum(losses) / k, metrics
 
-  def step(carry, mb):
-    (loss, metrics), grads = jax.value_and_grad(mb_loss, has_aux=True)(params, mb)
-    return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), metrics
-
-  batches = _split((naive, ref_sums_k2), k, m)
-  loss0 = jnp.zeros((), ref_sums_k2.dtype)
-  (loss, grads), metrics = jax.lax.scan(step, (loss0, jax.tree_util.tree_map(jnp.zeros_like, params)), batches)
-  return loss, jax.tree_util.tree_map(lambda x: x.reshape((k,) + x.shape[2:]), metrics), grads
+  carry = (jnp.zeros((), ref_sums_k2.dtype), jax.tree_util.tree_map(jnp.zeros_like, params))
+  (loss, grads), metrics = scan_value_and_grad(mb_loss, params, split_micro_batches((naive, ref_sums_k2), m), carry)
+  return loss, merge_micro_batches(metrics, k), grads
