@@ -22,32 +22,33 @@ def get_config(arg=None):
     raise ValueError(f"experiments/dpo_smollm2_arith.py: unknown variant {arg!r}; use one of {VARIANTS}")
   c = ml_collections.ConfigDict()
   c.algorithm = "dpo"                     # main.py runs branch_replay_jax.algorithms.dpo.train
-
   c.model = ml_collections.ConfigDict()
   c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
   c.model.dtype = "float32"               # compute dtype: float32 or bfloat16 (parameters stay float32)
-  c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs) or save_kv (inputs + K/V)
-  c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, auto (pallas on GPU)
+  c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs), save_kv (inputs + K/V)
+  #                                       # or offload_kv (save_kv with the saved arrays in host memory)
+  c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
 
+  jsonl, smoke = "jsonl" in arg, "smoke" in arg
   c.data = ml_collections.ConfigDict()
-  c.data.source = "task"                  # task (pairs sampled and scored on the fly) or jsonl (data.path)
-  c.data.path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "arith_pairs.jsonl")
-  #                                       # JSON lines {"prompt", "chosen", "rejected"} (source jsonl)
-  c.data.pairs_per_step = 4               # pairs per optimizer step (source jsonl; wraps around the file)
-
-  c.task = ml_collections.ConfigDict()    # source task
-  c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.rollout.tasks.TASKS
-  c.task.size = 100_000                   # problems in the generated dataset (the data position wraps around)
-  c.task.seed = 0                         # reasoning-gym generator seed
-  c.task.options = ml_collections.ConfigDict()  # generator options overriding the task's defaults
-  c.task.format_bonus = 0.1               # reward added when the answer is inside <answer></answer> tags
-
-  c.rollout = ml_collections.ConfigDict()  # source task: sampling of the candidates
-  c.rollout.prompts_per_step = 4          # prompts per step; each gives at most one pair
-  c.rollout.group_size = 8                # G completions sampled per prompt (one shared prefill)
-  c.rollout.max_new_tokens = 32           # tokens generated per completion at most
-  c.rollout.temperature = 1.0             # sampling temperature
-  c.rollout.top_p = 1.0                   # nucleus mass (1 disables the filter)
+  c.data.source = "jsonl" if jsonl else "task"   # task (pairs sampled and scored on the fly) or jsonl (a file)
+  if jsonl:
+    c.data.path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "arith_pairs.jsonl")
+    #                                     # JSON lines {"prompt", "chosen", "rejected"}
+    c.data.pairs_per_step = 4             # pairs per optimizer step (wraps around the file)
+  else:
+    c.task = ml_collections.ConfigDict()
+    c.task.name = "basic_arithmetic"      # a name in branch_replay_jax.rollout.tasks.TASKS
+    c.task.size = 64 if smoke else 100_000   # problems in the generated dataset (the data position wraps around)
+    c.task.seed = 0                       # reasoning-gym generator seed
+    c.task.options = ml_collections.ConfigDict()  # generator options overriding the task's defaults
+    c.task.format_bonus = 0.1             # reward added when the answer is inside <answer></answer> tags
+    c.rollout = ml_collections.ConfigDict()  # sampling of the candidates
+    c.rollout.prompts_per_step = 2 if smoke else 4   # prompts per step; each gives at most one pair
+    c.rollout.group_size = 4 if smoke else 8         # G completions sampled per prompt (one shared prefill)
+    c.rollout.max_new_tokens = 8 if smoke else 32    # tokens generated per completion at most
+    c.rollout.temperature = 1.0           # sampling temperature
+    c.rollout.top_p = 1.0                 # nucleus mass (1 disables the filter)
 
   c.dpo = ml_collections.ConfigDict()
   c.dpo.loss = "sigmoid"                  # sigmoid (DPO, arXiv 2305.18290 eq. 7) or ipo (arXiv 2310.12036 eq. 17)
@@ -61,25 +62,22 @@ def get_config(arg=None):
   c.train.weight_decay = 0.0              # AdamW decoupled weight decay
   c.train.max_grad_norm = 1.0             # global-norm gradient clipping
   c.train.gradient = "replay"             # replay (two-pass, prompt once) or naive (prompt repeated per sequence)
-  c.train.micro_batch = 2                 # completions (replay) or pairs (naive) per scan step, at most
+  c.train.micro_batch = 2                 # replay: completions per scan step; naive: PAIRS per scan step. At most:
+  #                                       # each group's completions and the step's pairs vary, and each uses the
+  #                                       # largest divisor of its count not above it
 
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/dpo_smollm2_arith"    # metrics.jsonl, plots, checkpoints
   c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)
   c.resume = False                        # continue from the latest checkpoint in run_dir
 
-  if "jsonl" in arg:
-    c.data.source = "jsonl"
+  if jsonl:
     c.train.steps = 10
     c.run_dir = "runs/dpo_smollm2_jsonl"
-  if "smoke" in arg:
+  if smoke:
     c.model.name = "tiny"
-    c.task.size = 64
-    c.rollout.prompts_per_step = 2
-    c.rollout.group_size = 4
-    c.rollout.max_new_tokens = 8
     c.train.steps = 2
     c.train.learning_rate = 1e-5
     c.checkpoint_every = 1
-    c.run_dir = "runs/dpo_jsonl_smoke" if "jsonl" in arg else "runs/dpo_smoke"
+    c.run_dir = "runs/dpo_jsonl_smoke" if jsonl else "runs/dpo_smoke"
   return c

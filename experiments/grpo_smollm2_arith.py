@@ -13,7 +13,8 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict()
   c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
   c.model.dtype = "float32"               # compute dtype: float32 or bfloat16 (parameters stay float32)
-  c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs) or save_kv (inputs + K/V)
+  c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs), save_kv (inputs + K/V)
+  #                                       # or offload_kv (save_kv with the saved arrays in host memory)
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
 
   c.task = ml_collections.ConfigDict()
@@ -25,19 +26,21 @@ def get_config(arg=None):
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 2          # groups per optimizer step
-  c.rollout.group_size = 8                # G: completions sampled per prompt (one shared prefill)
-  c.rollout.max_new_tokens = 32           # tokens generated per completion at most
+  c.rollout.group_size = 8                # G: completions sampled per prompt (one shared prefill); groups only
+  c.rollout.max_new_tokens = 32           # tokens generated per completion at most; groups only
   c.rollout.temperature = 1.0             # sampling temperature
   c.rollout.top_p = 1.0                   # nucleus mass (1 disables the filter)
-  c.rollout.tree_fanouts = ()             # e.g. (4, 2, 2): sample a tree (TreePO) instead of G independent samples
-  c.rollout.segment_length = 0            # tokens per tree segment (used when tree_fanouts is set)
+  c.rollout.tree_fanouts = ()             # e.g. (4, 2, 2): sample a tree (TreePO) instead of G independent samples;
+  #                                       # a tree config removes group_size and max_new_tokens (see grpo_tree_*)
+  c.rollout.segment_length = 0            # tokens per tree segment with tree_fanouts; must be 0 without
 
   c.loss = ml_collections.ConfigDict()
-  c.loss.clip_eps = 0.2                   # PPO/GRPO ratio clip epsilon
+  c.loss.clip_eps = 0.2                   # PPO/GRPO ratio clip epsilon; with train.inner_epochs = 1 GRPO is on-policy
+  #                                       # (ratio 1, its gradient is that of the ratio), so it clips nothing
   c.loss.kl_coef = 0.04                   # beta of the k3 KL penalty to the initial policy (0 disables it)
   c.loss.normalisation = "sequence_mean"  # sequence_mean (GRPO), token_mean (DAPO) or constant (Dr. GRPO)
   c.loss.advantage = "grpo"               # grpo (group-normalised) or rloo (leave-one-out baseline, arXiv 2402.14740)
-  c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std (grpo)
+  c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std (grpo; an rloo config removes it)
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 30                      # optimizer steps
@@ -48,7 +51,9 @@ def get_config(arg=None):
   c.train.max_grad_norm = 1.0             # global-norm gradient clipping
   c.train.inner_epochs = 1                # updates per sampled batch; > 1 replays old log-probs first
   c.train.gradient = "replay"             # replay (shared prompt once) or naive (prompt repeated per completion)
-  c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G (trees: at most)
+  c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G. Trees: leaf
+  #                                       # siblings per step, must divide the last fan-out (levels EOS cut short and
+  #                                       # naive trajectories use the largest divisor of their count not above it)
   c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)
 
   c.mesh = ml_collections.ConfigDict()    # device mesh of the update (distributed/mesh.py); 1 x 1 x 1 = one device

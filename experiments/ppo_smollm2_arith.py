@@ -1,7 +1,7 @@
 """PPO with a critic and branch replay on SmolLM2-135M-Instruct and reasoning-gym's basic_arithmetic.
 
 The GRPO experiment's sampling, task and optimizer (experiments/grpo_smollm2_arith.py) with the
-PPO loop (branch_replay_jax/ppo.py): a value head on the policy (or a separate critic trunk),
+PPO plug-in of the training loop (branch_replay_jax/algorithms/ppo.py): a value head on the policy (or a separate critic trunk),
 GAE advantages per token, clipped policy and value losses, epochs of minibatches.
 
   python -m branch_replay_jax.main --config=experiments/ppo_smollm2_arith.py          # default, 12 steps
@@ -20,6 +20,7 @@ def get_config(arg=None):
   c = grpo_smollm2_arith.get_config("smoke" if smoke else None)
   c.algorithm = "ppo"                     # main.py dispatches to branch_replay_jax.algorithms.ppo
   c.loss.kl_coef = 0.0                    # the PPO loss has no KL term (must be 0)
+  del c.loss.advantage, c.loss.advantage_eps   # GAE advantages from the critic (ppo.gamma, ppo.lam)
   c.loss.normalisation = "token_mean"     # per-(token, trajectory) weights: mean over the group's tokens
 
   c.ppo = ml_collections.ConfigDict()
@@ -37,6 +38,7 @@ def get_config(arg=None):
   c.checkpoint_every = 4
   c.run_dir = "runs/ppo_smollm2_arith"
   if arg in ("tree", "tree_smoke"):
+    del c.rollout.group_size, c.rollout.max_new_tokens   # a tree's leaves are its group
     c.rollout.tree_fanouts = (2, 2) if smoke else (4, 2, 2)   # trajectories: 4 (smoke) or 16 per prompt
     c.rollout.segment_length = 4 if smoke else 12            # tokens per segment
     c.train.micro_batch = 2               # leaf siblings vmapped together (divides the last fan-out)

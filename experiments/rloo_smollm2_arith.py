@@ -16,5 +16,6 @@ def get_config(arg=None):
     raise ValueError(f"experiments/rloo_smollm2_arith.py: unknown variant {arg!r}; use '' or 'smoke'")
   c = grpo_smollm2_arith.get_config(arg)
   c.loss.advantage = "rloo"
+  del c.loss.advantage_eps                # RLOO's baseline divides by no standard deviation
   c.run_dir = "runs/rloo_smoke" if arg == "smoke" else "runs/rloo_smollm2_arith"
   return c

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from branch_replay_jax.algorithms import grpo as train
+from branch_replay_jax.algorithms import loop
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from branch_replay_jax.rollout.tasks import Score, Task
 from conftest import experiment_config
@@ -84,7 +85,7 @@ def test_smoke_run_writes_metrics_plots_and_checkpoints(replay_run):
   # The update really moved the parameters: Adam's first steps move every element with a non-zero
   # gradient by about the learning rate (1e-5), so the largest move over two steps is >= 1e-5.
   assert any(r["zero_variance_groups"] < 2 for r in records)
-  _, init = nnx.split(train.build_model(smoke(run_dir))[0])
+  _, init = nnx.split(loop.build_model(smoke(run_dir))[0])
   moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), params,
                                  nnx.to_pure_dict(init))
   assert max(jax.tree_util.tree_leaves(moved)) >= 1e-5

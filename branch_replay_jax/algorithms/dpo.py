@@ -1,4 +1,4 @@
-"""The DPO loop (orchestration only): preference pairs, reference sums, the exact replay gradient, AdamW.
+"""DPO for the training loop (algorithms/loop.py): preference pairs, reference sums, the exact replay gradient.
 
 One step:
   1. pairs. data.source = "task": for each of `rollout.prompts_per_step` prompts of a reasoning-gym
@@ -10,7 +10,7 @@ One step:
   3. reference log-prob sums of the frozen initial policy (forward-only replay);
   4. the DPO (or IPO) gradient by two-pass replay (or naive), clipped by global norm, AdamW.
 A step without pairs makes no update. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
-preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume like algorithms/grpo.py).
+preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume as every loop.train run).
 """
 
 from __future__ import annotations
@@ -21,27 +21,33 @@ import time
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.outputs import plots
+from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
 from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat
+from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout.sampler import sample_group
 from branch_replay_jax.rollout.tasks import format_messages
-from branch_replay_jax.algorithms.grpo import SCHEDULES, make_task_from, save_if_due, start_run
 
-GRADIENTS = ("replay", "naive")
 SOURCES = ("task", "jsonl")
 FIELDS = ("prompt", "chosen", "rejected")
 
 
 def validate(config) -> None:
-  """Raise ValueError (naming the field and value) for settings that cannot run, before any compute."""
-  d, r, t, p = config.data, config.rollout, config.train, config.dpo
+  """Raise ValueError (naming the field and value) for settings that cannot run, before any compute,
+  and for the fields of the other data source (task and rollout with jsonl; data.path and
+  data.pairs_per_step with task), which would be ignored."""
+  d, t, p = config.data, config.train, config.dpo
   if d.source not in SOURCES:
     raise ValueError(f"data.source={d.source!r} is not one of {SOURCES}")
+  unused = (["task", "rollout"] if d.source == "jsonl" else ["data.path", "data.pairs_per_step"])
+  for name in unused:
+    section, _, field = name.rpartition(".")
+    if (field in config[section]) if section else (name in config):
+      raise ValueError(f"{name} does not apply to data.source={d.source!r}; remove it")
   if p.loss not in obj.PREFERENCE_LOSSES:
     raise ValueError(f"dpo.loss={p.loss!r} is not one of {obj.PREFERENCE_LOSSES}")
   if not p.beta > 0:
@@ -55,6 +61,7 @@ def validate(config) -> None:
   if d.source == "jsonl":
     counts.append(("data.pairs_per_step", d.pairs_per_step))
   else:
+    r = config.rollout
     counts += [("rollout.prompts_per_step", r.prompts_per_step), ("rollout.max_new_tokens", r.max_new_tokens)]
     if r.group_size < 2:
       raise ValueError(f"rollout.group_size={r.group_size}: a preference pair needs G >= 2 sampled completions")
@@ -159,10 +166,10 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int)
   return pairs, info
 
 
-class StepFunctions:
+class DPOFunctions:
   """Jitted pieces of a DPO step (compiled per group / batch shape)."""
 
-  def __init__(self, config, graphdef, optimizer):
+  def __init__(self, config, graphdef, update):
     t, p = config.train, config.dpo
     self.naive = t.gradient == "naive"
     self.replay = pref.ReplaySteps(graphdef, micro_batch=t.micro_batch)
@@ -170,11 +177,7 @@ class StepFunctions:
     self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
         graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, micro_batch=t.micro_batch))
     self.beta, self.loss_type = p.beta, p.loss
-
-    def update(params, opt_state, grads):
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-    self.update = jax.jit(update, donate_argnums=(0, 1))
+    self.update = update   # loop.make_update
 
   def step(self, params, ref_params, opt_state, batch: pref.PreferenceBatch):
     """Reference sums, the loss gradient and one optimizer update; returns (params, opt_state, stats)."""
@@ -191,46 +194,69 @@ class StepFunctions:
     return params, opt_state, stats
 
 
-def train(config) -> list[dict]:
-  """Run the DPO experiment in `config` (see experiments/dpo_smollm2_arith.py); returns this run's metrics."""
-  validate(config)
-  d, r = config.data, config.rollout
-  records = read_pairs_jsonl(d.path) if d.source == "jsonl" else None
-  task = None if records else make_task_from(config)
-  run = start_run(config, fingerprint(config), keep_initial=True)
-  graphdef, params, ref_params, opt_state, key = run.graphdef, run.params, run.initial_params, run.opt_state, run.key
-  tokenizer, cfg, data_pos = run.tokenizer, run.model_config, run.data_pos
-  data = encode_pairs(records, tokenizer, cfg.max_positions) if records else None
-  fns = StepFunctions(config, graphdef, run.optimizer)
-  history = []
-  bar = run.progress(config, "dpo")
-  for step in bar:
-    t0 = time.perf_counter()
-    if data is not None:
-      pairs = [data[(data_pos + i) % len(data)] for i in range(d.pairs_per_step)]
-      info = {"skipped_prompts": 0, "sample": _text_sample(records, data_pos)}
-      data_pos += d.pairs_per_step
-    else:
-      pairs, info = sample_pairs(config, nnx.merge(graphdef, params), tokenizer, task, key, step, data_pos)
-      data_pos += r.prompts_per_step
-    t1 = time.perf_counter()
+class DPO(loop.Algorithm):
+  """DPO / IPO on preference pairs sampled and scored on the fly (data.source = "task") or read from
+  a JSON-lines file ("jsonl"); the reference is the frozen initial policy."""
+
+  name = "dpo"
+  keep_initial = True
+
+  def __init__(self, config):
+    validate(config)
+    super().__init__(config)
+    self.records = read_pairs_jsonl(config.data.path) if config.data.source == "jsonl" else None
+    self.task = None if self.records else loop.make_task_from(config)
+
+  def fingerprint(self):
+    return fingerprint(self.config)
+
+  def setup(self, run):
+    self.run, self.ref_params = run, run.initial_params
+    cfg = run.model_config
+    self.data = encode_pairs(self.records, run.tokenizer, cfg.max_positions) if self.records else None
+    self.fns = DPOFunctions(self.config, run.graphdef, loop.make_update(run.optimizer))
+    return run.params, run.opt_state
+
+  def collect(self, run, params, step, data_pos):
+    """((pairs, info), next data position): the next pairs of the file, or pairs sampled from task prompts."""
+    d = self.config.data
+    if self.data is not None:
+      pairs = [self.data[(data_pos + i) % len(self.data)] for i in range(d.pairs_per_step)]
+      info = {"skipped_prompts": 0, "sample": _text_sample(self.records, data_pos)}
+      return (pairs, info), data_pos + d.pairs_per_step
+    pairs, info = sample_pairs(self.config, nnx.merge(run.graphdef, params), run.tokenizer, self.task, run.key, step,
+                               data_pos)
+    return (pairs, info), data_pos + self.config.rollout.prompts_per_step
+
+  def update(self, params, opt_state, batch, step):
+    """Lay the pairs out (`gradients.preference.make_batch`) and take one step; no update without pairs."""
+    pairs, _ = batch
     stats, counts = {}, {"token_positions_naive": 0, "token_positions_computed": 0}
     if pairs:
-      batch = pref.make_batch(pairs, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
-                              pad_id=tokenizer.pad_token_id or 0)
-      params, opt_state, stats = fns.step(params, ref_params, opt_state, batch)
-      counts = batch.counts
-    t2 = time.perf_counter()
-    record = _record(step, len(pairs), info, stats, counts, rollout_s=t1 - t0, update_s=t2 - t1)
-    history.append(record)
-    plots.append_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), record)
+      cfg, tokenizer = self.run.model_config, self.run.tokenizer
+      layout = pref.make_batch(pairs, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
+                               pad_id=tokenizer.pad_token_id or 0)
+      params, opt_state, stats = self.fns.step(params, self.ref_params, opt_state, layout)
+      counts = layout.counts
+    return params, opt_state, {**stats, **counts}
+
+  def log(self, bar, step, batch, stats, *, rollout_s, update_s):
+    pairs, info = batch
+    counts = {k: stats.pop(k) for k in ("token_positions_naive", "token_positions_computed")}
+    record = _record(step, len(pairs), info, stats, counts, rollout_s=rollout_s, update_s=update_s)
+    plots.append_jsonl(os.path.join(self.config.run_dir, "metrics.jsonl"), record)
     if info["sample"] is not None:
-      plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **info["sample"]})
+      plots.append_jsonl(os.path.join(self.config.run_dir, "samples.jsonl"), {"step": step + 1, **info["sample"]})
     bar.set_postfix(loss=f"{record['loss']:.4f}" if pairs else "-", pairs=len(pairs), step_s=f"{record['step_s']:.1f}")
-    save_if_due(config, run.ckpt, step, params, opt_state, key, data_pos)
-  run.ckpt.close()
-  plots.write_preference_plots(config.run_dir)
-  return history
+    return record
+
+  def write_plots(self):
+    plots.write_preference_plots(self.config.run_dir)
+
+
+def train(config) -> list[dict]:
+  """Run the DPO experiment in `config` (see experiments/dpo_smollm2_arith.py); returns this run's metrics."""
+  return loop.train(config, DPO(config))
 
 
 def _text_sample(records: list[dict], data_pos: int) -> dict:

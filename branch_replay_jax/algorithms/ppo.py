@@ -1,4 +1,4 @@
-"""The PPO loop (orchestration only): sample, score, old log-probs and values, GAE, epochs of minibatches.
+"""PPO for the training loop (algorithms/loop.py): old log-probs and values, GAE, epochs of minibatches.
 
 One step, for `prompts_per_step` prompts of a reasoning-gym task:
   1. sample and score G completions per prompt, or a tree (rollout/collect.py, as the GRPO loop);
@@ -10,14 +10,13 @@ One step, for `prompts_per_step` prompts of a reasoning-gym task:
   4. `ppo.epochs` passes over the step's groups/trees, shuffled and split into `ppo.minibatches`
      minibatches; each minibatch's mean gradient of the clipped policy loss plus the value loss
      (losses.ppo_objective / ppo_tree_objective; policy and critic) is applied with AdamW
-     (grpo_train.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
-Outputs as the GRPO loop (algorithms/grpo.py): RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
+     (loop.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
+Runs in the training loop (algorithms/loop.py), which writes RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,17 +25,16 @@ import optax
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.outputs import plots
-from branch_replay_jax.gradients import actor_critic as pp
-from branch_replay_jax.algorithms import grpo as grpo_train
+from branch_replay_jax.algorithms import loop
 from branch_replay_jax.core.accumulate import fit_micro_batch
+from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout.collect import Group
-from branch_replay_jax.data.trees import RolloutTree, pad_tree
 
 
 def validate(config) -> None:
-  """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `grpo_train.validate`."""
+  """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `loop.validate`."""
   p = config.ppo
   if p.critic not in CRITICS:
     raise ValueError(f"ppo.critic={p.critic!r} is not one of {CRITICS}")
@@ -53,19 +51,23 @@ def validate(config) -> None:
                      f"ppo.critic_lr_scale={p.critic_lr_scale} > 0")
   if config.loss.kl_coef:
     raise ValueError(f"loss.kl_coef={config.loss.kl_coef}: this PPO loss has no KL term; set it to 0")
+  for name in ("advantage", "advantage_eps"):
+    if name in config.loss:
+      raise ValueError(f"loss.{name}={config.loss[name]!r} does not apply to PPO (GAE advantages from the critic: "
+                       "ppo.gamma, ppo.lam, ppo.whiten_advantages); remove the field")
   m = config.mesh
   if (m.data, m.branch, m.seq) != (1, 1, 1):
     raise ValueError(f"mesh={m.data}x{m.branch}x{m.seq}: the PPO loop runs on one device; use a 1x1x1 mesh")
   if config.train.inner_epochs != 1:
     raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "
                      "set it to 1")
-  grpo_train.validate(config)
+  loop.validate(config)
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-  """`grpo.make_optimizer` for the policy; the critic's parameters (value head, separate trunk) get
+  """`loop.make_optimizer` for the policy; the critic's parameters (value head, separate trunk) get
   its updates scaled by ppo.critic_lr_scale (a larger step for a head that starts at zero)."""
-  base = grpo_train.make_optimizer(config)
+  base = loop.make_optimizer(config)
   critic = optax.chain(base, optax.scale(config.ppo.critic_lr_scale))
   labels = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: "policy" if path[0].key == "policy" else "critic", params)
@@ -73,30 +75,26 @@ def make_optimizer(config) -> optax.GradientTransformation:
 
 
 def fingerprint(config) -> dict:
-  return {**grpo_train.fingerprint(config), "algorithm": "ppo", "critic": config.ppo.critic}
+  return {**loop.fingerprint(config), "algorithm": "ppo", "critic": config.ppo.critic}
 
 
 class PPOFunctions:
-  """The jitted pieces of a PPO step (compiled per shape): gradient, forward-only pass, update."""
+  """The jitted pieces of a PPO step (compiled per shape): gradient and forward-only pass."""
 
-  def __init__(self, config, graphdef, optimizer):
+  def __init__(self, config, graphdef):
     t, p = config.train, config.ppo
     self.naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not self.naive
     objective = functools.partial(obj.ppo_tree_objective if tree else obj.ppo_objective, clip_eps=config.loss.clip_eps,
                                   vf_coef=p.vf_coef, value_clip=p.value_clip)
     grad_fn = (pp.naive_value_and_grad if self.naive else
-               pp.tree_replay_value_and_grad if tree else pp.replay_value_and_grad)
+               functools.partial(pp.tree_replay_value_and_grad, schedule=t.tree_schedule) if tree else
+               pp.replay_value_and_grad)
     fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
-    mb = lambda a: fit_micro_batch(t.micro_batch, grpo_train.siblings(a))
+    mb = lambda a: fit_micro_batch(t.micro_batch, loop.siblings(a))
     self.grad = jax.jit(lambda prm, a: grad_fn(graphdef, prm, a, objective, micro_batch=mb(a)))
     self.forward = jax.jit(lambda prm, a: pp.naive_logprobs_values(graphdef, prm, a) if self.naive
                            else fwd_fn(graphdef, prm, a, micro_batch=mb(a)))
-
-    def update(params, opt_state, grads):
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-    self.update = jax.jit(update, donate_argnums=(0, 1))
 
 
 # Host-side layout of a tree's per-node values along trajectories (and back).
@@ -181,7 +179,7 @@ def _aux_sums(kind: str, aux) -> dict:
   return {k: sum(float(np.sum(part[k])) for part in parts) for k in ("policy", "value", "clipped", "kl")}
 
 
-def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[Group], step: int):
+def update_on_batch(config, fns: PPOFunctions, update, params, opt_state, groups: list[Group], step: int):
   """ppo.epochs x ppo.minibatches AdamW updates over the step's groups; metrics of the last epoch."""
   p = config.ppo
   for epoch in range(p.epochs):
@@ -196,7 +194,7 @@ def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[G
         part = _aux_sums(groups[i].kind, aux)
         sums = {k: sums[k] + part[k] for k in sums}
       mean = jax.tree_util.tree_map(lambda x: x / len(minibatch), total)
-      params, opt_state, grad_norm = fns.update(params, opt_state, mean)
+      params, opt_state, grad_norm = update(params, opt_state, mean)
   pairs = sum(int(g.lengths.sum()) for g in groups)   # (token, trajectory) pairs
   stats = {"loss": float(np.mean(losses)), "policy_loss": sums["policy"] / len(groups),
            "value_loss": sums["value"] / len(groups), "grad_norm": float(grad_norm),
@@ -204,26 +202,42 @@ def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[G
   return params, opt_state, stats
 
 
+class PPO(loop.Algorithm):
+  """PPO with a critic (value head or separate trunk) and GAE, on groups or trees."""
+
+  name = "ppo"
+
+  def __init__(self, config):
+    validate(config)
+    super().__init__(config)
+    self.task = loop.make_task_from(config)
+
+  def fingerprint(self):
+    return fingerprint(self.config)
+
+  def make_optimizer(self):
+    return make_optimizer(self.config)
+
+  def wrap(self, model):
+    return ActorCritic(model, critic=self.config.ppo.critic)
+
+  def setup(self, run):
+    self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef), loop.make_update(run.optimizer)
+    return run.params, run.opt_state
+
+  def collect(self, run, params, step, data_pos):
+    policy = nnx.merge(run.graphdef, params).policy
+    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
+
+  def update(self, params, opt_state, groups, step):
+    value_stats = prepare(self.config, self.fns, params, groups)
+    params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, opt_state, groups, step)
+    return params, opt_state, {**stats, **value_stats}
+
+  def log(self, bar, step, groups, stats, *, rollout_s, update_s):
+    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+
+
 def train(config) -> list[dict]:
   """Run the PPO experiment in `config` (see experiments/ppo_smollm2_arith.py); returns this run's metrics."""
-  validate(config)
-  task = grpo_train.make_task_from(config)
-  run = grpo_train.start_run(config, fingerprint(config), optimizer_fn=make_optimizer,
-                             wrap=lambda model: ActorCritic(model, critic=config.ppo.critic))
-  fns = PPOFunctions(config, run.graphdef, run.optimizer)
-  params, opt_state, data_pos, history = run.params, run.opt_state, run.data_pos, []
-  bar = run.progress(config, "ppo")
-  for step in bar:
-    t0 = time.perf_counter()
-    groups, data_pos = grpo_train.sample_groups(config, nnx.merge(run.graphdef, params).policy, run.tokenizer, task,
-                                                run.key, step, data_pos)
-    t1 = time.perf_counter()
-    value_stats = prepare(config, fns, params, groups)
-    params, opt_state, stats = update_on_batch(config, fns, params, opt_state, groups, step)
-    t2 = time.perf_counter()
-    history.append(grpo_train.log_step(config, bar, step, groups, {**stats, **value_stats}, rollout_s=t1 - t0,
-                                       update_s=t2 - t1))
-    grpo_train.save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
-  run.ckpt.close()
-  plots.write_plots(config.run_dir)
-  return history
+  return loop.train(config, PPO(config))

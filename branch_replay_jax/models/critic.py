@@ -46,10 +46,6 @@ class ActorCritic(nnx.Module):
     self.value_w = nnx.Param(jnp.zeros((policy.config.d_model,), jnp.float32))
     self.value_b = nnx.Param(jnp.zeros((), jnp.float32))
 
-  def value_trunk(self) -> Llama:
-    """The decoder whose hidden states the value head reads."""
-    return self.policy if self.critic is None else self.critic
-
   def value(self, hidden_d: jax.Array) -> jax.Array:
     """[...] float32 (float64 for float64 hidden) values h · w + b of hidden states [..., d]."""
     acc = accum_dtype(hidden_d.dtype)

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.models.loading import encode_chat
-from branch_replay_jax.gradients.logprobs import group_arrays, trajectory_group_arrays, tree_arrays
-from branch_replay_jax.rollout.sampler import sample_group
-from branch_replay_jax.rollout.tasks import format_messages
+from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.groups import bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.models.loading import encode_chat
+from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.tasks import format_messages
 from branch_replay_jax.rollout.tree_sampler import sample_tree
 
 
@@ -49,6 +49,18 @@ def completion_budget(config) -> int:
   """Most tokens one trajectory can generate (tokens)."""
   r = config.rollout
   return r.segment_length * len(r.tree_fanouts) if r.tree_fanouts else r.max_new_tokens
+
+
+def trajectory_advantages(loss_config, rewards: np.ndarray) -> np.ndarray | None:
+  """[G] float32 advantages of a group's (or tree's) trajectories from their rewards [G]: GRPO's
+  group-normalised ones (loss.advantage = "grpo", eps loss.advantage_eps) or RLOO's leave-one-out
+  ones ("rloo"); None when the config has no loss.advantage (PPO: GAE from the critic, later)."""
+  kind = loss_config.get("advantage")
+  if kind is None:
+    return None
+  if kind == "rloo":
+    return np.asarray(obj.rloo_advantages(jnp.asarray(rewards)), np.float32)
+  return np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=loss_config.advantage_eps), np.float32)
 
 
 def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
@@ -79,10 +91,8 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   t2 = time.perf_counter()
 
   lengths = np.array([len(c) for c in completions])
-  if config.loss.advantage == "rloo":
-    advantages = np.asarray(obj.rloo_advantages(jnp.asarray(rewards)), np.float32)
-  else:
-    advantages = np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=config.loss.advantage_eps), np.float32)
+  advantages = trajectory_advantages(config.loss, rewards)
+  advantage = {} if advantages is None else {"advantage": advantages}
   w = obj.trajectory_weights(lengths, mode=config.loss.normalisation, max_length=budget).astype(np.float32)
   bucket = bucket_length(budget, minimum=8)
   naive = config.train.gradient == "naive"
@@ -91,9 +101,9 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
     padded = pad_tree(tree, pad_id=pad)
     if naive:
       arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
-                                       completion_bucket=bucket, advantage=advantages)
+                                       completion_bucket=bucket, **advantage)
     else:
-      arrays = tree_arrays(padded, {**per_node, "weights": tree.node_weights(w)}, advantage=advantages)
+      arrays = tree_arrays(padded, {**per_node, "weights": tree.node_weights(w)}, **advantage)
     counts = {**tree_counts(tree, cfg), "padding_fraction": padded.padding_fraction}
   else:
     group = group_from_padded(ids, tokens, lengths, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
@@ -101,7 +111,7 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
     old = np.zeros(group.completion_ids.shape, np.float32)
     old[:, :logprobs.shape[1]] = logprobs
     arrays = group_arrays(group, weights=(group.completion_mask * w[:, None]).astype(np.float32),
-                          advantage=advantages, old_logp=old, ref_logp=np.zeros_like(old))
+                          **advantage, old_logp=old, ref_logp=np.zeros_like(old))
     computed = group.prompt_ids.size + group.completion_ids.size
     counts = {**group_counts(group.prompt_len, group.lengths, cfg),
               "padding_fraction": 1.0 - (group.prompt_len + group.lengths.sum()) / computed}
