@@ -43,5 +43,5 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 "$PY" -m pytest -q -p no:cachep
   || status=$?
 
 echo "== timings (median of 5 after compile; ms)"   # runs even when a test failed: the figures still tell
-timeout 300 "$PY" -m branch_replay_jax.benchmarks.attention --cases 1024:128,8192:256,32768:512 --repeats 5 || status=$?
+timeout 300 "$PY" -m branch_replay_jax.benchmarks.attention --config=experiments/bench_attention.py || status=$?
 exit "$status"

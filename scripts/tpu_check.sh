@@ -48,6 +48,6 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 "$PY" -m pytest -q -p no:cachep
   -k "splash or resolution" || status=$?
 
 echo "== timings (median of 5 after compile; ms)"   # runs even when a test failed: the figures still tell
-timeout 300 "$PY" -m branch_replay_jax.benchmarks.attention --cases 1024:128,8192:256,32768:512 --repeats 5 \
-  --impls splash,splash_public,reference,dpa_xla || status=$?
+timeout 300 "$PY" -m branch_replay_jax.benchmarks.attention --config=experiments/bench_attention.py \
+  --config.impls=splash,splash_public,reference,dpa_xla || status=$?
 exit "$status"

@@ -11,15 +11,15 @@ Implementations, all on the same inputs (bf16, batch 1, Hq=32, Hkv=8, D=128 by d
   dpa_cudnn    the same with implementation="cudnn" (an "error" entry where cuDNN refuses the mask)
 
 Per implementation: compile_s (lower + compile, seconds, forward+backward program), fwd_ms and
-fwd_bwd_ms (median of --repeats timed calls after one warm-up call, milliseconds; the backward
+fwd_bwd_ms (median of config.repeats timed calls after one warm-up call, milliseconds; the backward
 takes gradients w.r.t. q and every K/V), plus each one's max |out - reference out|.
 
-    python -m branch_replay_jax.benchmarks.attention [--cases 1024:128,8192:256,32768:512] [--repeats 5] [--impls pallas,reference]
+    python -m branch_replay_jax.benchmarks.attention --config=experiments/bench_attention.py \\
+        [--config.cases=1024:128,8192:256,32768:512] [--config.repeats=5] [--config.impls=pallas,reference]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -27,6 +27,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
 
 from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas, suffix_attention_splash
 
@@ -121,19 +123,12 @@ def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats, impls=None):
   return row
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--cases", default="1024:128,8192:256,32768:512", help="S_anc:T pairs")
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--heads", default="32:8", help="Hq:Hkv")
-  parser.add_argument("--head-dim", type=int, default=128)
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--impls", default=None, help="comma-separated subset of the implementations (default all)")
-  a = parser.parse_args()
-  impls = None if a.impls is None else set(a.impls.split(","))
+def main(argv):
+  del argv
+  a = flags.FLAGS.config
+  impls = set(a.impls.split(",")) if a.impls else None
   if impls is not None and (unknown := impls - set(make_impls())):
-    parser.error(f"--impls: unknown {sorted(unknown)}; choose from {list(make_impls())}")
+    raise ValueError(f"config.impls: unknown {sorted(unknown)}; choose from {list(make_impls())}")
   hq, hkv = map(int, a.heads.split(":"))
   for case in a.cases.split(","):
     s_anc, t = map(int, case.split(":"))
@@ -143,4 +138,6 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  # Flags are defined only when run as a program, so that the benchmarks can be imported together.
+  config_flags.DEFINE_config_file("config", "experiments/bench_attention.py", "Benchmark config.")
+  app.run(main)

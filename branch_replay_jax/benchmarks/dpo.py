@@ -1,7 +1,7 @@
 """Benchmark one DPO gradient step on a preference pair: naive (prompt repeated) versus two-pass replay.
 
-  nice -n 15 python -m branch_replay_jax.benchmarks.dpo                         # SmolLM2-135M, P=512, two T=128 completions
-  python -m branch_replay_jax.benchmarks.dpo --model=tiny --prompt=24 --completion=6 --repeats=2    # seconds
+  nice -n 15 python -m branch_replay_jax.benchmarks.dpo --config=experiments/bench_dpo.py        # SmolLM2-135M, P=512, T=128
+  python -m branch_replay_jax.benchmarks.dpo --config=experiments/bench_dpo.py:smoke             # tiny, seconds
 
 Prints one JSON line with the columns of branch_replay_jax.benchmarks.replay where they apply: case, P, T, G
 (completions: 2 per pair), pairs, naive_s, replay_s, speedup, naive_cpu_s, replay_cpu_s,
@@ -30,17 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx
+from ml_collections import config_flags
 
 from branch_replay_jax.gradients import preference as pref
-
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "models.load name/path, or tiny (random 2 layers)")
-_P = flags.DEFINE_integer("prompt", 512, "prompt tokens P")
-_T = flags.DEFINE_integer("completion", 128, "tokens of each of the two completions T")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs after the compile; the median is reported")
-_MICRO = flags.DEFINE_integer("replay_micro_batch", 2, "completions vmapped per replay scan step")
-_LOSS = flags.DEFINE_enum("loss", "sigmoid", ["sigmoid", "ipo"], "preference loss")
-_CHUNK = flags.DEFINE_integer("logprob_chunk", 128, "positions per log-prob chunk (both modes)")
-_REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "save_kv"], "rematerialisation policy (both modes)")
 
 
 def _cpu_s() -> float:
@@ -63,43 +55,46 @@ def _timed(fn, repeats):
 
 
 def main(argv):
+  c = flags.FLAGS.config
   del argv
-  if _MODEL.value == "tiny":
+  if c.model == "tiny":
     from branch_replay_jax.models import Llama, tiny_config
-    model = Llama(tiny_config(vocab_size=256, max_positions=4096), remat=_REMAT.value, rngs=nnx.Rngs(0))
+    model = Llama(tiny_config(vocab_size=256, max_positions=4096), remat=c.remat, rngs=nnx.Rngs(0))
   else:
     from branch_replay_jax.models.loading import load
-    model = load(_MODEL.value, remat=_REMAT.value)[0]
+    model = load(c.model, remat=c.remat)[0]
   graphdef, params = nnx.split(model)
   cfg = model.config
   rng = np.random.default_rng(0)
   ids = lambda n: rng.integers(0, cfg.vocab_size, n)
-  pair = pref.PreferencePair(ids(_P.value), ids(_T.value), ids(_T.value))
+  pair = pref.PreferencePair(ids(c.prompt), ids(c.completion), ids(c.completion))
   batch = pref.make_batch([pair], vocab_size=cfg.vocab_size, max_positions=cfg.max_positions)
-  beta, loss_type, chunk = 0.1, _LOSS.value, _CHUNK.value
+  beta, loss_type, chunk = 0.1, c.loss, c.logprob_chunk
 
-  steps = pref.ReplaySteps(graphdef, micro_batch=_MICRO.value, logprob_chunk=chunk)
+  steps = pref.ReplaySteps(graphdef, micro_batch=c.replay_micro_batch, logprob_chunk=chunk)
   naive_ref_fn = jax.jit(lambda p, n: pref.naive_ref_sums(graphdef, p, n, logprob_chunk=chunk))
   naive_fn = jax.jit(lambda p, n, r: pref.naive_value_and_grad(graphdef, p, n, r, beta=beta, loss_type=loss_type,
                                                                logprob_chunk=chunk))
-  _, ref_replay_s, _, ref = _timed(lambda: steps.flat_sums(params, batch), _REPEATS.value)
-  _, ref_naive_s, _, naive_ref = _timed(lambda: naive_ref_fn(params, batch.naive), _REPEATS.value)
+  _, ref_replay_s, _, ref = _timed(lambda: steps.flat_sums(params, batch), c.repeats)
+  _, ref_naive_s, _, naive_ref = _timed(lambda: naive_ref_fn(params, batch.naive), c.repeats)
   r_first, replay_s, replay_cpu, (r_loss, _, r_grads) = _timed(
-      lambda: steps.value_and_grad(params, batch, ref, beta=beta, loss_type=loss_type), _REPEATS.value)
+      lambda: steps.value_and_grad(params, batch, ref, beta=beta, loss_type=loss_type), c.repeats)
   n_first, naive_s, naive_cpu, (n_loss, _, n_grads) = _timed(lambda: naive_fn(params, batch.naive, naive_ref),
-                                                             _REPEATS.value)
+                                                             c.repeats)
   leaf = lambda a, b: float(jnp.abs(a - b).max() / jnp.maximum(jnp.abs(b).max(), 1e-30))
   err = max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, r_grads, n_grads)))
   print(json.dumps({
-      "case": f"dpo_{_P.value}x{_T.value}x2", "model": _MODEL.value, "P": _P.value, "T": _T.value, "G": 2, "pairs": 1,
+      "case": f"dpo_{c.prompt}x{c.completion}x2", "model": c.model, "P": c.prompt, "T": c.completion, "G": 2, "pairs": 1,
       "loss": loss_type, "naive_s": naive_s, "replay_s": replay_s, "speedup": naive_s / replay_s,
       "naive_cpu_s": naive_cpu, "replay_cpu_s": replay_cpu, "cpu_speedup": naive_cpu / replay_cpu,
       "naive_compile_s": n_first - naive_s, "replay_compile_s": r_first - replay_s,
       "ref_naive_s": ref_naive_s, "ref_replay_s": ref_replay_s, **batch.counts,
       "max_rel_grad_err": err, "loss_naive": float(n_loss), "loss_replay": float(r_loss),
-      "replay_micro_batch": _MICRO.value, "logprob_chunk": chunk, "remat": _REMAT.value,
+      "replay_micro_batch": c.replay_micro_batch, "logprob_chunk": chunk, "remat": c.remat,
       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so that the benchmarks can be imported together.
+  config_flags.DEFINE_config_file("config", "experiments/bench_dpo.py", "Benchmark config.")
   app.run(main)

@@ -46,9 +46,9 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax.benchmarks import replay as bench
-from branch_replay_jax.models.llama import REMAT_POLICIES
-from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad
 from branch_replay_jax.data.counts import group_counts
+from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad
+from branch_replay_jax.models.llama import REMAT_POLICIES
 
 _MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError", "bad_alloc")
 

@@ -1,15 +1,16 @@
 """Seconds per replay gradient step for each data x branch x seq mesh, on 8 fake CPU devices.
 
-    nice -n 15 python -m branch_replay_jax.benchmarks.mesh                       # tiny random model
-    nice -n 15 python -m branch_replay_jax.benchmarks.mesh --model random-smollm2-shape --prompt_len 128
+    nice -n 15 python -m branch_replay_jax.benchmarks.mesh --config=experiments/bench_mesh.py      # tiny random model
+    nice -n 15 python -m branch_replay_jax.benchmarks.mesh --config=experiments/bench_mesh.py \\
+        --config.model=random-smollm2-shape --config.prompt_len=128
 
 A functional check, not a speed-up: the 8 fake devices share the host's cores. Prints one JSON
 line per mesh (the first, "1x1x1", is one device): `compile_seconds` sums JAX's compile events
-of the first call (`/jax/core/compile/*`), `step_seconds` is the median of `--repeats` later
+of the first call (`/jax/core/compile/*`), `step_seconds` is the median of `config.repeats` later
 calls (each ended by `block_until_ready`), `max_rel_grad_err` is max over parameter leaves of
-max|g - g_1x1x1| / max|g_1x1x1| against the one-device mesh. One GRPO step on `--groups` groups
-of G = `--group_size` random completions of `--completion_len` tokens on a random
-`--prompt_len`-token prompt; `token_positions_naive` = groups x G x (P + T).
+max|g - g_1x1x1| / max|g_1x1x1| against the one-device mesh. One GRPO step on `config.groups` groups
+of G = `config.group_size` random completions of `config.completion_len` tokens on a random
+`config.prompt_len`-token prompt; `token_positions_naive` = groups x G x (P + T).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -26,14 +26,16 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from branch_replay_jax import losses as obj  # noqa: E402
-from branch_replay_jax.models import Llama, ModelConfig, tiny_config  # noqa: E402
-from branch_replay_jax.gradients.logprobs import group_arrays  # noqa: E402
+from branch_replay_jax.data.batches import group_arrays  # noqa: E402
+from branch_replay_jax.data.groups import make_group  # noqa: E402
 from branch_replay_jax.distributed.mesh import (make_mesh, shard_batch, shard_params, sharded_replay_value_and_grad,  # noqa: E402
                                         stack_groups)
-from branch_replay_jax.data.groups import make_group  # noqa: E402
+from branch_replay_jax.models import Llama, ModelConfig, tiny_config  # noqa: E402
 
 SMOLLM2_135M_SHAPE = ModelConfig(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3,
                                  head_dim=64, ffn_dim=1536, rope_theta=1e5, max_positions=8192)
@@ -81,17 +83,11 @@ def run_mesh(graphdef, params, groups, shape, repeats: int, micro_batch: int):
   return compile_s, statistics.median(times), float(loss), jax.device_get(grads)
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--model", default="tiny", choices=("tiny", "random-smollm2-shape"))
-  ap.add_argument("--meshes", default=MESHES, help="comma-separated data x branch x seq shapes")
-  ap.add_argument("--groups", type=int, default=8)
-  ap.add_argument("--group_size", type=int, default=8)
-  ap.add_argument("--prompt_len", type=int, default=64, help="tokens; a multiple of every seq size")
-  ap.add_argument("--completion_len", type=int, default=16)
-  ap.add_argument("--micro_batch", type=int, default=1)
-  ap.add_argument("--repeats", type=int, default=3)
-  args = ap.parse_args()
+def main(argv):
+  del argv
+  args = flags.FLAGS.config
+  if args.model not in ("tiny", "random-smollm2-shape"):
+    raise ValueError(f"config.model={args.model!r} is not one of ('tiny', 'random-smollm2-shape')")
   jax.monitoring.register_event_duration_secs_listener(_on_event)
 
   config = tiny_config() if args.model == "tiny" else SMOLLM2_135M_SHAPE
@@ -114,4 +110,6 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  # Flags are defined only when run as a program, so that the benchmarks can be imported together.
+  config_flags.DEFINE_config_file("config", "experiments/bench_mesh.py", "Benchmark config.")
+  app.run(main)

@@ -47,14 +47,15 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.gradients import actor_critic as pp
-from branch_replay_jax.models import Llama, tiny_config
-from branch_replay_jax.models.critic import ActorCritic
-from branch_replay_jax.gradients.logprobs import (group_arrays, naive_value_and_grad, replay_value_and_grad,
-                                      trajectory_group_arrays, tree_arrays, tree_replay_value_and_grad)
+from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.groups import make_group
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.gradients import actor_critic as pp
+from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_value_and_grad,
+                                                  tree_replay_value_and_grad)
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.models.critic import ActorCritic
 
 
 # The on-policy GRPO step (ratio 1, beta 0, as in Dr. GRPO / DAPO): random old/ref log-probs far

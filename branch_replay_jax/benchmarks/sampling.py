@@ -1,18 +1,18 @@
 """Tokens per second of `sample_group`: greedy G=1 and sampling G=8, compile time reported apart.
 
-    python -m branch_replay_jax.benchmarks.sampling --model random-smollm2-shape
-    python -m branch_replay_jax.benchmarks.sampling --model smollm2-135m-instruct --dtype bfloat16
+    python -m branch_replay_jax.benchmarks.sampling --config=experiments/bench_sampling.py
+    python -m branch_replay_jax.benchmarks.sampling --config=experiments/bench_sampling.py \\
+        --config.model=smollm2-135m-instruct --config.dtype=bfloat16
 
-Prints one JSON line per case. No EOS is set, so every sample decodes all `--new_tokens` tokens
+Prints one JSON line per case. No EOS is set, so every sample decodes all `config.new_tokens` tokens
 and `generated_tokens` = G * new_tokens. `compile_seconds` sums JAX's compile events of the
 first call (`/jax/core/compile/*`: tracing, lowering to MLIR, XLA backend compile); `step_seconds` is the median of
-`--repeats` later calls with fresh keys, each ended by `block_until_ready`, and covers the
+`config.repeats` later calls with fresh keys, each ended by `block_until_ready`, and covers the
 prefill plus new_tokens - 1 decode steps.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -20,7 +20,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 from flax import nnx
+from ml_collections import config_flags
 
 from branch_replay_jax.models import Llama, ModelConfig
 from branch_replay_jax.rollout.sampler import sample_group
@@ -44,7 +46,7 @@ def make_model(name: str, dtype):
   try:
     from branch_replay_jax.models import load
   except ImportError as err:
-    raise SystemExit(f"--model {name} needs branch_replay_jax.models.load, which is not importable: {err}")
+    raise SystemExit(f"config.model={name!r} needs branch_replay_jax.models.load, which is not importable: {err}")
   return load(name, dtype=dtype)
 
 
@@ -90,16 +92,11 @@ def run_case(model, tokenizer, prompt, *, case, num_samples, temperature, new_to
   return row
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", default="random-smollm2-shape",
-                      choices=["random-smollm2-shape", "smollm2-135m-instruct"])
-  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument("--prompt_len", type=int, default=60, help="prompt tokens")
-  parser.add_argument("--new_tokens", type=int, default=64, help="tokens generated per sample")
-  parser.add_argument("--repeats", type=int, default=3, help="timed calls after the compiling one")
-  parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass of the sampling case")
-  args = parser.parse_args()
+def main(argv):
+  del argv
+  args = flags.FLAGS.config
+  if args.model not in ("random-smollm2-shape", "smollm2-135m-instruct"):
+    raise ValueError(f"config.model={args.model!r} is not one of ('random-smollm2-shape', 'smollm2-135m-instruct')")
   jax.monitoring.register_event_duration_secs_listener(_on_event)
   model, tokenizer = make_model(args.model, jnp.dtype(args.dtype))
   prompt = prompt_ids(tokenizer, model.config.vocab_size, args.prompt_len)
@@ -111,4 +108,6 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  # Flags are defined only when run as a program, so that the benchmarks can be imported together.
+  config_flags.DEFINE_config_file("config", "experiments/bench_sampling.py", "Benchmark config.")
+  app.run(main)

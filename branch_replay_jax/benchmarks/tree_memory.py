@@ -1,7 +1,7 @@
 """Compiled memory of one GRPO gradient step on full rollout trees: naive versus nested replay.
 
-  python -m branch_replay_jax.benchmarks.tree_memory                          # SmolLM2-135M, P=64, 16-token segments
-  python -m branch_replay_jax.benchmarks.tree_memory --model=tiny --fanouts=2,2:4,4
+  python -m branch_replay_jax.benchmarks.tree_memory --config=experiments/bench_tree_memory.py         # SmolLM2-135M
+  python -m branch_replay_jax.benchmarks.tree_memory --config=experiments/bench_tree_memory.py:smoke   # tiny, 2,2:4,4
 
 For each tree (fan-outs per level, e.g. "2,2,2" = 8 trajectories) and each mode, the step is
 jitted, lowered and compiled (never run), and the executable's `memory_analysis()` is printed as
@@ -25,16 +25,10 @@ import jax
 import ml_collections
 from absl import app, flags
 from flax import nnx
+from ml_collections import config_flags
 
 from branch_replay_jax.benchmarks.replay import case_inputs, load_model, GRPO_OBJECTIVE, TREE_OBJECTIVE
 from branch_replay_jax.gradients.logprobs import naive_value_and_grad, tree_replay_value_and_grad
-
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "models.load name, or 'tiny' (random 2-layer model).")
-_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype.")
-_PROMPT = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens P.")
-_SEGMENT = flags.DEFINE_integer("segment_len", 16, "Tokens per response segment.")
-_FANOUTS = flags.DEFINE_string("fanouts", "2,2:2,2,2:2,2,2,2:4,4", "Trees, ':'-separated; each fan-outs per level.")
-_MODES = flags.DEFINE_string("modes", "naive_G,naive_1,depth_first,level", "Modes to compile (see the docstring).")
 
 
 def _memory(compiled) -> dict:
@@ -48,17 +42,18 @@ def _memory(compiled) -> dict:
 
 def main(argv):
   del argv
-  config = ml_collections.ConfigDict({"model": _MODEL.value, "dtype": _DTYPE.value, "seed": 0})
+  c = flags.FLAGS.config
+  config = ml_collections.ConfigDict({"model": c.model, "dtype": c.dtype, "seed": 0})
   model = load_model(config)
   graphdef, params = nnx.split(model)
   model_config = model.config
   del model
-  for spec in _FANOUTS.value.split(":"):
+  for spec in c.fanouts.split(":"):
     fanouts = [int(f) for f in spec.split(",")]
     g = 1
     for f in fanouts:
       g *= f
-    case = {"kind": "tree", "P": _PROMPT.value, "T": _SEGMENT.value, "fanouts": fanouts, "G": g}
+    case = {"kind": "tree", "P": c.prompt_len, "T": c.segment_len, "fanouts": fanouts, "G": g}
     naive_arrays, replay_arrays, counts = case_inputs(config, case, model_config)
     steps = {
         "naive_G": (functools.partial(naive_value_and_grad, micro_batch=g), GRPO_OBJECTIVE, naive_arrays),
@@ -67,7 +62,7 @@ def main(argv):
                         replay_arrays),
         "level": (functools.partial(tree_replay_value_and_grad, schedule="level"), TREE_OBJECTIVE, replay_arrays),
     }
-    for mode in _MODES.value.split(","):
+    for mode in c.modes.split(","):
       fn, objective, arrays = steps[mode]
       step = jax.jit(lambda p, a, fn=fn, objective=objective: fn(graphdef, p, a, objective))
       compiled = step.lower(params, arrays).compile()
@@ -79,4 +74,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so that the benchmarks can be imported together.
+  config_flags.DEFINE_config_file("config", "experiments/bench_tree_memory.py", "Benchmark config.")
   app.run(main)

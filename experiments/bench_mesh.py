@@ -1,0 +1,21 @@
+"""Benchmark: seconds per replay gradient step per data x branch x seq mesh (branch_replay_jax/benchmarks/mesh.py).
+
+  python -m branch_replay_jax.benchmarks.mesh --config=experiments/bench_mesh.py      # 8 fake CPU devices
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.model = "tiny"                          # tiny or random-smollm2-shape (random weights, SmolLM2-135M's shape)
+  c.meshes = "1x1x1,8x1x1,1x8x1,1x1x8,2x2x2,4x2x1"   # data x branch x seq shapes, comma-separated
+  c.groups = 8                              # rollout groups per step
+  c.group_size = 8                          # G completions per group
+  c.prompt_len = 64                         # prompt tokens; a multiple of every seq size
+  c.completion_len = 16                     # tokens per completion
+  c.micro_batch = 1                         # completions per scan step on each device
+  c.repeats = 3                             # timed steps after the compiling one; the median is reported
+  if arg not in (None, ""):
+    raise ValueError(f"experiments/bench_mesh.py: unknown variant {arg!r}; use ''")
+  return c
