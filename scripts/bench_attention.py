@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from branch_replay_jax.bench import timing_lock
 from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas, suffix_attention_splash
 
 
@@ -73,12 +75,15 @@ def make_impls():
 
 
 def timed(compiled, args, repeats):
-  jax.block_until_ready(compiled(*args))           # warm-up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
+  # BENCH_TIMING_LOCK: a file that benchmark processes sharing one device lock around their timed
+  # runs (branch_replay_jax.bench.timing_lock), so compiles overlap but timings never do.
+  with timing_lock(os.environ.get("BENCH_TIMING_LOCK", "")):
+    jax.block_until_ready(compiled(*args))           # warm-up
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times.append((time.perf_counter() - t0) * 1e3)
   return statistics.median(times), times
 
 
