@@ -30,6 +30,7 @@ Method:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import json
@@ -373,7 +374,8 @@ def _load_config(config):
   if config.model == "tiny":
     return tiny_config(vocab_size=256, max_positions=4096)
   if config.model.startswith(RANDOM_PREFIX):
-    return architecture_shape(config.model[len(RANDOM_PREFIX):])
+    # Random weights have no trained context: lift max_positions so long cases run (their cost is real).
+    return dataclasses.replace(architecture_shape(config.model[len(RANDOM_PREFIX):]), max_positions=1 << 24)
   return _load(config).config
 
 

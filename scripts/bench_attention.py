@@ -116,7 +116,8 @@ def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats, impls=None):
                "fwd_bwd_ms_all": [round(v, 3) for v in all_ms],
                "fwd_bwd_tflops": round(3.5 * fwd_flops / (fwd_bwd_ms * 1e-3) / 1e12, 1), "_out": out}
     except Exception as e:  # noqa: BLE001 - a refused implementation is a result, not a crash
-      entry = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+      # First line only (some errors, e.g. a bare AssertionError, have no message at all).
+      entry = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     row[name] = entry
   for name in chosen:
     out = row[name].pop("_out", None)
