@@ -458,3 +458,16 @@ def test_architecture_shapes_match_checkpoint():
   assert got.norm_eps == pytest.approx(want.norm_eps, rel=1e-7)
   with pytest.raises(ValueError, match="'llama-9000' is not one of"):
     architecture_shape("llama-9000")
+
+
+def test_gguf_tokenizer_with_an_old_transformers_names_the_requirement(monkeypatch):
+  # Seen on the H200 machine (transformers 5.17): the GGUF tokenizer builder lives elsewhere there,
+  # and the default experiment died in an ImportError naming a transformers-internal symbol. Expected:
+  # an ImportError naming the file and the version needed, before any tokenizer work.
+  import sys
+  import types
+  from branch_replay_jax.models.gguf_loader import build_tokenizer
+  old = types.ModuleType("transformers.integrations.gguf.gguf_tokenizer_mapping")   # 5.17's: no MAPPING
+  monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", old)
+  with pytest.raises(ImportError, match=r"m\.gguf: building a GGUF tokenizer needs transformers>=5\.18"):
+    build_tokenizer("llama", {"tokenizer.ggml.tokens": ["a"]}, "m.gguf")

@@ -199,9 +199,15 @@ def build_tokenizer(arch: str, metadata: dict, path: str):
 
   Raises:
     ValueError: the metadata describes a tokenizer type transformers cannot build.
+    ImportError: transformers older than 5.18 (no GGUF tokenizer builder where this reads it).
   """
+  import transformers
   from transformers import PreTrainedTokenizerFast
-  from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+  try:   # transformers' GGUF tokenizer builder; its module moved and was renamed before 5.18
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+  except ImportError as e:
+    raise ImportError(f"{path}: building a GGUF tokenizer needs transformers>=5.18 (setup.cfg); found "
+                      f"transformers {transformers.__version__}: {e}") from e
 
   tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
                     if f"tokenizer.{key}" in metadata}
