@@ -16,31 +16,109 @@ import numpy as np
 NORMALISATIONS = ("sequence_mean", "token_mean", "constant")
 
 
+def _as_float(x) -> jax.Array:
+  """x as an array of at least float32 (bfloat16 and integer rewards are widened; float64 stays)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.result_type(x.dtype, jnp.float32))
+
+
+def constant_groups(rewards_g: jax.Array) -> jax.Array:
+  """[...] bool, True for a group whose G rewards are all equal (max == min, exactly).
+
+  Such a group carries no learning signal: every advantage estimator here returns exactly 0 for
+  all its members, whatever the dtype, eps or ddof. This is the same test as the training
+  loop's `zero_variance_groups` metric (np.ptp(rewards) == 0), so the metric counts exactly the
+  groups whose advantages were zeroed.
+
+  Args:
+    rewards_g: [..., G] rewards.
+  """
+  r = jnp.asarray(rewards_g)
+  return r.max(axis=-1) == r.min(axis=-1)
+
+
 def group_advantages(rewards_g: jax.Array, *, eps: float = 1e-6, ddof: int = 1) -> jax.Array:
   """GRPO group-normalised advantages A_i = (r_i - mean(r)) / (std(r) + eps).
 
   DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), section 4.1.2 ("outcome supervision").
 
+  A group of equal rewards (`constant_groups`) gets A = 0 exactly. Computing the formula would
+  not give it: in float32 the mean of sixteen 1.1 is not 1.1, the std of the residue (~1e-7)
+  passes eps = 1e-6 and every A comes out as -0.1061; with eps = 0 the formula is 0/0 (NaN) or a
+  residue over a residue (-0.8165 for three 0.1). A group whose std + eps rounds to 0 although
+  its rewards differ (eps = 0 and differences that underflow when squared) also gets 0, never NaN.
+
   Args:
     rewards_g: [..., G] rewards of one group (or a batch of groups on leading axes).
-    eps: added to the std so that a group of equal rewards gives A = 0, not NaN.
+    eps: >= 0, added to the std (0 is allowed: constant groups are handled exactly, not by eps).
     ddof: 1 for the unbiased std (as `torch.std`, used by TRL), 0 for the population std.
 
   Returns:
-    [..., G] advantages, float32 (or float64 for float64 input).
+    [..., G] advantages, float32 (float64 for float64 input; bfloat16 and integer rewards are
+    computed and returned in float32).
 
   Raises:
-    ValueError: if G <= ddof (the std is undefined).
+    ValueError: if G <= ddof (the std is undefined) or eps < 0.
   """
-  rewards_g = jnp.asarray(rewards_g)
-  if not jnp.issubdtype(rewards_g.dtype, jnp.floating):
-    rewards_g = rewards_g.astype(jnp.float32)
+  rewards_g = _as_float(rewards_g)
   g = rewards_g.shape[-1]
   if g <= ddof:
     raise ValueError(f"group_advantages: a group of G={g} rewards has no std with ddof={ddof}; GRPO needs G >= 2")
+  if not eps >= 0:
+    raise ValueError(f"group_advantages: eps={eps!r} must be >= 0")
   mean = rewards_g.mean(axis=-1, keepdims=True)
-  std = rewards_g.std(axis=-1, keepdims=True, ddof=ddof)
-  return (rewards_g - mean) / (std + eps)
+  denom = rewards_g.std(axis=-1, keepdims=True, ddof=ddof) + eps
+  zero = constant_groups(rewards_g)[..., None] | (denom == 0)
+  return jnp.where(zero, 0.0, (rewards_g - mean) / jnp.where(zero, 1.0, denom))
+
+
+def whiten(values: jax.Array, mask: jax.Array | None = None, *, eps: float = 1e-8) -> jax.Array:
+  """(x - mean) / (std + eps) over the entries where `mask` (all when None), 0 elsewhere.
+
+  PPO's advantage whitening over a step's (token, trajectory) pairs (OpenAI baselines ppo2;
+  "advantage normalization" in Andrychowicz et al. 2020, arXiv 2006.05990, section 3.5). The
+  mean and the population std (ddof 0) are taken over the masked entries only. When those
+  entries are all equal (including a single entry) the result is exactly 0: computing the
+  formula on 1234 copies of float32 0.1 instead gives -0.598 on every entry (the residue of the
+  inexact mean divided by its own ~1e-8 std). No entries: all 0.
+
+  Args:
+    values: any shape, float.
+    mask: bool of the same shape, or None.
+    eps: >= 0, added to the std.
+
+  Returns:
+    Same shape, float32 (float64 for float64 input).
+
+  Raises:
+    ValueError: eps < 0 or a mask of another shape.
+  """
+  x = _as_float(values)
+  m = jnp.ones(x.shape, bool) if mask is None else jnp.asarray(mask, bool)
+  if m.shape != x.shape:
+    raise ValueError(f"whiten: mask shape {m.shape} differs from values shape {x.shape}")
+  if not eps >= 0:
+    raise ValueError(f"whiten: eps={eps!r} must be >= 0")
+  n = jnp.maximum(m.sum(), 1)
+  mean = jnp.where(m, x, 0.0).sum() / n
+  denom = jnp.sqrt(jnp.where(m, jnp.square(x - mean), 0.0).sum() / n) + eps
+  constant = jnp.where(m, x, jnp.inf).min() >= jnp.where(m, x, -jnp.inf).max()   # also True with no entries
+  zero = constant | (denom == 0)
+  return jnp.where(m & ~zero, (x - mean) / jnp.where(zero, 1.0, denom), 0.0)
+
+
+def explained_variance(returns, predicted) -> float | None:
+  """1 - Var[R - V] / Var[R] over the given entries (host-side metric, float64), or None when every
+  return is equal (exactly): the ratio is then undefined, and a float32 variance of equal values
+  is not 0 but ~1e-15, which would turn the metric into an arbitrary large negative number.
+
+  Args:
+    returns, predicted: [N] value targets R and the critic's predictions V (any float dtype).
+  """
+  r, v = np.asarray(returns, np.float64), np.asarray(predicted, np.float64)
+  if r.size == 0 or r.max() == r.min():
+    return None
+  return float(1.0 - np.var(r - v) / np.var(r))
 
 
 def trajectory_weights(lengths_g, *, mode: str, max_length: int | None = None) -> np.ndarray:
@@ -201,18 +279,19 @@ def rloo_advantages(rewards_g: jax.Array) -> jax.Array:
     rewards_g: [..., G] rewards of one group (or a batch of groups on leading axes).
 
   Returns:
-    [..., G] advantages, float32 (or float64 for float64 input); they sum to 0 over G.
+    [..., G] advantages, float32 (or float64 for float64 input); they sum to 0 over G, and are
+    exactly 0 for a group of equal rewards (`constant_groups`; computed, G r_i - Σ_j r_j is a
+    rounding residue: -1.27e-7 for sixteen float32 1.1).
 
   Raises:
     ValueError: if G < 2 (no other sample to form the baseline).
   """
-  rewards_g = jnp.asarray(rewards_g)
-  if not jnp.issubdtype(rewards_g.dtype, jnp.floating):
-    rewards_g = rewards_g.astype(jnp.float32)
+  rewards_g = _as_float(rewards_g)
   g = rewards_g.shape[-1]
   if g < 2:
     raise ValueError(f"rloo_advantages: a group of G={g} rewards has no leave-one-out baseline; RLOO needs G >= 2")
-  return (g * rewards_g - rewards_g.sum(axis=-1, keepdims=True)) / (g - 1)
+  adv = (g * rewards_g - rewards_g.sum(axis=-1, keepdims=True)) / (g - 1)
+  return jnp.where(constant_groups(rewards_g)[..., None], 0.0, adv)
 
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo")

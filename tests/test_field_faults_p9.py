@@ -1,0 +1,97 @@
+"""P9 field faults (round 2), the items of objectives, samplers, tasks and the GGUF reader.
+
+Each test states the right value and why; the issue's inputs are used verbatim.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from branch_replay_jax import objectives as obj
+
+# ---- 1. constant-reward groups: exactly 0 advantage --------------------------------------------
+
+# The issue's inputs: sixteen 1.1 (a correct answer plus the format bonus), four 0.1 and three 0.1
+# with eps = 0. Before the fix, float32 gave -0.1061 (16 x 1.1), NaN (4 x 0.1, eps 0) and -0.8165
+# (3 x 0.1, eps 0) for every member: the residue of an inexact mean over its own std.
+CONSTANT_GROUPS = [(16, 1.1, 1e-6), (4, 0.1, 0.0), (3, 0.1, 0.0)]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("g,value,eps", CONSTANT_GROUPS)
+def test_constant_group_has_exactly_zero_advantage(x64, dtype, g, value, eps):
+  # A group of equal rewards says nothing about which completion is better: every estimator must
+  # give exactly 0 (not a rounding residue that pushes every correct answer down), never NaN.
+  rewards = jnp.full((g,), value, dtype)
+  for ddof in (0, 1):
+    for e in (eps, 0.0, 1e-6, 1.0):
+      adv = np.asarray(obj.group_advantages(rewards, eps=e, ddof=ddof))
+      np.testing.assert_array_equal(adv, np.zeros(g))
+  np.testing.assert_array_equal(np.asarray(obj.rloo_advantages(rewards)), np.zeros(g))
+  assert bool(obj.constant_groups(rewards))
+
+
+def test_constant_rows_are_zeroed_and_other_rows_keep_the_formula():
+  # A batch of groups: only the constant row is special-cased; the other keeps (r - mean) / std
+  # (unbiased std of (1, 0, 0, 0) is 0.5, mean 0.25 -> 1.5, -0.5, -0.5, -0.5) and RLOO's
+  # G/(G-1) (r - mean) = 4/3 * (0.75, -0.25, -0.25, -0.25).
+  rewards = jnp.array([[1.1, 1.1, 1.1, 1.1], [1.0, 0.0, 0.0, 0.0]], jnp.float32)
+  np.testing.assert_array_equal(obj.group_advantages(rewards, eps=0.0)[0], np.zeros(4))
+  np.testing.assert_allclose(obj.group_advantages(rewards, eps=0.0)[1], [1.5, -0.5, -0.5, -0.5], rtol=1e-6)
+  np.testing.assert_array_equal(obj.rloo_advantages(rewards)[0], np.zeros(4))
+  np.testing.assert_allclose(obj.rloo_advantages(rewards)[1], [1.0, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+  np.testing.assert_array_equal(obj.constant_groups(rewards), [True, False])
+  with pytest.raises(ValueError, match="eps=-1"):
+    obj.group_advantages(rewards, eps=-1.0)
+
+
+def test_zero_std_without_equal_rewards_gives_zero_not_nan():
+  # eps = 0 and rewards that differ by less than the square root of the smallest float32: the
+  # squares underflow, the std is 0 although the group is not constant. 0, not inf or NaN.
+  rewards = jnp.array([0.0, 1e-30, 0.0], jnp.float32)
+  adv = np.asarray(obj.group_advantages(rewards, eps=0.0))
+  assert np.isfinite(adv).all()
+
+
+def test_zero_variance_metric_agrees_with_the_advantages():
+  # train.step_record counts zero_variance_groups as np.ptp(rewards) == 0; constant_groups is the
+  # same test, so the metric counts exactly the groups whose advantages are 0.
+  rng = np.random.default_rng(0)
+  groups = [np.full(8, 1.1, np.float32), rng.integers(0, 2, 8).astype(np.float32), np.full(8, 0.0, np.float32),
+            np.array([0.1] * 7 + [0.1 + 1e-7], np.float32)]
+  for r in groups:
+    adv = np.asarray(obj.group_advantages(jnp.asarray(r)))
+    assert (np.ptp(r) == 0) == bool(obj.constant_groups(jnp.asarray(r))) == (not adv.any())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("value", [0.1, 0.5, 1.1, 0.123])
+def test_whitening_a_constant_advantage_gives_zero(x64, dtype, value):
+  # PPO whitens GAE advantages over the step's (token, trajectory) pairs. All equal -> exactly 0
+  # on every pair (numpy's (a - mean) / (std + 1e-8) gave -0.598 for 1234 copies of 0.1).
+  adv = jnp.full((1234,), value, dtype)
+  np.testing.assert_array_equal(np.asarray(obj.whiten(adv)), np.zeros(1234))
+  # Masked: the padding is ignored in the statistics and is 0 in the output.
+  padded = jnp.concatenate([adv, jnp.full((10,), 7.0, dtype)])
+  mask = np.arange(1244) < 1234
+  np.testing.assert_array_equal(np.asarray(obj.whiten(padded, mask)), np.zeros(1244))
+  np.testing.assert_array_equal(np.asarray(obj.whiten(adv[:1], eps=0.0)), [0.0])   # one entry: 0, not NaN
+
+
+def test_whitening_matches_the_formula_on_real_entries():
+  # Non-constant: (x - mean) / (std + eps) with population std over the masked entries only.
+  x = np.array([[1.0, 2.0, 3.0, 99.0], [4.0, 5.0, 99.0, 99.0]], np.float32)
+  mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
+  real = x[mask]
+  expected = np.where(mask, (x - real.mean()) / (real.std() + 1e-8), 0.0)
+  np.testing.assert_allclose(obj.whiten(x, mask), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_explained_variance_is_undefined_for_equal_returns():
+  # float32 np.var of 1234 copies of 0.1 is 2.2e-16, not 0: dividing by it made an arbitrary
+  # huge negative metric. Equal returns -> None; otherwise 1 - Var[R - V] / Var[R].
+  assert obj.explained_variance(np.full(1234, 0.1, np.float32), np.zeros(1234)) is None
+  r, v = np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 2.0])
+  assert obj.explained_variance(r, v) == pytest.approx(1 - np.var(r - v) / np.var(r))
