@@ -336,14 +336,26 @@ def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: j
                 "rejected_reward": jax.lax.stop_gradient(beta * rejected), "margin": margin, "correct": margin > 0}
 
 
-def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamma: float,
-        lam: float) -> tuple[jax.Array, jax.Array]:
+def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamma: float, lam: float,
+        truncated_b: jax.Array | None = None, next_values_b: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Generalized advantage estimates and value targets of trajectories, token by token.
 
   Schulman et al. 2015 (arXiv 1506.02438) eq. 16: δ_t = r_t + γ V(s_{t+1}) - V(s_t) and
   A_t = Σ_{l>=0} (γλ)^l δ_{t+l}, computed backwards as A_t = δ_t + γλ A_{t+1}; the value target is
-  R_t = A_t + V(s_t). Token t is action t; V(s_t) is the value of the context before it. The state
-  after a trajectory's last token is terminal: V = 0 there (no bootstrap), and A = 0 beyond it.
+  R_t = A_t + V(s_t). Token t is action t; V(s_t) is the value of the context before it.
+
+  After a trajectory's last token (row b's last real position t_b):
+    terminated (ended by EOS, the default): that state is terminal, V(s_{t_b+1}) = 0;
+    truncated (cut by the token budget, `truncated_b[b]`): the episode did not end there, so the
+      last δ bootstraps from the critic, V(s_{t_b+1}) = next_values_b[b] (the value of the
+      context that includes the last token). Pardo et al. 2018 ("Time limits in reinforcement
+      learning", arXiv 1712.00378), section 3, "partial-episode bootstrapping".
+  A = 0 beyond the last token. Example (gamma 1, rewards 0, values [0.3, 0.5, 0.7], next value
+  0.9): truncated gives A = [0.6, 0.4, 0.2] at λ = 1 and [0.542, 0.38, 0.2] at λ = 0.9;
+  terminated gives [-0.3, -0.5, -0.7] and [-0.187, -0.43, -0.7]. A completion whose last token is
+  EOS is terminated even when that EOS is the budget's last token: the flag must come from the
+  sampler's stop reason (`sampling.Rollouts.truncated`, `tree_sampling.TreeRollout.truncated`),
+  never from "the row fills the padded width".
 
   Args:
     rewards_bt: [B, T] per-token rewards (e.g. the task's reward on each trajectory's last token).
@@ -351,29 +363,46 @@ def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamm
     mask_bt: [B, T] bool, True on the real tokens; each row's real tokens are a prefix.
     gamma: γ in [0, 1], the discount per token.
     lam: λ in [0, 1] (λ = 1: Monte-Carlo returns minus V; λ = 0: one-step TD errors).
+    truncated_b: [B] bool, True where the trajectory was cut by its token budget (not EOS), or
+      None (every trajectory terminated).
+    next_values_b: [B] V(s_{t_b+1}), the critic's value after each row's last token; read only
+      on truncated rows; required with truncated_b.
 
   Returns:
     (advantages [B, T], returns [B, T]), float32 (float64 for float64 input), 0 on padding.
 
   Raises:
-    ValueError: gamma or lam outside [0, 1], or mismatched shapes.
+    ValueError: gamma or lam outside [0, 1], mismatched shapes, truncated_b without
+      next_values_b (or the reverse).
   """
   if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
     raise ValueError(f"gae: gamma={gamma!r} and lam={lam!r} must lie in [0, 1]")
   rewards, values, mask = jnp.asarray(rewards_bt), jnp.asarray(values_bt), jnp.asarray(mask_bt, bool)
   if not rewards.shape == values.shape == mask.shape or rewards.ndim != 2:
     raise ValueError(f"gae: rewards {rewards.shape}, values {values.shape} and mask {mask.shape} must be equal [B, T]")
-  dtype = jnp.result_type(rewards.dtype, values.dtype, jnp.float32)
-  rewards, values = rewards.astype(dtype), values.astype(dtype)
+  if (truncated_b is None) != (next_values_b is None):
+    raise ValueError("gae: truncated_b and next_values_b go together (a truncated row bootstraps from its next value)")
+  b = rewards.shape[0]
+  if truncated_b is None:
+    truncated, boot = jnp.zeros(b, bool), jnp.zeros(b, values.dtype)
+  else:
+    truncated, boot = jnp.asarray(truncated_b, bool), jnp.asarray(next_values_b)
+    if truncated.shape != (b,) or boot.shape != (b,):
+      raise ValueError(f"gae: truncated_b {truncated.shape} and next_values_b {boot.shape} must be [B] = ({b},)")
+  dtype = jnp.result_type(rewards.dtype, values.dtype, boot.dtype, jnp.float32)
+  rewards, values, boot = rewards.astype(dtype), values.astype(dtype), boot.astype(dtype)
+  next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+  last = mask & ~next_mask
+  next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
+  next_values = jnp.where(next_mask, next_values, jnp.where(last & truncated[:, None], boot[:, None], 0.0))
+  deltas = jnp.where(mask, rewards + gamma * next_values - values, 0.0)
 
-  def step(carry, xs):   # carry: (V(s_{t+1}), A_{t+1}), both 0 past a trajectory's end
-    next_value, next_adv = carry
-    r, v, m = xs
-    adv = r + gamma * next_value - v + gamma * lam * next_adv
-    return (jnp.where(m, v, 0.0), jnp.where(m, adv, 0.0)), jnp.where(m, adv, 0.0)
+  def step(next_adv, xs):   # A_{t+1}, 0 past a trajectory's end
+    delta, m = xs
+    adv = jnp.where(m, delta + gamma * lam * next_adv, 0.0)
+    return adv, adv
 
-  zeros = jnp.zeros(rewards.shape[0], dtype)
-  _, adv = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+  _, adv = jax.lax.scan(step, jnp.zeros(b, dtype), (deltas.T, mask.T), reverse=True)
   adv = adv.T
   return adv, jnp.where(mask, adv + values, 0.0)
 

@@ -41,7 +41,8 @@ class Rollouts(NamedTuple):
     model distribution log_softmax(logits): the "old policy" log-probs of PPO/GRPO, whatever
     temperature/top-p drew the token. 0.0 at positions >= lengths[g].
   lengths: [G] int32 generated tokens, counting the EOS/stop token when one was hit.
-  finished: [G] bool, True when the sample hit an EOS/stop id (False: cut at N tokens).
+  finished: [G] bool, True when the sample hit an EOS/stop id (False: cut at N tokens); the
+    stop reason, also as `truncated` = ~finished.
   """
 
   prompt_ids: jax.Array
@@ -49,6 +50,13 @@ class Rollouts(NamedTuple):
   logprobs: jax.Array
   lengths: jax.Array
   finished: jax.Array
+
+  @property
+  def truncated(self) -> jax.Array:
+    """[G] bool, the stop reason: True where the sample was cut by the token budget N without an
+    EOS/stop id, False where it ended with one (also when that id is its N-th token). GAE
+    bootstraps the truncated ones (`objectives.gae`'s truncated_b)."""
+    return ~self.finished
 
   def completion_mask(self) -> jax.Array:
     """[G, N] bool, True on generated (non-padding) positions."""

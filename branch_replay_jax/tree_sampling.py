@@ -62,12 +62,20 @@ class TreeRollout(NamedTuple):
     trajectory g = 2 * i_1 + i_2 is child i_2 of child i_1.
   logprobs: per node, [L_n] float32 log π(token | context) under the UNTEMPERED, untruncated model
     distribution, as in `sampling.Rollouts`; an empty array for the prompt (node 0).
-  finished: [G] bool: trajectory g hit an EOS id (False: it reached full depth without one).
+  finished: [G] bool: trajectory g hit an EOS id (False: it reached full depth without one); the
+    stop reason, also as `truncated` = ~finished.
   """
 
   tree: RolloutTree
   logprobs: list
   finished: np.ndarray
+
+  @property
+  def truncated(self) -> np.ndarray:
+    """[G] bool, the stop reason: True where trajectory g reached full depth without an EOS id
+    (cut by the token budget (D - 1) S + S_last), False where it ended with one (also on the
+    budget's last token). GAE bootstraps the truncated ones (`objectives.gae`'s truncated_b)."""
+    return ~self.finished
 
   def completion_logprobs(self, g: int) -> np.ndarray:
     """[len(tree.completion(g))] float32 log-probs of trajectory g's completion."""

@@ -95,3 +95,104 @@ def test_explained_variance_is_undefined_for_equal_returns():
   assert obj.explained_variance(np.full(1234, 0.1, np.float32), np.zeros(1234)) is None
   r, v = np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 2.0])
   assert obj.explained_variance(r, v) == pytest.approx(1 - np.var(r - v) / np.var(r))
+
+
+# ---- 2. GAE bootstraps a completion cut by its token budget -------------------------------------
+
+from flax import nnx  # noqa: E402
+
+from branch_replay_jax.models import Llama, tiny_config  # noqa: E402
+from branch_replay_jax.sampling import sample_group  # noqa: E402
+from branch_replay_jax.tree_sampling import sample_tree  # noqa: E402
+
+PROMPT = [3, 17, 42, 8, 9, 60, 1]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Llama(tiny_config(), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("lam,truncated,terminated", [
+    # gamma 1, rewards 0, V = (0.3, 0.5, 0.7), V(after the last token) = 0.9.
+    # Truncated, lambda 1: A_t = V_next_last - V_t = 0.9 - V_t = (0.6, 0.4, 0.2).
+    # Truncated, lambda 0.9: deltas (0.2, 0.2, 0.2); A_2 = 0.2, A_1 = 0.2 + 0.9*0.2 = 0.38,
+    #   A_0 = 0.2 + 0.9*0.38 = 0.542.
+    # Terminated (V = 0 after the end), lambda 1: A_t = -V_t; lambda 0.9: deltas (0.2, 0.2, -0.7),
+    #   A_1 = 0.2 - 0.63 = -0.43, A_0 = 0.2 - 0.387 = -0.187.
+    (1.0, [0.6, 0.4, 0.2], [-0.3, -0.5, -0.7]),
+    (0.9, [0.542, 0.38, 0.2], [-0.187, -0.43, -0.7]),
+])
+def test_gae_bootstraps_a_truncated_completion(lam, truncated, terminated):
+  # Row 0 truncated, row 1 the same trajectory terminated (EOS on its last token), row 2 truncated
+  # after 2 tokens with garbage on its padding: the bootstrap goes to the last REAL token.
+  rewards = np.zeros((3, 4))
+  values = np.array([[0.3, 0.5, 0.7, 5.0], [0.3, 0.5, 0.7, 5.0], [0.5, 0.7, 5.0, 5.0]])
+  mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 0, 0]], bool)
+  adv, ret = obj.gae(rewards, values, mask, gamma=1.0, lam=lam, truncated_b=np.array([True, False, True]),
+                     next_values_b=np.array([0.9, 0.9, 0.9]))
+  np.testing.assert_allclose(adv[0], truncated + [0.0], atol=1e-6)
+  np.testing.assert_allclose(adv[1], terminated + [0.0], atol=1e-6)
+  np.testing.assert_allclose(adv[2], truncated[1:] + [0.0, 0.0], atol=1e-6)
+  # Value targets R = A + V: with lambda 1 and a bootstrap, R_t = 0.9 for every token.
+  np.testing.assert_allclose(ret[0, :3], np.array(truncated) + [0.3, 0.5, 0.7], atol=1e-6)
+  # Without flags every row is terminated: today's values, unchanged.
+  adv_default, _ = obj.gae(rewards, values, mask, gamma=1.0, lam=lam)
+  np.testing.assert_allclose(adv_default[0], terminated + [0.0], atol=1e-6)
+  np.testing.assert_array_equal(adv_default[1], adv[1])
+  with pytest.raises(ValueError, match="next_values_b"):
+    obj.gae(rewards, values, mask, gamma=1.0, lam=lam, truncated_b=np.array([True, False, True]))
+
+
+def _key_with_new_last_token(sample, n_last):
+  """The first key in 0..99 whose sample's last token does not occur before it (so an EOS equal to
+  it stops the sample exactly on the budget's last token)."""
+  for seed in range(100):
+    toks = sample(jax.random.key(seed))
+    if toks[n_last] not in toks[:n_last]:
+      return seed, toks
+  raise AssertionError("no key found")
+
+
+def test_sample_group_reports_the_stop_reason(model):
+  # Cut by the budget -> truncated; the same sample with EOS = its last token -> not truncated
+  # although its length equals the budget (the reason is the EOS, not the width).
+  n = 6
+  draw = lambda key: np.asarray(sample_group(model, PROMPT, num_samples=1, max_new_tokens=n, key=key).tokens[0])
+  seed, toks = _key_with_new_last_token(draw, n - 1)
+  free = sample_group(model, PROMPT, num_samples=1, max_new_tokens=n, key=jax.random.key(seed))
+  assert free.truncated.tolist() == [True] and int(free.lengths[0]) == n
+  stopped = sample_group(model, PROMPT, num_samples=1, max_new_tokens=n, key=jax.random.key(seed),
+                         eos_ids=[int(toks[-1])])
+  np.testing.assert_array_equal(np.asarray(stopped.tokens[0]), toks)
+  assert stopped.truncated.tolist() == [False] and int(stopped.lengths[0]) == n
+  # GAE with the sampler's flag: the EOS row is exactly the terminated default.
+  values = np.linspace(0.1, 0.6, n)[None]
+  rewards, mask = np.zeros((1, n)), np.ones((1, n), bool)
+  a_stop, _ = obj.gae(rewards, values, mask, gamma=1.0, lam=0.95, truncated_b=np.asarray(stopped.truncated),
+                      next_values_b=np.array([0.9]))
+  np.testing.assert_array_equal(a_stop, obj.gae(rewards, values, mask, gamma=1.0, lam=0.95)[0])
+  a_cut, _ = obj.gae(rewards, values, mask, gamma=1.0, lam=1.0, truncated_b=np.asarray(free.truncated),
+                     next_values_b=np.array([0.9]))
+  np.testing.assert_allclose(a_cut[0], 0.9 - values[0], atol=1e-6)
+
+
+def test_sample_tree_reports_the_stop_reason(model):
+  # fanouts [2, 2], S = 3: budget 6 tokens per trajectory. EOS = trajectory 0's 6th token, absent
+  # elsewhere in the tree: trajectory 0 ends there (finished on the budget's last token, not
+  # truncated), the other three are cut by the budget (truncated).
+  kw = dict(fanouts=[2, 2], segment_length=3)
+  for seed in range(100):
+    free = sample_tree(model, PROMPT, key=jax.random.key(seed), **kw)
+    tree = free.tree
+    eos = int(tree.completion(0)[-1])
+    others = [int(t) for n in range(1, len(tree.segments)) if n != tree.ends[0] for t in tree.segments[n]]
+    if eos not in others and eos not in tree.segments[tree.ends[0]][:-1].tolist():
+      break
+  else:
+    raise AssertionError("no key found")
+  assert free.truncated.tolist() == [True] * 4
+  stopped = sample_tree(model, PROMPT, key=jax.random.key(seed), eos_ids=[eos], **kw)
+  assert stopped.tree.parents == tree.parents
+  assert len(stopped.tree.completion(0)) == 6
+  assert stopped.truncated.tolist() == [False, True, True, True]
