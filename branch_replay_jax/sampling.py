@@ -122,11 +122,23 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
   return model.logits(out.hidden_btd)[:, 0], KVBlock(k, v, valid)
 
 
-def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
-  """Nucleus filter: logits outside the smallest top set with probability >= top_p become -inf.
+# Probability mass (float32) by which a cumulative mass may fall short of top_p and still count as
+# reaching it: softmax and cumsum round, so a nucleus whose exact mass is top_p can sum to
+# top_p - 1 ulp and would otherwise take one more token. 1e-6 is ~8 ulp of float32 at 1.0.
+TOP_P_TOLERANCE = 1e-6
 
-  Holtzman et al. 2019 (arXiv 1904.09751), Sec. 3.1, eq. 3. The most likely token is always kept;
-  tokens tied with the smallest kept probability are kept too.
+
+def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
+  """Nucleus filter: logits outside the smallest set whose probability mass reaches top_p become -inf.
+
+  Holtzman et al. 2019 (arXiv 1904.09751), Sec. 3.1, eq. 3. Tokens are ranked by probability,
+  ties broken by LOWER TOKEN ID FIRST (a stable sort); the nucleus is the shortest prefix of that
+  ranking whose mass is >= top_p - TOP_P_TOLERANCE, so a token is kept iff the mass ranked
+  strictly before it is below that. The most likely token is always kept; top_p >= 1 keeps all.
+
+    probs [0.3, 0.1, 0.1, 0.5], top_p 0.8: ranking 3, 0, 1, 2; masses before 0, 0.5, 0.8, 0.9
+      -> keeps {3, 0} (their mass is exactly 0.8).
+    64 equal logits, top_p 0.1: ranking 0, 1, ..., 63; 7 tokens reach 7/64 = 0.109 -> keeps ids 0..6.
 
   Args:
     logits_bv: [B, V] float logits (already divided by the temperature).
@@ -136,11 +148,14 @@ def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
     [B, V] logits of the same dtype with -inf outside the nucleus.
   """
   probs = jax.nn.softmax(logits_bv.astype(jnp.float32), axis=-1)
-  sorted_probs = -jnp.sort(-probs, axis=-1)
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-  kept = mass_before < top_p
-  threshold = jnp.min(jnp.where(kept, sorted_probs, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where(probs >= threshold, logits_bv, -jnp.inf)
+  order = jnp.argsort(-probs, axis=-1, stable=True)
+  mass = jnp.cumsum(jnp.take_along_axis(probs, order, axis=-1), axis=-1)
+  mass_before = jnp.pad(mass[:, :-1], ((0, 0), (1, 0)))
+  kept_ranked = (mass_before < top_p - TOP_P_TOLERANCE) | (top_p >= 1)
+  kept_ranked = kept_ranked.at[:, 0].set(True)
+  rows = jnp.arange(probs.shape[0])[:, None]
+  kept = jnp.zeros(probs.shape, bool).at[rows, order].set(kept_ranked)
+  return jnp.where(kept, logits_bv, -jnp.inf)
 
 
 def sample_token(logits_bv: jax.Array, keys_b: jax.Array, step, *, temperature, top_p, greedy: bool) -> jax.Array:

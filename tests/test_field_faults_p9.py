@@ -196,3 +196,79 @@ def test_sample_tree_reports_the_stop_reason(model):
   assert stopped.tree.parents == tree.parents
   assert len(stopped.tree.completion(0)) == 6
   assert stopped.truncated.tolist() == [False, True, True, True]
+
+
+# ---- 3. top-p at its boundary --------------------------------------------------------------------
+
+from conftest import forward_logits  # noqa: E402
+
+from branch_replay_jax import sampling  # noqa: E402
+
+
+def kept_ids(logits, top_p):
+  return np.flatnonzero(np.isfinite(np.asarray(sampling.top_p_filter(jnp.asarray(logits)[None], top_p))[0]))
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p():
+  # [0.3, 0.1, 0.1, 0.5], top_p 0.8: {3, 0} has mass exactly 0.8, which reaches p; the old filter
+  # (mass before a token computed as cumsum - p, rounded below p) kept all four.
+  np.testing.assert_array_equal(kept_ids(jnp.log(jnp.array([0.3, 0.1, 0.1, 0.5])), 0.8), [0, 3])
+  # Traced top_p (as inside the sampler's jit): the same set.
+  jitted = jax.jit(sampling.top_p_filter)(jnp.log(jnp.array([[0.3, 0.1, 0.1, 0.5]])), jnp.float32(0.8))
+  np.testing.assert_array_equal(np.flatnonzero(np.isfinite(np.asarray(jitted)[0])), [0, 3])
+  # 64 equal logits, top_p 0.1: 6 tokens have 0.094 < 0.1, 7 have 0.109 >= 0.1 -> 7 tokens, the
+  # lowest ids (ties broken by lower token id first). The old filter kept all 64.
+  np.testing.assert_array_equal(kept_ids(jnp.zeros(64), 0.1), np.arange(7))
+  # Exactly 7/64 also needs 7 tokens; a hair above needs 8.
+  np.testing.assert_array_equal(kept_ids(jnp.zeros(64), 7 / 64), np.arange(7))
+  np.testing.assert_array_equal(kept_ids(jnp.zeros(64), 7 / 64 + 1e-4), np.arange(8))
+
+
+def test_top_p_ties_break_by_lower_token_id():
+  # probs [0.2, 0.4, 0.2, 0.2], top_p 0.5: ranking 1, 0, 2, 3 (the three 0.2 by id); 0.4 < 0.5,
+  # 0.6 >= 0.5 -> {1, 0}. The old filter kept every token tied with the last kept one: all four.
+  np.testing.assert_array_equal(kept_ids(jnp.log(jnp.array([0.2, 0.4, 0.2, 0.2])), 0.5), [0, 1])
+  # The most likely token is always kept, even for a tiny top_p; top_p 1 keeps everything.
+  np.testing.assert_array_equal(kept_ids(jnp.log(jnp.array([0.2, 0.4, 0.2, 0.2])), 1e-9), [1])
+  np.testing.assert_array_equal(kept_ids(jnp.array([0.0, -30.0, -60.0, -90.0]), 1.0), [0, 1, 2, 3])
+
+
+def reference_nucleus(logits, top_p):
+  """The documented rule in float64 numpy: stable ranking, keep while the mass before < top_p - tol."""
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+  return set(order[(before < top_p - sampling.TOP_P_TOLERANCE) | (np.arange(p.size) == 0)].tolist())
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8])
+def test_sampled_tokens_lie_in_the_nucleus_and_logprobs_stay_untempered(model, top_p):
+  # Every drawn token is in the nucleus of softmax(logits / T) computed from a full forward, and its
+  # returned log-prob is log_softmax(logits) untempered and unfiltered (the documented convention,
+  # what the trainer's token_logprobs computes): filtering changes what is drawn, not how it is scored.
+  temperature = 0.7
+  r = sample_group(model, PROMPT, num_samples=4, max_new_tokens=8, key=jax.random.key(5), temperature=temperature,
+                   top_p=top_p)
+  for g in range(4):
+    n = int(r.lengths[g])
+    seq = PROMPT + np.asarray(r.tokens[g, :n]).tolist()
+    logits = np.asarray(forward_logits(model, jnp.asarray([seq], jnp.int32)), np.float64)
+    for i in range(n):
+      pos = len(PROMPT) - 1 + i
+      assert seq[pos + 1] in reference_nucleus(logits[pos] / temperature, top_p)
+      logp = logits[pos] - logits[pos].max() - np.log(np.exp(logits[pos] - logits[pos].max()).sum())
+      assert abs(float(r.logprobs[g, i]) - logp[seq[pos + 1]]) < 1e-5
+
+
+def test_both_samplers_apply_the_same_filter(model):
+  # A top_p below every token's probability keeps only the most likely token: sampling at
+  # temperature 1 must then equal greedy decoding, in sample_group and in sample_tree alike (both
+  # draw through sampling.sample_token -> top_p_filter).
+  key = jax.random.key(6)
+  group = sample_group(model, PROMPT, num_samples=3, max_new_tokens=6, key=key, top_p=1e-6)
+  greedy = sample_group(model, PROMPT, num_samples=3, max_new_tokens=6, key=key, greedy=True)
+  np.testing.assert_array_equal(np.asarray(group.tokens), np.asarray(greedy.tokens))
+  tree = sample_tree(model, PROMPT, fanouts=[2, 2], segment_length=3, key=key, top_p=1e-6)
+  for g in range(4):
+    np.testing.assert_array_equal(tree.tree.completion(g), np.asarray(greedy.tokens[0]))
