@@ -37,9 +37,10 @@ class Rollouts(NamedTuple):
   prompt_ids: [P] int32, the prompt without bucket padding.
   tokens: [G, N] int32 generated ids; positions >= lengths[g] hold the `pad_id` passed to
     `sample_group` (0 by default).
-  logprobs: [G, N] float32 log pi(token_t | prompt, tokens_<t) under the UNTEMPERED, untruncated
-    model distribution log_softmax(logits): the "old policy" log-probs of PPO/GRPO, whatever
-    temperature/top-p drew the token. 0.0 at positions >= lengths[g].
+  logprobs: [G, N] float32 (float64 for a float64 model under jax_enable_x64) log pi(token_t |
+    prompt, tokens_<t) under the UNTEMPERED, untruncated model distribution log_softmax(logits):
+    the "old policy" log-probs of PPO/GRPO, whatever temperature/top-p drew the token (the
+    trainer's `token_logprobs` computes the same). 0.0 at positions >= lengths[g].
   lengths: [G] int32 generated tokens, counting the EOS/stop token when one was hit.
   finished: [G] bool, True when the sample hit an EOS/stop id (False: cut at N tokens); the
     stop reason, also as `truncated` = ~finished.
@@ -147,7 +148,7 @@ def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
   Returns:
     [B, V] logits of the same dtype with -inf outside the nucleus.
   """
-  probs = jax.nn.softmax(logits_bv.astype(jnp.float32), axis=-1)
+  probs = jax.nn.softmax(logits_bv.astype(jnp.result_type(logits_bv.dtype, jnp.float32)), axis=-1)
   order = jnp.argsort(-probs, axis=-1, stable=True)
   mass = jnp.cumsum(jnp.take_along_axis(probs, order, axis=-1), axis=-1)
   mass_before = jnp.pad(mass[:, :-1], ((0, 0), (1, 0)))
@@ -206,7 +207,8 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     max_new_tokens: N, static.
 
   Returns:
-    tokens [G, N] int32, logprobs [G, N] float32 (untempered, 0 after the end), lengths [G] int32,
+    tokens [G, N] int32, logprobs [G, N] in the logits' dtype (float32; float64 for a float64
+    model; untempered, 0 after the end), lengths [G] int32,
     finished [G] bool (hit a stop id), and the cache (k, v [L, G, N, Hkv, D]) of the fed tokens.
   """
   g, n = keys_g.shape[0], max_new_tokens
@@ -214,7 +216,7 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   logits_gv = jnp.broadcast_to(logits_1v, (g, logits_1v.shape[-1]))
   tok = sample(logits_gv, step=0)
   tokens = jnp.full((g, n), pad_id, jnp.int32).at[:, 0].set(tok)
-  logprobs = jnp.zeros((g, n), jnp.float32).at[:, 0].set(_picked_logprob(logits_gv, tok))
+  logprobs = jnp.zeros((g, n), logits_1v.dtype).at[:, 0].set(_picked_logprob(logits_gv, tok))
   done = jnp.isin(tok, stop_ids)
   carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n), tokens, logprobs)
 
@@ -228,8 +230,11 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     new = sample(logits, step=t + 1)
     lp = _picked_logprob(logits, new)
     new, lp = jnp.where(done, pad_id, new), jnp.where(done, 0.0, lp)
-    tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, t + 1))
-    logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], (0, t + 1))
+    # int32 indices throughout: a Python 0 would become int64 under jax_enable_x64 and
+    # dynamic_update_slice refuses mixed index types.
+    start = (jnp.int32(0), t + 1)
+    tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], start)
+    logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], start)
     lengths = lengths + (~done).astype(jnp.int32)
     return t + 1, new, done | jnp.isin(new, stop_ids), lengths, cache, tokens, logprobs
 

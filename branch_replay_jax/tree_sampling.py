@@ -60,8 +60,9 @@ class TreeRollout(NamedTuple):
     preorder (a node, then the subtrees of its children in sampling order), so `tree.ends`, the
     leaves, are in lexicographic order of their child-index paths: with fanouts [2, 2] and no EOS,
     trajectory g = 2 * i_1 + i_2 is child i_2 of child i_1.
-  logprobs: per node, [L_n] float32 log π(token | context) under the UNTEMPERED, untruncated model
-    distribution, as in `sampling.Rollouts`; an empty array for the prompt (node 0).
+  logprobs: per node, [L_n] float32 (float64 for a float64 model under jax_enable_x64) log π(token |
+    context) under the UNTEMPERED, untruncated model distribution, as in `sampling.Rollouts`; an
+    empty array for the prompt (node 0).
   finished: [G] bool: trajectory g hit an EOS id (False: it reached full depth without one); the
     stop reason, also as `truncated` = ~finished.
   """

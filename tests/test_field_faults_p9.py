@@ -272,3 +272,45 @@ def test_both_samplers_apply_the_same_filter(model):
   tree = sample_tree(model, PROMPT, fanouts=[2, 2], segment_length=3, key=key, top_p=1e-6)
   for g in range(4):
     np.testing.assert_array_equal(tree.tree.completion(g), np.asarray(greedy.tokens[0]))
+
+
+# ---- 5. both samplers under jax_enable_x64 -------------------------------------------------------
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_samplers_run_under_x64_and_draw_the_same_tokens(model, top_p):
+  # The issue's call raised "index arguments to dynamic_update_slice must be integers of the same
+  # type, got int64, int32" (a Python 0 index becomes int64 under x64). A float32 model must draw
+  # exactly the same tokens with or without x64: the flag changes index types, not the math.
+  kw = dict(num_samples=2, max_new_tokens=5, key=jax.random.key(0), top_p=top_p)
+  tree_kw = dict(fanouts=[2, 2], segment_length=2, key=jax.random.key(0), top_p=top_p)
+  want_group = sample_group(model, [1, 2, 3], **kw)
+  want_tree = sample_tree(model, [1, 2, 3], **tree_kw)
+  with jax.enable_x64(True):
+    issue = sample_group(Llama(tiny_config()), [1, 2, 3], num_samples=1, max_new_tokens=2, key=jax.random.key(0))
+    assert issue.tokens.shape == (1, 2)
+    group = sample_group(model, [1, 2, 3], **kw)
+    tree = sample_tree(model, [1, 2, 3], **tree_kw)
+  np.testing.assert_array_equal(np.asarray(group.tokens), np.asarray(want_group.tokens))
+  np.testing.assert_allclose(np.asarray(group.logprobs), np.asarray(want_group.logprobs), atol=1e-6)
+  assert group.logprobs.dtype == jnp.float32
+  assert tree.tree.parents == want_tree.tree.parents
+  for a, b in zip(tree.tree.segments, want_tree.tree.segments):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_float64_model_samples_with_float64_logprobs(model):
+  # A float64 model (how the exactness tests run) under x64: the returned log-probs are float64
+  # and equal log_softmax of a full float64 forward to ~1e-12 (float32 would be ~1e-6).
+  with jax.enable_x64(True):
+    graphdef, state = nnx.split(Llama(tiny_config(), dtype=jnp.float64, rngs=nnx.Rngs(0)))
+    m64 = nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), state))
+    r = sample_group(m64, PROMPT, num_samples=2, max_new_tokens=5, key=jax.random.key(3), eos_ids=[5])
+    assert r.logprobs.dtype == jnp.float64
+    for g in range(2):
+      n = int(r.lengths[g])
+      seq = PROMPT + np.asarray(r.tokens[g, :n]).tolist()
+      logp = jax.nn.log_softmax(forward_logits(m64, jnp.asarray([seq], jnp.int32)), axis=-1)
+      want = np.asarray(logp)[len(PROMPT) - 1 + np.arange(n), seq[len(PROMPT):]]
+      np.testing.assert_allclose(np.asarray(r.logprobs[g, :n]), want, atol=1e-12, rtol=0)
+    tree = sample_tree(m64, PROMPT, fanouts=[2], segment_length=3, key=jax.random.key(3))
+    assert tree.logprobs[1].dtype == np.float64
