@@ -294,18 +294,45 @@ def rloo_advantages(rewards_g: jax.Array) -> jax.Array:
   return jnp.where(constant_groups(rewards_g)[..., None], 0.0, adv)
 
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "ipo_sum")
+
+
+def _positive_lengths(name: str, lengths) -> jax.Array:
+  if lengths is None:
+    raise ValueError(f"dpo_loss: loss_type='ipo' averages log-probs over tokens and needs {name} "
+                     "(completion lengths in tokens); pass them, or use loss_type='ipo_sum'")
+  if not isinstance(lengths, jax.core.Tracer) and np.any(np.asarray(lengths) < 1):
+    raise ValueError(f"dpo_loss: {name}={np.asarray(lengths).tolist()} must all be >= 1 token")
+  return jnp.asarray(lengths)
 
 
 def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array, ref_rejected: jax.Array, *,
-             beta: float, loss_type: str = "sigmoid") -> tuple[jax.Array, dict]:
+             beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             chosen_lengths: jax.Array | None = None,
+             rejected_lengths: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Per-pair preference loss from per-sequence log-prob sums (log π(y|x) = Σ_t logp_t).
 
-  With h = (log π(y_w|x) - log π_ref(y_w|x)) - (log π(y_l|x) - log π_ref(y_l|x)):
-    sigmoid: ℓ = -log σ(β h)            DPO, Rafailov et al. 2023 (arXiv 2305.18290) eq. 7;
-    ipo:     ℓ = (h - 1/(2β))^2         IPO, Azar et al. 2023 (arXiv 2310.12036) eq. 17 with τ = β.
-  The loss couples a sequence's tokens only through its sum, so dℓ/dlogp_t = dℓ/dsum for every
-  token t of that sequence (used by preference.py for the exact two-pass replay gradient).
+  With the log-ratio Δ(y) = log π(y|x) - log π_ref(y|x), h = Δ(y_w) - Δ(y_l), ε = label_smoothing
+  and the per-token mean m(y) = Δ(y) / |y|:
+    sigmoid: ℓ = (1 - ε) (-log σ(β h)) + ε (-log σ(-β h))
+             DPO, Rafailov et al. 2023 (arXiv 2305.18290) eq. 7; with ε > 0 the conservative DPO
+             of Mitchell 2023 ("A note on DPO with noisy preferences"), as TRL's label_smoothing:
+             the label is taken to be flipped with probability ε.
+    ipo:     ℓ = (m(y_w) - m(y_l) - 1/(2β))^2, on MEAN log-probs (the default IPO form).
+    ipo_sum: ℓ = (h - 1/(2β))^2, on SUMS: Azar et al. 2023 (arXiv 2310.12036) eq. 17, τ = β.
+  Why mean is the default IPO: the regression target 1/(2β) is a fixed number, but a sum-form h
+  grows with the completions' lengths, so the same target asks for a large per-token change on
+  short pairs and a negligible one on long pairs. TRL (loss_type="ipo" divides the log-probs by
+  the completion length) and torchtune (IPOLoss expects average log-probs) settled on the mean.
+
+  Example (beta 0.1): chosen 4 tokens, policy -1 and reference -1.5 per token (Δ = 2, m = 0.5);
+  rejected 2 tokens, policy -2 and reference -1.5 (Δ = -1, m = -0.5): h = 3. sigmoid gives
+  softplus(-0.3) = 0.554355, with ε = 0.1 0.9 * 0.554355 + 0.1 * softplus(0.3) = 0.584355; ipo
+  (h_mean = 1) gives (1 - 5)^2 = 16 with dℓ/dh_mean = -8; ipo_sum gives (3 - 5)^2 = 4.
+
+  The loss couples a sequence's tokens only through its sum (the mean is the sum over a constant
+  length), so dℓ/dlogp_t = dℓ/dsum for every token t of that sequence: the exact two-pass replay
+  gradient of preference.py holds for every loss_type.
 
   Args:
     policy_chosen, policy_rejected: [K] log-prob sums of the chosen (y_w) and rejected (y_l)
@@ -313,24 +340,43 @@ def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: j
     ref_chosen, ref_rejected: [K] the same under the frozen reference (constants).
     beta: β > 0 (DPO's KL strength; IPO's τ).
     loss_type: one of PREFERENCE_LOSSES.
+    label_smoothing: ε in [0, 0.5), sigmoid only (conservative DPO); 0 is plain DPO.
+    chosen_lengths, rejected_lengths: [K] completion lengths |y_w|, |y_l| in tokens (>= 1);
+      required by "ipo", ignored otherwise.
 
   Returns:
     (loss [K], metrics) with metrics "chosen_reward" = β (log π(y_w) - log π_ref(y_w)) [K],
     "rejected_reward" [K] likewise, "margin" = their difference [K] (= β h) and "correct" =
-    margin > 0 [K] bool (the implicit reward ranks the pair right), all without gradient.
+    margin > 0 [K] bool (the implicit reward ranks the pair right), all without gradient and on
+    sums for every loss_type.
 
   Raises:
-    ValueError: unknown loss_type or beta <= 0.
+    ValueError: unknown loss_type, beta <= 0, label_smoothing outside [0, 0.5) or non-zero with an
+      IPO loss, "ipo" without (or with non-positive) lengths.
   """
   if loss_type not in PREFERENCE_LOSSES:
     raise ValueError(f"dpo_loss: loss_type={loss_type!r} is not one of {PREFERENCE_LOSSES}")
   if not beta > 0:
     raise ValueError(f"dpo_loss: beta={beta!r} must be > 0")
+  if not 0 <= label_smoothing < 0.5:
+    raise ValueError(f"dpo_loss: label_smoothing={label_smoothing!r} must lie in [0, 0.5)")
+  if label_smoothing and loss_type != "sigmoid":
+    raise ValueError(f"dpo_loss: label_smoothing={label_smoothing!r} applies to loss_type='sigmoid' only "
+                     f"(conservative DPO), not {loss_type!r}; IPO has no label-noise form")
   ref_chosen, ref_rejected = jax.lax.stop_gradient(ref_chosen), jax.lax.stop_gradient(ref_rejected)
   chosen = policy_chosen - ref_chosen
   rejected = policy_rejected - ref_rejected
   h = chosen - rejected
-  loss = jax.nn.softplus(-beta * h) if loss_type == "sigmoid" else (h - 1.0 / (2.0 * beta)) ** 2
+  if loss_type == "sigmoid":
+    loss = jax.nn.softplus(-beta * h)
+    if label_smoothing:
+      loss = (1.0 - label_smoothing) * loss + label_smoothing * jax.nn.softplus(beta * h)
+  elif loss_type == "ipo":
+    h_mean = (chosen / _positive_lengths("chosen_lengths", chosen_lengths)
+              - rejected / _positive_lengths("rejected_lengths", rejected_lengths))
+    loss = (h_mean - 1.0 / (2.0 * beta)) ** 2
+  else:
+    loss = (h - 1.0 / (2.0 * beta)) ** 2
   margin = jax.lax.stop_gradient(beta * h)
   return loss, {"chosen_reward": jax.lax.stop_gradient(beta * chosen),
                 "rejected_reward": jax.lax.stop_gradient(beta * rejected), "margin": margin, "correct": margin > 0}

@@ -314,3 +314,96 @@ def test_float64_model_samples_with_float64_logprobs(model):
       np.testing.assert_allclose(np.asarray(r.logprobs[g, :n]), want, atol=1e-12, rtol=0)
     tree = sample_tree(m64, PROMPT, fanouts=[2], segment_length=3, key=jax.random.key(3))
     assert tree.logprobs[1].dtype == np.float64
+
+
+# ---- 6. preference losses: length-normalised IPO and conservative DPO ---------------------------
+
+from branch_replay_jax import preference as pref  # noqa: E402
+
+# The issue's pair: chosen 4 tokens, policy -1 / reference -1.5 per token (sums -4 / -6, Δ_w = 2,
+# mean 0.5); rejected 2 tokens, policy -2 / reference -1.5 (sums -4 / -3, Δ_l = -1, mean -0.5).
+PAIR = dict(policy_chosen=jnp.array([-4.0]), policy_rejected=jnp.array([-4.0]), ref_chosen=jnp.array([-6.0]),
+            ref_rejected=jnp.array([-3.0]))
+LENGTHS = dict(chosen_lengths=jnp.array([4]), rejected_lengths=jnp.array([2]))
+
+
+def _loss(**kw):
+  return float(obj.dpo_loss(**PAIR, beta=0.1, **kw)[0][0])
+
+
+def test_preference_losses_on_the_issue_pair():
+  # sum-form h = 2 - (-1) = 3, beta h = 0.3.
+  # DPO: -log sigmoid(0.3) = softplus(-0.3) = 0.554355.
+  assert _loss() == pytest.approx(0.554355, abs=1e-6)
+  # Conservative DPO, eps = 0.1: 0.9 softplus(-0.3) + 0.1 softplus(0.3) = 0.498920 + 0.085436 = 0.584355.
+  assert _loss(label_smoothing=0.1) == pytest.approx(0.584355, abs=1e-6)
+  # IPO on mean log-probs: h = 0.5 - (-0.5) = 1, (1 - 1/(2*0.1))^2 = (1 - 5)^2 = 16.
+  assert _loss(loss_type="ipo", **LENGTHS) == pytest.approx(16.0, abs=1e-5)
+  # IPO on sums (Azar et al. eq. 17 on sequence log-probs): (3 - 5)^2 = 4 (what "ipo" computed before).
+  assert _loss(loss_type="ipo_sum") == pytest.approx(4.0, abs=1e-5)
+
+
+def test_ipo_mean_gradient():
+  # dL/dh = 2 (h - 5) = -8 at h = 1; h = S_w/4 - S_l/2 + const, so dL/dS_w = -8/4 = -2 and
+  # dL/dS_l = +8/2 = +4: each sequence's gradient is the mean's divided by its length.
+  def loss(pc, pr):
+    return obj.dpo_loss(pc, pr, PAIR["ref_chosen"], PAIR["ref_rejected"], beta=0.1, loss_type="ipo", **LENGTHS)[0][0]
+  d_chosen, d_rejected = jax.grad(loss, argnums=(0, 1))(PAIR["policy_chosen"], PAIR["policy_rejected"])
+  assert float(d_chosen[0]) == pytest.approx(-2.0, abs=1e-5)
+  assert float(d_rejected[0]) == pytest.approx(4.0, abs=1e-5)
+  h = jnp.array(1.0)
+  assert float(jax.grad(lambda h: (h - 1 / (2 * 0.1)) ** 2)(h)) == pytest.approx(-8.0)
+
+
+def test_preference_loss_argument_errors():
+  with pytest.raises(ValueError, match="label_smoothing=0.1"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo", label_smoothing=0.1, **LENGTHS)
+  with pytest.raises(ValueError, match="label_smoothing=0.1"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo_sum", label_smoothing=0.1)
+  with pytest.raises(ValueError, match="label_smoothing=0.5"):
+    obj.dpo_loss(**PAIR, beta=0.1, label_smoothing=0.5)
+  with pytest.raises(ValueError, match="chosen_lengths"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo")
+  with pytest.raises(ValueError, match="rejected_lengths"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo", chosen_lengths=jnp.array([4]), rejected_lengths=jnp.array([0]))
+
+
+def _pref_pairs(seed=0, vocab=64):
+  # Two prompts, ragged completions (lengths 1..9), a rejected completion shared by two pairs.
+  rng = np.random.default_rng(seed)
+  ids = lambda n: rng.integers(0, vocab, n)
+  a, b, shared = ids(11), ids(5), ids(4)
+  return [pref.PreferencePair(a, ids(7), shared), pref.PreferencePair(b, ids(2), ids(9)),
+          pref.PreferencePair(a, ids(1), shared), pref.PreferencePair(a, ids(5), ids(3))]
+
+
+_naive_pref = jax.jit(pref.naive_value_and_grad, static_argnums=(0,),
+                      static_argnames=("beta", "loss_type", "label_smoothing", "micro_batch"))
+
+
+@pytest.mark.parametrize("loss_type,label_smoothing", [("ipo", 0.0), ("ipo_sum", 0.0), ("sigmoid", 0.1)])
+def test_new_preference_losses_are_exact_under_two_pass_replay(x64, loss_type, label_smoothing):
+  # The two-pass replay (sums, then the linear surrogate with c_i = dL/dS_i) and differentiating
+  # the loss on full sequences must agree to float64 rounding (~1e-15): IPO's mean is a sum over a
+  # constant length, label smoothing a function of the same sums.
+  from conftest import max_rel_err, tiny_model
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  _, ref_params = tiny_model(jnp.float64, jnp.float64, seed=1)
+  batch = pref.make_batch(_pref_pairs(), vocab_size=64, max_positions=256)
+  steps = pref.ReplaySteps(graphdef, micro_batch=2)
+  ref = steps.flat_sums(ref_params, batch)
+  naive_ref = pref.naive_ref_sums(graphdef, ref_params, batch.naive)
+  kw = dict(beta=0.1, loss_type=loss_type, label_smoothing=label_smoothing)
+  lr, mr, gr = steps.value_and_grad(params, batch, ref, **kw)
+  ln, mn, gn = _naive_pref(graphdef, params, batch.naive, naive_ref, micro_batch=2, **kw)
+  assert max_rel_err(gr, gn) <= 1e-10
+  assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-3
+  # The loss is the one the formula gives on the pairs' sums and lengths (not the surrogate's value).
+  sums = steps.flat_sums(params, batch)
+  lengths = np.concatenate([np.asarray(a["branches"]["mask"]).sum(-1) for a in batch.groups])
+  c, r = batch.chosen, batch.rejected
+  want = obj.dpo_loss(sums[c], sums[r], ref[c], ref[r], chosen_lengths=lengths[c], rejected_lengths=lengths[r],
+                      **kw)[0].mean()
+  assert float(lr) == pytest.approx(float(want), rel=1e-12)
+
