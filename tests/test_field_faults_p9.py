@@ -447,3 +447,50 @@ def test_task_strict_mode_scores_only_closed_tags():
   with pytest.raises(ValueError, match="strict_answer must be a bool"):
     make_task("basic_arithmetic", seed=0, size=4, strict_answer="yes")
 
+
+# ---- 11 (part). a truncated or corrupt GGUF file ------------------------------------------------
+
+import re  # noqa: E402
+
+import gguf  # noqa: E402
+
+from branch_replay_jax.models import gguf_loader, loading  # noqa: E402
+
+
+def test_gguf_first_megabyte_names_the_file_and_the_byte_counts(tmp_path):
+  # The file: the first 1 MB of SmolLM2-135M-Instruct.Q4_1.gguf. Its tokenizer metadata
+  # (49152 tokens) is longer than 1 MB, so the cut falls in the metadata: the last string needs 7
+  # bytes at offset 1048575 and 1 is there. Before: numpy's "When changing to a larger dtype..."
+  # or an IndexError, naming neither the file nor what was cut.
+  path = tmp_path / "cut.gguf"
+  with open(loading.smollm2_gguf_path(), "rb") as f:
+    path.write_bytes(f.read(1 << 20))
+  with pytest.raises(ValueError, match=re.escape(f"{path}: truncated or corrupt GGUF file (1048576 bytes): "
+                                                 "the header/metadata expects 7 bytes at offset 1048575, found 1")):
+    loading.load(str(path))
+
+
+def test_gguf_cut_inside_a_tensor_names_the_tensor(tmp_path):
+  # Cut the file half way into the tensor that starts first in the data section: the error names
+  # that tensor, its size in bytes (expected) and the bytes left (found), and counts the others.
+  full = gguf.GGUFReader(loading.smollm2_gguf_path())
+  first = min(full.tensors, key=lambda t: t.data_offset)
+  found = int(first.n_bytes) // 2
+  path = tmp_path / "cut.gguf"
+  with open(loading.smollm2_gguf_path(), "rb") as f:
+    path.write_bytes(f.read(int(first.data_offset) + found))
+  others = len(full.tensors) - 1
+  with pytest.raises(ValueError, match=re.escape(
+      f"{path}: truncated or corrupt GGUF file ({int(first.data_offset) + found} bytes): tensor {first.name!r} "
+      f"expects {int(first.n_bytes)} bytes at offset {int(first.data_offset)}, found {found} "
+      f"({others} more tensors lie beyond the end)")):
+    gguf_loader.read_gguf(path)
+
+
+def test_gguf_not_a_gguf_file(tmp_path):
+  empty, garbage = tmp_path / "empty.gguf", tmp_path / "garbage.gguf"
+  empty.write_bytes(b"")
+  garbage.write_bytes(b"not a gguf file at all")
+  for path in (empty, garbage):
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not a readable GGUF file")):
+      gguf_loader.read_gguf(path)
