@@ -16,31 +16,109 @@ import numpy as np
 NORMALISATIONS = ("sequence_mean", "token_mean", "constant")
 
 
+def _as_float(x) -> jax.Array:
+  """x as an array of at least float32 (bfloat16 and integer rewards are widened; float64 stays)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.result_type(x.dtype, jnp.float32))
+
+
+def constant_groups(rewards_g: jax.Array) -> jax.Array:
+  """[...] bool, True for a group whose G rewards are all equal (max == min, exactly).
+
+  Such a group carries no learning signal: every advantage estimator here returns exactly 0 for
+  all its members, whatever the dtype, eps or ddof. This is the same test as the training
+  loop's `zero_variance_groups` metric (np.ptp(rewards) == 0), so the metric counts exactly the
+  groups whose advantages were zeroed.
+
+  Args:
+    rewards_g: [..., G] rewards.
+  """
+  r = jnp.asarray(rewards_g)
+  return r.max(axis=-1) == r.min(axis=-1)
+
+
 def group_advantages(rewards_g: jax.Array, *, eps: float = 1e-6, ddof: int = 1) -> jax.Array:
   """GRPO group-normalised advantages A_i = (r_i - mean(r)) / (std(r) + eps).
 
   DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), section 4.1.2 ("outcome supervision").
 
+  A group of equal rewards (`constant_groups`) gets A = 0 exactly. Computing the formula would
+  not give it: in float32 the mean of sixteen 1.1 is not 1.1, the std of the residue (~1e-7)
+  passes eps = 1e-6 and every A comes out as -0.1061; with eps = 0 the formula is 0/0 (NaN) or a
+  residue over a residue (-0.8165 for three 0.1). A group whose std + eps rounds to 0 although
+  its rewards differ (eps = 0 and differences that underflow when squared) also gets 0, never NaN.
+
   Args:
     rewards_g: [..., G] rewards of one group (or a batch of groups on leading axes).
-    eps: added to the std so that a group of equal rewards gives A = 0, not NaN.
+    eps: >= 0, added to the std (0 is allowed: constant groups are handled exactly, not by eps).
     ddof: 1 for the unbiased std (as `torch.std`, used by TRL), 0 for the population std.
 
   Returns:
-    [..., G] advantages, float32 (or float64 for float64 input).
+    [..., G] advantages, float32 (float64 for float64 input; bfloat16 and integer rewards are
+    computed and returned in float32).
 
   Raises:
-    ValueError: if G <= ddof (the std is undefined).
+    ValueError: if G <= ddof (the std is undefined) or eps < 0.
   """
-  rewards_g = jnp.asarray(rewards_g)
-  if not jnp.issubdtype(rewards_g.dtype, jnp.floating):
-    rewards_g = rewards_g.astype(jnp.float32)
+  rewards_g = _as_float(rewards_g)
   g = rewards_g.shape[-1]
   if g <= ddof:
     raise ValueError(f"group_advantages: a group of G={g} rewards has no std with ddof={ddof}; GRPO needs G >= 2")
+  if not eps >= 0:
+    raise ValueError(f"group_advantages: eps={eps!r} must be >= 0")
   mean = rewards_g.mean(axis=-1, keepdims=True)
-  std = rewards_g.std(axis=-1, keepdims=True, ddof=ddof)
-  return (rewards_g - mean) / (std + eps)
+  denom = rewards_g.std(axis=-1, keepdims=True, ddof=ddof) + eps
+  zero = constant_groups(rewards_g)[..., None] | (denom == 0)
+  return jnp.where(zero, 0.0, (rewards_g - mean) / jnp.where(zero, 1.0, denom))
+
+
+def whiten(values: jax.Array, mask: jax.Array | None = None, *, eps: float = 1e-8) -> jax.Array:
+  """(x - mean) / (std + eps) over the entries where `mask` (all when None), 0 elsewhere.
+
+  PPO's advantage whitening over a step's (token, trajectory) pairs (OpenAI baselines ppo2;
+  "advantage normalization" in Andrychowicz et al. 2020, arXiv 2006.05990, section 3.5). The
+  mean and the population std (ddof 0) are taken over the masked entries only. When those
+  entries are all equal (including a single entry) the result is exactly 0: computing the
+  formula on 1234 copies of float32 0.1 instead gives -0.598 on every entry (the residue of the
+  inexact mean divided by its own ~1e-8 std). No entries: all 0.
+
+  Args:
+    values: any shape, float.
+    mask: bool of the same shape, or None.
+    eps: >= 0, added to the std.
+
+  Returns:
+    Same shape, float32 (float64 for float64 input).
+
+  Raises:
+    ValueError: eps < 0 or a mask of another shape.
+  """
+  x = _as_float(values)
+  m = jnp.ones(x.shape, bool) if mask is None else jnp.asarray(mask, bool)
+  if m.shape != x.shape:
+    raise ValueError(f"whiten: mask shape {m.shape} differs from values shape {x.shape}")
+  if not eps >= 0:
+    raise ValueError(f"whiten: eps={eps!r} must be >= 0")
+  n = jnp.maximum(m.sum(), 1)
+  mean = jnp.where(m, x, 0.0).sum() / n
+  denom = jnp.sqrt(jnp.where(m, jnp.square(x - mean), 0.0).sum() / n) + eps
+  constant = jnp.where(m, x, jnp.inf).min() >= jnp.where(m, x, -jnp.inf).max()   # also True with no entries
+  zero = constant | (denom == 0)
+  return jnp.where(m & ~zero, (x - mean) / jnp.where(zero, 1.0, denom), 0.0)
+
+
+def explained_variance(returns, predicted) -> float | None:
+  """1 - Var[R - V] / Var[R] over the given entries (host-side metric, float64), or None when every
+  return is equal (exactly): the ratio is then undefined, and a float32 variance of equal values
+  is not 0 but ~1e-15, which would turn the metric into an arbitrary large negative number.
+
+  Args:
+    returns, predicted: [N] value targets R and the critic's predictions V (any float dtype).
+  """
+  r, v = np.asarray(returns, np.float64), np.asarray(predicted, np.float64)
+  if r.size == 0 or r.max() == r.min():
+    return None
+  return float(1.0 - np.var(r - v) / np.var(r))
 
 
 def trajectory_weights(lengths_g, *, mode: str, max_length: int | None = None) -> np.ndarray:
@@ -201,32 +279,60 @@ def rloo_advantages(rewards_g: jax.Array) -> jax.Array:
     rewards_g: [..., G] rewards of one group (or a batch of groups on leading axes).
 
   Returns:
-    [..., G] advantages, float32 (or float64 for float64 input); they sum to 0 over G.
+    [..., G] advantages, float32 (or float64 for float64 input); they sum to 0 over G, and are
+    exactly 0 for a group of equal rewards (`constant_groups`; computed, G r_i - Σ_j r_j is a
+    rounding residue: -1.27e-7 for sixteen float32 1.1).
 
   Raises:
     ValueError: if G < 2 (no other sample to form the baseline).
   """
-  rewards_g = jnp.asarray(rewards_g)
-  if not jnp.issubdtype(rewards_g.dtype, jnp.floating):
-    rewards_g = rewards_g.astype(jnp.float32)
+  rewards_g = _as_float(rewards_g)
   g = rewards_g.shape[-1]
   if g < 2:
     raise ValueError(f"rloo_advantages: a group of G={g} rewards has no leave-one-out baseline; RLOO needs G >= 2")
-  return (g * rewards_g - rewards_g.sum(axis=-1, keepdims=True)) / (g - 1)
+  adv = (g * rewards_g - rewards_g.sum(axis=-1, keepdims=True)) / (g - 1)
+  return jnp.where(constant_groups(rewards_g)[..., None], 0.0, adv)
 
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "ipo_sum")
+
+
+def _positive_lengths(name: str, lengths) -> jax.Array:
+  if lengths is None:
+    raise ValueError(f"dpo_loss: loss_type='ipo' averages log-probs over tokens and needs {name} "
+                     "(completion lengths in tokens); pass them, or use loss_type='ipo_sum'")
+  if not isinstance(lengths, jax.core.Tracer) and np.any(np.asarray(lengths) < 1):
+    raise ValueError(f"dpo_loss: {name}={np.asarray(lengths).tolist()} must all be >= 1 token")
+  return jnp.asarray(lengths)
 
 
 def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array, ref_rejected: jax.Array, *,
-             beta: float, loss_type: str = "sigmoid") -> tuple[jax.Array, dict]:
+             beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             chosen_lengths: jax.Array | None = None,
+             rejected_lengths: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Per-pair preference loss from per-sequence log-prob sums (log π(y|x) = Σ_t logp_t).
 
-  With h = (log π(y_w|x) - log π_ref(y_w|x)) - (log π(y_l|x) - log π_ref(y_l|x)):
-    sigmoid: ℓ = -log σ(β h)            DPO, Rafailov et al. 2023 (arXiv 2305.18290) eq. 7;
-    ipo:     ℓ = (h - 1/(2β))^2         IPO, Azar et al. 2023 (arXiv 2310.12036) eq. 17 with τ = β.
-  The loss couples a sequence's tokens only through its sum, so dℓ/dlogp_t = dℓ/dsum for every
-  token t of that sequence (used by preference.py for the exact two-pass replay gradient).
+  With the log-ratio Δ(y) = log π(y|x) - log π_ref(y|x), h = Δ(y_w) - Δ(y_l), ε = label_smoothing
+  and the per-token mean m(y) = Δ(y) / |y|:
+    sigmoid: ℓ = (1 - ε) (-log σ(β h)) + ε (-log σ(-β h))
+             DPO, Rafailov et al. 2023 (arXiv 2305.18290) eq. 7; with ε > 0 the conservative DPO
+             of Mitchell 2023 ("A note on DPO with noisy preferences"), as TRL's label_smoothing:
+             the label is taken to be flipped with probability ε.
+    ipo:     ℓ = (m(y_w) - m(y_l) - 1/(2β))^2, on MEAN log-probs (the default IPO form).
+    ipo_sum: ℓ = (h - 1/(2β))^2, on SUMS: Azar et al. 2023 (arXiv 2310.12036) eq. 17, τ = β.
+  Why mean is the default IPO: the regression target 1/(2β) is a fixed number, but a sum-form h
+  grows with the completions' lengths, so the same target asks for a large per-token change on
+  short pairs and a negligible one on long pairs. TRL (loss_type="ipo" divides the log-probs by
+  the completion length) and torchtune (IPOLoss expects average log-probs) settled on the mean.
+
+  Example (beta 0.1): chosen 4 tokens, policy -1 and reference -1.5 per token (Δ = 2, m = 0.5);
+  rejected 2 tokens, policy -2 and reference -1.5 (Δ = -1, m = -0.5): h = 3. sigmoid gives
+  softplus(-0.3) = 0.554355, with ε = 0.1 0.9 * 0.554355 + 0.1 * softplus(0.3) = 0.584355; ipo
+  (h_mean = 1) gives (1 - 5)^2 = 16 with dℓ/dh_mean = -8; ipo_sum gives (3 - 5)^2 = 4.
+
+  The loss couples a sequence's tokens only through its sum (the mean is the sum over a constant
+  length), so dℓ/dlogp_t = dℓ/dsum for every token t of that sequence: the exact two-pass replay
+  gradient of preference.py holds for every loss_type.
 
   Args:
     policy_chosen, policy_rejected: [K] log-prob sums of the chosen (y_w) and rejected (y_l)
@@ -234,37 +340,68 @@ def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: j
     ref_chosen, ref_rejected: [K] the same under the frozen reference (constants).
     beta: β > 0 (DPO's KL strength; IPO's τ).
     loss_type: one of PREFERENCE_LOSSES.
+    label_smoothing: ε in [0, 0.5), sigmoid only (conservative DPO); 0 is plain DPO.
+    chosen_lengths, rejected_lengths: [K] completion lengths |y_w|, |y_l| in tokens (>= 1);
+      required by "ipo", ignored otherwise.
 
   Returns:
     (loss [K], metrics) with metrics "chosen_reward" = β (log π(y_w) - log π_ref(y_w)) [K],
     "rejected_reward" [K] likewise, "margin" = their difference [K] (= β h) and "correct" =
-    margin > 0 [K] bool (the implicit reward ranks the pair right), all without gradient.
+    margin > 0 [K] bool (the implicit reward ranks the pair right), all without gradient and on
+    sums for every loss_type.
 
   Raises:
-    ValueError: unknown loss_type or beta <= 0.
+    ValueError: unknown loss_type, beta <= 0, label_smoothing outside [0, 0.5) or non-zero with an
+      IPO loss, "ipo" without (or with non-positive) lengths.
   """
   if loss_type not in PREFERENCE_LOSSES:
     raise ValueError(f"dpo_loss: loss_type={loss_type!r} is not one of {PREFERENCE_LOSSES}")
   if not beta > 0:
     raise ValueError(f"dpo_loss: beta={beta!r} must be > 0")
+  if not 0 <= label_smoothing < 0.5:
+    raise ValueError(f"dpo_loss: label_smoothing={label_smoothing!r} must lie in [0, 0.5)")
+  if label_smoothing and loss_type != "sigmoid":
+    raise ValueError(f"dpo_loss: label_smoothing={label_smoothing!r} applies to loss_type='sigmoid' only "
+                     f"(conservative DPO), not {loss_type!r}; IPO has no label-noise form")
   ref_chosen, ref_rejected = jax.lax.stop_gradient(ref_chosen), jax.lax.stop_gradient(ref_rejected)
   chosen = policy_chosen - ref_chosen
   rejected = policy_rejected - ref_rejected
   h = chosen - rejected
-  loss = jax.nn.softplus(-beta * h) if loss_type == "sigmoid" else (h - 1.0 / (2.0 * beta)) ** 2
+  if loss_type == "sigmoid":
+    loss = jax.nn.softplus(-beta * h)
+    if label_smoothing:
+      loss = (1.0 - label_smoothing) * loss + label_smoothing * jax.nn.softplus(beta * h)
+  elif loss_type == "ipo":
+    h_mean = (chosen / _positive_lengths("chosen_lengths", chosen_lengths)
+              - rejected / _positive_lengths("rejected_lengths", rejected_lengths))
+    loss = (h_mean - 1.0 / (2.0 * beta)) ** 2
+  else:
+    loss = (h - 1.0 / (2.0 * beta)) ** 2
   margin = jax.lax.stop_gradient(beta * h)
   return loss, {"chosen_reward": jax.lax.stop_gradient(beta * chosen),
                 "rejected_reward": jax.lax.stop_gradient(beta * rejected), "margin": margin, "correct": margin > 0}
 
 
-def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamma: float,
-        lam: float) -> tuple[jax.Array, jax.Array]:
+def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamma: float, lam: float,
+        truncated_b: jax.Array | None = None, next_values_b: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Generalized advantage estimates and value targets of trajectories, token by token.
 
   Schulman et al. 2015 (arXiv 1506.02438) eq. 16: δ_t = r_t + γ V(s_{t+1}) - V(s_t) and
   A_t = Σ_{l>=0} (γλ)^l δ_{t+l}, computed backwards as A_t = δ_t + γλ A_{t+1}; the value target is
-  R_t = A_t + V(s_t). Token t is action t; V(s_t) is the value of the context before it. The state
-  after a trajectory's last token is terminal: V = 0 there (no bootstrap), and A = 0 beyond it.
+  R_t = A_t + V(s_t). Token t is action t; V(s_t) is the value of the context before it.
+
+  After a trajectory's last token (row b's last real position t_b):
+    terminated (ended by EOS, the default): that state is terminal, V(s_{t_b+1}) = 0;
+    truncated (cut by the token budget, `truncated_b[b]`): the episode did not end there, so the
+      last δ bootstraps from the critic, V(s_{t_b+1}) = next_values_b[b] (the value of the
+      context that includes the last token). Pardo et al. 2018 ("Time limits in reinforcement
+      learning", arXiv 1712.00378), section 3, "partial-episode bootstrapping".
+  A = 0 beyond the last token. Example (gamma 1, rewards 0, values [0.3, 0.5, 0.7], next value
+  0.9): truncated gives A = [0.6, 0.4, 0.2] at λ = 1 and [0.542, 0.38, 0.2] at λ = 0.9;
+  terminated gives [-0.3, -0.5, -0.7] and [-0.187, -0.43, -0.7]. A completion whose last token is
+  EOS is terminated even when that EOS is the budget's last token: the flag must come from the
+  sampler's stop reason (`sampling.Rollouts.truncated`, `tree_sampling.TreeRollout.truncated`),
+  never from "the row fills the padded width".
 
   Args:
     rewards_bt: [B, T] per-token rewards (e.g. the task's reward on each trajectory's last token).
@@ -272,29 +409,46 @@ def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamm
     mask_bt: [B, T] bool, True on the real tokens; each row's real tokens are a prefix.
     gamma: γ in [0, 1], the discount per token.
     lam: λ in [0, 1] (λ = 1: Monte-Carlo returns minus V; λ = 0: one-step TD errors).
+    truncated_b: [B] bool, True where the trajectory was cut by its token budget (not EOS), or
+      None (every trajectory terminated).
+    next_values_b: [B] V(s_{t_b+1}), the critic's value after each row's last token; read only
+      on truncated rows; required with truncated_b.
 
   Returns:
     (advantages [B, T], returns [B, T]), float32 (float64 for float64 input), 0 on padding.
 
   Raises:
-    ValueError: gamma or lam outside [0, 1], or mismatched shapes.
+    ValueError: gamma or lam outside [0, 1], mismatched shapes, truncated_b without
+      next_values_b (or the reverse).
   """
   if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
     raise ValueError(f"gae: gamma={gamma!r} and lam={lam!r} must lie in [0, 1]")
   rewards, values, mask = jnp.asarray(rewards_bt), jnp.asarray(values_bt), jnp.asarray(mask_bt, bool)
   if not rewards.shape == values.shape == mask.shape or rewards.ndim != 2:
     raise ValueError(f"gae: rewards {rewards.shape}, values {values.shape} and mask {mask.shape} must be equal [B, T]")
-  dtype = jnp.result_type(rewards.dtype, values.dtype, jnp.float32)
-  rewards, values = rewards.astype(dtype), values.astype(dtype)
+  if (truncated_b is None) != (next_values_b is None):
+    raise ValueError("gae: truncated_b and next_values_b go together (a truncated row bootstraps from its next value)")
+  b = rewards.shape[0]
+  if truncated_b is None:
+    truncated, boot = jnp.zeros(b, bool), jnp.zeros(b, values.dtype)
+  else:
+    truncated, boot = jnp.asarray(truncated_b, bool), jnp.asarray(next_values_b)
+    if truncated.shape != (b,) or boot.shape != (b,):
+      raise ValueError(f"gae: truncated_b {truncated.shape} and next_values_b {boot.shape} must be [B] = ({b},)")
+  dtype = jnp.result_type(rewards.dtype, values.dtype, boot.dtype, jnp.float32)
+  rewards, values, boot = rewards.astype(dtype), values.astype(dtype), boot.astype(dtype)
+  next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+  last = mask & ~next_mask
+  next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
+  next_values = jnp.where(next_mask, next_values, jnp.where(last & truncated[:, None], boot[:, None], 0.0))
+  deltas = jnp.where(mask, rewards + gamma * next_values - values, 0.0)
 
-  def step(carry, xs):   # carry: (V(s_{t+1}), A_{t+1}), both 0 past a trajectory's end
-    next_value, next_adv = carry
-    r, v, m = xs
-    adv = r + gamma * next_value - v + gamma * lam * next_adv
-    return (jnp.where(m, v, 0.0), jnp.where(m, adv, 0.0)), jnp.where(m, adv, 0.0)
+  def step(next_adv, xs):   # A_{t+1}, 0 past a trajectory's end
+    delta, m = xs
+    adv = jnp.where(m, delta + gamma * lam * next_adv, 0.0)
+    return adv, adv
 
-  zeros = jnp.zeros(rewards.shape[0], dtype)
-  _, adv = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+  _, adv = jax.lax.scan(step, jnp.zeros(b, dtype), (deltas.T, mask.T), reverse=True)
   adv = adv.T
   return adv, jnp.where(mask, adv + values, 0.0)
 

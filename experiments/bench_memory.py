@@ -13,8 +13,9 @@ import ml_collections
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m-instruct"   # a name or path for models.load, or "tiny" (random 2-layer model)
+  c.model = "smollm2-135m-instruct"   # a name or path for models.load, "tiny", or "random:NAME" (bench_replay.py)
   c.dtype = "float32"                 # compute dtype: float32 or bfloat16
+  c.attention_impl = "xla"            # suffix attention: xla, pallas, splash or auto (models.Llama)
   c.studies = "memory_vs_g,longest_context"  # comma-separated: which studies to run, in this order
   c.policies = "none,full,save_kv,offload_kv"  # remat policies of the replay step (longest_context)
   c.naive_policies = "none,save_kv"   # remat policies of the naive step (longest_context)

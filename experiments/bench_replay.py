@@ -9,8 +9,12 @@ import ml_collections
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m-instruct"   # a name or path for models.load, or "tiny" (random 2-layer model)
+  # a name or path for models.load, "tiny" (random 2-layer model) or "random:NAME" (an architecture of
+  # models.config.ARCHITECTURE_SHAPES with random weights, e.g. "random:smollm2-135m")
+  c.model = "smollm2-135m-instruct"
   c.dtype = "float32"                 # compute dtype: float32 or bfloat16
+  c.attention_impl = "xla"            # suffix attention of both steps: xla, pallas, splash or auto (models.Llama)
+  c.timing_lock = ""                  # file locked around each worker's timed runs (workers sharing one device)
   # (P prompt tokens, T completion tokens, G[, remat]): at P = 2048 neither mode fits 24 GiB without remat
   c.cases = ((1024, 128, 8), (2048, 128, 8, "save_kv"), (512, 64, 16))
   c.repeats = 3                       # timed runs after the compile; the median is reported

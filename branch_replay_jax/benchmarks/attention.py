@@ -21,6 +21,7 @@ takes gradients w.r.t. q and every K/V), plus each one's max |out - reference ou
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -30,6 +31,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from branch_replay_jax.benchmarks.replay import timing_lock
 from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas, suffix_attention_splash
 
 
@@ -75,12 +77,15 @@ def make_impls():
 
 
 def timed(compiled, args, repeats):
-  jax.block_until_ready(compiled(*args))           # warm-up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
+  # BENCH_TIMING_LOCK: a file that benchmark processes sharing one device lock around their timed
+  # runs (branch_replay_jax.benchmarks.replay.timing_lock), so compiles overlap but timings never do.
+  with timing_lock(os.environ.get("BENCH_TIMING_LOCK", "")):
+    jax.block_until_ready(compiled(*args))           # warm-up
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times.append((time.perf_counter() - t0) * 1e3)
   return statistics.median(times), times
 
 
@@ -113,7 +118,8 @@ def bench_case(s_anc, t, *, b, hq, hkv, d, dtype, repeats, impls=None):
                "fwd_bwd_ms_all": [round(v, 3) for v in all_ms],
                "fwd_bwd_tflops": round(3.5 * fwd_flops / (fwd_bwd_ms * 1e-3) / 1e12, 1), "_out": out}
     except Exception as e:  # noqa: BLE001 - a refused implementation is a result, not a crash
-      entry = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+      # First line only (some errors, e.g. a bare AssertionError, have no message at all).
+      entry = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     row[name] = entry
   for name in chosen:
     out = row[name].pop("_out", None)

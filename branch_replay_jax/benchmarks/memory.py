@@ -19,7 +19,8 @@ object per attempt and one summary object per study, mode and remat policy:
    (never failed), or "error" (anything else; see stderr_tail). The search assumes both bounds
    are monotone in P. token_positions_naive = G (P + T) at the largest P. With
    longest_context.compile_only, attempts only compile: an attempt fails with "memory" when its
-   estimated_peak_bytes (resident set after compile + XLA's temp and output bytes) exceeds
+   estimated_peak_bytes (resident set after compile + XLA's temp and output bytes on the CPU;
+   argument + temp + output bytes on an accelerator) exceeds
    config.memory_budget_bytes. That is the memory bound alone, where running would meet time first.
 
 Memory, per attempt: peak_bytes is the process peak resident set on CPU (`ru_maxrss`: parameters,
@@ -74,10 +75,12 @@ def _worker(job: dict) -> dict:
   sizes = {f"{k}_bytes": getattr(stats, f"{k}_size_in_bytes", None) if stats is not None else None
            for k in ("temp", "argument", "output", "host_temp")}
   if job.get("compile_only"):
-    # The resident set after compile already holds the arguments (parameters, inputs) and the
-    # runtime; the step adds XLA's temp and output buffers.
+    # On the CPU the resident set after compile already holds the arguments (parameters, inputs)
+    # and the runtime, and the step adds XLA's temp and output buffers. On an accelerator the
+    # device holds the arguments, temp and output buffers (the host's resident set is not device memory).
+    base = rss_after_compile if jax.default_backend() == "cpu" else (sizes["argument_bytes"] or 0)
     return {"compile_s": compile_s, "rss_after_compile_bytes": rss_after_compile, **sizes,
-            "estimated_peak_bytes": rss_after_compile + (sizes["temp_bytes"] or 0) + (sizes["output_bytes"] or 0),
+            "estimated_peak_bytes": base + (sizes["temp_bytes"] or 0) + (sizes["output_bytes"] or 0),
             "memory_measure": "compiled_estimate", "backend": jax.default_backend()}
   t0, c0 = time.perf_counter(), bench.cpu_seconds()
   loss = jax.block_until_ready(compiled(params, arrays))[0]

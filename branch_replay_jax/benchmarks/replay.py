@@ -8,8 +8,9 @@ max_rel_grad_err, naive_peak_bytes, replay_peak_bytes, memory_measure, compile s
 naive micro-batch that won.
 
 Method:
-- Both steps are jitted; each is timed `repeats` times after its compile (median reported;
-  compile seconds reported separately).
+- Both steps are jitted; each is timed `repeats` times after its compile and one untimed warm-up
+  run (median reported; compile seconds reported separately). With `timing_lock` set, workers
+  sharing one device compile side by side but time their runs one at a time.
 - The naive baseline is the strongest naive: one jitted step with log-probs only at completion
   positions, at its fastest micro-batch among the configured candidates (each candidate is
   compiled and timed once in its own process; the winner is timed `repeats - 1` more times in a
@@ -28,6 +29,9 @@ Method:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import functools
 import json
 import os
@@ -55,6 +59,7 @@ from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_value_and_grad,
                                                   tree_replay_value_and_grad)
 from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.models.config import architecture_shape
 from branch_replay_jax.models.critic import ActorCritic
 
 
@@ -65,12 +70,36 @@ TREE_OBJECTIVE = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coe
 PPO_OBJECTIVE = functools.partial(obj.ppo_objective, clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
 
 
+RANDOM_PREFIX = "random:"   # config.model = "random:NAME": the architecture NAME with random weights
+
+
 def load_model(config, remat: str = "none"):
-  dtype = jnp.dtype(config.dtype)
-  if config.model == "tiny":
-    return Llama(tiny_config(vocab_size=256, max_positions=4096), dtype=dtype, remat=remat, rngs=nnx.Rngs(0))
+  """The benchmarked model: "tiny", "random:NAME" (models.config.ARCHITECTURE_SHAPES, random weights:
+  the step's cost does not depend on the weights, and no checkpoint has to reach the machine) or a
+  name or path for models.load."""
+  dtype, impl = jnp.dtype(config.dtype), config.attention_impl
+  if config.model == "tiny" or config.model.startswith(RANDOM_PREFIX):
+    return Llama(architecture_of(config), dtype=dtype, remat=remat, attention_impl=impl, rngs=nnx.Rngs(config.seed))
   from branch_replay_jax.models import load
-  return load(config.model, dtype=dtype, remat=remat)[0]
+  return load(config.model, dtype=dtype, remat=remat, attention_impl=impl)[0]
+
+
+@contextlib.contextmanager
+def timing_lock(path: str):
+  """Hold an exclusive file lock (fcntl) on `path` for the block; no-op when `path` is empty.
+
+  Benchmark workers that run side by side on one accelerator compile concurrently (host CPU work)
+  but take this lock around their timed runs, so no two timed steps share the device.
+  """
+  if not path:
+    yield
+    return
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def parse_case(config, index: int) -> dict:
@@ -179,17 +208,20 @@ def _worker(job: dict) -> dict:
   t0 = time.perf_counter()
   compiled = step.lower(params, arrays).compile()
   compile_s = time.perf_counter() - t0
+  stats = compiled.memory_analysis()   # XLA's buffer assignment for this backend (bytes)
   times, cpu_times = [], []
-  for _ in range(job["repeats"]):
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    out = jax.block_until_ready(compiled(params, arrays))
-    times.append(time.perf_counter() - t0)
-    cpu_times.append(cpu_seconds() - c0)
+  with timing_lock(config.timing_lock):
+    jax.block_until_ready(compiled(params, arrays))   # warm-up: first-run allocation and autotuning, untimed
+    for _ in range(job["repeats"]):
+      t0, c0 = time.perf_counter(), cpu_seconds()
+      out = jax.block_until_ready(compiled(params, arrays))
+      times.append(time.perf_counter() - t0)
+      cpu_times.append(cpu_seconds() - c0)
   peak, measure = peak_bytes()  # before any comparison array is loaded
   leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out[2])]
   result = {"mode": job["mode"], "micro_batch": job["micro_batch"], "seconds": statistics.median(times),
             "times": times, "cpu_times": cpu_times, "compile_s": compile_s, "peak_bytes": peak, "memory_measure": measure,
-            "loss": float(out[0])}
+            "temp_bytes": getattr(stats, "temp_size_in_bytes", None), "loss": float(out[0])}
   if job.get("save_grads"):
     np.savez(job["save_grads"], *leaves)
   if job.get("compare_grads"):
@@ -262,9 +294,13 @@ def run_case(config, index: int, emit) -> dict:
   shape = {"case": index, "kind": case["kind"], "P": p, "T": t, "G": g, "fanouts": case.get("fanouts")}
   base = {"config": config.to_dict(), "case": index}
   with tempfile.TemporaryDirectory() as tmp:
+    grads = os.path.join(tmp, "naive_grads.npz")
+    naive_cands = candidates(config.naive_micro_batches, g)
+    # One candidate needs no trial: its one run is the measurement (all repeats, gradients saved).
+    trial = {"repeats": 1} if len(naive_cands) > 1 else {"repeats": config.repeats, "save_grads": grads}
     trials = {}
-    for m in candidates(config.naive_micro_batches, g):
-      trials[m] = run_worker({**base, "mode": "naive", "micro_batch": m, "repeats": 1})
+    for m in naive_cands:
+      trials[m] = run_worker({**base, "mode": "naive", "micro_batch": m, **trial})
       if "error" in trials[m]:
         emit({**shape, "naive_micro_batch": m, **trials[m]})
     ok = {m: r for m, r in trials.items() if "error" not in r}
@@ -285,14 +321,16 @@ def run_case(config, index: int, emit) -> dict:
       record = {**shape, "naive_s": None, "naive_error": "every naive micro-batch failed (see rows above)",
                 **{k: replay.get(k) for k in ("seconds", "times", "compile_s", "peak_bytes", "memory_measure",
                                               "error")},
-                **case_inputs(config, case, _load_config(config))[2]}
+                **case_inputs(config, case, architecture_of(config))[2]}
       emit(record)
       return record
     best_m = min(ok, key=lambda m: ok[m]["seconds"])
-    grads = os.path.join(tmp, "naive_grads.npz")
-    # The winner's trial run counts as its first timed run: repeats - 1 more in a fresh process.
-    naive = run_worker({**base, "mode": "naive", "micro_batch": best_m, "repeats": max(config.repeats - 1, 1),
-                         "save_grads": grads})
+    if len(naive_cands) > 1:
+      # The winner's trial run counts as its first timed run: repeats - 1 more in a fresh process.
+      naive = run_worker({**base, "mode": "naive", "micro_batch": best_m, "repeats": max(config.repeats - 1, 1),
+                           "save_grads": grads})
+    else:
+      naive, ok = ok[best_m], {best_m: {"times": [], "cpu_times": [], "peak_bytes": 0}}
     replay = run_worker({**base, "mode": "replay", "micro_batch": replay_m,
                           "repeats": config.repeats, "compare_grads": grads})
   for name, r in (("naive", naive), ("replay", replay)):
@@ -302,13 +340,15 @@ def run_case(config, index: int, emit) -> dict:
   naive["cpu_times"] = ok[best_m]["cpu_times"] + naive["cpu_times"]
   naive["seconds"] = statistics.median(naive["times"])
   naive["peak_bytes"] = max(naive["peak_bytes"], ok[best_m]["peak_bytes"])
-  counts = case_inputs(config, case, _load_config(config))[2]
+  counts = case_inputs(config, case, architecture_of(config))[2]
   record = {**shape, "naive_s": naive["seconds"], "replay_s": replay["seconds"],
             "speedup": naive["seconds"] / replay["seconds"], **counts,
             "naive_cpu_s": statistics.median(naive["cpu_times"]), "replay_cpu_s": statistics.median(replay["cpu_times"]),
             "cpu_speedup": statistics.median(naive["cpu_times"]) / statistics.median(replay["cpu_times"]),
             "max_rel_grad_err": replay["max_rel_grad_err"], "grad_abs_max": replay["grad_abs_max"],
             "naive_peak_bytes": naive["peak_bytes"], "replay_peak_bytes": replay["peak_bytes"],
+            "naive_temp_bytes": naive.get("temp_bytes"), "replay_temp_bytes": replay.get("temp_bytes"),
+            "attention_impl": config.attention_impl,
             "memory_measure": replay["memory_measure"], "naive_micro_batch": best_m,
             "replay_micro_batch": replay_m,
             "replay_micro_batch_trials": {m: r.get("seconds") for m, r in replay_trials.items()},
@@ -333,9 +373,12 @@ def emitter(output: str):
   return emit
 
 
-def _load_config(config):
+def architecture_of(config):
   if config.model == "tiny":
     return tiny_config(vocab_size=256, max_positions=4096)
+  if config.model.startswith(RANDOM_PREFIX):
+    # Random weights have no trained context: lift max_positions so long cases run (their cost is real).
+    return dataclasses.replace(architecture_shape(config.model[len(RANDOM_PREFIX):]), max_positions=1 << 24)
   return load_model(config).config
 
 

@@ -9,7 +9,8 @@ to 2k completions, and a completion shared by two pairs runs once too:
     pair 2: x' -> (y_w2, y_l2)         chosen = [0, 2, 3], rejected = [1, 1, 4]  (flat branch ids)
 
 Gradient. The DPO loss L(S) = mean_k ℓ(S_{w_k}, S_{l_k}) couples a completion's tokens only
-through its log-prob sum S_i = Σ_t logp_{i,t}(θ) (losses.dpo_loss). By the chain rule
+through its log-prob sum S_i = Σ_t logp_{i,t}(θ) (losses.dpo_loss; IPO's mean S_i / |y_i| is
+the sum over a constant length, so the same holds). By the chain rule
 
     dL/dθ = Σ_i c_i dS_i/dθ,   c_i = ∂L/∂S_i,
 
@@ -118,9 +119,11 @@ def _surrogate(logp, branch):
   return obj.weighted_logprob_loss(logp, branch["weights"]), jnp.zeros((), logp.dtype)
 
 
-def _mean_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta, loss_type):
+def _mean_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta, loss_type, label_smoothing,
+               chosen_lengths, rejected_lengths):
   losses, metrics = obj.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta,
-                                 loss_type=loss_type)
+                                 loss_type=loss_type, label_smoothing=label_smoothing,
+                                 chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
   return jnp.mean(losses), metrics
 
 
@@ -143,15 +146,18 @@ class ReplaySteps:
     return jnp.concatenate([self.sums(params, a) for a in batch.groups])
 
   def value_and_grad(self, params, batch: PreferenceBatch, ref_sums: jax.Array, *, beta: float,
-                     loss_type: str = "sigmoid"):
+                     loss_type: str = "sigmoid", label_smoothing: float = 0.0):
     """(loss, metrics [K], grads) of mean_k ℓ_k by the two-pass scheme in the module docstring.
 
     ref_sums: [N] the reference's `flat_sums` (frozen; compute once per batch).
+    loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths come from the batch).
     """
     sums = self.flat_sums(params, batch)
+    lengths = jnp.concatenate([a["branches"]["mask"].sum(-1) for a in batch.groups])
     c, r = jnp.asarray(batch.chosen), jnp.asarray(batch.rejected)
     (loss, metrics), (d_chosen, d_rejected) = jax.value_and_grad(_mean_loss, argnums=(0, 1), has_aux=True)(
-        sums[c], sums[r], ref_sums[c], ref_sums[r], beta=beta, loss_type=loss_type)
+        sums[c], sums[r], ref_sums[c], ref_sums[r], beta=beta, loss_type=loss_type,
+        label_smoothing=label_smoothing, chosen_lengths=lengths[c], rejected_lengths=lengths[r])
     coef = jnp.zeros_like(sums).at[c].add(d_chosen).at[r].add(d_rejected)   # c_i = ∂L/∂S_i
     grads, start = None, 0
     for arrays in batch.groups:
@@ -179,7 +185,8 @@ def naive_ref_sums(graphdef, params, naive: dict, *, micro_batch: int = 1, logpr
 
 
 def naive_value_and_grad(graphdef, params, naive: dict, ref_sums_k2: jax.Array, *, beta: float,
-                         loss_type: str = "sigmoid", micro_batch: int = 1, logprob_chunk: int = 256):
+                         loss_type: str = "sigmoid", label_smoothing: float = 0.0, micro_batch: int = 1,
+                         logprob_chunk: int = 256):
   """(loss, metrics [K], grads) of mean_k ℓ_k, differentiated directly on full sequences.
 
   Each pair's loss depends on its own two sequences only, so micro-batches of `micro_batch`
@@ -187,6 +194,7 @@ def naive_value_and_grad(graphdef, params, naive: dict, ref_sums_k2: jax.Array, 
 
   Args:
     naive: `PreferenceBatch.naive`; ref_sums_k2: [K, 2] from `naive_ref_sums` on the reference.
+    loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths come from the masks).
   """
   k = naive["prompt_len"].shape[0]
   m = fit_micro_batch(micro_batch, k)
@@ -194,7 +202,9 @@ def naive_value_and_grad(graphdef, params, naive: dict, ref_sums_k2: jax.Array, 
   def mb_loss(p, mb):
     arrays, ref = mb
     s = _pair_sums(graphdef, p, arrays, logprob_chunk)
-    losses, metrics = obj.dpo_loss(s[:, 0], s[:, 1], ref[:, 0], ref[:, 1], beta=beta, loss_type=loss_type)
+    n = arrays["branches"]["mask"].sum(-1)
+    losses, metrics = obj.dpo_loss(s[:, 0], s[:, 1], ref[:, 0], ref[:, 1], beta=beta, loss_type=loss_type,
+                                   label_smoothing=label_smoothing, chosen_lengths=n[:, 0], rejected_lengths=n[:, 1])
     return jnp.sum(losses) / k, metrics
 
   carry = (jnp.zeros((), ref_sums_k2.dtype), jax.tree_util.tree_map(jnp.zeros_like, params))

@@ -83,3 +83,21 @@ def tiny_config(**overrides) -> ModelConfig:
               rope_theta=10000.0, max_positions=256)
   base.update(overrides)
   return ModelConfig(**base)
+
+
+# Architectures by name, for work that needs the shapes and not the weights: randomly initialised
+# models in benchmarks, `jax.eval_shape` and compile-only memory analysis. No file is read. Values
+# match the architecture that models.load reads from the checkpoint of the same name (the test
+# test_loading.py::test_architecture_shapes_match_checkpoint holds them equal).
+ARCHITECTURE_SHAPES = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3,
+                                head_dim=64, ffn_dim=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True,
+                                max_positions=8192),
+}
+
+
+def architecture_shape(name: str) -> ModelConfig:
+  """The `ModelConfig` of a named architecture (`ARCHITECTURE_SHAPES`); ValueError naming the known ones."""
+  if name not in ARCHITECTURE_SHAPES:
+    raise ValueError(f"architecture {name!r} is not one of {tuple(ARCHITECTURE_SHAPES)}")
+  return ARCHITECTURE_SHAPES[name]

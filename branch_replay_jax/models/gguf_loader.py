@@ -101,6 +101,69 @@ def dequantize(tensor) -> np.ndarray:
   return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
 
 
+class _ShortRead(Exception):
+  """A read of `wanted` bytes at `offset` past the end of a file of `size` bytes (in `tensor`, if
+  any; `others` more tensors lie wholly or partly beyond the end)."""
+
+  def __init__(self, offset: int, wanted: int, size: int, tensor: str | None = None, others: int = 0):
+    super().__init__(offset, wanted, size, tensor, others)
+    self.offset, self.wanted, self.size, self.tensor, self.others = offset, wanted, size, tensor, others
+
+
+class _CheckedReader(gguf.GGUFReader):
+  """`gguf.GGUFReader` whose reads past the end of the file raise `_ShortRead`.
+
+  The stock reader slices its memmap, gets a short array and fails far from the cause: numpy's
+  "When changing to a larger dtype, its size must be a divisor of the total size in bytes of the
+  last axis of the array" or an IndexError, naming neither the file nor the tensor. Overrides
+  two private methods (`_get`, `_build_tensors`) of gguf 0.17-0.19; tests/test_field_faults_p9.py
+  loads truncated files through it.
+  """
+
+  def _get(self, offset, dtype, count=1, *args, **kwargs):
+    wanted = int(np.dtype(dtype).itemsize) * int(count)
+    if int(offset) + wanted > self.data.size:
+      raise _ShortRead(int(offset), wanted, int(self.data.size))
+    return super()._get(offset, dtype, count, *args, **kwargs)
+
+  def _build_tensors(self, start_offs, fields):
+    tensors, short = [], []
+    for field in fields:   # one at a time, to name the tensors whose data is cut
+      try:
+        super()._build_tensors(start_offs, [field])
+      except _ShortRead as e:
+        short.append(_ShortRead(e.offset, e.wanted, e.size, tensor=bytes(field.parts[1]).decode("utf-8", "replace")))
+        continue
+      tensors.extend(self.tensors)
+    if short:   # report the tensor the file ends in (the lowest offset), not the first one listed
+      first = min(short, key=lambda e: e.offset)
+      raise _ShortRead(first.offset, first.wanted, first.size, first.tensor, others=len(short) - 1)
+    self.tensors = tensors
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+  """A `gguf.GGUFReader` of `path` that refuses a truncated or corrupt file.
+
+  Raises:
+    ValueError: naming the file, and for a short read the tensor (or the header/metadata), the
+      bytes expected and the bytes found, e.g. SmolLM2's Q4_1 file cut 1000 bytes into a tensor:
+      "x.gguf: truncated or corrupt GGUF file (33528872 bytes): tensor 'blk.0.ffn_norm.weight'
+      expects 2304 bytes at offset 33527872, found 1000 (266 more tensors lie beyond the end)";
+      its first megabyte: "... (1048576 bytes): the header/metadata expects 7 bytes at offset
+      1048575, found 1". Also for a bad magic, an unsupported version, an empty file or
+      duplicate keys.
+  """
+  try:
+    return _CheckedReader(path)
+  except _ShortRead as e:
+    where = f"tensor {e.tensor!r}" if e.tensor else "the header/metadata"
+    more = f" ({e.others} more tensors lie beyond the end)" if e.others else ""
+    raise ValueError(f"{path}: truncated or corrupt GGUF file ({e.size} bytes): {where} expects {e.wanted} bytes at "
+                     f"offset {e.offset}, found {max(0, e.size - e.offset)}{more}") from None
+  except (ValueError, KeyError, IndexError, OverflowError) as e:
+    raise ValueError(f"{path}: not a readable GGUF file ({os.path.getsize(path)} bytes): {e}") from e
+
+
 def _field(reader: gguf.GGUFReader, key: str, path: str, default=None, required: bool = True):
   field = reader.fields.get(key)
   if field is None:
@@ -159,10 +222,11 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
   """Parse a GGUF file once: config, dequantised tensors, tokenizer metadata.
 
   Raises:
-    ValueError: see `read_config`; a tensor whose data does not match its declared shape.
+    ValueError: see `open_gguf` (a truncated or corrupt file) and `read_config`; a tensor whose
+      data does not match its declared shape.
   """
   path = os.fspath(path)
-  reader = gguf.GGUFReader(path)
+  reader = open_gguf(path)
   config = read_config(reader, path)
   tensors = {}
   for tensor in reader.tensors:
@@ -199,9 +263,15 @@ def build_tokenizer(arch: str, metadata: dict, path: str):
 
   Raises:
     ValueError: the metadata describes a tokenizer type transformers cannot build.
+    ImportError: transformers older than 5.18 (no GGUF tokenizer builder where this reads it).
   """
+  import transformers
   from transformers import PreTrainedTokenizerFast
-  from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+  try:   # transformers' GGUF tokenizer builder; its module moved and was renamed before 5.18
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+  except ImportError as e:
+    raise ImportError(f"{path}: building a GGUF tokenizer needs transformers>=5.18 (setup.cfg); found "
+                      f"transformers {transformers.__version__}: {e}") from e
 
   tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
                     if f"tokenizer.{key}" in metadata}

@@ -37,11 +37,13 @@ class Rollouts(NamedTuple):
   prompt_ids: [P] int32, the prompt without bucket padding.
   tokens: [G, N] int32 generated ids; positions >= lengths[g] hold the `pad_id` passed to
     `sample_group` (0 by default).
-  logprobs: [G, N] float32 log pi(token_t | prompt, tokens_<t) under the UNTEMPERED, untruncated
-    model distribution log_softmax(logits): the "old policy" log-probs of PPO/GRPO, whatever
-    temperature/top-p drew the token. 0.0 at positions >= lengths[g].
+  logprobs: [G, N] float32 (float64 for a float64 model under jax_enable_x64) log pi(token_t |
+    prompt, tokens_<t) under the UNTEMPERED, untruncated model distribution log_softmax(logits):
+    the "old policy" log-probs of PPO/GRPO, whatever temperature/top-p drew the token (the
+    trainer's `token_logprobs` computes the same). 0.0 at positions >= lengths[g].
   lengths: [G] int32 generated tokens, counting the EOS/stop token when one was hit.
-  finished: [G] bool, True when the sample hit an EOS/stop id (False: cut at N tokens).
+  finished: [G] bool, True when the sample hit an EOS/stop id (False: cut at N tokens); the
+    stop reason, also as `truncated` = ~finished.
   """
 
   prompt_ids: jax.Array
@@ -49,6 +51,13 @@ class Rollouts(NamedTuple):
   logprobs: jax.Array
   lengths: jax.Array
   finished: jax.Array
+
+  @property
+  def truncated(self) -> jax.Array:
+    """[G] bool, the stop reason: True where the sample was cut by the token budget N without an
+    EOS/stop id, False where it ended with one (also when that id is its N-th token). GAE
+    bootstraps the truncated ones (`objectives.gae`'s truncated_b)."""
+    return ~self.finished
 
   def completion_mask(self) -> jax.Array:
     """[G, N] bool, True on generated (non-padding) positions."""
@@ -114,11 +123,23 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
   return model.logits(out.hidden_btd)[:, 0], KVBlock(k, v, valid)
 
 
-def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
-  """Nucleus filter: logits outside the smallest top set with probability >= top_p become -inf.
+# Probability mass (float32) by which a cumulative mass may fall short of top_p and still count as
+# reaching it: softmax and cumsum round, so a nucleus whose exact mass is top_p can sum to
+# top_p - 1 ulp and would otherwise take one more token. 1e-6 is ~8 ulp of float32 at 1.0.
+TOP_P_TOLERANCE = 1e-6
 
-  Holtzman et al. 2019 (arXiv 1904.09751), Sec. 3.1, eq. 3. The most likely token is always kept;
-  tokens tied with the smallest kept probability are kept too.
+
+def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
+  """Nucleus filter: logits outside the smallest set whose probability mass reaches top_p become -inf.
+
+  Holtzman et al. 2019 (arXiv 1904.09751), Sec. 3.1, eq. 3. Tokens are ranked by probability,
+  ties broken by LOWER TOKEN ID FIRST (a stable sort); the nucleus is the shortest prefix of that
+  ranking whose mass is >= top_p - TOP_P_TOLERANCE, so a token is kept iff the mass ranked
+  strictly before it is below that. The most likely token is always kept; top_p >= 1 keeps all.
+
+    probs [0.3, 0.1, 0.1, 0.5], top_p 0.8: ranking 3, 0, 1, 2; masses before 0, 0.5, 0.8, 0.9
+      -> keeps {3, 0} (their mass is exactly 0.8).
+    64 equal logits, top_p 0.1: ranking 0, 1, ..., 63; 7 tokens reach 7/64 = 0.109 -> keeps ids 0..6.
 
   Args:
     logits_bv: [B, V] float logits (already divided by the temperature).
@@ -127,12 +148,15 @@ def top_p_filter(logits_bv: jax.Array, top_p) -> jax.Array:
   Returns:
     [B, V] logits of the same dtype with -inf outside the nucleus.
   """
-  probs = jax.nn.softmax(logits_bv.astype(jnp.float32), axis=-1)
-  sorted_probs = -jnp.sort(-probs, axis=-1)
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-  kept = mass_before < top_p
-  threshold = jnp.min(jnp.where(kept, sorted_probs, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where(probs >= threshold, logits_bv, -jnp.inf)
+  probs = jax.nn.softmax(logits_bv.astype(jnp.result_type(logits_bv.dtype, jnp.float32)), axis=-1)
+  order = jnp.argsort(-probs, axis=-1, stable=True)
+  mass = jnp.cumsum(jnp.take_along_axis(probs, order, axis=-1), axis=-1)
+  mass_before = jnp.pad(mass[:, :-1], ((0, 0), (1, 0)))
+  kept_ranked = (mass_before < top_p - TOP_P_TOLERANCE) | (top_p >= 1)
+  kept_ranked = kept_ranked.at[:, 0].set(True)
+  rows = jnp.arange(probs.shape[0])[:, None]
+  kept = jnp.zeros(probs.shape, bool).at[rows, order].set(kept_ranked)
+  return jnp.where(kept, logits_bv, -jnp.inf)
 
 
 def sample_token(logits_bv: jax.Array, keys_b: jax.Array, step, *, temperature, top_p, greedy: bool) -> jax.Array:
@@ -183,7 +207,8 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     max_new_tokens: N, static.
 
   Returns:
-    tokens [G, N] int32, logprobs [G, N] float32 (untempered, 0 after the end), lengths [G] int32,
+    tokens [G, N] int32, logprobs [G, N] in the logits' dtype (float32; float64 for a float64
+    model; untempered, 0 after the end), lengths [G] int32,
     finished [G] bool (hit a stop id), and the cache (k, v [L, G, N, Hkv, D]) of the fed tokens.
   """
   g, n = keys_g.shape[0], max_new_tokens
@@ -191,7 +216,7 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   logits_gv = jnp.broadcast_to(logits_1v, (g, logits_1v.shape[-1]))
   tok = sample(logits_gv, step=0)
   tokens = jnp.full((g, n), pad_id, jnp.int32).at[:, 0].set(tok)
-  logprobs = jnp.zeros((g, n), jnp.float32).at[:, 0].set(_picked_logprob(logits_gv, tok))
+  logprobs = jnp.zeros((g, n), logits_1v.dtype).at[:, 0].set(_picked_logprob(logits_gv, tok))
   done = jnp.isin(tok, stop_ids)
   carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n), tokens, logprobs)
 
@@ -205,8 +230,11 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     new = sample(logits, step=t + 1)
     lp = _picked_logprob(logits, new)
     new, lp = jnp.where(done, pad_id, new), jnp.where(done, 0.0, lp)
-    tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, t + 1))
-    logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], (0, t + 1))
+    # int32 indices throughout: a Python 0 would become int64 under jax_enable_x64 and
+    # dynamic_update_slice refuses mixed index types.
+    start = (jnp.int32(0), t + 1)
+    tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], start)
+    logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], start)
     lengths = lengths + (~done).astype(jnp.int32)
     return t + 1, new, done | jnp.isin(new, stop_ids), lengths, cache, tokens, logprobs
 

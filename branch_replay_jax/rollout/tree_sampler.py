@@ -60,14 +60,23 @@ class TreeRollout(NamedTuple):
     preorder (a node, then the subtrees of its children in sampling order), so `tree.ends`, the
     leaves, are in lexicographic order of their child-index paths: with fanouts [2, 2] and no EOS,
     trajectory g = 2 * i_1 + i_2 is child i_2 of child i_1.
-  logprobs: per node, [L_n] float32 log π(token | context) under the UNTEMPERED, untruncated model
-    distribution, as in `sampling.Rollouts`; an empty array for the prompt (node 0).
-  finished: [G] bool: trajectory g hit an EOS id (False: it reached full depth without one).
+  logprobs: per node, [L_n] float32 (float64 for a float64 model under jax_enable_x64) log π(token |
+    context) under the UNTEMPERED, untruncated model distribution, as in `sampling.Rollouts`; an
+    empty array for the prompt (node 0).
+  finished: [G] bool: trajectory g hit an EOS id (False: it reached full depth without one); the
+    stop reason, also as `truncated` = ~finished.
   """
 
   tree: RolloutTree
   logprobs: list
   finished: np.ndarray
+
+  @property
+  def truncated(self) -> np.ndarray:
+    """[G] bool, the stop reason: True where trajectory g reached full depth without an EOS id
+    (cut by the token budget (D - 1) S + S_last), False where it ended with one (also on the
+    budget's last token). GAE bootstraps the truncated ones (`objectives.gae`'s truncated_b)."""
+    return ~self.finished
 
   def completion_logprobs(self, g: int) -> np.ndarray:
     """[len(tree.completion(g))] float32 log-probs of trajectory g's completion."""

@@ -5,22 +5,34 @@ generates them offline and deterministically from ``(seed, index)``. Rewards are
 as in DeepSeekMath (GRPO, arXiv 2402.03300) and DeepSeek-R1 (arXiv 2501.12948 §2.2.2): an
 accuracy reward from the dataset's own ``score_answer`` plus an optional format reward.
 
-  task = make_task("basic_arithmetic", seed=0, size=10_000)
+  task = make_task("basic_arithmetic", seed=0, size=10_000)   # strict_answer=False: forgiving
   problem = task[i]                      # i is the data position the trainer checkpoints
   messages = format_messages(problem)    # chat messages; the trainer applies the template
   score = task.score(completion_text, problem)
 
-Answer extraction (``extract_answer``), in order:
+Answer extraction (``extract_answer``) has two modes, chosen by ``make_task(strict_answer=...)``
+(config field ``task.strict_answer`` once the trainer passes it through):
 
-1. Tagged: the content of the LAST ``<answer>...</answer>`` pair (tags matched
+1. Tagged (both modes): the content of the LAST ``<answer>...</answer>`` pair (tags matched
    case-insensitively) whose content is not blank, stripped of surrounding whitespace.
    ``formatted=True``. Nested tags resolve to the innermost pair: the content may not contain
    another ``<answer>``. Blank pairs and an unclosed ``<answer>`` do not count.
-2. Fallback: the last number in the text (regex ``_NUMBER``: optional minus sign not
-   preceded by a letter or digit, ASCII digits, optional ``,ddd`` thousands groups and
-   decimals), ``formatted=False``. A forgiving fallback gives a weak model that ignores the
-   tags an accuracy signal from its first step; ``format_bonus`` then rewards the tags.
-3. Otherwise ``extracted=None``.
+2. Fallback, forgiving mode only (``strict_answer=False``, the default): the last number in the
+   text (regex ``_NUMBER``: optional minus sign not preceded by a letter or digit, ASCII
+   digits, optional ``,ddd`` thousands groups and decimals), ``formatted=False``. So an
+   untagged "... so 12" and an answer cut off by the token budget, "<answer>-12", are read as
+   12 and -12 and can score as correct. This gives a weak model that ignores the tags an
+   accuracy signal from its first step; ``format_bonus`` then rewards the tags.
+3. Otherwise ``extracted=None`` (reward 0: no accuracy, no format bonus).
+
+Strict mode (``strict_answer=True``) stops after step 1: only a closed, non-blank tag counts,
+as in rule-based rewards that require the answer in a specified format (DeepSeek-R1, arXiv
+2501.12948 §2.2.2). Use it to measure or train the format itself, or with a model that already
+emits the tags; it gives a weak model no signal until it does.
+
+Every training experiment in ``experiments/`` (the ``*_smollm2_arith`` files) uses the forgiving
+default (none sets ``strict_answer``), with ``format_bonus = 0.1`` rewarding the tags on top of
+the accuracy.
 
 The extracted text is always a verbatim substring of the completion: no normalisation, so
 correctness is exactly what the dataset's scorer says about what the model wrote.
@@ -86,11 +98,14 @@ class Score:
   formatted: bool
 
 
-def extract_answer(text: str) -> tuple[str | None, bool]:
-  """Returns ``(extracted, formatted)`` by the rules in the module docstring."""
+def extract_answer(text: str, strict: bool = False) -> tuple[str | None, bool]:
+  """Returns ``(extracted, formatted)`` by the rules in the module docstring; ``strict``: only a
+  closed, non-blank ``<answer>`` tag counts (no last-number fallback)."""
   tagged = [m.strip() for m in _ANSWER_TAG.findall(text) if m.strip()]
   if tagged:
     return tagged[-1], True
+  if strict:
+    return None, False
   numbers = _NUMBER.findall(text)
   return (numbers[-1] if numbers else None), False
 
@@ -109,14 +124,17 @@ class Task(Sequence):
   """A fixed-size, deterministic sequence of problems and their scorer. Build with ``make_task``.
 
   Attributes: ``name`` (registry key), ``options`` (the generator options used, defaults
-  merged with overrides), ``format_bonus``, ``dataset`` (the reasoning-gym dataset).
+  merged with overrides), ``format_bonus``, ``strict_answer`` (the extraction mode, see the
+  module docstring), ``dataset`` (the reasoning-gym dataset).
   """
 
-  def __init__(self, name: str, dataset: Any, options: dict[str, Any], format_bonus: float):
+  def __init__(self, name: str, dataset: Any, options: dict[str, Any], format_bonus: float,
+               strict_answer: bool = False):
     self.name = name
     self.dataset = dataset
     self.options = options
     self.format_bonus = format_bonus
+    self.strict_answer = strict_answer
 
   def __len__(self) -> int:
     return self.dataset.size
@@ -131,14 +149,14 @@ class Task(Sequence):
 
   def score(self, completion_text: str, problem: Problem) -> Score:
     """Scores a completion (the generated text only, without the prompt); never raises on text."""
-    extracted, formatted = extract_answer(completion_text)
+    extracted, formatted = extract_answer(completion_text, strict=self.strict_answer)
     accuracy = 0.0 if extracted is None else float(self.dataset.score_answer(extracted, problem.entry))
     reward = accuracy + (self.format_bonus if formatted else 0.0)
     return Score(reward=reward, correct=accuracy == 1.0, extracted=extracted, formatted=formatted)
 
 
 def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bonus: float = 0.0,
-              **options: Any) -> Task:
+              strict_answer: bool = False, **options: Any) -> Task:
   """Builds the task ``name`` of ``size`` problems from ``seed``.
 
   Args:
@@ -147,11 +165,14 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
       silently equal ``s``). See the module docstring on overlap between nearby seeds.
     size: number of problems, ``len(task)``. Item ``i`` does not depend on ``size``.
     format_bonus: reward added when the completion has a non-blank ``<answer>`` tag.
+    strict_answer: only a closed ``<answer>...</answer>`` tag counts as an answer; False (the
+      default) also reads the last number of an untagged or unclosed answer (module docstring).
     **options: overrides of the task's reasoning-gym generator options.
 
   Raises:
     ValueError: unknown ``name`` (lists the known ones), an option the dataset's config does
-      not have (names it), a value the config rejects, or a bad seed, size or format_bonus.
+      not have (names it), a value the config rejects, or a bad seed, size, format_bonus or
+      strict_answer (not a bool).
   """
   if name not in TASKS:
     raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
@@ -161,6 +182,8 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
     raise ValueError(f"size must be a positive int, got {size!r}")
   if not isinstance(format_bonus, (int, float)) or not math.isfinite(format_bonus):
     raise ValueError(f"format_bonus must be a finite number, got {format_bonus!r}")
+  if not isinstance(strict_answer, bool):
+    raise ValueError(f"strict_answer must be a bool, got {strict_answer!r}")
 
   import reasoning_gym  # ~1 s to import (sympy, matplotlib): only when a task is built.
   from reasoning_gym.factory import DATASETS
@@ -175,4 +198,4 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
     dataset = reasoning_gym.create_dataset(dataset_name, seed=seed, size=size, **merged)
   except (AssertionError, TypeError, ValueError) as e:  # reasoning-gym validates with assert.
     raise ValueError(f"invalid options {options} for task {name!r} (with defaults {defaults}): {e!r}") from e
-  return Task(name, dataset, merged, float(format_bonus))
+  return Task(name, dataset, merged, float(format_bonus), strict_answer)
