@@ -27,7 +27,7 @@ def constant_groups(rewards_g: jax.Array) -> jax.Array:
 
   Such a group carries no learning signal: every advantage estimator here returns exactly 0 for
   all its members, whatever the dtype, eps or ddof. This is the same test as the training
-  loop's `zero_variance_groups` metric (np.ptp(rewards) == 0), so the metric counts exactly the
+  loop's `zero_variance_groups` metric and DPO's skipped prompts use, so the metric counts exactly the
   groups whose advantages were zeroed.
 
   Args:
