@@ -185,7 +185,7 @@ def test_zero_variance_groups_counts_the_groups_whose_advantages_are_zero():
   rewards = [np.full(16, 1.1, np.float32), np.array([0.0, 1.1] * 8, np.float32)]
   groups = [Group("group", {}, r, r > 1, np.full(16, 3), {"token_positions_naive": 1, "token_positions_computed": 1,
                                                           "ideal_flop_ratio": 1.0, "padding_fraction": 0.0},
-                  {}, 0.0, 0.0) for r in rewards]
+                  {}, 0.0, 0.0, truncated=np.zeros(16, bool)) for r in rewards]
   record = loop.step_record(0, groups, {}, rollout_s=0.0, update_s=0.0)
   zeroed = [bool(np.all(np.asarray(obj.group_advantages(r)) == 0)) for r in rewards]
   assert record["zero_variance_groups"] == sum(zeroed) == 1
@@ -215,3 +215,127 @@ def test_resume_from_checkpoint_2_of_3_leaves_each_step_once_in_every_log(monkey
     with open(os.path.join(tmp_path, name)) as f:
       steps = [json.loads(line)["step"] for line in f]
     assert steps == ([1, 2] if name == "eval.jsonl" else [1, 2, 3]), name
+
+
+# ---- 2. PPO's GAE gets the sampler's stop reason and V after the last token -----------------------
+
+class _FakeForward:
+  """PPOFunctions with a forward that returns fixed old log-probs, values and next values."""
+  naive = False
+
+  def __init__(self, out):
+    self.forward = lambda params, arrays: out
+
+
+def _ppo_config(tmp_path, **overrides):
+  return experiment_config(ppo_smollm2_arith, "smoke", tmp_path, **{"ppo.gamma": 1.0, "ppo.lam": 0.9,
+                                                                     "ppo.whiten_advantages": False, **overrides})
+
+
+# The issue's numbers: rewards 0, values [0.3, 0.5, 0.7], V after the last token 0.9, gamma 1, lam 0.9.
+TRUNCATED_ADV = [0.542, 0.38, 0.2]
+TERMINATED_ADV = [-0.187, -0.43, -0.7]
+
+
+def test_ppo_group_advantages_bootstrap_only_the_truncated_completion(tmp_path):
+  # Two completions of 3 tokens with equal values: the first cut by the budget, the second ended by
+  # EOS on the budget's last token (same padded width: only the stop reason tells them apart).
+  from branch_replay_jax.rollout.collect import Group
+  values = np.zeros((2, 8), np.float32)
+  values[:, :3] = [0.3, 0.5, 0.7]
+  mask = np.arange(8)[None] < 3
+  arrays = {"branches": {"mask": np.broadcast_to(mask, (2, 8))}}
+  out = {"logp": np.zeros((2, 8), np.float32), "values": values, "next_value": np.array([0.9, 0.9], np.float32)}
+  group = Group("group", arrays, np.zeros(2, np.float32), np.zeros(2, bool), np.array([3, 3]), {}, {}, 0.0, 0.0,
+                truncated=np.array([True, False]))
+  ppo.prepare(_ppo_config(tmp_path), _FakeForward(out), None, [group])
+  adv = np.asarray(arrays["branches"]["advantages"])
+  np.testing.assert_allclose(adv[0, :3], TRUNCATED_ADV, atol=1e-6)
+  np.testing.assert_allclose(adv[1, :3], TERMINATED_ADV, atol=1e-6)
+  np.testing.assert_array_equal(adv[:, 3:], 0.0)
+
+
+def test_ppo_tree_advantages_bootstrap_from_the_leaf_each_trajectory_ends_at(tmp_path):
+  # Prompt -> node 1 (2 tokens) -> leaves 2 and 3 (1 token each): trajectory 0 ends at node 2 (cut
+  # by the budget), trajectory 1 at node 3 (EOS). Each path's values are [0.3, 0.5, 0.7]; V after
+  # node 2 and node 3 is 0.9, after node 1 it is 5.0 (a bootstrap from the wrong node would show).
+  from branch_replay_jax.data.trees import RolloutTree
+  from branch_replay_jax.rollout.collect import Group
+  tree = RolloutTree((np.array([1, 2, 3]), np.array([4, 5]), np.array([6]), np.array([7])), (-1, 0, 1, 1), (2, 3))
+  padded = ppo.pad_tree(tree)
+  node_values = {1: [0.3, 0.5], 2: [0.7], 3: [0.7]}
+  node_next = {1: 5.0, 2: 0.9, 3: 0.9}
+  out = []
+  for d, ids in enumerate(padded.node_ids, start=1):
+    t = padded.tokens[d - 1].shape[-1]
+    vals, nxt = np.zeros(ids.shape + (t,), np.float32), np.zeros(ids.shape, np.float32)
+    for slot in zip(*np.nonzero(ids >= 0)):
+      vals[slot][:len(node_values[ids[slot]])] = node_values[ids[slot]]
+      nxt[slot] = node_next[ids[slot]]
+    out.append({"logp": np.zeros_like(vals), "values": vals, "next_value": nxt})
+  arrays = {"levels": [{} for _ in padded.node_ids]}
+  group = Group("tree", arrays, np.zeros(2, np.float32), np.zeros(2, bool), np.array([3, 3]), {}, {}, 0.0, 0.0,
+                truncated=np.array([True, False]), tree=tree)
+  ppo.prepare(_ppo_config(tmp_path), _FakeForward(out), None, [group])
+  # Per (token, trajectory) advantages [T_d, G] of node 1 (level 1, slot 0) and nodes 2, 3 (level 2).
+  lvl1, lvl2 = (np.asarray(level["advantages"]) for level in arrays["levels"])
+  np.testing.assert_allclose(lvl1[0, :2, 0], TRUNCATED_ADV[:2], atol=1e-6)
+  np.testing.assert_allclose(lvl1[0, :2, 1], TERMINATED_ADV[:2], atol=1e-6)
+  np.testing.assert_allclose(lvl2[0, 0, 0, 0], TRUNCATED_ADV[2], atol=1e-6)
+  np.testing.assert_allclose(lvl2[0, 1, 0, 1], TERMINATED_ADV[2], atol=1e-6)
+
+
+def test_ppo_whitening_of_a_constant_advantage_is_zero(tmp_path):
+  # Every completion terminated with reward 0 and values 0: every advantage is 0 exactly; whitening
+  # over the step must keep them 0 (the formula gave -0.598 on float32 constants).
+  from branch_replay_jax.rollout.collect import Group
+  mask = np.arange(8)[None] < 3
+  values = np.where(mask, 0.1, 0.0).astype(np.float32).repeat(4, 0)
+  arrays = {"branches": {"mask": np.broadcast_to(mask, (4, 8))}}
+  out = {"logp": np.zeros((4, 8), np.float32), "values": values, "next_value": np.zeros(4, np.float32)}
+  rewards = np.full(4, 0.1, np.float32)   # reward 0.1 on the last token against V = 0.1 throughout
+  group = Group("group", arrays, rewards, np.zeros(4, bool), np.array([3] * 4), {}, {}, 0.0, 0.0,
+                truncated=np.zeros(4, bool))
+  stats = ppo.prepare(_ppo_config(tmp_path, **{"ppo.whiten_advantages": True}), _FakeForward(out), None, [group])
+  np.testing.assert_array_equal(np.asarray(arrays["branches"]["advantages"]), 0.0)
+  assert stats["explained_variance"] is None or np.isfinite(stats["explained_variance"])
+
+
+def test_next_value_is_the_value_of_the_state_after_the_last_token():
+  # V after a completion's k-th token is the value the critic gives token k of any longer
+  # completion with the same first k tokens (the same context): replay and naive agree with it.
+  from conftest import random_group
+  from branch_replay_jax.data.batches import group_arrays
+  from branch_replay_jax.gradients import actor_critic as pp
+  from branch_replay_jax.models import Llama, tiny_config
+  from branch_replay_jax.models.critic import ActorCritic
+  from flax import nnx
+  ac = ActorCritic(Llama(tiny_config(), rngs=nnx.Rngs(0)), critic="value_head")
+  ac.value_w[...] = jax.random.normal(jax.random.key(1), ac.value_w.shape) * 0.1
+  graphdef, params = nnx.split(ac)
+  from branch_replay_jax.data.groups import make_group
+  group = random_group([6])
+  comp = np.asarray(group.completion_ids[0, :6])
+  both = make_group(group.prompt_ids[:group.prompt_len], [comp[:3], comp], vocab_size=64, max_positions=256)
+  arrays = group_arrays(both)
+  for fwd in (pp.replay_logprobs_values, pp.naive_logprobs_values):
+    out = jax.jit(fwd, static_argnums=0)(graphdef, params, arrays)
+    np.testing.assert_allclose(out["next_value"][0], out["values"][1, 3], rtol=1e-5)
+    assert abs(float(out["next_value"][0])) > 1e-4
+
+
+def test_rollouts_carry_the_samplers_stop_reason(tmp_path):
+  # Group.truncated is ~finished of the sampler: True exactly where the completion's last token is
+  # not EOS (the tiny random model rarely emits EOS; both cases are checked where they occur).
+  from branch_replay_jax.models.loading import load_tokenizer
+  from branch_replay_jax.rollout.collect import rollout
+  tokenizer = load_tokenizer("smollm2-135m-instruct")
+  for module, variant in [(ppo_smollm2_arith, "smoke"), (ppo_smollm2_arith, "tree_smoke")]:
+    config = experiment_config(module, variant, tmp_path)
+    model, _ = loop.build_model(config)
+    task = loop.make_task_from(config)
+    g = rollout(config, model, tokenizer, task, 0, jax.random.key(0))
+    comps = ([g.tree.completion(i) for i in range(len(g.tree.ends))] if g.tree is not None else
+             [np.asarray(g.arrays["branches"]["tokens"][i, :n]) for i, n in enumerate(g.lengths)])
+    assert g.truncated.shape == (len(comps),)
+    np.testing.assert_array_equal(g.truncated, [c[-1] != tokenizer.eos_token_id for c in comps])
