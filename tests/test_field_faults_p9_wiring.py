@@ -339,3 +339,45 @@ def test_rollouts_carry_the_samplers_stop_reason(tmp_path):
              [np.asarray(g.arrays["branches"]["tokens"][i, :n]) for i, n in enumerate(g.lengths)])
     assert g.truncated.shape == (len(comps),)
     np.testing.assert_array_equal(g.truncated, [c[-1] != tokenizer.eos_token_id for c in comps])
+
+
+# ---- 10. a quiet console and checkpoints that do not stall a step --------------------------------
+
+def test_importing_transformers_through_the_package_prints_no_pytorch_notice():
+  # transformers (no torch installed) warns "PyTorch was not found. Models won't be available..."
+  # on import; the package drops exactly that record at transformers' logger. A fresh interpreter,
+  # since this one has imported transformers already.
+  import subprocess
+  import sys
+  code = "import branch_replay_jax, transformers, logging; logging.getLogger('transformers').warning('still here')"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "PyTorch was not found" not in out.stderr + out.stdout
+  assert "still here" in out.stderr   # the logger's other warnings still print
+
+
+def test_orbax_wait_warning_is_dropped_at_the_absl_logger(caplog):
+  import logging
+  import branch_replay_jax  # noqa: F401  (installs the filters)
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    logging.getLogger("absl").warning("Waiting for previous save to complete took %f seconds. If this ...", 5.0)
+    logging.getLogger("absl").warning("another absl warning")
+  assert [r.getMessage() for r in caplog.records] == ["another absl warning"]
+
+
+def test_checkpoint_save_returns_before_the_write_and_restores_exactly(tmp_path):
+  # save() copies to host and returns; the caller may overwrite (donate) its arrays at once; the
+  # restored state equals what was passed, bit for bit.
+  from branch_replay_jax.outputs.checkpoints import RunCheckpoints
+  import jax.numpy as jnp
+  ckpt = RunCheckpoints(str(tmp_path))
+  state = {"w": jnp.arange(1 << 20, dtype=jnp.float32), "rng": jax.random.key_data(jax.random.key(3))}
+  want = jax.tree_util.tree_map(np.asarray, state)
+  blocked = ckpt.save(1, state, {"step": 1, "data_pos": 2})
+  assert blocked >= 0.0
+  state["w"].delete()   # as a donating update would
+  got, meta = ckpt.restore(1, {"w": jnp.zeros(1 << 20, jnp.float32), "rng": jnp.zeros_like(want["rng"])})
+  ckpt.close()
+  assert meta == {"step": 1, "data_pos": 2}
+  np.testing.assert_array_equal(np.asarray(got["w"]), want["w"])
+  np.testing.assert_array_equal(np.asarray(got["rng"]), want["rng"])

@@ -282,15 +282,17 @@ def train(config, algorithm: Algorithm) -> list[dict]:
   params, opt_state = algorithm.setup(run)
   data_pos, history = run.data_pos, []
   bar = run.progress(config, algorithm.name)
-  for step in bar:
-    t0 = time.perf_counter()
-    batch, data_pos = algorithm.collect(run, params, step, data_pos)
-    t1 = time.perf_counter()
-    params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
-    t2 = time.perf_counter()
-    history.append(algorithm.log(bar, step, batch, stats, rollout_s=t1 - t0, update_s=t2 - t1))
-    save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
-  run.ckpt.close()
+  try:
+    for step in bar:
+      t0 = time.perf_counter()
+      batch, data_pos = algorithm.collect(run, params, step, data_pos)
+      t1 = time.perf_counter()
+      params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
+      t2 = time.perf_counter()
+      history.append(algorithm.log(bar, step, batch, stats, rollout_s=t1 - t0, update_s=t2 - t1))
+      save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
+  finally:
+    run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
   algorithm.write_plots()
   return history
 
