@@ -27,7 +27,7 @@ def constant_groups(rewards_g: jax.Array) -> jax.Array:
 
   Such a group carries no learning signal: every advantage estimator here returns exactly 0 for
   all its members, whatever the dtype, eps or ddof. This is the same test as the training
-  loop's `zero_variance_groups` metric (np.ptp(rewards) == 0), so the metric counts exactly the
+  loop's `zero_variance_groups` metric and DPO's skipped prompts use, so the metric counts exactly the
   groups whose advantages were zeroed.
 
   Args:
@@ -254,15 +254,19 @@ def grpo_tree_objective(logp: jax.Array, node: dict, *, clip_eps: float, kl_coef
       "advantage" [G], "mask" [T], "old_logp" [T] (unless on_policy), "ref_logp" [T] (if kl_coef).
 
   Returns:
-    (loss, {"clipped": clipped (token, trajectory) pairs, "kl": Σ_t k3 over real tokens}).
+    (loss, {"clipped": clipped (token, trajectory) pairs, "kl": Σ k3 over (token, trajectory)
+    pairs}). Both count a shared token once per trajectory through it, as the loss weighs it and
+    as `grpo_objective` counts the same trajectories laid out naive (prompt repeated), so a tree
+    step's metrics equal the naive step's; the loop divides both by the (token, trajectory) pairs.
   """
   old = jax.lax.stop_gradient(logp) if on_policy else node["old_logp"]
   ref = node["ref_logp"] if kl_coef else jax.lax.stop_gradient(logp)
   loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], node["advantage"][None, :],
                                   clip_eps=clip_eps, kl_coef=kl_coef)
   w = node["weights"]
-  return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & (w > 0)),
-                             "kl": jnp.sum(jnp.where(node["mask"], metrics["kl"][:, 0], 0.0))}
+  on = (w > 0) & node["mask"][:, None]   # (token, trajectory) pairs: trajectory g passes real token t
+  return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & on),
+                             "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 
 
 ADVANTAGES = ("grpo", "rloo")

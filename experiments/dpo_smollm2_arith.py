@@ -43,6 +43,8 @@ def get_config(arg=None):
     c.task.seed = 0                       # reasoning-gym generator seed
     c.task.options = ml_collections.ConfigDict()  # generator options overriding the task's defaults
     c.task.format_bonus = 0.1             # reward added when the answer is inside <answer></answer> tags
+    c.task.strict_answer = False          # True: only a closed <answer></answer> tag counts; False: also an
+    #                                     # unclosed tag or the last number (rollout/tasks, "Answer extraction")
     c.rollout = ml_collections.ConfigDict()  # sampling of the candidates
     c.rollout.prompts_per_step = 2 if smoke else 4   # prompts per step; each gives at most one pair
     c.rollout.group_size = 4 if smoke else 8         # G completions sampled per prompt (one shared prefill)
@@ -51,8 +53,11 @@ def get_config(arg=None):
     c.rollout.top_p = 1.0                 # nucleus mass (1 disables the filter)
 
   c.dpo = ml_collections.ConfigDict()
-  c.dpo.loss = "sigmoid"                  # sigmoid (DPO, arXiv 2305.18290 eq. 7) or ipo (arXiv 2310.12036 eq. 17)
+  c.dpo.loss = "sigmoid"                  # sigmoid (DPO, arXiv 2305.18290 eq. 7); ipo (arXiv 2310.12036 eq. 17 on
+  #                                       # mean per-token log-probs, the default IPO form: its target margin
+  #                                       # 1/(2 beta) does not depend on completion lengths); ipo_sum (eq. 17 on sums)
   c.dpo.beta = 0.1                        # DPO beta (IPO: tau)
+  c.dpo.label_smoothing = 0.0             # conservative DPO's epsilon in [0, 0.5) (sigmoid only; 0 = plain DPO)
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 20                      # optimizer steps

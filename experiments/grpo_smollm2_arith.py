@@ -23,6 +23,8 @@ def get_config(arg=None):
   c.task.seed = 0                         # reasoning-gym generator seed
   c.task.options = ml_collections.ConfigDict()  # generator options overriding the task's defaults
   c.task.format_bonus = 0.1               # reward added when the answer is inside <answer></answer> tags
+  c.task.strict_answer = False            # True: only a closed <answer></answer> tag counts; False: also an
+  #                                       # unclosed tag or the last number (rollout/tasks, "Answer extraction")
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 2          # groups per optimizer step

@@ -241,3 +241,31 @@ def test_make_mesh_and_placement_reject_bad_shapes():
     pad_prompts([])
   with pytest.raises(ValueError, match="mode='zero3'"):
     param_specs({"w": jnp.zeros(8)}, make_mesh(8, 1), "zero3")
+
+
+def test_documented_optimizer_state_creation(reference):
+  # make_train_step's docstring: on the Explicit-axis mesh the optimizer state comes from
+  # jax.jit(tx.init) inside jax.set_mesh, or from shard_params of an unsharded init (the loop's
+  # way). Both give the parameters' FSDP shardings and the same step: SGD with momentum 0.9, one
+  # step, so the momentum trace equals the naive gradient (as test_fsdp_step_equals_replicated_gradient).
+  graphdef, params, groups, _, naive_grads, _, _ = reference
+  mesh = make_mesh(2, 2, 2)
+  tx = optax.sgd(0.1, momentum=0.9)
+  specs = param_specs(params, mesh, "fsdp")
+  with jax.set_mesh(mesh):
+    sharded = shard_params(params, mesh, "fsdp")
+    states = {"jit inside set_mesh": jax.jit(tx.init)(sharded),
+              "sharded init (loop)": shard_params(tx.init(params), mesh, "fsdp")}
+    step = make_train_step(graphdef, tx, grpo_objective, mesh)
+    batch = shard_batch(stack_groups(pad_prompts(groups)), mesh)
+    for name, opt_state in states.items():
+      same = jax.tree_util.tree_map(lambda x, s: x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim),
+                                    opt_state[0].trace, specs)
+      assert all(jax.tree_util.tree_leaves(same)), name
+      _, new_state, _ = step(sharded, opt_state, batch)
+      assert max_rel_err(new_state[0].trace, naive_grads) <= 1e-5, name
+  # What the docstring warns about: the same call without a current mesh (JAX 0.10: "Length of
+  # device assignment 1 is not equal to the size of the mesh 8 ... enter your `jit` into a mesh
+  # context via `jax.set_mesh`").
+  with pytest.raises(ValueError, match="jax.set_mesh"):
+    jax.jit(tx.init)(shard_params(params, mesh, "fsdp"))

@@ -151,6 +151,9 @@ def _check_tree(tree, critic, dtype, tol):
   for k in ("logp", "values"):
     rows = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [lvl[k] for lvl in levels]), T_MAX)
     assert max_rel_err(rows, naive[k]) <= tol, k
+  # V after each trajectory's last token, read at the node it ends at, equals the naive one.
+  leaf = ppo.leaf_values(tree, padded.node_ids, [lvl["next_value"] for lvl in levels])
+  assert max_rel_err(leaf, naive["next_value"]) <= tol
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

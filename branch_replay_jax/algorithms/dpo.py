@@ -48,10 +48,16 @@ def validate(config) -> None:
     section, _, field = name.rpartition(".")
     if (field in config[section]) if section else (name in config):
       raise ValueError(f"{name} does not apply to data.source={d.source!r}; remove it")
+  loop.validate_common(config)
   if p.loss not in obj.PREFERENCE_LOSSES:
     raise ValueError(f"dpo.loss={p.loss!r} is not one of {obj.PREFERENCE_LOSSES}")
   if not p.beta > 0:
     raise ValueError(f"dpo.beta={p.beta!r} must be > 0")
+  if not 0 <= p.label_smoothing < 0.5:
+    raise ValueError(f"dpo.label_smoothing={p.label_smoothing!r} must lie in [0, 0.5)")
+  if p.label_smoothing and p.loss != "sigmoid":
+    raise ValueError(f"dpo.label_smoothing={p.label_smoothing!r} applies to dpo.loss='sigmoid' only (conservative "
+                     f"DPO); dpo.loss={p.loss!r} has no label noise model; set it to 0")
   if t.gradient not in GRADIENTS:
     raise ValueError(f"train.gradient={t.gradient!r} is not one of {GRADIENTS}")
   if t.lr_schedule not in SCHEDULES:
@@ -152,7 +158,7 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int)
     rew = np.array([s.reward for s in scores], np.float32)
     rewards.append(rew)
     correct.append(np.array([s.correct for s in scores]))
-    if np.ptp(rew) == 0:
+    if bool(obj.constant_groups(rew)):
       skipped += 1
       continue
     best, worst = int(np.argmax(rew)), int(np.argmin(rew))
@@ -175,8 +181,9 @@ class DPOFunctions:
     self.replay = pref.ReplaySteps(graphdef, micro_batch=t.micro_batch)
     self.naive_ref = jax.jit(lambda prm, n: pref.naive_ref_sums(graphdef, prm, n, micro_batch=t.micro_batch))
     self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
-        graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, micro_batch=t.micro_batch))
-    self.beta, self.loss_type = p.beta, p.loss
+        graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, label_smoothing=p.label_smoothing,
+        micro_batch=t.micro_batch))
+    self.beta, self.loss_type, self.label_smoothing = p.beta, p.loss, p.label_smoothing
     self.update = update   # loop.make_update
 
   def step(self, params, ref_params, opt_state, batch: pref.PreferenceBatch):
@@ -185,7 +192,8 @@ class DPOFunctions:
       loss, metrics, grads = self.naive_grad(params, batch.naive, self.naive_ref(ref_params, batch.naive))
     else:
       ref = self.replay.flat_sums(ref_params, batch)
-      loss, metrics, grads = self.replay.value_and_grad(params, batch, ref, beta=self.beta, loss_type=self.loss_type)
+      loss, metrics, grads = self.replay.value_and_grad(params, batch, ref, beta=self.beta, loss_type=self.loss_type,
+                                                        label_smoothing=self.label_smoothing)
     params, opt_state, grad_norm = self.update(params, opt_state, grads)
     stats = {"loss": float(loss), "chosen_reward": float(np.mean(metrics["chosen_reward"])),
              "rejected_reward": float(np.mean(metrics["rejected_reward"])),

@@ -34,12 +34,68 @@ from branch_replay_jax.rollout.tasks import make_task
 
 GRADIENTS = ("replay", "naive")
 SCHEDULES = ("constant", "cosine")
+DTYPES = ("float32", "bfloat16")   # float16 is refused: no loss scaling, its 5-bit exponent overflows
+TINY_MAX_POSITIONS = 2048          # context of model.name = "tiny" (build_model)
+
+
+def _number(name: str, value, ok, domain: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+    raise ValueError(f"{name}={value!r} must be {domain}")
+
+
+def validate_common(config) -> None:
+  """Raise ValueError (naming the field and value) for the fields every algorithm shares, before
+  anything loads: model (dtype, remat, attention), optimizer (learning rate, warmup, decay,
+  clipping), seed and resume, task, sampling (temperature, top_p) and a completion budget longer
+  than the model's context (read from the model's metadata, models.loading.context_length)."""
+  from branch_replay_jax.kernels import ATTENTION_IMPLS
+  from branch_replay_jax.models.llama import REMAT_POLICIES
+  from branch_replay_jax.models.loading import context_length
+  from branch_replay_jax.rollout.tasks import TASKS
+  m, t = config.model, config.train
+  if m.dtype not in DTYPES:
+    raise ValueError(f"model.dtype={m.dtype!r} is not one of {DTYPES} (float16 has no loss scaling here)")
+  if m.remat not in REMAT_POLICIES:
+    raise ValueError(f"model.remat={m.remat!r} is not one of {REMAT_POLICIES}")
+  if m.attention_impl not in ATTENTION_IMPLS:
+    raise ValueError(f"model.attention_impl={m.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+  _number("train.learning_rate", t.learning_rate, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  _number("train.weight_decay", t.weight_decay, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+  _number("train.max_grad_norm", t.max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  for name, value in [("train.warmup_steps", t.warmup_steps), ("seed", config.seed)]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"{name}={value!r} must be an int >= 0")
+  if not isinstance(config.resume, bool):
+    raise ValueError(f"resume={config.resume!r} must be a bool")
+  if "task" in config:
+    k = config.task
+    if k.name not in TASKS:
+      raise ValueError(f"task.name={k.name!r} is not one of {sorted(TASKS)}")
+    for name, value in [("task.size", k.size), ("task.seed", k.seed)]:
+      if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "task.size" else 0):
+        raise ValueError(f"{name}={value!r} must be an int >= {1 if name == 'task.size' else 0}")
+    _number("task.format_bonus", k.format_bonus, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+    if not isinstance(k.strict_answer, bool):
+      raise ValueError(f"task.strict_answer={k.strict_answer!r} must be a bool")
+  if "rollout" in config:
+    r = config.rollout
+    # 0 would be greedy decoding: G identical completions, equal rewards, no advantage.
+    _number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
+    _number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+    budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
+    context = TINY_MAX_POSITIONS if m.name == "tiny" else context_length(m.name)
+    if isinstance(budget, int) and budget >= context:
+      field = (f"rollout.segment_length={r.segment_length} x depth len(rollout.tree_fanouts)={len(r.tree_fanouts)}"
+               f" = {budget} completion tokens" if r.get("tree_fanouts") else f"rollout.max_new_tokens={budget}")
+      raise ValueError(f"{field} leaves no room for a prompt in model {m.name!r}'s context of {context} tokens; "
+                       f"it must be < {context}")
 
 
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for rollout, update, loss-weight and mesh settings
   that cannot run, or that would be silently ignored, before any compute. Shared by GRPO and PPO;
   each adds its own loss fields (grpo.validate, ppo.validate)."""
+  validate_common(config)
   r, t, l = config.rollout, config.train, config.loss
   for name, value in [("rollout.prompts_per_step", r.prompts_per_step), ("train.steps", t.steps),
                       ("train.micro_batch", t.micro_batch), ("train.inner_epochs", t.inner_epochs),
@@ -133,7 +189,7 @@ def build_model(config):
   dtype = jnp.dtype(config.model.dtype)
   if config.model.name == "tiny":
     tokenizer = load_tokenizer("smollm2-135m-instruct")
-    cfg = tiny_config(vocab_size=len(tokenizer), max_positions=2048)
+    cfg = tiny_config(vocab_size=len(tokenizer), max_positions=TINY_MAX_POSITIONS)
     return Llama(cfg, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl,
                  rngs=nnx.Rngs(config.seed)), tokenizer
   return load(config.model.name, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl)
@@ -226,15 +282,17 @@ def train(config, algorithm: Algorithm) -> list[dict]:
   params, opt_state = algorithm.setup(run)
   data_pos, history = run.data_pos, []
   bar = run.progress(config, algorithm.name)
-  for step in bar:
-    t0 = time.perf_counter()
-    batch, data_pos = algorithm.collect(run, params, step, data_pos)
-    t1 = time.perf_counter()
-    params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
-    t2 = time.perf_counter()
-    history.append(algorithm.log(bar, step, batch, stats, rollout_s=t1 - t0, update_s=t2 - t1))
-    save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
-  run.ckpt.close()
+  try:
+    for step in bar:
+      t0 = time.perf_counter()
+      batch, data_pos = algorithm.collect(run, params, step, data_pos)
+      t1 = time.perf_counter()
+      params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
+      t2 = time.perf_counter()
+      history.append(algorithm.log(bar, step, batch, stats, rollout_s=t1 - t0, update_s=t2 - t1))
+      save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
+  finally:
+    run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
   algorithm.write_plots()
   return history
 
@@ -242,7 +300,11 @@ def train(config, algorithm: Algorithm) -> list[dict]:
 def make_task_from(config):
   """The reasoning-gym task named in config.task (tasks.make_task)."""
   t = config.task
-  return make_task(t.name, seed=t.seed, size=t.size, format_bonus=t.format_bonus, **t.options.to_dict())
+  try:
+    return make_task(t.name, seed=t.seed, size=t.size, format_bonus=t.format_bonus, strict_answer=t.strict_answer,
+                     **t.options.to_dict())
+  except ValueError as e:
+    raise ValueError(f"task (task.name={t.name!r}, task.options={t.options.to_dict()}): {e}") from e
 
 
 @dataclasses.dataclass
@@ -273,8 +335,8 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
               keep_initial: bool = False) -> Run:
   """Checks RUN_DIR against `run_fingerprint` (outputs.checkpoints.check_run_dir), builds the model
   (`wrap(model)` when given, e.g. an actor-critic), the optimizer `optimizer_fn(config)` and its
-  state, restores the latest checkpoint when config.resume, and drops metrics.jsonl lines at or
-  after the step it continues from.
+  state, restores the latest checkpoint when config.resume, and cuts every log the run appends to
+  (RUN_DIR/*.jsonl, tree drawings) back to the step it continues from (plots.cut_logs_back).
 
   Raises:
     ValueError: RUN_DIR holds another experiment's checkpoints (check_run_dir).
@@ -293,7 +355,7 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
     state, meta = ckpt.restore(ckpt.latest_step(), abstract)
     params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
     start, data_pos = meta["step"], meta["data_pos"]
-  plots.truncate_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), keep_below_step=start)
+  plots.cut_logs_back(config.run_dir, start)
   return Run(tokenizer, model_config, graphdef, params, initial, optimizer, opt_state, ckpt, key, start, data_pos)
 
 
@@ -330,7 +392,7 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
   return {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
           "accuracy": float(np.concatenate([g.correct for g in groups]).mean()), **stats,
           "completion_len_mean": float(lengths.mean()),
-          "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)), **counts,
+          "zero_variance_groups": int(sum(bool(obj.constant_groups(g.rewards)) for g in groups)), **counts,
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
           "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),
           "sample_s": sum(g.sample_s for g in groups), "score_s": sum(g.score_s for g in groups),

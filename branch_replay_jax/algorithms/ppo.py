@@ -130,16 +130,30 @@ def node_columns(tree: RolloutTree, rows: np.ndarray) -> list[np.ndarray]:
   return out
 
 
+def leaf_values(tree: RolloutTree, node_ids: tuple, levels: list) -> np.ndarray:
+  """[G]: per trajectory g, the value in the slot of the node it ends at (`tree.ends[g]`), from
+  per-level slot arrays [F_1..F_d] (`PaddedTree.node_ids`)."""
+  per_node = np.zeros(tree.num_nodes, np.result_type(*[np.asarray(v) for v in levels]))
+  for ids, values in zip(node_ids, levels):
+    values = np.asarray(values)
+    per_node[ids[ids >= 0]] = values[ids >= 0]
+  return per_node[list(tree.ends)]
+
+
 def _old_rows(fns: PPOFunctions, params, group: Group):
-  """(old logp, old values, mask) [G, T] per trajectory; trees also return their per-node lists."""
+  """(old logp, old values, mask) [G, T] per trajectory, next values [G] (V after each trajectory's
+  last token: the state a truncated one bootstraps from); trees also return their per-node lists."""
   out = fns.forward(params, group.arrays)
   if group.kind == "group":
-    return np.asarray(out["logp"]), np.asarray(out["values"]), np.asarray(group.arrays["branches"]["mask"]), None
+    return (np.asarray(out["logp"]), np.asarray(out["values"]), np.asarray(group.arrays["branches"]["mask"]),
+            np.asarray(out["next_value"]), None)
   tree, width = group.tree, int(group.lengths.max())
   ids = pad_tree(tree).node_ids
   nodes = {k: level_to_nodes(tree, ids, [lvl[k] for lvl in out]) for k in ("logp", "values")}
   mask = np.arange(width)[None] < group.lengths[:, None]
-  return trajectory_rows(tree, nodes["logp"], width), trajectory_rows(tree, nodes["values"], width), mask, nodes
+  next_values = leaf_values(tree, ids, [lvl["next_value"] for lvl in out])
+  return (trajectory_rows(tree, nodes["logp"], width), trajectory_rows(tree, nodes["values"], width), mask,
+          next_values, nodes)
 
 
 def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
@@ -147,18 +161,27 @@ def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
   p = config.ppo
   olds, adv, ret = [], [], []
   for g in groups:
-    logp, values, mask, nodes = _old_rows(fns, params, g)
+    logp, values, mask, next_values, nodes = _old_rows(fns, params, g)
     rewards = np.zeros(values.shape, np.float32)
     rewards[np.arange(len(g.lengths)), g.lengths - 1] = g.rewards
-    a, r = (np.asarray(x) for x in obj.gae(rewards, values, mask, gamma=p.gamma, lam=p.lam))
+    # The sampler's stop reason, never "the row fills the padded width": an EOS on the budget's
+    # last token terminates; a budget cut bootstraps from V after the last token (losses.gae).
+    a, r = (np.asarray(x) for x in obj.gae(rewards, values, mask, gamma=p.gamma, lam=p.lam,
+                                           truncated_b=g.truncated, next_values_b=next_values))
     olds.append((logp, values, mask, nodes))
     adv.append(a)
     ret.append(r)
-  flat_adv = np.concatenate([a[m] for a, (*_, m, _) in zip(adv, olds)])
-  resid = np.concatenate([(r - v)[m] for r, (_, v, m, _) in zip(ret, olds)])
-  returns = np.concatenate([r[m] for r, (*_, m, _) in zip(ret, olds)])
+  masks = [m for *_, m, _ in olds]
   if p.whiten_advantages:
-    adv = [np.where(m, (a - flat_adv.mean()) / (flat_adv.std() + 1e-8), 0.0) for a, (*_, m, _) in zip(adv, olds)]
+    # One mean and std over the step's (token, trajectory) pairs; exactly 0 when they are all equal.
+    widths = [a.shape[1] for a in adv]
+    flat = np.concatenate([np.pad(a, ((0, 0), (0, max(widths) - a.shape[1]))) for a in adv])
+    flat_mask = np.concatenate([np.pad(m, ((0, 0), (0, max(widths) - m.shape[1]))) for m in masks])
+    white = np.asarray(obj.whiten(flat, flat_mask))
+    rows = np.cumsum([0] + [a.shape[0] for a in adv])
+    adv = [white[rows[i]:rows[i + 1], :widths[i]] for i in range(len(adv))]
+  returns = np.concatenate([r[m] for r, m in zip(ret, masks)])
+  predicted = np.concatenate([v[m] for (_, v, m, _) in olds])
   for g, a, r, (logp, values, mask, nodes) in zip(groups, adv, ret, olds):
     if g.kind == "group":
       g.arrays["branches"].update(old_logp=jnp.asarray(logp), old_values=jnp.asarray(values),
@@ -169,9 +192,9 @@ def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
               "advantages": node_columns(g.tree, a.astype(np.float32)), "returns": node_columns(g.tree, r)}
     for d, level in enumerate(g.arrays["levels"], start=1):
       level.update({k: jnp.asarray(padded.place(v, d)) for k, v in fields.items()})
-  return {"value_mean": float(np.mean(returns - resid)), "return_mean": float(returns.mean()),
+  return {"value_mean": float(np.mean(predicted)), "return_mean": float(returns.mean()),
           # 1 - Var[R - V_old] / Var[R]; None when every return is equal (undefined).
-          "explained_variance": float(1.0 - resid.var() / returns.var()) if returns.var() > 0 else None}
+          "explained_variance": obj.explained_variance(returns, predicted)}
 
 
 def _aux_sums(kind: str, aux) -> dict:

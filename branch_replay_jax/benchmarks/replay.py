@@ -321,7 +321,7 @@ def run_case(config, index: int, emit) -> dict:
       record = {**shape, "naive_s": None, "naive_error": "every naive micro-batch failed (see rows above)",
                 **{k: replay.get(k) for k in ("seconds", "times", "compile_s", "peak_bytes", "memory_measure",
                                               "error")},
-                **case_inputs(config, case, _load_config(config))[2]}
+                **case_inputs(config, case, architecture_of(config))[2]}
       emit(record)
       return record
     best_m = min(ok, key=lambda m: ok[m]["seconds"])
@@ -340,7 +340,7 @@ def run_case(config, index: int, emit) -> dict:
   naive["cpu_times"] = ok[best_m]["cpu_times"] + naive["cpu_times"]
   naive["seconds"] = statistics.median(naive["times"])
   naive["peak_bytes"] = max(naive["peak_bytes"], ok[best_m]["peak_bytes"])
-  counts = case_inputs(config, case, _load_config(config))[2]
+  counts = case_inputs(config, case, architecture_of(config))[2]
   record = {**shape, "naive_s": naive["seconds"], "replay_s": replay["seconds"],
             "speedup": naive["seconds"] / replay["seconds"], **counts,
             "naive_cpu_s": statistics.median(naive["cpu_times"]), "replay_cpu_s": statistics.median(replay["cpu_times"]),
@@ -373,7 +373,7 @@ def emitter(output: str):
   return emit
 
 
-def _load_config(config):
+def architecture_of(config):
   if config.model == "tiny":
     return tiny_config(vocab_size=256, max_positions=4096)
   if config.model.startswith(RANDOM_PREFIX):

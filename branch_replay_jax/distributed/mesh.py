@@ -285,8 +285,20 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objec
                     micro_batch: int = 1, logprob_chunk: int = 256):
   """A jitted (params, opt_state, batch) -> (params, opt_state, loss) optimizer step on `mesh`.
 
-  The parameters keep their shardings (replicated or FSDP, `shard_params`); the optimizer state
-  initialised from them (`jax.jit(tx.init)(params)`) has the same shardings and keeps them.
+  The parameters keep their shardings (replicated or FSDP, `shard_params`), and so does the
+  optimizer state. The mesh's axes are Explicit (`make_mesh`): create the state from the placed
+  parameters INSIDE `jax.set_mesh(mesh)`, or place an unsharded state as the training loop does
+  (algorithms/grpo.py: `tx.init` on the unplaced parameters, then `shard_params`):
+
+      with jax.set_mesh(mesh):
+        params = shard_params(params, mesh, "fsdp")
+        opt_state = jax.jit(tx.init)(params)                  # or: shard_params(tx.init(host_params), mesh, "fsdp")
+        step = make_train_step(graphdef, tx, objective, mesh)
+        params, opt_state, loss = step(params, opt_state, shard_batch(batch, mesh))
+
+  `jax.jit(tx.init)(params)` outside `jax.set_mesh` fails on this mesh with a ValueError ("Length
+  of device assignment 1 is not equal to the size of the mesh ... via `jax.set_mesh`"; JAX 0.10;
+  tests/test_mesh.py::test_documented_optimizer_state_creation). Call the step inside it too.
   """
   value_and_grad = sharded_tree_replay_value_and_grad if trees else sharded_replay_value_and_grad
 

@@ -82,7 +82,8 @@ def _root_fn(graphdef, arrays):
 
 def _node_fn(graphdef, chunk, objective=None):
   """(params, ancestors, node) -> (state, loss, {"logp", "values", "aux"}), or without an objective
-  (forward only) -> (state, {"logp", "values"})."""
+  (forward only) -> (state, {"logp", "values", "next_value"}): next_value is V after the node's
+  last real token (garbage for an empty padding slot)."""
   def node_fn(params, ancestors, node):
     ac = nnx.merge(graphdef, params)
     parent = ancestors[-1]
@@ -91,7 +92,10 @@ def _node_fn(graphdef, chunk, objective=None):
     n = jnp.sum(node["mask"].astype(jnp.int32))
     state = {**_state(ac, fwd, jnp.maximum(n, 1)), "end": parent["end"] + n}
     if objective is None:
-      return state, {"logp": logp, "values": values}
+      # V of the state after the node's last token (the hidden state at its last real position):
+      # GAE bootstraps a trajectory cut by the token budget from it (losses.gae's next_values_b).
+      next_value = ac.value(state["critic_last" if ac.critic is not None else "last"])
+      return state, {"logp": logp, "values": values, "next_value": next_value}
     loss, aux = objective(logp, values, node)
     return state, loss, {"logp": logp, "values": values, "aux": aux}
   return node_fn
@@ -112,7 +116,8 @@ def replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjectiv
 
 
 def replay_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> dict:
-  """{"logp", "values"}: [G, T] float32 each (0 on padding), by forward-only replay of a group."""
+  """{"logp", "values"}: [G, T] float32 each (0 on padding), and "next_value" [G], V of the state
+  after each completion's last token (its last real hidden state), by forward-only replay of a group."""
   node_fn = _node_fn(graphdef, logprob_chunk)
   return replay_map(_root_fn(graphdef, arrays), lambda p, root, branch: node_fn(p, (root,), branch)[1], params,
                     arrays["branches"], micro_batch=micro_batch)
@@ -131,14 +136,16 @@ def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObj
 
 
 def tree_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
-  """Per level d: {"logp", "values": [F_1..F_d, T_d]} (0 on padding), by forward-only nested replay."""
+  """Per level d: {"logp", "values": [F_1..F_d, T_d]} (0 on padding) and "next_value" [F_1..F_d], V
+  after each node's last real token (garbage in empty slots), by forward-only nested replay."""
   node_fn = _node_fn(graphdef, logprob_chunk)
   return nested_replay_map(_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params, arrays["levels"],
                            micro_batch=micro_batch)
 
 
 def _naive_forward(graphdef, params, tokens, valid, offset, p_pad, chunk):
-  """(logp, values) [B, T] of the completion part of full left-padded sequences (0 on padding)."""
+  """(logp, values) [B, T] of the completion part of full left-padded sequences (0 on padding), and
+  next_values [B], V after each completion's last real token (column p_pad + T_b - 1)."""
   ac = nnx.merge(graphdef, params)
   t = tokens.shape[1] - p_pad
   scored = lambda out: out.hidden_btd[:, p_pad - 1:p_pad - 1 + t]   # position P+i-1 predicts token i
@@ -148,7 +155,9 @@ def _naive_forward(graphdef, params, tokens, valid, offset, p_pad, chunk):
     out = ac.critic(tokens, offset, valid_bt=valid)
   values = ac.value(scored(out))
   mask = valid[:, p_pad:]
-  return jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0)
+  last = p_pad - 1 + jnp.sum(mask.astype(jnp.int32), axis=1)
+  next_values = ac.value(jnp.take_along_axis(out.hidden_btd, last[:, None, None], axis=1)[:, 0])
+  return jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0), next_values
 
 
 def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int | None = None,
@@ -166,7 +175,7 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective
 
   def loss_fn(p, mb):
     tok, val, branches = mb
-    logp, values = _naive_forward(graphdef, p, tok, val, offset, p_pad, logprob_chunk)
+    logp, values, _ = _naive_forward(graphdef, p, tok, val, offset, p_pad, logprob_chunk)
     losses, aux = jax.vmap(objective)(logp, values, branches)
     return jnp.sum(losses), aux
 
@@ -175,7 +184,9 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective
 
 
 def naive_logprobs_values(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> dict:
-  """{"logp", "values"}: [G, T] from full sequences (the reference for `replay_logprobs_values`)."""
+  """{"logp", "values"}: [G, T] and "next_value" [G] from full sequences (the reference for
+  `replay_logprobs_values`)."""
   tokens, valid, offset = naive_batch(arrays)
-  logp, values = _naive_forward(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)
-  return {"logp": logp, "values": values}
+  logp, values, next_values = _naive_forward(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0],
+                                             logprob_chunk)
+  return {"logp": logp, "values": values, "next_value": next_values}

@@ -92,17 +92,56 @@ def read_config(directory: str) -> ModelConfig:
   )
 
 
+def check_safetensors(file: str) -> None:
+  """Refuse a truncated or corrupt safetensors file before reading it, naming the file, the first
+  tensor that does not fit and the bytes expected and found.
+
+  The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian
+  header length N, N bytes of JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}}, then
+  the data; offsets count from byte 8 + N.
+
+  Raises:
+    ValueError: e.g. "x.safetensors: truncated or corrupt safetensors file (1000000 bytes): tensor
+      'model.layers.0.mlp.up_proj.weight' expects 884736 bytes at offset 700000, found 300000
+      (12 more tensors lie beyond the end)"; or a header longer than the file or not JSON.
+  """
+  size = os.path.getsize(file)
+  with open(file, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise ValueError(f"{file}: truncated or corrupt safetensors file ({size} bytes): the header length expects "
+                       f"8 bytes at offset 0, found {len(head)}")
+    n = int.from_bytes(head, "little")
+    if 8 + n > size:
+      raise ValueError(f"{file}: truncated or corrupt safetensors file ({size} bytes): the header expects {n} bytes "
+                       f"at offset 8, found {size - 8}")
+    try:
+      header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise ValueError(f"{file}: corrupt safetensors file ({size} bytes): its {n}-byte header is not JSON ({e})") from e
+  spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), name) for name, v in header.items()
+                 if name != "__metadata__" and isinstance(v, dict) and "data_offsets" in v)
+  short = [(b, e, name) for b, e, name in spans if 8 + n + e > size]
+  if short:
+    begin, end, name = short[0]
+    more = f" ({len(short) - 1} more tensors lie beyond the end)" if len(short) > 1 else ""
+    raise ValueError(f"{file}: truncated or corrupt safetensors file ({size} bytes): tensor {name!r} expects "
+                     f"{end - begin} bytes at offset {8 + n + begin}, found {max(0, size - 8 - n - begin)}{more}")
+
+
 def read_tensors(directory: str) -> dict[str, np.ndarray]:
   """Every tensor of `directory/*.safetensors` as float32 numpy arrays (bf16/f16 upcast exactly).
 
   Raises:
-    ValueError: no safetensors file, or a tensor name present in two files.
+    ValueError: no safetensors file, a truncated or corrupt one (`check_safetensors`: the file,
+      the tensor and the bytes expected and found), or a tensor name present in two files.
   """
   files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
   if not files:
     raise ValueError(f"{directory}: no *.safetensors file")
   tensors = {}
   for file in files:
+    check_safetensors(file)
     with safe_open(file, framework="np") as f:
       for name in f.keys():
         if name in tensors:

@@ -220,6 +220,24 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none"
   raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
 
 
+def context_length(name_or_path: str | os.PathLike) -> int:
+  """The model's context length (max_positions, tokens) from its metadata alone: the GGUF header or
+  config.json, no tensor is read. Lets a trainer check a completion budget before it loads.
+
+  Raises:
+    ValueError: as `load` for an unknown name, a missing file or unreadable metadata.
+  """
+  name = os.fspath(name_or_path)
+  if name == "smollm2-135m-instruct" or (os.path.isfile(name) and name.endswith(".gguf")):
+    path = smollm2_gguf_path() if name == "smollm2-135m-instruct" else name
+    return gguf_loader.read_config(gguf_loader.open_gguf(path), path).max_positions
+  if os.path.isdir(name):
+    if not os.path.isfile(os.path.join(name, "config.json")):
+      raise ValueError(f"{name}: directory has no config.json")
+    return hf_loader.read_config(name).max_positions
+  raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
+
+
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
   """Token ids of a chat prompt, ready for the assistant's reply.
 

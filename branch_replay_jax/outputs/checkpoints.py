@@ -1,13 +1,15 @@
 """Checkpoints of a training run with orbax: parameters, optimizer state, step, PRNG key, data position.
 
 orbax writes each step to a temporary directory and renames it when complete, so a run killed
-mid-save leaves the previous checkpoint as the latest usable one.
+mid-save leaves the previous checkpoint as the latest usable one. Saves are asynchronous: a step
+blocks only for the device-to-host copy, and the disk write overlaps the next steps.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -24,15 +26,29 @@ class RunCheckpoints:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, meta: dict) -> None:
-    """state: pytree of arrays (params, opt_state, PRNG key data); meta: JSON (step, data position)."""
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+  def save(self, step: int, state, meta: dict) -> float:
+    """Start saving `step` and return the seconds this call blocked (the device-to-host copy, plus
+    any wait for the previous save still writing); the write to disk runs in the background.
+
+    state: pytree of arrays (params, opt_state, PRNG key data); meta: JSON (step, data position).
+    The arrays are copied to host numpy first (`jax.device_get`), so the caller may donate or
+    overwrite them at once (the training step donates params and opt_state). A checkpoint is
+    complete on disk after the next `save`, `wait`, `restore` or `close`.
+    """
+    t0 = time.perf_counter()
+    host = jax.device_get(state)
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
                                                     meta=ocp.args.JsonSave(meta)))
+    return time.perf_counter() - t0
+
+  def wait(self) -> None:
+    """Block until the last started save is on disk."""
     self.manager.wait_until_finished()
 
   def restore(self, step: int, abstract_state=None):
     """Restore into the structure, shapes and dtypes of `abstract_state` (e.g. the live state), or,
     without one, as saved (nested dicts of numpy arrays; for inspection)."""
+    self.wait()
     target = None if abstract_state is None else jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
                                                                          abstract_state)
     out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
@@ -40,6 +56,8 @@ class RunCheckpoints:
     return out["state"], out["meta"]
 
   def close(self) -> None:
+    """Finish the last save and release the manager."""
+    self.manager.wait_until_finished()
     self.manager.close()
 
 

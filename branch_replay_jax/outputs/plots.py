@@ -28,6 +28,27 @@ def truncate_jsonl(path: str, *, keep_below_step: int) -> None:
     f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def cut_logs_back(run_dir: str, step: int) -> list[str]:
+  """Cut everything a run appends to back to `step` (the restored checkpoint's; 0 for a fresh run):
+  every RUN_DIR/*.jsonl keeps its records with step <= `step` (metrics.jsonl, samples.jsonl and
+  any other per-step log), and trees/step_N.png with N > `step` are removed. A resumed run then
+  re-logs each later step once. Returns the paths it changed or removed."""
+  changed = []
+  if not os.path.isdir(run_dir):
+    return changed
+  for name in sorted(os.listdir(run_dir)):
+    if name.endswith(".jsonl"):
+      truncate_jsonl(os.path.join(run_dir, name), keep_below_step=step)
+      changed.append(os.path.join(run_dir, name))
+  trees = os.path.join(run_dir, "trees")
+  for name in sorted(os.listdir(trees)) if os.path.isdir(trees) else []:
+    stem = name.removeprefix("step_").removesuffix(".png")
+    if stem.isdigit() and int(stem) > step:
+      os.remove(os.path.join(trees, name))
+      changed.append(os.path.join(trees, name))
+  return changed
+
+
 def write_plots(run_dir: str) -> None:
   """RUN_DIR/reward.png (reward and accuracy per step) and RUN_DIR/throughput.png (token positions
   per second of update time: naive-equivalent and actually computed)."""

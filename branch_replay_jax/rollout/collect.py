@@ -32,6 +32,9 @@ class Group:
   """One prompt's rollouts after scoring: arrays for the update, figures and texts for the logs.
 
   kind: "group" (arrays from `group_arrays`) or "tree" (from `tree_arrays`).
+  truncated: [G] bool per trajectory (tree: in `tree.ends` order), the sampler's stop reason: True
+    where the token budget cut it without EOS (`Rollouts.truncated`, `TreeRollout.truncated`), False
+    where it ended with EOS (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
   """
   kind: str
   arrays: dict
@@ -42,6 +45,7 @@ class Group:
   sample: dict
   sample_s: float
   score_s: float
+  truncated: np.ndarray
   tree: RolloutTree | None = None
 
 
@@ -79,11 +83,13 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
                           temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id], pad_id=pad)
     tree = sampled.tree
     completions = [tree.completion(g) for g in range(len(tree.ends))]
+    truncated = np.asarray(sampled.truncated, bool)
   else:
     ro = sample_group(model, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
                       temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id], pad_id=pad)
     tokens, lengths, logprobs = np.asarray(ro.tokens), np.asarray(ro.lengths), np.asarray(ro.logprobs)
     completions = [row[:n] for row, n in zip(tokens, lengths)]
+    truncated = np.asarray(ro.truncated, bool)
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
   scores = [task.score(text, problem) for text in texts]
@@ -119,4 +125,4 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
             "reward": float(rewards[0])}
   kind = "tree" if r.tree_fanouts and not naive else "group"
   return Group(kind, arrays, rewards, np.array([s.correct for s in scores]), lengths, counts, sample, t1 - t0,
-               t2 - t1, tree if r.tree_fanouts else None)
+               t2 - t1, truncated, tree if r.tree_fanouts else None)

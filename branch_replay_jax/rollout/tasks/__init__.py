@@ -11,7 +11,7 @@ accuracy reward from the dataset's own ``score_answer`` plus an optional format 
   score = task.score(completion_text, problem)
 
 Answer extraction (``extract_answer``) has two modes, chosen by ``make_task(strict_answer=...)``
-(config field ``task.strict_answer`` once the trainer passes it through):
+(config field ``task.strict_answer``, passed by ``algorithms.loop.make_task_from``):
 
 1. Tagged (both modes): the content of the LAST ``<answer>...</answer>`` pair (tags matched
    case-insensitively) whose content is not blank, stripped of surrounding whitespace.
@@ -31,7 +31,7 @@ as in rule-based rewards that require the answer in a specified format (DeepSeek
 emits the tags; it gives a weak model no signal until it does.
 
 Every training experiment in ``experiments/`` (the ``*_smollm2_arith`` files) uses the forgiving
-default (none sets ``strict_answer``), with ``format_bonus = 0.1`` rewarding the tags on top of
+default (``task.strict_answer = False``), with ``format_bonus = 0.1`` rewarding the tags on top of
 the accuracy.
 
 The extracted text is always a verbatim substring of the completion: no normalisation, so
