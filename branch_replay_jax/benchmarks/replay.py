@@ -79,7 +79,7 @@ def load_model(config, remat: str = "none"):
   name or path for models.load."""
   dtype, impl = jnp.dtype(config.dtype), config.attention_impl
   if config.model == "tiny" or config.model.startswith(RANDOM_PREFIX):
-    return Llama(_load_config(config), dtype=dtype, remat=remat, attention_impl=impl, rngs=nnx.Rngs(config.seed))
+    return Llama(architecture_of(config), dtype=dtype, remat=remat, attention_impl=impl, rngs=nnx.Rngs(config.seed))
   from branch_replay_jax.models import load
   return load(config.model, dtype=dtype, remat=remat, attention_impl=impl)[0]
 
