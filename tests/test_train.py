@@ -168,8 +168,13 @@ def test_run_dir_of_another_experiment_is_refused(replay_run):
 
 
 def test_prompt_longer_than_context_is_refused(tmp_path):
+  # The tiny model's context is 2048 tokens. A budget of 4000 can never fit: refused by validation,
+  # before the model loads. A budget of 2040 leaves 8 tokens, fewer than any chat-formatted prompt:
+  # refused when the first prompt is laid out, naming the model's limit.
+  with pytest.raises(ValueError, match=r"rollout.max_new_tokens=4000 leaves no room for a prompt .* it must be < 2048"):
+    train.train(smoke(tmp_path / "a", **{"rollout.max_new_tokens": 4000}))
   with pytest.raises(ValueError, match="exceeds the model's max_positions"):
-    train.train(smoke(tmp_path, **{"rollout.max_new_tokens": 4000}))
+    train.train(smoke(tmp_path / "b", **{"rollout.max_new_tokens": 2040}))
 
 
 def test_tree_rollouts_replay_equals_naive(tmp_path):
