@@ -36,9 +36,9 @@ from branch_replay_jax.data.groups import make_group  # noqa: E402
 from branch_replay_jax.distributed.mesh import (make_mesh, shard_batch, shard_params, sharded_replay_value_and_grad,  # noqa: E402
                                         stack_groups)
 from branch_replay_jax.models import Llama, ModelConfig, tiny_config  # noqa: E402
+from branch_replay_jax.models.config import architecture_shape  # noqa: E402
 
-SMOLLM2_135M_SHAPE = ModelConfig(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3,
-                                 head_dim=64, ffn_dim=1536, rope_theta=1e5, max_positions=8192)
+SMOLLM2_135M_SHAPE = architecture_shape("smollm2-135m")   # random weights of the embedded model's shape
 MESHES = "1x1x1,8x1x1,1x8x1,1x1x8,2x2x2,4x2x1"
 OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 

@@ -24,11 +24,11 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from branch_replay_jax.models import Llama, ModelConfig
+from branch_replay_jax.models import Llama
+from branch_replay_jax.models.config import architecture_shape
 from branch_replay_jax.rollout.sampler import sample_group
 
-SMOLLM2_135M_SHAPE = ModelConfig(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3,
-                                 head_dim=64, ffn_dim=1536, rope_theta=1e5, max_positions=8192)
+SMOLLM2_135M_SHAPE = architecture_shape("smollm2-135m")   # random weights of the embedded model's shape
 CASES = (("greedy", 1, 0.0), ("sample", 8, 1.0))   # (name, G, temperature)
 
 _compile_seconds = [0.0]
