@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from branch_replay_jax.data.batches import Segments
+
 NORMALISATIONS = ("sequence_mean", "token_mean", "constant")
 
 
@@ -217,30 +219,30 @@ def weighted_logprob_loss(logp: jax.Array, weights: jax.Array) -> jax.Array:
   return -jnp.sum(weights * logp)
 
 
-def grpo_objective(logp: jax.Array, branch: dict, *, clip_eps: float, kl_coef: float,
+def grpo_objective(logp: jax.Array, branch: Segments, *, clip_eps: float, kl_coef: float,
                    on_policy: bool) -> tuple[jax.Array, dict]:
   """One completion's GRPO loss Σ_t w_t ℓ_t (see `grpo_token_loss`) and its metric sums.
 
   Args:
     logp: [T] log-probs of the completion's tokens under the current parameters (0 on padding).
-    branch: arrays of that completion: "mask" [T] bool, "weights" [T] (`token_weights`, 0 on
-      padding), "advantage" [], "old_logp" [T] (read unless on_policy), "ref_logp" [T] (read when
-      kl_coef > 0).
+    branch: that completion's row of `data.batches.Segments`: mask [T] bool, weights [T]
+      (`token_weights`, 0 on padding), advantage [], old_logp [T] (read unless on_policy), ref_logp
+      [T] (read when kl_coef > 0).
     on_policy: the sampling policy is the current one (one update per batch): old_logp is
       stop_gradient(logp), so the ratio is exactly 1 and its gradient is ∇logp.
 
   Returns:
     (loss, {"clipped": clipped token count, "kl": Σ_t k3 over real tokens}).
   """
-  old = jax.lax.stop_gradient(logp) if on_policy else branch["old_logp"]
-  ref = branch["ref_logp"] if kl_coef else jax.lax.stop_gradient(logp)
-  loss, metrics = grpo_token_loss(logp, old, ref, branch["advantage"], clip_eps=clip_eps, kl_coef=kl_coef)
-  mask = branch["mask"]
-  return jnp.sum(branch["weights"] * loss), {"clipped": jnp.sum(metrics["clipped"] & mask),
+  old = jax.lax.stop_gradient(logp) if on_policy else branch.old_logp
+  ref = branch.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
+  loss, metrics = grpo_token_loss(logp, old, ref, branch.advantage, clip_eps=clip_eps, kl_coef=kl_coef)
+  mask = branch.mask
+  return jnp.sum(branch.weights * loss), {"clipped": jnp.sum(metrics["clipped"] & mask),
                                              "kl": jnp.sum(jnp.where(mask, metrics["kl"], 0.0))}
 
 
-def grpo_tree_objective(logp: jax.Array, node: dict, *, clip_eps: float, kl_coef: float,
+def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_coef: float,
                         on_policy: bool) -> tuple[jax.Array, dict]:
   """GRPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, A_g) (docs/design.md, "Losses on trees").
 
@@ -250,8 +252,9 @@ def grpo_tree_objective(logp: jax.Array, node: dict, *, clip_eps: float, kl_coef
 
   Args:
     logp: [T] log-probs of the node's tokens (0 on padding).
-    node: "weights" [T, G] (`trajectory_weights`[g] where trajectory g passes the token, else 0),
-      "advantage" [G], "mask" [T], "old_logp" [T] (unless on_policy), "ref_logp" [T] (if kl_coef).
+    node: the node's `data.batches.Segments` slot: weights [T, G] (`trajectory_weights`[g] where
+      trajectory g passes the token, else 0), advantage [G], mask [T], old_logp [T] (unless
+      on_policy), ref_logp [T] (if kl_coef).
 
   Returns:
     (loss, {"clipped": clipped (token, trajectory) pairs, "kl": Σ k3 over (token, trajectory)
@@ -259,12 +262,12 @@ def grpo_tree_objective(logp: jax.Array, node: dict, *, clip_eps: float, kl_coef
     as `grpo_objective` counts the same trajectories laid out naive (prompt repeated), so a tree
     step's metrics equal the naive step's; the loop divides both by the (token, trajectory) pairs.
   """
-  old = jax.lax.stop_gradient(logp) if on_policy else node["old_logp"]
-  ref = node["ref_logp"] if kl_coef else jax.lax.stop_gradient(logp)
-  loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], node["advantage"][None, :],
+  old = jax.lax.stop_gradient(logp) if on_policy else node.old_logp
+  ref = node.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
+  loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], node.advantage[None, :],
                                   clip_eps=clip_eps, kl_coef=kl_coef)
-  w = node["weights"]
-  on = (w > 0) & node["mask"][:, None]   # (token, trajectory) pairs: trajectory g passes real token t
+  w = node.weights
+  on = (w > 0) & node.mask[:, None]   # (token, trajectory) pairs: trajectory g passes real token t
   return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & on),
                              "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 
@@ -489,7 +492,7 @@ def ppo_token_loss(logp, old_logp, values, old_values, advantages, returns, *, c
                                     "kl": k3_kl(old_logp, logp)}
 
 
-def ppo_tree_objective(logp: jax.Array, values: jax.Array, node: dict, *, clip_eps: float, vf_coef: float,
+def ppo_tree_objective(logp: jax.Array, values: jax.Array, node: Segments, *, clip_eps: float, vf_coef: float,
                        value_clip: float) -> tuple[jax.Array, dict]:
   """PPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, V_t, A[t, g], R[t, g]) (`ppo_token_loss`).
 
@@ -499,24 +502,24 @@ def ppo_tree_objective(logp: jax.Array, values: jax.Array, node: dict, *, clip_e
 
   Args:
     logp, values: [T] current log-probs and values of the node's tokens (0 on padding).
-    node: "mask" [T], "weights" [T, G] (`trajectory_weights`[g] where trajectory g passes, else
-      0), "advantages" [T, G], "returns" [T, G], "old_logp" [T], "old_values" [T].
+    node: the node's `data.batches.Segments` slot: mask [T], weights [T, G] (`trajectory_weights`[g]
+      where trajectory g passes, else 0), advantage [T, G], returns [T, G], old_logp [T], old_values [T].
 
   Returns:
     (loss, sums over pairs with w > 0: {"policy": Σ w ℓ_clip, "value": Σ w ℓ_V, "clipped": count,
     "kl": Σ k3(old || new)}).
   """
-  loss, m = ppo_token_loss(logp[:, None], node["old_logp"][:, None], values[:, None], node["old_values"][:, None],
-                           node["advantages"], node["returns"], clip_eps=clip_eps, vf_coef=vf_coef,
+  loss, m = ppo_token_loss(logp[:, None], node.old_logp[:, None], values[:, None], node.old_values[:, None],
+                           node.advantage, node.returns, clip_eps=clip_eps, vf_coef=vf_coef,
                            value_clip=value_clip)
-  w = node["weights"]
-  on = (w > 0) & node["mask"][:, None]
+  w = node.weights
+  on = (w > 0) & node.mask[:, None]
   return jnp.sum(w * loss), {"policy": jnp.sum(w * m["policy"]), "value": jnp.sum(w * m["value"]),
                              "clipped": jnp.sum(m["clipped"] & on), "kl": jnp.sum(jnp.where(on, m["kl"], 0.0))}
 
 
-def ppo_objective(logp: jax.Array, values: jax.Array, branch: dict, *, clip_eps: float, vf_coef: float,
+def ppo_objective(logp: jax.Array, values: jax.Array, branch: Segments, *, clip_eps: float, vf_coef: float,
                   value_clip: float) -> tuple[jax.Array, dict]:
-  """`ppo_tree_objective` of one completion: branch "weights", "advantages", "returns" are [T]."""
-  node = {**branch, **{k: branch[k][:, None] for k in ("weights", "advantages", "returns")}}
+  """`ppo_tree_objective` of one completion: branch.weights, .advantage, .returns are [T]."""
+  node = branch.replace(**{k: getattr(branch, k)[:, None] for k in ("weights", "advantage", "returns")})
   return ppo_tree_objective(logp, values, node, clip_eps=clip_eps, vf_coef=vf_coef, value_clip=value_clip)

@@ -267,7 +267,7 @@ def test_both_samplers_apply_the_same_filter(model):
   # draw through sampling.sample_token -> top_p_filter).
   key = jax.random.key(6)
   group = sample_group(model, PROMPT, num_samples=3, max_new_tokens=6, key=key, top_p=1e-6)
-  greedy = sample_group(model, PROMPT, num_samples=3, max_new_tokens=6, key=key, greedy=True)
+  greedy = sample_group(model, PROMPT, num_samples=3, max_new_tokens=6, key=key, temperature=0.0)
   np.testing.assert_array_equal(np.asarray(group.tokens), np.asarray(greedy.tokens))
   tree = sample_tree(model, PROMPT, fanouts=[2, 2], segment_length=3, key=key, top_p=1e-6)
   for g in range(4):
@@ -401,7 +401,7 @@ def test_new_preference_losses_are_exact_under_two_pass_replay(x64, loss_type, l
   assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-3
   # The loss is the one the formula gives on the pairs' sums and lengths (not the surrogate's value).
   sums = steps.flat_sums(params, batch)
-  lengths = np.concatenate([np.asarray(a["branches"]["mask"]).sum(-1) for a in batch.groups])
+  lengths = np.concatenate([np.asarray(a.branches.mask).sum(-1) for a in batch.groups])
   c, r = batch.chosen, batch.rejected
   want = obj.dpo_loss(sums[c], sums[r], ref[c], ref[r], chosen_lengths=lengths[c], rejected_lengths=lengths[r],
                       **kw)[0].mean()

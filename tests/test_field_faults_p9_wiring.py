@@ -15,6 +15,8 @@ import pytest
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import dpo, grpo, loop, ppo
+from branch_replay_jax.data.batches import GroupBatch, Segments, tree_arrays
+from branch_replay_jax.gradients.actor_critic import LogprobsValues
 from branch_replay_jax.models import hf_loader
 from branch_replay_jax.rollout.tasks import Score, Task
 from conftest import experiment_config
@@ -244,12 +246,13 @@ def test_ppo_group_advantages_bootstrap_only_the_truncated_completion(tmp_path):
   values = np.zeros((2, 8), np.float32)
   values[:, :3] = [0.3, 0.5, 0.7]
   mask = np.arange(8)[None] < 3
-  arrays = {"branches": {"mask": np.broadcast_to(mask, (2, 8))}}
-  out = {"logp": np.zeros((2, 8), np.float32), "values": values, "next_value": np.array([0.9, 0.9], np.float32)}
+  arrays = GroupBatch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((2, 8), np.int32),
+                                                                    np.broadcast_to(mask, (2, 8))))
+  out = LogprobsValues(np.zeros((2, 8), np.float32), values, np.array([0.9, 0.9], np.float32))
   group = Group("group", arrays, np.zeros(2, np.float32), np.zeros(2, bool), np.array([3, 3]), {}, {}, 0.0, 0.0,
                 truncated=np.array([True, False]))
   ppo.prepare(_ppo_config(tmp_path), _FakeForward(out), None, [group])
-  adv = np.asarray(arrays["branches"]["advantages"])
+  adv = np.asarray(group.batch.branches.advantage)
   np.testing.assert_allclose(adv[0, :3], TRUNCATED_ADV, atol=1e-6)
   np.testing.assert_allclose(adv[1, :3], TERMINATED_ADV, atol=1e-6)
   np.testing.assert_array_equal(adv[:, 3:], 0.0)
@@ -272,13 +275,13 @@ def test_ppo_tree_advantages_bootstrap_from_the_leaf_each_trajectory_ends_at(tmp
     for slot in zip(*np.nonzero(ids >= 0)):
       vals[slot][:len(node_values[ids[slot]])] = node_values[ids[slot]]
       nxt[slot] = node_next[ids[slot]]
-    out.append({"logp": np.zeros_like(vals), "values": vals, "next_value": nxt})
-  arrays = {"levels": [{} for _ in padded.node_ids]}
+    out.append(LogprobsValues(np.zeros_like(vals), vals, nxt))
+  arrays = tree_arrays(padded, {})
   group = Group("tree", arrays, np.zeros(2, np.float32), np.zeros(2, bool), np.array([3, 3]), {}, {}, 0.0, 0.0,
                 truncated=np.array([True, False]), tree=tree)
   ppo.prepare(_ppo_config(tmp_path), _FakeForward(out), None, [group])
   # Per (token, trajectory) advantages [T_d, G] of node 1 (level 1, slot 0) and nodes 2, 3 (level 2).
-  lvl1, lvl2 = (np.asarray(level["advantages"]) for level in arrays["levels"])
+  lvl1, lvl2 = (np.asarray(level.advantage) for level in group.batch.levels)
   np.testing.assert_allclose(lvl1[0, :2, 0], TRUNCATED_ADV[:2], atol=1e-6)
   np.testing.assert_allclose(lvl1[0, :2, 1], TERMINATED_ADV[:2], atol=1e-6)
   np.testing.assert_allclose(lvl2[0, 0, 0, 0], TRUNCATED_ADV[2], atol=1e-6)
@@ -291,13 +294,14 @@ def test_ppo_whitening_of_a_constant_advantage_is_zero(tmp_path):
   from branch_replay_jax.rollout.collect import Group
   mask = np.arange(8)[None] < 3
   values = np.where(mask, 0.1, 0.0).astype(np.float32).repeat(4, 0)
-  arrays = {"branches": {"mask": np.broadcast_to(mask, (4, 8))}}
-  out = {"logp": np.zeros((4, 8), np.float32), "values": values, "next_value": np.zeros(4, np.float32)}
+  arrays = GroupBatch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((4, 8), np.int32),
+                                                                    np.broadcast_to(mask, (4, 8))))
+  out = LogprobsValues(np.zeros((4, 8), np.float32), values, np.zeros(4, np.float32))
   rewards = np.full(4, 0.1, np.float32)   # reward 0.1 on the last token against V = 0.1 throughout
   group = Group("group", arrays, rewards, np.zeros(4, bool), np.array([3] * 4), {}, {}, 0.0, 0.0,
                 truncated=np.zeros(4, bool))
   stats = ppo.prepare(_ppo_config(tmp_path, **{"ppo.whiten_advantages": True}), _FakeForward(out), None, [group])
-  np.testing.assert_array_equal(np.asarray(arrays["branches"]["advantages"]), 0.0)
+  np.testing.assert_array_equal(np.asarray(group.batch.branches.advantage), 0.0)
   assert stats["explained_variance"] is None or np.isfinite(stats["explained_variance"])
 
 
@@ -320,8 +324,8 @@ def test_next_value_is_the_value_of_the_state_after_the_last_token():
   arrays = group_arrays(both)
   for fwd in (pp.replay_logprobs_values, pp.naive_logprobs_values):
     out = jax.jit(fwd, static_argnums=0)(graphdef, params, arrays)
-    np.testing.assert_allclose(out["next_value"][0], out["values"][1, 3], rtol=1e-5)
-    assert abs(float(out["next_value"][0])) > 1e-4
+    np.testing.assert_allclose(out.next_value[0], out.values[1, 3], rtol=1e-5)
+    assert abs(float(out.next_value[0])) > 1e-4
 
 
 def test_rollouts_carry_the_samplers_stop_reason(tmp_path):
@@ -336,7 +340,7 @@ def test_rollouts_carry_the_samplers_stop_reason(tmp_path):
     task = loop.make_task_from(config)
     g = rollout(config, model, tokenizer, task, 0, jax.random.key(0))
     comps = ([g.tree.completion(i) for i in range(len(g.tree.ends))] if g.tree is not None else
-             [np.asarray(g.arrays["branches"]["tokens"][i, :n]) for i, n in enumerate(g.lengths)])
+             [np.asarray(g.batch.branches.tokens[i, :n]) for i, n in enumerate(g.lengths)])
     assert g.truncated.shape == (len(comps),)
     np.testing.assert_array_equal(g.truncated, [c[-1] != tokenizer.eos_token_id for c in comps])
 

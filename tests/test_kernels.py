@@ -280,7 +280,7 @@ def test_replay_with_pallas_equals_replay_with_xla(impl, head_dim):
   group = random_group([3, 7])                              # ragged: the short branch is padded
   weights = obj.token_weights(group.lengths, group.completion_ids.shape[1], mode="sequence_mean")
   arrays = group_arrays(group, weights=(weights * np.array([[1.0], [-0.5]])).astype(np.float32))
-  objective = lambda logp, br: (obj.weighted_logprob_loss(logp, br["weights"]), logp)
+  objective = lambda logp, br: (obj.weighted_logprob_loss(logp, br.weights), logp)
   # micro_batch=2: both branches in one vmapped step, so the kernels also run under jax.vmap.
   fn = jax.jit(functools.partial(replay_value_and_grad, micro_batch=2), static_argnums=(0, 3))
   loss_xla, logp_xla, g_xla = fn(gd_xla, params, arrays, objective)

@@ -148,7 +148,7 @@ def test_sharded_logprobs_equal_single_device(reference, shape):
     got = jax.jit(lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh))(shard_params(params, mesh), batch)
   assert got.sharding.spec == P("data", "branch", None)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-  assert np.all(np.asarray(got)[~np.stack([np.asarray(a["branches"]["mask"]) for a in groups])] == 0)
+  assert np.all(np.asarray(got)[~np.stack([np.asarray(a.branches.mask) for a in groups])] == 0)
 
 
 @pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r != "none"])
@@ -230,9 +230,9 @@ def test_make_mesh_and_placement_reject_bad_shapes():
   with pytest.raises(ValueError, match="different shapes"):
     stack_groups([grpo_arrays(random_group([2, 3]), np.float32), grpo_arrays(random_group([2, 30]), np.float32)])
   odd_prompt = stack_groups([grpo_arrays(random_group([2, 3], prompt_bucket=12), np.float32)])
-  with pytest.raises(ValueError, match=r"batch\['prompt_ids'\]: axis 1 has size 12, not divisible by seq=8"):
+  with pytest.raises(ValueError, match=r"batch.prompt_ids: axis 1 has size 12, not divisible by seq=8"):
     shard_batch(odd_prompt, make_mesh(1, 1, 8))
-  with pytest.raises(ValueError, match=r"batch\['branches'\]: axis 1 has size 2, not divisible by branch=8"):
+  with pytest.raises(ValueError, match=r"batch.branches: axis 1 has size 2, not divisible by branch=8"):
     shard_batch(odd_prompt, make_mesh(1, 8, 1))
   # pad_prompts rounds the 12-token bucket up to seq's multiple, 16; it refuses an empty list.
   assert stack_groups(pad_prompts([grpo_arrays(random_group([2, 3], prompt_bucket=12), np.float32)], 8))[

@@ -99,7 +99,7 @@ def test_group_replay_equals_naive_for_policy_and_critic(critic, dtype, tol):
     rng = np.random.default_rng(0)
     shape = group.completion_ids.shape
     w = obj.token_weights(group.lengths, shape[1], mode="token_mean").astype(dtype)
-    arrays = group_arrays(group, weights=w, advantages=rng.normal(size=shape).astype(dtype),
+    arrays = group_arrays(group, weights=w, advantage=rng.normal(size=shape).astype(dtype),
                           returns=rng.normal(size=shape).astype(dtype), **_random_fields(rng, shape, dtype))
     lr, aux_r, gr = _group_step(graphdef, params, arrays, _group_objective, micro_batch=2)
     ln, aux_n, gn = _naive_step(graphdef, params, arrays, _group_objective)
@@ -109,7 +109,7 @@ def test_group_replay_equals_naive_for_policy_and_critic(critic, dtype, tol):
     _assert_nonzero_grads(gn, critic)
     fwd_r = jax.jit(pp.replay_logprobs_values, static_argnums=0)(graphdef, params, arrays)
     fwd_n = jax.jit(pp.naive_logprobs_values, static_argnums=0)(graphdef, params, arrays)
-    assert max_rel_err(fwd_r, fwd_n) <= tol and np.abs(np.asarray(fwd_n["values"])).max() > 0
+    assert max_rel_err(fwd_r, fwd_n) <= tol and np.abs(np.asarray(fwd_n.values)).max() > 0
 
 
 def _tree_case(tree, graphdef, params, dtype, seed=0):
@@ -121,7 +121,7 @@ def _tree_case(tree, graphdef, params, dtype, seed=0):
                   for s in tree.segments] for k in ("old_logp", "old_values")}
   per_node = {k: [x.astype(dtype) for x in v] for k, v in per_node.items()}
   mask = np.arange(T_MAX)[None] < tree.completion_lengths()[:, None]
-  rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0).astype(dtype) for k in ("advantages", "returns")}
+  rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0).astype(dtype) for k in ("advantage", "returns")}
   w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean").astype(dtype)
   nodes = {**per_node, "weights": [x.astype(dtype) for x in tree.node_weights(w)],
            **{k: ppo.node_columns(tree, v) for k, v in rows.items()}}
@@ -152,8 +152,8 @@ def _check_tree(tree, critic, dtype, tol):
     rows = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [lvl[k] for lvl in levels]), T_MAX)
     assert max_rel_err(rows, naive[k]) <= tol, k
   # V after each trajectory's last token, read at the node it ends at, equals the naive one.
-  leaf = ppo.leaf_values(tree, padded.node_ids, [lvl["next_value"] for lvl in levels])
-  assert max_rel_err(leaf, naive["next_value"]) <= tol
+  leaf = ppo.leaf_values(tree, padded.node_ids, [lvl.next_value for lvl in levels])
+  assert max_rel_err(leaf, naive.next_value) <= tol
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -24,13 +24,13 @@ def test_make_batch_groups_by_prompt_and_dedupes_completions():
   batch = pref.make_batch(_pairs(), vocab_size=64, max_positions=256)
   # Prompt A: distinct completions y_w0 (7), shared (4), y_w2 (1), y_w3 (5), y_l3 (3) -> G = 5;
   # prompt B: y_w1 (2), y_l1 (9) -> G = 2. Flat branch ids: A's 0..4, then B's 5, 6.
-  assert [a["branches"]["tokens"].shape[0] for a in batch.groups] == [5, 2]
+  assert [a.branches.tokens.shape[0] for a in batch.groups] == [5, 2]
   np.testing.assert_array_equal(batch.chosen, [0, 5, 2, 3])
   np.testing.assert_array_equal(batch.rejected, [1, 6, 1, 4])
   # Naive: Σ_k 2 P_k + |y_w| + |y_l| = (22+7+4) + (10+2+9) + (22+1+4) + (22+5+3) = 111.
   # Replay: prompt A once + its 5 distinct completions (11 + 7+4+1+5+3 = 31), B: 5 + 2 + 9 = 16.
   assert batch.counts == {"token_positions_naive": 111, "token_positions_computed": 47}
-  assert batch.naive["branches"]["tokens"].shape == (4, 2, 16)   # T bucket of the longest (9) -> 16
+  assert batch.naive.branches.tokens.shape == (4, 2, 16)   # T bucket of the longest (9) -> 16
   with pytest.raises(ValueError, match=r"pairs\[1\] has identical"):
     pref.make_batch([_pairs()[0], pref.PreferencePair([1, 2], [3], [3])], vocab_size=64, max_positions=256)
 

@@ -19,13 +19,13 @@ LENGTHS = {1: [6], 2: [1, 9], 7: [1, 5, 9, 3, 7, 1, 8]}
 
 def grpo_objective(logp, br):
   """GRPO clipped surrogate + KL, off-policy (old_logp != logp) so clipping is active."""
-  loss, metrics = obj.grpo_token_loss(logp, br["old_logp"], br["ref_logp"], br["advantage"], clip_eps=0.2,
+  loss, metrics = obj.grpo_token_loss(logp, br.old_logp, br.ref_logp, br.advantage, clip_eps=0.2,
                                       kl_coef=0.05)
-  return jnp.sum(br["weights"] * loss), {"logp": logp, "clipped": jnp.sum(metrics["clipped"] & br["mask"])}
+  return jnp.sum(br.weights * loss), {"logp": logp, "clipped": jnp.sum(metrics["clipped"] & br.mask)}
 
 
 def logprob_objective(logp, br):
-  return obj.weighted_logprob_loss(logp, br["weights"]), logp
+  return obj.weighted_logprob_loss(logp, br.weights), logp
 
 
 def grpo_arrays(group, dtype, seed=1, mode="sequence_mean"):
@@ -105,7 +105,7 @@ def test_forward_only_replay_logprobs_equal_naive(x64):
   lp_replay = replay_logprobs(graphdef, params, arrays, micro_batch=7)
   lp_naive = naive_logprobs(graphdef, params, arrays)
   np.testing.assert_allclose(lp_replay, lp_naive, atol=1e-12)
-  assert np.all(np.asarray(lp_replay)[~np.asarray(arrays["branches"]["mask"])] == 0.0)
+  assert np.all(np.asarray(lp_replay)[~np.asarray(arrays.branches.mask)] == 0.0)
 
 
 def test_first_completion_token_loss_reaches_the_prompt(x64):

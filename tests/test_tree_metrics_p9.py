@@ -66,7 +66,7 @@ def _check_ppo(tree):
   per_node = {"old_logp": [-4.0 + 0.3 * rng.normal(size=len(s)) for s in tree.segments],
               "old_values": [rng.normal(size=len(s)) for s in tree.segments]}
   mask = np.arange(T_MAX)[None] < tree.completion_lengths()[:, None]
-  rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0) for k in ("advantages", "returns")}
+  rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0) for k in ("advantage", "returns")}
   w = obj.trajectory_weights(tree.completion_lengths(), mode="token_mean", max_length=T_MAX)
   nodes = {**per_node, "weights": tree.node_weights(w), **{k: ppo.node_columns(tree, v) for k, v in rows.items()}}
   tree_arr = tree_arrays(pad_tree(tree), nodes)

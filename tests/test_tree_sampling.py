@@ -94,7 +94,7 @@ def test_greedy_tree_equals_greedy_sample_group(peaked_model):
   # Temperature 0 is argmax decoding, so every trajectory is the greedy continuation of the prompt: the 8 tokens
   # sample_group draws greedily (one cache, no segments). Scaled logits make near-ties impossible.
   r = sample_tree(peaked_model, PROMPT, fanouts=[2, 2], segment_length=4, key=jax.random.key(0), temperature=0.0)
-  want = sample_group(peaked_model, PROMPT, num_samples=1, max_new_tokens=8, key=jax.random.key(0), greedy=True)
+  want = sample_group(peaked_model, PROMPT, num_samples=1, max_new_tokens=8, key=jax.random.key(0), temperature=0.0)
   for g in range(4):
     np.testing.assert_array_equal(r.tree.completion(g), np.asarray(want.tokens[0]))
     np.testing.assert_allclose(r.completion_logprobs(g), np.asarray(want.logprobs[0]), atol=1e-5, rtol=0)
@@ -175,7 +175,6 @@ def test_ancestors_are_never_tiled(model):
     (dict(pad_id=64), "pad_id"),
     (dict(fanouts=[2, 2, 2], segment_length=84), "max_positions"),
     (dict(fanouts=[2, 2, 2], segment_length=83, last_segment_length=84), "max_positions"),
-    (dict(branch_on="entropy"), "branch_on"),
     (dict(prompt_bucket=4), "prompt_bucket"),
 ])
 def test_bad_input_raises(model, override, field):
@@ -206,7 +205,7 @@ def test_sampled_tree_replays(model):
   assert float(loss) == pytest.approx(-2.5, abs=1e-5)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(grads))
   for d in (1, 2):
-    np.testing.assert_allclose(np.asarray(aux[d - 1]["logp"]), padded.place(r.logprobs, d), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(aux[d - 1].logp), padded.place(r.logprobs, d), atol=1e-5, rtol=0)
 
 
 def test_draw_tree(model, tmp_path):

@@ -28,8 +28,9 @@ from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
-from branch_replay_jax.algorithms.loop import mesh_from, siblings
+from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
 from branch_replay_jax.distributed.mesh import (pad_prompts, shard_batch, shard_params, sharded_replay_logprobs,
                                                 sharded_replay_value_and_grad, stack_groups)
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
@@ -81,15 +82,15 @@ class GRPOFunctions:
       # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
       # each compiled shape uses the largest divisor of that count not above train.micro_batch.
       self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective,
-                                               micro_batch=fit_micro_batch(t.micro_batch, siblings(a))))
+                                               micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
       self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a) if naive else
-                              lp_fn(graphdef, p, a, micro_batch=fit_micro_batch(t.micro_batch, siblings(a))))
+                              lp_fn(graphdef, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
 
-  def units(self, groups: list[Group]) -> list[tuple[str, dict]]:
+  def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
     """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh."""
     if self.mesh is None:
-      return [(g.kind, g.arrays) for g in groups]
-    batch = stack_groups(pad_prompts([g.arrays for g in groups], self.mesh.shape["seq"]))
+      return [(g.kind, g.batch) for g in groups]
+    batch = stack_groups(pad_prompts([g.batch for g in groups], self.mesh.shape["seq"]))
     return [("group", shard_batch(batch, self.mesh))]
 
   def place(self, tree):
@@ -105,28 +106,28 @@ class GRPOFunctions:
 
 
 def _aux_sums(kind: str, aux) -> tuple[float, float]:
-  """(Σ k3 KL, Σ clipped) from a group's aux {"kl", "clipped"} or a tree's per-level [{"aux": {...}}]."""
-  parts = [aux] if kind == "group" else [level["aux"] for level in aux]
+  """(Σ k3 KL, Σ clipped) from a group's aux {"kl", "clipped"} or a tree's per-level NodeOutputs."""
+  parts = [aux] if kind == "group" else [level.aux for level in aux]
   return sum(float(np.sum(p["kl"])) for p in parts), sum(float(np.sum(p["clipped"])) for p in parts)
 
 
-def _store_logprobs(kind: str, arrays: dict, name: str, logp) -> None:
-  """Per-token log-probs into a unit's arrays: [(B,) G, T] per branch, or a tree's per-level [F_1..F_d, T_d]."""
-  if kind == "tree":
-    for level, lp in zip(arrays["levels"], logp):
-      level[name] = lp
-  else:
-    arrays["branches"][name] = logp
+def _with_logprobs(batch: GroupBatch | TreeBatch, name: str, logp) -> GroupBatch | TreeBatch:
+  """The unit with per-token log-probs in field `name` ("ref_logp" or "old_logp"): [(B,) G, T] per
+  branch, or a tree's per-level [F_1..F_d, T_d]."""
+  if isinstance(batch, TreeBatch):
+    return batch.replace(levels=tuple(level.replace(**{name: lp}) for level, lp in zip(batch.levels, logp)))
+  return batch.replace(branches=batch.branches.replace(**{name: logp}))
 
 
 def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group]):
   """Reference (and old) log-probs, then inner_epochs updates on the step's groups."""
-  units = fns.units(groups)
-  for kind, arrays in units:
+  units = []
+  for kind, batch in fns.units(groups):
     if config.loss.kl_coef:
-      _store_logprobs(kind, arrays, "ref_logp", fns.logprobs(ref_params, arrays))
+      batch = _with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
     if config.train.inner_epochs > 1:
-      _store_logprobs(kind, arrays, "old_logp", fns.logprobs(params, arrays))
+      batch = _with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
+    units.append((kind, batch))
   for _ in range(config.train.inner_epochs):
     total, loss, aux = None, 0.0, []
     for _, arrays in units:

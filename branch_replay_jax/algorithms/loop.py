@@ -215,13 +215,6 @@ def fingerprint(config) -> dict:
           "prompts_per_step": r.prompts_per_step, "seed": config.seed}
 
 
-def siblings(arrays: dict) -> int:
-  """Completions of a group, or leaf slots under one parent of a padded tree."""
-  if "branches" in arrays:
-    return arrays["branches"]["tokens"].shape[0]
-  return arrays["levels"][-1]["tokens"].shape[-2]
-
-
 def make_update(optimizer: optax.GradientTransformation):
   """The one optimizer step of every algorithm: jitted (params, opt_state, grads) -> (params,
   opt_state, global gradient norm). It donates params and opt_state (their buffers are reused

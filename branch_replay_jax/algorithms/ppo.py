@@ -27,6 +27,7 @@ from flax import nnx
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.core.accumulate import fit_micro_batch
+from branch_replay_jax.data.batches import num_branches
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
@@ -91,7 +92,7 @@ class PPOFunctions:
                functools.partial(pp.tree_replay_value_and_grad, schedule=t.tree_schedule) if tree else
                pp.replay_value_and_grad)
     fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
-    mb = lambda a: fit_micro_batch(t.micro_batch, loop.siblings(a))
+    mb = lambda a: fit_micro_batch(t.micro_batch, num_branches(a))
     self.grad = jax.jit(lambda prm, a: grad_fn(graphdef, prm, a, objective, micro_batch=mb(a)))
     self.forward = jax.jit(lambda prm, a: pp.naive_logprobs_values(graphdef, prm, a) if self.naive
                            else fwd_fn(graphdef, prm, a, micro_batch=mb(a)))
@@ -143,15 +144,15 @@ def leaf_values(tree: RolloutTree, node_ids: tuple, levels: list) -> np.ndarray:
 def _old_rows(fns: PPOFunctions, params, group: Group):
   """(old logp, old values, mask) [G, T] per trajectory, next values [G] (V after each trajectory's
   last token: the state a truncated one bootstraps from); trees also return their per-node lists."""
-  out = fns.forward(params, group.arrays)
+  out = fns.forward(params, group.batch)
   if group.kind == "group":
-    return (np.asarray(out["logp"]), np.asarray(out["values"]), np.asarray(group.arrays["branches"]["mask"]),
-            np.asarray(out["next_value"]), None)
+    return (np.asarray(out.logp), np.asarray(out.values), np.asarray(group.batch.branches.mask),
+            np.asarray(out.next_value), None)
   tree, width = group.tree, int(group.lengths.max())
   ids = pad_tree(tree).node_ids
-  nodes = {k: level_to_nodes(tree, ids, [lvl[k] for lvl in out]) for k in ("logp", "values")}
+  nodes = {k: level_to_nodes(tree, ids, [getattr(lvl, k) for lvl in out]) for k in ("logp", "values")}
   mask = np.arange(width)[None] < group.lengths[:, None]
-  next_values = leaf_values(tree, ids, [lvl["next_value"] for lvl in out])
+  next_values = leaf_values(tree, ids, [lvl.next_value for lvl in out])
   return (trajectory_rows(tree, nodes["logp"], width), trajectory_rows(tree, nodes["values"], width), mask,
           next_values, nodes)
 
@@ -184,21 +185,23 @@ def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
   predicted = np.concatenate([v[m] for (_, v, m, _) in olds])
   for g, a, r, (logp, values, mask, nodes) in zip(groups, adv, ret, olds):
     if g.kind == "group":
-      g.arrays["branches"].update(old_logp=jnp.asarray(logp), old_values=jnp.asarray(values),
-                                  advantages=jnp.asarray(a, jnp.float32), returns=jnp.asarray(r, jnp.float32))
+      g.batch = g.batch.replace(branches=g.batch.branches.replace(
+          old_logp=jnp.asarray(logp), old_values=jnp.asarray(values), advantage=jnp.asarray(a, jnp.float32),
+          returns=jnp.asarray(r, jnp.float32)))
       continue
     padded = pad_tree(g.tree)
     fields = {"old_logp": nodes["logp"], "old_values": nodes["values"],
-              "advantages": node_columns(g.tree, a.astype(np.float32)), "returns": node_columns(g.tree, r)}
-    for d, level in enumerate(g.arrays["levels"], start=1):
-      level.update({k: jnp.asarray(padded.place(v, d)) for k, v in fields.items()})
+              "advantage": node_columns(g.tree, a.astype(np.float32)), "returns": node_columns(g.tree, r)}
+    g.batch = g.batch.replace(levels=tuple(
+        level.replace(**{k: jnp.asarray(padded.place(v, d)) for k, v in fields.items()})
+        for d, level in enumerate(g.batch.levels, start=1)))
   return {"value_mean": float(np.mean(predicted)), "return_mean": float(returns.mean()),
           # 1 - Var[R - V_old] / Var[R]; None when every return is equal (undefined).
           "explained_variance": obj.explained_variance(returns, predicted)}
 
 
 def _aux_sums(kind: str, aux) -> dict:
-  parts = [aux] if kind == "group" else [level["aux"] for level in aux]
+  parts = [aux] if kind == "group" else [level.aux for level in aux]
   return {k: sum(float(np.sum(part[k])) for part in parts) for k in ("policy", "value", "clipped", "kl")}
 
 
@@ -211,7 +214,7 @@ def update_on_batch(config, fns: PPOFunctions, update, params, opt_state, groups
     for minibatch in np.array_split(order, p.minibatches):
       total = None
       for i in minibatch:
-        loss, aux, grads = fns.grad(params, groups[i].arrays)
+        loss, aux, grads = fns.grad(params, groups[i].batch)
         total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
         losses.append(float(loss))
         part = _aux_sums(groups[i].kind, aux)

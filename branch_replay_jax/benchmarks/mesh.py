@@ -31,7 +31,7 @@ from ml_collections import config_flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from branch_replay_jax import losses as obj  # noqa: E402
-from branch_replay_jax.data.batches import group_arrays  # noqa: E402
+from branch_replay_jax.data.batches import GroupBatch, group_arrays  # noqa: E402
 from branch_replay_jax.data.groups import make_group  # noqa: E402
 from branch_replay_jax.distributed.mesh import (make_mesh, shard_batch, shard_params, sharded_replay_value_and_grad,  # noqa: E402
                                         stack_groups)
@@ -50,7 +50,7 @@ def _on_event(name, seconds, **_):
     _compile_seconds[0] += seconds
 
 
-def make_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[dict]:
+def make_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[GroupBatch]:
   """`groups` GRPO groups of random tokens: prompt p tokens, g completions of t tokens."""
   rng = np.random.default_rng(0)
   out = []

@@ -51,7 +51,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.groups import make_group
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
@@ -129,8 +129,8 @@ def _full_tree(case, vocab, rng) -> RolloutTree:
   return RolloutTree(tuple(segments), tuple(parents), tuple(frontier))
 
 
-def case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
-  """(naive arrays, replay arrays, counts) of one case: random tokens and advantages."""
+def case_inputs(config, case: dict, model_config) -> tuple[GroupBatch, GroupBatch | TreeBatch, dict]:
+  """(naive batch, replay batch, counts) of one case: random tokens and advantages."""
   rng = np.random.default_rng(config.seed)
   v, g = model_config.vocab_size, case["G"]
   adv = np.asarray(obj.group_advantages(jnp.asarray(rng.normal(size=g))))
@@ -150,7 +150,7 @@ def case_inputs(config, case: dict, model_config) -> tuple[dict, dict, dict]:
   return naive, replay, {**tree_counts(tree, model_config), "padding_fraction": padded.padding_fraction}
 
 
-def _ppo_step(config, graphdef, params, arrays: dict, mode: str):
+def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str):
   """(graphdef, params, fn, objective, arrays) of a PPO step (gradients/actor_critic.py, policy + critic) on a group.
 
   The model is wrapped in an ActorCritic (critic config.ppo_critic) whose value head is random
@@ -162,13 +162,13 @@ def _ppo_step(config, graphdef, params, arrays: dict, mode: str):
   ac.value_w[...] = 0.02 * jax.random.normal(jax.random.key(config.seed), ac.value_w.shape)
   graphdef, params = nnx.split(ac)
   rng = np.random.default_rng(config.seed + 1)
-  branches = arrays["branches"]
+  branches = arrays.branches
   old = jax.jit(lambda p, a: pp.replay_logprobs_values(graphdef, p, a, logprob_chunk=config.logprob_chunk))(
       params, arrays)
-  random = lambda: jnp.asarray(rng.normal(size=branches["tokens"].shape), jnp.float32) * branches["mask"]
-  branches.update(old_logp=old["logp"], old_values=old["values"], advantages=random(), returns=random())
+  random = lambda: jnp.asarray(rng.normal(size=branches.tokens.shape), jnp.float32) * branches.mask
+  branches = branches.replace(old_logp=old.logp, old_values=old.values, advantage=random(), returns=random())
   fn = pp.naive_value_and_grad if mode == "naive" else pp.replay_value_and_grad
-  return graphdef, params, fn, PPO_OBJECTIVE, arrays
+  return graphdef, params, fn, PPO_OBJECTIVE, arrays.replace(branches=branches)
 
 
 def peak_bytes() -> tuple[int, str]:

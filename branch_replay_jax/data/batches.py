@@ -1,64 +1,155 @@
-"""Device-array layouts of rollout groups and trees: what the gradient and log-prob steps consume.
+"""Typed device batches of rollout groups, trees and their completions: what every step consumes.
 
-    group_arrays(group, **extras)  ->  {"prompt_ids": [P_pad] int32, "prompt_len": int32 scalar,
-                                        "branches": {"tokens": [G, T] int32, "mask": [G, T] bool,
-                                                     **extras: [G, ...] (e.g. "weights" [G, T],
-                                                     "advantage" [G], "old_logp" [G, T], "ref_logp" [G, T])}}
-    tree_arrays(padded, per_node, **shared)  ->  {"prompt_ids", "prompt_len",
-                                                  "levels": [per level d = 1..D: {"tokens" [F_1..F_d, T_d] int32,
-                                                  "mask" [F_1..F_d, T_d] bool, per-node fields [F_1..F_d, T_d, ...],
-                                                  shared fields [F_1..F_d, ...]}]}
-    trajectory_group_arrays(tree, ...)  ->  group_arrays of the tree's trajectories (the naive layout)
+    Segments      one completion per row (a group's branches, [G, T]) or one tree node per slot
+                  (a tree level, [F_1..F_d, T_d]): tokens, mask and the fields a loss reads.
+    GroupBatch    prompt_ids [P_pad], prompt_len [], branches: Segments [G, T].
+    TreeBatch     prompt_ids [P_pad], prompt_len [], levels: tuple of Segments, level d = 1..D
+                  with leading slot axes [F_1..F_d] (docs/design.md, "Trees: slots and levels").
 
-The branch and node dicts are what the objectives (losses.py) read by field name.
+All three are `flax.struct` dataclasses, so they are pytrees: `jax.jit`, `jax.vmap`, `lax.scan`
+and `jax.tree_util.tree_map` (micro-batch splits, stacking on the mesh) see their arrays, and a
+field left `None` is no leaf. Builders:
+
+    group_arrays(group, **fields)              -> GroupBatch
+    tree_arrays(padded, per_node, **shared)    -> TreeBatch
+    trajectory_group_arrays(tree, ...)         -> GroupBatch of the tree's trajectories (the naive layout)
+
+One name per quantity: "advantage" is GRPO/RLOO's per-trajectory advantage and PPO's per-token
+GAE advantage alike; its shape (below) says which.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from branch_replay_jax.data.groups import RolloutGroup, make_group
 from branch_replay_jax.data.trees import PaddedTree, RolloutTree
 
 
-def group_arrays(group: RolloutGroup, **extras) -> dict:
-  """The group as a dict of device arrays: prompt, completions and per-branch extras [G, ...]."""
+@struct.dataclass
+class Segments:
+  """Token segments and the per-token / per-trajectory fields a loss reads, on leading axes L.
+
+  L is [G] for a group's completions and [F_1..F_d] for the slots of tree level d; T is the
+  segment's padded length. A tree node's token is shared by every trajectory g below it, so its
+  per-trajectory fields carry a trailing axis G (all trajectories of the tree; 0 weight where g
+  does not pass). Fields a loss does not read stay None.
+
+  tokens: [L, T] int32 token ids (pad id on padding).
+  mask: [L, T] bool, True on real tokens.
+  weights: float32 loss weights, 0 on padding: [L, T] per completion token (group), or [L, T, G]
+    per (token, trajectory) pair (tree node); `losses.token_weights`, `losses.trajectory_weights`.
+  advantage: float32. GRPO/RLOO: [L] per completion (group) or [L, G] per trajectory (tree node,
+    the same G values in every slot); PPO (GAE, per token): [L, T] (group) or [L, T, G] (tree node).
+  old_logp: [L, T] float32 log-probs under the sampling policy (nats; 0 on padding).
+  ref_logp: [L, T] float32 log-probs under the reference policy (nats; 0 on padding).
+  old_values: [L, T] float32 the critic's values at sampling time (PPO).
+  returns: float32 value targets (PPO): [L, T] (group) or [L, T, G] (tree node).
+  """
+  tokens: jax.Array
+  mask: jax.Array
+  weights: jax.Array | None = None
+  advantage: jax.Array | None = None
+  old_logp: jax.Array | None = None
+  ref_logp: jax.Array | None = None
+  old_values: jax.Array | None = None
+  returns: jax.Array | None = None
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Segments))
+LOSS_FIELDS = FIELDS[2:]
+
+
+@struct.dataclass
+class GroupBatch:
+  """A rollout group: one prompt and its G completions.
+
+  prompt_ids: [P_pad] int32, real tokens first (P_pad: bucketed, `data.groups.bucket_length`).
+  prompt_len: [] int32, the prompt's real length P.
+  branches: Segments with L = [G]: the completions, each starting at position P.
+  A stack of B groups (`distributed.mesh.stack_groups`, `PreferenceBatch.naive`) adds a leading [B].
+  """
+  prompt_ids: jax.Array
+  prompt_len: jax.Array
+  branches: Segments
+
+
+@struct.dataclass
+class TreeBatch:
+  """A padded rollout tree: the prompt (its root) and one Segments per level d = 1..D.
+
+  prompt_ids, prompt_len: as `GroupBatch`.
+  levels: tuple of D Segments; level d has L = [F_1..F_d] (slot (i_1..i_d) is child i_d of slot
+    (i_1..i_{d-1})) and T = T_d, its segment length; empty slots are all padding.
+  """
+  prompt_ids: jax.Array
+  prompt_len: jax.Array
+  levels: tuple
+
+
+def segments(tokens, mask, **fields) -> Segments:
+  """`Segments(tokens, mask, **fields)` as device arrays.
+
+  Raises:
+    ValueError: a field name that Segments lacks (naming it and the fields it has).
+  """
+  unknown = sorted(set(fields) - set(LOSS_FIELDS))
+  if unknown:
+    raise ValueError(f"Segments has no field {unknown[0]!r}; its fields are {', '.join(LOSS_FIELDS)}")
+  return Segments(jnp.asarray(tokens), jnp.asarray(mask), **{k: jnp.asarray(v) for k, v in fields.items()})
+
+
+def num_branches(batch: GroupBatch | TreeBatch) -> int:
+  """Siblings of the last level: G for a group, F_D (the last fan-out) for a tree."""
+  if isinstance(batch, GroupBatch):
+    return batch.branches.tokens.shape[-2]
+  return batch.levels[-1].tokens.shape[-2]
+
+
+def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
+  """The group as device arrays: prompt, completions and per-completion loss fields [G, ...].
+
+  fields: `Segments` fields (weights, advantage, old_logp, ...), each with leading axis G.
+
+  Raises:
+    ValueError: a field without leading axis G, or one Segments lacks.
+  """
   g = group.num_completions
-  for name, value in extras.items():
+  for name, value in fields.items():
     if np.shape(value)[:1] != (g,):
-      raise ValueError(f"group_arrays: extra {name!r} has shape {np.shape(value)}; needs a leading axis G={g}")
-  return {
-      "prompt_ids": jnp.asarray(group.prompt_ids),
-      "prompt_len": jnp.asarray(group.prompt_len, jnp.int32),
-      "branches": {"tokens": jnp.asarray(group.completion_ids), "mask": jnp.asarray(group.completion_mask),
-                   **{k: jnp.asarray(v) for k, v in extras.items()}},
-  }
+      raise ValueError(f"group_arrays: field {name!r} has shape {np.shape(value)}; needs a leading axis G={g}")
+  return GroupBatch(jnp.asarray(group.prompt_ids), jnp.asarray(group.prompt_len, jnp.int32),
+                    segments(group.completion_ids, group.completion_mask, **fields))
 
 
-def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> dict:
-  """Device arrays of a padded tree: per level "tokens", "mask" and each per-node field.
+def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> TreeBatch:
+  """Device arrays of a padded tree: per level the tokens, mask and each per-node / shared field.
 
-  per_node: name -> list indexed by node id of arrays [L_n, ...] (e.g. "weights" [L_n, G],
+  per_node: field name -> list indexed by node id of arrays [L_n, ...] (e.g. "weights" [L_n, G],
     "old_logp" [L_n]); scattered into the level slots with `PaddedTree.place` (0 on padding).
-  shared: name -> array given to every node unchanged (e.g. "advantage" [G]).
+  shared: field name -> array given to every node unchanged (e.g. "advantage" [G]).
+
+  Raises:
+    ValueError: a field name Segments lacks.
   """
   levels = []
   for d in range(1, len(padded.tokens) + 1):
     slots = padded.node_ids[d - 1].shape
-    level = {"tokens": jnp.asarray(padded.tokens[d - 1]), "mask": jnp.asarray(padded.mask[d - 1])}
-    level.update({k: jnp.asarray(padded.place(v, d)) for k, v in per_node.items()})
-    level.update({k: jnp.broadcast_to(jnp.asarray(v), slots + np.shape(v)) for k, v in shared.items()})
-    levels.append(level)
-  return {"prompt_ids": jnp.asarray(padded.prompt_ids), "prompt_len": jnp.asarray(padded.prompt_len, jnp.int32),
-          "levels": levels}
+    fields = {k: padded.place(v, d) for k, v in per_node.items()}
+    fields.update({k: jnp.broadcast_to(jnp.asarray(v), slots + np.shape(v)) for k, v in shared.items()})
+    levels.append(segments(padded.tokens[d - 1], padded.mask[d - 1], **fields))
+  return TreeBatch(jnp.asarray(padded.prompt_ids), jnp.asarray(padded.prompt_len, jnp.int32), tuple(levels))
 
 
 def trajectory_group_arrays(tree: RolloutTree, per_node: dict[str, Sequence], trajectory_weights, *,
                             vocab_size: int, max_positions: int, completion_bucket: int | None = None,
-                            **shared) -> dict:
+                            **shared) -> GroupBatch:
   """The naive counterpart of `tree_arrays`: every trajectory of `tree` as a completion of one group.
 
   Per-node fields [L_n] are concatenated along each trajectory's path; "weights" is

@@ -45,6 +45,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
                                                   tree_replay_value_and_grad)
@@ -70,8 +71,8 @@ def make_mesh(data: int, branch: int, seq: int = 1, devices=None) -> jax.shardin
   return jax.make_mesh((data, branch, seq), MESH_AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
 
 
-def stack_groups(groups: list[dict]) -> dict:
-  """Stack `data.batches.group_arrays` (or `tree_arrays`) dicts of equal shapes on a leading axis [B, ...].
+def stack_groups(groups: list[GroupBatch | TreeBatch]) -> GroupBatch | TreeBatch:
+  """Stack GroupBatches (or TreeBatches) of equal shapes on a leading axis [B, ...].
 
   Raises:
     ValueError: groups whose shapes differ (bucket them to the same prompt/completion lengths).
@@ -83,7 +84,7 @@ def stack_groups(groups: list[dict]) -> dict:
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *groups)
 
 
-def pad_prompts(groups: list[dict], multiple: int = 1) -> list[dict]:
+def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1) -> list[GroupBatch | TreeBatch]:
   """Right-pad every group's (or tree's) prompt_ids [P_pad] with token 0 to one length: the
   longest P_pad, rounded up to a multiple of `multiple` (the mesh's `seq` size), so that
   `stack_groups` can stack them. Positions at or after prompt_len are masked out of attention and
@@ -95,20 +96,20 @@ def pad_prompts(groups: list[dict], multiple: int = 1) -> list[dict]:
   if not groups or multiple < 1:
     raise ValueError(f"pad_prompts: need at least one group and multiple >= 1, got {len(groups)} groups, "
                      f"multiple={multiple}")
-  longest = max(g["prompt_ids"].shape[0] for g in groups)
+  longest = max(g.prompt_ids.shape[0] for g in groups)
   p_pad = -(-longest // multiple) * multiple
-  return [{**g, "prompt_ids": jnp.pad(g["prompt_ids"], (0, p_pad - g["prompt_ids"].shape[0]))} for g in groups]
+  return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
 
 
-def batch_specs(batch: dict, mesh) -> dict:
+def batch_specs(batch: GroupBatch | TreeBatch, mesh):
   """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] P("data", "seq"); completions
-  ("branches" [B, G, ...]) and tree levels ("levels" [B, F_1, ...]) P("data", "branch"); the rest P("data").
+  (branches [B, G, ...]) and tree levels (levels [B, F_1, ...]) P("data", "branch"); the rest P("data").
 
   Raises:
     ValueError: B, G (F_1) or P_pad not divisible by the data, branch or seq size.
   """
   def spec(path, x):
-    keys = [getattr(k, "key", None) for k in path]
+    keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
     if "branches" in keys or "levels" in keys:
       name, s = "branches" if "branches" in keys else "levels", P("data", "branch")
     elif "prompt_ids" in keys:
@@ -117,13 +118,13 @@ def batch_specs(batch: dict, mesh) -> dict:
       name, s = keys[-1], P("data")
     for dim, axis in enumerate(s):
       if x.shape[dim] % mesh.shape[axis]:
-        raise ValueError(f"batch[{name!r}]: axis {dim} has size {x.shape[dim]}, not divisible by "
+        raise ValueError(f"batch.{name}: axis {dim} has size {x.shape[dim]}, not divisible by "
                          f"{axis}={mesh.shape[axis]}")
     return s
   return jax.tree_util.tree_map_with_path(spec, batch)
 
 
-def shard_batch(batch: dict, mesh) -> dict:
+def shard_batch(batch: GroupBatch | TreeBatch, mesh) -> GroupBatch | TreeBatch:
   """Place a stacked batch on `mesh` with `batch_specs`."""
   return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), batch,
                                 batch_specs(batch, mesh))
@@ -182,7 +183,7 @@ def _over_mesh(per_device, params, batch, mesh, out_specs):
 
 
 def _mesh_value_and_grad(per_group, params, batch, mesh):
-  """Σ over the batch of per_group(local params, one group's arrays, reduce) under shard_map.
+  """Σ over the batch of per_group(local params, one group's batch, reduce) under shard_map.
 
   per_group returns (loss, aux, grads) of one group on this device, aux with a leading G (or F_1)
   axis; reduce is the prompt-cotangent all-reduce over `branch`. Returns (loss replicated, aux
@@ -197,8 +198,8 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
         lambda c: jax.lax.pcast(jax.lax.psum(c, "branch") / n_branch, "branch", to="varying"), cotangent)
 
   def per_device(local, batch):
-    def one_group(carry, arrays):
-      loss, aux, grads = per_group(local, arrays, reduce_prompt_cotangent)
+    def one_group(carry, batch):
+      loss, aux, grads = per_group(local, batch, reduce_prompt_cotangent)
       return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, local)
@@ -213,7 +214,7 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
   return loss, aux, jax.tree_util.tree_map(lambda g, x: jax.reshard(g, jax.typeof(x).sharding.spec), grads, params)
 
 
-def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Objective, mesh, *,
+def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, mesh, *,
                                   micro_batch: int = 1, logprob_chunk: int = 256):
   """(loss, aux, grads) summed over a batch of groups, by replay under `shard_map` on `mesh`.
 
@@ -232,16 +233,16 @@ def sharded_replay_value_and_grad(graphdef, params, batch: dict, objective: Obje
     ValueError: B, G or P_pad not divisible by the data, branch or seq size; a bad micro_batch.
   """
   n_seq = mesh.shape["seq"]
-  check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
 
-  def per_group(local, arrays, reduce):
-    split = prompt_split(graphdef, local, arrays) if n_seq > 1 else {}
-    return replay_value_and_grad(graphdef, local, arrays, objective, micro_batch=micro_batch,
+  def per_group(local, batch, reduce):
+    split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+    return replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
                                  logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
-def sharded_tree_replay_value_and_grad(graphdef, params, batch: dict, objective: Objective, mesh, *,
+def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, mesh, *,
                                        micro_batch: int = 1, logprob_chunk: int = 256,
                                        schedule: str = "depth_first"):
   """(loss, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`), by nested replay
@@ -251,17 +252,17 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: dict, objective:
   Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G).
   """
   n_seq = mesh.shape["seq"]
-  check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
 
-  def per_group(local, arrays, reduce):
-    split = prompt_split(graphdef, local, arrays) if n_seq > 1 else {}
-    return tree_replay_value_and_grad(graphdef, local, arrays, objective, micro_batch=micro_batch,
+  def per_group(local, batch, reduce):
+    split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+    return tree_replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
                                       logprob_chunk=logprob_chunk, schedule=schedule,
                                       reduce_prefix_cotangent=reduce, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
-def sharded_replay_logprobs(graphdef, params, batch: dict, mesh, *, micro_batch: int = 1,
+def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
                             logprob_chunk: int = 256) -> jax.Array:
   """[B, G, T] float32 completion log-probs (0 on padding) of a batch of groups, by forward-only
   replay under `shard_map` (reference and old-policy log-probs of the training loop).
@@ -270,12 +271,12 @@ def sharded_replay_logprobs(graphdef, params, batch: dict, mesh, *, micro_batch:
   P("data", "branch"), equal to `gradients.logprobs.replay_logprobs` group by group.
   """
   n_seq = mesh.shape["seq"]
-  check_prompt_split(batch["prompt_ids"].shape[1], n_seq)
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
 
   def per_device(local, batch):
-    def one_group(_, arrays):
-      split = prompt_split(graphdef, local, arrays) if n_seq > 1 else {}
-      return None, replay_logprobs(graphdef, local, arrays, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
+    def one_group(_, batch):
+      split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+      return None, replay_logprobs(graphdef, local, batch, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
                                    **split)
     return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
   return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))

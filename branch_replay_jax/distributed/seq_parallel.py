@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from branch_replay_jax.data.batches import GroupBatch
 from branch_replay_jax.kernels import attention_fn
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
 
@@ -35,25 +36,25 @@ def check_prompt_split(p_pad: int, seq: int) -> int:
   return p_pad // seq
 
 
-def _chunk_prefix_fn(graphdef, arrays: dict, axis: str):
+def _chunk_prefix_fn(graphdef, batch: GroupBatch, axis: str):
   """params -> (the local chunk's KVBlock, last hidden [d] of the prompt, on every device of `axis`)."""
   def prefix_fn(params):
     model = nnx.merge(graphdef, params)
-    chunk = arrays["prompt_ids"]                      # this device's [C] tokens
+    chunk = batch.prompt_ids                      # this device's [C] tokens
     c = chunk.shape[0]
     start = jax.lax.axis_index(axis) * c
-    valid = start + jnp.arange(c) < arrays["prompt_len"]
+    valid = start + jnp.arange(c) < batch.prompt_len
     attention = prompt_chunk_attention(attention_fn(model.attention_impl), axis)
     out = model(chunk[None], start, valid_bt=valid[None], attention=attention)
-    local = arrays["prompt_len"] - 1 - start          # the last prompt token's index in this chunk
+    local = batch.prompt_len - 1 - start          # the last prompt token's index in this chunk
     owner = (local >= 0) & (local < c)
     last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.clip(local, 0, c - 1), keepdims=False)
     return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis)
   return prefix_fn
 
 
-def prompt_split(graphdef, params, arrays: dict, *, axis: str = "seq") -> dict:
-  """{"prefix_fn", "attention"} for gradients.logprobs' replay functions when arrays["prompt_ids"] is
+def prompt_split(graphdef, params, batch: GroupBatch, *, axis: str = "seq") -> dict:
+  """{"prefix_fn", "attention"} for gradients.logprobs' replay functions when batch.prompt_ids is
   this device's prompt chunk [C] over `axis`: the chunk's prefix (`_chunk_prefix_fn`) and the
   completions' attention over the sharded prompt K/V merged by log-sum-exp (`over_sharded_prompt`).
 
@@ -63,4 +64,4 @@ def prompt_split(graphdef, params, arrays: dict, *, axis: str = "seq") -> dict:
   d params (every device computes the whole loss).
   """
   attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).attention_impl), axis)
-  return {"prefix_fn": _chunk_prefix_fn(graphdef, arrays, axis), "attention": attention}
+  return {"prefix_fn": _chunk_prefix_fn(graphdef, batch, axis), "attention": attention}

@@ -27,16 +27,33 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
+from branch_replay_jax.data.batches import GroupBatch, Segments, TreeBatch
 from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
 from branch_replay_jax.core.replay import replay_map, replay_vjp
 from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
-from branch_replay_jax.gradients.logprobs import naive_batch
+from branch_replay_jax.gradients.logprobs import NodeOutputs, naive_batch
 from branch_replay_jax.models.critic import ActorCritic
 from branch_replay_jax.models.llama import token_logprobs
 
-PPOObjective = Callable[[jax.Array, jax.Array, dict], tuple[jax.Array, Any]]
+PPOObjective = Callable[[jax.Array, jax.Array, Segments], tuple[jax.Array, Any]]
+
+
+@struct.dataclass
+class LogprobsValues:
+  """A forward-only pass of the actor-critic over segments with leading axes L ([G] for a group's
+  completions, [F_1..F_d] for tree level d):
+
+  logp: [L, T] float32 log-probs of the segment's tokens (nats; 0 on padding).
+  values: [L, T] float32 V of the state each token is sampled from (0 on padding).
+  next_value: [L] float32 V of the state after the segment's last real token (GAE bootstraps a
+    trajectory cut by the token budget from it, `losses.gae`'s next_values_b); garbage for an
+    empty tree slot.
+  """
+  logp: jax.Array
+  values: jax.Array
+  next_value: jax.Array
 
 
 def _trunks(ac: ActorCritic) -> list[tuple[str, Any]]:
@@ -71,75 +88,73 @@ def _score(ac: ActorCritic, fwd: dict, parent: dict, tokens_t, mask_t, chunk):
   return jnp.where(mask_t, logp, 0.0), jnp.where(mask_t, values, 0.0)
 
 
-def _root_fn(graphdef, arrays):
+def _root_fn(graphdef, batch):
   def root_fn(params):
     ac = nnx.merge(graphdef, params)
-    prompt, p_len = arrays["prompt_ids"], arrays["prompt_len"]
+    prompt, p_len = batch.prompt_ids, batch.prompt_len
     fwd = _forward(ac, prompt, jnp.arange(prompt.shape[0]) < p_len, 0, [])
     return {**_state(ac, fwd, p_len), "end": p_len}
   return root_fn
 
 
 def _node_fn(graphdef, chunk, objective=None):
-  """(params, ancestors, node) -> (state, loss, {"logp", "values", "aux"}), or without an objective
-  (forward only) -> (state, {"logp", "values", "next_value"}): next_value is V after the node's
-  last real token (garbage for an empty padding slot)."""
+  """(params, ancestors, node) -> (state, loss, NodeOutputs), or without an objective
+  (forward only) -> (state, LogprobsValues of the node)."""
   def node_fn(params, ancestors, node):
     ac = nnx.merge(graphdef, params)
     parent = ancestors[-1]
-    fwd = _forward(ac, node["tokens"], node["mask"], parent["end"], ancestors)
-    logp, values = _score(ac, fwd, parent, node["tokens"], node["mask"], chunk)
-    n = jnp.sum(node["mask"].astype(jnp.int32))
+    fwd = _forward(ac, node.tokens, node.mask, parent["end"], ancestors)
+    logp, values = _score(ac, fwd, parent, node.tokens, node.mask, chunk)
+    n = jnp.sum(node.mask.astype(jnp.int32))
     state = {**_state(ac, fwd, jnp.maximum(n, 1)), "end": parent["end"] + n}
     if objective is None:
       # V of the state after the node's last token (the hidden state at its last real position):
       # GAE bootstraps a trajectory cut by the token budget from it (losses.gae's next_values_b).
       next_value = ac.value(state["critic_last" if ac.critic is not None else "last"])
-      return state, {"logp": logp, "values": values, "next_value": next_value}
+      return state, LogprobsValues(logp, values, next_value)
     loss, aux = objective(logp, values, node)
-    return state, loss, {"logp": logp, "values": values, "aux": aux}
+    return state, loss, NodeOutputs(logp, aux, values)
   return node_fn
 
 
-def replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int = 1,
+def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: PPOObjective, *, micro_batch: int = 1,
                           logprob_chunk: int = 256):
   """(loss, aux [G, ...], grads for policy AND critic) of Σ_g objective over a group, by branch replay.
 
-  arrays: `data.batches.group_arrays` with the objective's fields per completion. aux holds the
+  batch: `data.batches.group_arrays` with the objective's fields per completion. aux holds the
   objective's aux per completion.
   """
   node_fn = _node_fn(graphdef, logprob_chunk, objective)
   branch_fn = lambda p, root, branch: node_fn(p, (root,), branch)[1:]
-  loss, aux, grads = replay_vjp(_root_fn(graphdef, arrays), branch_fn, params, arrays["branches"],
+  loss, aux, grads = replay_vjp(_root_fn(graphdef, batch), branch_fn, params, batch.branches,
                                 micro_batch=micro_batch)
-  return loss, aux["aux"], grads
+  return loss, aux.aux, grads
 
 
-def replay_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> dict:
-  """{"logp", "values"}: [G, T] float32 each (0 on padding), and "next_value" [G], V of the state
-  after each completion's last token (its last real hidden state), by forward-only replay of a group."""
+def replay_logprobs_values(graphdef, params, batch: GroupBatch, *, micro_batch: int = 1,
+                           logprob_chunk: int = 256) -> LogprobsValues:
+  """`LogprobsValues` of a group's completions (L = [G]), by forward-only replay."""
   node_fn = _node_fn(graphdef, logprob_chunk)
-  return replay_map(_root_fn(graphdef, arrays), lambda p, root, branch: node_fn(p, (root,), branch)[1], params,
-                    arrays["branches"], micro_batch=micro_batch)
+  return replay_map(_root_fn(graphdef, batch), lambda p, root, branch: node_fn(p, (root,), branch)[1], params,
+                    batch.branches, micro_batch=micro_batch)
 
 
-def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int = 1,
+def tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: PPOObjective, *, micro_batch: int = 1,
                                logprob_chunk: int = 256, schedule: str = "depth_first"):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp, values, node), by nested replay.
 
-  arrays: `data.batches.tree_arrays`; aux[d] = {"logp", "values": [F_1..F_d, T_d], "aux": ...} per slot.
+  batch: `data.batches.tree_arrays`; aux[d - 1] is level d's `NodeOutputs` (with values).
   schedule: "depth_first" (least memory) or "level" (batched levels), as in core/tree_replay.py.
   """
   node_fn = _node_fn(graphdef, logprob_chunk, objective)
-  return nested_replay_vjp(_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params, arrays["levels"],
+  return nested_replay_vjp(_root_fn(graphdef, batch), [node_fn] * len(batch.levels), params, batch.levels,
                            micro_batch=micro_batch, schedule=schedule)
 
 
-def tree_logprobs_values(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
-  """Per level d: {"logp", "values": [F_1..F_d, T_d]} (0 on padding) and "next_value" [F_1..F_d], V
-  after each node's last real token (garbage in empty slots), by forward-only nested replay."""
+def tree_logprobs_values(graphdef, params, batch: TreeBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
+  """Per level d, `LogprobsValues` of its slots (L = [F_1..F_d]), by forward-only nested replay."""
   node_fn = _node_fn(graphdef, logprob_chunk)
-  return nested_replay_map(_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params, arrays["levels"],
+  return nested_replay_map(_root_fn(graphdef, batch), [node_fn] * len(batch.levels), params, batch.levels,
                            micro_batch=micro_batch)
 
 
@@ -160,15 +175,15 @@ def _naive_forward(graphdef, params, tokens, valid, offset, p_pad, chunk):
   return jnp.where(mask, logp, 0.0), jnp.where(mask, values, 0.0), next_values
 
 
-def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective, *, micro_batch: int | None = None,
+def naive_value_and_grad(graphdef, params, batch: GroupBatch, objective: PPOObjective, *, micro_batch: int | None = None,
                          logprob_chunk: int = 256):
   """(loss, aux [G, ...], grads) of Σ_g objective with the prompt repeated per completion (the reference).
 
   micro_batch: sequences per forward+backward (a positive divisor of G; default G); the
   micro-batches' gradients are summed in a `lax.scan`.
   """
-  tokens, valid, offset = naive_batch(arrays)
-  p_pad, g = arrays["prompt_ids"].shape[0], tokens.shape[0]
+  tokens, valid, offset = naive_batch(batch)
+  p_pad, g = batch.prompt_ids.shape[0], tokens.shape[0]
   m = g if micro_batch is None else micro_batch
   if m < 1 or g % m:
     raise ValueError(f"naive_value_and_grad: micro_batch={micro_batch!r} must be a positive divisor of G={g}")
@@ -179,14 +194,14 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: PPOObjective
     losses, aux = jax.vmap(objective)(logp, values, branches)
     return jnp.sum(losses), aux
 
-  (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, arrays["branches"]), m))
+  (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, batch.branches), m))
   return loss, merge_micro_batches(aux, g), grads
 
 
-def naive_logprobs_values(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> dict:
-  """{"logp", "values"}: [G, T] and "next_value" [G] from full sequences (the reference for
+def naive_logprobs_values(graphdef, params, batch: GroupBatch, *, logprob_chunk: int = 256) -> LogprobsValues:
+  """`LogprobsValues` of a group's completions from full sequences (the reference for
   `replay_logprobs_values`)."""
-  tokens, valid, offset = naive_batch(arrays)
-  logp, values, next_values = _naive_forward(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0],
+  tokens, valid, offset = naive_batch(batch)
+  logp, values, next_values = _naive_forward(graphdef, params, tokens, valid, offset, batch.prompt_ids.shape[0],
                                              logprob_chunk)
-  return {"logp": logp, "values": values, "next_value": next_values}
+  return LogprobsValues(logp, values, next_values)

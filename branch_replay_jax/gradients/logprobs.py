@@ -5,7 +5,7 @@ Both paths compute the same function of the parameters,
     loss(θ) = Σ_g objective(logp_g(θ), branch_g),   logp_g[i] = log π_θ(o_g,i | prompt, o_g,<i),
 
 where `objective(logp [T], branch) -> (scalar, aux)` is token-local with padding weighted 0
-(see losses.py), and `branch` holds that completion's arrays: "tokens" [T], "mask" [T] and
+(see losses.py), and `branch` holds that completion's batch: "tokens" [T], "mask" [T] and
 whatever the objective reads ("weights", "advantage", "old_logp", "ref_logp", ...).
 
 - replay: the prompt runs once (`replay_vjp`); each completion runs on top of its K/V at
@@ -25,40 +25,51 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
+from branch_replay_jax.data.batches import GroupBatch, Segments, TreeBatch
 from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
 from branch_replay_jax.core.replay import replay_map, replay_vjp
 from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
 from branch_replay_jax.models.llama import token_logprobs
 
-Objective = Callable[[jax.Array, dict], tuple[jax.Array, Any]]
+Objective = Callable[[jax.Array, Segments], tuple[jax.Array, Any]]
 
 
-def prompt_prefix_fn(graphdef, arrays):
+@struct.dataclass
+class NodeOutputs:
+  """What tree replay returns per level d for its slots [F_1..F_d]: logp [F_1..F_d, T_d] float32
+  (nats, 0 on padding), aux: the objective's aux per slot, values [F_1..F_d, T_d] float32 (the
+  critic's, `actor_critic`'s tree step; None for a policy alone)."""
+  logp: jax.Array
+  aux: Any
+  values: jax.Array | None = None
+
+
+def prompt_prefix_fn(graphdef, batch):
   """params -> (the prompt's per-layer K/V, its last real position's hidden state [d]): replay's prefix."""
   def prefix_fn(params):
     model = nnx.merge(graphdef, params)
-    p_pad = arrays["prompt_ids"].shape[0]
-    valid = jnp.arange(p_pad) < arrays["prompt_len"]
-    out = model(arrays["prompt_ids"][None], 0, valid_bt=valid[None])
-    last_hidden = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], arrays["prompt_len"] - 1, keepdims=False)
+    p_pad = batch.prompt_ids.shape[0]
+    valid = jnp.arange(p_pad) < batch.prompt_len
+    out = model(batch.prompt_ids[None], 0, valid_bt=valid[None])
+    last_hidden = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
     return out.kv, last_hidden
   return prefix_fn
 
 
-def _segment(model, segment: dict, offset, ancestors: list, parent_last_hidden, chunk, attention=None):
+def _segment(model, segment: Segments, offset, ancestors: list, parent_last_hidden, chunk, attention=None):
   """Forward of one segment on its ancestors' K/V and the log-probs of its tokens.
 
   Token 0 is scored from the parent's last hidden state, token i > 0 from the segment's own
   position i - 1. `attention` overrides the model's (context parallelism). Returns
   (SegmentOutput, logp [T] with 0 on padding).
   """
-  out = model(segment["tokens"][None], offset, ancestors=ancestors, valid_bt=segment["mask"][None],
+  out = model(segment.tokens[None], offset, ancestors=ancestors, valid_bt=segment.mask[None],
               attention=attention)
   hidden = jnp.concatenate([parent_last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
-  logp = token_logprobs(hidden[None], model.unembedding(), segment["tokens"][None], chunk=chunk)[0]
-  return out, jnp.where(segment["mask"], logp, 0.0)
+  logp = token_logprobs(hidden[None], model.unembedding(), segment.tokens[None], chunk=chunk)[0]
+  return out, jnp.where(segment.mask, logp, 0.0)
 
 
 def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
@@ -66,44 +77,44 @@ def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, at
   return _segment(nnx.merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention)[1]
 
 
-def replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
+def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, *, micro_batch: int = 1,
                           logprob_chunk: int = 256, reduce_prefix_cotangent=None, prefix_fn=None, attention=None):
   """(loss, aux [G, ...], grads) of Σ_g objective by branch replay. See the module docstring and
   `replay_vjp` for `reduce_prefix_cotangent`.
 
-  prefix_fn, attention: replace `prompt_prefix_fn(graphdef, arrays)` and the completions' attention
+  prefix_fn, attention: replace `prompt_prefix_fn(graphdef, batch)` and the completions' attention
   (context parallelism: distributed/seq_parallel.py's `prompt_split`); default: the whole prompt
   on this device and the model's own attention.
   """
   def branch_fn(p, prefix_out, branch):
-    logp = _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
+    logp = _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention)
     return objective(logp, branch)
-  prefix_fn = prompt_prefix_fn(graphdef, arrays) if prefix_fn is None else prefix_fn
-  return replay_vjp(prefix_fn, branch_fn, params, arrays["branches"], micro_batch=micro_batch,
+  prefix_fn = prompt_prefix_fn(graphdef, batch) if prefix_fn is None else prefix_fn
+  return replay_vjp(prefix_fn, branch_fn, params, batch.branches, micro_batch=micro_batch,
                     reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
-def replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256,
+def replay_logprobs(graphdef, params, batch: GroupBatch, *, micro_batch: int = 1, logprob_chunk: int = 256,
                     prefix_fn=None, attention=None) -> jax.Array:
   """[G, T] float32 log-probs of every completion token (0 on padding), forward-only replay.
   prefix_fn, attention: as in `replay_value_and_grad`."""
   def branch_fn(p, prefix_out, branch):
-    return _branch_logprobs(graphdef, p, prefix_out, branch, arrays["prompt_len"], logprob_chunk, attention)
-  prefix_fn = prompt_prefix_fn(graphdef, arrays) if prefix_fn is None else prefix_fn
-  return replay_map(prefix_fn, branch_fn, params, arrays["branches"], micro_batch=micro_batch)
+    return _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention)
+  prefix_fn = prompt_prefix_fn(graphdef, batch) if prefix_fn is None else prefix_fn
+  return replay_map(prefix_fn, branch_fn, params, batch.branches, micro_batch=micro_batch)
 
 
-def naive_batch(arrays):
+def naive_batch(batch):
   """Full sequences [G, P_pad + T], LEFT-padded so every completion starts at the same column."""
-  prompt, p_len = arrays["prompt_ids"], arrays["prompt_len"]
+  prompt, p_len = batch.prompt_ids, batch.prompt_len
   p_pad = prompt.shape[0]
   shift = p_pad - p_len
   prompt_left = jnp.roll(prompt, shift)  # real tokens move to the end; pads wrap to the front
   prompt_valid = jnp.arange(p_pad) >= shift
-  br = arrays["branches"]
-  g = br["tokens"].shape[0]
-  tokens = jnp.concatenate([jnp.broadcast_to(prompt_left, (g, p_pad)), br["tokens"]], axis=1)
-  valid = jnp.concatenate([jnp.broadcast_to(prompt_valid, (g, p_pad)), br["mask"]], axis=1)
+  br = batch.branches
+  g = br.tokens.shape[0]
+  tokens = jnp.concatenate([jnp.broadcast_to(prompt_left, (g, p_pad)), br.tokens], axis=1)
+  valid = jnp.concatenate([jnp.broadcast_to(prompt_valid, (g, p_pad)), br.mask], axis=1)
   return tokens, valid, -shift  # offset: the first real prompt token sits at position 0
 
 
@@ -116,15 +127,15 @@ def _naive_logprobs(graphdef, params, tokens, valid, offset, p_pad, chunk):
   return jnp.where(valid[:, p_pad:], logp, 0.0)
 
 
-def naive_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int | None = None,
+def naive_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, *, micro_batch: int | None = None,
                          logprob_chunk: int = 256):
   """(loss, aux [G, ...], grads) of Σ_g objective with the prompt repeated per completion.
 
   micro_batch: sequences per forward+backward (must divide G; default G, one batch); the
   gradients of the micro-batches are summed in a `lax.scan`.
   """
-  tokens, valid, offset = naive_batch(arrays)
-  p_pad = arrays["prompt_ids"].shape[0]
+  tokens, valid, offset = naive_batch(batch)
+  p_pad = batch.prompt_ids.shape[0]
   g = tokens.shape[0]
   m = g if micro_batch is None else micro_batch
   if m < 1 or g % m:
@@ -136,22 +147,22 @@ def naive_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *
     losses, aux = jax.vmap(objective)(logp, branches)
     return jnp.sum(losses), aux
 
-  (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, arrays["branches"]), m))
+  (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, batch.branches), m))
   return loss, merge_micro_batches(aux, g), grads
 
 
-def naive_logprobs(graphdef, params, arrays: dict, *, logprob_chunk: int = 256) -> jax.Array:
+def naive_logprobs(graphdef, params, batch: GroupBatch, *, logprob_chunk: int = 256) -> jax.Array:
   """[G, T] completion log-probs from full sequences (the reference for `replay_logprobs`)."""
-  tokens, valid, offset = naive_batch(arrays)
-  return _naive_logprobs(graphdef, params, tokens, valid, offset, arrays["prompt_ids"].shape[0], logprob_chunk)
+  tokens, valid, offset = naive_batch(batch)
+  return _naive_logprobs(graphdef, params, tokens, valid, offset, batch.prompt_ids.shape[0], logprob_chunk)
 
 
-def _tree_root_fn(graphdef, arrays, prefix_fn=None):
-  prefix = prompt_prefix_fn(graphdef, arrays) if prefix_fn is None else prefix_fn
+def _tree_root_fn(graphdef, batch, prefix_fn=None):
+  prefix = prompt_prefix_fn(graphdef, batch) if prefix_fn is None else prefix_fn
 
   def root_fn(params):
     kv, last_hidden = prefix(params)
-    return {"kv": kv, "last_hidden": last_hidden, "end": arrays["prompt_len"]}
+    return {"kv": kv, "last_hidden": last_hidden, "end": batch.prompt_len}
   return root_fn
 
 
@@ -160,7 +171,7 @@ def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None):
   parent = ancestors[-1]
   out, logp = _segment(nnx.merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
                        parent["last_hidden"], chunk, attention)
-  n = jnp.sum(node["mask"].astype(jnp.int32))
+  n = jnp.sum(node.mask.astype(jnp.int32))
   last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)
   return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, logp
 
@@ -169,35 +180,35 @@ def _tree_node_fn(graphdef, objective, chunk, attention=None):
   def node_fn(params, ancestors, node):
     out, logp = _tree_segment(graphdef, params, ancestors, node, chunk, attention)
     loss, aux = objective(logp, node)
-    return out, loss, {"logp": logp, "aux": aux}
+    return out, loss, NodeOutputs(logp, aux)
   return node_fn
 
 
-def tree_replay_value_and_grad(graphdef, params, arrays: dict, objective: Objective, *, micro_batch: int = 1,
+def tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, *, micro_batch: int = 1,
                                logprob_chunk: int = 256, schedule: str = "depth_first", reduce_prefix_cotangent=None,
                                prefix_fn=None, attention=None):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp_node, node), by nested replay.
 
-  arrays: from `data.batches.tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
-  per-node/shared fields (for GRPO on trees, `losses.grpo_tree_objective`). aux[d] holds
-  {"logp": [F_1..F_d, T_d], "aux": objective aux} per slot. schedule: "depth_first" (least
+  batch: from `data.batches.tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
+  per-node/shared fields (for GRPO on trees, `losses.grpo_tree_objective`). aux[d - 1] is level
+  d's `NodeOutputs`. schedule: "depth_first" (least
   memory) or "level" (batched levels, faster); see core/tree_replay.py. reduce_prefix_cotangent,
   prefix_fn, attention: as in `replay_value_and_grad` (the prompt is the tree's root).
   """
   node_fn = _tree_node_fn(graphdef, objective, logprob_chunk, attention)
-  return nested_replay_vjp(_tree_root_fn(graphdef, arrays, prefix_fn), [node_fn] * len(arrays["levels"]), params,
-                           arrays["levels"], micro_batch=micro_batch, schedule=schedule,
+  return nested_replay_vjp(_tree_root_fn(graphdef, batch, prefix_fn), [node_fn] * len(batch.levels), params,
+                           batch.levels, micro_batch=micro_batch, schedule=schedule,
                            reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
-def tree_replay_logprobs(graphdef, params, arrays: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
+def tree_replay_logprobs(graphdef, params, batch: TreeBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
   """Per level d (d = 1..D): [F_1..F_d, T_d] float32 log-probs of every node's tokens (0 on padding).
 
   Forward-only nested replay (`core.tree_replay.nested_replay_map`): each node runs once, level by
   level, on its ancestors' K/V. A node's log-probs are those of every trajectory through it (same
-  context), so they are the reference / old log-probs of the tree objective. arrays: from
+  context), so they are the reference / old log-probs of the tree objective. batch: from
   `data.batches.tree_arrays`; micro_batch: leaf siblings per scan step (divides the last fan-out).
   """
   node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk)
-  return nested_replay_map(_tree_root_fn(graphdef, arrays), [node_fn] * len(arrays["levels"]), params,
-                           arrays["levels"], micro_batch=micro_batch)
+  return nested_replay_map(_tree_root_fn(graphdef, batch), [node_fn] * len(batch.levels), params,
+                           batch.levels, micro_batch=micro_batch)

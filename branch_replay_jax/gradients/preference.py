@@ -38,7 +38,7 @@ import numpy as np
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.accumulate import fit_micro_batch, merge_micro_batches, scan_value_and_grad, split_micro_batches
-from branch_replay_jax.data.batches import group_arrays
+from branch_replay_jax.data.batches import GroupBatch, Segments, group_arrays
 from branch_replay_jax.data.counts import group_counts
 from branch_replay_jax.data.groups import bucket_length, make_group
 from branch_replay_jax.gradients.logprobs import naive_logprobs, replay_logprobs, replay_value_and_grad
@@ -56,19 +56,19 @@ class PreferencePair:
 class PreferenceBatch:
   """K pairs laid out for replay (one group per distinct prompt) and for the naive step.
 
-  groups: one `data.batches.group_arrays` dict per distinct prompt (branches: the prompt's distinct
-    completions; pass 2 adds their "weights" [G_j, T_j]).
+  groups: one `data.batches.GroupBatch` per distinct prompt (branches: the prompt's distinct
+    completions; pass 2 adds their weights [G_j, T_j]).
   chosen, rejected: [K] int, each pair's completions as indices into the concatenation of all
     groups' branches (group 0's first, then group 1's, ...).
-  naive: the pairs stacked for the naive step: "prompt_ids" [K, P_pad], "prompt_len" [K],
-    "branches" {"tokens", "mask"} [K, 2, T] (row 0 chosen, row 1 rejected).
+  naive: the pairs stacked for the naive step, a GroupBatch with a leading axis K: prompt_ids
+    [K, P_pad], prompt_len [K], branches.tokens / .mask [K, 2, T] (row 0 chosen, row 1 rejected).
   counts: token_positions_naive = Σ_k (2 P_k + |y_w| + |y_l|), token_positions_computed =
     Σ_groups (P + Σ distinct completion lengths) (tokens, real positions only).
   """
-  groups: list
+  groups: list[GroupBatch]
   chosen: np.ndarray
   rejected: np.ndarray
-  naive: dict
+  naive: GroupBatch
   counts: dict
 
   @property
@@ -115,8 +115,8 @@ def make_batch(pairs: Sequence[PreferencePair], *, vocab_size: int, max_position
                          {"token_positions_naive": naive_positions, "token_positions_computed": computed})
 
 
-def _surrogate(logp, branch):
-  return obj.weighted_logprob_loss(logp, branch["weights"]), jnp.zeros((), logp.dtype)
+def _surrogate(logp, branch: Segments):
+  return obj.weighted_logprob_loss(logp, branch.weights), jnp.zeros((), logp.dtype)
 
 
 def _mean_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta, loss_type, label_smoothing,
@@ -135,7 +135,7 @@ class ReplaySteps:
   """
 
   def __init__(self, graphdef, *, micro_batch: int = 1, logprob_chunk: int = 256):
-    mb = lambda a: fit_micro_batch(micro_batch, a["branches"]["tokens"].shape[0])
+    mb = lambda a: fit_micro_batch(micro_batch, a.branches.tokens.shape[0])
     self.sums = jax.jit(lambda p, a: replay_logprobs(graphdef, p, a, micro_batch=mb(a),
                                                      logprob_chunk=logprob_chunk).sum(-1))
     self.surrogate_grad = jax.jit(lambda p, a: replay_value_and_grad(graphdef, p, a, _surrogate, micro_batch=mb(a),
@@ -153,7 +153,7 @@ class ReplaySteps:
     loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths come from the batch).
     """
     sums = self.flat_sums(params, batch)
-    lengths = jnp.concatenate([a["branches"]["mask"].sum(-1) for a in batch.groups])
+    lengths = jnp.concatenate([a.branches.mask.sum(-1) for a in batch.groups])
     c, r = jnp.asarray(batch.chosen), jnp.asarray(batch.rejected)
     (loss, metrics), (d_chosen, d_rejected) = jax.value_and_grad(_mean_loss, argnums=(0, 1), has_aux=True)(
         sums[c], sums[r], ref_sums[c], ref_sums[r], beta=beta, loss_type=loss_type,
@@ -161,11 +161,11 @@ class ReplaySteps:
     coef = jnp.zeros_like(sums).at[c].add(d_chosen).at[r].add(d_rejected)   # c_i = ∂L/∂S_i
     grads, start = None, 0
     for arrays in batch.groups:
-      br = arrays["branches"]
-      g = br["tokens"].shape[0]
-      weights = jnp.where(br["mask"], -coef[start:start + g, None], 0.0)
+      br = arrays.branches
+      g = br.tokens.shape[0]
+      weights = jnp.where(br.mask, -coef[start:start + g, None], 0.0)
       start += g
-      gr = self.surrogate_grad(params, {**arrays, "branches": {**br, "weights": weights}})
+      gr = self.surrogate_grad(params, arrays.replace(branches=br.replace(weights=weights)))
       grads = gr if grads is None else jax.tree_util.tree_map(jnp.add, grads, gr)
     return loss, metrics, grads
 
@@ -175,16 +175,16 @@ def _pair_sums(graphdef, params, naive_mb, chunk):
   return jax.vmap(lambda a: naive_logprobs(graphdef, params, a, logprob_chunk=chunk).sum(-1))(naive_mb)
 
 
-def naive_ref_sums(graphdef, params, naive: dict, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
+def naive_ref_sums(graphdef, params, naive: GroupBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
   """[K, 2] reference log-prob sums of the stacked pairs (`PreferenceBatch.naive`), forward only."""
-  k = naive["prompt_len"].shape[0]
+  k = naive.prompt_len.shape[0]
   m = fit_micro_batch(micro_batch, k)
   _, sums = jax.lax.scan(lambda _, mb: (None, _pair_sums(graphdef, params, mb, logprob_chunk)), None,
                          split_micro_batches(naive, m))
   return sums.reshape(k, 2)
 
 
-def naive_value_and_grad(graphdef, params, naive: dict, ref_sums_k2: jax.Array, *, beta: float,
+def naive_value_and_grad(graphdef, params, naive: GroupBatch, ref_sums_k2: jax.Array, *, beta: float,
                          loss_type: str = "sigmoid", label_smoothing: float = 0.0, micro_batch: int = 1,
                          logprob_chunk: int = 256):
   """(loss, metrics [K], grads) of mean_k ℓ_k, differentiated directly on full sequences.
@@ -196,13 +196,13 @@ def naive_value_and_grad(graphdef, params, naive: dict, ref_sums_k2: jax.Array, 
     naive: `PreferenceBatch.naive`; ref_sums_k2: [K, 2] from `naive_ref_sums` on the reference.
     loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths come from the masks).
   """
-  k = naive["prompt_len"].shape[0]
+  k = naive.prompt_len.shape[0]
   m = fit_micro_batch(micro_batch, k)
 
   def mb_loss(p, mb):
     arrays, ref = mb
     s = _pair_sums(graphdef, p, arrays, logprob_chunk)
-    n = arrays["branches"]["mask"].sum(-1)
+    n = arrays.branches.mask.sum(-1)
     losses, metrics = obj.dpo_loss(s[:, 0], s[:, 1], ref[:, 0], ref[:, 1], beta=beta, loss_type=loss_type,
                                    label_smoothing=label_smoothing, chosen_lengths=n[:, 0], rejected_lengths=n[:, 1])
     return jnp.sum(losses) / k, metrics

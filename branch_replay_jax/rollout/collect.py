@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.groups import bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
@@ -31,13 +31,14 @@ from branch_replay_jax.rollout.tree_sampler import sample_tree
 class Group:
   """One prompt's rollouts after scoring: arrays for the update, figures and texts for the logs.
 
-  kind: "group" (arrays from `group_arrays`) or "tree" (from `tree_arrays`).
+  kind: "group" (batch: a `GroupBatch` from `group_arrays`, also a tree's trajectories laid out
+    naive) or "tree" (a `TreeBatch` from `tree_arrays`).
   truncated: [G] bool per trajectory (tree: in `tree.ends` order), the sampler's stop reason: True
     where the token budget cut it without EOS (`Rollouts.truncated`, `TreeRollout.truncated`), False
     where it ended with EOS (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
   """
   kind: str
-  arrays: dict
+  batch: GroupBatch | TreeBatch
   rewards: np.ndarray
   correct: np.ndarray
   lengths: np.ndarray

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from branch_replay_jax.data.groups import bucket_length
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
 
@@ -62,12 +63,6 @@ class Rollouts(NamedTuple):
   def completion_mask(self) -> jax.Array:
     """[G, N] bool, True on generated (non-padding) positions."""
     return jnp.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
-
-
-def prompt_bucket_length(prompt_len: int, *, minimum: int = 16) -> int:
-  """Smallest power of two >= max(prompt_len, minimum) (tokens): the default prompt bucket."""
-  n = max(int(prompt_len), int(minimum), 1)
-  return 1 << (n - 1).bit_length()
 
 
 def init_cache(model: Llama, batch: int, length: int) -> KVBlock:
@@ -187,7 +182,7 @@ def _picked_logprob(logits_bv, tokens_b):
 
 
 def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array, offset, keys_g: jax.Array, *,
-                temperature, top_p, stop_ids: jax.Array, pad_id, max_new_tokens: int,
+                temperature, top_p, eos_ids: jax.Array, pad_id, max_new_tokens: int,
                 greedy: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVBlock]:
   """Samples G continuations of one context whose K/V are `ancestors` and next-token logits `logits_1v`.
 
@@ -202,7 +197,7 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     offset: int scalar (may be traced): absolute position of token 0 (the context length).
     keys_g: [G] PRNG keys; sample g draws token t with fold_in(keys_g[g], t).
     temperature, top_p, greedy: as in `sample_token` (top_p None: no nucleus filter).
-    stop_ids: [S] int32 ids that end a sample (-1 never matches).
+    eos_ids: [S] int32 ids that end a sample (-1 never matches).
     pad_id: int32 id written after a sample's end.
     max_new_tokens: N, static.
 
@@ -217,7 +212,7 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   tok = sample(logits_gv, step=0)
   tokens = jnp.full((g, n), pad_id, jnp.int32).at[:, 0].set(tok)
   logprobs = jnp.zeros((g, n), logits_1v.dtype).at[:, 0].set(_picked_logprob(logits_gv, tok))
-  done = jnp.isin(tok, stop_ids)
+  done = jnp.isin(tok, eos_ids)
   carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n), tokens, logprobs)
 
   def cond(c):
@@ -236,24 +231,24 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], start)
     logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], start)
     lengths = lengths + (~done).astype(jnp.int32)
-    return t + 1, new, done | jnp.isin(new, stop_ids), lengths, cache, tokens, logprobs
+    return t + 1, new, done | jnp.isin(new, eos_ids), lengths, cache, tokens, logprobs
 
   _, _, done, lengths, cache, tokens, logprobs = jax.lax.while_loop(cond, body, carry)
   return tokens, logprobs, lengths, done, cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
-def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, stop_ids, pad_id, *,
+def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, *,
               max_new_tokens, greedy, use_top_p):
   model = nnx.merge(graphdef, state)
   prompt_kv, logits_1v = prefill(model, prompt_1t, prompt_len)
   tokens, logprobs, lengths, done, _ = decode_from(
       model, [prompt_kv], logits_1v, prompt_len, keys_g, temperature=temperature, top_p=top_p if use_top_p else None,
-      stop_ids=stop_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy)
+      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy)
   return tokens, logprobs, lengths, done
 
 
-def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, stops: np.ndarray, *, temperature, top_p,
+def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, eos: np.ndarray, *, temperature, top_p,
                           pad_id) -> None:
   """ValueErrors (prefixed with `caller`) for the inputs every sampler shares."""
   if not temperature >= 0:
@@ -263,42 +258,42 @@ def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, stops: np.ndarra
   if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
     raise ValueError(f"{caller}: prompt_ids must be a non-empty 1-D int sequence, got shape {prompt.shape} "
                      f"dtype {prompt.dtype}")
-  for name, ids in [("prompt_ids", prompt), ("eos_ids/stop_ids", stops), ("pad_id", np.asarray([pad_id]))]:
+  for name, ids in [("prompt_ids", prompt), ("eos_ids", eos), ("pad_id", np.asarray([pad_id]))]:
     if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
       raise ValueError(f"{caller}: {name} must lie in [0, {cfg.vocab_size}), got {ids.tolist()}")
 
 
-def bucketed_prompt_and_stops(caller: str, prompt: np.ndarray, prompt_bucket: int | None,
-                              stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """The prompt right-padded to its bucket [1, bucket] and the stop ids padded with -1 to a
+def bucketed_prompt_and_eos(caller: str, prompt: np.ndarray, prompt_bucket: int | None,
+                            eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The prompt right-padded to its bucket [1, bucket] and the EOS ids padded with -1 to a
   multiple of 8 (-1 never matches a token): both shapes, hence the compile, stay stable."""
   p = prompt.size
-  bucket = prompt_bucket_length(p) if prompt_bucket is None else prompt_bucket
+  bucket = bucket_length(p) if prompt_bucket is None else prompt_bucket
   if bucket < p:
     raise ValueError(f"{caller}: prompt_bucket={bucket} is shorter than the prompt ({p} tokens)")
   padded = np.zeros((1, bucket), np.int32)
   padded[0, :p] = prompt
-  return padded, np.pad(stops, (0, max(8, -(-stops.size // 8) * 8) - stops.size), constant_values=-1)
+  return padded, np.pad(eos, (0, max(8, -(-eos.size // 8) * 8) - eos.size), constant_values=-1)
 
 
-def _validate(cfg, prompt, stops, *, num_samples, max_new_tokens, temperature, top_p, pad_id):
+def _validate(cfg, prompt, eos, *, num_samples, max_new_tokens, temperature, top_p, pad_id):
   if num_samples < 1:
     raise ValueError(f"sample_group: num_samples must be >= 1, got {num_samples}")
   if max_new_tokens < 1:
     raise ValueError(f"sample_group: max_new_tokens must be >= 1, got {max_new_tokens}")
-  check_sampling_inputs("sample_group", cfg, prompt, stops, temperature=temperature, top_p=top_p, pad_id=pad_id)
+  check_sampling_inputs("sample_group", cfg, prompt, eos, temperature=temperature, top_p=top_p, pad_id=pad_id)
   if prompt.size + max_new_tokens > cfg.max_positions:
     raise ValueError(f"sample_group: prompt length {prompt.size} + max_new_tokens {max_new_tokens} exceeds "
                      f"model.config.max_positions={cfg.max_positions}")
 
 
 def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: int, key: jax.Array,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, eos_ids: Sequence[int] = (),
-                 stop_ids: Sequence[int] = (), pad_id: int = 0, prompt_bucket: int | None = None) -> Rollouts:
+                 temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
+                 prompt_bucket: int | None = None) -> Rollouts:
   """Samples G = num_samples completions of one prompt with one shared prefill and a KV cache.
 
-  Compiles once per (prompt bucket, G, N, greedy, top_p < 1, model structure); temperature,
-  top_p's value, up to 8 stop ids, the key and the prompt within its bucket do not recompile.
+  Compiles once per (prompt bucket, G, N, temperature == 0, top_p < 1, model structure); temperature,
+  top_p's value, up to 8 EOS ids, the key and the prompt within its bucket do not recompile.
 
   Args:
     model: the decoder (any compute dtype).
@@ -306,12 +301,11 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
     num_samples: G >= 1.
     max_new_tokens: N >= 1, tokens generated per sample at most; P + N <= model.config.max_positions.
     key: PRNG key; sample g draws token t with fold_in(split(key, G)[g], t): reproducible for a key.
-    temperature: >= 0; 0 means greedy (argmax).
+    temperature: >= 0; 0 means greedy (argmax: every sample then equals the others).
     top_p: nucleus mass in (0, 1]; 1 disables the filter. Applied after the temperature.
-    greedy: argmax decoding (every sample then equals the others).
-    eos_ids, stop_ids: ids that end a sample (kept as its last token); both act the same.
+    eos_ids: ids that end a sample (kept as its last token).
     pad_id: id written after a sample's end, in [0, V).
-    prompt_bucket: padded prompt length (>= P); default `prompt_bucket_length(P)`.
+    prompt_bucket: padded prompt length (>= P); default `data.groups.bucket_length(P)` (a power of two >= 16).
 
   Returns:
     Rollouts (see its docstring for shapes and the padding/log-prob conventions).
@@ -321,15 +315,15 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
       or non-1-D prompt, any id outside [0, V), P + max_new_tokens > max_positions, prompt_bucket < P.
   """
   prompt = np.asarray(prompt_ids)
-  stops = np.asarray([*eos_ids, *stop_ids], np.int64).reshape(-1)
-  _validate(model.config, prompt, stops, num_samples=num_samples, max_new_tokens=max_new_tokens,
+  eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
+  _validate(model.config, prompt, eos, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, pad_id=pad_id)
   p = prompt.size
-  padded, stops = bucketed_prompt_and_stops("sample_group", prompt, prompt_bucket, stops)
+  padded, eos = bucketed_prompt_and_eos("sample_group", prompt, prompt_bucket, eos)
   graphdef, state = nnx.split(model)
-  greedy = greedy or temperature == 0
+  greedy = temperature == 0
   tokens, logprobs, lengths, finished = _generate(
       graphdef, state, jnp.asarray(padded), jnp.int32(p), jax.random.split(key, num_samples),
-      jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.asarray(stops, jnp.int32),
+      jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.asarray(eos, jnp.int32),
       jnp.int32(pad_id), max_new_tokens=max_new_tokens, greedy=greedy, use_top_p=top_p < 1 and not greedy)
   return Rollouts(jnp.asarray(prompt, jnp.int32), tokens, logprobs, lengths, finished)

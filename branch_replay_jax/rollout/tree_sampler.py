@@ -45,12 +45,9 @@ from flax import nnx
 
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
-from branch_replay_jax.rollout.sampler import (bucketed_prompt_and_stops, check_sampling_inputs, decode_from, decode_step,
+from branch_replay_jax.rollout.sampler import (bucketed_prompt_and_eos, check_sampling_inputs, decode_from, decode_step,
                                         prefill)
 from branch_replay_jax.data.trees import RolloutTree
-
-BRANCH_ON = ("fixed",)
-
 
 class TreeRollout(NamedTuple):
   """A sampled rollout tree (G trajectories, N nodes).
@@ -90,7 +87,7 @@ def _prefill(graphdef, state, prompt_1t, prompt_len):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_children", "segment_length", "greedy", "use_top_p",
                                              "feed_last"))
-def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature, top_p, stop_ids, pad_id, *,
+def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature, top_p, eos_ids, pad_id, *,
             num_children, segment_length, greedy, use_top_p, feed_last):
   """Samples the children of one node. Child i's key is fold_in(fold_in(node_key, 1), i); its tokens are
   drawn with fold_in(child_key, 0) (then the step is folded in), so token draws and the keys handed to
@@ -101,7 +98,7 @@ def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature
   draw_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(child_keys)
   tokens, logprobs, lengths, done, cache = decode_from(
       model, ancestors, logits_1v, offset, draw_keys, temperature=temperature, top_p=top_p if use_top_p else None,
-      stop_ids=stop_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy)
+      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy)
   if not feed_last:
     return tokens, logprobs, lengths, done, child_keys, None, None
   # Rows that stopped early are leaves: their slot and logits here are garbage and never used.
@@ -115,11 +112,7 @@ def _row(kv: KVBlock, i: int) -> KVBlock:
   return KVBlock(kv.k[:, i:i + 1], kv.v[:, i:i + 1], kv.valid[i:i + 1])
 
 
-def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length, temperature, top_p, pad_id,
-              branch_on):
-  if branch_on not in BRANCH_ON:
-    raise ValueError(f"sample_tree: branch_on must be one of {BRANCH_ON}, got {branch_on!r} (entropy-based "
-                     "branching, TreeRL arXiv 2506.11902, is not implemented)")
+def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length, temperature, top_p, pad_id):
   if len(fanouts) == 0:
     raise ValueError("sample_tree: fanouts is empty; give at least one level, e.g. fanouts=[4]")
   for d, f in enumerate(fanouts):
@@ -139,7 +132,7 @@ def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length,
 
 def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_length: int, key: jax.Array,
                 temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
-                branch_on: str = "fixed", last_segment_length: int | None = None,
+                last_segment_length: int | None = None,
                 prompt_bucket: int | None = None) -> TreeRollout:
   """Samples a tree of fixed-length segments on one shared prompt prefill (see the module docstring).
 
@@ -159,15 +152,14 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
     top_p: nucleus mass in (0, 1]; 1 disables the filter. Applied after the temperature.
     eos_ids: ids that end a path (kept as the segment's last token); up to 8 share one compile.
     pad_id: id in [0, V) used for padding inside the sampler (never in the returned segments).
-    branch_on: "fixed" (segment boundaries every S tokens). Nothing else is implemented.
     last_segment_length: S_last >= 1, tokens of the depth-D segments; default S.
-    prompt_bucket: padded prompt length (>= P); default `prompt_bucket_length(P)`.
+    prompt_bucket: padded prompt length (>= P); default `data.groups.bucket_length(P)`.
 
   Returns:
     TreeRollout (see its docstring for the node order and log-prob convention).
 
   Raises:
-    ValueError: branch_on other than "fixed", empty fanouts, a fanout < 1, segment_length or
+    ValueError: empty fanouts, a fanout < 1, segment_length or
       last_segment_length < 1, temperature < 0, top_p outside (0, 1], an empty or non-1-D prompt, an id
       outside [0, V), P + (D - 1) S + S_last > max_positions, prompt_bucket < P.
   """
@@ -176,14 +168,14 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
   fanouts = list(fanouts)
   s_last = segment_length if last_segment_length is None else last_segment_length
   _validate(model.config, prompt, eos, fanouts=fanouts, segment_length=segment_length, last_segment_length=s_last,
-            temperature=temperature, top_p=top_p, pad_id=pad_id, branch_on=branch_on)
+            temperature=temperature, top_p=top_p, pad_id=pad_id)
   fanouts = [int(f) for f in fanouts]
   p = prompt.size
-  padded, stops = bucketed_prompt_and_stops("sample_tree", prompt, prompt_bucket, eos)
-  stops = jnp.asarray(stops, jnp.int32)
+  padded, eos = bucketed_prompt_and_eos("sample_tree", prompt, prompt_bucket, eos)
+  eos = jnp.asarray(eos, jnp.int32)
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
-  scalars = dict(temperature=jnp.float32(1.0 if greedy else temperature), top_p=jnp.float32(top_p), stop_ids=stops,
+  scalars = dict(temperature=jnp.float32(1.0 if greedy else temperature), top_p=jnp.float32(top_p), eos_ids=eos,
                  pad_id=jnp.int32(pad_id))
   static = dict(greedy=greedy, use_top_p=top_p < 1 and not greedy)
 
