@@ -17,11 +17,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py
 
+# Two pytest workers (pytest-xdist), one test file per worker at a time, so module fixtures run once.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not heavy"
+	$(PY) -m pytest -q -m "not heavy" -n 2 --dist loadfile
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) -m branch_replay_jax.benchmarks.replay --config=experiments/bench_replay.py

@@ -235,8 +235,8 @@ def test_make_mesh_and_placement_reject_bad_shapes():
   with pytest.raises(ValueError, match=r"batch.branches: axis 1 has size 2, not divisible by branch=8"):
     shard_batch(odd_prompt, make_mesh(1, 8, 1))
   # pad_prompts rounds the 12-token bucket up to seq's multiple, 16; it refuses an empty list.
-  assert stack_groups(pad_prompts([grpo_arrays(random_group([2, 3], prompt_bucket=12), np.float32)], 8))[
-      "prompt_ids"].shape == (1, 16)
+  padded = stack_groups(pad_prompts([grpo_arrays(random_group([2, 3], prompt_bucket=12), np.float32)], 8))
+  assert padded.prompt_ids.shape == (1, 16)
   with pytest.raises(ValueError, match="0 groups"):
     pad_prompts([])
   with pytest.raises(ValueError, match="mode='zero3'"):

@@ -149,8 +149,8 @@ def _check_tree(tree, critic, dtype, tol):
   levels = _tree_fwd(graphdef, params, tree_arr)
   naive = _naive_fwd(graphdef, params, naive_arr)
   for k in ("logp", "values"):
-    rows = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [lvl[k] for lvl in levels]), T_MAX)
-    assert max_rel_err(rows, naive[k]) <= tol, k
+    nodes = ppo.level_to_nodes(tree, padded.node_ids, [getattr(lvl, k) for lvl in levels])
+    assert max_rel_err(ppo.trajectory_rows(tree, nodes, T_MAX), getattr(naive, k)) <= tol, k
   # V after each trajectory's last token, read at the node it ends at, equals the naive one.
   leaf = ppo.leaf_values(tree, padded.node_ids, [lvl.next_value for lvl in levels])
   assert max_rel_err(leaf, naive.next_value) <= tol
