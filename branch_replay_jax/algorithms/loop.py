@@ -167,6 +167,10 @@ def validate_mesh(config) -> None:
                      f"device count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
   if t.gradient != "replay":
     raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
+  impl = config.model.attention_impl
+  if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
+    raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
+                     "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
   if r.tree_fanouts:
     raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)}: the training loop runs trees on one device "
                      "(sampled trees differ in shape step to step); use a 1x1x1 mesh")

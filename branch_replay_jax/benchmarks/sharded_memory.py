@@ -66,8 +66,9 @@ def _architecture(name: str):
   return dataclasses.replace(cfg, max_positions=1 << 24)   # shapes only: any P compiles
 
 
-def _abstract_model(cfg, dtype: str, remat: str):
-  model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), remat=remat, rngs=nnx.Rngs(0)))
+def _abstract_model(cfg, dtype: str, remat: str, attention_impl: str):
+  model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), remat=remat, attention_impl=attention_impl,
+                                       rngs=nnx.Rngs(0)))
   return nnx.split(model)
 
 
@@ -102,7 +103,7 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   """Compile the sharded optimizer step once; per-device bytes and the state accounting."""
   cfg = _architecture(name)
   mesh = make_mesh(*c.mesh)
-  graphdef, params = _abstract_model(cfg, c.dtype, remat)
+  graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
   tx = optax.adamw(1e-6)
   with jax.set_mesh(mesh):
     params = _placed(params, param_specs(params, mesh, layout), mesh)
@@ -121,8 +122,8 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   n = mesh.size
   target = 4 * total_params / n + layer   # params + gradient + AdamW mu, nu: 4 copies, split n ways
   return {"study": "replay", "model": name, "params": layout, "remat": remat, "mesh": "x".join(map(str, c.mesh)),
-          "P": p, "T": c.T, "G": c.G, "dtype": c.dtype, **_memory(compiled), "state_bytes": state,
-          "grad_bytes": grad, "state_target_bytes": target, "state_ratio": (state + grad) / target,
+          "P": p, "T": c.T, "G": c.G, "dtype": c.dtype, "attention_impl": c.attention_impl, **_memory(compiled),
+          "state_bytes": state, "grad_bytes": grad, "state_target_bytes": target, "state_ratio": (state + grad) / target,
           "parameter_bytes_total": total_params, "layer_bytes": layer,
           "token_positions_naive": mesh.shape["data"] * c.G * (p + c.T),
           "token_positions_computed": mesh.shape["data"] * (p + c.G * c.T), "compile_s": compile_s,
@@ -133,14 +134,15 @@ def naive_case(c, name: str, remat: str, p: int) -> dict:
   """One device, one completion of T tokens on a P-token prompt (the naive step's per-scan-step
   footprint), parameters and AdamW state replicated (4 copies of the parameters)."""
   cfg = _architecture(name)
-  graphdef, params = _abstract_model(cfg, c.dtype, remat)
+  graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
   batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), _batch(1, 1, p, c.T))
   step = jax.jit(lambda prm, b: naive_value_and_grad(graphdef, prm, b, OBJECTIVE, micro_batch=1,
                                                      logprob_chunk=c.logprob_chunk))
   compiled = step.lower(params, batch).compile()
   mem = _memory(compiled)
   total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
-  return {"study": "naive", "model": name, "remat": remat, "P": p, "T": c.T, "dtype": c.dtype, **mem,
+  return {"study": "naive", "model": name, "remat": remat, "P": p, "T": c.T, "dtype": c.dtype,
+          "attention_impl": c.attention_impl, **mem,
           "peak_estimate_bytes": mem["peak_estimate_bytes"] + 2 * total_params,   # + AdamW mu, nu
           "backend": jax.default_backend()}
 
