@@ -24,7 +24,8 @@ def get_config(arg=None):
   c.algorithm = "dpo"                     # main.py runs branch_replay_jax.algorithms.dpo.train
   c.model = ml_collections.ConfigDict()
   c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
-  c.model.dtype = "float32"               # compute dtype: float32 or bfloat16 (parameters stay float32)
+  c.model.dtype = "float32"               # compute dtype: float32 or bfloat16
+  c.model.param_dtype = "float32"         # float32, or bfloat16 (steps see bfloat16 parameters; float32 master)
   c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs), save_kv (inputs + K/V)
   #                                       # or offload_kv (save_kv with the saved arrays in host memory)
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)

@@ -471,3 +471,14 @@ def test_gguf_tokenizer_with_an_old_transformers_names_the_requirement(monkeypat
   monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", old)
   with pytest.raises(ImportError, match=r"m\.gguf: building a GGUF tokenizer needs transformers>=5\.18"):
     build_tokenizer("llama", {"tokenizer.ggml.tokens": ["a"]}, "m.gguf")
+
+
+@pytest.mark.parametrize("name,count", [("llama-3.2-1b", 1_235_814_400), ("qwen2.5-1.5b", 1_543_714_304),
+                                        ("llama-3.1-8b", 8_030_261_248)])
+def test_architecture_shapes_have_the_published_parameter_counts(name, count):
+  # Shapes only (nnx.eval_shape, no weights): the parameter count of each released checkpoint
+  # (its safetensors index's total), so the compile-only memory study measures the real models.
+  from branch_replay_jax.models import Llama
+  from branch_replay_jax.models.config import architecture_shape
+  model = nnx.eval_shape(lambda: Llama(architecture_shape(name), rngs=nnx.Rngs(0)))
+  assert sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model))) == count

@@ -183,6 +183,106 @@ def test_fsdp_step_equals_replicated_gradient(reference):
   assert max_rel_err(new_params, want) <= 1e-6
 
 
+FSDP_MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]
+
+
+@pytest.mark.parametrize("shape", FSDP_MESHES, ids=["x".join(map(str, s)) for s in FSDP_MESHES])
+def test_fsdp_inside_the_step_equals_naive(reference, shape):
+  # FSDP parameters enter the shard_map as shards and are all-gathered layer by layer inside the
+  # scan (models.llama.param_gather); their gradients leave reduce-scattered, already in the FSDP
+  # layout. Expected: the naive gradient to float32 rounding (<= 1e-5), on a data-only mesh, a
+  # 2x2x2 mesh and a sequence-sharded one (seq = 4).
+  graphdef, params, groups, naive_loss, naive_grads, _, naive_aux = reference
+  mesh = make_mesh(*shape)
+  loss, aux, grads = _sharded(graphdef, params, groups, mesh, mode="fsdp")
+  assert loss == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
+  assert max_rel_err(grads, naive_grads) <= 1e-5
+  np.testing.assert_array_equal(aux["clipped"], naive_aux["clipped"])
+  specs = param_specs(params, mesh, "fsdp")
+  assert all(s != P() for s in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)))  # all split
+  same = jax.tree_util.tree_map(lambda g, s: g.sharding.is_equivalent_to(NamedSharding(mesh, s), g.ndim), grads, specs)
+  assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_fsdp_inside_the_step_float64():
+  # The same step in float64 on 2x2x2: equal to the naive gradient to 1e-10 (float64 rounding
+  # over reordered sums), so the gather / reduce-scatter adds nothing beyond the order of sums.
+  with jax.enable_x64(True):
+    graphdef, params = tiny_model(jnp.float64, jnp.float64)
+    groups = [grpo_arrays(random_group([3, 5, 2, 7], seed=s, prompt_bucket=16, completion_bucket=8), np.float64,
+                          seed=s) for s in range(2)]
+    naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective))
+    outs = [naive(params, a) for a in groups]
+    naive_grads = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
+    loss, _, grads = _sharded(graphdef, params, groups, make_mesh(2, 2, 2), mode="fsdp")
+    assert loss == pytest.approx(float(outs[0][0] + outs[1][0]), rel=1e-10)
+    assert max_rel_err(grads, naive_grads) <= 1e-10
+    assert jax.tree_util.tree_leaves(grads)[0].dtype == jnp.float64
+
+
+def test_bfloat16_parameters_on_the_fsdp_mesh_error_at_most_twice_naive_error(reference):
+  # model.param_dtype = bfloat16: the FSDP step gathers bfloat16 shards and reduce-scatters bfloat16
+  # gradients. Reference: the float64 naive gradient at the same (bfloat16-rounded) parameters.
+  # flash-attention's rule: the new path's low-precision error is at most 2x the established
+  # path's (the one-device naive step on the same bfloat16 parameters and compute dtype).
+  _, _, groups, *_ = reference
+  graphdef, params = tiny_model(jnp.bfloat16, jnp.bfloat16)
+  with jax.enable_x64(True):
+    gd64, _ = tiny_model(jnp.float64, jnp.float64)
+    p64 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+    naive64 = jax.jit(lambda p, a: naive_value_and_grad(gd64, p, a, grpo_objective))
+    ref = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b),
+                           [naive64(p64, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64)
+                                                                if x.dtype == jnp.float32 else x, a))[2]
+                            for a in groups])
+    ref = jax.tree_util.tree_map(np.asarray, ref)
+  naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective))
+  g_naive = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b),
+                             [naive(params, a)[2] for a in groups])
+  _, _, g_fsdp = _sharded(graphdef, params, groups, make_mesh(2, 2, 2), mode="fsdp")
+  assert jax.tree_util.tree_leaves(g_fsdp)[0].dtype == jnp.bfloat16
+  err_naive, err_fsdp = max_rel_err(g_naive, ref), max_rel_err(g_fsdp, ref)
+  assert err_naive > 1e-3, "bfloat16 must actually round (else this test checks nothing)"
+  assert err_fsdp <= 2 * err_naive, (err_fsdp, err_naive)
+
+
+def test_fsdp_gather_no_double_psum():
+  # The over-count trap on the FSDP path: w = ones(8) split over 8 devices, each all-gathers it and
+  # computes Σ_j w_j^2 d_i with its own d_i = i. dL/dw_j = 2 w_j Σ_i d_i = 56 for every j, and the
+  # all-gather's transpose (a reduce-scatter) already sums over the devices; a psum on top gives
+  # 8 x 56 = 448, which is what mesh.py's step must not do for gathered parameters.
+  mesh = make_mesh(8, 1)
+  axes = ("data", "branch", "seq")
+
+  def per_device(w_local, d_local, extra_psum):
+    loss = lambda w: jnp.sum(jax.lax.all_gather(w, axes, axis=0, tiled=True) ** 2) * d_local[0]
+    g = jax.grad(loss)(w_local)
+    return jax.lax.psum(g, axes) if extra_psum else g
+
+  with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.ones(8), NamedSharding(mesh, P(axes)))
+    d = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P(axes)))
+    for extra, want in ((False, 56.0), (True, 448.0)):
+      out_spec = P() if extra else P(axes)
+      f = jax.shard_map(functools.partial(per_device, extra_psum=extra), mesh=mesh, in_specs=(P(axes), P(axes)),
+                        out_specs=out_spec, check_vma=True)
+      got = np.asarray(f(w, d))
+      np.testing.assert_array_equal(got, np.full(got.shape, want))
+
+
+def test_mesh_step_refuses_a_layout_it_cannot_gather(reference):
+  # A parameter split over one mesh axis only cannot be gathered by the step: ValueError naming
+  # the parameter and its spec, before any compute.
+  graphdef, params, groups, *_ = reference
+  mesh = make_mesh(2, 2, 2)
+  with jax.set_mesh(mesh):
+    odd = jax.tree_util.tree_map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+    odd["embed"].set_value(jax.device_put(params["embed"][...], NamedSharding(mesh, P("data"))))
+    batch = shard_batch(stack_groups(pad_prompts(groups[:2], 2)), mesh)
+    with pytest.raises(ValueError, match="parameter 'embed' has spec"):
+      sharded_replay_value_and_grad(graphdef, odd, batch, grpo_objective, mesh)
+
+
 def _random_tree(seed):
   """A prompt of 11 tokens, 4 first-level segments of 3 tokens, each with 2 children of 2-5 tokens."""
   rng = np.random.default_rng(seed)

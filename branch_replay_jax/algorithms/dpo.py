@@ -49,6 +49,9 @@ def validate(config) -> None:
     if (field in config[section]) if section else (name in config):
       raise ValueError(f"{name} does not apply to data.source={d.source!r}; remove it")
   loop.validate_common(config)
+  if config.model.param_dtype != "float32":
+    raise ValueError(f"model.param_dtype={config.model.param_dtype!r}: DPO's two-pass step keeps float32 parameters "
+                     "(bfloat16 parameters are implemented for grpo and ppo); set it to 'float32'")
   if p.loss not in obj.PREFERENCE_LOSSES:
     raise ValueError(f"dpo.loss={p.loss!r} is not one of {obj.PREFERENCE_LOSSES}")
   if not p.beta > 0:

@@ -71,20 +71,28 @@ class GRPOFunctions:
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
                                        kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
+    cast, upcast = loop.param_casts(config)
+    self.cast = cast
     if self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
-      self.grad = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=m))
-      self.logprobs = jax.jit(lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=m))
+      grad = lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=m)
+      logprobs = lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=m)
     else:
       grad_fn = (naive_value_and_grad if naive else replay_value_and_grad if not tree else
                  functools.partial(tree_replay_value_and_grad, schedule=t.tree_schedule))
       lp_fn = naive_logprobs if naive else tree_replay_logprobs if tree else replay_logprobs
       # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
       # each compiled shape uses the largest divisor of that count not above train.micro_batch.
-      self.grad = jax.jit(lambda p, a: grad_fn(graphdef, p, a, self.objective,
-                                               micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
-      self.logprobs = jax.jit(lambda p, a: lp_fn(graphdef, p, a) if naive else
-                              lp_fn(graphdef, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
+      grad = lambda p, a: grad_fn(graphdef, p, a, self.objective,
+                                  micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)))
+      logprobs = lambda p, a: (lp_fn(graphdef, p, a) if naive else
+                               lp_fn(graphdef, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
+
+    def grad_step(p, b):
+      loss, aux, grads = grad(cast(p), b)
+      return loss, aux, upcast(grads)
+    self.grad = jax.jit(grad_step)
+    self.logprobs = jax.jit(lambda p, b: logprobs(cast(p), b))
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
     """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh."""
@@ -102,6 +110,7 @@ class GRPOFunctions:
     """The parameters the sampler reads: on the mesh, a copy gathered onto the first device."""
     # A SingleDeviceSharding, not a bare device: device_put(x, device) keeps an FSDP array's
     # sharded type (JAX 0.10), and the sampler's gathers would then ask for an out_sharding.
+    params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
     return params if self.mesh is None else jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 

@@ -55,6 +55,8 @@ def validate_common(config) -> None:
   m, t = config.model, config.train
   if m.dtype not in DTYPES:
     raise ValueError(f"model.dtype={m.dtype!r} is not one of {DTYPES} (float16 has no loss scaling here)")
+  if m.param_dtype not in DTYPES:
+    raise ValueError(f"model.param_dtype={m.param_dtype!r} is not one of {DTYPES}")
   if m.remat not in REMAT_POLICIES:
     raise ValueError(f"model.remat={m.remat!r} is not one of {REMAT_POLICIES}")
   if m.attention_impl not in ATTENTION_IMPLS:
@@ -165,6 +167,10 @@ def validate_mesh(config) -> None:
                      f"device count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
   if t.gradient != "replay":
     raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
+  impl = config.model.attention_impl
+  if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
+    raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
+                     "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
   if r.tree_fanouts:
     raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)}: the training loop runs trees on one device "
                      "(sampled trees differ in shape step to step); use a 1x1x1 mesh")
@@ -193,6 +199,23 @@ def build_model(config):
     return Llama(cfg, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl,
                  rngs=nnx.Rngs(config.seed)), tokenizer
   return load(config.model.name, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl)
+
+
+def param_casts(config):
+  """(cast, upcast) for model.param_dtype's mixed-precision scheme (docs/design.md, "Parameter dtype").
+
+  The loop's parameters and optimizer state stay float32 (the master copy, Micikevicius et al.
+  2018, arXiv 1710.03740, section 3.1); every gradient or log-prob step sees cast(params), the
+  parameters rounded to model.param_dtype, so on a mesh the FSDP all-gathers and gradient
+  reduce-scatters move that dtype; upcast(grads) returns the gradients to float32 for the update.
+  Identities for "float32".
+  """
+  dtype = jnp.dtype(config.model.param_dtype)
+  if dtype == jnp.float32:
+    return (lambda p: p), (lambda g: g)
+  cast = lambda tree, d: jax.tree_util.tree_map(lambda x: x.astype(d) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                                tree)
+  return (lambda p: cast(p, dtype)), (lambda g: cast(g, jnp.float32))
 
 
 def make_optimizer(config) -> optax.GradientTransformation:

@@ -93,9 +93,15 @@ class PPOFunctions:
                pp.replay_value_and_grad)
     fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
     mb = lambda a: fit_micro_batch(t.micro_batch, num_branches(a))
-    self.grad = jax.jit(lambda prm, a: grad_fn(graphdef, prm, a, objective, micro_batch=mb(a)))
-    self.forward = jax.jit(lambda prm, a: pp.naive_logprobs_values(graphdef, prm, a) if self.naive
-                           else fwd_fn(graphdef, prm, a, micro_batch=mb(a)))
+    cast, upcast = loop.param_casts(config)
+
+    def grad_step(prm, a):
+      loss, aux, grads = grad_fn(graphdef, cast(prm), a, objective, micro_batch=mb(a))
+      return loss, aux, upcast(grads)
+    self.grad = jax.jit(grad_step)
+    self.forward = jax.jit(lambda prm, a: pp.naive_logprobs_values(graphdef, cast(prm), a) if self.naive
+                           else fwd_fn(graphdef, cast(prm), a, micro_batch=mb(a)))
+    self.cast = cast
 
 
 # Host-side layout of a tree's per-node values along trajectories (and back).
@@ -252,7 +258,7 @@ class PPO(loop.Algorithm):
     return run.params, run.opt_state
 
   def collect(self, run, params, step, data_pos):
-    policy = nnx.merge(run.graphdef, params).policy
+    policy = nnx.merge(run.graphdef, self.fns.cast(params)).policy   # the policy the step trains
     return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
 
   def update(self, params, opt_state, groups, step):

@@ -26,14 +26,16 @@ through the log-sum-exp merge), so the psum over the mesh is S times the gradien
 The GRPO / RLOO training loop (algorithms/grpo.py) runs its update here when config.mesh is larger than
 1 x 1 x 1: the step's groups padded to one prompt length (`pad_prompts`), stacked and placed.
 
-Parameters are replicated or FSDP-sharded at rest (`param_specs`). FSDP here shards each leaf's
-largest evenly divisible dimension over all devices; the step's `jit` all-gathers the full
-parameters at the `shard_map` boundary (`jax.reshard` to P()) and keeps each device's slice of
-the all-reduced gradients (`jax.reshard` back to the FSDP layout), so the per-device program is
-the replicated one (same gradients) and the optimizer state follows the parameters' shardings.
-Chosen over a per-layer all-gather inside the layer scan for simplicity and because it leaves the
-model untouched: it saves the memory of the parameters and the optimizer state at rest (1/N per
-device), not the step's peak of one full parameter copy and one full gradient.
+Parameters are replicated or FSDP-sharded (`param_specs`; Rajbhandari et al. 2020, ZeRO stage 3,
+arXiv 1910.02054). FSDP splits each leaf's largest evenly divisible dimension (never a stacked
+layer parameter's layer axis) over all devices, and the step keeps them split: the shards enter
+the `shard_map` as they are, and the model all-gathers each parameter just before use
+(`models.llama.param_gather`), a layer's weights inside the layer scan, where remat drops them
+again (they are gathered anew in the backward pass). The all-gather's transpose reduce-scatters
+the gradient, which leaves the step in the FSDP layout, summed over the mesh: no device holds a
+full parameter copy or a full gradient, only one layer's gathered weights at a time beyond the
+embedding / output projection. The optimizer state follows the parameters' shardings. The
+explicit psum is then skipped for gathered parameters (a second sum is the over-count trap).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
                                                   tree_replay_value_and_grad)
+from branch_replay_jax.models.llama import param_gather
 
 MESH_AXES = ("data", "branch", "seq")
 PARAM_MODES = ("replicated", "fsdp")
@@ -130,9 +133,17 @@ def shard_batch(batch: GroupBatch | TreeBatch, mesh) -> GroupBatch | TreeBatch:
                                 batch_specs(batch, mesh))
 
 
+def _leaf_name(path) -> str:
+  """"embed", "layers.wq", ...: a parameter's dotted name from its nnx.State path (dict keys; the
+  Variable's own `.value` attribute is not part of the name)."""
+  return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
 def param_specs(params, mesh, mode: str = "replicated"):
   """PartitionSpecs of the parameters: P() for "replicated"; for "fsdp" each leaf's largest
-  dimension divisible by the device count is split over all mesh axes (P() when none is).
+  dimension divisible by the device count is split over all mesh axes (P() when none is). A
+  stacked layer parameter [L, ...] is never split on its layer axis: the layer scan then slices
+  each layer's shard and all-gathers it just before use (`_over_mesh`).
 
   Raises:
     ValueError: for a mode outside PARAM_MODES.
@@ -141,14 +152,38 @@ def param_specs(params, mesh, mode: str = "replicated"):
     raise ValueError(f"param_specs: mode={mode!r} is not one of {PARAM_MODES}")
   n = mesh.size
 
-  def spec(x):
+  def spec(path, x):
     if mode == "replicated":
       return P()
-    for dim in sorted(range(x.ndim), key=lambda i: -x.shape[i]):
+    first = 1 if _leaf_name(path).startswith("layers.") else 0
+    for dim in sorted(range(first, x.ndim), key=lambda i: -x.shape[i]):
       if x.shape[dim] % n == 0:
         return P(*([None] * dim), MESH_AXES)
     return P()
-  return jax.tree_util.tree_map(spec, params)
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _sharded_dims(params) -> dict[str, int | None]:
+  """name -> the dimension of the parameter split over all mesh axes (FSDP), or None when replicated.
+
+  Raises:
+    ValueError: a parameter sharded otherwise (over some axes only, or over several dimensions),
+      naming it and its spec: the step gathers only `param_specs`'s layouts.
+  """
+  dims = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name, spec = _leaf_name(path), tuple(jax.typeof(x).sharding.spec)
+    split = [(d, a) for d, a in enumerate(spec) if a is not None]
+    if not split:
+      dims[name] = None
+    elif len(split) == 1 and tuple(split[0][1] if isinstance(split[0][1], tuple) else (split[0][1],)) == MESH_AXES:
+      if name.startswith("layers.") and split[0][0] == 0:
+        raise ValueError(f"parameter {name!r} is split on its layer axis (spec {spec}); use param_specs")
+      dims[name] = split[0][0]
+    else:
+      raise ValueError(f"parameter {name!r} has spec {spec}: the mesh step takes parameters replicated (P()) or "
+                       f"split on one dimension over all of {MESH_AXES} (param_specs(..., 'fsdp'))")
+  return dims
 
 
 def shard_params(params, mesh, mode: str = "replicated"):
@@ -169,17 +204,35 @@ def _invariant_over_seq(tree):
 def _over_mesh(per_device, params, batch, mesh, out_specs):
   """`shard_map` of per_device(local params, this device's part of the batch) on `mesh`.
 
-  The parameters are all-gathered at the boundary (`jax.reshard` to P(); module docstring) and
-  cast to varying over every mesh axis inside: their gradients then stay per-device until an
-  explicit psum (no implicit one; module docstring), and the layer scan's carry keeps one type while mixing
-  the prompt (varying over `seq`) with the completions (varying over `branch`).
+  Replicated parameters enter whole (P()) and are cast to varying over every mesh axis inside:
+  their gradients then stay per-device until an explicit psum (no implicit one; module docstring),
+  and the layer scan's carry keeps one type while mixing the prompt (varying over `seq`) with the
+  completions (varying over `branch`). FSDP parameters enter as this device's shard (already
+  varying) and the model all-gathers each one just before use (`models.llama.param_gather`):
+  inside the layer scan for layer weights, so no device holds more than one layer's gathered
+  weights beyond the embedding; the all-gather's transpose reduce-scatters their gradients,
+  already summed over the mesh. per_device gets `fsdp`, the set of gathered names (its caller
+  must not psum their gradients again: the over-count trap, docs/design.md "Pitfalls").
   """
-  full = jax.tree_util.tree_map(lambda x: jax.reshard(x, P()), params)
+  dims = _sharded_dims(params)
+  specs = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, params)
+
+  def gather(name, x):
+    dim = dims[name]
+    if dim is None:
+      return x
+    axis = dim - 1 if name.startswith("layers.") else dim   # inside the scan: the layer axis is gone
+    return jax.lax.all_gather(x, MESH_AXES, axis=axis, tiled=True)
+
+  fsdp = {name for name, dim in dims.items() if dim is not None}
 
   def body(params, batch):
-    return per_device(jax.lax.pcast(params, MESH_AXES, to="varying"), batch)
-  return jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_specs(batch, mesh)), out_specs=out_specs,
-                       check_vma=True)(full, batch)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if _leaf_name(path) in fsdp else jax.lax.pcast(x, MESH_AXES, to="varying"), params)
+    with param_gather(gather):
+      return per_device(params, batch, fsdp)
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch_specs(batch, mesh)),
+                       out_specs=out_specs(specs) if callable(out_specs) else out_specs, check_vma=True)(params, batch)
 
 
 def _mesh_value_and_grad(per_group, params, batch, mesh):
@@ -197,21 +250,25 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
     return jax.tree_util.tree_map(
         lambda c: jax.lax.pcast(jax.lax.psum(c, "branch") / n_branch, "branch", to="varying"), cotangent)
 
-  def per_device(local, batch):
+  def per_device(local, batch, fsdp):
     def one_group(carry, batch):
       loss, aux, grads = per_group(local, batch, reduce_prompt_cotangent)
       return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, local)
-    loss0 = jnp.zeros_like(jax.tree_util.tree_leaves(local)[0], shape=())
+    leaf = jax.tree_util.tree_leaves(local)[0]   # varying over the mesh, like the losses
+    loss0 = jnp.zeros_like(leaf, shape=(), dtype=jnp.promote_types(leaf.dtype, jnp.float32))
     (loss, grads), aux = jax.lax.scan(one_group, (loss0, zeros), batch)
-    loss, grads = jax.lax.psum(loss, MESH_AXES), jax.lax.psum(grads, MESH_AXES)
+    loss = jax.lax.psum(loss, MESH_AXES)
+    # A gathered (FSDP) parameter's gradient left the backward reduce-scattered, summed over the
+    # mesh already: a psum on top would count it mesh.size times.
+    grads = jax.tree_util.tree_map_with_path(
+        lambda path, g: g if _leaf_name(path) in fsdp else jax.lax.psum(g, MESH_AXES), grads)
     if n_seq > 1:   # every seq device computed the whole loss (module docstring)
       loss, grads = loss / n_seq, jax.tree_util.tree_map(lambda g: g / n_seq, grads)
     return loss, _invariant_over_seq(aux), grads
 
-  loss, aux, grads = _over_mesh(per_device, params, batch, mesh, out_specs=(P(), P("data", "branch"), P()))
-  return loss, aux, jax.tree_util.tree_map(lambda g, x: jax.reshard(g, jax.typeof(x).sharding.spec), grads, params)
+  return _over_mesh(per_device, params, batch, mesh, out_specs=lambda specs: (P(), P("data", "branch"), specs))
 
 
 def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, mesh, *,
@@ -273,7 +330,7 @@ def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch.prompt_ids.shape[1], n_seq)
 
-  def per_device(local, batch):
+  def per_device(local, batch, fsdp):
     def one_group(_, batch):
       split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
       return None, replay_logprobs(graphdef, local, batch, micro_batch=micro_batch, logprob_chunk=logprob_chunk,

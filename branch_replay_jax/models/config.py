@@ -93,6 +93,16 @@ ARCHITECTURE_SHAPES = {
     "smollm2-135m": ModelConfig(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3,
                                 head_dim=64, ffn_dim=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True,
                                 max_positions=8192),
+    # From each model's published config.json (Hugging Face model cards; shapes only, no weights):
+    "llama-3.2-1b": ModelConfig(vocab_size=128256, num_layers=16, d_model=2048, num_heads=32, num_kv_heads=8,
+                                head_dim=64, ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
+                                rope_scaling=Llama3RopeScaling(32.0, 1.0, 4.0, 8192), max_positions=131072),
+    "qwen2.5-1.5b": ModelConfig(vocab_size=151936, num_layers=28, d_model=1536, num_heads=12, num_kv_heads=2,
+                                head_dim=128, ffn_dim=8960, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+                                qkv_bias=True, max_positions=32768, arch="qwen2"),
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8,
+                                head_dim=128, ffn_dim=14336, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
+                                rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192), max_positions=131072),
 }
 
 

@@ -23,8 +23,10 @@ arXiv 2305.13245), Llama-3 RoPE scaling (Meta's `apply_scaling`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,33 @@ from branch_replay_jax.models.config import ModelConfig
 
 
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
+
+# FSDP inside the step (docs/design.md, "Mesh and sharding"): while a gather is set, the model reads
+# every parameter through it just before use, a layer's weights inside the layer scan.
+_PARAM_GATHER: contextvars.ContextVar = contextvars.ContextVar("param_gather", default=None)
+
+
+@contextlib.contextmanager
+def param_gather(gather: Callable[[str, jax.Array], jax.Array]):
+  """Within this context (while a step is traced), `Llama` reads each parameter as gather(name, x).
+
+  name is "embed", "final_norm", "lm_head", or "layers.NAME" for one layer's slice of a stacked
+  parameter (its leading layer axis removed), read inside the layer scan. gather returns the full
+  parameter from this device's shard: `distributed.mesh` passes an all-gather over the mesh, whose
+  transpose reduce-scatters the gradient (FSDP; Rajbhandari et al. 2020, ZeRO stage 3, arXiv
+  1910.02054). Gathered layer weights are named "gathered_weights" for remat: never saved for
+  the backward pass, gathered again there.
+  """
+  token = _PARAM_GATHER.set(gather)
+  try:
+    yield
+  finally:
+    _PARAM_GATHER.reset(token)
+
+
+def _read(name: str, x: jax.Array) -> jax.Array:
+  gather = _PARAM_GATHER.get()
+  return x if gather is None else gather(name, x)
 
 
 def _check_host_memory(remat: str) -> None:
@@ -212,7 +241,8 @@ class Llama(nnx.Module):
     positions = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1)) + jnp.arange(t, dtype=jnp.int32)[None]
     positions = jnp.broadcast_to(positions, (b, t))
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
-    x = self.embed[...][tokens_bt].astype(self.dtype)
+    gathering = _PARAM_GATHER.get() is not None
+    x = _read("embed", self.embed[...])[tokens_bt].astype(self.dtype)
     anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
     anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
     anc_valid = [blk.valid for blk in ancestors]
@@ -220,11 +250,15 @@ class Llama(nnx.Module):
 
     def body(x, xs):
       p, ks, vs = xs
+      if gathering:
+        p = {k: checkpoint_name(_read("layers." + k, v), "gathered_weights") for k, v in p.items()}
       x = checkpoint_name(x, "layer_input")  # every use below reads the named copy, so "offload_kv" can offload it
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
       return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention)
 
-    if self.remat == "full":
+    if self.remat == "none" and gathering:   # keep every activation but not the gathered weights
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered_weights"))
+    elif self.remat == "full":
       body = jax.checkpoint(body)
     elif self.remat == "save_kv":
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("k", "v"))
@@ -233,12 +267,14 @@ class Llama(nnx.Module):
           names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input", "k", "v"),
           offload_src="device", offload_dst="pinned_host"))
     x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), anc_k, anc_v))
-    hidden = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+    hidden = rms_norm(x, _read("final_norm", self.final_norm[...]), cfg.norm_eps)
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
 
   def unembedding(self) -> jax.Array:
     """[d, V] output projection (the transposed embedding when tied)."""
-    return self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
+    if self.config.tie_embeddings:
+      return _read("embed", self.embed[...]).T
+    return _read("lm_head", self.lm_head[...])
 
   def logits(self, hidden_btd: jax.Array) -> jax.Array:
     """[B, T, V] float32 (float64 for float64 compute) logits. Only for short segments; long ones use `token_logprobs`."""

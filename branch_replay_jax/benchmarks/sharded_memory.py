@@ -1,0 +1,210 @@
+"""Per-device memory of the sharded replay step for 1B-8B models, from the compiler (nothing runs).
+
+    python -m branch_replay_jax.benchmarks.sharded_memory --config=experiments/bench_sharded_memory.py
+    python -m branch_replay_jax.benchmarks.sharded_memory --config=experiments/bench_sharded_memory.py:smoke
+
+For each architecture in `config.models` (models.config.ARCHITECTURE_SHAPES: abstract parameters
+from `nnx.eval_shape`, no weights anywhere), each parameter layout ("replicated", "fsdp"), remat
+policy and prompt length P, the whole optimizer step (`distributed.mesh.make_train_step`: sharded
+replay value-and-grad + AdamW) on `config.mesh` over 8 fake CPU devices is lowered and compiled,
+never run, and `compiled.memory_analysis()` gives per-device bytes: arguments (this device's
+parameters, optimizer state and batch shard), outputs (new parameters and state), temporaries
+(activations, residuals, gathered weights, gradients). One JSON line per compile:
+
+    state_bytes           this device's parameters + AdamW state (mu, nu) from their shardings;
+    grad_bytes            this device's gradient = its parameter shard (gradients keep the layout);
+    state_target_bytes    (parameters + gradient + AdamW state) / devices + one layer's gathered
+                          weights (the issue's FSDP target: state_bytes + grad_bytes within 1.25x);
+    peak_estimate_bytes   argument + output + temp - alias bytes: the step's device footprint.
+
+Then, per (model, layout, remat), the largest P whose peak estimate fits each budget in
+`config.budgets_gib` (96 GiB: H20; 141 GiB: H200), by bisection over compiles, and the token
+positions G (P + T) one group of that P gives. The naive step (prompt repeated per completion,
+`gradients.logprobs.naive_value_and_grad` of one completion per scan step) is compiled on one device
+for the same (P, T) with one completion (its memory per completion does not depend on G), its
+state added as replicated.
+
+Caveat: these are the CPU backend's buffer assignments with the dense XLA attention (the
+prompt's [P, P] scores per head and layer are materialised unless remat drops them); a GPU or TPU
+with the Pallas kernels (kernels/) needs less temporary memory for long P.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from branch_replay_jax import losses as obj  # noqa: E402
+from branch_replay_jax.data.batches import GroupBatch, Segments  # noqa: E402
+from branch_replay_jax.distributed.mesh import batch_specs, make_mesh, make_train_step, param_specs  # noqa: E402
+from branch_replay_jax.gradients.logprobs import naive_value_and_grad  # noqa: E402
+from branch_replay_jax.models import Llama  # noqa: E402
+from branch_replay_jax.models.config import architecture_shape, tiny_config  # noqa: E402
+
+OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+GIB = 2 ** 30
+
+
+def _architecture(name: str):
+  cfg = tiny_config(vocab_size=256) if name == "tiny" else architecture_shape(name)
+  return dataclasses.replace(cfg, max_positions=1 << 24)   # shapes only: any P compiles
+
+
+def _abstract_model(cfg, dtype: str, remat: str, attention_impl: str):
+  model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), remat=remat, attention_impl=attention_impl,
+                                       rngs=nnx.Rngs(0)))
+  return nnx.split(model)
+
+
+def _placed(tree, specs, mesh):
+  return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                                tree, specs)
+
+
+def _local_bytes(tree) -> int:
+  """Bytes of this device's shard of every leaf of an abstract, placed pytree."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(tree))
+
+
+def _batch(groups: int, g: int, p: int, t: int, dtype=jnp.float32) -> GroupBatch:
+  f = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
+  i = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  return GroupBatch(i(groups, p), i(groups), Segments(i(groups, g, t), jax.ShapeDtypeStruct((groups, g, t), bool),
+                                                      weights=f(groups, g, t), advantage=f(groups, g),
+                                                      old_logp=f(groups, g, t), ref_logp=f(groups, g, t)))
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+          "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
+          "peak_estimate_bytes": (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                                  - m.alias_size_in_bytes)}
+
+
+def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
+  """Compile the sharded optimizer step once; per-device bytes and the state accounting."""
+  cfg = _architecture(name)
+  mesh = make_mesh(*c.mesh)
+  graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
+  tx = optax.adamw(1e-6)
+  with jax.set_mesh(mesh):
+    params = _placed(params, param_specs(params, mesh, layout), mesh)
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = _placed(opt_state, param_specs(opt_state, mesh, layout), mesh)
+    batch = _batch(mesh.shape["data"], c.G, p, c.T)
+    batch = _placed(batch, batch_specs(batch, mesh), mesh)
+    step = make_train_step(graphdef, tx, OBJECTIVE, mesh, micro_batch=c.micro_batch, logprob_chunk=c.logprob_chunk)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch).compile()
+    compile_s = time.perf_counter() - t0
+  total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
+  layer = sum(math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize
+              for x in jax.tree_util.tree_leaves(nnx.state(nnx.merge(graphdef, params).layers)))
+  state, grad = _local_bytes((params, opt_state)), _local_bytes(params)
+  n = mesh.size
+  target = 4 * total_params / n + layer   # params + gradient + AdamW mu, nu: 4 copies, split n ways
+  return {"study": "replay", "model": name, "params": layout, "remat": remat, "mesh": "x".join(map(str, c.mesh)),
+          "P": p, "T": c.T, "G": c.G, "dtype": c.dtype, "attention_impl": c.attention_impl, **_memory(compiled),
+          "state_bytes": state, "grad_bytes": grad, "state_target_bytes": target, "state_ratio": (state + grad) / target,
+          "parameter_bytes_total": total_params, "layer_bytes": layer,
+          "token_positions_naive": mesh.shape["data"] * c.G * (p + c.T),
+          "token_positions_computed": mesh.shape["data"] * (p + c.G * c.T), "compile_s": compile_s,
+          "backend": jax.default_backend()}
+
+
+def naive_case(c, name: str, remat: str, p: int) -> dict:
+  """One device, one completion of T tokens on a P-token prompt (the naive step's per-scan-step
+  footprint), parameters and AdamW state replicated (4 copies of the parameters)."""
+  cfg = _architecture(name)
+  graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
+  batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), _batch(1, 1, p, c.T))
+  step = jax.jit(lambda prm, b: naive_value_and_grad(graphdef, prm, b, OBJECTIVE, micro_batch=1,
+                                                     logprob_chunk=c.logprob_chunk))
+  compiled = step.lower(params, batch).compile()
+  mem = _memory(compiled)
+  total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
+  return {"study": "naive", "model": name, "remat": remat, "P": p, "T": c.T, "dtype": c.dtype,
+          "attention_impl": c.attention_impl, **mem,
+          "peak_estimate_bytes": mem["peak_estimate_bytes"] + 2 * total_params,   # + AdamW mu, nu
+          "backend": jax.default_backend()}
+
+
+def largest_p(fits, lo: int, hi: int, granularity: int) -> int | None:
+  """Largest P in [lo, hi] (a multiple of granularity) with fits(P), assuming fits is monotone;
+  None when even lo does not fit, hi when hi fits."""
+  if not fits(lo):
+    return None
+  if fits(hi):
+    return hi
+  while hi - lo > granularity:
+    mid = (lo + hi) // 2 // granularity * granularity
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return lo
+
+
+def main(argv):
+  del argv
+  c = flags.FLAGS.config
+  if len(c.mesh) != 3 or math.prod(c.mesh) != len(jax.devices()):
+    raise ValueError(f"config.mesh={tuple(c.mesh)} must be data, branch, seq with product {len(jax.devices())}")
+  emit = lambda r: print(json.dumps(r), flush=True)
+  for name in c.models.split(","):
+    for remat in c.remats.split(","):
+      for layout in c.layouts.split(","):
+        cache = {}
+
+        def run(p, layout=layout, remat=remat, name=name):
+          if p not in cache:
+            cache[p] = replay_case(c, name, layout, remat, p)
+            emit(cache[p])
+          return cache[p]
+        for p in c.prompt_lengths:
+          run(p)
+        for budget in c.budgets_gib:
+          if remat not in c.search_remats.split(",") or layout not in c.search_layouts.split(","):
+            continue
+          best = largest_p(lambda p: run(p)["peak_estimate_bytes"] <= budget * GIB, c.search_min_p,
+                           c.search_max_p, c.granularity)
+          emit({"study": "replay_largest_P", "model": name, "params": layout, "remat": remat, "budget_gib": budget,
+                "largest_P": best, "G": c.G, "T": c.T, "mesh": "x".join(map(str, c.mesh)),
+                "token_positions_naive": None if best is None else c.mesh[0] * c.G * (best + c.T)})
+      if c.naive:
+        cache = {}
+
+        def run_naive(p, remat=remat, name=name):
+          if p not in cache:
+            cache[p] = naive_case(c, name, remat, p)
+            emit(cache[p])
+          return cache[p]
+        for p in c.prompt_lengths:
+          run_naive(p)
+        for budget in c.budgets_gib if remat in c.search_remats.split(",") else ():
+          best = largest_p(lambda p: run_naive(p)["peak_estimate_bytes"] <= budget * GIB, c.search_min_p,
+                           c.search_max_p, c.granularity)
+          emit({"study": "naive_largest_P", "model": name, "remat": remat, "budget_gib": budget, "largest_P": best,
+                "T": c.T, "devices": len(jax.devices()),
+                # naive data parallelism: each device holds whole sequences, one group's G over the devices
+                "token_positions_naive": None if best is None else c.G * (best + c.T)})
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", "experiments/bench_sharded_memory.py", "Benchmark config.")
+  app.run(main)
