@@ -16,7 +16,7 @@ LAYERS = [
     {"gradients"},
     {"distributed", "rollout", "outputs"},
     {"algorithms"},
-    {"benchmarks", "main"},
+    {"benchmarks", "main", "export"},
 ]
 
 

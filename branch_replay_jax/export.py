@@ -1,0 +1,147 @@
+"""Export a trained policy as a Hugging Face directory: config.json, model.safetensors, tokenizer files.
+
+    python -m branch_replay_jax.export --config=experiments/grpo_smollm2_arith.py --out=exported/grpo
+    python -m branch_replay_jax.export --config=experiments/ppo_smollm2_arith.py --out=exported/ppo --step=20
+
+Reads the run directory of the experiment config (`config.run_dir`, as the training run wrote it),
+restores the checkpoint of `--step` (default: the latest) and writes the policy (PPO: the policy
+trunk, without the critic) in the layout transformers, vLLM and our own `models.load` read
+(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`). The tensors are the inverse of
+`models.loading.assemble_params`: projections transposed back to [out, in] and heads flattened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+from safetensors.numpy import save_file
+
+from branch_replay_jax.models import Llama
+from branch_replay_jax.models.config import ModelConfig
+from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_NAMES, LAYER_PREFIX
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
+# Our stacked parameter per HF layer tensor (models/loading.py's _LAYER_PARAM, by HF name).
+_OURS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate",
+         "up": "w_up", "down": "w_down", "bq": "bq", "bk": "bk", "bv": "bv", "q_norm": "q_norm", "k_norm": "k_norm"}
+
+
+def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
+  """The config.json of `config` (transformers' field names; `models.hf_loader.read_config` inverts it)."""
+  c = config
+  out = {"architectures": [HF_CLASSES[c.arch]], "model_type": c.arch, "vocab_size": c.vocab_size,
+         "hidden_size": c.d_model, "intermediate_size": c.ffn_dim, "num_hidden_layers": c.num_layers,
+         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+         "hidden_act": "silu", "max_position_embeddings": c.max_positions, "rms_norm_eps": c.norm_eps,
+         "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings, "torch_dtype": dtype,
+         "attention_bias": c.qkv_bias, "mlp_bias": False}
+  if c.rope_scaling is not None:
+    s = c.rope_scaling
+    out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                           "high_freq_factor": s.high_freq_factor,
+                           "original_max_position_embeddings": s.original_max_position_embeddings}
+  if c.arch == "qwen2":
+    out["use_sliding_window"] = False
+  return out
+
+
+def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+  """HF-named float32 tensors of `Llama` parameters (a pure dict, `nnx.to_pure_dict`)."""
+  c = config
+  to_hf = {
+      "q": lambda w: w.reshape(c.d_model, c.num_heads * c.head_dim).T,
+      "k": lambda w: w.reshape(c.d_model, c.num_kv_heads * c.head_dim).T,
+      "v": lambda w: w.reshape(c.d_model, c.num_kv_heads * c.head_dim).T,
+      "o": lambda w: w.reshape(c.num_heads * c.head_dim, c.d_model).T,
+      "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T,
+      "bq": lambda b: b.reshape(-1), "bk": lambda b: b.reshape(-1), "bv": lambda b: b.reshape(-1),
+  }
+  f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
+  out = {}
+  for hf_name, ours in GLOBAL_NAMES.items():
+    if ours in params:
+      out[hf_name] = f32(params[ours].T if ours == "lm_head" else params[ours])
+  for hf_suffix, canonical in LAYER_NAMES.items():
+    stacked = params["layers"].get(_OURS[canonical])
+    if stacked is None:
+      continue
+    for i in range(c.num_layers):
+      out[LAYER_PREFIX.format(i) + hf_suffix] = f32(to_hf.get(canonical, lambda w: w)(np.asarray(stacked[i])))
+  return out
+
+
+def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32") -> str:
+  """Write `model` (and `tokenizer`, when given) as a Hugging Face directory; returns out_dir.
+
+  dtype: "float32" (exact) or "bfloat16" (rounded, half the bytes).
+
+  Raises:
+    ValueError: dtype not in DTYPES, or out_dir exists and is not empty (nothing is overwritten).
+  """
+  if dtype not in DTYPES:
+    raise ValueError(f"export: dtype={dtype!r} is not one of {tuple(DTYPES)}")
+  if os.path.exists(out_dir) and os.listdir(out_dir):
+    raise ValueError(f"export: {out_dir} exists and is not empty; give a new directory")
+  os.makedirs(out_dir, exist_ok=True)
+  tensors = hf_tensors(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  if dtype == "bfloat16":
+    import ml_dtypes
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+  save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config(model.config, dtype), f, indent=2)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out_dir)
+  return out_dir
+
+
+def _pure(tree):
+  """A checkpoint restored without a target holds each nnx.Param as {"value": array}: strip that level."""
+  if isinstance(tree, dict):
+    return _pure(tree["value"]) if set(tree) == {"value"} else {k: _pure(v) for k, v in tree.items()}
+  return tree
+
+
+def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "float32") -> str:
+  """Export the policy of `config.run_dir`'s checkpoint `step` (default: the latest); returns out_dir.
+
+  Raises:
+    ValueError: the run directory has no checkpoint, or no checkpoint `step` (naming the ones it has).
+  """
+  from branch_replay_jax.algorithms.loop import build_model
+  from branch_replay_jax.outputs.checkpoints import RunCheckpoints
+  ckpt = RunCheckpoints(config.run_dir)
+  steps = list(ckpt.manager.all_steps())
+  if not steps or (step is not None and step not in steps):
+    ckpt.close()
+    raise ValueError(f"export: {config.run_dir} has no checkpoint {step if step is not None else ''} "
+                     f"(checkpoints: {sorted(steps)})")
+  state, _ = ckpt.restore(max(steps) if step is None else step)
+  ckpt.close()
+  params = _pure(state["params"])
+  if config.get("algorithm", "grpo") == "ppo":
+    params = params["policy"]   # the actor-critic's policy trunk; the critic does not leave
+  model, tokenizer = build_model(config)
+  graphdef, state = nnx.split(model)
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(np.asarray, params))
+  return export_model(nnx.merge(graphdef, state), tokenizer, out_dir, dtype=dtype)
+
+
+def main(argv):
+  del argv
+  print(export_run(flags.FLAGS.config, flags.FLAGS.out, step=flags.FLAGS.step, dtype=flags.FLAGS.dtype))
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "The experiment config whose run directory to export.")
+  flags.DEFINE_string("out", None, "The new directory to write.", required=True)
+  flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
+  flags.DEFINE_string("dtype", "float32", "float32 (exact) or bfloat16.")
+  app.run(main)
