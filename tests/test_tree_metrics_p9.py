@@ -81,7 +81,7 @@ def _check_ppo(tree):
   assert sums_n["kl"] > 0
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=random_trees())
 def test_tree_step_metrics_equal_the_naive_layouts(tree):
   jax.clear_caches()
