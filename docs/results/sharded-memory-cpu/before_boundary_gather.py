@@ -1,5 +1,8 @@
 """Compile the OLD (boundary-gathered) FSDP step for Llama-3.2-1B at P=8192 on 1x8x1: per-device bytes.
-Runs against /tmp/ccB (main before this session), same case as benchmarks/sharded_memory.py."""
+
+Run with the package of commit 5bc3985 (before FSDP inside the step, dict batches) installed:
+`git worktree add /tmp/old 5bc3985 && cd /tmp/old && make install && .venv/bin/python THIS_FILE`.
+Same case as benchmarks/sharded_memory.py's replay rows; output: before_boundary_gather.jsonl."""
 import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import dataclasses, functools, json, math
