@@ -25,12 +25,10 @@ from safetensors.numpy import save_file
 from branch_replay_jax.models import Llama
 from branch_replay_jax.models.config import ModelConfig
 from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_NAMES, LAYER_PREFIX
+from branch_replay_jax.models.loading import LAYER_PARAMS
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
-# Our stacked parameter per HF layer tensor (models/loading.py's _LAYER_PARAM, by HF name).
-_OURS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate",
-         "up": "w_up", "down": "w_down", "bq": "bq", "bk": "bk", "bv": "bv", "q_norm": "q_norm", "k_norm": "k_norm"}
 
 
 def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
@@ -69,7 +67,7 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     if ours in params:
       out[hf_name] = f32(params[ours].T if ours == "lm_head" else params[ours])
   for hf_suffix, canonical in LAYER_NAMES.items():
-    stacked = params["layers"].get(_OURS[canonical])
+    stacked = params["layers"].get(LAYER_PARAMS[canonical])
     if stacked is None:
       continue
     for i in range(c.num_layers):
@@ -102,13 +100,6 @@ def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32
   return out_dir
 
 
-def _pure(tree):
-  """A checkpoint restored without a target holds each nnx.Param as {"value": array}: strip that level."""
-  if isinstance(tree, dict):
-    return _pure(tree["value"]) if set(tree) == {"value"} else {k: _pure(v) for k, v in tree.items()}
-  return tree
-
-
 def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "float32") -> str:
   """Export the policy of `config.run_dir`'s checkpoint `step` (default: the latest); returns out_dir.
 
@@ -116,16 +107,17 @@ def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "f
     ValueError: the run directory has no checkpoint, or no checkpoint `step` (naming the ones it has).
   """
   from branch_replay_jax.algorithms.loop import build_model
-  from branch_replay_jax.outputs.checkpoints import RunCheckpoints
+  from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
   ckpt = RunCheckpoints(config.run_dir)
-  steps = list(ckpt.manager.all_steps())
-  if not steps or (step is not None and step not in steps):
+  try:
+    steps = ckpt.steps()
+    if not steps or (step is not None and step not in steps):
+      raise ValueError(f"export: {config.run_dir} has no checkpoint {step if step is not None else ''} "
+                       f"(checkpoints: {steps})")
+    state, _ = ckpt.restore(steps[-1] if step is None else step)
+  finally:
     ckpt.close()
-    raise ValueError(f"export: {config.run_dir} has no checkpoint {step if step is not None else ''} "
-                     f"(checkpoints: {sorted(steps)})")
-  state, _ = ckpt.restore(max(steps) if step is None else step)
-  ckpt.close()
-  params = _pure(state["params"])
+  params = pure_params(state["params"])
   if config.get("algorithm", "grpo") == "ppo":
     params = params["policy"]   # the actor-critic's policy trunk; the critic does not leave
   model, tokenizer = build_model(config)

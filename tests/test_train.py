@@ -11,7 +11,7 @@ from flax import nnx
 
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms import loop
-from branch_replay_jax.outputs.checkpoints import RunCheckpoints
+from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
 from branch_replay_jax.rollout.tasks import Score, Task
 from conftest import experiment_config
 from experiments import grpo_smollm2_arith
@@ -25,18 +25,11 @@ def smoke(run_dir, **overrides):
   return experiment_config(grpo_smollm2_arith, "smoke", run_dir, **overrides)
 
 
-def _pure(tree):
-  """Checkpointed nnx.Param leaves restore as {"value": array}; strip that level."""
-  if isinstance(tree, dict):
-    return _pure(tree["value"]) if set(tree) == {"value"} else {k: _pure(v) for k, v in tree.items()}
-  return tree
-
-
 def final_params(run_dir):
   ckpt = RunCheckpoints(str(run_dir))
   state, meta = ckpt.restore(ckpt.latest_step())
   ckpt.close()
-  return _pure(state["params"]), meta
+  return pure_params(state["params"]), meta
 
 
 def max_rel(a, b):

@@ -160,49 +160,48 @@ def largest_p(fits, lo: int, hi: int, granularity: int) -> int | None:
   return lo
 
 
+def sweep(c, emit, compile_case, search: bool, summary: dict, positions) -> None:
+  """Compile `compile_case(P)` for each P of the table, then, when `search`, bisect the largest P
+  whose peak estimate fits each budget; every compile is emitted once (a P the table and the
+  search share is not compiled again), then one `summary` record per budget with largest_P and
+  the token positions `positions(largest_P)` it gives."""
+  cache = {}
+
+  def run(p):
+    if p not in cache:
+      cache[p] = compile_case(p)
+      emit(cache[p])
+    return cache[p]
+  for p in c.prompt_lengths:
+    run(p)
+  for budget in c.budgets_gib if search else ():
+    best = largest_p(lambda p: run(p)["peak_estimate_bytes"] <= budget * GIB, c.search_min_p, c.search_max_p,
+                     c.granularity)
+    emit({**summary, "budget_gib": budget, "largest_P": best,
+          "token_positions_naive": None if best is None else positions(best)})
+
+
 def main(argv):
   del argv
   c = flags.FLAGS.config
   if len(c.mesh) != 3 or math.prod(c.mesh) != len(jax.devices()):
     raise ValueError(f"config.mesh={tuple(c.mesh)} must be data, branch, seq with product {len(jax.devices())}")
   emit = lambda r: print(json.dumps(r), flush=True)
+  mesh = "x".join(map(str, c.mesh))
   for name in c.models.split(","):
     for remat in c.remats.split(","):
+      searched = remat in c.search_remats.split(",")
       for layout in c.layouts.split(","):
-        cache = {}
-
-        def run(p, layout=layout, remat=remat, name=name):
-          if p not in cache:
-            cache[p] = replay_case(c, name, layout, remat, p)
-            emit(cache[p])
-          return cache[p]
-        for p in c.prompt_lengths:
-          run(p)
-        for budget in c.budgets_gib:
-          if remat not in c.search_remats.split(",") or layout not in c.search_layouts.split(","):
-            continue
-          best = largest_p(lambda p: run(p)["peak_estimate_bytes"] <= budget * GIB, c.search_min_p,
-                           c.search_max_p, c.granularity)
-          emit({"study": "replay_largest_P", "model": name, "params": layout, "remat": remat, "budget_gib": budget,
-                "largest_P": best, "G": c.G, "T": c.T, "mesh": "x".join(map(str, c.mesh)),
-                "token_positions_naive": None if best is None else c.mesh[0] * c.G * (best + c.T)})
+        sweep(c, emit, lambda p: replay_case(c, name, layout, remat, p),
+              searched and layout in c.search_layouts.split(","),
+              {"study": "replay_largest_P", "model": name, "params": layout, "remat": remat, "G": c.G, "T": c.T,
+               "mesh": mesh},
+              lambda p: c.mesh[0] * c.G * (p + c.T))
       if c.naive:
-        cache = {}
-
-        def run_naive(p, remat=remat, name=name):
-          if p not in cache:
-            cache[p] = naive_case(c, name, remat, p)
-            emit(cache[p])
-          return cache[p]
-        for p in c.prompt_lengths:
-          run_naive(p)
-        for budget in c.budgets_gib if remat in c.search_remats.split(",") else ():
-          best = largest_p(lambda p: run_naive(p)["peak_estimate_bytes"] <= budget * GIB, c.search_min_p,
-                           c.search_max_p, c.granularity)
-          emit({"study": "naive_largest_P", "model": name, "remat": remat, "budget_gib": budget, "largest_P": best,
-                "T": c.T, "devices": len(jax.devices()),
-                # naive data parallelism: each device holds whole sequences, one group's G over the devices
-                "token_positions_naive": None if best is None else c.G * (best + c.T)})
+        # naive data parallelism: each device holds whole sequences, one group's G over the devices
+        sweep(c, emit, lambda p: naive_case(c, name, remat, p), searched,
+              {"study": "naive_largest_P", "model": name, "remat": remat, "T": c.T, "devices": len(jax.devices())},
+              lambda p: c.G * (p + c.T))
 
 
 if __name__ == "__main__":

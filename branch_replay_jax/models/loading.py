@@ -36,7 +36,9 @@ from branch_replay_jax.models.llama import Llama
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KNOWN_MODELS = ("smollm2-135m-instruct",)
 
-_LAYER_PARAM = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "wq", "k": "wk", "v": "wv", "o": "wo",
+# Canonical (HF-orientation) layer tensor -> our stacked parameter name (models/llama.py); the export
+# (branch_replay_jax/export.py) reads it the other way.
+LAYER_PARAMS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "wq", "k": "wk", "v": "wv", "o": "wo",
                 "gate": "w_gate", "up": "w_up", "down": "w_down", "bq": "bq", "bk": "bk", "bv": "bv",
                 "q_norm": "q_norm", "k_norm": "k_norm"}
 
@@ -132,7 +134,7 @@ def assemble_params(config: ModelConfig, globs: dict, layers: dict) -> dict:
       "k_norm": lambda w: w,
   }
   params = {"embed": f32(globs["embed"]), "final_norm": f32(globs["final_norm"]),
-            "layers": {_LAYER_PARAM[k]: f32(np.stack([per_layer[k](w) for w in ws])) for k, ws in layers.items()}}
+            "layers": {LAYER_PARAMS[k]: f32(np.stack([per_layer[k](w) for w in ws])) for k, ws in layers.items()}}
   if not c.tie_embeddings:
     params["lm_head"] = f32(globs["lm_head"].T)
   return params

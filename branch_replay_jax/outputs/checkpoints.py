@@ -26,6 +26,10 @@ class RunCheckpoints:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def steps(self) -> list[int]:
+    """The steps with a checkpoint on disk, ascending."""
+    return sorted(self.manager.all_steps())
+
   def save(self, step: int, state, meta: dict) -> float:
     """Start saving `step` and return the seconds this call blocked (the device-to-host copy, plus
     any wait for the previous save still writing); the write to disk runs in the background.
@@ -59,6 +63,14 @@ class RunCheckpoints:
     """Finish the last save and release the manager."""
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def pure_params(tree):
+  """Parameters restored without a target (`RunCheckpoints.restore(step)`): each nnx.Param is saved
+  as {"value": array}; returns the nested dict without that level (`nnx.to_pure_dict`'s layout)."""
+  if isinstance(tree, dict):
+    return pure_params(tree["value"]) if set(tree) == {"value"} else {k: pure_params(v) for k, v in tree.items()}
+  return tree
 
 
 def check_run_dir(run_dir: str, fingerprint: dict) -> None:
