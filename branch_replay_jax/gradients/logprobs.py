@@ -5,8 +5,8 @@ Both paths compute the same function of the parameters,
     loss(θ) = Σ_g objective(logp_g(θ), branch_g),   logp_g[i] = log π_θ(o_g,i | prompt, o_g,<i),
 
 where `objective(logp [T], branch) -> (scalar, aux)` is token-local with padding weighted 0
-(see losses.py), and `branch` holds that completion's batch: "tokens" [T], "mask" [T] and
-whatever the objective reads ("weights", "advantage", "old_logp", "ref_logp", ...).
+(see losses.py), and `branch` is that completion's row of `data.batches.Segments`: tokens [T],
+mask [T] and whatever the objective reads (weights, advantage, old_logp, ref_logp, ...).
 
 - replay: the prompt runs once (`replay_vjp`); each completion runs on top of its K/V at
   positions P..P+T-1; completion token 0 is scored from the prompt's last hidden state.
@@ -189,8 +189,8 @@ def tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Ob
                                prefix_fn=None, attention=None):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp_node, node), by nested replay.
 
-  batch: from `data.batches.tree_arrays`. The objective sees one node: "tokens" [T_d], "mask" [T_d] and the
-  per-node/shared fields (for GRPO on trees, `losses.grpo_tree_objective`). aux[d - 1] is level
+  batch: from `data.batches.tree_arrays`. The objective sees one node's Segments slot: tokens
+  [T_d], mask [T_d] and the per-node/shared fields (for GRPO on trees, `losses.grpo_tree_objective`). aux[d - 1] is level
   d's `NodeOutputs`. schedule: "depth_first" (least
   memory) or "level" (batched levels, faster); see core/tree_replay.py. reduce_prefix_cotangent,
   prefix_fn, attention: as in `replay_value_and_grad` (the prompt is the tree's root).

@@ -130,8 +130,8 @@ def _mean_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta
 class ReplaySteps:
   """Jitted pieces of the two-pass replay step; each compiles once per group shape.
 
-  sums(params, arrays) -> [G] log-prob sums (pass 1, forward only);
-  surrogate_grad(params, arrays) -> grads of Σ_i c_i S_i, with -c_i in arrays' "weights" (pass 2).
+  sums(params, batch) -> [G] log-prob sums of a GroupBatch (pass 1, forward only);
+  surrogate_grad(params, batch) -> grads of Σ_i c_i S_i, with -c_i in batch.branches.weights (pass 2).
   """
 
   def __init__(self, graphdef, *, micro_batch: int = 1, logprob_chunk: int = 256):
