@@ -65,6 +65,12 @@ def get_config(arg=None):
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
 
+  c.distributed = ml_collections.ConfigDict()  # several processes (distributed/hosts.py; README, "Several hosts")
+  c.distributed.coordinator_address = ml_collections.config_dict.placeholder(str)  # process 0's "host:port";
+  #                                       # None: environment variable JAX_COORDINATOR_ADDRESS
+  c.distributed.num_processes = ml_collections.config_dict.placeholder(int)  # None: JAX_NUM_PROCESSES, else 1
+  c.distributed.process_id = ml_collections.config_dict.placeholder(int)     # None: JAX_PROCESS_ID, else 0
+
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/grpo_smollm2_arith"   # metrics.jsonl, plots, checkpoints
   c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)

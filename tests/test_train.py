@@ -12,8 +12,8 @@ from flax import nnx
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
-from branch_replay_jax.rollout.tasks import Score, Task
-from conftest import experiment_config
+from branch_replay_jax.rollout.tasks import Task
+from conftest import experiment_config, length_score
 from experiments import grpo_smollm2_arith
 
 REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean",
@@ -39,18 +39,10 @@ def max_rel(a, b):
   return max(leaves)
 
 
-def _length_score(self, completion_text, problem):
-  """A random 2-layer model never solves arithmetic: every reward would be 0, every advantage 0 and
-  every gradient 0, and the invariance tests below would hold vacuously. This deterministic
-  text -> reward map gives the groups reward variance, so the loop really updates."""
-  return Score(reward=float(len(completion_text) % 3), correct=len(completion_text) % 3 == 2, extracted=None,
-               formatted=False)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def varied_rewards():
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(Task, "score", _length_score)
+    mp.setattr(Task, "score", length_score)
     yield
 
 

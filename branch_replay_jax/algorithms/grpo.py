@@ -12,8 +12,11 @@ Steps 1-3 are rollout/collect.py (loop.sample_groups); 4-5 are `update_on_batch`
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
 the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
-replicated or FSDP-sharded (mesh.params). Sampling (1) runs on the first device, on a copy of the
-parameters gathered there.
+replicated or FSDP-sharded (mesh.params). Sampling (1) is data-parallel on the mesh: each group
+samples on a device of its `data` row from a copy of the parameters gathered there, all devices at
+once (distributed/hosts.py), with the same tokens as on one device. The loop also runs as several
+processes (distributed.num_processes; distributed/hosts.py): each process samples and places the
+groups of its own devices.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
+from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import (pad_prompts, shard_batch, shard_params, sharded_replay_logprobs,
                                                 sharded_replay_value_and_grad, stack_groups)
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
@@ -60,8 +64,9 @@ class GRPOFunctions:
   """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape).
 
   grad and logprobs take one update unit (`units`): a group's or tree's arrays on one device, or,
-  with a mesh, the step's groups stacked [B, ...] and sharded. grad returns (loss, aux, grads)
-  summed over the unit's completions; logprobs the per-token log-probs laid out like its tokens.
+  with a mesh, the step's groups stacked [B, ...] and sharded. grad returns (loss, (Σ k3 KL,
+  Σ clipped), grads) summed over the unit's completions (scalars, replicated on a mesh);
+  logprobs the per-token log-probs laid out like its tokens.
   """
 
   def __init__(self, config, graphdef):
@@ -90,34 +95,48 @@ class GRPOFunctions:
 
     def grad_step(p, b):
       loss, aux, grads = grad(cast(p), b)
-      return loss, aux, upcast(grads)
+      return loss, _aux_sums(aux), upcast(grads)
     self.grad = jax.jit(grad_step)
     self.logprobs = jax.jit(lambda p, b: logprobs(cast(p), b))
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
-    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh."""
+    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (with
+    several processes, each passes its own groups, those with a batch, as its part of it)."""
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
-    batch = stack_groups(pad_prompts([g.batch for g in groups], self.mesh.shape["seq"]))
-    return [("group", shard_batch(batch, self.mesh))]
+    local = [g.batch for g in groups if g.batch is not None]
+    longest = hosts.global_max(max(b.prompt_ids.shape[0] for b in local))
+    batch = stack_groups(pad_prompts(local, self.mesh.shape["seq"], longest=longest))
+    return [("group", shard_batch(batch, self.mesh, num_groups=len(groups)))]
 
   def place(self, tree):
     """Parameters or optimizer state onto the mesh in config.mesh.params's layout
     (distributed.mesh.shard_params); unchanged without a mesh."""
     return tree if self.mesh is None else shard_params(tree, self.mesh, self.param_mode)
 
-  def for_sampling(self, params):
-    """The parameters the sampler reads: on the mesh, a copy gathered onto the first device."""
-    # A SingleDeviceSharding, not a bare device: device_put(x, device) keeps an FSDP array's
-    # sharded type (JAX 0.10), and the sampler's gathers would then ask for an out_sharding.
+  def sampling_devices(self, num_groups: int):
+    """None on one device, else [num_groups] the device that samples each group (hosts.sampling_devices)."""
+    return None if self.mesh is None else hosts.sampling_devices(self.mesh, num_groups)
+
+  def for_sampling(self, graphdef, params, devices):
+    """The policy the sampler runs: the model on one device, or {device: the model on a full copy
+    of the parameters on it} for this process's sampling `devices` (hosts.device_copies)."""
     params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
-    return params if self.mesh is None else jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    if devices is None:
+      return nnx.merge(graphdef, params)
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    with jax.set_mesh(self.mesh):
+      copies = hosts.device_copies(params, self.mesh, mine)
+    return {d: nnx.merge(graphdef, p) for d, p in copies.items()}
 
 
-def _aux_sums(kind: str, aux) -> tuple[float, float]:
-  """(Σ k3 KL, Σ clipped) from a group's aux {"kl", "clipped"} or a tree's per-level NodeOutputs."""
-  parts = [aux] if kind == "group" else [level.aux for level in aux]
-  return sum(float(np.sum(p["kl"])) for p in parts), sum(float(np.sum(p["clipped"])) for p in parts)
+def _aux_sums(aux) -> tuple[jax.Array, jax.Array]:
+  """(Σ k3 KL, Σ clipped) float32 scalars from a group's aux {"kl", "clipped"} (also a stacked
+  batch's) or a tree's per-level NodeOutputs (traced: reduced inside the jitted step, so that a
+  multi-process run reads replicated scalars, not the per-completion arrays of other processes)."""
+  parts = [aux] if isinstance(aux, dict) else [level.aux for level in aux]
+  return (sum(jnp.sum(p["kl"], dtype=jnp.float32) for p in parts),
+          sum(jnp.sum(p["clipped"], dtype=jnp.float32) for p in parts))
 
 
 def _with_logprobs(batch: GroupBatch | TreeBatch, name: str, logp) -> GroupBatch | TreeBatch:
@@ -138,17 +157,15 @@ def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_
       batch = _with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
     units.append((kind, batch))
   for _ in range(config.train.inner_epochs):
-    total, loss, aux = None, 0.0, []
+    total, loss, kl, clipped = None, 0.0, 0.0, 0.0
     for _, arrays in units:
-      unit_loss, unit_aux, grads = fns.grad(params, arrays)
+      unit_loss, (unit_kl, unit_clipped), grads = fns.grad(params, arrays)
       total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-      loss, aux = loss + float(unit_loss), aux + [unit_aux]
+      loss, kl, clipped = loss + float(unit_loss), kl + float(unit_kl), clipped + float(unit_clipped)
     mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
     params, opt_state, grad_norm = update(params, opt_state, mean)
   pairs = sum(int(g.lengths.sum()) for g in groups)   # completion tokens, one per (token, trajectory) pair
-  sums = [_aux_sums(kind, a) for (kind, _), a in zip(units, aux)]
-  stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm),
-           "kl": sum(k for k, _ in sums) / pairs, "clip_frac": sum(c for _, c in sums) / pairs}
+  stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs}
   return params, opt_state, stats
 
 
@@ -157,6 +174,7 @@ class GRPO(loop.Algorithm):
 
   name = "grpo"
   keep_initial = True
+  multi_process = True
 
   def __init__(self, config):
     validate(config)
@@ -169,8 +187,10 @@ class GRPO(loop.Algorithm):
     return self.fns.place(run.params), self.fns.place(run.opt_state)
 
   def collect(self, run, params, step, data_pos):
-    policy = nnx.merge(run.graphdef, self.fns.for_sampling(params))
-    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
+    devices = self.fns.sampling_devices(self.config.rollout.prompts_per_step)
+    policy = self.fns.for_sampling(run.graphdef, params, devices)
+    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos,
+                              devices=devices)
 
   def update(self, params, opt_state, groups, step):
     with contextlib.nullcontext() if self.fns.mesh is None else jax.set_mesh(self.fns.mesh):

@@ -87,9 +87,11 @@ def stack_groups(groups: list[GroupBatch | TreeBatch]) -> GroupBatch | TreeBatch
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *groups)
 
 
-def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1) -> list[GroupBatch | TreeBatch]:
+def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
+                longest: int | None = None) -> list[GroupBatch | TreeBatch]:
   """Right-pad every group's (or tree's) prompt_ids [P_pad] with token 0 to one length: the
-  longest P_pad, rounded up to a multiple of `multiple` (the mesh's `seq` size), so that
+  longest P_pad (or `longest`, when given: the longest over all processes' groups), rounded up
+  to a multiple of `multiple` (the mesh's `seq` size), so that
   `stack_groups` can stack them. Positions at or after prompt_len are masked out of attention and
   never scored, so each group's loss and gradient are unchanged (only the padding compute grows).
 
@@ -99,7 +101,7 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1) -> list
   if not groups or multiple < 1:
     raise ValueError(f"pad_prompts: need at least one group and multiple >= 1, got {len(groups)} groups, "
                      f"multiple={multiple}")
-  longest = max(g.prompt_ids.shape[0] for g in groups)
+  longest = max([g.prompt_ids.shape[0] for g in groups] + [longest or 0])
   p_pad = -(-longest // multiple) * multiple
   return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
 
@@ -127,10 +129,19 @@ def batch_specs(batch: GroupBatch | TreeBatch, mesh):
   return jax.tree_util.tree_map_with_path(spec, batch)
 
 
-def shard_batch(batch: GroupBatch | TreeBatch, mesh) -> GroupBatch | TreeBatch:
-  """Place a stacked batch on `mesh` with `batch_specs`."""
-  return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), batch,
-                                batch_specs(batch, mesh))
+def shard_batch(batch: GroupBatch | TreeBatch, mesh, num_groups: int | None = None) -> GroupBatch | TreeBatch:
+  """Place a stacked batch on `mesh` with `batch_specs`.
+
+  With several processes (distributed/hosts.py) `batch` holds this process's groups [B_local, ...]
+  (those of its `data` rows, in order) and `num_groups` the step's B: each process passes its own
+  part of one global batch (`jax.make_array_from_process_local_data`). One process: B_local = B.
+  """
+  num_groups = num_groups or jax.tree_util.tree_leaves(batch)[0].shape[0]
+  shape = lambda x: (num_groups,) + tuple(x.shape[1:])
+  specs = batch_specs(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(shape(x), x.dtype), batch), mesh)
+  return jax.tree_util.tree_map(
+      lambda x, s: jax.make_array_from_process_local_data(NamedSharding(mesh, s), np.asarray(x), shape(x)),
+      batch, specs)
 
 
 def _leaf_name(path) -> str:
@@ -187,9 +198,13 @@ def _sharded_dims(params) -> dict[str, int | None]:
 
 
 def shard_params(params, mesh, mode: str = "replicated"):
-  """Place parameters (or an optimizer state shaped like them) with `param_specs`."""
-  return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
-                                param_specs(params, mesh, mode))
+  """Place parameters (or an optimizer state shaped like them) with `param_specs`, from a whole
+  copy in this process (with several processes, each process's own identical copy, e.g. the
+  initialised or restored state: each places its devices' shards from it, no cross-host copy)."""
+  def place(x, spec):
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
+  return jax.tree_util.tree_map(place, params, param_specs(params, mesh, mode))
 
 
 def _invariant_over_seq(tree):
