@@ -142,6 +142,10 @@ def test_mesh_run_trains_to_the_same_parameters(replay_run, tmp_path, mesh, para
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
   assert max_rel(got, want) <= 1e-5
+  # Sampling is data-parallel on the mesh (each group on a device of its data row) and draws the
+  # same completions as the one device.
+  samples = [open(os.path.join(d, "samples.jsonl")).read() for d in (tmp_path, run_dir)]
+  assert samples[0] == samples[1]
   for got_r, want_r in zip(got_history, history):
     assert got_r["reward_mean"] == want_r["reward_mean"]
     assert got_r["clip_frac"] == want_r["clip_frac"]
