@@ -12,8 +12,11 @@ Steps 1-3 are rollout/collect.py (loop.sample_groups); 4-5 are `update_on_batch`
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
 the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
-replicated or FSDP-sharded (mesh.params). Sampling (1) runs on the first device, on a copy of the
-parameters gathered there.
+replicated or FSDP-sharded (mesh.params). Tree rollouts (rollout.tree_fanouts) run there too: EOS
+makes the step's sampled trees differ in depth, segment buckets and trajectory count, so they are
+first padded to one level layout (data.batches.pad_trees; the padding adds exact zeros), then
+stacked: trees over `data`, first-level subtrees over `branch`, prompt over `seq`. Sampling (1)
+runs on the first device, on a copy of the parameters gathered there.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
-from branch_replay_jax.distributed.mesh import (pad_prompts, shard_batch, shard_params, sharded_replay_logprobs,
-                                                sharded_replay_value_and_grad, stack_groups)
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees
+from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shard_batch, shard_params,
+                                                sharded_replay_logprobs, sharded_replay_value_and_grad,
+                                                sharded_tree_replay_logprobs, sharded_tree_replay_value_and_grad,
+                                                stack_groups)
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
                                                   replay_value_and_grad, tree_replay_logprobs,
                                                   tree_replay_value_and_grad)
@@ -60,7 +65,7 @@ class GRPOFunctions:
   """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape).
 
   grad and logprobs take one update unit (`units`): a group's or tree's arrays on one device, or,
-  with a mesh, the step's groups stacked [B, ...] and sharded. grad returns (loss, aux, grads)
+  with a mesh, the step's groups (or padded trees) stacked [B, ...] and sharded. grad returns (loss, aux, grads)
   summed over the unit's completions; logprobs the per-token log-probs laid out like its tokens.
   """
 
@@ -73,7 +78,15 @@ class GRPOFunctions:
                                        kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
     cast, upcast = loop.param_casts(config)
     self.cast = cast
-    if self.mesh is not None:
+    if self.mesh is not None and tree:
+      mesh = self.mesh
+      # A step's trees may all stop early (EOS): each padded shape uses the largest divisor of its leaf
+      # siblings per device not above train.micro_batch, as on one device.
+      fit = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
+      grad = lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=fit(b),
+                                                             schedule=t.tree_schedule)
+      logprobs = lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=fit(b))
+    elif self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
       grad = lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=m)
       logprobs = lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=m)
@@ -95,11 +108,16 @@ class GRPOFunctions:
     self.logprobs = jax.jit(lambda p, b: logprobs(cast(p), b))
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
-    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh."""
+    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (trees
+    padded to one level layout by `pad_trees`, whose padding adds exact zeros to loss, gradient and
+    metrics; prompts to one length by `pad_prompts`)."""
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
-    batch = stack_groups(pad_prompts([g.batch for g in groups], self.mesh.shape["seq"]))
-    return [("group", shard_batch(batch, self.mesh))]
+    kind, batches = groups[0].kind, [g.batch for g in groups]
+    if kind == "tree":
+      batches = pad_trees(batches)
+    batch = stack_groups(pad_prompts(batches, self.mesh.shape["seq"]))
+    return [(kind, shard_batch(batch, self.mesh))]
 
   def place(self, tree):
     """Parameters or optimizer state onto the mesh in config.mesh.params's layout
