@@ -61,7 +61,8 @@ def get_config(arg=None):
 
   c.mesh = ml_collections.ConfigDict()    # device mesh of the update (distributed/mesh.py); 1 x 1 x 1 = one device
   c.mesh.data = 1                         # groups split over devices; must divide rollout.prompts_per_step
-  c.mesh.branch = 1                       # each group's completions split over devices; must divide group_size
+  c.mesh.branch = 1                       # each group's completions (a tree's first-level subtrees) split over devices;
+  #                                       # must divide group_size (tree_fanouts[0])
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
 

@@ -12,11 +12,15 @@ Steps 1-3 are rollout/collect.py (loop.sample_groups); 4-5 are `update_on_batch`
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
 the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
-replicated or FSDP-sharded (mesh.params). Sampling (1) is data-parallel on the mesh: each group
-samples on a device of its `data` row from a copy of the parameters gathered there, all devices at
-once (distributed/hosts.py), with the same tokens as on one device. The loop also runs as several
-processes (distributed.num_processes; distributed/hosts.py): each process samples and places the
-groups of its own devices.
+replicated or FSDP-sharded (mesh.params). Tree rollouts (rollout.tree_fanouts) run there too: EOS
+makes the step's sampled trees differ in depth, segment buckets and trajectory count, so they are
+first padded to one level layout (data.batches.pad_trees; the padding adds exact zeros), then
+stacked: trees over `data`, first-level subtrees over `branch`, prompt over `seq`. Sampling (1) is
+data-parallel on the mesh: each group samples on a device of its `data` row from a copy of the
+parameters gathered there, all devices at once (distributed/hosts.py), with the same tokens as on
+one device. The loop also runs as several processes (distributed.num_processes;
+distributed/hosts.py; groups, not trees): each process samples and places the groups of its own
+devices.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees
 from branch_replay_jax.distributed import hosts
-from branch_replay_jax.distributed.mesh import (pad_prompts, shard_batch, shard_params, sharded_replay_logprobs,
-                                                sharded_replay_value_and_grad, stack_groups)
+from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shard_batch, shard_params,
+                                                sharded_replay_logprobs, sharded_replay_value_and_grad,
+                                                sharded_tree_replay_logprobs, sharded_tree_replay_value_and_grad,
+                                                stack_groups)
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
                                                   replay_value_and_grad, tree_replay_logprobs,
                                                   tree_replay_value_and_grad)
@@ -64,9 +70,9 @@ class GRPOFunctions:
   """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape).
 
   grad and logprobs take one update unit (`units`): a group's or tree's arrays on one device, or,
-  with a mesh, the step's groups stacked [B, ...] and sharded. grad returns (loss, (Σ k3 KL,
-  Σ clipped), grads) summed over the unit's completions (scalars, replicated on a mesh);
-  logprobs the per-token log-probs laid out like its tokens.
+  with a mesh, the step's groups (or padded trees) stacked [B, ...] and sharded. grad returns
+  (loss, (Σ k3 KL, Σ clipped), grads) summed over the unit's completions (scalars, replicated on
+  a mesh); logprobs the per-token log-probs laid out like its tokens.
   """
 
   def __init__(self, config, graphdef):
@@ -78,7 +84,15 @@ class GRPOFunctions:
                                        kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
     cast, upcast = loop.param_casts(config)
     self.cast = cast
-    if self.mesh is not None:
+    if self.mesh is not None and tree:
+      mesh = self.mesh
+      # A step's trees may all stop early (EOS): each padded shape uses the largest divisor of its leaf
+      # siblings per device not above train.micro_batch, as on one device.
+      fit = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
+      grad = lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=fit(b),
+                                                             schedule=t.tree_schedule)
+      logprobs = lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=fit(b))
+    elif self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
       grad = lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=m)
       logprobs = lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=m)
@@ -100,14 +114,18 @@ class GRPOFunctions:
     self.logprobs = jax.jit(lambda p, b: logprobs(cast(p), b))
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
-    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (with
-    several processes, each passes its own groups, those with a batch, as its part of it)."""
+    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (trees
+    padded to one level layout by `pad_trees`, whose padding adds exact zeros to loss, gradient and
+    metrics; prompts to one length by `pad_prompts`; with several processes, each passes its own
+    groups, those with a batch, as its part of it)."""
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
-    local = [g.batch for g in groups if g.batch is not None]
+    kind, local = groups[0].kind, [g.batch for g in groups if g.batch is not None]
+    if kind == "tree":
+      local = pad_trees(local)   # one process (loop.check_processes refuses trees on several)
     longest = hosts.global_max(max(b.prompt_ids.shape[0] for b in local))
     batch = stack_groups(pad_prompts(local, self.mesh.shape["seq"], longest=longest))
-    return [("group", shard_batch(batch, self.mesh, num_groups=len(groups)))]
+    return [(kind, shard_batch(batch, self.mesh, num_groups=len(groups)))]
 
   def place(self, tree):
     """Parameters or optimizer state onto the mesh in config.mesh.params's layout

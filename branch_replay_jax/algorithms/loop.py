@@ -153,8 +153,8 @@ def validate_tree_rollout(config) -> None:
 
 def validate_mesh(config) -> None:
   """Raise ValueError for a config.mesh the loop cannot run: sizes that are not positive ints or
-  whose product (when > 1) is not the device count, naive or tree updates on a mesh, and groups,
-  completions or micro-batches that do not split evenly."""
+  whose product (when > 1) is not the device count, naive updates or Pallas attention on a mesh,
+  and groups (trees), completions (first-level subtrees) or micro-batches that do not split evenly."""
   m, r, t = config.mesh, config.rollout, config.train
   for name in ("data", "branch", "seq"):
     if not isinstance(m[name], int) or m[name] < 1:
@@ -173,11 +173,17 @@ def validate_mesh(config) -> None:
   if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
     raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
                      "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
-  if r.tree_fanouts:
-    raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)}: the training loop runs trees on one device "
-                     "(sampled trees differ in shape step to step); use a 1x1x1 mesh")
   if r.prompts_per_step % m.data:
     raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")
+  if r.tree_fanouts:   # trees: first-level subtrees over `branch` (the step pads the sampled trees to one shape)
+    f = tuple(r.tree_fanouts)
+    if f[0] % m.branch:
+      raise ValueError(f"mesh.branch={m.branch} must divide the first fan-out rollout.tree_fanouts[0] of "
+                       f"rollout.tree_fanouts={f} (first-level subtrees are split over mesh.branch)")
+    if len(f) == 1 and (f[0] // m.branch) % t.micro_batch:
+      raise ValueError(f"train.micro_batch={t.micro_batch} must divide the leaf siblings per device, "
+                       f"rollout.tree_fanouts[0] / mesh.branch = {f[0]} / {m.branch}")
+    return
   if r.group_size % m.branch:
     raise ValueError(f"mesh.branch={m.branch} must divide rollout.group_size={r.group_size}")
   if (r.group_size // m.branch) % t.micro_batch:
@@ -314,6 +320,9 @@ def check_processes(config, algorithm: Algorithm) -> None:
   if n > 1 and not algorithm.multi_process:
     raise ValueError(f"distributed.num_processes={n}: the {algorithm.name} loop runs in one process (several "
                      "processes: algorithm grpo or rloo)")
+  if n > 1 and config.rollout.get("tree_fanouts"):
+    raise ValueError(f"distributed.num_processes={n} with rollout.tree_fanouts={tuple(config.rollout.tree_fanouts)}: "
+                     "trees run on a mesh in one process (padding them to one shape across processes is not built)")
 
 
 def train(config, algorithm: Algorithm) -> list[dict]:

@@ -24,7 +24,9 @@ shares back to one (exact for power-of-two n, one rounding otherwise). With seq 
 through the log-sum-exp merge), so the psum over the mesh is S times the gradient: divided by S.
 
 The GRPO / RLOO training loop (algorithms/grpo.py) runs its update here when config.mesh is larger than
-1 x 1 x 1: the step's groups padded to one prompt length (`pad_prompts`), stacked and placed.
+1 x 1 x 1: the step's groups padded to one prompt length (`pad_prompts`), stacked and placed; sampled
+trees first padded to one level layout (`data.batches.pad_trees`: depth, fan-outs, segment
+lengths, trajectories), then the same.
 
 Parameters are replicated or FSDP-sharded (`param_specs`; Rajbhandari et al. 2020, ZeRO stage 3,
 arXiv 1910.02054). FSDP splits each leaf's largest evenly divisible dimension (never a stacked
@@ -50,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
-                                                  tree_replay_value_and_grad)
+                                                  tree_replay_logprobs, tree_replay_value_and_grad)
 from branch_replay_jax.models.llama import param_gather
 
 MESH_AXES = ("data", "branch", "seq")
@@ -104,6 +106,14 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
   longest = max([g.prompt_ids.shape[0] for g in groups] + [longest or 0])
   p_pad = -(-longest // multiple) * multiple
   return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
+
+
+def leaf_siblings(batch: TreeBatch, mesh) -> int:
+  """Leaf siblings of a stacked tree batch on one device: the last fan-out F_D (its axis is not
+  split), or F_1 / branch when the trees have one level (F_1 is split over `branch`). The tree
+  functions' micro_batch must divide it."""
+  f = batch.levels[-1].tokens.shape[-2]
+  return f // mesh.shape["branch"] if len(batch.levels) == 1 else f
 
 
 def batch_specs(batch: GroupBatch | TreeBatch, mesh):
@@ -317,11 +327,15 @@ def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective
 def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, mesh, *,
                                        micro_batch: int = 1, logprob_chunk: int = 256,
                                        schedule: str = "depth_first"):
-  """(loss, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`), by nested replay
-  under `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
-  schedule: as in `gradients.logprobs.tree_replay_value_and_grad`.
+  """(loss, aux, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`; sampled
+  trees of differing shapes through `data.batches.pad_trees` first), by nested replay under
+  `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
+  schedule: as in `gradients.logprobs.tree_replay_value_and_grad`; micro_batch: leaf siblings per
+  scan step on each device, a divisor of the last level's fan-out there (F_D, or F_1 / branch for a
+  one-level tree).
 
-  Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G).
+  Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G); aux is the list
+  over levels of `NodeOutputs` [B, F_1..F_d, ...], each sharded P("data", "branch").
   """
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch.prompt_ids.shape[1], n_seq)
@@ -334,6 +348,21 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objec
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
+def _mesh_map(graphdef, per_group, params, batch, mesh):
+  """Forward-only `shard_map` of per_group(local params, one group's or tree's batch, **split) over a
+  stacked batch, split = `prompt_split`'s prefix_fn and attention when seq > 1. Returns its outputs
+  stacked [B, G (F_1), ...], sharded P("data", "branch")."""
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
+
+  def per_device(local, batch, fsdp):
+    def one_group(_, batch):
+      split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+      return None, per_group(local, batch, **split)
+    return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
+  return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
+
+
 def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
                             logprob_chunk: int = 256) -> jax.Array:
   """[B, G, T] float32 completion log-probs (0 on padding) of a batch of groups, by forward-only
@@ -342,16 +371,32 @@ def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_
   Args and placement as `sharded_replay_value_and_grad`. Returns the log-probs sharded
   P("data", "branch"), equal to `gradients.logprobs.replay_logprobs` group by group.
   """
-  n_seq = mesh.shape["seq"]
-  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
+  return _mesh_map(graphdef, lambda local, b, **split: replay_logprobs(
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh)
 
-  def per_device(local, batch, fsdp):
-    def one_group(_, batch):
-      split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
-      return None, replay_logprobs(graphdef, local, batch, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
-                                   **split)
-    return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
-  return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
+
+def sharded_tree_replay_logprobs(graphdef, params, batch: TreeBatch, mesh, *, micro_batch: int = 1,
+                                 logprob_chunk: int = 256) -> list:
+  """Per level d = 1..D: [B, F_1..F_d, T_d] float32 log-probs of every tree node's tokens (0 on
+  padding), by forward-only nested replay under `shard_map` (reference and old-policy log-probs of
+  the training loop on trees): trees over `data`, first-level subtrees over `branch`, prompt over `seq`.
+
+  Args:
+    params: placed with `shard_params` (replicated or FSDP).
+    batch: stacked TreeBatches (`data.batches.pad_trees`, `pad_prompts`, `stack_groups`) placed with
+      `shard_batch`: prompt_ids [B, P_pad], prompt_len [B], levels [B, F_1..F_d, T_d, ...].
+    micro_batch: leaf siblings per scan step on each device; must divide the last level's fan-out
+      on a device (F_D, or F_1 / branch for a one-level tree).
+
+  Returns:
+    A list over levels, each sharded P("data", "branch"), equal to `gradients.logprobs.tree_replay_logprobs`
+    tree by tree.
+
+  Raises:
+    ValueError: B, F_1 or P_pad not divisible by the data, branch or seq size; a bad micro_batch.
+  """
+  return _mesh_map(graphdef, lambda local, b, **split: tree_replay_logprobs(
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,
