@@ -58,6 +58,8 @@ def get_config(arg=None):
   #                                       # siblings per step, must divide the last fan-out (levels EOS cut short and
   #                                       # naive trajectories use the largest divisor of their count not above it)
   c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)
+  c.train.exactness_check_every = 25      # every k steps one group's gradient by replay and naive, compared and
+  #                                       # logged (exactness_* in metrics.jsonl; a loud warning above the bound); 0: off
 
   c.mesh = ml_collections.ConfigDict()    # device mesh of the update (distributed/mesh.py); 1 x 1 x 1 = one device
   c.mesh.data = 1                         # groups split over devices; must divide rollout.prompts_per_step
@@ -89,6 +91,7 @@ def get_config(arg=None):
     c.train.steps = 2
     c.train.learning_rate = 1e-5
     c.train.micro_batch = 2
+    c.train.exactness_check_every = 0     # tests/test_exactness_check.py turns it on
     c.checkpoint_every = 1
     c.run_dir = "runs/grpo_smoke"
   elif arg not in (None, ""):

@@ -30,14 +30,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shard_batch, shard_params,
                                                 sharded_replay_logprobs, sharded_replay_value_and_grad,
@@ -63,7 +63,18 @@ def validate(config) -> None:
     raise ValueError(f"loss.advantage_eps={l.advantage_eps!r} must be >= 0")
   if l.kl_coef < 0:
     raise ValueError(f"loss.kl_coef={l.kl_coef} must be >= 0")
+  k = config.train.exactness_check_every
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   loop.validate(config)
+
+
+def objective(config, tree: bool):
+  """The step's objective (losses.grpo_objective, or grpo_tree_objective for a tree) with the
+  config's clip, KL coefficient and on-policy setting."""
+  l, t = config.loss, config.train
+  return functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
+                           kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
 
 
 class GRPOFunctions:
@@ -80,10 +91,11 @@ class GRPOFunctions:
     naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not naive
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
-    self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
-                                       kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
+    self.objective = objective(config, tree)
     cast, upcast = loop.param_casts(config)
     self.cast = cast
+    self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
+                                cast, upcast)
     if self.mesh is not None and tree:
       mesh = self.mesh
       # A step's trees may all stop early (EOS): each padded shape uses the largest divisor of its leaf
@@ -109,7 +121,7 @@ class GRPOFunctions:
 
     def grad_step(p, b):
       loss, aux, grads = grad(cast(p), b)
-      return loss, _aux_sums(aux), upcast(grads)
+      return loss, obj.grpo_aux_sums(aux), upcast(grads)
     self.grad = jax.jit(grad_step)
     self.logprobs = jax.jit(lambda p, b: logprobs(cast(p), b))
 
@@ -148,31 +160,14 @@ class GRPOFunctions:
     return {d: nnx.merge(graphdef, p) for d, p in copies.items()}
 
 
-def _aux_sums(aux) -> tuple[jax.Array, jax.Array]:
-  """(Σ k3 KL, Σ clipped) float32 scalars from a group's aux {"kl", "clipped"} (also a stacked
-  batch's) or a tree's per-level NodeOutputs (traced: reduced inside the jitted step, so that a
-  multi-process run reads replicated scalars, not the per-completion arrays of other processes)."""
-  parts = [aux] if isinstance(aux, dict) else [level.aux for level in aux]
-  return (sum(jnp.sum(p["kl"], dtype=jnp.float32) for p in parts),
-          sum(jnp.sum(p["clipped"], dtype=jnp.float32) for p in parts))
-
-
-def _with_logprobs(batch: GroupBatch | TreeBatch, name: str, logp) -> GroupBatch | TreeBatch:
-  """The unit with per-token log-probs in field `name` ("ref_logp" or "old_logp"): [(B,) G, T] per
-  branch, or a tree's per-level [F_1..F_d, T_d]."""
-  if isinstance(batch, TreeBatch):
-    return batch.replace(levels=tuple(level.replace(**{name: lp}) for level, lp in zip(batch.levels, logp)))
-  return batch.replace(branches=batch.branches.replace(**{name: logp}))
-
-
 def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group]):
   """Reference (and old) log-probs, then inner_epochs updates on the step's groups."""
   units = []
   for kind, batch in fns.units(groups):
     if config.loss.kl_coef:
-      batch = _with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
+      batch = with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
     if config.train.inner_epochs > 1:
-      batch = _with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
+      batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
     units.append((kind, batch))
   for _ in range(config.train.inner_epochs):
     total, loss, kl, clipped = None, 0.0, 0.0, 0.0
@@ -211,8 +206,22 @@ class GRPO(loop.Algorithm):
                               devices=devices)
 
   def update(self, params, opt_state, groups, step):
+    check = self.exactness(params, groups) if self.fns.check.due(step) else {}
     with contextlib.nullcontext() if self.fns.mesh is None else jax.set_mesh(self.fns.mesh):
-      return update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params, opt_state, groups)
+      params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params,
+                                                 opt_state, groups)
+    return params, opt_state, {**stats, **check}
+
+  def exactness(self, params, groups) -> dict:
+    """The run-time exactness check (algorithms/exactness.py) at the parameters the step's gradient
+    is taken at: on one device as they are; on a mesh on a full copy on process 0's first device,
+    its figures shared with every process."""
+    if self.fns.mesh is None:
+      return self.fns.check(params, self.ref_params, groups)
+    device = jax.local_devices()[0]
+    with jax.set_mesh(self.fns.mesh):
+      p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
+    return hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s):
     return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s)

@@ -116,6 +116,14 @@ def num_branches(batch: GroupBatch | TreeBatch) -> int:
   return batch.levels[-1].tokens.shape[-2]
 
 
+def with_logprobs(batch: GroupBatch | TreeBatch, name: str, logp) -> GroupBatch | TreeBatch:
+  """The batch with per-token log-probs in field `name` ("ref_logp" or "old_logp"): logp [(B,) G, T]
+  for a group's branches, or a tree's per-level list [F_1..F_d, T_d]."""
+  if isinstance(batch, TreeBatch):
+    return batch.replace(levels=tuple(level.replace(**{name: lp}) for level, lp in zip(batch.levels, logp)))
+  return batch.replace(branches=batch.branches.replace(**{name: logp}))
+
+
 def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
   """The group as device arrays: prompt, completions and per-completion loss fields [G, ...].
 
