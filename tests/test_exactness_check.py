@@ -66,10 +66,11 @@ def test_a_replay_that_drops_a_branch_fails_loudly(tmp_path, monkeypatch):
   (record,) = records(tmp_path)
   assert record["exactness_ok"] is False
   assert record["exactness_grad_rel_err"] == pytest.approx(0.5, rel=1e-3)
-  assert record["exactness_loss_rel_err"] > 1e-4
+  # (The loss itself is 0 here: on-policy, equal lengths and advantages that sum to 0, so half of it
+  # is still 0; the gradient is what the check catches.)
 
 
-@pytest.mark.parametrize("value", [-1, 1.5, True])
+@pytest.mark.parametrize("value", [-1, True])   # (ml_collections itself refuses a float for this int field)
 def test_bad_cadence_is_refused(tmp_path, value):
   with pytest.raises(ValueError, match=f"train.exactness_check_every={value!r} must be an int >= 0"):
     train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": value}))
