@@ -242,7 +242,9 @@ def test_tree_smoke_replay_equals_naive(tmp_path):
     ("ppo.minibatches", 3, "ppo.minibatches=3"),
     ("ppo.lam", 1.5, "ppo.lam=1.5"),
     ("loss.kl_coef", 0.1, "loss.kl_coef=0.1"),
-    ("mesh.data", 2, "mesh=2x1x1: the PPO loop runs on one device"),
+    # What PPO cannot run on a mesh (trees, minibatches that do not split over mesh.data):
+    # tests/test_mesh_algorithms.py::test_what_cannot_run_on_the_mesh_is_refused.
+    ("mesh.data", 3, r"mesh.data x mesh.branch x mesh.seq = 3 x 1 x 1 = 3 must equal the device count"),
 ])
 def test_bad_config_fails_before_any_compute(tmp_path, field, value, match):
   with pytest.raises(ValueError, match=match):

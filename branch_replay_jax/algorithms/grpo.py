@@ -18,7 +18,6 @@ parameters gathered there.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -31,8 +30,7 @@ from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
-from branch_replay_jax.distributed.mesh import (pad_prompts, shard_batch, shard_params, sharded_replay_logprobs,
-                                                sharded_replay_value_and_grad, stack_groups)
+from branch_replay_jax.distributed.mesh import sharded_replay_logprobs, sharded_replay_value_and_grad
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
                                                   replay_value_and_grad, tree_replay_logprobs,
                                                   tree_replay_value_and_grad)
@@ -98,20 +96,16 @@ class GRPOFunctions:
     """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh."""
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
-    batch = stack_groups(pad_prompts([g.batch for g in groups], self.mesh.shape["seq"]))
-    return [("group", shard_batch(batch, self.mesh))]
+    return [("group", loop.on_mesh([g.batch for g in groups], self.mesh))]
 
   def place(self, tree):
-    """Parameters or optimizer state onto the mesh in config.mesh.params's layout
-    (distributed.mesh.shard_params); unchanged without a mesh."""
-    return tree if self.mesh is None else shard_params(tree, self.mesh, self.param_mode)
+    """Parameters or optimizer state onto the mesh in config.mesh.params's layout (`loop.place`)."""
+    return loop.place(tree, self.mesh, self.param_mode)
 
   def for_sampling(self, params):
     """The parameters the sampler reads: on the mesh, a copy gathered onto the first device."""
-    # A SingleDeviceSharding, not a bare device: device_put(x, device) keeps an FSDP array's
-    # sharded type (JAX 0.10), and the sampler's gathers would then ask for an out_sharding.
-    params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
-    return params if self.mesh is None else jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    # the policy the step trains: model.param_dtype's rounding of the master
+    return loop.on_first_device(self.cast(params), self.mesh)
 
 
 def _aux_sums(kind: str, aux) -> tuple[float, float]:
@@ -173,7 +167,7 @@ class GRPO(loop.Algorithm):
     return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
 
   def update(self, params, opt_state, groups, step):
-    with contextlib.nullcontext() if self.fns.mesh is None else jax.set_mesh(self.fns.mesh):
+    with loop.mesh_context(self.fns.mesh):
       return update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params, opt_state, groups)
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s):

@@ -48,9 +48,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch
-from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
+from branch_replay_jax.distributed.seq_parallel import actor_critic_prompt_split, check_prompt_split, prompt_split
+from branch_replay_jax.gradients import actor_critic
 from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
                                                   tree_replay_value_and_grad)
+from branch_replay_jax.models.critic import TRUNKS
 from branch_replay_jax.models.llama import param_gather
 
 MESH_AXES = ("data", "branch", "seq")
@@ -104,6 +106,44 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1) -> list
   return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
 
 
+def pad_groups(groups: list[GroupBatch], mesh) -> tuple[list[GroupBatch], np.ndarray]:
+  """Ragged groups (different G_j completions of different lengths T_j: DPO's one group per
+  distinct prompt) padded so that `stack_groups` stacks them and `shard_batch` splits them on mesh:
+  prompts as `pad_prompts` (to a multiple of mesh.seq); every group to G' branches, the largest
+  G_j rounded up to a multiple of mesh.branch, and T' tokens, the largest T_j; the group count to a
+  multiple of mesh.data with filler groups (group 0's prompt, every branch padding).
+
+  A padding branch (and a padding token) has mask False and every loss field 0 (tokens: id 0): its
+  log-probs are 0 (the replay functions zero them off the mask), so its log-prob sum is 0, its
+  loss weight is 0 and its log-prob cotangent is 0, so its gradient contribution is exactly 0, and
+  a filler group's prompt gets a zero cotangent and pulls back zeros. The step's loss and
+  gradient are unchanged; only the padding's compute is added.
+
+  Returns:
+    (padded groups, flat_index [N] int): N = Σ_j G_j; flat_index[i] is the position of the i-th
+    completion of the concatenation of the groups' branches (group 0's first) in the padded
+    groups' concatenation, i.e. j * G' + g.
+
+  Raises:
+    ValueError: no groups.
+  """
+  if not groups:
+    raise ValueError("pad_groups: need at least one group")
+  g_pad = -(-max(g.branches.tokens.shape[0] for g in groups) // mesh.shape["branch"]) * mesh.shape["branch"]
+  t_pad = max(g.branches.tokens.shape[1] for g in groups)
+
+  def pad_branches(batch: GroupBatch, keep: bool) -> GroupBatch:
+    def pad(x):   # a branches field: [G_j] per completion or [G_j, T_j, ...] per token
+      widths = [(0, g_pad - x.shape[0])] + [(0, t_pad - x.shape[1])] * (x.ndim > 1) + [(0, 0)] * (x.ndim - 2)
+      return jnp.pad(x if keep else jnp.zeros_like(x), widths)
+    return batch.replace(branches=jax.tree_util.tree_map(pad, batch.branches))
+
+  padded = [pad_branches(g, True) for g in pad_prompts(groups, mesh.shape["seq"])]
+  padded += [pad_branches(padded[0], False)] * (-len(padded) % mesh.shape["data"])
+  flat_index = np.concatenate([j * g_pad + np.arange(g.branches.tokens.shape[0]) for j, g in enumerate(groups)])
+  return padded, flat_index
+
+
 def batch_specs(batch: GroupBatch | TreeBatch, mesh):
   """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] P("data", "seq"); completions
   (branches [B, G, ...]) and tree levels (levels [B, F_1, ...]) P("data", "branch"); the rest P("data").
@@ -134,9 +174,26 @@ def shard_batch(batch: GroupBatch | TreeBatch, mesh) -> GroupBatch | TreeBatch:
 
 
 def _leaf_name(path) -> str:
-  """"embed", "layers.wq", ...: a parameter's dotted name from its nnx.State path (dict keys; the
-  Variable's own `.value` attribute is not part of the name)."""
-  return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+  """"embed", "layers.wq", "policy.layers.wq", ...: a parameter's dotted name from its nnx.State
+  path: the trailing run of dict keys (the Variable's own `.value` attribute is not part of the
+  name), so that an optimizer state's moments get their parameter's name, also inside
+  `optax.multi_transform`'s dict of per-label states (PPO's)."""
+  keys = list(path)
+  if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
+    keys = keys[:-1]
+  names = []
+  for k in reversed(keys):
+    if not isinstance(k, jax.tree_util.DictKey):
+      break
+    names.append(str(k.key))
+  return ".".join(reversed(names))
+
+
+def _read_name(name: str) -> str:
+  """The name the model reads a parameter under (`models.llama.read_param`): its dotted name less an
+  actor-critic's trunk prefix ("policy.layers.wq" -> "layers.wq"; models.critic.TRUNKS)."""
+  head, _, rest = name.partition(".")
+  return rest if head in TRUNKS and rest else name
 
 
 def param_specs(params, mesh, mode: str = "replicated"):
@@ -155,7 +212,7 @@ def param_specs(params, mesh, mode: str = "replicated"):
   def spec(path, x):
     if mode == "replicated":
       return P()
-    first = 1 if _leaf_name(path).startswith("layers.") else 0
+    first = 1 if _read_name(_leaf_name(path)).startswith("layers.") else 0
     for dim in sorted(range(first, x.ndim), key=lambda i: -x.shape[i]):
       if x.shape[dim] % n == 0:
         return P(*([None] * dim), MESH_AXES)
@@ -177,7 +234,7 @@ def _sharded_dims(params) -> dict[str, int | None]:
     if not split:
       dims[name] = None
     elif len(split) == 1 and tuple(split[0][1] if isinstance(split[0][1], tuple) else (split[0][1],)) == MESH_AXES:
-      if name.startswith("layers.") and split[0][0] == 0:
+      if _read_name(name).startswith("layers.") and split[0][0] == 0:
         raise ValueError(f"parameter {name!r} is split on its layer axis (spec {spec}); use param_specs")
       dims[name] = split[0][0]
     else:
@@ -216,9 +273,14 @@ def _over_mesh(per_device, params, batch, mesh, out_specs):
   """
   dims = _sharded_dims(params)
   specs = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, params)
+  read_dims = {}   # by the name the model reads (an actor-critic's two trunks share their layouts)
+  for name, dim in dims.items():
+    if read_dims.setdefault(_read_name(name), dim) != dim:
+      raise ValueError(f"parameter {name!r} is split on dimension {dim}, its namesake in the other trunk on "
+                       f"{read_dims[_read_name(name)]}: use param_specs")
 
   def gather(name, x):
-    dim = dims[name]
+    dim = read_dims[name]
     if dim is None:
       return x
     axis = dim - 1 if name.startswith("layers.") else dim   # inside the scan: the layer axis is gone
@@ -330,13 +392,55 @@ def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch.prompt_ids.shape[1], n_seq)
 
+  def per_group(local, batch):
+    split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+    return replay_logprobs(graphdef, local, batch, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split)
+  return _mesh_forward(per_group, params, batch, mesh)
+
+
+def _mesh_forward(per_group, params, batch, mesh):
+  """per_group(local params, one group's batch) -> outputs with a leading G (or F_1) axis, for every
+  group of the batch under shard_map, forward only: [B, G, ...] sharded P("data", "branch")."""
   def per_device(local, batch, fsdp):
-    def one_group(_, batch):
-      split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
-      return None, replay_logprobs(graphdef, local, batch, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
-                                   **split)
-    return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
+    return _invariant_over_seq(jax.lax.scan(lambda _, b: (None, per_group(local, b)), None, batch)[1])
   return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
+
+
+def sharded_actor_critic_value_and_grad(graphdef, params, batch: GroupBatch, objective, mesh, *,
+                                        micro_batch: int = 1, logprob_chunk: int = 256):
+  """PPO's (loss, aux, grads) summed over a batch of groups for an actor-critic (models.critic;
+  policy AND critic parameters), by replay under `shard_map`: `gradients.actor_critic.
+  replay_value_and_grad` group by group, with the prompt cotangent (each trunk's K/V and last
+  hidden state) all-reduced over `branch` and, for seq > 1, each trunk's prompt split over `seq`.
+
+  objective: an `actor_critic.PPOObjective` (losses.ppo_objective). Args, returns and raises as
+  `sharded_replay_value_and_grad`; grads are like params (the policy's, the critic's and the value
+  head's), equal to the single-device replay gradient summed over the groups.
+  """
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
+
+  def per_group(local, batch, reduce):
+    split = actor_critic_prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+    return actor_critic.replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
+                                              logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce, **split)
+  return _mesh_value_and_grad(per_group, params, batch, mesh)
+
+
+def sharded_actor_critic_logprobs_values(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
+                                         logprob_chunk: int = 256) -> actor_critic.LogprobsValues:
+  """PPO's old log-probs and values of a batch of groups by forward-only replay under `shard_map`:
+  `actor_critic.LogprobsValues` with logp, values [B, G, T] and next_value [B, G] float32, sharded
+  P("data", "branch"), equal to `actor_critic.replay_logprobs_values` group by group. Args,
+  placement and raises as `sharded_replay_value_and_grad`."""
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
+
+  def per_group(local, batch):
+    split = actor_critic_prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+    return actor_critic.replay_logprobs_values(graphdef, local, batch, micro_batch=micro_batch,
+                                               logprob_chunk=logprob_chunk, **split)
+  return _mesh_forward(per_group, params, batch, mesh)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,
