@@ -11,10 +11,11 @@ One step:
   4. the DPO (or IPO) gradient by two-pass replay (or naive), clipped by global norm, AdamW.
 A step without pairs makes no update. With a device mesh (config.mesh: data x branch x seq > 1,
 distributed/mesh.py; replay gradients), each pass of 3-4 runs on the step's groups padded to one
-shape (`distributed.mesh.pad_groups`: padding completions and filler groups carry zero weight),
-stacked into one batch under `shard_map`: groups over `data`, completions over `branch`, prompt
-tokens over `seq`; parameters and optimizer state replicated or FSDP-sharded (mesh.params).
-Sampling (data.source = "task") runs on the first device, on a copy of the parameters gathered there. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
+shape (`distributed.mesh.ShardedReplaySteps`, `pad_groups`: padding completions and filler groups
+carry zero weight) and stacked into one batch under `shard_map`: groups over `data`, completions
+over `branch`, prompt tokens over `seq`; parameters and optimizer state replicated or
+FSDP-sharded (mesh.params). Sampling (data.source = "task") runs on the first device, on a copy
+of the parameters gathered there. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
 preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume as every loop.train run).
 """
 
@@ -27,14 +28,11 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
-from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.distributed.mesh import (pad_groups, shard_batch, sharded_replay_logprobs,
-                                                sharded_replay_value_and_grad, stack_groups)
+from branch_replay_jax.distributed.mesh import ShardedReplaySteps
 from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.outputs import plots
@@ -188,24 +186,14 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int)
 
 class DPOFunctions:
   """Jitted pieces of a DPO step (compiled per group / batch shape), on one device or, with
-  config.mesh, on the device mesh (`mesh_value_and_grad`)."""
+  config.mesh, on the device mesh (`distributed.mesh.ShardedReplaySteps`)."""
 
   def __init__(self, config, graphdef, update):
     t, p = config.train, config.dpo
     self.naive = t.gradient == "naive"
     self.mesh, self.param_mode = loop.mesh_from(config), config.mesh.params
     self.replay = pref.ReplaySteps(graphdef, micro_batch=t.micro_batch)
-    if self.mesh is not None:
-      mesh = self.mesh
-      # completions per device: the largest divisor of G' / branch not above train.micro_batch
-      mb = lambda b: fit_micro_batch(t.micro_batch, b.branches.tokens.shape[1] // mesh.shape["branch"])
-      # Pass 1's sums replicated ([B, G']): the loss's gathers of chosen / rejected sums need no sharding.
-      sums = jax.jit(lambda prm, b: jax.sharding.reshard(
-          sharded_replay_logprobs(graphdef, prm, b, mesh, micro_batch=mb(b)).sum(-1), P()))
-      grad = jax.jit(lambda prm, b: sharded_replay_value_and_grad(graphdef, prm, b, pref.surrogate_objective, mesh,
-                                                                  micro_batch=mb(b))[2])
-      self.mesh_sums = sums
-      self.mesh_grad = lambda prm, b: grad(prm, shard_batch(b, mesh))   # the weights were computed off the mesh
+    self.sharded = None if self.mesh is None else ShardedReplaySteps(graphdef, self.mesh, micro_batch=t.micro_batch)
     self.naive_ref = jax.jit(lambda prm, n: pref.naive_ref_sums(graphdef, prm, n, micro_batch=t.micro_batch))
     self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
         graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, label_smoothing=p.label_smoothing,
@@ -213,23 +201,15 @@ class DPOFunctions:
     self.beta, self.loss_type, self.label_smoothing = p.beta, p.loss, p.label_smoothing
     self.update = update   # loop.make_update
 
-  def mesh_value_and_grad(self, params, ref_params, batch: pref.PreferenceBatch):
-    """(loss, metrics, grads) of the two passes on the mesh: the groups padded to one shape
-    (`distributed.mesh.pad_groups`, whose padding has zero weight: the loss and gradient are the
-    one-device ones) and stacked into one batch; pairs re-indexed onto the padded completions."""
-    padded, index = pad_groups(batch.groups, self.mesh)
-    unit = shard_batch(stack_groups(padded), self.mesh)
-    ref = self.mesh_sums(ref_params, unit).reshape(-1)
-    return pref.two_pass_value_and_grad(self.mesh_sums, self.mesh_grad, params, [unit], index[batch.chosen],
-                                        index[batch.rejected], ref, beta=self.beta, loss_type=self.loss_type,
-                                        label_smoothing=self.label_smoothing)
-
   def step(self, params, ref_params, opt_state, batch: pref.PreferenceBatch):
     """Reference sums, the loss gradient and one optimizer update; returns (params, opt_state, stats)."""
     if self.naive:
       loss, metrics, grads = self.naive_grad(params, batch.naive, self.naive_ref(ref_params, batch.naive))
-    elif self.mesh is not None:
-      loss, metrics, grads = self.mesh_value_and_grad(params, ref_params, batch)
+    elif self.sharded is not None:
+      layout = self.sharded.layout(batch)
+      ref = self.sharded.flat_sums(ref_params, layout)
+      loss, metrics, grads = self.sharded.value_and_grad(params, layout, ref, beta=self.beta, loss_type=self.loss_type,
+                                                         label_smoothing=self.label_smoothing)
     else:
       ref = self.replay.flat_sums(ref_params, batch)
       loss, metrics, grads = self.replay.value_and_grad(params, batch, ref, beta=self.beta, loss_type=self.loss_type,

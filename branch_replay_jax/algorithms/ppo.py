@@ -138,7 +138,8 @@ class PPOFunctions:
     return [("group", loop.on_mesh([g.batch for g in groups], self.mesh))]
 
   def forward_groups(self, params, groups: list[Group]) -> list:
-    """`forward` of every group (its `LogprobsValues`, a tree's per-level list), one unit at a time."""
+    """`forward` of every group (its `LogprobsValues`, a tree's per-level list): group by group on one
+    device; on the mesh, all groups as one stacked batch, split back per group on the host."""
     if self.mesh is None:
       return [self.forward(params, g.batch) for g in groups]
     out = jax.device_get(self.forward(params, self.units(groups)[0][1]))   # [B, G, ...] on the host, split per group

@@ -23,8 +23,11 @@ shares back to one (exact for power-of-two n, one rounding otherwise). With seq 
 `seq` device computes the whole loss (the completions are replicated and see the whole prompt
 through the log-sum-exp merge), so the psum over the mesh is S times the gradient: divided by S.
 
-The GRPO / RLOO training loop (algorithms/grpo.py) runs its update here when config.mesh is larger than
-1 x 1 x 1: the step's groups padded to one prompt length (`pad_prompts`), stacked and placed.
+The training loops run their update here when config.mesh is larger than 1 x 1 x 1: GRPO / RLOO
+(algorithms/grpo.py) and PPO (algorithms/ppo.py; policy and critic: `sharded_actor_critic_*`) on
+the step's groups (PPO: each minibatch's) padded to one prompt length (`pad_prompts`), stacked
+and placed; DPO (algorithms/dpo.py, `ShardedReplaySteps`) on its ragged groups padded to one shape
+(`pad_groups`, zero-weight padding).
 
 Parameters are replicated or FSDP-sharded (`param_specs`; Rajbhandari et al. 2020, ZeRO stage 3,
 arXiv 1910.02054). FSDP splits each leaf's largest evenly divisible dimension (never a stacked
@@ -47,9 +50,11 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch
 from branch_replay_jax.distributed.seq_parallel import actor_critic_prompt_split, check_prompt_split, prompt_split
 from branch_replay_jax.gradients import actor_critic
+from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
                                                   tree_replay_value_and_grad)
 from branch_replay_jax.models.critic import TRUNKS
@@ -441,6 +446,50 @@ def sharded_actor_critic_logprobs_values(graphdef, params, batch: GroupBatch, me
     return actor_critic.replay_logprobs_values(graphdef, local, batch, micro_batch=micro_batch,
                                                logprob_chunk=logprob_chunk, **split)
   return _mesh_forward(per_group, params, batch, mesh)
+
+
+class ShardedReplaySteps:
+  """`gradients.preference.ReplaySteps` (DPO's two passes) on `mesh`: a PreferenceBatch's ragged
+  groups padded to one shape (`pad_groups`: zero-weight padding, so loss and gradient are
+  unchanged) and stacked into one batch; pass 1 by `sharded_replay_logprobs`, pass 2 by
+  `sharded_replay_value_and_grad` of `preference.surrogate_objective`, joined by
+  `preference.two_pass_value_and_grad`.
+
+    steps = ShardedReplaySteps(graphdef, mesh, micro_batch=2)
+    layout = steps.layout(batch)                      # once per batch
+    loss, metrics, grads = steps.value_and_grad(params, layout, steps.flat_sums(ref_params, layout), beta=0.1)
+
+  Call inside `jax.set_mesh(mesh)` with parameters placed by `shard_params`. micro_batch:
+  completions per scan step on each device, the largest divisor of G' / branch not above it.
+  """
+
+  def __init__(self, graphdef, mesh, *, micro_batch: int = 1, logprob_chunk: int = 256):
+    self.mesh = mesh
+    mb = lambda b: fit_micro_batch(micro_batch, b.branches.tokens.shape[1] // mesh.shape["branch"])
+    # Pass 1's sums [B, G'] come back replicated: the loss gathers the pairs' sums from them.
+    self.sums = jax.jit(lambda p, b: jax.sharding.reshard(
+        sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=mb(b), logprob_chunk=logprob_chunk).sum(-1), P()))
+    grad = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, pref.surrogate_objective, mesh,
+                                                              micro_batch=mb(b), logprob_chunk=logprob_chunk)[2])
+    self.surrogate_grad = lambda p, b: grad(p, shard_batch(b, mesh))   # the weights are computed off the mesh
+
+  def layout(self, batch: pref.PreferenceBatch) -> tuple[GroupBatch, np.ndarray, np.ndarray]:
+    """(the padded groups stacked [B', G', ...] and placed, chosen [K], rejected [K]): each pair's
+    completions as indices into the padded completions flattened [B' * G']."""
+    padded, index = pad_groups(batch.groups, self.mesh)
+    return shard_batch(stack_groups(padded), self.mesh), index[batch.chosen], index[batch.rejected]
+
+  def flat_sums(self, params, layout) -> jax.Array:
+    """[B' * G'] log-prob sums of the padded completions (0 for padding), replicated."""
+    return self.sums(params, layout[0]).reshape(-1)
+
+  def value_and_grad(self, params, layout, ref_sums: jax.Array, *, beta: float, loss_type: str = "sigmoid",
+                     label_smoothing: float = 0.0):
+    """(loss, metrics [K], grads like params) as `ReplaySteps.value_and_grad`; ref_sums: the
+    reference's `flat_sums` on the same layout."""
+    unit, chosen, rejected = layout
+    return pref.two_pass_value_and_grad(self.sums, self.surrogate_grad, params, [unit], chosen, rejected, ref_sums,
+                                        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,

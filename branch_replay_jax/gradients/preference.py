@@ -134,7 +134,7 @@ class ReplaySteps:
 
   sums(params, batch) -> [G] log-prob sums of a GroupBatch (pass 1, forward only);
   surrogate_grad(params, batch) -> grads of Σ_i c_i S_i, with -c_i in batch.branches.weights (pass 2).
-  (algorithms/dpo.py runs the same two passes on a device mesh: `two_pass_value_and_grad`.)
+  (`distributed.mesh.ShardedReplaySteps` runs the same two passes on a device mesh.)
   """
 
   def __init__(self, graphdef, *, micro_batch: int = 1, logprob_chunk: int = 256):
@@ -172,7 +172,7 @@ def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[
     surrogate_grad_fn: (params, unit with branches.weights) -> grads of Σ_i -Σ_t w_{i,t} logp_{i,t}
       (pass 2, `surrogate_objective`).
     units: GroupBatches: one per group ([G_j, T_j] completions), or groups stacked [B, G, T] on a
-      device mesh (algorithms/dpo.py, `distributed.mesh.pad_groups`); their completions in order
+      device mesh (`distributed.mesh.ShardedReplaySteps`); their completions in order
       (row-major) make the flat completion axis [N].
     chosen, rejected: [K] int, each pair's completions on that flat axis.
     ref_sums: [N] the reference's sums on the same axis (frozen; compute once per batch).
