@@ -8,6 +8,8 @@ from ml_collections import config_flags
 
 import importlib
 
+from branch_replay_jax.distributed import hosts
+
 # config.algorithm -> the module whose train(config) runs it (imported on demand).
 # RLOO is the GRPO loop with loss.advantage = "rloo".
 TRAINERS = {"grpo": "branch_replay_jax.algorithms.grpo", "ppo": "branch_replay_jax.algorithms.ppo", "dpo": "branch_replay_jax.algorithms.dpo"}
@@ -20,12 +22,17 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go through --config.FIELD=VALUE")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint phase at INFO
   config = _CONFIG.value
+  hosts.initialize(config)   # several processes: join them before anything touches a device
+  primary = hosts.is_primary()
   run_dir = os.path.abspath(config.run_dir)
-  print(f"run dir: {run_dir}", flush=True)
+  if primary:
+    print(f"run dir: {run_dir}", flush=True)
   algorithm = config.get("algorithm", "grpo")
   if algorithm not in TRAINERS:
     raise ValueError(f"algorithm={algorithm!r} is not one of {sorted(TRAINERS)}")
   history = importlib.import_module(TRAINERS[algorithm]).train(config)
+  if not primary:
+    return
   if history:
     last = history[-1]
     keys = ("step", "reward_mean", "accuracy", "kl", "loss", "reward_accuracy", "step_s")

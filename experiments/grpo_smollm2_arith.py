@@ -58,12 +58,21 @@ def get_config(arg=None):
   #                                       # siblings per step, must divide the last fan-out (levels EOS cut short and
   #                                       # naive trajectories use the largest divisor of their count not above it)
   c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)
+  c.train.exactness_check_every = 25      # every k steps one group's gradient by replay and naive, compared and
+  #                                       # logged (exactness_* in metrics.jsonl; a loud warning above the bound); 0: off
 
   c.mesh = ml_collections.ConfigDict()    # device mesh of the update (distributed/mesh.py); 1 x 1 x 1 = one device
   c.mesh.data = 1                         # groups split over devices; must divide rollout.prompts_per_step
-  c.mesh.branch = 1                       # each group's completions split over devices; must divide group_size
+  c.mesh.branch = 1                       # each group's completions (a tree's first-level subtrees) split over devices;
+  #                                       # must divide group_size (tree_fanouts[0])
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
+
+  c.distributed = ml_collections.ConfigDict()  # several processes (distributed/hosts.py; README, "Several hosts")
+  c.distributed.coordinator_address = ml_collections.config_dict.placeholder(str)  # process 0's "host:port";
+  #                                       # None: environment variable JAX_COORDINATOR_ADDRESS
+  c.distributed.num_processes = ml_collections.config_dict.placeholder(int)  # None: JAX_NUM_PROCESSES, else 1
+  c.distributed.process_id = ml_collections.config_dict.placeholder(int)     # None: JAX_PROCESS_ID, else 0
 
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/grpo_smollm2_arith"   # metrics.jsonl, plots, checkpoints
@@ -82,6 +91,7 @@ def get_config(arg=None):
     c.train.steps = 2
     c.train.learning_rate = 1e-5
     c.train.micro_batch = 2
+    c.train.exactness_check_every = 0     # tests/test_exactness_check.py turns it on
     c.checkpoint_every = 1
     c.run_dir = "runs/grpo_smoke"
   elif arg not in (None, ""):

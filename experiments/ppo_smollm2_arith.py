@@ -35,6 +35,7 @@ def get_config(arg=None):
   c.ppo.critic_lr_scale = 10.0            # critic parameters' learning rate / train.learning_rate
 
   c.train.steps = 12
+  c.train.exactness_check_every = 0       # GRPO / RLOO only (PPO's replay == naive: tests/test_ppo.py)
   c.checkpoint_every = 4
   c.run_dir = "runs/ppo_smollm2_arith"
   if arg in ("tree", "tree_smoke"):

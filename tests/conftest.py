@@ -82,6 +82,16 @@ def forward_logits(model, tokens_1t):
   return model.logits(model(tokens_1t, 0).hidden_btd)[0]
 
 
+def length_score(self, completion_text, problem):
+  """A stand-in for `Task.score` (monkeypatched in): a random 2-layer model never solves arithmetic,
+  so every reward would be 0, every advantage 0 and every gradient 0, and a test comparing two
+  runs would hold vacuously. This deterministic text -> reward map gives the groups reward
+  variance, so the loop really updates."""
+  from branch_replay_jax.rollout.tasks import Score
+  return Score(reward=float(len(completion_text) % 3), correct=len(completion_text) % 3 == 2, extracted=None,
+               formatted=False)
+
+
 def experiment_config(module, variant: str, run_dir, **overrides):
   """`module.get_config(variant)` writing to run_dir, with dotted overrides ("train.steps": 1)."""
   config = module.get_config(variant)

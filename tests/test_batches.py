@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from branch_replay_jax.data.batches import (GroupBatch, Segments, TreeBatch, group_arrays, num_branches,
-                                            tree_arrays)
-from branch_replay_jax.data.trees import RolloutTree, pad_tree
+                                            pad_trees, tree_arrays)
+from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
 from conftest import random_group
 
 
@@ -44,3 +44,56 @@ def test_tree_batch_levels_have_slot_axes_and_shared_fields_broadcast():
   # Stacking two batches (the mesh's stack_groups) is a tree_map: dataclass fields keep their names.
   stacked = jax.tree_util.tree_map(lambda a, b: np.stack([a, b]), batch, batch)
   assert stacked.levels[1].tokens.shape[:3] == (2, 1, 2)
+
+
+def _tree_batch(tree, ppo=False):
+  """A tree's TreeBatch with every kind of field: per token (old_logp), per (token, trajectory)
+  (weights; PPO's advantage, returns) and per trajectory (GRPO's advantage [G])."""
+  g = len(tree.ends)
+  rng = np.random.default_rng(len(tree.segments))
+  per_node = {"old_logp": [rng.normal(size=len(s)).astype(np.float32) for s in tree.segments],
+              "weights": [x.astype(np.float32) for x in tree.node_weights(np.ones(g))]}
+  shared = {"advantage": rng.normal(size=g).astype(np.float32)}
+  if ppo:
+    per_node["advantage"] = per_node["returns"] = [rng.normal(size=(len(s), g)).astype(np.float32)
+                                                   for s in tree.segments]
+    shared = {}
+  return tree_arrays(pad_tree(tree), per_node, **shared)
+
+
+@pytest.mark.parametrize("ppo", [False, True], ids=["grpo", "ppo"])
+def test_pad_trees_pads_every_level_to_the_largest_shape(ppo):
+  # Small: prompt -> [1, 2] (leaves [3], [4, 5]) and [7]: depth 2, F = (2, 2), T = (8, 8), G = 3.
+  # Big: a 3-level tree with 3 first-level children, a 10-token segment (T_2 = 16) and G = 5.
+  small = tree_from_trajectories([9, 9, 9], [[1, 2, 3], [1, 2, 4, 5], [7]])
+  big = tree_from_trajectories([9] * 20, [[1, 2], [3] + [4] * 10 + [5], [3] + [4] * 10 + [6, 7], [3, 8], [11]])
+  a, b = _tree_batch(small, ppo=ppo), _tree_batch(big, ppo=ppo)
+  assert [x.tokens.shape for x in b.levels] == [(3, 8), (3, 2, 16), (3, 2, 2, 8)]
+  pa, pb = pad_trees([a, b])
+  want = {"tokens": [(3, 8), (3, 2, 16), (3, 2, 2, 8)]}
+  want["weights"] = [s + (5,) for s in want["tokens"]]
+  want["advantage"] = want["weights"] if ppo else [s[:-1] + (5,) for s in want["tokens"]]
+  for padded in (pa, pb):
+    for name, shapes in want.items():
+      assert [getattr(x, name).shape for x in padded.levels] == shapes, name
+    np.testing.assert_array_equal(padded.prompt_ids, a.prompt_ids if padded is pa else b.prompt_ids)
+  # The big tree already had the largest shape: unchanged. The small one keeps its values in the
+  # leading corner; everything added is padding: mask False, token 0, weights / advantage / old_logp 0.
+  for x, y in zip(jax.tree_util.tree_leaves(pb), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  for d in range(3):
+    got = pa.levels[d]
+    for name in ("tokens", "mask", "old_logp", "weights", "advantage") + (("returns",) if ppo else ()):
+      x = np.asarray(getattr(got, name))
+      if d < 2:
+        orig = np.asarray(getattr(a.levels[d], name))
+        corner = tuple(slice(0, n) for n in orig.shape)
+        np.testing.assert_array_equal(x[corner], orig)
+        x = x.copy()
+        x[corner] = 0
+      assert not x.any(), (d, name)   # all padding beyond the original (the whole third level)
+  assert pa.levels[2].tokens.dtype == np.int32 and pa.levels[2].mask.dtype == bool
+  with pytest.raises(ValueError, match="one or more TreeBatches"):
+    pad_trees([])
+  with pytest.raises(ValueError, match="different Segments fields"):
+    pad_trees([a, b.replace(levels=tuple(x.replace(old_logp=None) for x in b.levels))])

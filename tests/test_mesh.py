@@ -19,13 +19,14 @@ from test_replay import grpo_arrays, grpo_objective
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.replay import replay_vjp
-from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import pad_trees, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
 from branch_replay_jax.distributed.mesh import (make_mesh, make_train_step, pad_prompts, param_specs, shard_batch,
                                         shard_params, sharded_replay_logprobs, sharded_replay_value_and_grad,
-                                        sharded_tree_replay_value_and_grad, stack_groups)
+                                        sharded_tree_replay_logprobs, sharded_tree_replay_value_and_grad,
+                                        stack_groups)
 from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_logprobs, replay_value_and_grad,
-                                                  tree_replay_value_and_grad)
+                                                  tree_replay_logprobs, tree_replay_value_and_grad)
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
 from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
 from branch_replay_jax.models.llama import REMAT_POLICIES
@@ -291,22 +292,34 @@ def _random_tree(seed):
   return tree_from_trajectories(list(rng.integers(0, 64, 11)), comps)
 
 
-@pytest.mark.slow   # three compiles: naive, tree replay, the sharded step
+def _cut_tree(seed):
+  """A tree as EOS leaves it: a prompt of 20 tokens (bucket 32), 3 first-level segments, of which
+  two end there (1-2 tokens) and one has 2 children of 9 and 2 tokens (T_2 = 16); G = 4."""
+  rng = np.random.default_rng(seed)
+  head = list(rng.integers(0, 64, 3))
+  comps = [head + list(rng.integers(0, 64, 9)), head + list(rng.integers(0, 64, 2)), [5, 6], [7]]
+  return tree_from_trajectories(list(rng.integers(0, 64, 20)), comps)
+
+
+@pytest.mark.slow   # four compiles: naive, tree replay, the sharded step and log-probs
 def test_sharded_tree_replay_equals_naive():
-  # Two trees (fan-outs 4 x 2) on data=2 x branch=2 (first-level subtrees) x seq=2 (prompt):
-  # the naive gradient of all their trajectories, and single-device tree replay.
+  # Two trees of different shapes, a full one (fan-outs 4 x 2, T = (8, 8), G = 8, P_pad = 16) and
+  # one cut short by EOS (fan-outs 3 x 2, T = (8, 16), G = 4, P_pad = 32), padded to one layout
+  # (pad_trees, pad_prompts), on data=2 x branch=2 (first-level subtrees) x seq=2 (prompt): the
+  # naive gradient of all their trajectories, and single-device tree replay. The sharded
+  # forward-only log-probs equal single-device tree replay's tree by tree, 0 on the padding.
   graphdef, params = tiny_model()
   tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   trees, naive_loss, naive_grads, replay_grads = [], 0.0, None, None
   add = lambda a, b: b if a is None else jax.tree_util.tree_map(jnp.add, a, b)
-  for seed in range(2):
-    tree, rng = _random_tree(seed), np.random.default_rng(seed)
+  for seed, tree in enumerate([_random_tree(0), _cut_tree(1)]):
+    rng = np.random.default_rng(seed)
     adv = rng.normal(size=len(tree.ends)).astype(np.float32)
     old = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(np.float32) for s in tree.segments]
     w = obj.trajectory_weights(tree.completion_lengths(), mode="token_mean", max_length=16)
     per_node = {"weights": [x.astype(np.float32) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": old}
-    trees.append(tree_arrays(pad_tree(tree, prompt_bucket=16), per_node, advantage=adv))
+    trees.append(tree_arrays(pad_tree(tree), per_node, advantage=adv))
     naive = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": old}, w.astype(np.float32), vocab_size=64,
                                     max_positions=256, completion_bucket=16, advantage=adv)
     loss, _, grads = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, group_obj))(params, naive)
@@ -314,12 +327,25 @@ def test_sharded_tree_replay_equals_naive():
     replay_grads = add(replay_grads, jax.jit(lambda p, a: tree_replay_value_and_grad(graphdef, p, a, tree_obj))(
         params, trees[-1])[2])
   assert max_rel_err(replay_grads, naive_grads) <= 1e-5
+  padded = pad_trees(trees)
+  assert [x.tokens.shape for x in padded[1].levels] == [(4, 8), (4, 2, 16)]
   mesh = make_mesh(2, 2, 2)
   with jax.set_mesh(mesh):
+    batch = shard_batch(stack_groups(pad_prompts(padded, mesh.shape["seq"])), mesh)
+    sharded = shard_params(params, mesh)
     loss, _, grads = jax.jit(lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, tree_obj, mesh))(
-        shard_params(params, mesh), shard_batch(stack_groups(trees), mesh))
+        sharded, batch)
+    logprobs = jax.jit(lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=2))(sharded, batch)
   assert float(loss) == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, naive_grads) <= 1e-5
+  for b, tree in enumerate(trees):
+    want = jax.jit(lambda p, a: tree_replay_logprobs(graphdef, p, a))(params, tree)
+    for got, level in zip(logprobs, want):
+      got = np.array(got)[b]
+      corner = tuple(slice(0, n) for n in level.shape)
+      assert max_rel_err(got[corner], level) <= 1e-5, b
+      got[corner] = 0.0
+      assert not got.any(), b   # padding log-probs are 0
 
 
 def test_make_mesh_and_placement_reject_bad_shapes():

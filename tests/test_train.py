@@ -12,8 +12,8 @@ from flax import nnx
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
-from branch_replay_jax.rollout.tasks import Score, Task
-from conftest import experiment_config
+from branch_replay_jax.rollout.tasks import Task
+from conftest import experiment_config, length_score
 from experiments import grpo_smollm2_arith
 
 REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean",
@@ -39,18 +39,10 @@ def max_rel(a, b):
   return max(leaves)
 
 
-def _length_score(self, completion_text, problem):
-  """A random 2-layer model never solves arithmetic: every reward would be 0, every advantage 0 and
-  every gradient 0, and the invariance tests below would hold vacuously. This deterministic
-  text -> reward map gives the groups reward variance, so the loop really updates."""
-  return Score(reward=float(len(completion_text) % 3), correct=len(completion_text) % 3 == 2, extracted=None,
-               formatted=False)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def varied_rewards():
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(Task, "score", _length_score)
+    mp.setattr(Task, "score", length_score)
     yield
 
 
@@ -150,6 +142,10 @@ def test_mesh_run_trains_to_the_same_parameters(replay_run, tmp_path, mesh, para
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
   assert max_rel(got, want) <= 1e-5
+  # Sampling is data-parallel on the mesh (each group on a device of its data row) and draws the
+  # same completions as the one device.
+  samples = [open(os.path.join(d, "samples.jsonl")).read() for d in (tmp_path, run_dir)]
+  assert samples[0] == samples[1]
   for got_r, want_r in zip(got_history, history):
     assert got_r["reward_mean"] == want_r["reward_mean"]
     assert got_r["clip_frac"] == want_r["clip_frac"]
@@ -186,6 +182,22 @@ def test_pallas_attention_on_a_mesh_is_refused(tmp_path, impl):
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("overrides,match", [
+    ({"mesh.branch": 4, "mesh.seq": 2}, r"mesh.branch=4 must divide the first fan-out rollout.tree_fanouts\[0\] of "
+                                        r"rollout.tree_fanouts=\(2, 2\)"),
+    ({"mesh.data": 4, "mesh.seq": 2}, r"mesh.data=4 must divide rollout.prompts_per_step=2"),
+    ({"mesh.branch": 2, "mesh.seq": 4, "rollout.tree_fanouts": (4,), "train.micro_batch": 4},
+     r"train.micro_batch=4 must divide the leaf siblings per device, rollout.tree_fanouts\[0\] / mesh.branch = 4 / 2"),
+], ids=["branch", "data", "micro_batch"])
+def test_tree_mesh_that_does_not_split_is_refused(tmp_path, overrides, match):
+  # Trees run on the mesh with first-level subtrees over mesh.branch, trees over mesh.data: a split
+  # that is not even is refused by validation, naming the fields, before the model loads.
+  with pytest.raises(ValueError, match=match):
+    train.train(tree_smoke(tmp_path, **overrides))
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
 def test_run_dir_of_another_experiment_is_refused(replay_run):
   run_dir, _ = replay_run
   with pytest.raises(ValueError, match="different experiment"):
@@ -202,21 +214,88 @@ def test_prompt_longer_than_context_is_refused(tmp_path):
     train.train(smoke(tmp_path / "b", **{"rollout.max_new_tokens": 2040}))
 
 
-def test_tree_rollouts_replay_equals_naive(tmp_path):
-  # The tree experiment's smoke variant (fan-outs (2, 2), 4-token segments): nested replay and the
-  # naive step over the same 4 trajectories must train to the same parameters, and a tree is drawn
-  # per step.
+def tree_smoke(run_dir, **overrides):
   from experiments import grpo_tree_smollm2_arith
-  runs = {}
-  for mode in ("replay", "naive"):
-    config = grpo_tree_smollm2_arith.get_config("smoke")
-    config.run_dir = str(tmp_path / mode)
-    config.train.gradient = mode
-    history = train.train(config)
-    assert history[0]["token_positions_naive"] > history[0]["token_positions_computed"]
-    runs[mode], _ = final_params(tmp_path / mode)
-  assert os.path.getsize(tmp_path / "replay" / "trees" / "step_2.png") > 0
-  assert max_rel(runs["replay"], runs["naive"]) <= 1e-5
+  return experiment_config(grpo_tree_smollm2_arith, "smoke", run_dir, **overrides)
+
+
+def _cut_by_eos(shapes):
+  """A tree sampler that records each tree's trajectory count in `shapes` and, in every other call
+  (the first prompt of each step of the smoke run's two), ends both first-level segments as EOS
+  would (after 1 and 3 tokens): a one-level tree with 2 trajectories beside a full two-level tree
+  with 4. A random 2-layer model almost never samples EOS (1 id in 49k), so this gives the smoke
+  run the shapes EOS gives real runs, the same in every run (a new sampler per run)."""
+  from branch_replay_jax.data.trees import RolloutTree
+  from branch_replay_jax.rollout import tree_sampler
+
+  def sample(*args, **kwargs):
+    out = tree_sampler.sample_tree(*args, **kwargs)
+    tree = out.tree
+    if len(shapes) % 2 == 0:
+      first = tree.children(0)
+      cut = RolloutTree((tree.segments[0],) + tuple(tree.segments[c][:n] for c, n in zip(first, (1, 3))),
+                        (-1, 0, 0), (1, 2))
+      out = tree_sampler.TreeRollout(cut, [out.logprobs[0]] + [out.logprobs[c][:n] for c, n in zip(first, (1, 3))],
+                                     np.ones(2, bool))
+    shapes.append(len(out.tree.ends))
+    return out
+  return sample
+
+
+@pytest.fixture(scope="module")
+def tree_run(tmp_path_factory):
+  """The tree smoke run on one device (fan-outs (2, 2), 4-token segments, 2 trees a step), some
+  trees cut short by EOS (`_cut_by_eos`): (run_dir, history, trajectories per tree in sampling order)."""
+  from branch_replay_jax.rollout import collect
+  run_dir, shapes = tmp_path_factory.mktemp("tree"), []
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(collect, "sample_tree", _cut_by_eos(shapes))
+    history = train.train(tree_smoke(run_dir))
+  return run_dir, history, shapes
+
+
+def test_tree_rollouts_replay_equals_naive(tree_run, tmp_path, monkeypatch):
+  # The tree experiment's smoke variant, full trees and trees cut short by EOS: nested replay and the
+  # naive step over the same trajectories must train to the same parameters, and a tree is drawn
+  # per step.
+  from branch_replay_jax.rollout import collect
+  run_dir, history, shapes = tree_run
+  assert sorted(set(shapes)) == [2, 4]   # both shapes occur
+  monkeypatch.setattr(collect, "sample_tree", _cut_by_eos([]))
+  train.train(tree_smoke(tmp_path, **{"train.gradient": "naive"}))
+  assert history[0]["token_positions_naive"] > history[0]["token_positions_computed"]
+  assert os.path.getsize(run_dir / "trees" / "step_2.png") > 0
+  assert max_rel(final_params(run_dir)[0], final_params(tmp_path)[0]) <= 1e-5
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("mesh,params,schedule", [
+    pytest.param((2, 2, 2), "fsdp", "depth_first", id="2x2x2-fsdp"),
+    pytest.param((1, 2, 4), "replicated", "level", id="1x2x4-level", marks=pytest.mark.heavy)])
+def test_mesh_tree_run_trains_to_the_same_parameters(tree_run, tmp_path, monkeypatch, mesh, params, schedule):
+  # The tree smoke run on 8 fake devices: trees over data, first-level subtrees over branch, prompt
+  # tokens over seq. Each step's two trees differ in shape (a one-level tree with 2 trajectories
+  # beside a two-level one with 4, and prompts of different lengths), so the step pads them to one
+  # layout (data.batches.pad_trees, pad_prompts), whose padding adds exact zeros. The sharded step
+  # sums the same terms in another order: the parameters equal the one-device run's to the Adam
+  # rounding bound of the replay-vs-naive test (1e-5), the metrics to float32 rounding. The KL is
+  # live (kl_coef 0.04, sharded reference log-probs) from step 2 on; on-policy nothing clips.
+  from branch_replay_jax.rollout import collect
+  run_dir, history, shapes = tree_run
+  assert any(a != b for a, b in zip(shapes[0::2], shapes[1::2]))   # some step pads one tree to the other
+  monkeypatch.setattr(collect, "sample_tree", _cut_by_eos([]))
+  data, branch, seq = mesh
+  got_history = train.train(tree_smoke(tmp_path, **{"mesh.data": data, "mesh.branch": branch, "mesh.seq": seq,
+                                                    "mesh.params": params, "train.tree_schedule": schedule}))
+  assert max_rel(final_params(tmp_path)[0], final_params(run_dir)[0]) <= 1e-5
+  for got_r, want_r in zip(got_history, history):
+    for name in ("reward_mean", "clip_frac", "token_positions_naive", "token_positions_computed",
+                 "completion_len_mean", "padding_fraction"):
+      assert got_r[name] == want_r[name], name
+    assert got_r["kl"] == pytest.approx(want_r["kl"], rel=1e-4, abs=1e-9)   # step 2: ~2e-8 (lr 1e-5)
+    assert got_r["loss"] == pytest.approx(want_r["loss"], rel=1e-4, abs=1e-7)
+    assert got_r["grad_norm"] == pytest.approx(want_r["grad_norm"], rel=1e-5)
+  assert history[1]["kl"] > 0 and min(r["grad_norm"] for r in history) > 0.1   # not vacuous
 
 
 def test_tree_rollouts_with_kl_and_inner_epochs_replay_equals_naive(tmp_path):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.tree_replay import SCHEDULES
-from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import pad_trees, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, tree_replay_logprobs,
@@ -87,20 +87,29 @@ _tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_co
 _group_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 
 
+def _grpo_inputs(tree, mode, dtype, seed=0):
+  """Random advantages [G], old and reference log-probs per node (near a random model's -ln 64), and
+  the trajectory weights [G] of `mode`: (adv, old, ref, w)."""
+  rng = np.random.default_rng(seed)
+  adv = rng.normal(size=len(tree.ends)).astype(dtype)
+  old = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in tree.segments]
+  ref = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in tree.segments]
+  return adv, old, ref, obj.trajectory_weights(tree.completion_lengths(), mode=mode, max_length=L_MAX)
+
+
+def _grpo_tree_arrays(tree, mode, dtype, seed=0):
+  adv, old, ref, w = _grpo_inputs(tree, mode, dtype, seed)
+  per_node = {"weights": [x.astype(dtype) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": ref}
+  return tree_arrays(pad_tree(tree), per_node, advantage=adv)
+
+
 def _both(tree, graphdef, params, mode, dtype, seed=0):
   """Tree replay under each schedule and the naive group of the tree's trajectories, with the same
   per-token values: ({schedule: (loss, aux, grads)}, naive (loss, aux, grads)). The level schedule
   runs all leaf siblings in one step (micro_batch = last fan-out), depth-first one at a time."""
-  rng = np.random.default_rng(seed)
-  g = len(tree.ends)
-  adv = rng.normal(size=g).astype(dtype)
-  old = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in tree.segments]
-  ref = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in tree.segments]
-  w = obj.trajectory_weights(tree.completion_lengths(), mode=mode, max_length=L_MAX)
-  per_node = {"weights": [x.astype(dtype) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": ref}
-  padded = pad_tree(tree)
-  tree_arrs = tree_arrays(padded, per_node, advantage=adv)
-  last_fanout = padded.node_ids[-1].shape[-1]
+  adv, old, ref, w = _grpo_inputs(tree, mode, dtype, seed)
+  tree_arrs = _grpo_tree_arrays(tree, mode, dtype, seed)
+  last_fanout = tree_arrs.levels[-1].tokens.shape[-2]
   tree_out = {s: _tree_step(graphdef, params, tree_arrs, _tree_objective, schedule=s,
                             micro_batch=last_fanout if s == "level" else 1) for s in SCHEDULES}
 
@@ -132,6 +141,38 @@ def test_tree_replay_equals_naive_float32(tree):
     for schedule, (lt, _, gt) in replay.items():
       assert abs(float(lt) - float(ln)) <= 1e-5 * max(1.0, abs(float(ln))), (mode, schedule)
       assert max_rel_err(gt, gn) <= 1e-4, (mode, schedule)
+
+
+def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
+  # The mesh step pads a step's sampled trees to one layout (data.batches.pad_trees). A one-level
+  # tree (fan-out 2, T = 8, G = 2: both completions stopped at depth 1, as with EOS) padded to a
+  # bigger one's layout (fan-outs (3, 2), T = (16, 16), G = 4) gains an empty slot, positions, a
+  # whole level under its leaves and 2 empty trajectories, which must add exact zeros: its loss,
+  # KL and clip counts, gradient and per-node log-probs stay those of the unpadded tree up to the
+  # order of float64 sums (<= 1e-10 relative; a padded term that leaked, e.g. a weight not zeroed,
+  # changes them by O(1)). Off-policy with a KL term, so every term of the objective is live.
+  small = tree_from_trajectories([9, 9, 9], [[1, 2, 3], [7]])
+  big = tree_from_trajectories([9] * 20, [[1] * 10, [3] + [4] * 10 + [5], [3, 8], [11]])
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  arrays = _grpo_tree_arrays(small, "token_mean", np.float64, seed=5)   # seed 5: 2 of its 4 pairs clip
+  padded = pad_trees([arrays, _grpo_tree_arrays(big, "token_mean", np.float64, seed=1)])[0]
+  assert [x.tokens.shape for x in padded.levels] == [(3, 16), (3, 2, 16)]
+  assert [x.weights.shape[-1] for x in padded.levels] == [4, 4]
+  want_loss, want_aux, want_grads = _tree_step(graphdef, params, arrays, _tree_objective)
+  got_loss, got_aux, got_grads = _tree_step(graphdef, params, padded, _tree_objective)
+  sums = lambda aux: [sum(float(np.sum(level.aux[k])) for level in aux) for k in ("kl", "clipped")]
+  (want_kl, want_clipped), (got_kl, got_clipped) = sums(want_aux), sums(got_aux)
+  assert want_kl > 0 and want_clipped > 0 and abs(float(want_loss)) > 1e-3   # not vacuous
+  assert abs(float(got_loss) - float(want_loss)) <= 1e-10 * abs(float(want_loss))
+  assert abs(got_kl - want_kl) <= 1e-10 * want_kl and got_clipped == want_clipped
+  assert max_rel_err(got_grads, want_grads) <= 1e-10
+  logprobs = jax.jit(lambda p, a: tree_replay_logprobs(graphdef, p, a))
+  want, got = logprobs(params, arrays), logprobs(params, padded)
+  corner = tuple(slice(0, n) for n in want[0].shape)
+  assert np.abs(np.asarray(got[0])[corner] - want[0]).max() <= 1e-10 * np.abs(want[0]).max()
+  rest = np.array(got[0])
+  rest[corner] = 0.0
+  assert not rest.any() and not np.asarray(got[1]).any()   # padding log-probs are 0
 
 
 def test_c01_normalisations_on_a_tree():

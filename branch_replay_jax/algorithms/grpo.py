@@ -12,8 +12,15 @@ Steps 1-3 are rollout/collect.py (loop.sample_groups); 4-5 are `update_on_batch`
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
 the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
-replicated or FSDP-sharded (mesh.params). Sampling (1) runs on the first device, on a copy of the
-parameters gathered there.
+replicated or FSDP-sharded (mesh.params). Tree rollouts (rollout.tree_fanouts) run there too: EOS
+makes the step's sampled trees differ in depth, segment buckets and trajectory count, so they are
+first padded to one level layout (data.batches.pad_trees; the padding adds exact zeros), then
+stacked: trees over `data`, first-level subtrees over `branch`, prompt over `seq`. Sampling (1) is
+data-parallel on the mesh: each group samples on a device of its `data` row from a copy of the
+parameters gathered there, all devices at once (distributed/hosts.py), with the same tokens as on
+one device. The loop also runs as several processes (distributed.num_processes;
+distributed/hosts.py; groups, not trees): each process samples and places the groups of its own
+devices.
 """
 
 from __future__ import annotations
@@ -22,15 +29,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
-from branch_replay_jax.distributed.mesh import sharded_replay_logprobs, sharded_replay_value_and_grad
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees, with_logprobs
+from branch_replay_jax.distributed import hosts
+from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shard_batch,
+                                                sharded_replay_logprobs, sharded_replay_value_and_grad,
+                                                sharded_tree_replay_logprobs, sharded_tree_replay_value_and_grad,
+                                                stack_groups)
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
                                                   replay_value_and_grad, tree_replay_logprobs,
                                                   tree_replay_value_and_grad)
@@ -51,15 +62,27 @@ def validate(config) -> None:
     raise ValueError(f"loss.advantage_eps={l.advantage_eps!r} must be >= 0")
   if l.kl_coef < 0:
     raise ValueError(f"loss.kl_coef={l.kl_coef} must be >= 0")
+  k = config.train.exactness_check_every
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   loop.validate(config)
+
+
+def objective(config, tree: bool):
+  """The step's objective (losses.grpo_objective, or grpo_tree_objective for a tree) with the
+  config's clip, KL coefficient and on-policy setting."""
+  l, t = config.loss, config.train
+  return functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
+                           kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
 
 
 class GRPOFunctions:
   """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape).
 
   grad and logprobs take one update unit (`units`): a group's or tree's arrays on one device, or,
-  with a mesh, the step's groups stacked [B, ...] and sharded. grad returns (loss, aux, grads)
-  summed over the unit's completions; logprobs the per-token log-probs laid out like its tokens.
+  with a mesh, the step's groups (or padded trees) stacked [B, ...] and sharded. grad returns
+  (loss, (Σ k3 KL, Σ clipped), grads) summed over the unit's completions (scalars, replicated on
+  a mesh); logprobs the per-token log-probs laid out like its tokens.
   """
 
   def __init__(self, config, graphdef):
@@ -67,11 +90,20 @@ class GRPOFunctions:
     naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not naive
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
-    self.objective = functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
-                                       kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
+    self.objective = objective(config, tree)
     cast, upcast = loop.param_casts(config)
     self.cast = cast
-    if self.mesh is not None:
+    self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
+                                cast, upcast)
+    if self.mesh is not None and tree:
+      mesh = self.mesh
+      # A step's trees may all stop early (EOS): each padded shape uses the largest divisor of its leaf
+      # siblings per device not above train.micro_batch, as on one device.
+      fit = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
+      grad = lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=fit(b),
+                                                             schedule=t.tree_schedule)
+      logprobs = lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=fit(b))
+    elif self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
       grad = lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=m)
       logprobs = lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=m)
@@ -88,38 +120,42 @@ class GRPOFunctions:
 
     def grad_step(p, b):
       loss, aux, grads = grad(cast(p), b)
-      return loss, aux, upcast(grads)
+      return loss, obj.grpo_aux_sums(aux), upcast(grads)
     self.grad = jax.jit(grad_step)
     self.logprobs = jax.jit(lambda p, b: logprobs(cast(p), b))
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
-    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh."""
+    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (trees
+    padded to one level layout by `pad_trees`, whose padding adds exact zeros to loss, gradient and
+    metrics; prompts to one length by `pad_prompts`; with several processes, each passes its own
+    groups, those with a batch, as its part of it)."""
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
-    return [("group", loop.on_mesh([g.batch for g in groups], self.mesh))]
+    kind, local = groups[0].kind, [g.batch for g in groups if g.batch is not None]
+    if kind == "tree":
+      local = pad_trees(local)   # one process (loop.check_processes refuses trees on several)
+    longest = hosts.global_max(max(b.prompt_ids.shape[0] for b in local))
+    batch = stack_groups(pad_prompts(local, self.mesh.shape["seq"], longest=longest))
+    return [(kind, shard_batch(batch, self.mesh, num_groups=len(groups)))]
 
   def place(self, tree):
     """Parameters or optimizer state onto the mesh in config.mesh.params's layout (`loop.place`)."""
     return loop.place(tree, self.mesh, self.param_mode)
 
-  def for_sampling(self, params):
-    """The parameters the sampler reads: on the mesh, a copy gathered onto the first device."""
-    # the policy the step trains: model.param_dtype's rounding of the master
-    return loop.on_first_device(self.cast(params), self.mesh)
+  def sampling_devices(self, num_groups: int):
+    """None on one device, else [num_groups] the device that samples each group (hosts.sampling_devices)."""
+    return None if self.mesh is None else hosts.sampling_devices(self.mesh, num_groups)
 
-
-def _aux_sums(kind: str, aux) -> tuple[float, float]:
-  """(Σ k3 KL, Σ clipped) from a group's aux {"kl", "clipped"} or a tree's per-level NodeOutputs."""
-  parts = [aux] if kind == "group" else [level.aux for level in aux]
-  return sum(float(np.sum(p["kl"])) for p in parts), sum(float(np.sum(p["clipped"])) for p in parts)
-
-
-def _with_logprobs(batch: GroupBatch | TreeBatch, name: str, logp) -> GroupBatch | TreeBatch:
-  """The unit with per-token log-probs in field `name` ("ref_logp" or "old_logp"): [(B,) G, T] per
-  branch, or a tree's per-level [F_1..F_d, T_d]."""
-  if isinstance(batch, TreeBatch):
-    return batch.replace(levels=tuple(level.replace(**{name: lp}) for level, lp in zip(batch.levels, logp)))
-  return batch.replace(branches=batch.branches.replace(**{name: logp}))
+  def for_sampling(self, graphdef, params, devices):
+    """The policy the sampler runs: the model on one device, or {device: the model on a full copy
+    of the parameters on it} for this process's sampling `devices` (hosts.device_copies)."""
+    params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
+    if devices is None:
+      return nnx.merge(graphdef, params)
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    with jax.set_mesh(self.mesh):
+      copies = hosts.device_copies(params, self.mesh, mine)
+    return {d: nnx.merge(graphdef, p) for d, p in copies.items()}
 
 
 def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group]):
@@ -127,22 +163,20 @@ def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_
   units = []
   for kind, batch in fns.units(groups):
     if config.loss.kl_coef:
-      batch = _with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
+      batch = with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
     if config.train.inner_epochs > 1:
-      batch = _with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
+      batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
     units.append((kind, batch))
   for _ in range(config.train.inner_epochs):
-    total, loss, aux = None, 0.0, []
+    total, loss, kl, clipped = None, 0.0, 0.0, 0.0
     for _, arrays in units:
-      unit_loss, unit_aux, grads = fns.grad(params, arrays)
+      unit_loss, (unit_kl, unit_clipped), grads = fns.grad(params, arrays)
       total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-      loss, aux = loss + float(unit_loss), aux + [unit_aux]
+      loss, kl, clipped = loss + float(unit_loss), kl + float(unit_kl), clipped + float(unit_clipped)
     mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
     params, opt_state, grad_norm = update(params, opt_state, mean)
   pairs = sum(int(g.lengths.sum()) for g in groups)   # completion tokens, one per (token, trajectory) pair
-  sums = [_aux_sums(kind, a) for (kind, _), a in zip(units, aux)]
-  stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm),
-           "kl": sum(k for k, _ in sums) / pairs, "clip_frac": sum(c for _, c in sums) / pairs}
+  stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs}
   return params, opt_state, stats
 
 
@@ -151,6 +185,7 @@ class GRPO(loop.Algorithm):
 
   name = "grpo"
   keep_initial = True
+  multi_process = True
 
   def __init__(self, config):
     validate(config)
@@ -163,12 +198,28 @@ class GRPO(loop.Algorithm):
     return self.fns.place(run.params), self.fns.place(run.opt_state)
 
   def collect(self, run, params, step, data_pos):
-    policy = nnx.merge(run.graphdef, self.fns.for_sampling(params))
-    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
+    devices = self.fns.sampling_devices(self.config.rollout.prompts_per_step)
+    policy = self.fns.for_sampling(run.graphdef, params, devices)
+    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos,
+                              devices=devices)
 
   def update(self, params, opt_state, groups, step):
+    check = self.exactness(params, groups) if self.fns.check.due(step) else {}
     with loop.mesh_context(self.fns.mesh):
-      return update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params, opt_state, groups)
+      params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params,
+                                                 opt_state, groups)
+    return params, opt_state, {**stats, **check}
+
+  def exactness(self, params, groups) -> dict:
+    """The run-time exactness check (algorithms/exactness.py) at the parameters the step's gradient
+    is taken at: on one device as they are; on a mesh on a full copy on process 0's first device,
+    its figures shared with every process."""
+    if self.fns.mesh is None:
+      return self.fns.check(params, self.ref_params, groups)
+    device = jax.local_devices()[0]
+    with jax.set_mesh(self.fns.mesh):
+      p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
+    return hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s):
     return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s)

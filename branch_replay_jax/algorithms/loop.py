@@ -11,6 +11,7 @@ checkpoints/ (orbax).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
+from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import (PARAM_MODES, make_mesh, pad_prompts, shard_batch, shard_params,
                                                 stack_groups)
 from branch_replay_jax.models import Llama, tiny_config
@@ -152,16 +154,23 @@ def validate_tree_rollout(config) -> None:
 
 
 def validate_mesh(config) -> None:
-  """Raise ValueError for a config.mesh the loop cannot run: `validate_mesh_shape`'s, tree updates on
-  a mesh, and groups, completions or micro-batches that do not split evenly."""
+  """Raise ValueError for a config.mesh the loop cannot run: `validate_mesh_shape`'s (sizes, device
+  count, naive updates or Pallas attention on a mesh), and groups (trees), completions (first-level
+  subtrees) or micro-batches that do not split evenly."""
   m, r, t = config.mesh, config.rollout, config.train
   if not validate_mesh_shape(config):
     return
-  if r.tree_fanouts:
-    raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)}: the training loop runs trees on one device "
-                     "(sampled trees differ in shape step to step); use a 1x1x1 mesh")
   if r.prompts_per_step % m.data:
     raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")
+  if r.tree_fanouts:   # trees: first-level subtrees over `branch` (the step pads the sampled trees to one shape)
+    f = tuple(r.tree_fanouts)
+    if f[0] % m.branch:
+      raise ValueError(f"mesh.branch={m.branch} must divide the first fan-out rollout.tree_fanouts[0] of "
+                       f"rollout.tree_fanouts={f} (first-level subtrees are split over mesh.branch)")
+    if len(f) == 1 and (f[0] // m.branch) % t.micro_batch:
+      raise ValueError(f"train.micro_batch={t.micro_batch} must divide the leaf siblings per device, "
+                       f"rollout.tree_fanouts[0] / mesh.branch = {f[0]} / {m.branch}")
+    return
   if r.group_size % m.branch:
     raise ValueError(f"mesh.branch={m.branch} must divide rollout.group_size={r.group_size}")
   if (r.group_size // m.branch) % t.micro_batch:
@@ -196,9 +205,18 @@ def validate_mesh_shape(config) -> bool:
 
 
 def mesh_from(config):
-  """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device)."""
+  """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device).
+
+  Raises:
+    ValueError: with several processes, a `data` row spanning processes (hosts.check_rows_local).
+  """
   m = config.mesh
-  return None if m.data * m.branch * m.seq == 1 else make_mesh(m.data, m.branch, m.seq)
+  if m.data * m.branch * m.seq == 1:
+    return None
+  mesh = make_mesh(m.data, m.branch, m.seq)
+  if jax.process_count() > 1:
+    hosts.check_rows_local(mesh)
+  return mesh
 
 
 # Where an algorithm's update runs: one device (mesh None) or config.mesh's mesh (`mesh_from`).
@@ -294,6 +312,7 @@ class Algorithm:
 
   name = "algorithm"
   keep_initial = False
+  multi_process = False   # runs as several processes (distributed/hosts.py); the GRPO loop does
 
   def __init__(self, config):
     self.config = config
@@ -329,8 +348,26 @@ class Algorithm:
     plots.write_plots(self.config.run_dir)
 
 
+def check_processes(config, algorithm: Algorithm) -> None:
+  """Raise ValueError when the processes this one belongs to differ from config.distributed's
+  (`hosts.settings`: a run of several processes starts through `hosts.initialize`, as main.py
+  does), or when the algorithm does not run as several processes."""
+  n = hosts.settings(config)["num_processes"]
+  if n != jax.process_count():
+    raise ValueError(f"distributed.num_processes={n} but this is one of {jax.process_count()} processes: start the run "
+                     "through branch_replay_jax.main (it calls distributed.hosts.initialize(config) first)")
+  if n > 1 and not algorithm.multi_process:
+    raise ValueError(f"distributed.num_processes={n}: the {algorithm.name} loop runs in one process (several "
+                     "processes: algorithm grpo or rloo)")
+  if n > 1 and config.rollout.get("tree_fanouts"):
+    raise ValueError(f"distributed.num_processes={n} with rollout.tree_fanouts={tuple(config.rollout.tree_fanouts)}: "
+                     "trees run on a mesh in one process (padding them to one shape across processes is not built)")
+
+
 def train(config, algorithm: Algorithm) -> list[dict]:
-  """Run `algorithm` for config.train.steps steps (resuming when config.resume); returns this run's records."""
+  """Run `algorithm` for config.train.steps steps (resuming when config.resume); returns this run's records.
+  With several processes (distributed/hosts.py) every process calls it; process 0 writes the logs."""
+  check_processes(config, algorithm)
   run = start_run(config, algorithm.fingerprint(), optimizer_fn=lambda _: algorithm.make_optimizer(),
                   wrap=algorithm.wrap, keep_initial=algorithm.keep_initial)
   params, opt_state = algorithm.setup(run)
@@ -347,7 +384,8 @@ def train(config, algorithm: Algorithm) -> list[dict]:
       save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
   finally:
     run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
-  algorithm.write_plots()
+  if hosts.is_primary():
+    algorithm.write_plots()
   return history
 
 
@@ -382,7 +420,7 @@ class Run:
   def progress(self, config, desc: str):
     """The steps still to run, start .. config.train.steps - 1, as a tqdm progress bar."""
     return tqdm(range(self.start, config.train.steps), initial=self.start, total=config.train.steps, desc=desc,
-                unit="step")
+                unit="step", disable=not hosts.is_primary())
 
 
 def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wrap=None,
@@ -395,7 +433,9 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
   Raises:
     ValueError: RUN_DIR holds another experiment's checkpoints (check_run_dir).
   """
-  check_run_dir(config.run_dir, run_fingerprint)
+  check_run_dir(config.run_dir, run_fingerprint, write=False)   # every process refuses a wrong run dir
+  if hosts.is_primary():
+    check_run_dir(config.run_dir, run_fingerprint)
   model, tokenizer = build_model(config)
   model_config = model.config
   graphdef, params = nnx.split(model if wrap is None else wrap(model))
@@ -409,33 +449,65 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
     state, meta = ckpt.restore(ckpt.latest_step(), abstract)
     params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
     start, data_pos = meta["step"], meta["data_pos"]
-  plots.cut_logs_back(config.run_dir, start)
+  if hosts.is_primary():
+    plots.cut_logs_back(config.run_dir, start)
   return Run(tokenizer, model_config, graphdef, params, initial, optimizer, opt_state, ckpt, key, start, data_pos)
 
 
-def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int) -> tuple[list[Group], int]:
-  """The step's rollouts, one per prompt (keys from (seed, step, i): a resumed run samples the same)."""
-  groups = [rollout(config, policy, tokenizer, task, data_pos + i, jax.random.fold_in(jax.random.fold_in(key, step), i))
-            for i in range(config.rollout.prompts_per_step)]
-  return groups, data_pos + len(groups)
+def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int, *,
+                  devices=None) -> tuple[list[Group], int]:
+  """The step's rollouts, one per prompt: group i from task item data_pos + i with the key
+  (seed, step, i) folded, so a resumed run, and a run on a mesh, sample the same.
+
+  Args:
+    policy: the model, or with `devices` {device: the model on it} for this process's devices.
+    devices: None (sample every group here, one after another), or [prompts_per_step] the device
+      of each group (`hosts.sampling_devices`): each of this process's devices samples its groups
+      in its own thread, all at once; the groups of other processes' devices come back as
+      summaries (`Group.batch` None: rewards, lengths, timings, sample, tree for the logs) through
+      `hosts.allgather_objects`, a collective every process joins.
+
+  Returns: ([prompts_per_step] groups in order, the next data position).
+  """
+  n = config.rollout.prompts_per_step
+  keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
+  if devices is None:
+    return [rollout(config, policy, tokenizer, task, data_pos + i, keys[i]) for i in range(n)], data_pos + n
+  mine: dict[Any, list[int]] = {}
+  for i, device in enumerate(devices):
+    if device.process_index == jax.process_index():
+      mine.setdefault(device, []).append(i)
+
+  def on_device(device):
+    with jax.default_device(device):
+      return [(i, rollout(config, policy[device], tokenizer, task, data_pos + i, jax.device_put(keys[i], device)))
+              for i in mine[device]]
+  with concurrent.futures.ThreadPoolExecutor(max(len(mine), 1)) as pool:
+    local = dict(pair for part in pool.map(on_device, mine) for pair in part)
+  summaries = {}
+  for part in hosts.allgather_objects({i: dataclasses.replace(g, batch=None) for i, g in local.items()}):
+    summaries.update(part)
+  return [local.get(i, summaries[i]) for i in range(n)], data_pos + n
 
 
 def log_step(config, bar, step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float) -> dict:
   """Append the step's record to metrics.jsonl, a sample to samples.jsonl, draw a tree; returns the record."""
   record = step_record(step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+  bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.1f}")
+  if not hosts.is_primary():   # every process computes the record; process 0 writes it
+    return record
   plots.append_jsonl(os.path.join(config.run_dir, "metrics.jsonl"), record)
   plots.append_jsonl(os.path.join(config.run_dir, "samples.jsonl"), {"step": step + 1, **groups[0].sample})
   if groups[0].tree is not None:
     os.makedirs(os.path.join(config.run_dir, "trees"), exist_ok=True)
     plots.draw_tree(groups[0].tree, groups[0].rewards, os.path.join(config.run_dir, "trees", f"step_{step + 1}.png"),
                     title=f"step {step + 1}: {groups[0].sample['question']}")
-  bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.1f}")
   return record
 
 
 def save_if_due(config, ckpt: RunCheckpoints, step: int, params, opt_state, key, data_pos: int) -> None:
   if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.train.steps:
-    ckpt.save(step + 1, {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)},
+    ckpt.save(step + 1, {"params": params, "opt_state": opt_state, "rng": np.asarray(jax.random.key_data(key))},
               {"step": step + 1, "data_pos": data_pos})
 
 

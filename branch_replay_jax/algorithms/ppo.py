@@ -59,6 +59,9 @@ def validate(config) -> None:
                      f"ppo.critic_lr_scale={p.critic_lr_scale} > 0")
   if config.loss.kl_coef:
     raise ValueError(f"loss.kl_coef={config.loss.kl_coef}: this PPO loss has no KL term; set it to 0")
+  if config.train.get("exactness_check_every"):
+    raise ValueError(f"train.exactness_check_every={config.train.exactness_check_every}: the run-time exactness check "
+                     "is GRPO / RLOO's (PPO's replay == naive is held by tests/test_ppo.py); set it to 0")
   for name in ("advantage", "advantage_eps"):
     if name in config.loss:
       raise ValueError(f"loss.{name}={config.loss[name]!r} does not apply to PPO (GAE advantages from the critic: "

@@ -13,6 +13,7 @@ field left `None` is no leaf. Builders:
     group_arrays(group, **fields)              -> GroupBatch
     tree_arrays(padded, per_node, **shared)    -> TreeBatch
     trajectory_group_arrays(tree, ...)         -> GroupBatch of the tree's trajectories (the naive layout)
+    pad_trees(trees)                           -> TreeBatches of one shape (a mesh step stacks them)
 
 One name per quantity: "advantage" is GRPO/RLOO's per-trajectory advantage and PPO's per-token
 GAE advantage alike; its shape (below) says which.
@@ -64,6 +65,9 @@ class Segments:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Segments))
 LOSS_FIELDS = FIELDS[2:]
+# Fields that carry a trailing trajectory axis G in a tree node (per (token, trajectory) or per
+# trajectory); the others are per token, [L, T].
+TRAJECTORY_FIELDS = ("weights", "advantage", "returns")
 
 
 @struct.dataclass
@@ -110,6 +114,14 @@ def num_branches(batch: GroupBatch | TreeBatch) -> int:
   if isinstance(batch, GroupBatch):
     return batch.branches.tokens.shape[-2]
   return batch.levels[-1].tokens.shape[-2]
+
+
+def with_logprobs(batch: GroupBatch | TreeBatch, name: str, logp) -> GroupBatch | TreeBatch:
+  """The batch with per-token log-probs in field `name` ("ref_logp" or "old_logp"): logp [(B,) G, T]
+  for a group's branches, or a tree's per-level list [F_1..F_d, T_d]."""
+  if isinstance(batch, TreeBatch):
+    return batch.replace(levels=tuple(level.replace(**{name: lp}) for level, lp in zip(batch.levels, logp)))
+  return batch.replace(branches=batch.branches.replace(**{name: logp}))
 
 
 def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
@@ -170,3 +182,75 @@ def trajectory_group_arrays(tree: RolloutTree, per_node: dict[str, Sequence], tr
   extras["weights"] = (group.completion_mask * np.asarray(trajectory_weights)[:, None]).astype(
       np.result_type(np.asarray(trajectory_weights).dtype, np.float32))
   return group_arrays(group, **extras, **shared)
+
+
+def _node_layout(name: str, ndim: int, depth: int) -> tuple[bool, bool]:
+  """(has a T axis, has a trailing G axis) of field `name` of a tree level with `depth` slot axes."""
+  if name not in TRAJECTORY_FIELDS:
+    return True, False
+  return ndim == depth + 2, True   # [L, T, G] (weights, PPO's advantage, returns) or [L, G] (GRPO's advantage)
+
+
+def pad_trees(trees: Sequence[TreeBatch]) -> list[TreeBatch]:
+  """Pad rollout trees to one level layout, so that `distributed.mesh.stack_groups` can stack them.
+
+  Trees sampled with one config differ in shape (`rollout.tree_sampler.sample_tree`, `data.trees.pad_tree`):
+  a segment that ends with EOS is a leaf, so a tree may have fewer levels D than its fan-outs
+  (every path stopped early) and fewer trajectories G than their product; a level's T_d is the
+  bucket of its longest segment, so EOS can shrink it too; F_d is the largest fan-out into level d.
+  (Prompts differ in P_pad as well: `distributed.mesh.pad_prompts` pads those.) Every tree is
+  padded to the largest D, each level's largest F_1..F_d and T_d, and the largest G: new slots,
+  token positions and whole levels are empty (token 0, mask False, every other field 0) and new
+  trajectories get weights, advantage and returns 0.
+
+  The padding contributes exactly zero to the loss, its gradient and every metric sum, for any
+  objective that weighs its (token, trajectory) terms by `weights` (`losses.grpo_tree_objective`,
+  `losses.ppo_tree_objective`): a masked token is never a visible key (no real token's
+  activations change), its log-prob is 0 (`jnp.where(mask, ...)`, whose gradient there is 0),
+  its terms are multiplied by weights 0 (0 times a finite value, whose gradient is 0 too), and the
+  metric sums (KL, clipped) count only pairs with weights > 0 on real tokens. An empty slot's
+  queries see its real ancestors' keys (at least the prompt's), so its values stay finite; a real
+  leaf with new empty children gets a zero cotangent from them. The real terms are unchanged; only
+  the order of float sums may differ (tests/test_tree_replay.py: <= 1e-10 relative in float64).
+
+  Args:
+    trees: TreeBatches (`tree_arrays`, unstacked: prompt_ids [P_pad], levels [F_1..F_d, T_d, ...]),
+      each with the same Segments fields set. Per-trajectory fields (`TRAJECTORY_FIELDS`) carry
+      their trailing axis G: weights [.., T_d, G], advantage [.., G] or [.., T_d, G], returns [.., T_d, G].
+
+  Returns:
+    The trees in order, each with levels of one shape (prompt_ids unchanged); for PPO's trees as
+    for GRPO's (the padding is generic over the fields).
+
+  Raises:
+    ValueError: no trees, something other than a TreeBatch, or trees whose levels set different fields.
+  """
+  if not trees or not all(isinstance(t, TreeBatch) for t in trees):
+    raise ValueError(f"pad_trees: needs one or more TreeBatches, got {[type(t).__name__ for t in trees]}")
+  names = {tuple(f for f in FIELDS if getattr(level, f) is not None) for t in trees for level in t.levels}
+  if len(names) != 1:
+    raise ValueError(f"pad_trees: the trees' levels set different Segments fields: {sorted(names)}")
+  names = names.pop()
+  depth = max(len(t.levels) for t in trees)
+  present = lambda d: [t.levels[d] for t in trees if len(t.levels) > d]   # level d + 1 of the trees that have it
+  fanouts = [max(level.tokens.shape[d] for level in present(d)) for d in range(depth)]
+  lengths = [max(level.tokens.shape[-1] for level in present(d)) for d in range(depth)]
+  g = max((getattr(level, f).shape[-1] for t in trees for level in t.levels for f in names if f in TRAJECTORY_FIELDS),
+          default=0)
+
+  def target(name, ndim, d):   # level d + 1's shape of field `name`
+    has_t, has_g = _node_layout(name, ndim, d + 1)
+    return tuple(fanouts[:d + 1]) + ((lengths[d],) if has_t else ()) + ((g,) if has_g else ())
+
+  def pad(t):
+    levels = []
+    for d in range(depth):
+      if d < len(t.levels):
+        fields = {f: jnp.pad(x, [(0, n - s) for s, n in zip(x.shape, target(f, x.ndim, d))])
+                  for f in names for x in [getattr(t.levels[d], f)]}
+      else:   # a level this tree lacks: all padding, dtypes and layout from a tree that has it
+        ref = present(d)[0]
+        fields = {f: jnp.zeros(target(f, getattr(ref, f).ndim, d), getattr(ref, f).dtype) for f in names}
+      levels.append(Segments(**fields))
+    return t.replace(levels=tuple(levels))
+  return [pad(t) for t in trees]

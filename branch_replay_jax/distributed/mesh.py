@@ -26,8 +26,9 @@ through the log-sum-exp merge), so the psum over the mesh is S times the gradien
 The training loops run their update here when config.mesh is larger than 1 x 1 x 1: GRPO / RLOO
 (algorithms/grpo.py) and PPO (algorithms/ppo.py; policy and critic: `sharded_actor_critic_*`) on
 the step's groups (PPO: each minibatch's) padded to one prompt length (`pad_prompts`), stacked
-and placed; DPO (algorithms/dpo.py, `ShardedReplaySteps`) on its ragged groups padded to one shape
-(`pad_groups`, zero-weight padding).
+and placed; GRPO's sampled trees first padded to one level layout (`data.batches.pad_trees`:
+depth, fan-outs, segment lengths, trajectories), then the same; DPO (algorithms/dpo.py,
+`ShardedReplaySteps`) on its ragged groups padded to one shape (`pad_groups`, zero-weight padding).
 
 Parameters are replicated or FSDP-sharded (`param_specs`; Rajbhandari et al. 2020, ZeRO stage 3,
 arXiv 1910.02054). FSDP splits each leaf's largest evenly divisible dimension (never a stacked
@@ -56,7 +57,7 @@ from branch_replay_jax.distributed.seq_parallel import actor_critic_prompt_split
 from branch_replay_jax.gradients import actor_critic
 from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
-                                                  tree_replay_value_and_grad)
+                                                  tree_replay_logprobs, tree_replay_value_and_grad)
 from branch_replay_jax.models.critic import TRUNKS
 from branch_replay_jax.models.llama import param_gather
 
@@ -94,9 +95,11 @@ def stack_groups(groups: list[GroupBatch | TreeBatch]) -> GroupBatch | TreeBatch
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *groups)
 
 
-def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1) -> list[GroupBatch | TreeBatch]:
+def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
+                longest: int | None = None) -> list[GroupBatch | TreeBatch]:
   """Right-pad every group's (or tree's) prompt_ids [P_pad] with token 0 to one length: the
-  longest P_pad, rounded up to a multiple of `multiple` (the mesh's `seq` size), so that
+  longest P_pad (or `longest`, when given: the longest over all processes' groups), rounded up
+  to a multiple of `multiple` (the mesh's `seq` size), so that
   `stack_groups` can stack them. Positions at or after prompt_len are masked out of attention and
   never scored, so each group's loss and gradient are unchanged (only the padding compute grows).
 
@@ -106,7 +109,7 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1) -> list
   if not groups or multiple < 1:
     raise ValueError(f"pad_prompts: need at least one group and multiple >= 1, got {len(groups)} groups, "
                      f"multiple={multiple}")
-  longest = max(g.prompt_ids.shape[0] for g in groups)
+  longest = max([g.prompt_ids.shape[0] for g in groups] + [longest or 0])
   p_pad = -(-longest // multiple) * multiple
   return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
 
@@ -149,6 +152,14 @@ def pad_groups(groups: list[GroupBatch], mesh) -> tuple[list[GroupBatch], np.nda
   return padded, flat_index
 
 
+def leaf_siblings(batch: TreeBatch, mesh) -> int:
+  """Leaf siblings of a stacked tree batch on one device: the last fan-out F_D (its axis is not
+  split), or F_1 / branch when the trees have one level (F_1 is split over `branch`). The tree
+  functions' micro_batch must divide it."""
+  f = batch.levels[-1].tokens.shape[-2]
+  return f // mesh.shape["branch"] if len(batch.levels) == 1 else f
+
+
 def batch_specs(batch: GroupBatch | TreeBatch, mesh):
   """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] P("data", "seq"); completions
   (branches [B, G, ...]) and tree levels (levels [B, F_1, ...]) P("data", "branch"); the rest P("data").
@@ -172,10 +183,19 @@ def batch_specs(batch: GroupBatch | TreeBatch, mesh):
   return jax.tree_util.tree_map_with_path(spec, batch)
 
 
-def shard_batch(batch: GroupBatch | TreeBatch, mesh) -> GroupBatch | TreeBatch:
-  """Place a stacked batch on `mesh` with `batch_specs`."""
-  return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), batch,
-                                batch_specs(batch, mesh))
+def shard_batch(batch: GroupBatch | TreeBatch, mesh, num_groups: int | None = None) -> GroupBatch | TreeBatch:
+  """Place a stacked batch on `mesh` with `batch_specs`.
+
+  With several processes (distributed/hosts.py) `batch` holds this process's groups [B_local, ...]
+  (those of its `data` rows, in order) and `num_groups` the step's B: each process passes its own
+  part of one global batch (`jax.make_array_from_process_local_data`). One process: B_local = B.
+  """
+  num_groups = num_groups or jax.tree_util.tree_leaves(batch)[0].shape[0]
+  shape = lambda x: (num_groups,) + tuple(x.shape[1:])
+  specs = batch_specs(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(shape(x), x.dtype), batch), mesh)
+  return jax.tree_util.tree_map(
+      lambda x, s: jax.make_array_from_process_local_data(NamedSharding(mesh, s), np.asarray(x), shape(x)),
+      batch, specs)
 
 
 def _leaf_name(path) -> str:
@@ -249,9 +269,13 @@ def _sharded_dims(params) -> dict[str, int | None]:
 
 
 def shard_params(params, mesh, mode: str = "replicated"):
-  """Place parameters (or an optimizer state shaped like them) with `param_specs`."""
-  return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
-                                param_specs(params, mesh, mode))
+  """Place parameters (or an optimizer state shaped like them) with `param_specs`, from a whole
+  copy in this process (with several processes, each process's own identical copy, e.g. the
+  initialised or restored state: each places its devices' shards from it, no cross-host copy)."""
+  def place(x, spec):
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
+  return jax.tree_util.tree_map(place, params, param_specs(params, mesh, mode))
 
 
 def _invariant_over_seq(tree):
@@ -369,11 +393,15 @@ def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective
 def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, mesh, *,
                                        micro_batch: int = 1, logprob_chunk: int = 256,
                                        schedule: str = "depth_first"):
-  """(loss, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`), by nested replay
-  under `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
-  schedule: as in `gradients.logprobs.tree_replay_value_and_grad`.
+  """(loss, aux, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`; sampled
+  trees of differing shapes through `data.batches.pad_trees` first), by nested replay under
+  `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
+  schedule: as in `gradients.logprobs.tree_replay_value_and_grad`; micro_batch: leaf siblings per
+  scan step on each device, a divisor of the last level's fan-out there (F_D, or F_1 / branch for a
+  one-level tree).
 
-  Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G).
+  Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G); aux is the list
+  over levels of `NodeOutputs` [B, F_1..F_d, ...], each sharded P("data", "branch").
   """
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch.prompt_ids.shape[1], n_seq)
@@ -386,6 +414,22 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objec
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
+def _mesh_map(graphdef, per_group, params, batch, mesh, split_fn=prompt_split):
+  """Forward-only `shard_map` of per_group(local params, one group's or tree's batch, **split) over a
+  stacked batch, split = split_fn(graphdef, local, batch) when seq > 1 (`prompt_split`'s prefix_fn
+  and attention; an actor-critic's: `actor_critic_prompt_split`). Returns its outputs stacked
+  [B, G (F_1), ...], sharded P("data", "branch")."""
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
+
+  def per_device(local, batch, fsdp):
+    def one_group(_, batch):
+      split = split_fn(graphdef, local, batch) if n_seq > 1 else {}
+      return None, per_group(local, batch, **split)
+    return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
+  return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
+
+
 def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
                             logprob_chunk: int = 256) -> jax.Array:
   """[B, G, T] float32 completion log-probs (0 on padding) of a batch of groups, by forward-only
@@ -394,21 +438,32 @@ def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_
   Args and placement as `sharded_replay_value_and_grad`. Returns the log-probs sharded
   P("data", "branch"), equal to `gradients.logprobs.replay_logprobs` group by group.
   """
-  n_seq = mesh.shape["seq"]
-  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
-
-  def per_group(local, batch):
-    split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
-    return replay_logprobs(graphdef, local, batch, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split)
-  return _mesh_forward(per_group, params, batch, mesh)
+  return _mesh_map(graphdef, lambda local, b, **split: replay_logprobs(
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh)
 
 
-def _mesh_forward(per_group, params, batch, mesh):
-  """per_group(local params, one group's batch) -> outputs with a leading G (or F_1) axis, for every
-  group of the batch under shard_map, forward only: [B, G, ...] sharded P("data", "branch")."""
-  def per_device(local, batch, fsdp):
-    return _invariant_over_seq(jax.lax.scan(lambda _, b: (None, per_group(local, b)), None, batch)[1])
-  return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
+def sharded_tree_replay_logprobs(graphdef, params, batch: TreeBatch, mesh, *, micro_batch: int = 1,
+                                 logprob_chunk: int = 256) -> list:
+  """Per level d = 1..D: [B, F_1..F_d, T_d] float32 log-probs of every tree node's tokens (0 on
+  padding), by forward-only nested replay under `shard_map` (reference and old-policy log-probs of
+  the training loop on trees): trees over `data`, first-level subtrees over `branch`, prompt over `seq`.
+
+  Args:
+    params: placed with `shard_params` (replicated or FSDP).
+    batch: stacked TreeBatches (`data.batches.pad_trees`, `pad_prompts`, `stack_groups`) placed with
+      `shard_batch`: prompt_ids [B, P_pad], prompt_len [B], levels [B, F_1..F_d, T_d, ...].
+    micro_batch: leaf siblings per scan step on each device; must divide the last level's fan-out
+      on a device (F_D, or F_1 / branch for a one-level tree).
+
+  Returns:
+    A list over levels, each sharded P("data", "branch"), equal to `gradients.logprobs.tree_replay_logprobs`
+    tree by tree.
+
+  Raises:
+    ValueError: B, F_1 or P_pad not divisible by the data, branch or seq size; a bad micro_batch.
+  """
+  return _mesh_map(graphdef, lambda local, b, **split: tree_replay_logprobs(
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh)
 
 
 def sharded_actor_critic_value_and_grad(graphdef, params, batch: GroupBatch, objective, mesh, *,
@@ -438,14 +493,9 @@ def sharded_actor_critic_logprobs_values(graphdef, params, batch: GroupBatch, me
   `actor_critic.LogprobsValues` with logp, values [B, G, T] and next_value [B, G] float32, sharded
   P("data", "branch"), equal to `actor_critic.replay_logprobs_values` group by group. Args,
   placement and raises as `sharded_replay_value_and_grad`."""
-  n_seq = mesh.shape["seq"]
-  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
-
-  def per_group(local, batch):
-    split = actor_critic_prompt_split(graphdef, local, batch) if n_seq > 1 else {}
-    return actor_critic.replay_logprobs_values(graphdef, local, batch, micro_batch=micro_batch,
-                                               logprob_chunk=logprob_chunk, **split)
-  return _mesh_forward(per_group, params, batch, mesh)
+  return _mesh_map(graphdef, lambda local, b, **split: actor_critic.replay_logprobs_values(
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh,
+      split_fn=actor_critic_prompt_split)
 
 
 class ShardedReplaySteps:

@@ -201,14 +201,16 @@ def tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Ob
                            reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
-def tree_replay_logprobs(graphdef, params, batch: TreeBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:
+def tree_replay_logprobs(graphdef, params, batch: TreeBatch, *, micro_batch: int = 1, logprob_chunk: int = 256,
+                         prefix_fn=None, attention=None) -> list:
   """Per level d (d = 1..D): [F_1..F_d, T_d] float32 log-probs of every node's tokens (0 on padding).
 
   Forward-only nested replay (`core.tree_replay.nested_replay_map`): each node runs once, level by
   level, on its ancestors' K/V. A node's log-probs are those of every trajectory through it (same
   context), so they are the reference / old log-probs of the tree objective. batch: from
   `data.batches.tree_arrays`; micro_batch: leaf siblings per scan step (divides the last fan-out).
+  prefix_fn, attention: as in `replay_value_and_grad` (the prompt is the tree's root).
   """
-  node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk)
-  return nested_replay_map(_tree_root_fn(graphdef, batch), [node_fn] * len(batch.levels), params,
+  node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk, attention)
+  return nested_replay_map(_tree_root_fn(graphdef, batch, prefix_fn), [node_fn] * len(batch.levels), params,
                            batch.levels, micro_batch=micro_batch)

@@ -40,7 +40,10 @@ class RunCheckpoints:
     complete on disk after the next `save`, `wait`, `restore` or `close`.
     """
     t0 = time.perf_counter()
-    host = jax.device_get(state)
+    # Several processes: each array spans devices of other processes, so no process can copy it
+    # whole; orbax's multi-process save writes each process's shards (its own device-to-host copy
+    # also happens before save returns).
+    host = jax.device_get(state) if jax.process_count() == 1 else state
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
                                                     meta=ocp.args.JsonSave(meta)))
     return time.perf_counter() - t0
@@ -50,14 +53,22 @@ class RunCheckpoints:
     self.manager.wait_until_finished()
 
   def restore(self, step: int, abstract_state=None):
-    """Restore into the structure, shapes and dtypes of `abstract_state` (e.g. the live state), or,
-    without one, as saved (nested dicts of numpy arrays; for inspection)."""
+    """Restore into the structure, shapes, dtypes and shardings of `abstract_state` (e.g. the live
+    state), or, without one, as saved onto this process's first device and returned as nested
+    dicts of numpy arrays (for inspection; also a checkpoint written by several processes, whose
+    saved device layout this process does not have)."""
     self.wait()
-    target = None if abstract_state is None else jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
-                                                                         abstract_state)
+    if abstract_state is None:
+      saved = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                                      saved.item_metadata)
+    else:
+      target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)
     out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                              meta=ocp.args.JsonRestore()))
-    return out["state"], out["meta"]
+    state = out["state"] if abstract_state is not None else jax.device_get(out["state"])
+    return state, out["meta"]
 
   def close(self) -> None:
     """Finish the last save and release the manager."""
@@ -73,8 +84,9 @@ def pure_params(tree):
   return tree
 
 
-def check_run_dir(run_dir: str, fingerprint: dict) -> None:
-  """Record the experiment's identity in RUN_DIR/experiment.json; refuse a run dir of another one.
+def check_run_dir(run_dir: str, fingerprint: dict, *, write: bool = True) -> None:
+  """Record the experiment's identity in RUN_DIR/experiment.json (unless write=False: only check);
+  refuse a run dir of another one.
 
   Raises:
     ValueError: RUN_DIR holds checkpoints of an experiment whose fingerprint differs (naming the
@@ -92,5 +104,7 @@ def check_run_dir(run_dir: str, fingerprint: dict) -> None:
       raise ValueError(f"run_dir={run_dir!r} holds checkpoints of a different experiment (fields {diff} differ: "
                        f"{ {k: old.get(k) for k in diff} } vs { {k: fingerprint.get(k) for k in diff} }); "
                        "choose another run_dir")
+  if not write:
+    return
   with open(path, "w") as f:
     json.dump(fingerprint, f, indent=1, sort_keys=True)

@@ -36,6 +36,9 @@ class Group:
   truncated: [G] bool per trajectory (tree: in `tree.ends` order), the sampler's stop reason: True
     where the token budget cut it without EOS (`Rollouts.truncated`, `TreeRollout.truncated`), False
     where it ended with EOS (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
+  naive_batch: a tree's trajectories laid out as a group (`trajectory_group_arrays`, the naive
+    step's layout) when kind is "tree", for the run-time exactness check (algorithms/exactness.py);
+    None for a group, whose `batch` serves both.
   """
   kind: str
   batch: GroupBatch | TreeBatch
@@ -48,6 +51,7 @@ class Group:
   score_s: float
   truncated: np.ndarray
   tree: RolloutTree | None = None
+  naive_batch: GroupBatch | None = None
 
 
 def completion_budget(config) -> int:
@@ -106,11 +110,9 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   if r.tree_fanouts:
     per_node = {"old_logp": sampled.logprobs}
     padded = pad_tree(tree, pad_id=pad)
-    if naive:
-      arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
-                                       completion_bucket=bucket, **advantage)
-    else:
-      arrays = tree_arrays(padded, {**per_node, "weights": tree.node_weights(w)}, **advantage)
+    naive_arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size,
+                                           max_positions=cfg.max_positions, completion_bucket=bucket, **advantage)
+    arrays = naive_arrays if naive else tree_arrays(padded, {**per_node, "weights": tree.node_weights(w)}, **advantage)
     counts = {**tree_counts(tree, cfg), "padding_fraction": padded.padding_fraction}
   else:
     group = group_from_padded(ids, tokens, lengths, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
@@ -126,4 +128,4 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
             "reward": float(rewards[0])}
   kind = "tree" if r.tree_fanouts and not naive else "group"
   return Group(kind, arrays, rewards, np.array([s.correct for s in scores]), lengths, counts, sample, t1 - t0,
-               t2 - t1, truncated, tree if r.tree_fanouts else None)
+               t2 - t1, truncated, tree if r.tree_fanouts else None, naive_arrays if kind == "tree" else None)

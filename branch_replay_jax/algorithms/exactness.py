@@ -1,0 +1,119 @@
+"""Exactness at run time: every `train.exactness_check_every` steps, one group's gradient by replay
+and the naive way, compared (docs/design.md, "Exactness at run time").
+
+The check takes the step's first group with unequal rewards (its gradient is not only the KL
+term's; else the first group), with the parameters the step's gradient is taken at, and computes
+on one device:
+  replay: the group's (or tree's) loss, KL and clip sums and gradient by replay (as the step does
+          on one device; on a mesh the step's sharded gradient is checked against replay by the
+          tests, tests/test_mesh.py, tests/test_train.py);
+  naive:  the same from the prompt repeated per completion (a tree's trajectories laid out as a
+          group, `Group.naive_batch`), its reference and old log-probs from the naive forward too.
+It logs, in the step's metrics record:
+  exactness_grad_rel_err = ||g_replay - g_naive||_2 / ||g_naive||_2 over all parameters (the
+      absolute norm ||g_replay||_2 when g_naive is exactly 0);
+  exactness_loss_rel_err, exactness_kl_rel_err: |replay - naive| / max(|naive|, 1) of the
+      group's loss and Σ k3 KL (the logged metrics' inputs): relative above 1, absolute below, as a
+      loss of cancelling advantages can be ~0 where a relative error means nothing;
+  exactness_ok: all three within `BOUNDS[dtype]`;
+  exactness_s: the check's wall seconds (part of the step's update_s).
+Above the bound the run warns loudly (`ExactnessWarning`, once per failing check) and records it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from branch_replay_jax import losses as obj
+from branch_replay_jax.core.accumulate import fit_micro_batch
+from branch_replay_jax.data.batches import TreeBatch, num_branches, with_logprobs
+from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
+                                                  replay_value_and_grad, tree_replay_logprobs,
+                                                  tree_replay_value_and_grad)
+
+# Relative error allowed between replay and naive, by the step's lowest precision: the exactness
+# tests' bounds for float64 and float32 (docs/design.md, "Testing"); bfloat16 rounds each value to
+# 2^-8 relative, and a sum of G completions' gradients in another order differs by a few of those.
+BOUNDS = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2}
+
+
+class ExactnessWarning(UserWarning):
+  """Replay's gradient or metrics left the bound of the run's dtype against the naive ones."""
+
+
+def bound(config) -> float:
+  """The relative-error bound for config.model.dtype and param_dtype (the lower precision of the two)."""
+  if "bfloat16" in (config.model.dtype, config.model.param_dtype):
+    return BOUNDS["bfloat16"]
+  return BOUNDS["float64"] if jax.config.jax_enable_x64 else BOUNDS["float32"]
+
+
+def _rel(a, b) -> float:
+  a, b = float(a), float(b)
+  return abs(a - b) / max(abs(b), 1.0)
+
+
+class ExactnessCheck:
+  """Replay against naive on one group (module docstring). `objectives` maps "group" and "tree" to
+  the step's objective for each layout; `cast` / `upcast` are loop.param_casts's."""
+
+  def __init__(self, config, graphdef, objectives: dict, cast, upcast):
+    t = config.train
+    self.every, self.bound = t.exactness_check_every, bound(config)
+    self.kl, self.old = bool(config.loss.kl_coef), t.inner_epochs > 1
+    mb = lambda b: fit_micro_batch(t.micro_batch, num_branches(b))
+
+    def replay(p, ref, b):
+      p, ref = cast(p), cast(ref)
+      tree = isinstance(b, TreeBatch)
+      lp = tree_replay_logprobs if tree else replay_logprobs
+      if self.kl:
+        b = with_logprobs(b, "ref_logp", lp(graphdef, ref, b, micro_batch=mb(b)))
+      if self.old:
+        b = with_logprobs(b, "old_logp", lp(graphdef, p, b, micro_batch=mb(b)))
+      if tree:
+        loss, aux, g = tree_replay_value_and_grad(graphdef, p, b, objectives["tree"], micro_batch=mb(b),
+                                                  schedule=t.tree_schedule)
+      else:
+        loss, aux, g = replay_value_and_grad(graphdef, p, b, objectives["group"], micro_batch=mb(b))
+      return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
+
+    def naive(p, ref, b):
+      p, ref = cast(p), cast(ref)
+      if self.kl:
+        b = with_logprobs(b, "ref_logp", naive_logprobs(graphdef, ref, b))
+      if self.old:
+        b = with_logprobs(b, "old_logp", naive_logprobs(graphdef, p, b))
+      loss, aux, g = naive_value_and_grad(graphdef, p, b, objectives["group"], micro_batch=mb(b))
+      return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
+    self.replay, self.naive = jax.jit(replay), jax.jit(naive)
+
+  def due(self, step: int) -> bool:
+    return self.every > 0 and (step + 1) % self.every == 0
+
+  def __call__(self, params, ref_params, groups) -> dict:
+    """The check's metrics (module docstring) on one of `groups` (those with a batch, i.e. this
+    process's), with `params` and `ref_params` on one device."""
+    t0 = time.perf_counter()
+    local = [g for g in groups if g.batch is not None]
+    group = next((g for g in local if not bool(obj.constant_groups(g.rewards))), local[0])
+    naive_batch = group.naive_batch if group.naive_batch is not None else group.batch
+    lr, kr, gr = self.replay(params, ref_params, group.batch)
+    ln, kn, gn = self.naive(params, ref_params, naive_batch)
+    diff = jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                        for a, b in zip(jax.tree_util.tree_leaves(gr), jax.tree_util.tree_leaves(gn))))
+    norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(b.astype(jnp.float32))) for b in jax.tree_util.tree_leaves(gn))))
+    out = {"exactness_grad_rel_err": float(diff) / norm if norm > 0 else float(diff),
+           "exactness_loss_rel_err": _rel(lr, ln), "exactness_kl_rel_err": _rel(kr, kn)}
+    out["exactness_ok"] = bool(max(out.values()) <= self.bound)
+    out["exactness_s"] = time.perf_counter() - t0
+    if not out["exactness_ok"]:
+      warnings.warn(f"EXACTNESS CHECK FAILED: replay vs naive on group data_pos={group.sample['data_pos']}: "
+                    f"{ {k: out[k] for k in ('exactness_grad_rel_err', 'exactness_loss_rel_err', 'exactness_kl_rel_err')} } above the bound {self.bound:g} "
+                    "for this dtype; the replay gradient is not the naive one (please report it)",
+                    ExactnessWarning, stacklevel=2)
+    return out

@@ -1,0 +1,75 @@
+"""The run-time exactness check (algorithms/exactness.py): its figures in the metrics, on groups,
+trees and a mesh, and its loud warning when replay and naive disagree."""
+
+import json
+import os
+
+import jax
+import pytest
+
+from branch_replay_jax.algorithms import exactness
+from branch_replay_jax.algorithms import grpo as train
+from branch_replay_jax.rollout.tasks import Task
+from conftest import experiment_config, length_score
+from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
+
+FIELDS = ("exactness_grad_rel_err", "exactness_loss_rel_err", "exactness_kl_rel_err")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def varied_rewards():
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", length_score)   # non-zero advantages: the gradient is not only the KL term's
+    yield
+
+
+def records(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("module,overrides", [
+    (grpo_smollm2_arith, {}),
+    (grpo_smollm2_arith, {"train.inner_epochs": 2}),   # reference and old log-probs from each layout
+    (grpo_tree_smollm2_arith, {}),
+    (grpo_smollm2_arith, {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp"}),
+], ids=["group", "group-inner-epochs", "tree", "mesh-fsdp"])
+def test_check_logs_replay_against_naive_every_k_steps(tmp_path, module, overrides):
+  # every = 2 over 2 steps: step 2 carries the figures, step 1 none. float32 run: the relative
+  # errors are rounding (<= 1e-4, the float32 exactness bound) yet not all exactly 0 on the
+  # gradient (replay and naive sum in different orders) - a check that compared a gradient with
+  # itself would log 0.0.
+  if "mesh.data" in overrides and jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  train.train(experiment_config(module, "smoke", tmp_path, **{"train.exactness_check_every": 2, **overrides}))
+  first, second = records(tmp_path)
+  assert not any(name in first for name in FIELDS)
+  assert all(0 <= second[name] <= 1e-4 for name in FIELDS), second
+  assert second["exactness_grad_rel_err"] > 0
+  assert second["exactness_ok"] is True
+
+
+def test_a_replay_that_drops_a_branch_fails_loudly(tmp_path, monkeypatch):
+  # Break replay on purpose: its gradient counts only half the group's loss (as a lost branch
+  # or a dropped prefix cotangent would). The check must see a relative error ~0.5 >> 1e-4, warn
+  # with ExactnessWarning and record exactness_ok = False.
+  from branch_replay_jax.gradients import logprobs
+  real = logprobs.replay_value_and_grad
+
+  def half(*args, **kwargs):
+    loss, aux, grads = real(*args, **kwargs)
+    return loss * 0.5, aux, jax.tree_util.tree_map(lambda g: g * 0.5, grads)
+  monkeypatch.setattr(exactness, "replay_value_and_grad", half)
+  with pytest.warns(exactness.ExactnessWarning, match="EXACTNESS CHECK FAILED"):
+    train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": 1,
+                                                                             "train.steps": 1}))
+  (record,) = records(tmp_path)
+  assert record["exactness_ok"] is False
+  assert record["exactness_grad_rel_err"] == pytest.approx(0.5, rel=1e-3)
+  assert record["exactness_loss_rel_err"] > 1e-4
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_cadence_is_refused(tmp_path, value):
+  with pytest.raises(ValueError, match=f"train.exactness_check_every={value!r} must be an int >= 0"):
+    train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": value}))

@@ -1,0 +1,164 @@
+"""The GRPO loop as two processes (jax.distributed, CPU collectives over gloo) of 4 devices each,
+against one process of 8 devices: same samples, metrics and parameters, and a resume across the
+two layouts (docs/design.md, "Several processes").
+
+Each two-process run starts tests/multihost_worker.py twice (process 0 and 1, XLA_FLAGS giving each 4
+CPU devices), which joins through `distributed.hosts.initialize` and runs main's entry point on
+the smoke config with the same scoring stand-in as the in-process runs (conftest.length_score).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from branch_replay_jax.algorithms import grpo as train
+from branch_replay_jax.rollout.tasks import Task
+from conftest import experiment_config, length_score
+from experiments import grpo_smollm2_arith
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH = {"mesh.data": 2, "mesh.branch": 4, "train.micro_batch": 1, "model.attention_impl": "xla"}
+
+
+def flags(overrides: dict) -> list[str]:
+  return [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def two_processes(run_dir, **overrides) -> None:
+  """The smoke run on a 2 x 4 x 1 mesh as 2 processes x 4 CPU devices; raises if either fails."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_COORDINATOR_ADDRESS": f"localhost:{free_port()}", "JAX_NUM_PROCESSES": "2",
+         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+  argv = [sys.executable, os.path.join(ROOT, "tests", "multihost_worker.py"), "--config=experiments/grpo_smollm2_arith.py:smoke",
+          f"--config.run_dir={run_dir}", *flags({**MESH, **overrides})]
+  procs = [subprocess.Popen(argv, cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{out[-4000:]}"
+
+
+def lines(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  """The same mesh in this process (8 fake devices, conftest), two steps."""
+  run_dir = tmp_path_factory.mktemp("one_process")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", length_score)
+    train.train(experiment_config(grpo_smollm2_arith, "smoke", run_dir, **MESH))
+  return run_dir
+
+
+def same_run(got_dir, want_dir):
+  """Equal samples and rewards (same keys, same per-group programs), metrics to float32 rounding,
+  parameters to 1e-5 relative: the processes' collectives sum the gradient in another order than
+  one process's all-reduce, and Adam's division by sqrt(v) amplifies that rounding on near-zero
+  elements to a fraction of the learning rate (1e-5), < 1e-5 of the largest parameter; a group
+  lost or counted twice moves whole leaves by ~lr (test_train.py, same bound)."""
+  from test_train import final_params, max_rel
+  assert lines(os.path.join(got_dir, "samples.jsonl")) == lines(os.path.join(want_dir, "samples.jsonl"))
+  got, want = lines(os.path.join(got_dir, "metrics.jsonl")), lines(os.path.join(want_dir, "metrics.jsonl"))
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+  for g, w in zip(got, want):
+    for name in ("reward_mean", "accuracy", "completion_len_mean", "token_positions_computed", "zero_variance_groups"):
+      assert g[name] == w[name], name
+    for name in ("loss", "kl", "grad_norm"):
+      assert g[name] == pytest.approx(w[name], rel=1e-4, abs=1e-9), name
+  assert min(r["grad_norm"] for r in want) > 0.1   # the runs really update (varied rewards)
+  got_params, got_meta = final_params(got_dir)
+  want_params, want_meta = final_params(want_dir)
+  assert got_meta == want_meta == {"step": 2, "data_pos": 4}
+  assert max_rel(got_params, want_params) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_two_processes_train_as_one(one_process, tmp_path):
+  two_processes(tmp_path)
+  same_run(tmp_path, one_process)
+  # process 0 alone wrote the logs: one record per step, not one per process
+  assert len(lines(os.path.join(tmp_path, "metrics.jsonl"))) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_resume_across_layouts(one_process, tmp_path):
+  # Step 1 in one process of 8 devices, step 2 resumed from its checkpoint as 2 processes of 4:
+  # the checkpoint holds whole arrays (orbax), so either layout restores it.
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", length_score)
+    train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{**MESH, "train.steps": 1}))
+  two_processes(tmp_path, resume=True)
+  same_run(tmp_path, one_process)
+
+
+@pytest.mark.parametrize("env,overrides,message", [
+    ({"JAX_NUM_PROCESSES": "2"}, {}, "distributed.coordinator_address=None: 2 processes need a coordinator address"),
+    ({}, {"distributed.num_processes": 0}, "distributed.num_processes=0 must be an int >= 1"),
+    ({}, {"distributed.num_processes": 2, "distributed.process_id": 2, "distributed.coordinator_address": "h:1"},
+     r"distributed.process_id=2 must be an int in \[0, num_processes=2\)"),
+    ({"JAX_NUM_PROCESSES": "two"}, {}, "environment variable JAX_NUM_PROCESSES='two' must be an int"),
+])
+def test_bad_distributed_settings(monkeypatch, tmp_path, env, overrides, message):
+  from branch_replay_jax.distributed import hosts
+  for var in hosts.ENVIRONMENT.values():
+    monkeypatch.delenv(var, raising=False)
+  for var, value in env.items():
+    monkeypatch.setenv(var, value)
+  with pytest.raises(ValueError, match=message):
+    hosts.settings(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **overrides))
+
+
+def test_settings_not_joined_are_refused(tmp_path):
+  # A config asking for 2 processes run in one that never joined them (train.train called
+  # directly, not through main) fails before loading anything.
+  config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{
+      "distributed.num_processes": 2, "distributed.process_id": 0, "distributed.coordinator_address": "localhost:1"})
+  with pytest.raises(ValueError, match="distributed.num_processes=2 but this is one of 1 processes"):
+    train.train(config)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_data_parallel_sampling_draws_the_same_groups(tmp_path):
+  # 4 groups on a 2 x 2 x 2 mesh: each samples on its own device (data row i // 2, device i mod 2
+  # of the row), all at once, from gathered FSDP parameters; group i's key is (seed, step, i) as on
+  # one device and its program the same, so every array of every group equals the one-device
+  # sampling's bit for bit.
+  from flax import nnx
+
+  from branch_replay_jax.algorithms import loop
+  from branch_replay_jax.distributed import hosts
+  from branch_replay_jax.distributed.mesh import make_mesh, shard_params
+  config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"rollout.prompts_per_step": 4})
+  model, tokenizer = loop.build_model(config)
+  graphdef, params = nnx.split(model)
+  task, key = loop.make_task_from(config), jax.random.key(0)
+  want, _ = loop.sample_groups(config, model, tokenizer, task, key, 3, 5)
+  mesh = make_mesh(2, 2, 2)
+  devices = hosts.sampling_devices(mesh, 4)
+  assert devices == [mesh.devices[i // 2].reshape(-1)[i % 2] for i in range(4)] and len(set(devices)) == 4
+  with jax.set_mesh(mesh):
+    copies = hosts.device_copies(shard_params(params, mesh, "fsdp"), mesh, devices)
+  policy = {d: nnx.merge(graphdef, p) for d, p in copies.items()}
+  got, pos = loop.sample_groups(config, policy, tokenizer, task, key, 3, 5, devices=devices)
+  assert pos == 9
+  for g, w in zip(got, want):
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                                                         g.batch, w.batch))
+    assert np.array_equal(g.rewards, w.rewards) and g.sample == w.sample
