@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import experiment_config, max_rel_err, random_group
+from conftest import experiment_config, length_score, max_rel_err, random_group
 from jax.sharding import PartitionSpec as P
 from test_ppo import KW, _random_fields, actor_critic
-from test_train import _length_score, final_params, max_rel
+from test_train import final_params, max_rel
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax import main as entry
@@ -97,7 +97,7 @@ def test_pad_groups_pads_with_masked_branches():
 @pytest.fixture(autouse=True, scope="module")
 def varied_rewards():
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(Task, "score", _length_score)   # see test_train: non-zero advantages for a random model
+    mp.setattr(Task, "score", length_score)   # see test_train: non-zero advantages for a random model
     yield
 
 
