@@ -1,4 +1,4 @@
-"""Benchmark: seconds per replay gradient step per data x branch x seq mesh (branch_replay_jax/benchmarks/mesh.py).
+"""Benchmark: seconds per mesh step per algorithm and data x branch x seq mesh (branch_replay_jax/benchmarks/mesh.py).
 
   python -m branch_replay_jax.benchmarks.mesh --config=experiments/bench_mesh.py      # 8 fake CPU devices
 """
@@ -9,6 +9,7 @@ import ml_collections
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.model = "tiny"                          # tiny or random-smollm2-shape (random weights, SmolLM2-135M's shape)
+  c.algorithms = "grpo,ppo,dpo"             # whose step to time, comma-separated: grpo, ppo (policy + value head), dpo
   c.meshes = "1x1x1,8x1x1,1x8x1,1x1x8,2x2x2,4x2x1"   # data x branch x seq shapes, comma-separated
   c.groups = 8                              # rollout groups per step
   c.group_size = 8                          # G completions per group

@@ -72,6 +72,13 @@ def get_config(arg=None):
   #                                       # each group's completions and the step's pairs vary, and each uses the
   #                                       # largest divisor of its count not above it
 
+  c.mesh = ml_collections.ConfigDict()    # device mesh of the update (distributed/mesh.py); 1 x 1 x 1 = one device
+  c.mesh.data = 1                         # the step's groups (one per distinct prompt) split over devices
+  c.mesh.branch = 1                       # each group's completions split over devices
+  c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
+  c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
+  #                                       # groups are padded to the mesh: padding completions have zero weight
+
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/dpo_smollm2_arith"    # metrics.jsonl, plots, checkpoints
   c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)

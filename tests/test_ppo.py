@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import experiment_config, max_rel_err, random_group
+from conftest import experiment_config, length_score, max_rel_err, random_group
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import _length_score, final_params, max_rel
+from test_train import final_params, max_rel
 from test_tree_replay import random_trees
 
 from branch_replay_jax import losses as obj
@@ -186,7 +186,7 @@ def test_node_columns_inverts_trajectory_rows():
 @pytest.fixture(autouse=True, scope="module")
 def varied_rewards():
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(Task, "score", _length_score)   # see test_train: non-zero advantages for a random model
+    mp.setattr(Task, "score", length_score)   # see test_train: non-zero advantages for a random model
     yield
 
 
@@ -242,7 +242,9 @@ def test_tree_smoke_replay_equals_naive(tmp_path):
     ("ppo.minibatches", 3, "ppo.minibatches=3"),
     ("ppo.lam", 1.5, "ppo.lam=1.5"),
     ("loss.kl_coef", 0.1, "loss.kl_coef=0.1"),
-    ("mesh.data", 2, "mesh=2x1x1: the PPO loop runs on one device"),
+    # What PPO cannot run on a mesh (trees, minibatches that do not split over mesh.data):
+    # tests/test_mesh_algorithms.py::test_what_cannot_run_on_the_mesh_is_refused.
+    ("mesh.data", 3, r"mesh.data x mesh.branch x mesh.seq = 3 x 1 x 1 = 3 must equal the device count"),
 ])
 def test_bad_config_fails_before_any_compute(tmp_path, field, value, match):
   with pytest.raises(ValueError, match=match):

@@ -9,7 +9,13 @@ One step:
   2. layout: one group per distinct prompt, its distinct completions as branches (gradients/preference.py);
   3. reference log-prob sums of the frozen initial policy (forward-only replay);
   4. the DPO (or IPO) gradient by two-pass replay (or naive), clipped by global norm, AdamW.
-A step without pairs makes no update. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
+A step without pairs makes no update. With a device mesh (config.mesh: data x branch x seq > 1,
+distributed/mesh.py; replay gradients), each pass of 3-4 runs on the step's groups padded to one
+shape (`distributed.mesh.ShardedReplaySteps`, `pad_groups`: padding completions and filler groups
+carry zero weight) and stacked into one batch under `shard_map`: groups over `data`, completions
+over `branch`, prompt tokens over `seq`; parameters and optimizer state replicated or
+FSDP-sharded (mesh.params). Sampling (data.source = "task") runs on the first device, on a copy
+of the parameters gathered there. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
 preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume as every loop.train run).
 """
 
@@ -26,6 +32,7 @@ from flax import nnx
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
+from branch_replay_jax.distributed.mesh import ShardedReplaySteps
 from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.outputs import plots
@@ -77,6 +84,8 @@ def validate(config) -> None:
   for name, value in counts:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{name}={value!r} must be a positive int")
+  # The step's groups are padded to the mesh (pad_groups): no divisibility to ask of the config.
+  loop.validate_mesh_shape(config)
 
 
 def fingerprint(config) -> dict:
@@ -176,12 +185,15 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int)
 
 
 class DPOFunctions:
-  """Jitted pieces of a DPO step (compiled per group / batch shape)."""
+  """Jitted pieces of a DPO step (compiled per group / batch shape), on one device or, with
+  config.mesh, on the device mesh (`distributed.mesh.ShardedReplaySteps`)."""
 
   def __init__(self, config, graphdef, update):
     t, p = config.train, config.dpo
     self.naive = t.gradient == "naive"
+    self.mesh, self.param_mode = loop.mesh_from(config), config.mesh.params
     self.replay = pref.ReplaySteps(graphdef, micro_batch=t.micro_batch)
+    self.sharded = None if self.mesh is None else ShardedReplaySteps(graphdef, self.mesh, micro_batch=t.micro_batch)
     self.naive_ref = jax.jit(lambda prm, n: pref.naive_ref_sums(graphdef, prm, n, micro_batch=t.micro_batch))
     self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
         graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, label_smoothing=p.label_smoothing,
@@ -193,6 +205,11 @@ class DPOFunctions:
     """Reference sums, the loss gradient and one optimizer update; returns (params, opt_state, stats)."""
     if self.naive:
       loss, metrics, grads = self.naive_grad(params, batch.naive, self.naive_ref(ref_params, batch.naive))
+    elif self.sharded is not None:
+      layout = self.sharded.layout(batch)
+      ref = self.sharded.flat_sums(ref_params, layout)
+      loss, metrics, grads = self.sharded.value_and_grad(params, layout, ref, beta=self.beta, loss_type=self.loss_type,
+                                                         label_smoothing=self.label_smoothing)
     else:
       ref = self.replay.flat_sums(ref_params, batch)
       loss, metrics, grads = self.replay.value_and_grad(params, batch, ref, beta=self.beta, loss_type=self.loss_type,
@@ -222,11 +239,13 @@ class DPO(loop.Algorithm):
     return fingerprint(self.config)
 
   def setup(self, run):
-    self.run, self.ref_params = run, run.initial_params
+    self.run = run
     cfg = run.model_config
     self.data = encode_pairs(self.records, run.tokenizer, cfg.max_positions) if self.records else None
     self.fns = DPOFunctions(self.config, run.graphdef, loop.make_update(run.optimizer))
-    return run.params, run.opt_state
+    mesh, mode = self.fns.mesh, self.fns.param_mode
+    self.ref_params = loop.place(run.initial_params, mesh, mode)
+    return loop.place(run.params, mesh, mode), loop.place(run.opt_state, mesh, mode)
 
   def collect(self, run, params, step, data_pos):
     """((pairs, info), next data position): the next pairs of the file, or pairs sampled from task prompts."""
@@ -235,8 +254,8 @@ class DPO(loop.Algorithm):
       pairs = [self.data[(data_pos + i) % len(self.data)] for i in range(d.pairs_per_step)]
       info = {"skipped_prompts": 0, "sample": _text_sample(self.records, data_pos)}
       return (pairs, info), data_pos + d.pairs_per_step
-    pairs, info = sample_pairs(self.config, nnx.merge(run.graphdef, params), run.tokenizer, self.task, run.key, step,
-                               data_pos)
+    policy = nnx.merge(run.graphdef, loop.on_first_device(params, self.fns.mesh))
+    pairs, info = sample_pairs(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
     return (pairs, info), data_pos + self.config.rollout.prompts_per_step
 
   def update(self, params, opt_state, batch, step):
@@ -247,7 +266,8 @@ class DPO(loop.Algorithm):
       cfg, tokenizer = self.run.model_config, self.run.tokenizer
       layout = pref.make_batch(pairs, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
                                pad_id=tokenizer.pad_token_id or 0)
-      params, opt_state, stats = self.fns.step(params, self.ref_params, opt_state, layout)
+      with loop.mesh_context(self.fns.mesh):
+        params, opt_state, stats = self.fns.step(params, self.ref_params, opt_state, layout)
       counts = layout.counts
     return params, opt_state, {**stats, **counts}
 

@@ -25,7 +25,6 @@ devices.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -39,7 +38,7 @@ from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
-from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shard_batch, shard_params,
+from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shard_batch,
                                                 sharded_replay_logprobs, sharded_replay_value_and_grad,
                                                 sharded_tree_replay_logprobs, sharded_tree_replay_value_and_grad,
                                                 stack_groups)
@@ -140,9 +139,8 @@ class GRPOFunctions:
     return [(kind, shard_batch(batch, self.mesh, num_groups=len(groups)))]
 
   def place(self, tree):
-    """Parameters or optimizer state onto the mesh in config.mesh.params's layout
-    (distributed.mesh.shard_params); unchanged without a mesh."""
-    return tree if self.mesh is None else shard_params(tree, self.mesh, self.param_mode)
+    """Parameters or optimizer state onto the mesh in config.mesh.params's layout (`loop.place`)."""
+    return loop.place(tree, self.mesh, self.param_mode)
 
   def sampling_devices(self, num_groups: int):
     """None on one device, else [num_groups] the device that samples each group (hosts.sampling_devices)."""
@@ -207,7 +205,7 @@ class GRPO(loop.Algorithm):
 
   def update(self, params, opt_state, groups, step):
     check = self.exactness(params, groups) if self.fns.check.due(step) else {}
-    with contextlib.nullcontext() if self.fns.mesh is None else jax.set_mesh(self.fns.mesh):
+    with loop.mesh_context(self.fns.mesh):
       params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params,
                                                  opt_state, groups)
     return params, opt_state, {**stats, **check}

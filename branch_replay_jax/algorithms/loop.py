@@ -12,6 +12,7 @@ checkpoints/ (orbax).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import time
@@ -27,7 +28,8 @@ from tqdm import tqdm
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
 from branch_replay_jax.distributed import hosts
-from branch_replay_jax.distributed.mesh import PARAM_MODES, make_mesh
+from branch_replay_jax.distributed.mesh import (PARAM_MODES, make_mesh, pad_prompts, shard_batch, shard_params,
+                                                stack_groups)
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints, check_run_dir
@@ -152,27 +154,12 @@ def validate_tree_rollout(config) -> None:
 
 
 def validate_mesh(config) -> None:
-  """Raise ValueError for a config.mesh the loop cannot run: sizes that are not positive ints or
-  whose product (when > 1) is not the device count, naive updates or Pallas attention on a mesh,
-  and groups (trees), completions (first-level subtrees) or micro-batches that do not split evenly."""
+  """Raise ValueError for a config.mesh the loop cannot run: `validate_mesh_shape`'s (sizes, device
+  count, naive updates or Pallas attention on a mesh), and groups (trees), completions (first-level
+  subtrees) or micro-batches that do not split evenly."""
   m, r, t = config.mesh, config.rollout, config.train
-  for name in ("data", "branch", "seq"):
-    if not isinstance(m[name], int) or m[name] < 1:
-      raise ValueError(f"mesh.{name}={m[name]!r} must be a positive int")
-  if m.params not in PARAM_MODES:
-    raise ValueError(f"mesh.params={m.params!r} is not one of {PARAM_MODES}")
-  n = m.data * m.branch * m.seq
-  if n == 1:
+  if not validate_mesh_shape(config):
     return
-  if n != jax.device_count():
-    raise ValueError(f"mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq} = {n} must equal the "
-                     f"device count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
-  if t.gradient != "replay":
-    raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
-  impl = config.model.attention_impl
-  if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
-    raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
-                     "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
   if r.prompts_per_step % m.data:
     raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")
   if r.tree_fanouts:   # trees: first-level subtrees over `branch` (the step pads the sampled trees to one shape)
@@ -191,6 +178,32 @@ def validate_mesh(config) -> None:
                      f"/ mesh.branch = {r.group_size} / {m.branch}")
 
 
+def validate_mesh_shape(config) -> bool:
+  """Whether config.mesh is a mesh (data x branch x seq > 1); raise ValueError, naming the field, for
+  sizes that are not positive ints or whose product (when > 1) is not the device count, an unknown
+  mesh.params, naive gradients or Pallas attention on a mesh. Every algorithm's check (GRPO and PPO
+  through `validate_mesh`; DPO, whose ragged groups are padded to the mesh, directly)."""
+  m, t = config.mesh, config.train
+  for name in ("data", "branch", "seq"):
+    if not isinstance(m[name], int) or m[name] < 1:
+      raise ValueError(f"mesh.{name}={m[name]!r} must be a positive int")
+  if m.params not in PARAM_MODES:
+    raise ValueError(f"mesh.params={m.params!r} is not one of {PARAM_MODES}")
+  n = m.data * m.branch * m.seq
+  if n == 1:
+    return False
+  if n != jax.device_count():
+    raise ValueError(f"mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq} = {n} must equal the "
+                     f"device count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+  if t.gradient != "replay":
+    raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
+  impl = config.model.attention_impl
+  if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
+    raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
+                     "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
+  return True
+
+
 def mesh_from(config):
   """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device).
 
@@ -204,6 +217,32 @@ def mesh_from(config):
   if jax.process_count() > 1:
     hosts.check_rows_local(mesh)
   return mesh
+
+
+# Where an algorithm's update runs: one device (mesh None) or config.mesh's mesh (`mesh_from`).
+
+def place(tree, mesh, mode: str):
+  """Parameters or optimizer state onto `mesh` in layout `mode` (mesh.params: distributed.mesh.shard_params);
+  unchanged without a mesh."""
+  return tree if mesh is None else shard_params(tree, mesh, mode)
+
+
+def on_first_device(params, mesh):
+  """The parameters the sampler reads: on a mesh, a copy gathered onto the first device; unchanged without one."""
+  # A SingleDeviceSharding, not a bare device: device_put(x, device) keeps an FSDP array's
+  # sharded type (JAX 0.10), and the sampler's gathers would then ask for an out_sharding.
+  return params if mesh is None else jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def on_mesh(batches: list, mesh):
+  """Group batches of one completion shape as one batch on `mesh`: prompts padded to one length
+  (a multiple of mesh.seq: distributed.mesh.pad_prompts), stacked [B, ...] and placed (shard_batch)."""
+  return shard_batch(stack_groups(pad_prompts(batches, mesh.shape["seq"])), mesh)
+
+
+def mesh_context(mesh):
+  """`jax.set_mesh(mesh)` (the mesh's Explicit axes need it around its steps), or a no-op context without a mesh."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def build_model(config):

@@ -12,6 +12,12 @@ One step, for `prompts_per_step` prompts of a reasoning-gym task:
      (losses.ppo_objective / ppo_tree_objective; policy and critic) is applied with AdamW
      (loop.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
 Runs in the training loop (algorithms/loop.py), which writes RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
+With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py; group rollouts,
+replay gradients), step 2 runs on the step's groups stacked into one batch and each minibatch's
+gradient (4) on its groups stacked into one batch, under `shard_map`: groups over `data`,
+completions over `branch`, prompt tokens over `seq`, for the policy and the critic alike;
+parameters and optimizer state replicated or FSDP-sharded (mesh.params). Sampling runs on the
+first device, on a copy of the parameters gathered there. Trees run on one device.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from flax import nnx
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import num_branches
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.distributed.mesh import sharded_actor_critic_logprobs_values, sharded_actor_critic_value_and_grad
 from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout.collect import Group
@@ -59,13 +66,20 @@ def validate(config) -> None:
     if name in config.loss:
       raise ValueError(f"loss.{name}={config.loss[name]!r} does not apply to PPO (GAE advantages from the critic: "
                        "ppo.gamma, ppo.lam, ppo.whiten_advantages); remove the field")
-  m = config.mesh
-  if (m.data, m.branch, m.seq) != (1, 1, 1):
-    raise ValueError(f"mesh={m.data}x{m.branch}x{m.seq}: the PPO loop runs on one device; use a 1x1x1 mesh")
   if config.train.inner_epochs != 1:
     raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "
                      "set it to 1")
   loop.validate(config)
+  m = config.mesh
+  if m.data * m.branch * m.seq > 1:
+    if config.rollout.tree_fanouts:
+      raise ValueError(f"rollout.tree_fanouts={tuple(config.rollout.tree_fanouts)}: PPO runs trees on one device "
+                       f"(mesh={m.data}x{m.branch}x{m.seq}); use a 1x1x1 mesh or group rollouts")
+    per_minibatch = config.rollout.prompts_per_step // p.minibatches
+    if per_minibatch % m.data:
+      raise ValueError(f"mesh.data={m.data} must divide the groups per minibatch, rollout.prompts_per_step / "
+                       f"ppo.minibatches = {config.rollout.prompts_per_step} / {p.minibatches} = {per_minibatch} "
+                       "(each minibatch is one batch on the mesh)")
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
@@ -83,28 +97,56 @@ def fingerprint(config) -> dict:
 
 
 class PPOFunctions:
-  """The jitted pieces of a PPO step (compiled per shape): gradient and forward-only pass."""
+  """The jitted pieces of a PPO step (compiled per shape): gradient and forward-only pass.
+
+  grad and forward take one update unit (`units`): a group's or tree's arrays on one device, or,
+  with a mesh, groups stacked [B, ...] and sharded (distributed.mesh's sharded actor-critic
+  functions). grad returns (loss, aux, grads) summed over the unit's completions; forward the
+  `actor_critic.LogprobsValues` laid out like its tokens.
+  """
 
   def __init__(self, config, graphdef):
     t, p = config.train, config.ppo
     self.naive = t.gradient == "naive"
+    self.mesh, self.param_mode = loop.mesh_from(config), config.mesh.params
     tree = bool(config.rollout.tree_fanouts) and not self.naive
     objective = functools.partial(obj.ppo_tree_objective if tree else obj.ppo_objective, clip_eps=config.loss.clip_eps,
                                   vf_coef=p.vf_coef, value_clip=p.value_clip)
-    grad_fn = (pp.naive_value_and_grad if self.naive else
-               functools.partial(pp.tree_replay_value_and_grad, schedule=t.tree_schedule) if tree else
-               pp.replay_value_and_grad)
-    fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
-    mb = lambda a: fit_micro_batch(t.micro_batch, num_branches(a))
     cast, upcast = loop.param_casts(config)
+    if self.mesh is not None:
+      mesh, m = self.mesh, t.micro_batch
+      grad = lambda prm, b: sharded_actor_critic_value_and_grad(graphdef, prm, b, objective, mesh, micro_batch=m)
+      forward = lambda prm, b: sharded_actor_critic_logprobs_values(graphdef, prm, b, mesh, micro_batch=m)
+    else:
+      grad_fn = (pp.naive_value_and_grad if self.naive else
+                 functools.partial(pp.tree_replay_value_and_grad, schedule=t.tree_schedule) if tree else
+                 pp.replay_value_and_grad)
+      fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
+      mb = lambda a: fit_micro_batch(t.micro_batch, num_branches(a))
+      grad = lambda prm, a: grad_fn(graphdef, prm, a, objective, micro_batch=mb(a))
+      forward = lambda prm, a: (pp.naive_logprobs_values(graphdef, prm, a) if self.naive
+                                else fwd_fn(graphdef, prm, a, micro_batch=mb(a)))
 
     def grad_step(prm, a):
-      loss, aux, grads = grad_fn(graphdef, cast(prm), a, objective, micro_batch=mb(a))
+      loss, aux, grads = grad(cast(prm), a)
       return loss, aux, upcast(grads)
     self.grad = jax.jit(grad_step)
-    self.forward = jax.jit(lambda prm, a: pp.naive_logprobs_values(graphdef, cast(prm), a) if self.naive
-                           else fwd_fn(graphdef, cast(prm), a, micro_batch=mb(a)))
+    self.forward = jax.jit(lambda prm, a: forward(cast(prm), a))
     self.cast = cast
+
+  def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
+    """(kind, arrays) per update unit: each group or tree, or the groups as one stacked batch on the mesh."""
+    if self.mesh is None:
+      return [(g.kind, g.batch) for g in groups]
+    return [("group", loop.on_mesh([g.batch for g in groups], self.mesh))]
+
+  def forward_groups(self, params, groups: list[Group]) -> list:
+    """`forward` of every group (its `LogprobsValues`, a tree's per-level list): group by group on one
+    device; on the mesh, all groups as one stacked batch, split back per group on the host."""
+    if self.mesh is None:
+      return [self.forward(params, g.batch) for g in groups]
+    out = jax.device_get(self.forward(params, self.units(groups)[0][1]))   # [B, G, ...] on the host, split per group
+    return [jax.tree_util.tree_map(lambda x: x[i], out) for i in range(len(groups))]
 
 
 # Host-side layout of a tree's per-node values along trajectories (and back).
@@ -150,10 +192,10 @@ def leaf_values(tree: RolloutTree, node_ids: tuple, levels: list) -> np.ndarray:
   return per_node[list(tree.ends)]
 
 
-def _old_rows(fns: PPOFunctions, params, group: Group):
+def _old_rows(out, group: Group):
   """(old logp, old values, mask) [G, T] per trajectory, next values [G] (V after each trajectory's
-  last token: the state a truncated one bootstraps from); trees also return their per-node lists."""
-  out = fns.forward(params, group.batch)
+  last token: the state a truncated one bootstraps from) from the group's forward pass `out`
+  (`PPOFunctions.forward_groups`); trees also return their per-node lists."""
   if group.kind == "group":
     return (np.asarray(out.logp), np.asarray(out.values), np.asarray(group.batch.branches.mask),
             np.asarray(out.next_value), None)
@@ -170,8 +212,8 @@ def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
   """Old log-probs/values, GAE advantages and returns into each group's arrays; returns value stats."""
   p = config.ppo
   olds, adv, ret = [], [], []
-  for g in groups:
-    logp, values, mask, next_values, nodes = _old_rows(fns, params, g)
+  for g, out in zip(groups, fns.forward_groups(params, groups)):
+    logp, values, mask, next_values, nodes = _old_rows(out, g)
     rewards = np.zeros(values.shape, np.float32)
     rewards[np.arange(len(g.lengths)), g.lengths - 1] = g.rewards
     # The sampler's stop reason, never "the row fills the padded width": an EOS on the budget's
@@ -219,19 +261,19 @@ def update_on_batch(config, fns: PPOFunctions, update, params, opt_state, groups
   p = config.ppo
   for epoch in range(p.epochs):
     order = np.random.default_rng((config.seed, step, epoch)).permutation(len(groups))
-    sums, losses = {"policy": 0.0, "value": 0.0, "clipped": 0.0, "kl": 0.0}, []
+    sums, loss_sum = {"policy": 0.0, "value": 0.0, "clipped": 0.0, "kl": 0.0}, 0.0
     for minibatch in np.array_split(order, p.minibatches):
       total = None
-      for i in minibatch:
-        loss, aux, grads = fns.grad(params, groups[i].batch)
+      for kind, arrays in fns.units([groups[i] for i in minibatch]):
+        loss, aux, grads = fns.grad(params, arrays)
         total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-        losses.append(float(loss))
-        part = _aux_sums(groups[i].kind, aux)
+        loss_sum += float(loss)
+        part = _aux_sums(kind, aux)
         sums = {k: sums[k] + part[k] for k in sums}
       mean = jax.tree_util.tree_map(lambda x: x / len(minibatch), total)
       params, opt_state, grad_norm = update(params, opt_state, mean)
   pairs = sum(int(g.lengths.sum()) for g in groups)   # (token, trajectory) pairs
-  stats = {"loss": float(np.mean(losses)), "policy_loss": sums["policy"] / len(groups),
+  stats = {"loss": loss_sum / len(groups), "policy_loss": sums["policy"] / len(groups),
            "value_loss": sums["value"] / len(groups), "grad_norm": float(grad_norm),
            "kl": sums["kl"] / pairs, "clip_frac": sums["clipped"] / pairs}
   return params, opt_state, stats
@@ -258,15 +300,19 @@ class PPO(loop.Algorithm):
 
   def setup(self, run):
     self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef), loop.make_update(run.optimizer)
-    return run.params, run.opt_state
+    return (loop.place(run.params, self.fns.mesh, self.fns.param_mode),
+            loop.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
 
   def collect(self, run, params, step, data_pos):
-    policy = nnx.merge(run.graphdef, self.fns.cast(params)).policy   # the policy the step trains
+    # the policy the step trains (model.param_dtype's rounding), on one device
+    policy = nnx.merge(run.graphdef, loop.on_first_device(self.fns.cast(params), self.fns.mesh)).policy
     return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
 
   def update(self, params, opt_state, groups, step):
-    value_stats = prepare(self.config, self.fns, params, groups)
-    params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, opt_state, groups, step)
+    with loop.mesh_context(self.fns.mesh):
+      value_stats = prepare(self.config, self.fns, params, groups)
+      params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, opt_state, groups,
+                                                 step)
     return params, opt_state, {**stats, **value_stats}
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s):

@@ -1,16 +1,26 @@
-"""Seconds per replay gradient step for each data x branch x seq mesh, on 8 fake CPU devices.
+"""Seconds per mesh step for each algorithm (GRPO, PPO, DPO) and data x branch x seq mesh, on 8 fake CPU devices.
 
     nice -n 15 python -m branch_replay_jax.benchmarks.mesh --config=experiments/bench_mesh.py      # tiny random model
     nice -n 15 python -m branch_replay_jax.benchmarks.mesh --config=experiments/bench_mesh.py \\
         --config.model=random-smollm2-shape --config.prompt_len=128
 
 A functional check, not a speed-up: the 8 fake devices share the host's cores. Prints one JSON
-line per mesh (the first, "1x1x1", is one device): `compile_seconds` sums JAX's compile events
-of the first call (`/jax/core/compile/*`), `step_seconds` is the median of `config.repeats` later
-calls (each ended by `block_until_ready`), `max_rel_grad_err` is max over parameter leaves of
-max|g - g_1x1x1| / max|g_1x1x1| against the one-device mesh. One GRPO step on `config.groups` groups
-of G = `config.group_size` random completions of `config.completion_len` tokens on a random
-`config.prompt_len`-token prompt; `token_positions_naive` = groups x G x (P + T).
+line per algorithm and mesh (the first mesh, "1x1x1", is one device): `compile_seconds` sums JAX's
+compile events of the first call (`/jax/core/compile/*`), `step_seconds` is the median of
+`config.repeats` later calls (each ended by `block_until_ready`), `max_rel_grad_err` is max over
+parameter leaves of max|g - g_1x1x1| / max|g_1x1x1| against the one-device mesh. Each step is
+one update's gradient work on `config.groups` groups of G = `config.group_size` random completions
+of `config.completion_len` tokens on a random `config.prompt_len`-token prompt:
+
+  grpo: the GRPO gradient (`sharded_replay_value_and_grad`);
+  ppo:  the PPO gradient of policy and value head (`sharded_actor_critic_value_and_grad`, an
+        `ActorCritic` with a value head), random GAE advantages and returns per token;
+  dpo:  the G / 2 pairs (2i, 2i + 1) of each group, completions of `completion_len` / 2 to
+        `completion_len` tokens, the policy as its own reference, through `ShardedReplaySteps`:
+        layout (`pad_groups`), reference sums, policy sums and the surrogate gradient (three
+        jitted calls and host-side padding: its step includes host work).
+
+`token_positions_naive` = groups x G x (P + T).
 """
 
 from __future__ import annotations
@@ -33,14 +43,19 @@ from flax import nnx  # noqa: E402
 from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.data.batches import GroupBatch, group_arrays  # noqa: E402
 from branch_replay_jax.data.groups import make_group  # noqa: E402
-from branch_replay_jax.distributed.mesh import (make_mesh, shard_batch, shard_params, sharded_replay_value_and_grad,  # noqa: E402
-                                        stack_groups)
+from branch_replay_jax.distributed.mesh import (ShardedReplaySteps, make_mesh, shard_batch, shard_params,  # noqa: E402
+                                                sharded_actor_critic_value_and_grad, sharded_replay_value_and_grad,
+                                                stack_groups)
+from branch_replay_jax.gradients import preference as pref  # noqa: E402
 from branch_replay_jax.models import Llama, ModelConfig, tiny_config  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape  # noqa: E402
+from branch_replay_jax.models.critic import ActorCritic  # noqa: E402
 
 SMOLLM2_135M_SHAPE = architecture_shape("smollm2-135m")   # random weights of the embedded model's shape
 MESHES = "1x1x1,8x1x1,1x8x1,1x1x8,2x2x2,4x2x1"
+ALGORITHMS = ("grpo", "ppo", "dpo")
 OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+PPO_OBJECTIVE = functools.partial(obj.ppo_objective, clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
 
 _compile_seconds = [0.0]
 
@@ -65,22 +80,81 @@ def make_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list
   return out
 
 
-def run_mesh(graphdef, params, groups, shape, repeats: int, micro_batch: int):
-  """(compile_seconds, step_seconds, loss, grads) of one mesh shape."""
+def ppo_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[GroupBatch]:
+  """`groups` PPO groups of random tokens: per-token weights, GAE advantages, returns, old log-probs and values."""
+  rng = np.random.default_rng(1)
+  out = []
+  for _ in range(groups):
+    group = make_group(rng.integers(0, config.vocab_size, p), [rng.integers(0, config.vocab_size, t) for _ in range(g)],
+                       vocab_size=config.vocab_size, max_positions=config.max_positions, prompt_bucket=p,
+                       completion_bucket=t)
+    out.append(group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="token_mean"),
+                            **{k: (rng.normal(size=(g, t)) + (-4.0 if k == "old_logp" else 0.0)).astype(np.float32)
+                               for k in ("advantage", "returns", "old_logp", "old_values")}))
+  return out
+
+
+def dpo_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> pref.PreferenceBatch:
+  """Pairs (2i, 2i + 1) of g random completions of t / 2 .. t tokens on each of `groups` random prompts."""
+  rng = np.random.default_rng(2)
+  pairs = []
+  for _ in range(groups):
+    prompt = rng.integers(0, config.vocab_size, p)
+    comps = [rng.integers(0, config.vocab_size, rng.integers(max(t // 2, 1), t + 1)) for _ in range(g)]
+    pairs += [pref.PreferencePair(prompt, comps[i], comps[i + 1]) for i in range(0, g - 1, 2)]
+  return pref.make_batch(pairs, vocab_size=config.vocab_size, max_positions=config.max_positions)
+
+
+def mesh_step(algorithm: str, graphdef, params, batch, mesh, micro_batch: int):
+  """A zero-argument call of one step of `algorithm` on `mesh` -> (loss, grads); placement done here, once."""
+  placed = shard_params(params, mesh)
+  if algorithm == "dpo":
+    steps = ShardedReplaySteps(graphdef, mesh, micro_batch=micro_batch)
+
+    def dpo():
+      layout = steps.layout(batch)
+      loss, _, grads = steps.value_and_grad(placed, layout, steps.flat_sums(placed, layout), beta=0.1)
+      return loss, grads
+    return dpo
+  fn, objective = ((sharded_actor_critic_value_and_grad, PPO_OBJECTIVE) if algorithm == "ppo" else
+                   (sharded_replay_value_and_grad, OBJECTIVE))
+  stacked = shard_batch(stack_groups(batch), mesh)
+  step = jax.jit(lambda p, b: fn(graphdef, p, b, objective, mesh, micro_batch=micro_batch))
+
+  def grad_step():
+    loss, _, grads = step(placed, stacked)
+    return loss, grads
+  return grad_step
+
+
+def run_mesh(algorithm: str, graphdef, params, batch, shape, repeats: int, micro_batch: int):
+  """(compile_seconds, step_seconds, loss, grads) of one algorithm's step on one mesh shape."""
   mesh = make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
   with jax.set_mesh(mesh):
-    batch = shard_batch(stack_groups(groups), mesh)
-    placed = shard_params(params, mesh)
-    step = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, OBJECTIVE, mesh, micro_batch=micro_batch))
+    step = mesh_step(algorithm, graphdef, params, batch, mesh, micro_batch)
     _compile_seconds[0] = 0.0
-    loss, _, grads = jax.block_until_ready(step(placed, batch))
+    loss, grads = jax.block_until_ready(step())
     compile_s = _compile_seconds[0]
     times = []
     for _ in range(repeats):
       t0 = time.perf_counter()
-      jax.block_until_ready(step(placed, batch))
+      jax.block_until_ready(step())
       times.append(time.perf_counter() - t0)
   return compile_s, statistics.median(times), float(loss), jax.device_get(grads)
+
+
+def case(algorithm: str, config: ModelConfig, args):
+  """(graphdef, params, batch) of one algorithm: the model (an actor-critic with a random value
+  head for PPO) and its step's groups (DPO: a PreferenceBatch)."""
+  model = Llama(config, rngs=nnx.Rngs(0))
+  shape = (args.groups, args.group_size, args.prompt_len, args.completion_len)
+  if algorithm == "ppo":
+    model = ActorCritic(model, critic="value_head")
+    model.value_w[...] = 0.1 * jax.random.normal(jax.random.key(1), model.value_w.shape)   # non-zero value gradients
+    graphdef, params = nnx.split(model)
+    return graphdef, params, ppo_batch(config, *shape)
+  graphdef, params = nnx.split(model)
+  return graphdef, params, dpo_batch(config, *shape) if algorithm == "dpo" else make_batch(config, *shape)
 
 
 def main(argv):
@@ -90,23 +164,28 @@ def main(argv):
     raise ValueError(f"config.model={args.model!r} is not one of ('tiny', 'random-smollm2-shape')")
   jax.monitoring.register_event_duration_secs_listener(_on_event)
 
+  algorithms = args.algorithms.split(",")
+  if any(a not in ALGORITHMS for a in algorithms):
+    raise ValueError(f"config.algorithms={args.algorithms!r}: each must be one of {ALGORITHMS}")
   config = tiny_config() if args.model == "tiny" else SMOLLM2_135M_SHAPE
-  graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(0)))
-  groups = make_batch(config, args.groups, args.group_size, args.prompt_len, args.completion_len)
-  base = None
-  for text in args.meshes.split(","):
-    shape = tuple(int(x) for x in text.split("x"))
-    compile_s, step_s, loss, grads = run_mesh(graphdef, params, groups, shape, args.repeats, args.micro_batch)
-    base = grads if base is None else base
-    err = max(float(np.abs(g - b).max() / max(np.abs(b).max(), 1e-30))
-              for g, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(base)))
-    print(json.dumps({"mesh": text, "data": shape[0], "branch": shape[1], "seq": shape[2], "model": args.model,
-                      "groups": args.groups, "group_size": args.group_size, "prompt_len": args.prompt_len,
-                      "completion_len": args.completion_len, "micro_batch": args.micro_batch,
-                      "token_positions_naive": args.groups * args.group_size * (args.prompt_len + args.completion_len),
-                      "compile_seconds": round(compile_s, 2), "step_seconds": round(step_s, 4), "loss": loss,
-                      "max_rel_grad_err": err, "devices": jax.device_count(), "backend": jax.default_backend()}),
-          flush=True)
+  for algorithm in algorithms:
+    graphdef, params, batch = case(algorithm, config, args)
+    base = None
+    for text in args.meshes.split(","):
+      shape = tuple(int(x) for x in text.split("x"))
+      compile_s, step_s, loss, grads = run_mesh(algorithm, graphdef, params, batch, shape, args.repeats,
+                                                args.micro_batch)
+      base = grads if base is None else base
+      err = max(float(np.abs(g - b).max() / max(np.abs(b).max(), 1e-30))
+                for g, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(base)))
+      print(json.dumps({"algorithm": algorithm, "mesh": text, "data": shape[0], "branch": shape[1], "seq": shape[2],
+                        "model": args.model, "groups": args.groups, "group_size": args.group_size,
+                        "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+                        "micro_batch": args.micro_batch,
+                        "token_positions_naive": args.groups * args.group_size * (args.prompt_len + args.completion_len),
+                        "compile_seconds": round(compile_s, 2), "step_seconds": round(step_s, 4), "loss": loss,
+                        "max_rel_grad_err": err, "devices": jax.device_count(), "backend": jax.default_backend()}),
+            flush=True)
 
 
 if __name__ == "__main__":

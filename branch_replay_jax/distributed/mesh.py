@@ -23,10 +23,12 @@ shares back to one (exact for power-of-two n, one rounding otherwise). With seq 
 `seq` device computes the whole loss (the completions are replicated and see the whole prompt
 through the log-sum-exp merge), so the psum over the mesh is S times the gradient: divided by S.
 
-The GRPO / RLOO training loop (algorithms/grpo.py) runs its update here when config.mesh is larger than
-1 x 1 x 1: the step's groups padded to one prompt length (`pad_prompts`), stacked and placed; sampled
-trees first padded to one level layout (`data.batches.pad_trees`: depth, fan-outs, segment
-lengths, trajectories), then the same.
+The training loops run their update here when config.mesh is larger than 1 x 1 x 1: GRPO / RLOO
+(algorithms/grpo.py) and PPO (algorithms/ppo.py; policy and critic: `sharded_actor_critic_*`) on
+the step's groups (PPO: each minibatch's) padded to one prompt length (`pad_prompts`), stacked
+and placed; GRPO's sampled trees first padded to one level layout (`data.batches.pad_trees`:
+depth, fan-outs, segment lengths, trajectories), then the same; DPO (algorithms/dpo.py,
+`ShardedReplaySteps`) on its ragged groups padded to one shape (`pad_groups`, zero-weight padding).
 
 Parameters are replicated or FSDP-sharded (`param_specs`; Rajbhandari et al. 2020, ZeRO stage 3,
 arXiv 1910.02054). FSDP splits each leaf's largest evenly divisible dimension (never a stacked
@@ -49,10 +51,14 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch
-from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
+from branch_replay_jax.distributed.seq_parallel import actor_critic_prompt_split, check_prompt_split, prompt_split
+from branch_replay_jax.gradients import actor_critic
+from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
                                                   tree_replay_logprobs, tree_replay_value_and_grad)
+from branch_replay_jax.models.critic import TRUNKS
 from branch_replay_jax.models.llama import param_gather
 
 MESH_AXES = ("data", "branch", "seq")
@@ -108,6 +114,44 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
   return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
 
 
+def pad_groups(groups: list[GroupBatch], mesh) -> tuple[list[GroupBatch], np.ndarray]:
+  """Ragged groups (different G_j completions of different lengths T_j: DPO's one group per
+  distinct prompt) padded so that `stack_groups` stacks them and `shard_batch` splits them on mesh:
+  prompts as `pad_prompts` (to a multiple of mesh.seq); every group to G' branches, the largest
+  G_j rounded up to a multiple of mesh.branch, and T' tokens, the largest T_j; the group count to a
+  multiple of mesh.data with filler groups (group 0's prompt, every branch padding).
+
+  A padding branch (and a padding token) has mask False and every loss field 0 (tokens: id 0): its
+  log-probs are 0 (the replay functions zero them off the mask), so its log-prob sum is 0, its
+  loss weight is 0 and its log-prob cotangent is 0, so its gradient contribution is exactly 0, and
+  a filler group's prompt gets a zero cotangent and pulls back zeros. The step's loss and
+  gradient are unchanged; only the padding's compute is added.
+
+  Returns:
+    (padded groups, flat_index [N] int): N = Σ_j G_j; flat_index[i] is the position of the i-th
+    completion of the concatenation of the groups' branches (group 0's first) in the padded
+    groups' concatenation, i.e. j * G' + g.
+
+  Raises:
+    ValueError: no groups.
+  """
+  if not groups:
+    raise ValueError("pad_groups: need at least one group")
+  g_pad = -(-max(g.branches.tokens.shape[0] for g in groups) // mesh.shape["branch"]) * mesh.shape["branch"]
+  t_pad = max(g.branches.tokens.shape[1] for g in groups)
+
+  def pad_branches(batch: GroupBatch, keep: bool) -> GroupBatch:
+    def pad(x):   # a branches field: [G_j] per completion or [G_j, T_j, ...] per token
+      widths = [(0, g_pad - x.shape[0])] + [(0, t_pad - x.shape[1])] * (x.ndim > 1) + [(0, 0)] * (x.ndim - 2)
+      return jnp.pad(x if keep else jnp.zeros_like(x), widths)
+    return batch.replace(branches=jax.tree_util.tree_map(pad, batch.branches))
+
+  padded = [pad_branches(g, True) for g in pad_prompts(groups, mesh.shape["seq"])]
+  padded += [pad_branches(padded[0], False)] * (-len(padded) % mesh.shape["data"])
+  flat_index = np.concatenate([j * g_pad + np.arange(g.branches.tokens.shape[0]) for j, g in enumerate(groups)])
+  return padded, flat_index
+
+
 def leaf_siblings(batch: TreeBatch, mesh) -> int:
   """Leaf siblings of a stacked tree batch on one device: the last fan-out F_D (its axis is not
   split), or F_1 / branch when the trees have one level (F_1 is split over `branch`). The tree
@@ -155,9 +199,26 @@ def shard_batch(batch: GroupBatch | TreeBatch, mesh, num_groups: int | None = No
 
 
 def _leaf_name(path) -> str:
-  """"embed", "layers.wq", ...: a parameter's dotted name from its nnx.State path (dict keys; the
-  Variable's own `.value` attribute is not part of the name)."""
-  return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+  """"embed", "layers.wq", "policy.layers.wq", ...: a parameter's dotted name from its nnx.State
+  path: the trailing run of dict keys (the Variable's own `.value` attribute is not part of the
+  name), so that an optimizer state's moments get their parameter's name, also inside
+  `optax.multi_transform`'s dict of per-label states (PPO's)."""
+  keys = list(path)
+  if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
+    keys = keys[:-1]
+  names = []
+  for k in reversed(keys):
+    if not isinstance(k, jax.tree_util.DictKey):
+      break
+    names.append(str(k.key))
+  return ".".join(reversed(names))
+
+
+def _read_name(name: str) -> str:
+  """The name the model reads a parameter under (`models.llama.read_param`): its dotted name less an
+  actor-critic's trunk prefix ("policy.layers.wq" -> "layers.wq"; models.critic.TRUNKS)."""
+  head, _, rest = name.partition(".")
+  return rest if head in TRUNKS and rest else name
 
 
 def param_specs(params, mesh, mode: str = "replicated"):
@@ -176,7 +237,7 @@ def param_specs(params, mesh, mode: str = "replicated"):
   def spec(path, x):
     if mode == "replicated":
       return P()
-    first = 1 if _leaf_name(path).startswith("layers.") else 0
+    first = 1 if _read_name(_leaf_name(path)).startswith("layers.") else 0
     for dim in sorted(range(first, x.ndim), key=lambda i: -x.shape[i]):
       if x.shape[dim] % n == 0:
         return P(*([None] * dim), MESH_AXES)
@@ -198,7 +259,7 @@ def _sharded_dims(params) -> dict[str, int | None]:
     if not split:
       dims[name] = None
     elif len(split) == 1 and tuple(split[0][1] if isinstance(split[0][1], tuple) else (split[0][1],)) == MESH_AXES:
-      if name.startswith("layers.") and split[0][0] == 0:
+      if _read_name(name).startswith("layers.") and split[0][0] == 0:
         raise ValueError(f"parameter {name!r} is split on its layer axis (spec {spec}); use param_specs")
       dims[name] = split[0][0]
     else:
@@ -241,9 +302,14 @@ def _over_mesh(per_device, params, batch, mesh, out_specs):
   """
   dims = _sharded_dims(params)
   specs = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, params)
+  read_dims = {}   # by the name the model reads (an actor-critic's two trunks share their layouts)
+  for name, dim in dims.items():
+    if read_dims.setdefault(_read_name(name), dim) != dim:
+      raise ValueError(f"parameter {name!r} is split on dimension {dim}, its namesake in the other trunk on "
+                       f"{read_dims[_read_name(name)]}: use param_specs")
 
   def gather(name, x):
-    dim = dims[name]
+    dim = read_dims[name]
     if dim is None:
       return x
     axis = dim - 1 if name.startswith("layers.") else dim   # inside the scan: the layer axis is gone
@@ -348,16 +414,17 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objec
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
-def _mesh_map(graphdef, per_group, params, batch, mesh):
+def _mesh_map(graphdef, per_group, params, batch, mesh, split_fn=prompt_split):
   """Forward-only `shard_map` of per_group(local params, one group's or tree's batch, **split) over a
-  stacked batch, split = `prompt_split`'s prefix_fn and attention when seq > 1. Returns its outputs
-  stacked [B, G (F_1), ...], sharded P("data", "branch")."""
+  stacked batch, split = split_fn(graphdef, local, batch) when seq > 1 (`prompt_split`'s prefix_fn
+  and attention; an actor-critic's: `actor_critic_prompt_split`). Returns its outputs stacked
+  [B, G (F_1), ...], sharded P("data", "branch")."""
   n_seq = mesh.shape["seq"]
   check_prompt_split(batch.prompt_ids.shape[1], n_seq)
 
   def per_device(local, batch, fsdp):
     def one_group(_, batch):
-      split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+      split = split_fn(graphdef, local, batch) if n_seq > 1 else {}
       return None, per_group(local, batch, **split)
     return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
   return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
@@ -397,6 +464,82 @@ def sharded_tree_replay_logprobs(graphdef, params, batch: TreeBatch, mesh, *, mi
   """
   return _mesh_map(graphdef, lambda local, b, **split: tree_replay_logprobs(
       graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh)
+
+
+def sharded_actor_critic_value_and_grad(graphdef, params, batch: GroupBatch, objective, mesh, *,
+                                        micro_batch: int = 1, logprob_chunk: int = 256):
+  """PPO's (loss, aux, grads) summed over a batch of groups for an actor-critic (models.critic;
+  policy AND critic parameters), by replay under `shard_map`: `gradients.actor_critic.
+  replay_value_and_grad` group by group, with the prompt cotangent (each trunk's K/V and last
+  hidden state) all-reduced over `branch` and, for seq > 1, each trunk's prompt split over `seq`.
+
+  objective: an `actor_critic.PPOObjective` (losses.ppo_objective). Args, returns and raises as
+  `sharded_replay_value_and_grad`; grads are like params (the policy's, the critic's and the value
+  head's), equal to the single-device replay gradient summed over the groups.
+  """
+  n_seq = mesh.shape["seq"]
+  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
+
+  def per_group(local, batch, reduce):
+    split = actor_critic_prompt_split(graphdef, local, batch) if n_seq > 1 else {}
+    return actor_critic.replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
+                                              logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce, **split)
+  return _mesh_value_and_grad(per_group, params, batch, mesh)
+
+
+def sharded_actor_critic_logprobs_values(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
+                                         logprob_chunk: int = 256) -> actor_critic.LogprobsValues:
+  """PPO's old log-probs and values of a batch of groups by forward-only replay under `shard_map`:
+  `actor_critic.LogprobsValues` with logp, values [B, G, T] and next_value [B, G] float32, sharded
+  P("data", "branch"), equal to `actor_critic.replay_logprobs_values` group by group. Args,
+  placement and raises as `sharded_replay_value_and_grad`."""
+  return _mesh_map(graphdef, lambda local, b, **split: actor_critic.replay_logprobs_values(
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh,
+      split_fn=actor_critic_prompt_split)
+
+
+class ShardedReplaySteps:
+  """`gradients.preference.ReplaySteps` (DPO's two passes) on `mesh`: a PreferenceBatch's ragged
+  groups padded to one shape (`pad_groups`: zero-weight padding, so loss and gradient are
+  unchanged) and stacked into one batch; pass 1 by `sharded_replay_logprobs`, pass 2 by
+  `sharded_replay_value_and_grad` of `preference.surrogate_objective`, joined by
+  `preference.two_pass_value_and_grad`.
+
+    steps = ShardedReplaySteps(graphdef, mesh, micro_batch=2)
+    layout = steps.layout(batch)                      # once per batch
+    loss, metrics, grads = steps.value_and_grad(params, layout, steps.flat_sums(ref_params, layout), beta=0.1)
+
+  Call inside `jax.set_mesh(mesh)` with parameters placed by `shard_params`. micro_batch:
+  completions per scan step on each device, the largest divisor of G' / branch not above it.
+  """
+
+  def __init__(self, graphdef, mesh, *, micro_batch: int = 1, logprob_chunk: int = 256):
+    self.mesh = mesh
+    mb = lambda b: fit_micro_batch(micro_batch, b.branches.tokens.shape[1] // mesh.shape["branch"])
+    # Pass 1's sums [B, G'] come back replicated: the loss gathers the pairs' sums from them.
+    self.sums = jax.jit(lambda p, b: jax.sharding.reshard(
+        sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=mb(b), logprob_chunk=logprob_chunk).sum(-1), P()))
+    grad = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, pref.surrogate_objective, mesh,
+                                                              micro_batch=mb(b), logprob_chunk=logprob_chunk)[2])
+    self.surrogate_grad = lambda p, b: grad(p, shard_batch(b, mesh))   # the weights are computed off the mesh
+
+  def layout(self, batch: pref.PreferenceBatch) -> tuple[GroupBatch, np.ndarray, np.ndarray]:
+    """(the padded groups stacked [B', G', ...] and placed, chosen [K], rejected [K]): each pair's
+    completions as indices into the padded completions flattened [B' * G']."""
+    padded, index = pad_groups(batch.groups, self.mesh)
+    return shard_batch(stack_groups(padded), self.mesh), index[batch.chosen], index[batch.rejected]
+
+  def flat_sums(self, params, layout) -> jax.Array:
+    """[B' * G'] log-prob sums of the padded completions (0 for padding), replicated."""
+    return self.sums(params, layout[0]).reshape(-1)
+
+  def value_and_grad(self, params, layout, ref_sums: jax.Array, *, beta: float, loss_type: str = "sigmoid",
+                     label_smoothing: float = 0.0):
+    """(loss, metrics [K], grads like params) as `ReplaySteps.value_and_grad`; ref_sums: the
+    reference's `flat_sums` on the same layout."""
+    unit, chosen, rejected = layout
+    return pref.two_pass_value_and_grad(self.sums, self.surrogate_grad, params, [unit], chosen, rejected, ref_sums,
+                                        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,

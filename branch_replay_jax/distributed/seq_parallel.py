@@ -36,21 +36,24 @@ def check_prompt_split(p_pad: int, seq: int) -> int:
   return p_pad // seq
 
 
+def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq"):
+  """(the local chunk's KVBlock, last hidden [d] of the prompt, on every device of `axis`): one
+  model's (a Llama's) forward of this device's prompt chunk batch.prompt_ids [C]."""
+  chunk = batch.prompt_ids                      # this device's [C] tokens
+  c = chunk.shape[0]
+  start = jax.lax.axis_index(axis) * c
+  valid = start + jnp.arange(c) < batch.prompt_len
+  attention = prompt_chunk_attention(attention_fn(model.attention_impl), axis)
+  out = model(chunk[None], start, valid_bt=valid[None], attention=attention)
+  local = batch.prompt_len - 1 - start          # the last prompt token's index in this chunk
+  owner = (local >= 0) & (local < c)
+  last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.clip(local, 0, c - 1), keepdims=False)
+  return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis)
+
+
 def _chunk_prefix_fn(graphdef, batch: GroupBatch, axis: str):
-  """params -> (the local chunk's KVBlock, last hidden [d] of the prompt, on every device of `axis`)."""
-  def prefix_fn(params):
-    model = nnx.merge(graphdef, params)
-    chunk = batch.prompt_ids                      # this device's [C] tokens
-    c = chunk.shape[0]
-    start = jax.lax.axis_index(axis) * c
-    valid = start + jnp.arange(c) < batch.prompt_len
-    attention = prompt_chunk_attention(attention_fn(model.attention_impl), axis)
-    out = model(chunk[None], start, valid_bt=valid[None], attention=attention)
-    local = batch.prompt_len - 1 - start          # the last prompt token's index in this chunk
-    owner = (local >= 0) & (local < c)
-    last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.clip(local, 0, c - 1), keepdims=False)
-    return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis)
-  return prefix_fn
+  """params -> `chunk_prompt_forward` of the merged model."""
+  return lambda params: chunk_prompt_forward(nnx.merge(graphdef, params), batch, axis)
 
 
 def prompt_split(graphdef, params, batch: GroupBatch, *, axis: str = "seq") -> dict:
@@ -65,3 +68,12 @@ def prompt_split(graphdef, params, batch: GroupBatch, *, axis: str = "seq") -> d
   """
   attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).attention_impl), axis)
   return {"prefix_fn": _chunk_prefix_fn(graphdef, batch, axis), "attention": attention}
+
+
+def actor_critic_prompt_split(graphdef, params, batch: GroupBatch, *, axis: str = "seq") -> dict:
+  """`prompt_split` for gradients.actor_critic's replay functions (an `ActorCritic` graphdef):
+  {"prompt_fn": each trunk's (policy's, a separate critic's) `chunk_prompt_forward`, "attention":
+  the completions' attention over the sharded prompt K/V}. Same placement and gradient share as
+  `prompt_split`."""
+  attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).policy.attention_impl), axis)
+  return {"prompt_fn": lambda trunk: chunk_prompt_forward(trunk, batch, axis), "attention": attention}

@@ -60,11 +60,13 @@ def _trunks(ac: ActorCritic) -> list[tuple[str, Any]]:
   return [("", ac.policy)] + ([("critic_", ac.critic)] if ac.critic is not None else [])
 
 
-def _forward(ac: ActorCritic, tokens_t, valid_t, offset, ancestors) -> dict:
-  """One segment through each trunk on its ancestors' K/V: {"kv", "hidden" [T, d]} (+ "critic_*")."""
+def _forward(ac: ActorCritic, tokens_t, valid_t, offset, ancestors, attention=None) -> dict:
+  """One segment through each trunk on its ancestors' K/V: {"kv", "hidden" [T, d]} (+ "critic_*").
+  `attention` overrides the trunks' own (context parallelism)."""
   out = {}
   for pre, trunk in _trunks(ac):
-    o = trunk(tokens_t[None], offset, ancestors=[a[pre + "kv"] for a in ancestors], valid_bt=valid_t[None])
+    o = trunk(tokens_t[None], offset, ancestors=[a[pre + "kv"] for a in ancestors], valid_bt=valid_t[None],
+              attention=attention)
     out[pre + "kv"], out[pre + "hidden"] = o.kv, o.hidden_btd[0]
   return out
 
@@ -88,22 +90,29 @@ def _score(ac: ActorCritic, fwd: dict, parent: dict, tokens_t, mask_t, chunk):
   return jnp.where(mask_t, logp, 0.0), jnp.where(mask_t, values, 0.0)
 
 
-def _root_fn(graphdef, batch):
+def _root_fn(graphdef, batch, prompt_fn=None):
+  """params -> the prompt's state for its children. prompt_fn(trunk) -> (K/V, last real hidden
+  state [d]) replaces each trunk's whole-prompt forward (context parallelism:
+  distributed/seq_parallel.py's `actor_critic_prompt_split`)."""
   def root_fn(params):
     ac = nnx.merge(graphdef, params)
     prompt, p_len = batch.prompt_ids, batch.prompt_len
-    fwd = _forward(ac, prompt, jnp.arange(prompt.shape[0]) < p_len, 0, [])
-    return {**_state(ac, fwd, p_len), "end": p_len}
+    if prompt_fn is None:
+      return {**_state(ac, _forward(ac, prompt, jnp.arange(prompt.shape[0]) < p_len, 0, []), p_len), "end": p_len}
+    state = {"end": p_len}
+    for pre, trunk in _trunks(ac):
+      state[pre + "kv"], state[pre + "last"] = prompt_fn(trunk)
+    return state
   return root_fn
 
 
-def _node_fn(graphdef, chunk, objective=None):
+def _node_fn(graphdef, chunk, objective=None, attention=None):
   """(params, ancestors, node) -> (state, loss, NodeOutputs), or without an objective
   (forward only) -> (state, LogprobsValues of the node)."""
   def node_fn(params, ancestors, node):
     ac = nnx.merge(graphdef, params)
     parent = ancestors[-1]
-    fwd = _forward(ac, node.tokens, node.mask, parent["end"], ancestors)
+    fwd = _forward(ac, node.tokens, node.mask, parent["end"], ancestors, attention)
     logp, values = _score(ac, fwd, parent, node.tokens, node.mask, chunk)
     n = jnp.sum(node.mask.astype(jnp.int32))
     state = {**_state(ac, fwd, jnp.maximum(n, 1)), "end": parent["end"] + n}
@@ -118,37 +127,43 @@ def _node_fn(graphdef, chunk, objective=None):
 
 
 def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: PPOObjective, *, micro_batch: int = 1,
-                          logprob_chunk: int = 256):
+                          logprob_chunk: int = 256, reduce_prefix_cotangent=None, prompt_fn=None, attention=None):
   """(loss, aux [G, ...], grads for policy AND critic) of Σ_g objective over a group, by branch replay.
 
   batch: `data.batches.group_arrays` with the objective's fields per completion. aux holds the
-  objective's aux per completion.
+  objective's aux per completion. reduce_prefix_cotangent: as in `core.replay.replay_vjp` (the
+  prompt's float state: each trunk's K/V and last hidden state; the mesh's all-reduce over
+  `branch`). prompt_fn, attention: replace each trunk's whole-prompt forward and the completions'
+  attention (context parallelism: distributed/seq_parallel.py's `actor_critic_prompt_split`);
+  default: the whole prompt on this device and the trunks' own attention.
   """
-  node_fn = _node_fn(graphdef, logprob_chunk, objective)
+  node_fn = _node_fn(graphdef, logprob_chunk, objective, attention)
   branch_fn = lambda p, root, branch: node_fn(p, (root,), branch)[1:]
-  loss, aux, grads = replay_vjp(_root_fn(graphdef, batch), branch_fn, params, batch.branches,
-                                micro_batch=micro_batch)
+  loss, aux, grads = replay_vjp(_root_fn(graphdef, batch, prompt_fn), branch_fn, params, batch.branches,
+                                micro_batch=micro_batch, reduce_prefix_cotangent=reduce_prefix_cotangent)
   return loss, aux.aux, grads
 
 
 def replay_logprobs_values(graphdef, params, batch: GroupBatch, *, micro_batch: int = 1,
-                           logprob_chunk: int = 256) -> LogprobsValues:
-  """`LogprobsValues` of a group's completions (L = [G]), by forward-only replay."""
-  node_fn = _node_fn(graphdef, logprob_chunk)
-  return replay_map(_root_fn(graphdef, batch), lambda p, root, branch: node_fn(p, (root,), branch)[1], params,
-                    batch.branches, micro_batch=micro_batch)
+                           logprob_chunk: int = 256, prompt_fn=None, attention=None) -> LogprobsValues:
+  """`LogprobsValues` of a group's completions (L = [G]), by forward-only replay. prompt_fn,
+  attention: as in `replay_value_and_grad`."""
+  node_fn = _node_fn(graphdef, logprob_chunk, attention=attention)
+  return replay_map(_root_fn(graphdef, batch, prompt_fn), lambda p, root, branch: node_fn(p, (root,), branch)[1],
+                    params, batch.branches, micro_batch=micro_batch)
 
 
 def tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: PPOObjective, *, micro_batch: int = 1,
-                               logprob_chunk: int = 256, schedule: str = "depth_first"):
+                               logprob_chunk: int = 256, schedule: str = "depth_first", reduce_prefix_cotangent=None):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp, values, node), by nested replay.
 
   batch: `data.batches.tree_arrays`; aux[d - 1] is level d's `NodeOutputs` (with values).
   schedule: "depth_first" (least memory) or "level" (batched levels), as in core/tree_replay.py.
+  reduce_prefix_cotangent: as in `replay_value_and_grad` (the root's state).
   """
   node_fn = _node_fn(graphdef, logprob_chunk, objective)
   return nested_replay_vjp(_root_fn(graphdef, batch), [node_fn] * len(batch.levels), params, batch.levels,
-                           micro_batch=micro_batch, schedule=schedule)
+                           micro_batch=micro_batch, schedule=schedule, reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
 def tree_logprobs_values(graphdef, params, batch: TreeBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> list:

@@ -115,7 +115,9 @@ def make_batch(pairs: Sequence[PreferencePair], *, vocab_size: int, max_position
                          {"token_positions_naive": naive_positions, "token_positions_computed": computed})
 
 
-def _surrogate(logp, branch: Segments):
+def surrogate_objective(logp, branch: Segments):
+  """Pass 2's token-local objective (a `gradients.logprobs.Objective`): (-Σ_t w_t logp_t, 0) with
+  w = branch.weights [T] (= -c_i on completion i's real tokens, 0 on padding)."""
   return obj.weighted_logprob_loss(logp, branch.weights), jnp.zeros((), logp.dtype)
 
 
@@ -132,14 +134,15 @@ class ReplaySteps:
 
   sums(params, batch) -> [G] log-prob sums of a GroupBatch (pass 1, forward only);
   surrogate_grad(params, batch) -> grads of Σ_i c_i S_i, with -c_i in batch.branches.weights (pass 2).
+  (`distributed.mesh.ShardedReplaySteps` runs the same two passes on a device mesh.)
   """
 
   def __init__(self, graphdef, *, micro_batch: int = 1, logprob_chunk: int = 256):
     mb = lambda a: fit_micro_batch(micro_batch, a.branches.tokens.shape[0])
     self.sums = jax.jit(lambda p, a: replay_logprobs(graphdef, p, a, micro_batch=mb(a),
                                                      logprob_chunk=logprob_chunk).sum(-1))
-    self.surrogate_grad = jax.jit(lambda p, a: replay_value_and_grad(graphdef, p, a, _surrogate, micro_batch=mb(a),
-                                                                     logprob_chunk=logprob_chunk)[2])
+    self.surrogate_grad = jax.jit(lambda p, a: replay_value_and_grad(
+        graphdef, p, a, surrogate_objective, micro_batch=mb(a), logprob_chunk=logprob_chunk)[2])
 
   def flat_sums(self, params, batch: PreferenceBatch) -> jax.Array:
     """[N] log-prob sums of every distinct completion (N = Σ_j G_j), in `batch.chosen`'s indexing."""
@@ -152,22 +155,48 @@ class ReplaySteps:
     ref_sums: [N] the reference's `flat_sums` (frozen; compute once per batch).
     loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths come from the batch).
     """
-    sums = self.flat_sums(params, batch)
-    lengths = jnp.concatenate([a.branches.mask.sum(-1) for a in batch.groups])
-    c, r = jnp.asarray(batch.chosen), jnp.asarray(batch.rejected)
-    (loss, metrics), (d_chosen, d_rejected) = jax.value_and_grad(_mean_loss, argnums=(0, 1), has_aux=True)(
-        sums[c], sums[r], ref_sums[c], ref_sums[r], beta=beta, loss_type=loss_type,
-        label_smoothing=label_smoothing, chosen_lengths=lengths[c], rejected_lengths=lengths[r])
-    coef = jnp.zeros_like(sums).at[c].add(d_chosen).at[r].add(d_rejected)   # c_i = ∂L/∂S_i
-    grads, start = None, 0
-    for arrays in batch.groups:
-      br = arrays.branches
-      g = br.tokens.shape[0]
-      weights = jnp.where(br.mask, -coef[start:start + g, None], 0.0)
-      start += g
-      gr = self.surrogate_grad(params, arrays.replace(branches=br.replace(weights=weights)))
-      grads = gr if grads is None else jax.tree_util.tree_map(jnp.add, grads, gr)
-    return loss, metrics, grads
+    return two_pass_value_and_grad(self.sums, self.surrogate_grad, params, batch.groups, batch.chosen,
+                                   batch.rejected, ref_sums, beta=beta, loss_type=loss_type,
+                                   label_smoothing=label_smoothing)
+
+
+def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[GroupBatch], chosen, rejected,
+                            ref_sums: jax.Array, *, beta: float, loss_type: str = "sigmoid",
+                            label_smoothing: float = 0.0):
+  """(loss, metrics [K], grads) of mean_k ℓ_k by the two-pass scheme of the module docstring, on any
+  layout of the completions.
+
+  Args:
+    sums_fn: (params, unit) -> the unit's completions' log-prob sums, shaped like its
+      branches.mask less the token axis (pass 1, forward only; e.g. `ReplaySteps.sums`).
+    surrogate_grad_fn: (params, unit with branches.weights) -> grads of Σ_i -Σ_t w_{i,t} logp_{i,t}
+      (pass 2, `surrogate_objective`).
+    units: GroupBatches: one per group ([G_j, T_j] completions), or groups stacked [B, G, T] on a
+      device mesh (`distributed.mesh.ShardedReplaySteps`); their completions in order
+      (row-major) make the flat completion axis [N].
+    chosen, rejected: [K] int, each pair's completions on that flat axis.
+    ref_sums: [N] the reference's sums on the same axis (frozen; compute once per batch).
+    loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths from the masks).
+
+  A completion no pair names (a mesh's padding) gets c_i = 0: zero weight, no gradient.
+  """
+  sums = jnp.concatenate([sums_fn(params, u).reshape(-1) for u in units])
+  lengths = jnp.asarray(np.concatenate([np.asarray(u.branches.mask).sum(-1).reshape(-1) for u in units]))
+  c, r = jnp.asarray(chosen), jnp.asarray(rejected)
+  (loss, metrics), (d_chosen, d_rejected) = jax.value_and_grad(_mean_loss, argnums=(0, 1), has_aux=True)(
+      sums[c], sums[r], ref_sums[c], ref_sums[r], beta=beta, loss_type=loss_type,
+      label_smoothing=label_smoothing, chosen_lengths=lengths[c], rejected_lengths=lengths[r])
+  coef = jnp.zeros_like(sums).at[c].add(d_chosen).at[r].add(d_rejected)   # c_i = ∂L/∂S_i
+  grads, start = None, 0
+  for unit in units:
+    br = unit.branches
+    shape = br.mask.shape[:-1]
+    n = int(np.prod(shape))
+    weights = jnp.where(br.mask, -coef[start:start + n].reshape(shape)[..., None], 0.0)
+    start += n
+    gr = surrogate_grad_fn(params, unit.replace(branches=br.replace(weights=weights)))
+    grads = gr if grads is None else jax.tree_util.tree_map(jnp.add, grads, gr)
+  return loss, metrics, grads
 
 
 def _pair_sums(graphdef, params, naive_mb, chunk):

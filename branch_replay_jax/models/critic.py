@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from branch_replay_jax.kernels.reference import accum_dtype
-from branch_replay_jax.models.llama import Llama
+from branch_replay_jax.models.llama import Llama, read_param
 
 CRITICS = ("value_head", "separate")
+TRUNKS = ("policy", "critic")   # the Llama submodules: parameter names "policy.layers.wq", "critic.embed", ...
 
 
 class ActorCritic(nnx.Module):
@@ -49,5 +50,6 @@ class ActorCritic(nnx.Module):
   def value(self, hidden_d: jax.Array) -> jax.Array:
     """[...] float32 (float64 for float64 hidden) values h · w + b of hidden states [..., d]."""
     acc = accum_dtype(hidden_d.dtype)
-    return (jnp.einsum("...d,d->...", hidden_d, self.value_w[...].astype(hidden_d.dtype),
-                       preferred_element_type=acc) + self.value_b[...].astype(acc))
+    # Read through `read_param`: on an FSDP mesh the head is sharded and gathered here (distributed/mesh.py).
+    w, b = read_param("value_w", self.value_w[...]), read_param("value_b", self.value_b[...])
+    return jnp.einsum("...d,d->...", hidden_d, w.astype(hidden_d.dtype), preferred_element_type=acc) + b.astype(acc)

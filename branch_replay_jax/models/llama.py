@@ -63,9 +63,14 @@ def param_gather(gather: Callable[[str, jax.Array], jax.Array]):
     _PARAM_GATHER.reset(token)
 
 
-def _read(name: str, x: jax.Array) -> jax.Array:
+def read_param(name: str, x: jax.Array) -> jax.Array:
+  """x, or gather(name, x) inside `param_gather`: how a module reads a parameter that the mesh step
+  may hold FSDP-sharded (the Llama's own, and models.critic's value head)."""
   gather = _PARAM_GATHER.get()
   return x if gather is None else gather(name, x)
+
+
+_read = read_param
 
 
 def _check_host_memory(remat: str) -> None:
