@@ -12,7 +12,8 @@ from conftest import experiment_config, max_rel_err, random_group
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import _length_score, final_params, max_rel
+from conftest import length_score
+from test_train import final_params, max_rel
 from test_tree_replay import random_trees
 
 from branch_replay_jax import losses as obj
@@ -186,7 +187,7 @@ def test_node_columns_inverts_trajectory_rows():
 @pytest.fixture(autouse=True, scope="module")
 def varied_rewards():
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(Task, "score", _length_score)   # see test_train: non-zero advantages for a random model
+    mp.setattr(Task, "score", length_score)   # see test_train: non-zero advantages for a random model
     yield
 
 

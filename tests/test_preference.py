@@ -90,7 +90,8 @@ import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
-from test_train import _length_score, final_params, max_rel  # noqa: E402
+from conftest import length_score  # noqa: E402
+from test_train import final_params, max_rel  # noqa: E402
 
 from branch_replay_jax import main as entry  # noqa: E402
 from branch_replay_jax.algorithms import dpo  # noqa: E402
@@ -104,7 +105,7 @@ DPO_KEYS = {"step", "pairs", "skipped_prompts", "loss", "chosen_reward", "reject
 @pytest.fixture(autouse=True, scope="module")
 def varied_rewards():
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(Task, "score", _length_score)   # see test_train: a random model's rewards would all be equal
+    mp.setattr(Task, "score", length_score)   # see test_train: a random model's rewards would all be equal
     yield
 
 
