@@ -196,8 +196,13 @@ class GRPO(loop.Algorithm):
     with contextlib.nullcontext() if self.fns.mesh is None else jax.set_mesh(self.fns.mesh):
       return update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params, opt_state, groups)
 
-  def log(self, bar, step, groups, stats, *, rollout_s, update_s):
-    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+  def eval_policy(self, run, params, num_problems):
+    """The policy `collect` samples with; on a mesh the problems spread over every device."""
+    devices = None if self.fns.mesh is None else hosts.spread_devices(self.fns.mesh, num_problems)
+    return self.fns.for_sampling(run.graphdef, params, devices), devices
+
+  def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):
+    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s, wall_s=wall_s)
 
 
 def train(config) -> list[dict]:

@@ -257,17 +257,23 @@ class PPO(loop.Algorithm):
     self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef), loop.make_update(run.optimizer)
     return run.params, run.opt_state
 
+  def policy(self, run, params):
+    """The policy the step trains: the actor-critic's policy at model.param_dtype's rounding."""
+    return nnx.merge(run.graphdef, self.fns.cast(params)).policy
+
   def collect(self, run, params, step, data_pos):
-    policy = nnx.merge(run.graphdef, self.fns.cast(params)).policy   # the policy the step trains
-    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
+    return loop.sample_groups(self.config, self.policy(run, params), run.tokenizer, self.task, run.key, step, data_pos)
+
+  def eval_policy(self, run, params, num_problems):
+    return self.policy(run, params), None
 
   def update(self, params, opt_state, groups, step):
     value_stats = prepare(self.config, self.fns, params, groups)
     params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, opt_state, groups, step)
     return params, opt_state, {**stats, **value_stats}
 
-  def log(self, bar, step, groups, stats, *, rollout_s, update_s):
-    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+  def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):
+    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s, wall_s=wall_s)
 
 
 def train(config) -> list[dict]:
