@@ -117,7 +117,7 @@ def _eval_plot(run_dir: str, rows: list[dict]) -> None:
                     label="95% Wilson interval")
     ax.plot(xs, [r["accuracy"] for r in rows], marker="o", label="greedy accuracy")
     if "pass_at_k" in rows[-1]:
-      ax.plot(xs, [r.get("pass_at_k") for r in rows], marker="^", ls="--", label=f"pass@{rows[-1]['pass_k']}")
+      ax.plot(xs, [r.get("pass_at_k", np.nan) for r in rows], marker="^", ls="--", label=f"pass@{rows[-1]['pass_k']}")
     ax.set_xlabel(label)
     ax.set_ylim(-0.02, 1.02)
   axes[0].set_ylabel("held-out accuracy")
