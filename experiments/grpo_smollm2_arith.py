@@ -3,6 +3,7 @@
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py            # default, <10 min CPU
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:long       # longer run
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:smoke      # tiny model, 2 steps
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:eval200    # default, 200 held-out problems
 """
 
 import ml_collections
@@ -61,6 +62,14 @@ def get_config(arg=None):
   c.train.exactness_check_every = 25      # every k steps one group's gradient by replay and naive, compared and
   #                                       # logged (exactness_* in metrics.jsonl; a loud warning above the bound); 0: off
 
+  c.eval = ml_collections.ConfigDict()    # held-out evaluation (algorithms/loop.py Evaluation; RUN_DIR/eval.jsonl)
+  c.eval.size = 20                        # held-out problems N (0 disables the evaluation); with pass_k = 8 about
+  #                                       # 55 s per evaluation on 2 idle CPU cores (README, "Held-out evaluation")
+  c.eval.task_seed = 1_000_000            # their task seed; must differ from task.seed (problems whose question a
+  #                                       # training item asks are dropped as well)
+  c.eval.every = 15                       # steps between evaluations; also at step 0 and at the end
+  c.eval.pass_k = 8                       # samples per problem for pass@k at rollout.temperature (0: greedy only)
+
   c.mesh = ml_collections.ConfigDict()    # device mesh of the update (distributed/mesh.py); 1 x 1 x 1 = one device
   c.mesh.data = 1                         # groups split over devices; must divide rollout.prompts_per_step
   c.mesh.branch = 1                       # each group's completions (a tree's first-level subtrees) split over devices;
@@ -82,6 +91,10 @@ def get_config(arg=None):
   if arg == "long":
     c.train.steps = 40
     c.run_dir = "runs/grpo_smollm2_arith_long"
+  elif arg == "eval200":
+    c.eval.size = 200                     # a 95% interval of about +-0.07 at accuracy 0.5
+    c.eval.every = 30                     # step 0 and the end only: about 9 min per evaluation on 2 CPU cores
+    c.run_dir = "runs/grpo_smollm2_arith_eval200"
   elif arg == "smoke":
     c.model.name = "tiny"
     c.task.size = 64
@@ -93,7 +106,10 @@ def get_config(arg=None):
     c.train.micro_batch = 2
     c.train.exactness_check_every = 0     # tests/test_exactness_check.py turns it on
     c.checkpoint_every = 1
+    c.eval.size = 2
+    c.eval.every = 2                      # step 0 and the end
+    c.eval.pass_k = 4                     # = group_size: the eval's sampling reuses the training sampler's compile
     c.run_dir = "runs/grpo_smoke"
   elif arg not in (None, ""):
-    raise ValueError(f"experiments/grpo_smollm2_arith.py: unknown variant {arg!r}; use '', 'long' or 'smoke'")
+    raise ValueError(f"experiments/grpo_smollm2_arith.py: unknown variant {arg!r}; use '', 'long', 'eval200' or 'smoke'")
   return c

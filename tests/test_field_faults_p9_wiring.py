@@ -203,20 +203,21 @@ def test_resume_from_checkpoint_2_of_3_leaves_each_step_once_in_every_log(monkey
   # A 3-step smoke run killed after logging step 3 but before its checkpoint landed: checkpoint 2
   # is the latest. Resuming re-runs step 3, so each log must end [1, 2, 3] (before: samples.jsonl
   # kept the killed run's step 3 and got [1, 2, 3, 3]); a log we do not write ourselves
-  # (eval.jsonl here) is cut back as well.
+  # (extra.jsonl here) is cut back as well. The held-out evaluation (smoke: eval.every 2) logged
+  # steps 0, 2 and 3 (the end): its step-3 row goes and the re-run step 3 writes it once.
   import shutil
   monkeypatch.setattr(Task, "score", _length_score)
   config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.steps": 3})
   grpo.train(config)
   shutil.rmtree(os.path.join(tmp_path, "checkpoints", "3"))
-  with open(os.path.join(tmp_path, "eval.jsonl"), "w") as f:
+  with open(os.path.join(tmp_path, "extra.jsonl"), "w") as f:
     f.writelines(json.dumps({"step": s}) + "\n" for s in (1, 2, 3))
   history = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.steps": 3, "resume": True}))
   assert [r["step"] for r in history] == [3]
-  for name in ("samples.jsonl", "metrics.jsonl", "eval.jsonl"):
+  want = {"samples.jsonl": [1, 2, 3], "metrics.jsonl": [1, 2, 3], "extra.jsonl": [1, 2], "eval.jsonl": [0, 2, 3]}
+  for name, steps in want.items():
     with open(os.path.join(tmp_path, name)) as f:
-      steps = [json.loads(line)["step"] for line in f]
-    assert steps == ([1, 2] if name == "eval.jsonl" else [1, 2, 3]), name
+      assert [json.loads(line)["step"] for line in f] == steps, name
 
 
 # ---- 2. PPO's GAE gets the sampler's stop reason and V after the last token -----------------------

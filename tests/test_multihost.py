@@ -23,6 +23,8 @@ from conftest import experiment_config, length_score
 from experiments import grpo_smollm2_arith
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The smoke config's 2 held-out problems: as two processes, problem 1 is answered on process 1's
+# first device (hosts.spread_devices), so the evaluation's results cross processes (hosts.gather_items).
 MESH = {"mesh.data": 2, "mesh.branch": 4, "train.micro_batch": 1, "model.attention_impl": "xla"}
 
 
@@ -71,8 +73,9 @@ def same_run(got_dir, want_dir):
   one process's all-reduce, and Adam's division by sqrt(v) amplifies that rounding on near-zero
   elements to a fraction of the learning rate (1e-5), < 1e-5 of the largest parameter; a group
   lost or counted twice moves whole leaves by ~lr (test_train.py, same bound)."""
-  from test_train import final_params, max_rel
+  from test_train import final_params, max_rel, same_eval_rows
   assert lines(os.path.join(got_dir, "samples.jsonl")) == lines(os.path.join(want_dir, "samples.jsonl"))
+  assert same_eval_rows(got_dir, want_dir)
   got, want = lines(os.path.join(got_dir, "metrics.jsonl")), lines(os.path.join(want_dir, "metrics.jsonl"))
   assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
   for g, w in zip(got, want):

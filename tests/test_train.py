@@ -153,6 +153,17 @@ def test_mesh_run_trains_to_the_same_parameters(replay_run, tmp_path, mesh, para
     assert got_r["loss"] == pytest.approx(want_r["loss"], rel=1e-4, abs=1e-7)
     assert got_r["grad_norm"] == pytest.approx(want_r["grad_norm"], rel=1e-5)
   assert min(r["grad_norm"] for r in history) > 0.1   # the smoke run's gradients are not vacuous
+  # The held-out evaluation spreads its problems over the mesh's devices (hosts.spread_devices) with
+  # the keys of one device: the same figures as the one-device run.
+  assert same_eval_rows(tmp_path, run_dir)
+
+
+def same_eval_rows(got_dir, want_dir) -> bool:
+  """Every eval.jsonl row of want_dir (the smoke run's: steps 0 and 2) has an equal row of the same
+  step in got_dir, the timings (wall_s, eval_s) aside."""
+  rows = [{r["step"]: {k: v for k, v in r.items() if k not in ("wall_s", "eval_s")} for r in map(json.loads, open(
+      os.path.join(d, "eval.jsonl")))} for d in (got_dir, want_dir)]
+  return sorted(rows[1]) == [0, 2] and all(rows[0].get(step) == row for step, row in rows[1].items())
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -271,10 +271,11 @@ class DPO(loop.Algorithm):
       counts = layout.counts
     return params, opt_state, {**stats, **counts}
 
-  def log(self, bar, step, batch, stats, *, rollout_s, update_s):
+  def log(self, bar, step, batch, stats, *, rollout_s, update_s, wall_s):
     pairs, info = batch
     counts = {k: stats.pop(k) for k in ("token_positions_naive", "token_positions_computed")}
-    record = _record(step, len(pairs), info, stats, counts, rollout_s=rollout_s, update_s=update_s)
+    record = {**_record(step, len(pairs), info, stats, counts, rollout_s=rollout_s, update_s=update_s),
+              "wall_s": wall_s}
     plots.append_jsonl(os.path.join(self.config.run_dir, "metrics.jsonl"), record)
     if info["sample"] is not None:
       plots.append_jsonl(os.path.join(self.config.run_dir, "samples.jsonl"), {"step": step + 1, **info["sample"]})

@@ -221,8 +221,13 @@ class GRPO(loop.Algorithm):
       p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
     return hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
 
-  def log(self, bar, step, groups, stats, *, rollout_s, update_s):
-    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+  def eval_policy(self, run, params, num_problems):
+    """The policy `collect` samples with; on a mesh the problems spread over every device."""
+    devices = None if self.fns.mesh is None else hosts.spread_devices(self.fns.mesh, num_problems)
+    return self.fns.for_sampling(run.graphdef, params, devices), devices
+
+  def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):
+    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s, wall_s=wall_s)
 
 
 def train(config) -> list[dict]:

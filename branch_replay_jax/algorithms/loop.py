@@ -1,17 +1,26 @@
 """The one training loop of every algorithm (GRPO / RLOO, PPO, DPO) and the bookkeeping it owns.
 
-    start_run ─► setup ─► for step: collect (sample, score) ─► update ─► log ─► checkpoint ─► plots
+    start_run ─► setup ─► [eval] ─► for step: collect (sample, score) ─► update ─► log ─► [eval] ─► checkpoint
+                                                                                              ─► plots
 
 An algorithm plugs in as an `Algorithm` (algorithms/grpo.py, ppo.py, dpo.py): it supplies its
 batch (`collect`), its update (`update`, built on the one jitted optimizer step `make_update`) and
-its metrics record (`log`); the loop owns run setup, resume, timing, checkpoints and plots.
-Everything a run writes goes to RUN_DIR: metrics.jsonl, samples.jsonl, plots, experiment.json and
-checkpoints/ (orbax).
+its metrics record (`log`); the loop owns run setup, resume, timing, the held-out evaluation
+(`Evaluation`, config.eval), checkpoints and plots. Everything a run writes goes to RUN_DIR:
+metrics.jsonl, samples.jsonl, eval.jsonl, TensorBoard event files (events.out.tfevents.*, one
+scalar per metric: train/NAME for metrics.jsonl, eval/NAME for eval.jsonl), plots, experiment.json
+and checkpoints/ (orbax).
+
+Wall-clock: each metrics record's `wall_s` is the run's training seconds so far: from the start of
+the first step to the end of this step's update, evaluations left out, continued across a resume
+(the resumed run starts from the checkpointed step's wall_s in metrics.jsonl). Start-up (model
+load, the step-0 evaluation) is not counted; compiles inside steps are. Each eval.jsonl row
+carries the wall_s of its step, so held-out accuracy plots against training time alike in replay
+and naive mode whatever the evaluation costs.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -33,7 +42,9 @@ from branch_replay_jax.distributed.mesh import (PARAM_MODES, make_mesh, pad_prom
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints, check_run_dir
-from branch_replay_jax.rollout.collect import Group, rollout
+from branch_replay_jax.outputs.tensorboard import ScalarWriter
+from branch_replay_jax.rollout import evaluate as held_out
+from branch_replay_jax.rollout.collect import Group, completion_budget, rollout
 from branch_replay_jax.rollout.tasks import make_task
 
 GRADIENTS = ("replay", "naive")
@@ -83,6 +94,8 @@ def validate_common(config) -> None:
     _number("task.format_bonus", k.format_bonus, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
     if not isinstance(k.strict_answer, bool):
       raise ValueError(f"task.strict_answer={k.strict_answer!r} must be a bool")
+  if "eval" in config:
+    validate_eval(config)
   if "rollout" in config:
     r = config.rollout
     # 0 would be greedy decoding: G identical completions, equal rewards, no advantage.
@@ -95,6 +108,25 @@ def validate_common(config) -> None:
                f" = {budget} completion tokens" if r.get("tree_fanouts") else f"rollout.max_new_tokens={budget}")
       raise ValueError(f"{field} leaves no room for a prompt in model {m.name!r}'s context of {context} tokens; "
                        f"it must be < {context}")
+
+
+def validate_eval(config) -> None:
+  """Raise ValueError (naming the field and value) for a config.eval block that cannot run: sizes
+  that are not ints (eval.size >= 0, 0 disables the evaluation; eval.every >= 1; eval.pass_k >= 0,
+  0 skips the sampled pass@k), a task seed that is not an int >= 0 or equals task.seed (the
+  evaluation would draw the training problems), or no config.task to draw problems from."""
+  e = config.eval
+  for name, value, low in [("eval.size", e.size, 0), ("eval.every", e.every, 1), ("eval.pass_k", e.pass_k, 0),
+                           ("eval.task_seed", e.task_seed, 0)]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ValueError(f"{name}={value!r} must be an int >= {low}")
+  if "task" not in config:
+    raise ValueError("eval: the held-out evaluation draws problems from config.task, which this config has not; "
+                     "remove the eval block")
+  if e.task_seed == config.task.seed:
+    raise ValueError(f"eval.task_seed={e.task_seed!r} equals task.seed: the evaluation would draw the training "
+                     "problems; choose another (rollout/tasks: item i of seed s is item i - 1 of seed s + 1, "
+                     "so seeds at least task.size apart share no items)")
 
 
 def validate(config) -> None:
@@ -340,9 +372,22 @@ class Algorithm:
     """(params, opt_state, stats) after the step's optimizer updates on `batch`."""
     raise NotImplementedError
 
-  def log(self, bar, step: int, batch, stats: dict, *, rollout_s: float, update_s: float) -> dict:
-    """Write the step's record (metrics.jsonl, samples.jsonl) and return it."""
+  def log(self, bar, step: int, batch, stats: dict, *, rollout_s: float, update_s: float, wall_s: float) -> dict:
+    """Write the step's record (metrics.jsonl, samples.jsonl) with `wall_s` (the run's training
+    seconds so far, module docstring) and return it."""
     raise NotImplementedError
+
+  def training_items(self) -> int:
+    """How many data positions the run can draw, 0 .. training_items() - 1 (the held-out
+    evaluation excludes their questions): train.steps x rollout.prompts_per_step. An algorithm
+    that draws more prompts per step than that must say so here."""
+    return self.config.train.steps * self.config.rollout.prompts_per_step
+
+  def eval_policy(self, run: "Run", params, num_problems: int) -> tuple[Any, list | None]:
+    """(policy, devices) the held-out evaluation samples with: the model of `params` and None (every
+    problem on this process's default device), or {device: model} and [num_problems] the device of
+    each problem (rollout.evaluate.evaluate)."""
+    return nnx.merge(run.graphdef, params), None
 
   def write_plots(self) -> None:
     plots.write_plots(self.config.run_dir)
@@ -366,34 +411,142 @@ def check_processes(config, algorithm: Algorithm) -> None:
 
 def train(config, algorithm: Algorithm) -> list[dict]:
   """Run `algorithm` for config.train.steps steps (resuming when config.resume); returns this run's records.
-  With several processes (distributed/hosts.py) every process calls it; process 0 writes the logs."""
+  With several processes (distributed/hosts.py) every process calls it; process 0 writes the logs.
+  With config.eval.size > 0 it evaluates on held-out problems (`Evaluation`) at step 0, every
+  eval.every steps and at the end."""
   check_processes(config, algorithm)
+  evaluation = Evaluation(config, algorithm) if config.get("eval") and config.eval.size else None
   run = start_run(config, algorithm.fingerprint(), optimizer_fn=lambda _: algorithm.make_optimizer(),
                   wrap=algorithm.wrap, keep_initial=algorithm.keep_initial)
   params, opt_state = algorithm.setup(run)
   data_pos, history = run.data_pos, []
+  writer = ScalarWriter(config.run_dir, start=run.start) if hosts.is_primary() else None
+  clock = Stopwatch(resumed_wall_s(config.run_dir, run.start))
   bar = run.progress(config, algorithm.name)
   try:
+    if evaluation is not None and run.start == 0:
+      # A resumed run evaluated its checkpointed step before saving it (below).
+      with clock.paused():
+        evaluation.run(algorithm, run, params, 0, clock.seconds(), writer)
     for step in bar:
       t0 = time.perf_counter()
       batch, data_pos = algorithm.collect(run, params, step, data_pos)
       t1 = time.perf_counter()
       params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
       t2 = time.perf_counter()
-      history.append(algorithm.log(bar, step, batch, stats, rollout_s=t1 - t0, update_s=t2 - t1))
+      record = algorithm.log(bar, step, batch, stats, rollout_s=t1 - t0, update_s=t2 - t1, wall_s=clock.seconds())
+      history.append(record)
+      if writer is not None:
+        writer.write("train", record)
+      if evaluation is not None and evaluation.due(step + 1):
+        with clock.paused():
+          evaluation.run(algorithm, run, params, step + 1, clock.seconds(), writer)
       save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
   finally:
     run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
+    if writer is not None:
+      writer.close()
   if hosts.is_primary():
     algorithm.write_plots()
   return history
 
 
-def make_task_from(config):
-  """The reasoning-gym task named in config.task (tasks.make_task)."""
+class Stopwatch:
+  """The run's training wall-clock (module docstring): seconds since construction plus `offset`,
+  less the spans inside `paused()` (evaluations)."""
+
+  def __init__(self, offset: float = 0.0):
+    self.start, self.offset, self.left_out = time.perf_counter(), offset, 0.0
+
+  def seconds(self) -> float:
+    return self.offset + time.perf_counter() - self.start - self.left_out
+
+  @contextlib.contextmanager
+  def paused(self):
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.left_out += time.perf_counter() - t
+
+
+def resumed_wall_s(run_dir: str, start: int) -> float:
+  """wall_s of metrics.jsonl's record of step `start` (0.0 for a fresh run, or a record without
+  one), read by process 0 and shared with every process (a collective)."""
+  value = 0.0
+  if hosts.is_primary() and start:
+    value = next((r.get("wall_s", 0.0) for r in plots.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+                  if r["step"] == start), 0.0)
+  return float(hosts.allgather_objects(value)[0])
+
+
+# fold_in tag of the evaluation's keys ("eval" in ASCII): training keys fold in the step first, and
+# no run reaches step 1.7e9, so the two streams never share a key.
+EVAL_STREAM = 0x6576616C
+
+
+class Evaluation:
+  """A run's held-out evaluation (config.eval; rollout/evaluate.py): eval.size problems of the task
+  at seed eval.task_seed, none of whose questions a training item asks (`heldout_problems` against
+  the algorithm's `training_items()`), chosen once when the run starts. `run` answers every one
+  greedily and with eval.pass_k samples (the run's temperature, top-p and completion budget) and
+  appends a row to RUN_DIR/eval.jsonl:
+
+    {"step", "wall_s", "eval_s", "problems", "dropped_overlaps", "accuracy", "accuracy_lo",
+     "accuracy_hi", "reward_mean", "format_rate", "completion_len_mean"
+     [, "pass_k", "pass_at_k", "sampled_accuracy"]}   (rollout.evaluate.summarize)
+
+  Every evaluation uses the same keys (common random numbers: the pass@k of two steps differ by
+  the policy, not by fresh sampling noise), and none of the training's, so a run with evaluation
+  trains exactly as one without. On a mesh the problems spread over every device
+  (`hosts.spread_devices`) and the results are gathered, so every process logs the same row.
+
+  Raises (constructor):
+    ValueError: fewer than eval.size held-out problems among the first 10 x eval.size +
+      training_items() of the evaluation seed.
+  """
+
+  def __init__(self, config, algorithm: Algorithm):
+    e = config.eval
+    self.config, self.every, self.pass_k = config, e.every, e.pass_k
+    items = algorithm.training_items()
+    self.task = make_task_from(config, seed=e.task_seed, size=10 * e.size + items)
+    self.problems, self.dropped = held_out.heldout_problems(algorithm.task, self.task, size=e.size,
+                                                            training_items=items)
+
+  def due(self, step: int) -> bool:
+    """True at step 0, every eval.every steps and at train.steps (steps counted as in metrics.jsonl)."""
+    return step == 0 or step % self.every == 0 or step == self.config.train.steps
+
+  def run(self, algorithm: Algorithm, run: "Run", params, step: int, wall_s: float, writer=None) -> dict:
+    """Evaluate `params` (after `step` updates); process 0 appends the row to eval.jsonl and
+    `writer` (TensorBoard, eval/NAME). Returns the row (the same on every process)."""
+    t0 = time.perf_counter()
+    r = self.config.rollout
+    policy, devices = algorithm.eval_policy(run, params, len(self.problems))
+    results = held_out.evaluate(policy, run.tokenizer, self.task, self.problems,
+                                jax.random.fold_in(run.key, EVAL_STREAM), max_new_tokens=completion_budget(self.config),
+                                temperature=r.temperature, top_p=r.top_p, pass_k=self.pass_k, devices=devices)
+    summary = held_out.summarize([results[j] for j in range(len(self.problems))], pass_k=self.pass_k)
+    row = {"step": step, "wall_s": wall_s, "eval_s": time.perf_counter() - t0, **summary,
+           "dropped_overlaps": self.dropped}
+    if hosts.is_primary():
+      plots.append_jsonl(os.path.join(self.config.run_dir, "eval.jsonl"), row)
+      if writer is not None:
+        writer.write("eval", row)
+      passed = f", pass@{self.pass_k} {row['pass_at_k']:.3f}" if self.pass_k else ""
+      tqdm.write(f"eval step {step}: accuracy {row['accuracy']:.3f} [{row['accuracy_lo']:.3f}, "
+                 f"{row['accuracy_hi']:.3f}]{passed} ({row['problems']} problems, {row['eval_s']:.1f} s)")
+    return row
+
+
+def make_task_from(config, *, seed: int | None = None, size: int | None = None):
+  """The reasoning-gym task named in config.task (tasks.make_task); `seed` and `size` replace
+  task.seed and task.size when given (the held-out evaluation's task)."""
   t = config.task
+  seed, size = t.seed if seed is None else seed, t.size if size is None else size
   try:
-    return make_task(t.name, seed=t.seed, size=t.size, format_bonus=t.format_bonus, strict_answer=t.strict_answer,
+    return make_task(t.name, seed=seed, size=size, format_bonus=t.format_bonus, strict_answer=t.strict_answer,
                      **t.options.to_dict())
   except ValueError as e:
     raise ValueError(f"task (task.name={t.name!r}, task.options={t.options.to_dict()}): {e}") from e
@@ -473,26 +626,17 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
   keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
   if devices is None:
     return [rollout(config, policy, tokenizer, task, data_pos + i, keys[i]) for i in range(n)], data_pos + n
-  mine: dict[Any, list[int]] = {}
-  for i, device in enumerate(devices):
-    if device.process_index == jax.process_index():
-      mine.setdefault(device, []).append(i)
-
-  def on_device(device):
-    with jax.default_device(device):
-      return [(i, rollout(config, policy[device], tokenizer, task, data_pos + i, jax.device_put(keys[i], device)))
-              for i in mine[device]]
-  with concurrent.futures.ThreadPoolExecutor(max(len(mine), 1)) as pool:
-    local = dict(pair for part in pool.map(on_device, mine) for pair in part)
-  summaries = {}
-  for part in hosts.allgather_objects({i: dataclasses.replace(g, batch=None) for i, g in local.items()}):
-    summaries.update(part)
+  local = hosts.run_on_devices(lambda i, device: rollout(config, policy[device], tokenizer, task, data_pos + i,
+                                                         jax.device_put(keys[i], device)), devices)
+  summaries = hosts.gather_items({i: dataclasses.replace(g, batch=None) for i, g in local.items()})
   return [local.get(i, summaries[i]) for i in range(n)], data_pos + n
 
 
-def log_step(config, bar, step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float) -> dict:
-  """Append the step's record to metrics.jsonl, a sample to samples.jsonl, draw a tree; returns the record."""
-  record = step_record(step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+def log_step(config, bar, step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float,
+             wall_s: float) -> dict:
+  """Append the step's record (`step_record` and wall_s) to metrics.jsonl, a sample to
+  samples.jsonl, draw a tree; returns the record."""
+  record = {**step_record(step, groups, stats, rollout_s=rollout_s, update_s=update_s), "wall_s": wall_s}
   bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.1f}")
   if not hosts.is_primary():   # every process computes the record; process 0 writes it
     return record

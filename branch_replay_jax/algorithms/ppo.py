@@ -303,10 +303,15 @@ class PPO(loop.Algorithm):
     return (loop.place(run.params, self.fns.mesh, self.fns.param_mode),
             loop.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
 
+  def policy(self, run, params):
+    """The policy the step trains: the actor-critic's policy at model.param_dtype's rounding, on one device."""
+    return nnx.merge(run.graphdef, loop.on_first_device(self.fns.cast(params), self.fns.mesh)).policy
+
   def collect(self, run, params, step, data_pos):
-    # the policy the step trains (model.param_dtype's rounding), on one device
-    policy = nnx.merge(run.graphdef, loop.on_first_device(self.fns.cast(params), self.fns.mesh)).policy
-    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
+    return loop.sample_groups(self.config, self.policy(run, params), run.tokenizer, self.task, run.key, step, data_pos)
+
+  def eval_policy(self, run, params, num_problems):
+    return self.policy(run, params), None
 
   def update(self, params, opt_state, groups, step):
     with loop.mesh_context(self.fns.mesh):
@@ -315,8 +320,8 @@ class PPO(loop.Algorithm):
                                                  step)
     return params, opt_state, {**stats, **value_stats}
 
-  def log(self, bar, step, groups, stats, *, rollout_s, update_s):
-    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s)
+  def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):
+    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s, wall_s=wall_s)
 
 
 def train(config) -> list[dict]:

@@ -19,14 +19,20 @@ Who does what (algorithms/grpo.py, algorithms/loop.py):
     (`distributed.mesh.shard_batch`, `jax.make_array_from_process_local_data`);
   - logs: every process learns every group's rewards, lengths and timings (`allgather_objects`),
     so the step's metrics are the same everywhere; only process 0 writes files (`is_primary`);
+  - held-out evaluation (rollout/evaluate.py): the problems spread over every device, taking each
+    process in turn (`spread_devices`); each process answers its devices' problems in threads
+    (`run_on_devices`, as the sampling above) and the results are gathered (`gather_items`);
   - checkpoints: orbax's multi-process save (every process writes its shards, process 0 the
     metadata) into one directory all processes see.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import os
 import pickle
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -115,6 +121,48 @@ def sampling_devices(mesh, num_groups: int) -> list:
     raise ValueError(f"{num_groups} groups do not split over mesh.data={rows.shape[0]}")
   per_row = num_groups // rows.shape[0]
   return [rows[i // per_row][(i % per_row) % rows.shape[1]] for i in range(num_groups)]
+
+
+def spread_devices(mesh, num_items: int) -> list:
+  """[num_items] the device of each item when independent items (held-out evaluation problems)
+  spread over every device of `mesh`: item j on device j mod (mesh size) of an order that takes
+  one device of each process in turn (process 0's first, process 1's first, ..., process 0's
+  second, ...; one process: the mesh's device order), so the processes share even a few items.
+
+    2 processes x 4 devices (ids 0-3 and 4-7), 3 items -> devices 0, 4, 1.
+  """
+  by_process: dict[int, list] = {}
+  for device in mesh.devices.flat:
+    by_process.setdefault(device.process_index, []).append(device)
+  order = [d for turn in itertools.zip_longest(*by_process.values()) for d in turn if d is not None]
+  return [order[j % len(order)] for j in range(num_items)]
+
+
+def run_on_devices(fn: Callable[[int, Any], Any], devices) -> dict:
+  """{i: fn(i, devices[i])} for the items i whose device belongs to this process: each of those
+  devices runs its items one after another, in its own host thread under
+  `jax.default_device(device)`, all devices at once. `fn` places whatever it needs on the device it
+  is given (a key: `jax.device_put(key, device)`). Not a collective: gather the results with
+  `gather_items`."""
+  mine: dict[Any, list[int]] = {}
+  for i, device in enumerate(devices):
+    if device.process_index == jax.process_index():
+      mine.setdefault(device, []).append(i)
+
+  def on_device(device):
+    with jax.default_device(device):
+      return [(i, fn(i, device)) for i in mine[device]]
+  with concurrent.futures.ThreadPoolExecutor(max(len(mine), 1)) as pool:
+    return dict(pair for part in pool.map(on_device, mine) for pair in part)
+
+
+def gather_items(local: dict) -> dict:
+  """The union of every process's {item: value} dict, on every process (`allgather_objects`; the
+  values must pickle). A collective: every process calls it. One process: `local` itself."""
+  merged: dict = {}
+  for part in allgather_objects(local):
+    merged.update(part)
+  return merged
 
 
 def check_rows_local(mesh) -> None:

@@ -1,4 +1,4 @@
-"""Run logs (JSON lines), the end-of-run plots (reward.png, throughput.png) and rollout-tree drawings."""
+"""Run logs (JSON lines), the end-of-run plots (reward.png, eval.png, throughput.png) and rollout-tree drawings."""
 
 from __future__ import annotations
 
@@ -30,15 +30,22 @@ def truncate_jsonl(path: str, *, keep_below_step: int) -> None:
 
 def cut_logs_back(run_dir: str, step: int) -> list[str]:
   """Cut everything a run appends to back to `step` (the restored checkpoint's; 0 for a fresh run):
-  every RUN_DIR/*.jsonl keeps its records with step <= `step` (metrics.jsonl, samples.jsonl and
-  any other per-step log), and trees/step_N.png with N > `step` are removed. A resumed run then
-  re-logs each later step once. Returns the paths it changed or removed."""
+  every RUN_DIR/*.jsonl keeps its records with step <= `step` (metrics.jsonl, samples.jsonl,
+  eval.jsonl and any other per-step log), and trees/step_N.png with N > `step` are removed. A
+  resumed run then re-logs each later step once (the evaluation of step `step` itself ran before
+  its checkpoint was saved, so its row stays). Step 0, a fresh run, empties every log, the old
+  run's step-0 evaluation included, and removes the TensorBoard event files (events.out.tfevents.*);
+  a resumed run hides its later events instead (outputs/tensorboard.py, purge_step). Returns the
+  paths it changed or removed."""
   changed = []
   if not os.path.isdir(run_dir):
     return changed
   for name in sorted(os.listdir(run_dir)):
     if name.endswith(".jsonl"):
-      truncate_jsonl(os.path.join(run_dir, name), keep_below_step=step)
+      truncate_jsonl(os.path.join(run_dir, name), keep_below_step=step if step > 0 else -1)
+      changed.append(os.path.join(run_dir, name))
+    elif step == 0 and name.startswith("events.out.tfevents."):
+      os.remove(os.path.join(run_dir, name))
       changed.append(os.path.join(run_dir, name))
   trees = os.path.join(run_dir, "trees")
   for name in sorted(os.listdir(trees)) if os.path.isdir(trees) else []:
@@ -49,9 +56,32 @@ def cut_logs_back(run_dir: str, step: int) -> list[str]:
   return changed
 
 
+# Steps in the reward plot's trailing moving average.
+REWARD_WINDOW = 5
+
+
+def moving_average(values: Sequence[float], window: int) -> np.ndarray:
+  """[n] float64 trailing means: entry i is the mean of values[max(0, i - window + 1) .. i] (the
+  first window - 1 entries average the values so far). [1, 2, 3, 4], window 2 -> [1, 1.5, 2.5, 3.5].
+
+  Raises:
+    ValueError: window < 1.
+  """
+  if window < 1:
+    raise ValueError(f"moving_average: window must be >= 1, got {window}")
+  x = np.asarray(values, np.float64)
+  sums = np.cumsum(np.concatenate([[0.0], x]))
+  i = np.arange(1, x.size + 1)
+  lo = np.maximum(i - window, 0)
+  return (sums[i] - sums[lo]) / (i - lo)
+
+
 def write_plots(run_dir: str) -> None:
-  """RUN_DIR/reward.png (reward and accuracy per step) and RUN_DIR/throughput.png (token positions
-  per second of update time: naive-equivalent and actually computed)."""
+  """RUN_DIR/reward.png (reward per step with its trailing moving average over REWARD_WINDOW steps,
+  and accuracy), RUN_DIR/eval.png (held-out greedy accuracy with its 95% Wilson band, and pass@k,
+  against step and against training wall-clock seconds; only when eval.jsonl has rows) and
+  RUN_DIR/throughput.png (token positions per second of update time: naive-equivalent and
+  actually computed)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -60,16 +90,42 @@ def write_plots(run_dir: str) -> None:
   if not records:
     return
   steps = [r["step"] for r in records]
+  rewards = [r["reward_mean"] for r in records]
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  ax.plot(steps, [r["reward_mean"] for r in records], marker="o", label="reward (mean)")
-  ax.plot(steps, [r["accuracy"] for r in records], marker="s", label="accuracy")
+  ax.plot(steps, rewards, marker="o", alpha=0.45, label="reward (mean)")
+  ax.plot(steps, moving_average(rewards, REWARD_WINDOW), lw=2.2, label=f"reward, moving average ({REWARD_WINDOW} steps)")
+  ax.plot(steps, [r["accuracy"] for r in records], marker="s", alpha=0.45, label="accuracy")
   ax.set_xlabel("step")
   ax.set_title("GRPO reward per step")
-  ax.legend()
+  ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(run_dir, "reward.png"), dpi=100)
   plt.close(fig)
+  _eval_plot(run_dir, read_jsonl(os.path.join(run_dir, "eval.jsonl")))
   _throughput_plot(run_dir, records)
+
+
+def _eval_plot(run_dir: str, rows: list[dict]) -> None:
+  """eval.png: two panels, x = step and x = wall_s (training seconds)."""
+  if not rows:
+    return
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+  for ax, x, label in ((axes[0], "step", "step"), (axes[1], "wall_s", "training wall-clock (s)")):
+    xs = [r[x] for r in rows]
+    ax.fill_between(xs, [r["accuracy_lo"] for r in rows], [r["accuracy_hi"] for r in rows], alpha=0.25,
+                    label="95% Wilson interval")
+    ax.plot(xs, [r["accuracy"] for r in rows], marker="o", label="greedy accuracy")
+    if "pass_at_k" in rows[-1]:
+      ax.plot(xs, [r.get("pass_at_k", np.nan) for r in rows], marker="^", ls="--", label=f"pass@{rows[-1]['pass_k']}")
+    ax.set_xlabel(label)
+    ax.set_ylim(-0.02, 1.02)
+  axes[0].set_ylabel("held-out accuracy")
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"Held-out evaluation ({rows[-1]['problems']} problems)")
+  fig.tight_layout()
+  fig.savefig(os.path.join(run_dir, "eval.png"), dpi=100)
+  plt.close(fig)
 
 
 def write_preference_plots(run_dir: str) -> None:

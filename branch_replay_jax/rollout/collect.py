@@ -57,7 +57,7 @@ class Group:
 def completion_budget(config) -> int:
   """Most tokens one trajectory can generate (tokens)."""
   r = config.rollout
-  return r.segment_length * len(r.tree_fanouts) if r.tree_fanouts else r.max_new_tokens
+  return r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
 
 
 def trajectory_advantages(loss_config, rewards: np.ndarray) -> np.ndarray | None:
