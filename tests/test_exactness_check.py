@@ -74,3 +74,20 @@ def test_a_replay_that_drops_a_branch_fails_loudly(tmp_path, monkeypatch):
 def test_bad_cadence_is_refused(tmp_path, value):
   with pytest.raises(ValueError, match=f"train.exactness_check_every={value!r} must be an int >= 0"):
     train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": value}))
+
+
+def test_a_due_check_waits_for_a_group_with_unequal_rewards(tmp_path, monkeypatch):
+  # All rewards 0 at step 1 (the gradient is then the KL term's alone, ~0: a relative error there
+  # is rounding noise, 0.57 on a real smoke step): the check due at step 1 runs at step 2 instead,
+  # the first step whose groups have unequal rewards.
+  calls = {"n": 0}
+
+  def zero_then_varied(self, completion_text, problem):
+    calls["n"] += 1
+    return length_score(self, completion_text, problem) if calls["n"] > 8 else length_score(self, "", problem)
+  monkeypatch.setattr(Task, "score", zero_then_varied)
+  train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": 1,
+                                                                           "eval.size": 0}))   # (eval scores too)
+  first, second = records(tmp_path)
+  assert first["zero_variance_groups"] == 2 and not any(name in first for name in FIELDS)
+  assert second["zero_variance_groups"] < 2 and second["exactness_ok"] is True

@@ -215,11 +215,14 @@ class GRPO(loop.Algorithm):
     is taken at: on one device as they are; on a mesh on a full copy on process 0's first device,
     its figures shared with every process."""
     if self.fns.mesh is None:
-      return self.fns.check(params, self.ref_params, groups)
-    device = jax.local_devices()[0]
-    with jax.set_mesh(self.fns.mesh):
-      p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
-    return hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
+      out = self.fns.check(params, self.ref_params, groups)
+    else:
+      device = jax.local_devices()[0]
+      with jax.set_mesh(self.fns.mesh):
+        p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
+      out = hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
+    self.fns.check.pending = out is None   # no group with unequal rewards: check at the next step
+    return out or {}
 
   def eval_policy(self, run, params, num_problems):
     """The policy `collect` samples with; on a mesh the problems spread over every device."""
