@@ -190,6 +190,7 @@ def test_adapters_off_is_the_base_model_and_merging_keeps_the_function():
   np.testing.assert_allclose(replay_logprobs(merged_graph, merged, batch, micro_batch=7), adapted, atol=1e-5)
 
 
+@pytest.mark.slow   # reads SmolLM2's GGUF (tokenizer or header)
 def test_export_writes_the_adapted_policy_merged(tmp_path):
   # export_model merges the adapters (W + s A B): the directory read back by our HF loader, a
   # model without adapters, gives the adapted model's logits up to float32 rounding of the merge.
@@ -209,6 +210,7 @@ def test_export_writes_the_adapted_policy_merged(tmp_path):
   assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.slow   # reads SmolLM2's GGUF (tokenizer or header)
 def test_grpo_setup_keeps_no_second_copy_and_optimises_adapters_only(tmp_path):
   # With LoRA the loop trains, optimises and would checkpoint the adapters alone; the reference is
   # the adapters set to zero (adapter-sized), not a copy of the model.
@@ -264,6 +266,7 @@ def test_bad_lora_settings_are_refused_by_name_before_the_model_loads(monkeypatc
     grpo.GRPO(_lora_config(tmp_path, **overrides))
 
 
+@pytest.mark.slow   # reads SmolLM2's GGUF (tokenizer or header)
 def test_rank_is_checked_against_the_real_model_before_it_loads_and_ppo_is_refused(monkeypatch, tmp_path):
   # SmolLM2-135M's shapes come from its GGUF header (no tensor read): k/v fan-out 3 x 64 = 192.
   _no_model_load(monkeypatch)
@@ -280,6 +283,7 @@ def test_rank_is_checked_against_the_real_model_before_it_loads_and_ppo_is_refus
     ppo.validate(config)
 
 
+@pytest.mark.slow   # reads SmolLM2's GGUF (tokenizer or header)
 def test_resume_refuses_adapters_of_another_base_model(monkeypatch, tmp_path):
   # A checkpoint records the base's hash; resuming the same run dir onto different base weights
   # (same name and shapes, so the fingerprint and the restore would not notice) is refused, the

@@ -207,4 +207,4 @@ def check_base(saved: dict | None, current: dict, where: str) -> None:
   if saved.get("sha256") != current["sha256"]:
     raise ValueError(f"{where}: the adapters were trained on base model.name={saved.get('model')!r} (weights sha256 "
                      f"{saved.get('sha256')}), but model.name={current['model']!r} loads weights with sha256 "
-                     f"{current['sha256']}; resume onto the same base model")
+                     f"{current['sha256']}; use the base model the adapters were trained on")
