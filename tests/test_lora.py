@@ -312,3 +312,32 @@ def test_resume_refuses_adapters_of_another_base_model(monkeypatch, tmp_path):
   monkeypatch.setattr(loop, "build_model", other_base)
   with pytest.raises(ValueError, match=r"adapters were trained on base model.name='tiny' \(weights sha256 [0-9a-f]{64}"):
     loop.start_run(config, fingerprint)
+
+
+@pytest.mark.slow   # two training steps of the tiny model (about a minute on 2 cores)
+def test_lora_smoke_run_trains_adapters_only_and_passes_the_exactness_check(tmp_path, monkeypatch):
+  # Two steps of :lora_smoke with rewards that vary (conftest.length_score), the run-time
+  # exactness check at step 2: replay against naive with the adapters differentiated, within the
+  # float32 bound (1e-4) and not identically 0. The checkpoint holds the adapters alone, B moved
+  # off its zero init, and the base model is the one build_model loads (its hash in the meta).
+  import json
+  import os
+  from conftest import length_score
+  from branch_replay_jax.outputs.checkpoints import pure_params
+  from branch_replay_jax.rollout.tasks import Task
+  monkeypatch.setattr(Task, "score", length_score)
+  config = experiment_config(grpo_smollm2_arith, "lora_smoke", tmp_path, **{"train.exactness_check_every": 2})
+  grpo.train(config)
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    second = [json.loads(line) for line in f][1]
+  errors = [second[k] for k in ("exactness_grad_rel_err", "exactness_loss_rel_err", "exactness_kl_rel_err")]
+  assert all(0 <= e <= 1e-4 for e in errors) and second["exactness_grad_rel_err"] > 0, second
+  ckpt = RunCheckpoints(config.run_dir)
+  state, meta = ckpt.restore(2)
+  ckpt.close()
+  layers = pure_params(state["params"])
+  assert set(layers) == {"layers"} and set(layers["layers"]) == {t + s for t in lora.TARGETS
+                                                                 for s in ("_lora_a", "_lora_b")}
+  assert all(np.abs(layers["layers"][t + "_lora_b"]).max() > 0 for t in lora.TARGETS)
+  model = loop.build_model(config)[0]
+  assert meta["lora_base"]["sha256"] == lora.base_hash(lora.split(model)[2])
