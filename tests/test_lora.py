@@ -314,7 +314,7 @@ def test_resume_refuses_adapters_of_another_base_model(monkeypatch, tmp_path):
     loop.start_run(config, fingerprint)
 
 
-@pytest.mark.slow   # two training steps of the tiny model (about a minute on 2 cores)
+@pytest.mark.heavy   # two training steps (45 s); CI runs :lora_smoke through test_config_fields already
 def test_lora_smoke_run_trains_adapters_only_and_passes_the_exactness_check(tmp_path, monkeypatch):
   # Two steps of :lora_smoke with rewards that vary (conftest.length_score), the run-time
   # exactness check at step 2: replay against naive with the adapters differentiated, within the
