@@ -8,6 +8,9 @@ restores the checkpoint of `--step` (default: the latest) and writes the policy 
 trunk, without the critic) in the layout transformers, vLLM and our own `models.load` read
 (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`). The tensors are the inverse of
 `models.loading.assemble_params`: projections transposed back to [out, in] and heads flattened.
+A LoRA run (config.lora) is written with its adapters merged into the base weights
+(`models.lora.merged`: W + alpha / r A B), after checking that the checkpoint's base record
+matches the base model loaded now.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from flax import nnx
 from ml_collections import config_flags
 from safetensors.numpy import save_file
 
-from branch_replay_jax.models import Llama
+from branch_replay_jax.models import Llama, lora
 from branch_replay_jax.models.config import ModelConfig
 from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_NAMES, LAYER_PREFIX
 from branch_replay_jax.models.loading import LAYER_PARAMS
@@ -78,7 +81,8 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32") -> str:
   """Write `model` (and `tokenizer`, when given) as a Hugging Face directory; returns out_dir.
 
-  dtype: "float32" (exact) or "bfloat16" (rounded, half the bytes).
+  dtype: "float32" (exact) or "bfloat16" (rounded, half the bytes). A model with LoRA adapters is
+  written merged (`models.lora.merged`).
 
   Raises:
     ValueError: dtype not in DTYPES, or out_dir exists and is not empty (nothing is overwritten).
@@ -88,6 +92,7 @@ def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ValueError(f"export: {out_dir} exists and is not empty; give a new directory")
   os.makedirs(out_dir, exist_ok=True)
+  model = lora.merged(model)
   tensors = hf_tensors(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   if dtype == "bfloat16":
     import ml_dtypes
@@ -104,7 +109,8 @@ def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "f
   """Export the policy of `config.run_dir`'s checkpoint `step` (default: the latest); returns out_dir.
 
   Raises:
-    ValueError: the run directory has no checkpoint, or no checkpoint `step` (naming the ones it has).
+    ValueError: the run directory has no checkpoint, or no checkpoint `step` (naming the ones it has);
+      a LoRA run's checkpoint was trained on another base model (models.lora.check_base).
   """
   from branch_replay_jax.algorithms.loop import build_model
   from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
@@ -114,13 +120,16 @@ def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "f
     if not steps or (step is not None and step not in steps):
       raise ValueError(f"export: {config.run_dir} has no checkpoint {step if step is not None else ''} "
                        f"(checkpoints: {steps})")
-    state, _ = ckpt.restore(steps[-1] if step is None else step)
+    state, meta = ckpt.restore(steps[-1] if step is None else step)
   finally:
     ckpt.close()
   params = pure_params(state["params"])
   if config.get("algorithm", "grpo") == "ppo":
     params = params["policy"]   # the actor-critic's policy trunk; the critic does not leave
   model, tokenizer = build_model(config)
+  if model.lora is not None:   # the checkpoint holds the adapters only: check the base they belong to
+    lora.check_base(meta.get("lora_base"), {"model": config.model.name, "sha256": lora.base_hash(lora.split(model)[2])},
+                    f"run_dir={config.run_dir!r}")
   graphdef, state = nnx.split(model)
   nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(np.asarray, params))
   return export_model(nnx.merge(graphdef, state), tokenizer, out_dir, dtype=dtype)

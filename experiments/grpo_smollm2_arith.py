@@ -4,6 +4,8 @@
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:long       # longer run
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:smoke      # tiny model, 2 steps
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:eval200    # default, 200 held-out problems
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:lora       # LoRA adapters, base frozen
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:lora_smoke # LoRA, tiny model, 2 steps
 """
 
 import ml_collections
@@ -88,6 +90,16 @@ def get_config(arg=None):
   c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)
   c.resume = False                        # continue from the latest checkpoint in run_dir
 
+  if arg in ("lora", "lora_smoke"):
+    # LoRA (models/lora.py): only the adapters train; the KL reference is the base model (adapters off).
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 16                      # r: adapter rank, at most every target's fan-in and fan-out
+    c.lora.alpha = 32.0                   # the adapters' output is scaled by alpha / r
+    c.lora.dropout = 0.0                  # only 0 (replay needs one deterministic function of the adapters)
+    c.lora.targets = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # adapted projections (models.lora.TARGETS)
+    c.train.learning_rate = 5e-5          # adapters start at B = 0 and take a larger step than full weights
+    c.run_dir = "runs/grpo_smollm2_arith_lora"
+
   if arg == "long":
     c.train.steps = 40
     c.run_dir = "runs/grpo_smollm2_arith_long"
@@ -95,7 +107,7 @@ def get_config(arg=None):
     c.eval.size = 200                     # a 95% interval of about +-0.07 at accuracy 0.5
     c.eval.every = 30                     # step 0 and the end only: about 9 min per evaluation on 2 CPU cores
     c.run_dir = "runs/grpo_smollm2_arith_eval200"
-  elif arg == "smoke":
+  elif arg in ("smoke", "lora_smoke"):
     c.model.name = "tiny"
     c.task.size = 64
     c.rollout.prompts_per_step = 2
@@ -110,6 +122,11 @@ def get_config(arg=None):
     c.eval.every = 2                      # step 0 and the end
     c.eval.pass_k = 4                     # = group_size: the eval's sampling reuses the training sampler's compile
     c.run_dir = "runs/grpo_smoke"
-  elif arg not in (None, ""):
-    raise ValueError(f"experiments/grpo_smollm2_arith.py: unknown variant {arg!r}; use '', 'long', 'eval200' or 'smoke'")
+    if arg == "lora_smoke":
+      c.lora.rank = 4                     # the tiny model's k/v projections have fan-out 16
+      c.train.learning_rate = 1e-3
+      c.run_dir = "runs/grpo_lora_smoke"
+  elif arg not in (None, "", "lora"):
+    raise ValueError(f"experiments/grpo_smollm2_arith.py: unknown variant {arg!r}; use '', 'long', 'eval200', "
+                     "'smoke', 'lora' or 'lora_smoke'")
   return c

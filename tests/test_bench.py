@@ -145,3 +145,27 @@ def test_sharded_memory_fsdp_state_is_an_eighth_plus_one_layer():
   assert 0 <= rep["state_bytes"] - 3 * rep["parameter_bytes_total"] <= 16
   assert abs(8 * fsdp["state_bytes"] - rep["state_bytes"]) <= 8 * 16
   assert fsdp["argument_bytes"] < rep["argument_bytes"] / 4
+
+
+def test_lora_memory_accounts_adapters_base_and_reference():
+  # Compile only, tiny model, one device. Full fine-tuning holds the parameters, their reference
+  # copy and AdamW's mu, nu (+ an int32 step count); LoRA holds the base (frozen: no optimizer
+  # state, no copy), the adapters, their zero reference and their mu, nu. Adapter bytes: float32
+  # r (fan-in + fan-out) per projection and layer; a bfloat16 base is half the float32 one.
+  import ml_collections
+  import numpy as np
+  from branch_replay_jax.benchmarks import lora_memory
+  from branch_replay_jax.models import lora
+  from branch_replay_jax.models.config import tiny_config
+  c = ml_collections.ConfigDict(dict(rank=4, alpha=8.0, targets=lora.TARGETS, dtype="float32", remat="save_kv",
+                                     G=2, P=16, T=4, micro_batch=1, logprob_chunk=4))
+  full, low = lora_memory.case(c, "tiny", "full"), lora_memory.case(c, "tiny", "lora", "bfloat16")
+  cfg = tiny_config()
+  adapters = 4 * cfg.num_layers * sum(4 * (np.prod(i) + np.prod(o)) for i, o in lora.projection_shapes(cfg).values())
+  assert full["reference_bytes"] == full["trained_bytes"] and full["frozen_bytes"] == 0
+  assert 0 <= full["opt_state_bytes"] - 2 * full["trained_bytes"] <= 16
+  assert low["trained_bytes"] == low["reference_bytes"] == low["grad_bytes"] == adapters
+  assert low["frozen_bytes"] == full["trained_bytes"] // 2
+  assert 0 <= low["opt_state_bytes"] - 2 * adapters <= 16
+  assert low["state_bytes"] == low["frozen_bytes"] + 4 * adapters + (low["opt_state_bytes"] - 2 * adapters)
+  assert low["argument_bytes"] < full["argument_bytes"] / 2   # the compiled step's inputs: the state above + batch

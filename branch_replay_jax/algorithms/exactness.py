@@ -37,6 +37,7 @@ from branch_replay_jax.data.batches import TreeBatch, num_branches, with_logprob
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
                                                   replay_value_and_grad, tree_replay_logprobs,
                                                   tree_replay_value_and_grad)
+from branch_replay_jax.models.lora import WithBase
 
 # Relative error allowed between replay and naive, by the step's lowest precision: the exactness
 # tests' bounds for float64 and float32 (docs/design.md, "Testing"); bfloat16 rounds each value to
@@ -62,36 +63,40 @@ def _rel(a, b) -> float:
 
 class ExactnessCheck:
   """Replay against naive on one group (module docstring). `objectives` maps "group" and "tree" to
-  the step's objective for each layout; `cast` / `upcast` are loop.param_casts's."""
+  the step's objective for each layout; `cast` / `upcast` are loop.param_casts's; `frozen`, with
+  LoRA, the base state the adapters (params, ref_params) merge with (`models.lora.WithBase`)."""
 
-  def __init__(self, config, graphdef, objectives: dict, cast, upcast):
+  def __init__(self, config, graphdef, objectives: dict, cast, upcast, frozen=None):
     t = config.train
     self.every, self.bound = t.exactness_check_every, bound(config)
     self.kl, self.old = bool(config.loss.kl_coef), t.inner_epochs > 1
     mb = lambda b: fit_micro_batch(t.micro_batch, num_branches(b))
+    self.frozen = frozen
 
-    def replay(p, ref, b):
+    def replay(p, f, ref, b):
+      graph = graphdef if f is None else WithBase(graphdef, f)
       p, ref = cast(p), cast(ref)
       tree = isinstance(b, TreeBatch)
       lp = tree_replay_logprobs if tree else replay_logprobs
       if self.kl:
-        b = with_logprobs(b, "ref_logp", lp(graphdef, ref, b, micro_batch=mb(b)))
+        b = with_logprobs(b, "ref_logp", lp(graph, ref, b, micro_batch=mb(b)))
       if self.old:
-        b = with_logprobs(b, "old_logp", lp(graphdef, p, b, micro_batch=mb(b)))
+        b = with_logprobs(b, "old_logp", lp(graph, p, b, micro_batch=mb(b)))
       if tree:
-        loss, aux, g = tree_replay_value_and_grad(graphdef, p, b, objectives["tree"], micro_batch=mb(b),
+        loss, aux, g = tree_replay_value_and_grad(graph, p, b, objectives["tree"], micro_batch=mb(b),
                                                   schedule=t.tree_schedule)
       else:
-        loss, aux, g = replay_value_and_grad(graphdef, p, b, objectives["group"], micro_batch=mb(b))
+        loss, aux, g = replay_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b))
       return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
 
-    def naive(p, ref, b):
+    def naive(p, f, ref, b):
+      graph = graphdef if f is None else WithBase(graphdef, f)
       p, ref = cast(p), cast(ref)
       if self.kl:
-        b = with_logprobs(b, "ref_logp", naive_logprobs(graphdef, ref, b))
+        b = with_logprobs(b, "ref_logp", naive_logprobs(graph, ref, b))
       if self.old:
-        b = with_logprobs(b, "old_logp", naive_logprobs(graphdef, p, b))
-      loss, aux, g = naive_value_and_grad(graphdef, p, b, objectives["group"], micro_batch=mb(b))
+        b = with_logprobs(b, "old_logp", naive_logprobs(graph, p, b))
+      loss, aux, g = naive_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b))
       return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
     self.replay, self.naive = jax.jit(replay), jax.jit(naive)
     self.pending = False   # a check came due and found no group with unequal rewards yet
@@ -111,8 +116,8 @@ class ExactnessCheck:
     if group is None:
       return None
     naive_batch = group.naive_batch if group.naive_batch is not None else group.batch
-    lr, kr, gr = self.replay(params, ref_params, group.batch)
-    ln, kn, gn = self.naive(params, ref_params, naive_batch)
+    lr, kr, gr = self.replay(params, self.frozen, ref_params, group.batch)
+    ln, kn, gn = self.naive(params, self.frozen, ref_params, naive_batch)
     diff = jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
                         for a, b in zip(jax.tree_util.tree_leaves(gr), jax.tree_util.tree_leaves(gn))))
     norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(b.astype(jnp.float32))) for b in jax.tree_util.tree_leaves(gn))))

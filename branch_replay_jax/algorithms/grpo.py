@@ -45,6 +45,7 @@ from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shar
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
                                                   replay_value_and_grad, tree_replay_logprobs,
                                                   tree_replay_value_and_grad)
+from branch_replay_jax.models.lora import WithBase, adapters_off
 from branch_replay_jax.rollout.collect import Group
 
 
@@ -83,46 +84,52 @@ class GRPOFunctions:
   with a mesh, the step's groups (or padded trees) stacked [B, ...] and sharded. grad returns
   (loss, (Σ k3 KL, Σ clipped), grads) summed over the unit's completions (scalars, replicated on
   a mesh); logprobs the per-token log-probs laid out like its tokens.
+  With LoRA (config.lora), `frozen` is the base model's state: both then take the adapters as
+  params and the model is `models.lora.WithBase(graphdef, frozen)`, so only adapters are
+  differentiated; the reference is logprobs(models.lora.adapters_off(adapters), unit).
   """
 
-  def __init__(self, config, graphdef):
+  def __init__(self, config, graphdef, frozen=None):
     t, l = config.train, config.loss
     naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not naive
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = objective(config, tree)
     cast, upcast = loop.param_casts(config)
-    self.cast = cast
+    self.cast, self.frozen = cast, frozen
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
-                                cast, upcast)
+                                cast, upcast, frozen)
     if self.mesh is not None and tree:
       mesh = self.mesh
       # A step's trees may all stop early (EOS): each padded shape uses the largest divisor of its leaf
       # siblings per device not above train.micro_batch, as on one device.
       fit = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
-      grad = lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=fit(b),
-                                                             schedule=t.tree_schedule)
-      logprobs = lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=fit(b))
+      grad = lambda g, p, b: sharded_tree_replay_value_and_grad(g, p, b, self.objective, mesh, micro_batch=fit(b),
+                                                                schedule=t.tree_schedule)
+      logprobs = lambda g, p, b: sharded_tree_replay_logprobs(g, p, b, mesh, micro_batch=fit(b))
     elif self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
-      grad = lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, self.objective, mesh, micro_batch=m)
-      logprobs = lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=m)
+      grad = lambda g, p, b: sharded_replay_value_and_grad(g, p, b, self.objective, mesh, micro_batch=m)
+      logprobs = lambda g, p, b: sharded_replay_logprobs(g, p, b, mesh, micro_batch=m)
     else:
       grad_fn = (naive_value_and_grad if naive else replay_value_and_grad if not tree else
                  functools.partial(tree_replay_value_and_grad, schedule=t.tree_schedule))
       lp_fn = naive_logprobs if naive else tree_replay_logprobs if tree else replay_logprobs
       # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
       # each compiled shape uses the largest divisor of that count not above train.micro_batch.
-      grad = lambda p, a: grad_fn(graphdef, p, a, self.objective,
-                                  micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)))
-      logprobs = lambda p, a: (lp_fn(graphdef, p, a) if naive else
-                               lp_fn(graphdef, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
+      grad = lambda g, p, a: grad_fn(g, p, a, self.objective,
+                                     micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)))
+      logprobs = lambda g, p, a: (lp_fn(g, p, a) if naive else
+                                  lp_fn(g, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
+    # The model of a step: the graphdef, or with LoRA the graphdef bound to the (traced) base state.
+    model = lambda f: graphdef if f is None else WithBase(graphdef, f)
 
-    def grad_step(p, b):
-      loss, aux, grads = grad(cast(p), b)
+    def grad_step(p, f, b):
+      loss, aux, grads = grad(model(f), cast(p), b)
       return loss, obj.grpo_aux_sums(aux), upcast(grads)
-    self.grad = jax.jit(grad_step)
-    self.logprobs = jax.jit(lambda p, b: logprobs(cast(p), b))
+    grad_jit, logprobs_jit = jax.jit(grad_step), jax.jit(lambda p, f, b: logprobs(model(f), cast(p), b))
+    self.grad = lambda p, b: grad_jit(p, self.frozen, b)
+    self.logprobs = lambda p, b: logprobs_jit(p, self.frozen, b)
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
     """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (trees
@@ -151,7 +158,8 @@ class GRPOFunctions:
     of the parameters on it} for this process's sampling `devices` (hosts.device_copies)."""
     params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
     if devices is None:
-      return nnx.merge(graphdef, params)
+      # with LoRA (one device, loop.validate_lora) the adapters merge with the frozen base
+      return nnx.merge(graphdef, params, *(() if self.frozen is None else (self.frozen,)))
     mine = [d for d in devices if d.process_index == jax.process_index()]
     with jax.set_mesh(self.mesh):
       copies = hosts.device_copies(params, self.mesh, mine)
@@ -181,7 +189,8 @@ def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_
 
 
 class GRPO(loop.Algorithm):
-  """GRPO / RLOO: groups or trees sampled by the current policy, reference log-probs of the initial one."""
+  """GRPO / RLOO: groups or trees sampled by the current policy, reference log-probs of the initial one
+  (with LoRA: of the base model, the adapters set to zero, `models.lora.adapters_off`)."""
 
   name = "grpo"
   keep_initial = True
@@ -193,8 +202,10 @@ class GRPO(loop.Algorithm):
     self.task = loop.make_task_from(config)
 
   def setup(self, run):
-    self.run, self.fns, self.update_fn = run, GRPOFunctions(self.config, run.graphdef), loop.make_update(run.optimizer)
-    self.ref_params = self.fns.place(run.initial_params)
+    self.run, self.update_fn = run, loop.make_update(run.optimizer)
+    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen)   # LoRA runs on one device (validate_lora)
+    self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
+                       adapters_off(run.params))   # LoRA: the base model, no second copy of it
     return self.fns.place(run.params), self.fns.place(run.opt_state)
 
   def collect(self, run, params, step, data_pos):

@@ -39,7 +39,7 @@ from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import (PARAM_MODES, make_mesh, pad_prompts, shard_batch, shard_params,
                                                 stack_groups)
-from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.models import Llama, lora, tiny_config
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints, check_run_dir
 from branch_replay_jax.outputs.tensorboard import ScalarWriter
@@ -108,6 +108,7 @@ def validate_common(config) -> None:
                f" = {budget} completion tokens" if r.get("tree_fanouts") else f"rollout.max_new_tokens={budget}")
       raise ValueError(f"{field} leaves no room for a prompt in model {m.name!r}'s context of {context} tokens; "
                        f"it must be < {context}")
+  validate_lora(config)
 
 
 def validate_eval(config) -> None:
@@ -236,6 +237,43 @@ def validate_mesh_shape(config) -> bool:
   return True
 
 
+def lora_spec(config, model_config=None) -> lora.LoraSpec:
+  """config.lora's `models.lora.LoraSpec`, checked against the model's shapes (`model_config`, or
+  read from the model's metadata: models.loading.architecture; "tiny": tiny_config).
+
+  Raises:
+    ValueError: a bad lora.rank, lora.alpha or lora.targets (models.lora.check_spec).
+  """
+  from branch_replay_jax.models.loading import architecture
+  if model_config is None:
+    model_config = tiny_config() if config.model.name == "tiny" else architecture(config.model.name)
+  c = config.lora
+  return lora.check_spec(c.rank, c.alpha, c.targets, model_config)
+
+
+def validate_lora(config) -> None:
+  """Raise ValueError (naming the field and value) for a config.lora block (LoRA adapters,
+  models/lora.py; absent: full fine-tuning) that cannot run: its fields (`lora_spec`: rank,
+  alpha, targets against the model's shapes; dropout must be 0) and the options LoRA cannot
+  honour here: another algorithm than GRPO / RLOO (PPO's critic and DPO's steps differentiate the
+  whole parameter tree) and a device mesh (the mesh step differentiates and shards the whole tree)."""
+  if config.get("lora") is None:
+    return
+  algorithm = config.get("algorithm", "grpo")
+  if algorithm != "grpo":
+    raise ValueError(f"lora is set with algorithm={algorithm!r}: LoRA adapters train with GRPO / RLOO only "
+                     "(algorithm 'grpo'); remove the lora block")
+  m = config.mesh
+  if m.data * m.branch * m.seq != 1:
+    raise ValueError(f"lora is set with mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq}: the "
+                     "mesh step differentiates the whole parameter tree; LoRA runs on a 1 x 1 x 1 mesh")
+  d = config.lora.dropout
+  if d != 0:
+    raise ValueError(f"lora.dropout={d!r}: only 0 is supported (replay, the naive step and the reference pass must "
+                     "compute one deterministic function of the adapters)")
+  lora_spec(config)
+
+
 def mesh_from(config):
   """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device).
 
@@ -278,15 +316,23 @@ def mesh_context(mesh):
 
 
 def build_model(config):
-  """(model, tokenizer). "tiny" is a random 2-layer model over SmolLM2's real tokenizer."""
+  """(model, tokenizer). "tiny" is a random 2-layer model over SmolLM2's real tokenizer. With
+  config.lora the model carries LoRA adapters (models.lora.add_adapters: B = 0, so it computes the
+  loaded model until trained; A drawn from config.seed)."""
   from branch_replay_jax.models.loading import load, load_tokenizer
   dtype = jnp.dtype(config.model.dtype)
   if config.model.name == "tiny":
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     cfg = tiny_config(vocab_size=len(tokenizer), max_positions=TINY_MAX_POSITIONS)
-    return Llama(cfg, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl,
-                 rngs=nnx.Rngs(config.seed)), tokenizer
-  return load(config.model.name, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl)
+    model = Llama(cfg, dtype=dtype, remat=config.model.remat, attention_impl=config.model.attention_impl,
+                  rngs=nnx.Rngs(config.seed))
+  else:
+    model, tokenizer = load(config.model.name, dtype=dtype, remat=config.model.remat,
+                            attention_impl=config.model.attention_impl)
+  if config.get("lora") is not None:
+    rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(config.seed), 1))
+    lora.add_adapters(model, lora_spec(config, model.config), rngs=rngs)
+  return model, tokenizer
 
 
 def param_casts(config):
@@ -322,8 +368,10 @@ def fingerprint(config) -> dict:
   r = config.rollout
   shape = ({"tree_fanouts": list(r.tree_fanouts), "segment_length": r.segment_length} if r.tree_fanouts else
            {"group_size": r.group_size})
+  adapters = {} if config.get("lora") is None else {"lora": {"rank": config.lora.rank, "alpha": config.lora.alpha,
+                                                             "targets": list(config.lora.targets)}}
   return {"model": config.model.name, "task": config.task.name, "task_seed": config.task.seed, **shape,
-          "prompts_per_step": r.prompts_per_step, "seed": config.seed}
+          "prompts_per_step": r.prompts_per_step, "seed": config.seed, **adapters}
 
 
 def make_update(optimizer: optax.GradientTransformation):
@@ -340,7 +388,7 @@ def make_update(optimizer: optax.GradientTransformation):
 class Algorithm:
   """What an algorithm plugs into `train`. Subclasses set `name` (the progress bar's label) and
   `keep_initial` (a frozen copy of the initial parameters as `run.initial_params`: the reference
-  policy), and override the methods below; `validate` runs in the constructor."""
+  policy; not made with LoRA, whose reference is the base: adapters off), and override the methods below; `validate` runs in the constructor."""
 
   name = "algorithm"
   keep_initial = False
@@ -557,7 +605,10 @@ class Run:
   """What a training loop starts from (start_run). `start` and `data_pos` are the step and data
   position to continue from; `initial_params` is a copy of the parameters before any update (the
   frozen reference policy; also after a resume), or None. `params` and `opt_state` belong to the
-  loop: the first `make_update` step donates them (read the loop's returned state, not these)."""
+  loop: the first `make_update` step donates them (read the loop's returned state, not these).
+  With config.lora, `params` are the LoRA adapters alone (what is differentiated, optimised and
+  checkpointed), `frozen` the base model's parameters (cast to model.param_dtype) and graphdef
+  merges both (`nnx.merge(graphdef, params, frozen)`); `frozen` is None otherwise."""
   tokenizer: Any
   model_config: Any
   graphdef: Any
@@ -569,6 +620,7 @@ class Run:
   key: jax.Array
   start: int
   data_pos: int
+  frozen: Any = None
 
   def progress(self, config, desc: str):
     """The steps still to run, start .. config.train.steps - 1, as a tqdm progress bar."""
@@ -583,28 +635,43 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
   state, restores the latest checkpoint when config.resume, and cuts every log the run appends to
   (RUN_DIR/*.jsonl, tree drawings) back to the step it continues from (plots.cut_logs_back).
 
+  With config.lora only the adapters train (`models.lora.split`: params = adapters, frozen =
+  base); each checkpoint records the base ({"model": model.name, "sha256": models.lora.base_hash})
+  and a resume checks it before restoring.
+
   Raises:
-    ValueError: RUN_DIR holds another experiment's checkpoints (check_run_dir).
+    ValueError: RUN_DIR holds another experiment's checkpoints (check_run_dir), or, with
+      config.lora, adapters trained on another base model (models.lora.check_base).
   """
   check_run_dir(config.run_dir, run_fingerprint, write=False)   # every process refuses a wrong run dir
   if hosts.is_primary():
     check_run_dir(config.run_dir, run_fingerprint)
   model, tokenizer = build_model(config)
   model_config = model.config
-  graphdef, params = nnx.split(model if wrap is None else wrap(model))
-  initial = jax.tree_util.tree_map(jnp.copy, params) if keep_initial else None
+  frozen, meta = None, {}
+  if model.lora is None:
+    graphdef, params = nnx.split(model if wrap is None else wrap(model))
+  else:
+    graphdef, params, frozen = lora.split(model)
+    meta = {"lora_base": {"model": config.model.name, "sha256": lora.base_hash(frozen)}}
+    frozen = param_casts(config)[0](frozen)   # the base never updates: held in model.param_dtype
+  initial = jax.tree_util.tree_map(jnp.copy, params) if keep_initial and frozen is None else None
   optimizer = optimizer_fn(config)
   opt_state = optimizer.init(params)
-  ckpt = RunCheckpoints(config.run_dir)
+  ckpt = RunCheckpoints(config.run_dir, meta=meta)
   key, start, data_pos = jax.random.key(config.seed), 0, 0
   if config.resume and ckpt.latest_step() is not None:
+    if frozen is not None:
+      lora.check_base(ckpt.meta(ckpt.latest_step()).get("lora_base"), meta["lora_base"],
+                      f"run_dir={config.run_dir!r} checkpoint {ckpt.latest_step()}")
     abstract = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
     state, meta = ckpt.restore(ckpt.latest_step(), abstract)
     params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
     start, data_pos = meta["step"], meta["data_pos"]
   if hosts.is_primary():
     plots.cut_logs_back(config.run_dir, start)
-  return Run(tokenizer, model_config, graphdef, params, initial, optimizer, opt_state, ckpt, key, start, data_pos)
+  return Run(tokenizer, model_config, graphdef, params, initial, optimizer, opt_state, ckpt, key, start, data_pos,
+             frozen)
 
 
 def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int, *,

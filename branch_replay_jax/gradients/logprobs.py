@@ -16,7 +16,9 @@ mask [T] and whatever the objective reads (weights, advantage, old_logp, ref_log
   runs forward and backward (the "[B] -> [B*G]" of today's pipelines), scoring only completion
   positions (the strongest naive: no [P, V] logits), in micro-batches of sequences.
 
-The model enters through `nnx.split`: `graphdef, params = nnx.split(model)`.
+The model enters through `nnx.split`: `graphdef, params = nnx.split(model)`. With LoRA adapters
+(models/lora.py) `graphdef` is a `models.lora.WithBase` (the graphdef and the frozen base state) and
+`params` the adapters: every function below then differentiates the adapters only.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
 from branch_replay_jax.data.batches import GroupBatch, Segments, TreeBatch
 from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
 from branch_replay_jax.core.replay import replay_map, replay_vjp
 from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
 from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.models.lora import merge
 
 Objective = Callable[[jax.Array, Segments], tuple[jax.Array, Any]]
 
@@ -49,7 +52,7 @@ class NodeOutputs:
 def prompt_prefix_fn(graphdef, batch):
   """params -> (the prompt's per-layer K/V, its last real position's hidden state [d]): replay's prefix."""
   def prefix_fn(params):
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
     p_pad = batch.prompt_ids.shape[0]
     valid = jnp.arange(p_pad) < batch.prompt_len
     out = model(batch.prompt_ids[None], 0, valid_bt=valid[None])
@@ -74,7 +77,7 @@ def _segment(model, segment: Segments, offset, ancestors: list, parent_last_hidd
 
 def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
   kv, last_hidden = prefix_out
-  return _segment(nnx.merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention)[1]
+  return _segment(merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention)[1]
 
 
 def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, *, micro_batch: int = 1,
@@ -119,7 +122,7 @@ def naive_batch(batch):
 
 
 def _naive_logprobs(graphdef, params, tokens, valid, offset, p_pad, chunk):
-  model = nnx.merge(graphdef, params)
+  model = merge(graphdef, params)
   out = model(tokens, offset, valid_bt=valid)
   t = tokens.shape[1] - p_pad
   hidden = out.hidden_btd[:, p_pad - 1:p_pad - 1 + t]
@@ -169,7 +172,7 @@ def _tree_root_fn(graphdef, batch, prefix_fn=None):
 def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None):
   """(the node's output for its children, logp [T_d]) of one tree node on its ancestors' outputs."""
   parent = ancestors[-1]
-  out, logp = _segment(nnx.merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
+  out, logp = _segment(merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
                        parent["last_hidden"], chunk, attention)
   n = jnp.sum(node.mask.astype(jnp.int32))
   last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)

@@ -15,6 +15,7 @@ Parameter layout (L layers, d model width, Hq/Hkv heads, D head dim, F MLP width
     layers.bq [L, Hq, D], bk, bv [L, Hkv, D]           (qkv_bias, Qwen2)
     layers.q_norm, layers.k_norm [L, D]                (qk_norm, Qwen3)
     layers.w_gate, layers.w_up [L, d, F]   layers.w_down [L, F, d]
+    layers.W_lora_a [L, *in, r], layers.W_lora_b [L, r, *out]   (LoRA adapters of projection W, models/lora.py)
 
 Formulas: RMSNorm (Zhang & Sennrich 2019), RoPE in the "rotate half" layout (Su et al. 2021,
 arXiv 2104.09864, eq. 34), SwiGLU (Shazeer 2020, arXiv 2002.05202), GQA (Ainslie et al. 2023,
@@ -130,14 +131,32 @@ def apply_rope(x_bthd, positions_bt, inv_freq):
   return (x * cos + rotated * sin).astype(x_bthd.dtype)
 
 
+def _project(p: dict, name: str, spec: str, x, lora_scale: float):
+  """x projected by p[name] (einsum `spec`), plus lora_scale * (x A) B where p holds the adapters
+  NAME_lora_a [*in, r] and NAME_lora_b [r, *out] of models/lora.py; in the compute dtype of x."""
+  dt = x.dtype
+  y = jnp.einsum(spec, x, p[name].astype(dt))
+  if name + "_lora_a" not in p:
+    return y
+  lhs, rest = spec.split(",")
+  w, out = rest.split("->")
+  contracted = "".join(c for c in w if c in lhs)
+  kept = "".join(c for c in lhs if c not in contracted)
+  xa = jnp.einsum(f"{lhs},{contracted}r->{kept}r", x, p[name + "_lora_a"].astype(dt))
+  produced = "".join(c for c in w if c not in lhs)
+  delta = jnp.einsum(f"{kept}r,r{produced}->{out}", xa, p[name + "_lora_b"].astype(dt))
+  return y + lora_scale * delta
+
+
 def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], own_valid_bt,
-           attention=suffix_attention):
-  """One decoder block; `attention` has `suffix_attention`'s signature. Returns (new residual, (k, v))."""
+           attention=suffix_attention, lora_scale: float = 0.0):
+  """One decoder block; `attention` has `suffix_attention`'s signature; lora_scale multiplies the
+  adapters' output (alpha / rank) where p holds adapters. Returns (new residual, (k, v))."""
   dt = x_btd.dtype
   h = rms_norm(x_btd, p["attn_norm"], config.norm_eps)
-  q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
-  k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
-  v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+  q = _project(p, "wq", "btd,dhk->bthk", h, lora_scale)
+  k = _project(p, "wk", "btd,dhk->bthk", h, lora_scale)
+  v = _project(p, "wv", "btd,dhk->bthk", h, lora_scale)
   if config.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   if config.qk_norm:
@@ -147,11 +166,11 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
   k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "k")
   v = checkpoint_name(v, "v")
   attn, _ = attention(q, ancestors, KVBlock(k, v, own_valid_bt))
-  x_btd = x_btd + jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
+  x_btd = x_btd + _project(p, "wo", "bthk,hkd->btd", attn, lora_scale)
   h = rms_norm(x_btd, p["mlp_norm"], config.norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
-  up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
-  x_btd = x_btd + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"].astype(dt))
+  gate = _project(p, "w_gate", "btd,df->btf", h, lora_scale)
+  up = _project(p, "w_up", "btd,df->btf", h, lora_scale)
+  x_btd = x_btd + _project(p, "w_down", "btf,fd->btd", jax.nn.silu(gate) * up, lora_scale)
   return x_btd, (k, v)
 
 
@@ -220,6 +239,7 @@ class Llama(nnx.Module):
     self.final_norm = nnx.Param(jnp.ones((config.d_model,)))
     if not config.tie_embeddings:
       self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.d_model, config.vocab_size)))
+    self.lora = None   # models.lora.LoraSpec once models.lora.add_adapters has added adapters
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[KVBlock] = (),
                valid_bt: jax.Array | None = None, attention=None) -> SegmentOutput:
@@ -252,6 +272,7 @@ class Llama(nnx.Module):
     anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
     anc_valid = [blk.valid for blk in ancestors]
     attention = attention_fn(self.attention_impl) if attention is None else attention
+    lora_scale = 0.0 if self.lora is None else self.lora.scale
 
     def body(x, xs):
       p, ks, vs = xs
@@ -259,7 +280,7 @@ class Llama(nnx.Module):
         p = {k: checkpoint_name(_read("layers." + k, v), "gathered_weights") for k, v in p.items()}
       x = checkpoint_name(x, "layer_input")  # every use below reads the named copy, so "offload_kv" can offload it
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
-      return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention)
+      return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention, lora_scale)
 
     if self.remat == "none" and gathering:   # keep every activation but not the gathered weights
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered_weights"))

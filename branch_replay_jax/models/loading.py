@@ -222,9 +222,9 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none"
   raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
 
 
-def context_length(name_or_path: str | os.PathLike) -> int:
-  """The model's context length (max_positions, tokens) from its metadata alone: the GGUF header or
-  config.json, no tensor is read. Lets a trainer check a completion budget before it loads.
+def architecture(name_or_path: str | os.PathLike) -> ModelConfig:
+  """The model's `ModelConfig` from its metadata alone: the GGUF header or config.json, no tensor is
+  read. Lets a trainer check settings against the model's shapes before it loads.
 
   Raises:
     ValueError: as `load` for an unknown name, a missing file or unreadable metadata.
@@ -232,12 +232,22 @@ def context_length(name_or_path: str | os.PathLike) -> int:
   name = os.fspath(name_or_path)
   if name == "smollm2-135m-instruct" or (os.path.isfile(name) and name.endswith(".gguf")):
     path = smollm2_gguf_path() if name == "smollm2-135m-instruct" else name
-    return gguf_loader.read_config(gguf_loader.open_gguf(path), path).max_positions
+    return gguf_loader.read_config(gguf_loader.open_gguf(path), path)
   if os.path.isdir(name):
     if not os.path.isfile(os.path.join(name, "config.json")):
       raise ValueError(f"{name}: directory has no config.json")
-    return hf_loader.read_config(name).max_positions
+    return hf_loader.read_config(name)
   raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
+
+
+def context_length(name_or_path: str | os.PathLike) -> int:
+  """The model's context length (max_positions, tokens) from its metadata alone (`architecture`).
+  Lets a trainer check a completion budget before it loads.
+
+  Raises:
+    ValueError: as `load` for an unknown name, a missing file or unreadable metadata.
+  """
+  return architecture(name_or_path).max_positions
 
 
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:

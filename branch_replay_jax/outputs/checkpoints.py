@@ -18,7 +18,9 @@ import orbax.checkpoint as ocp
 class RunCheckpoints:
   """`RUN_DIR/checkpoints/<step>/` managed by `ocp.CheckpointManager`; keeps the newest `max_to_keep`."""
 
-  def __init__(self, run_dir: str, *, max_to_keep: int = 2):
+  def __init__(self, run_dir: str, *, max_to_keep: int = 2, meta: dict | None = None):
+    """meta: JSON fields written with every checkpoint's own (e.g. a LoRA run's base model record)."""
+    self.extra_meta = dict(meta or {})
     self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True))
@@ -45,7 +47,7 @@ class RunCheckpoints:
     # also happens before save returns).
     host = jax.device_get(state) if jax.process_count() == 1 else state
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(host),
-                                                    meta=ocp.args.JsonSave(meta)))
+                                                    meta=ocp.args.JsonSave({**self.extra_meta, **meta})))
     return time.perf_counter() - t0
 
   def wait(self) -> None:
@@ -69,6 +71,11 @@ class RunCheckpoints:
                                                              meta=ocp.args.JsonRestore()))
     state = out["state"] if abstract_state is not None else jax.device_get(out["state"])
     return state, out["meta"]
+
+  def meta(self, step: int) -> dict:
+    """The JSON meta of checkpoint `step` alone (no array is read)."""
+    self.wait()
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def close(self) -> None:
     """Finish the last save and release the manager."""
