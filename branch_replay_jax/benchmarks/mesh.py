@@ -65,14 +65,20 @@ def _on_event(name, seconds, **_):
     _compile_seconds[0] += seconds
 
 
+def random_groups(config: ModelConfig, groups: int, g: int, p: int, t: int, rng):
+  """`groups` rollout groups of random tokens (prompt p tokens, g completions of t tokens), made one
+  at a time as the caller iterates: its own draws from `rng` for a group come before the next one's."""
+  for _ in range(groups):
+    yield make_group(rng.integers(0, config.vocab_size, p), [rng.integers(0, config.vocab_size, t) for _ in range(g)],
+                     vocab_size=config.vocab_size, max_positions=config.max_positions, prompt_bucket=p,
+                     completion_bucket=t)
+
+
 def make_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[GroupBatch]:
   """`groups` GRPO groups of random tokens: prompt p tokens, g completions of t tokens."""
   rng = np.random.default_rng(0)
   out = []
-  for _ in range(groups):
-    group = make_group(rng.integers(0, config.vocab_size, p), [rng.integers(0, config.vocab_size, t) for _ in range(g)],
-                       vocab_size=config.vocab_size, max_positions=config.max_positions, prompt_bucket=p,
-                       completion_bucket=t)
+  for group in random_groups(config, groups, g, p, t, rng):
     out.append(group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean"),
                             advantage=rng.normal(size=g).astype(np.float32),
                             old_logp=(-4.0 + 0.3 * rng.normal(size=(g, t))).astype(np.float32),
@@ -84,10 +90,7 @@ def ppo_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[
   """`groups` PPO groups of random tokens: per-token weights, GAE advantages, returns, old log-probs and values."""
   rng = np.random.default_rng(1)
   out = []
-  for _ in range(groups):
-    group = make_group(rng.integers(0, config.vocab_size, p), [rng.integers(0, config.vocab_size, t) for _ in range(g)],
-                       vocab_size=config.vocab_size, max_positions=config.max_positions, prompt_bucket=p,
-                       completion_bucket=t)
+  for group in random_groups(config, groups, g, p, t, rng):
     out.append(group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="token_mean"),
                             **{k: (rng.normal(size=(g, t)) + (-4.0 if k == "old_logp" else 0.0)).astype(np.float32)
                                for k in ("advantage", "returns", "old_logp", "old_values")}))
