@@ -230,19 +230,23 @@ def tree_smoke(run_dir, **overrides):
   return experiment_config(grpo_tree_smollm2_arith, "smoke", run_dir, **overrides)
 
 
-def _cut_by_eos(shapes):
-  """A tree sampler that records each tree's trajectory count in `shapes` and, in every other call
-  (the first prompt of each step of the smoke run's two), ends both first-level segments as EOS
-  would (after 1 and 3 tokens): a one-level tree with 2 trajectories beside a full two-level tree
-  with 4. A random 2-layer model almost never samples EOS (1 id in 49k), so this gives the smoke
-  run the shapes EOS gives real runs, the same in every run (a new sampler per run)."""
+def _cut_by_eos(shapes, seed=0, steps=2, prompts_per_step=2):
+  """A tree sampler that records each tree's trajectory count in `shapes` and, for the first prompt
+  of each step (recognised by its sampling key, (seed, step, 0) folded as loop.sample_groups makes
+  it: on a mesh the step's trees sample concurrently, in no fixed order), ends both first-level
+  segments as EOS would (after 1 and 3 tokens): a one-level tree with 2 trajectories beside a full
+  two-level tree with 4. A random 2-layer model almost never samples EOS (1 id in 49k), so this
+  gives the smoke run the shapes EOS gives real runs, the same in every run."""
   from branch_replay_jax.data.trees import RolloutTree
   from branch_replay_jax.rollout import tree_sampler
+  root = jax.random.key(seed)
+  first_keys = {np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.fold_in(root, step), 0))).tobytes()
+                for step in range(steps)}
 
   def sample(*args, **kwargs):
     out = tree_sampler.sample_tree(*args, **kwargs)
     tree = out.tree
-    if len(shapes) % 2 == 0:
+    if np.asarray(jax.random.key_data(kwargs["key"])).tobytes() in first_keys:
       first = tree.children(0)
       cut = RolloutTree((tree.segments[0],) + tuple(tree.segments[c][:n] for c, n in zip(first, (1, 3))),
                         (-1, 0, 0), (1, 2))
