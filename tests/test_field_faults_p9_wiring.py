@@ -229,6 +229,9 @@ class _FakeForward:
   def __init__(self, out):
     self.forward = lambda params, arrays: out
 
+  def forward_groups(self, params, groups):   # one device: forward of each group (PPOFunctions.forward_groups)
+    return [self.forward(params, g.batch) for g in groups]
+
 
 def _ppo_config(tmp_path, **overrides):
   return experiment_config(ppo_smollm2_arith, "smoke", tmp_path, **{"ppo.gamma": 1.0, "ppo.lam": 0.9,
