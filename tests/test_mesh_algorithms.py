@@ -4,6 +4,7 @@ runs on 8 fake devices train to the one-device run's parameters and log its metr
 
 import functools
 import importlib
+import json
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,11 @@ def _run(module, variant, run_dir, **overrides):
   return importlib.import_module(entry.TRAINERS[config.algorithm]).train(config)
 
 
+def _lines(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
 def _mesh(shape, params, micro_batch):
   return {"mesh.data": shape[0], "mesh.branch": shape[1], "mesh.seq": shape[2], "mesh.params": params,
           "train.micro_batch": micro_batch}
@@ -129,8 +135,11 @@ def test_ppo_mesh_run_trains_to_the_same_parameters(ppo_reference, tmp_path, sha
   # The same gradients summed in another order: parameters within the Adam rounding bound of
   # test_train (1e-5), the logged losses, KL, clip fraction, value statistics and gradient norm
   # within float32 rounding, and the same samples (rewards).
+  # Sampling is data-parallel (each group on a device of its data row, loop.sampling_devices) with
+  # the one-device keys: the same samples.jsonl, line for line.
   run_dir, want_history = ppo_reference
   history = _run(ppo_smollm2_arith, "smoke", tmp_path, **PPO, **_mesh(shape, params, micro_batch))
+  assert _lines(tmp_path / "samples.jsonl") == _lines(run_dir / "samples.jsonl")
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
   assert max_rel(got, want) <= 1e-5

@@ -38,12 +38,12 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def two_processes(run_dir, **overrides) -> None:
-  """The smoke run on a 2 x 4 x 1 mesh as 2 processes x 4 CPU devices; raises if either fails."""
+def two_processes(run_dir, config="experiments/grpo_smollm2_arith.py:smoke", **overrides) -> None:
+  """The smoke run (`config`) on a 2 x 4 x 1 mesh as 2 processes x 4 CPU devices; raises if either fails."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_COORDINATOR_ADDRESS": f"localhost:{free_port()}", "JAX_NUM_PROCESSES": "2",
          "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-  argv = [sys.executable, os.path.join(ROOT, "tests", "multihost_worker.py"), "--config=experiments/grpo_smollm2_arith.py:smoke",
+  argv = [sys.executable, os.path.join(ROOT, "tests", "multihost_worker.py"), f"--config={config}",
           f"--config.run_dir={run_dir}", *flags({**MESH, **overrides})]
   procs = [subprocess.Popen(argv, cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -165,3 +165,37 @@ def test_data_parallel_sampling_draws_the_same_groups(tmp_path):
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                                                          g.batch, w.batch))
     assert np.array_equal(g.rewards, w.rewards) and g.sample == w.sample
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_dpo_data_parallel_sampling_draws_the_same_pairs(tmp_path, monkeypatch):
+  # DPO's 3 prompts (no divisibility asked: its groups are padded to the mesh) spread over a 2 x 2 x 2
+  # FSDP mesh (hosts.spread_devices: the mesh's first three devices), each sampling from gathered
+  # parameters with the key (seed, step, i) of one device: the same pairs, token for token, the same
+  # rewards, skipped prompts and logged sample as sampling them one after another on one device.
+  from flax import nnx
+
+  from branch_replay_jax.algorithms import dpo, loop
+  from branch_replay_jax.distributed.mesh import make_mesh, shard_params
+  from experiments import dpo_smollm2_arith
+  monkeypatch.setattr(Task, "score", length_score)   # varied rewards: pairs to compare
+  config = experiment_config(dpo_smollm2_arith, "smoke", tmp_path, **{"rollout.prompts_per_step": 3})
+  model, tokenizer = loop.build_model(config)
+  graphdef, params = nnx.split(model)
+  task, key = loop.make_task_from(config), jax.random.key(0)
+  want_pairs, want_info = dpo.sample_pairs(config, model, tokenizer, task, key, 3, 5)
+  mesh = make_mesh(2, 2, 2)
+  devices = loop.spread_devices(mesh, 3)
+  assert devices == list(mesh.devices.flat)[:3]
+  policy = loop.sampling_policy(graphdef, shard_params(params, mesh, "fsdp"), mesh, devices)
+  got_pairs, got_info = dpo.sample_pairs(config, policy, tokenizer, task, key, 3, 5, devices=devices)
+  assert len(want_pairs) >= 2   # not vacuous: several prompts gave a pair
+  assert len(got_pairs) == len(want_pairs)
+  for g, w in zip(got_pairs, want_pairs):
+    for field in ("prompt_ids", "chosen_ids", "rejected_ids"):
+      assert np.array_equal(getattr(g, field), getattr(w, field)), field
+  assert np.array_equal(got_info["rewards"], want_info["rewards"])
+  assert np.array_equal(got_info["correct"], want_info["correct"])
+  assert got_info["skipped_prompts"] == want_info["skipped_prompts"]
+  assert got_info["sample"] == want_info["sample"]
+

@@ -14,8 +14,12 @@ distributed/mesh.py; replay gradients), each pass of 3-4 runs on the step's grou
 shape (`distributed.mesh.ShardedReplaySteps`, `pad_groups`: padding completions and filler groups
 carry zero weight) and stacked into one batch under `shard_map`: groups over `data`, completions
 over `branch`, prompt tokens over `seq`; parameters and optimizer state replicated or
-FSDP-sharded (mesh.params). Sampling (data.source = "task") runs on the first device, on a copy
-of the parameters gathered there. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
+FSDP-sharded (mesh.params). Sampling (data.source = "task") is data-parallel on the mesh: the
+prompts spread over every device (`loop.spread_devices`), each sampling from a copy of the
+parameters gathered there with the key (seed, step, i), so the pairs are those of one device. As
+several processes (distributed.num_processes) each process samples its devices' prompts and
+every process receives every pair (or reads the same file lines), so all build the same batch and
+place their own rows of it. Everything goes to RUN_DIR: metrics.jsonl, samples.jsonl,
 preference.png, throughput.png, experiment.json and checkpoints/ (orbax; resume as every loop.train run).
 """
 
@@ -27,11 +31,11 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
+from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import ShardedReplaySteps
 from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat
@@ -148,39 +152,62 @@ def encode_pairs(records: list[dict], tokenizer, max_positions: int) -> list[pre
   return pairs
 
 
-def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int) -> tuple[list, dict]:
-  """(pairs, info) from `rollout.prompts_per_step` task prompts; info: the sampled completions'
-  rewards and correctness [prompts * G], skipped_prompts, sample_s, score_s and one logged sample."""
+def sample_prompt(config, policy, tokenizer, task, key, data_pos: int) -> dict:
+  """One task prompt's G completions sampled (one shared prefill) and scored, and its pair: {"pair":
+  the best-reward completion (chosen) with the worst (rejected), None when the G rewards are all
+  equal; "rewards", "correct" [G]; "sample_s", "score_s"; "sample": the texts logged for the pair}.
+  Host values only (numpy), so that a prompt sampled on another process can be sent here."""
   r = config.rollout
-  pad = tokenizer.pad_token_id or 0
-  pairs, rewards, correct, skipped, sample_s, score_s, sample = [], [], [], 0, 0.0, 0.0, None
-  for i in range(r.prompts_per_step):
-    problem = task[(data_pos + i) % len(task)]
-    ids = encode_chat(tokenizer, format_messages(problem))
-    t0 = time.perf_counter()
-    ro = sample_group(policy, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens,
-                      key=jax.random.fold_in(jax.random.fold_in(key, step), i), temperature=r.temperature,
-                      top_p=r.top_p, eos_ids=[tokenizer.eos_token_id], pad_id=pad)
-    comps = [row[:n] for row, n in zip(np.asarray(ro.tokens), np.asarray(ro.lengths))]
-    t1 = time.perf_counter()
-    texts = tokenizer.batch_decode(comps, skip_special_tokens=True)
-    scores = [task.score(text, problem) for text in texts]
-    t2 = time.perf_counter()
-    sample_s, score_s = sample_s + t1 - t0, score_s + t2 - t1
-    rew = np.array([s.reward for s in scores], np.float32)
-    rewards.append(rew)
-    correct.append(np.array([s.correct for s in scores]))
-    if bool(obj.constant_groups(rew)):
-      skipped += 1
-      continue
+  problem = task[data_pos % len(task)]
+  ids = encode_chat(tokenizer, format_messages(problem))
+  t0 = time.perf_counter()
+  ro = sample_group(policy, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
+                    temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id],
+                    pad_id=tokenizer.pad_token_id or 0)
+  comps = [row[:n] for row, n in zip(np.asarray(ro.tokens), np.asarray(ro.lengths))]
+  t1 = time.perf_counter()
+  texts = tokenizer.batch_decode(comps, skip_special_tokens=True)
+  scores = [task.score(text, problem) for text in texts]
+  rew = np.array([s.reward for s in scores], np.float32)
+  out = {"pair": None, "rewards": rew, "correct": np.array([s.correct for s in scores]), "sample_s": t1 - t0,
+         "score_s": time.perf_counter() - t1, "sample": None}
+  if not bool(obj.constant_groups(rew)):
     best, worst = int(np.argmax(rew)), int(np.argmin(rew))
-    pairs.append(pref.PreferencePair(np.asarray(ids), comps[best], comps[worst]))
-    if sample is None:
-      sample = {"data_pos": data_pos + i, "prompt": problem.question, "answer": problem.answer,
-                "chosen": texts[best], "rejected": texts[worst], "chosen_reward": float(rew[best]),
-                "rejected_reward": float(rew[worst])}
-  info = {"rewards": np.concatenate(rewards), "correct": np.concatenate(correct), "skipped_prompts": skipped,
-          "sample_s": sample_s, "score_s": score_s, "sample": sample}
+    out["pair"] = pref.PreferencePair(np.asarray(ids), comps[best], comps[worst])
+    out["sample"] = {"data_pos": data_pos, "prompt": problem.question, "answer": problem.answer,
+                     "chosen": texts[best], "rejected": texts[worst], "chosen_reward": float(rew[best]),
+                     "rejected_reward": float(rew[worst])}
+  return out
+
+
+def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int, *, devices=None) -> tuple[list, dict]:
+  """(pairs, info) from `rollout.prompts_per_step` task prompts (`sample_prompt`), prompt i from
+  task item data_pos + i with the key (seed, step, i) folded, as loop.sample_groups; info: the
+  sampled completions' rewards and correctness [prompts * G], skipped_prompts, sample_s, score_s
+  and one logged sample (the first pair's).
+
+  Args:
+    policy: the model, or with `devices` {device: the model on it} for this process's devices.
+    devices: None (every prompt here, one after another), or [prompts_per_step] the device of each
+      prompt (`loop.spread_devices`): each of this process's devices samples its prompts in its own
+      thread, all at once, and every process receives every prompt's pair and figures
+      (`hosts.gather_items`, a collective), so all hold the step's pairs in the same order.
+  """
+  n = config.rollout.prompts_per_step
+  keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
+  if devices is None:
+    prompts = [sample_prompt(config, policy, tokenizer, task, keys[i], data_pos + i) for i in range(n)]
+  else:
+    local = hosts.run_on_devices(lambda i, device: sample_prompt(config, policy[device], tokenizer, task,
+                                                                 jax.device_put(keys[i], device), data_pos + i), devices)
+    merged = hosts.gather_items(local)
+    prompts = [merged[i] for i in range(n)]
+  pairs = [p["pair"] for p in prompts if p["pair"] is not None]
+  info = {"rewards": np.concatenate([p["rewards"] for p in prompts]),
+          "correct": np.concatenate([p["correct"] for p in prompts]),
+          "skipped_prompts": sum(p["pair"] is None for p in prompts),
+          "sample_s": sum(p["sample_s"] for p in prompts), "score_s": sum(p["score_s"] for p in prompts),
+          "sample": next((p["sample"] for p in prompts if p["sample"] is not None), None)}
   return pairs, info
 
 
@@ -254,9 +281,15 @@ class DPO(loop.Algorithm):
       pairs = [self.data[(data_pos + i) % len(self.data)] for i in range(d.pairs_per_step)]
       info = {"skipped_prompts": 0, "sample": _text_sample(self.records, data_pos)}
       return (pairs, info), data_pos + d.pairs_per_step
-    policy = nnx.merge(run.graphdef, loop.on_first_device(params, self.fns.mesh))
-    pairs, info = sample_pairs(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos)
+    devices = loop.spread_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
+    policy = loop.sampling_policy(run.graphdef, params, self.fns.mesh, devices)
+    pairs, info = sample_pairs(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos, devices=devices)
     return (pairs, info), data_pos + self.config.rollout.prompts_per_step
+
+  def eval_policy(self, run, params, num_problems):
+    """The policy `collect` samples with; on a mesh the problems spread over every device."""
+    devices = loop.spread_devices(self.fns.mesh, num_problems)
+    return loop.sampling_policy(run.graphdef, params, self.fns.mesh, devices), devices
 
   def update(self, params, opt_state, batch, step):
     """Lay the pairs out (`gradients.preference.make_batch`) and take one step; no update without pairs."""
@@ -276,9 +309,10 @@ class DPO(loop.Algorithm):
     counts = {k: stats.pop(k) for k in ("token_positions_naive", "token_positions_computed")}
     record = {**_record(step, len(pairs), info, stats, counts, rollout_s=rollout_s, update_s=update_s),
               "wall_s": wall_s}
-    plots.append_jsonl(os.path.join(self.config.run_dir, "metrics.jsonl"), record)
-    if info["sample"] is not None:
-      plots.append_jsonl(os.path.join(self.config.run_dir, "samples.jsonl"), {"step": step + 1, **info["sample"]})
+    if hosts.is_primary():   # every process computes the record; process 0 writes it
+      plots.append_jsonl(os.path.join(self.config.run_dir, "metrics.jsonl"), record)
+      if info["sample"] is not None:
+        plots.append_jsonl(os.path.join(self.config.run_dir, "samples.jsonl"), {"step": step + 1, **info["sample"]})
     bar.set_postfix(loss=f"{record['loss']:.4f}" if pairs else "-", pairs=len(pairs), step_s=f"{record['step_s']:.1f}")
     return record
 

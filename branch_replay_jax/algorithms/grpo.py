@@ -149,21 +149,13 @@ class GRPOFunctions:
     """Parameters or optimizer state onto the mesh in config.mesh.params's layout (`loop.place`)."""
     return loop.place(tree, self.mesh, self.param_mode)
 
-  def sampling_devices(self, num_groups: int):
-    """None on one device, else [num_groups] the device that samples each group (hosts.sampling_devices)."""
-    return None if self.mesh is None else hosts.sampling_devices(self.mesh, num_groups)
-
   def for_sampling(self, graphdef, params, devices):
-    """The policy the sampler runs: the model on one device, or {device: the model on a full copy
-    of the parameters on it} for this process's sampling `devices` (hosts.device_copies)."""
+    """The policy the sampler runs (`loop.sampling_policy`): the model on one device, or {device:
+    the model on a full copy of the parameters on it} for this process's sampling `devices`."""
     params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
-    if devices is None:
-      # with LoRA (one device, loop.validate_lora) the adapters merge with the frozen base
-      return nnx.merge(graphdef, params, *(() if self.frozen is None else (self.frozen,)))
-    mine = [d for d in devices if d.process_index == jax.process_index()]
-    with jax.set_mesh(self.mesh):
-      copies = hosts.device_copies(params, self.mesh, mine)
-    return {d: nnx.merge(graphdef, p) for d, p in copies.items()}
+    if devices is None and self.frozen is not None:
+      return nnx.merge(graphdef, params, self.frozen)   # LoRA (one device, loop.validate_lora): adapters + base
+    return loop.sampling_policy(graphdef, params, self.mesh, devices)
 
 
 def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group]):
@@ -209,7 +201,7 @@ class GRPO(loop.Algorithm):
     return self.fns.place(run.params), self.fns.place(run.opt_state)
 
   def collect(self, run, params, step, data_pos):
-    devices = self.fns.sampling_devices(self.config.rollout.prompts_per_step)
+    devices = loop.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
     policy = self.fns.for_sampling(run.graphdef, params, devices)
     return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos,
                               devices=devices)
@@ -237,7 +229,7 @@ class GRPO(loop.Algorithm):
 
   def eval_policy(self, run, params, num_problems):
     """The policy `collect` samples with; on a mesh the problems spread over every device."""
-    devices = None if self.fns.mesh is None else hosts.spread_devices(self.fns.mesh, num_problems)
+    devices = loop.spread_devices(self.fns.mesh, num_problems)
     return self.fns.for_sampling(run.graphdef, params, devices), devices
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):

@@ -297,16 +297,38 @@ def place(tree, mesh, mode: str):
   return tree if mesh is None else shard_params(tree, mesh, mode)
 
 
-def on_first_device(params, mesh):
-  """The parameters the sampler reads: on a mesh, a copy gathered onto the first device; unchanged without one."""
-  # A SingleDeviceSharding, not a bare device: device_put(x, device) keeps an FSDP array's
-  # sharded type (JAX 0.10), and the sampler's gathers would then ask for an out_sharding.
-  return params if mesh is None else jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+def sampling_devices(mesh, num_groups: int):
+  """None without a mesh (every group samples on this process's default device), else [num_groups]
+  the device that samples each of a step's groups (`hosts.sampling_devices`: on its `data` row)."""
+  return None if mesh is None else hosts.sampling_devices(mesh, num_groups)
+
+
+def spread_devices(mesh, num_items: int):
+  """None without a mesh, else [num_items] the device of each of independent items (held-out
+  problems, DPO's prompts): `hosts.spread_devices`, every device of the mesh, the processes in turn."""
+  return None if mesh is None else hosts.spread_devices(mesh, num_items)
+
+
+def sampling_policy(graphdef, params, mesh, devices, select=None):
+  """The policy the sampler runs, from `params` as the update holds them (cast by the caller):
+  without `devices`, the model nnx.merge(graphdef, params) where the parameters lie; with
+  `devices` ([n] from `sampling_devices` or `eval_devices`, on `mesh`), {device: the model on a
+  full copy of the parameters on that device} for this process's devices (`hosts.device_copies`:
+  FSDP parameters all-gathered once, a collective every process joins). `select` picks the module
+  that samples out of the merged one (PPO: the actor-critic's `.policy`); default the model itself."""
+  select = select or (lambda model: model)
+  if devices is None:
+    return select(nnx.merge(graphdef, params))
+  mine = [d for d in devices if d.process_index == jax.process_index()]
+  with jax.set_mesh(mesh):
+    copies = hosts.device_copies(params, mesh, mine)
+  return {d: select(nnx.merge(graphdef, p)) for d, p in copies.items()}
 
 
 def on_mesh(batches: list, mesh):
   """Group batches of one completion shape as one batch on `mesh`: prompts padded to one length
-  (a multiple of mesh.seq: distributed.mesh.pad_prompts), stacked [B, ...] and placed (shard_batch)."""
+  (a multiple of mesh.seq: distributed.mesh.pad_prompts), stacked [B, ...] and placed (shard_batch).
+  With several processes every process passes the same, whole batch and places its own rows."""
   return shard_batch(stack_groups(pad_prompts(batches, mesh.shape["seq"])), mesh)
 
 
@@ -675,7 +697,7 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
 
 
 def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int, *,
-                  devices=None) -> tuple[list[Group], int]:
+                  devices=None, whole: bool = False) -> tuple[list[Group], int]:
   """The step's rollouts, one per prompt: group i from task item data_pos + i with the key
   (seed, step, i) folded, so a resumed run, and a run on a mesh, sample the same.
 
@@ -686,6 +708,9 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
       in its own thread, all at once; the groups of other processes' devices come back as
       summaries (`Group.batch` None: rewards, lengths, timings, sample, tree for the logs) through
       `hosts.allgather_objects`, a collective every process joins.
+    whole: with several processes, the other processes' groups come back with their arrays too
+      (`Group.batch` on the host, numpy), so that every process holds the whole step in the same
+      order (PPO's minibatch shuffle and whitening see every group). One process: no effect.
 
   Returns: ([prompts_per_step] groups in order, the next data position).
   """
@@ -695,7 +720,8 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
     return [rollout(config, policy, tokenizer, task, data_pos + i, keys[i]) for i in range(n)], data_pos + n
   local = hosts.run_on_devices(lambda i, device: rollout(config, policy[device], tokenizer, task, data_pos + i,
                                                          jax.device_put(keys[i], device)), devices)
-  summaries = hosts.gather_items({i: dataclasses.replace(g, batch=None) for i, g in local.items()})
+  shared = lambda g: dataclasses.replace(g, batch=jax.device_get(g.batch) if whole else None)
+  summaries = hosts.gather_items({i: shared(g) for i, g in local.items()}) if jax.process_count() > 1 else local
   return [local.get(i, summaries[i]) for i in range(n)], data_pos + n
 
 

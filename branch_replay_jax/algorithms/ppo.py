@@ -16,8 +16,13 @@ With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py; g
 replay gradients), step 2 runs on the step's groups stacked into one batch and each minibatch's
 gradient (4) on its groups stacked into one batch, under `shard_map`: groups over `data`,
 completions over `branch`, prompt tokens over `seq`, for the policy and the critic alike;
-parameters and optimizer state replicated or FSDP-sharded (mesh.params). Sampling runs on the
-first device, on a copy of the parameters gathered there. Trees run on one device.
+parameters and optimizer state replicated or FSDP-sharded (mesh.params). Sampling (1) is
+data-parallel on the mesh as GRPO's (each group on a device of its `data` row, from a copy of
+the parameters gathered there; the same tokens as on one device). As several processes
+(distributed.num_processes) each process samples its devices' groups, then every process
+receives every group's arrays (loop.sample_groups, whole=True), so all compute the same GAE,
+whitening and minibatch order over the whole step and place only their own rows of each batch.
+Trees run on one device.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
@@ -115,8 +120,14 @@ class PPOFunctions:
     cast, upcast = loop.param_casts(config)
     if self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
-      grad = lambda prm, b: sharded_actor_critic_value_and_grad(graphdef, prm, b, objective, mesh, micro_batch=m)
-      forward = lambda prm, b: sharded_actor_critic_logprobs_values(graphdef, prm, b, mesh, micro_batch=m)
+      # aux summed over the batch, the forward pass gathered: replicated, so that every process
+      # reads them whole (with several processes the [B, ...] arrays span processes).
+      def grad(prm, b):
+        loss, aux, grads = sharded_actor_critic_value_and_grad(graphdef, prm, b, objective, mesh, micro_batch=m)
+        return loss, jax.tree_util.tree_map(jnp.sum, aux), grads
+      forward = lambda prm, b: jax.tree_util.tree_map(
+          lambda x: jax.sharding.reshard(x, P()),
+          sharded_actor_critic_logprobs_values(graphdef, prm, b, mesh, micro_batch=m))
     else:
       grad_fn = (pp.naive_value_and_grad if self.naive else
                  functools.partial(pp.tree_replay_value_and_grad, schedule=t.tree_schedule) if tree else
@@ -303,15 +314,23 @@ class PPO(loop.Algorithm):
     return (loop.place(run.params, self.fns.mesh, self.fns.param_mode),
             loop.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
 
-  def policy(self, run, params):
-    """The policy the step trains: the actor-critic's policy at model.param_dtype's rounding, on one device."""
-    return nnx.merge(run.graphdef, loop.on_first_device(self.fns.cast(params), self.fns.mesh)).policy
+  def policy(self, run, params, devices):
+    """The policy the step trains, the actor-critic's policy at model.param_dtype's rounding: on one
+    device, or on a mesh {device: it on a full copy of the parameters} (`loop.sampling_policy`)."""
+    return loop.sampling_policy(run.graphdef, self.fns.cast(params), self.fns.mesh, devices,
+                                select=lambda actor_critic: actor_critic.policy)
 
   def collect(self, run, params, step, data_pos):
-    return loop.sample_groups(self.config, self.policy(run, params), run.tokenizer, self.task, run.key, step, data_pos)
+    """The step's groups, sampled data-parallel on a mesh as GRPO's (`loop.sampling_devices`); with
+    several processes every process receives every group's arrays (`whole`): the minibatch
+    shuffle, whitening and GAE see the whole step, the same on every process."""
+    devices = loop.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
+    return loop.sample_groups(self.config, self.policy(run, params, devices), run.tokenizer, self.task, run.key, step,
+                              data_pos, devices=devices, whole=True)
 
   def eval_policy(self, run, params, num_problems):
-    return self.policy(run, params), None
+    devices = loop.spread_devices(self.fns.mesh, num_problems)
+    return self.policy(run, params, devices), devices
 
   def update(self, params, opt_state, groups, step):
     with loop.mesh_context(self.fns.mesh):

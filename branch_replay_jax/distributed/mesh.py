@@ -188,7 +188,8 @@ def shard_batch(batch: GroupBatch | TreeBatch, mesh, num_groups: int | None = No
 
   With several processes (distributed/hosts.py) `batch` holds this process's groups [B_local, ...]
   (those of its `data` rows, in order) and `num_groups` the step's B: each process passes its own
-  part of one global batch (`jax.make_array_from_process_local_data`). One process: B_local = B.
+  part of one global batch (`jax.make_array_from_process_local_data`). One process, or
+  `num_groups` None: `batch` is the whole batch (the same on every process; each places its rows).
   """
   num_groups = num_groups or jax.tree_util.tree_leaves(batch)[0].shape[0]
   shape = lambda x: (num_groups,) + tuple(x.shape[1:])
@@ -516,18 +517,22 @@ class ShardedReplaySteps:
   def __init__(self, graphdef, mesh, *, micro_batch: int = 1, logprob_chunk: int = 256):
     self.mesh = mesh
     mb = lambda b: fit_micro_batch(micro_batch, b.branches.tokens.shape[1] // mesh.shape["branch"])
-    # Pass 1's sums [B, G'] come back replicated: the loss gathers the pairs' sums from them.
-    self.sums = jax.jit(lambda p, b: jax.sharding.reshard(
+    # Pass 1's sums [B, G'] come back replicated: the loss gathers the pairs' sums from them. Both
+    # passes take the stacked batch on the host and place it (shard_batch: with several processes,
+    # each places its rows of the whole batch every process holds; the weights are computed off the
+    # mesh, replicated).
+    sums = jax.jit(lambda p, b: jax.sharding.reshard(
         sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=mb(b), logprob_chunk=logprob_chunk).sum(-1), P()))
     grad = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, pref.surrogate_objective, mesh,
                                                               micro_batch=mb(b), logprob_chunk=logprob_chunk)[2])
-    self.surrogate_grad = lambda p, b: grad(p, shard_batch(b, mesh))   # the weights are computed off the mesh
+    self.sums = lambda p, b: sums(p, shard_batch(b, mesh))
+    self.surrogate_grad = lambda p, b: grad(p, shard_batch(b, mesh))
 
   def layout(self, batch: pref.PreferenceBatch) -> tuple[GroupBatch, np.ndarray, np.ndarray]:
-    """(the padded groups stacked [B', G', ...] and placed, chosen [K], rejected [K]): each pair's
+    """(the padded groups stacked [B', G', ...] on the host, chosen [K], rejected [K]): each pair's
     completions as indices into the padded completions flattened [B' * G']."""
     padded, index = pad_groups(batch.groups, self.mesh)
-    return shard_batch(stack_groups(padded), self.mesh), index[batch.chosen], index[batch.rejected]
+    return jax.device_get(stack_groups(padded)), index[batch.chosen], index[batch.rejected]
 
   def flat_sums(self, params, layout) -> jax.Array:
     """[B' * G'] log-prob sums of the padded completions (0 for padding), replicated."""
