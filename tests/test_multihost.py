@@ -1,6 +1,7 @@
 """The GRPO loop as two processes (jax.distributed, CPU collectives over gloo) of 4 devices each,
 against one process of 8 devices: same samples, metrics and parameters, and a resume across the
-two layouts (docs/design.md, "Several processes").
+two layouts (docs/design.md, "Several processes"); PPO and DPO the same way (heavy); data-parallel
+sampling on one process's mesh (GRPO's groups, DPO's pairs) equal to one device's.
 
 Each two-process run starts tests/multihost_worker.py twice (process 0 and 1, XLA_FLAGS giving each 4
 CPU devices), which joins through `distributed.hosts.initialize` and runs main's entry point on
@@ -199,3 +200,63 @@ def test_dpo_data_parallel_sampling_draws_the_same_pairs(tmp_path, monkeypatch):
   assert got_info["skipped_prompts"] == want_info["skipped_prompts"]
   assert got_info["sample"] == want_info["sample"]
 
+
+# PPO and DPO as 2 processes x 4 devices against 1 process x 8 on the 2 x 4 x 1 mesh. Each process
+# samples its devices' groups (PPO: on their data rows; DPO: its prompts spread over the devices),
+# then every process receives the whole step (loop.sample_groups whole=True; dpo.sample_pairs), so
+# PPO's GAE, whitening and minibatch shuffle, and DPO's pair layout, are computed alike everywhere
+# and each process places its rows. Per algorithm: the smoke config (DPO: prompts sampled from the
+# task), the overrides both runs take (PPO: one minibatch of both groups, as mesh.data = 2 asks),
+# the metrics that must be equal (counts, rewards) and those equal to float32 rounding (a gradient
+# summed over the processes in another order: rel 1e-4; DPO's implicit rewards beta (S - S_ref)
+# difference sums of a few hundred nats, float32 spacing ~3e-5 times beta: abs 1e-5, as
+# tests/test_mesh_algorithms.py).
+ALGORITHMS = {
+    "ppo": ("experiments/ppo_smollm2_arith.py:smoke", {"ppo.minibatches": 1},
+            ("reward_mean", "accuracy", "completion_len_mean", "token_positions_computed", "zero_variance_groups"),
+            {"loss": 1e-4, "policy_loss": 1e-4, "value_loss": 1e-4, "kl": 1e-4, "clip_frac": 1e-4, "grad_norm": 1e-4,
+             "value_mean": 1e-4, "return_mean": 1e-4}),
+    "dpo": ("experiments/dpo_smollm2_arith.py:smoke", {},
+            ("pairs", "skipped_prompts", "reward_mean", "accuracy", "reward_accuracy", "token_positions_computed"),
+            {"loss": 1e-4, "grad_norm": 1e-4}),
+}
+
+
+# Measured on 2 shared CPU cores: PPO 213 s, DPO 165 s (one-process reference included; the
+# samplers and steps compile in each process): `heavy`, the GRPO two-process test above runs in CI.
+@pytest.mark.heavy
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_ppo_and_dpo_two_processes_train_as_one(name, tmp_path):
+  import importlib
+
+  from branch_replay_jax import main as entry
+  from test_train import final_params, max_rel
+  config_arg, overrides, exact, close = ALGORITHMS[name]
+  path, variant = config_arg.split(":")
+  module = importlib.import_module(path.replace("/", ".").removesuffix(".py"))
+  want_dir, got_dir = tmp_path / "one", tmp_path / "two"
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", length_score)
+    config = experiment_config(module, variant, want_dir, **MESH, **overrides)
+    importlib.import_module(entry.TRAINERS[config.algorithm]).train(config)
+  two_processes(got_dir, config_arg, **overrides)
+  assert lines(got_dir / "samples.jsonl") == lines(want_dir / "samples.jsonl")
+  if (want_dir / "eval.jsonl").exists():   # PPO's smoke config evaluates (steps 0 and 2)
+    from test_train import same_eval_rows
+    assert same_eval_rows(got_dir, want_dir)
+  got, want = lines(got_dir / "metrics.jsonl"), lines(want_dir / "metrics.jsonl")
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]   # process 0 alone wrote
+  for g, w in zip(got, want):
+    for metric in exact:
+      assert g[metric] == w[metric], metric
+    for metric, rel in close.items():
+      assert g[metric] == pytest.approx(w[metric], rel=rel, abs=1e-9), metric
+    for metric in ("chosen_reward", "rejected_reward", "reward_margin"):
+      if metric in w:
+        assert g[metric] == pytest.approx(w[metric], abs=1e-5), metric
+  assert min(r["grad_norm"] for r in want) > 0   # the runs really update (pairs, varied rewards)
+  got_params, got_meta = final_params(got_dir)
+  want_params, want_meta = final_params(want_dir)
+  assert got_meta == want_meta and got_meta["step"] == 2
+  assert max_rel(got_params, want_params) <= 1e-5

@@ -186,7 +186,6 @@ class GRPO(loop.Algorithm):
 
   name = "grpo"
   keep_initial = True
-  multi_process = True
 
   def __init__(self, config):
     validate(config)

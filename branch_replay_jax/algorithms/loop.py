@@ -414,7 +414,6 @@ class Algorithm:
 
   name = "algorithm"
   keep_initial = False
-  multi_process = False   # runs as several processes (distributed/hosts.py); the GRPO loop does
 
   def __init__(self, config):
     self.config = config
@@ -466,15 +465,12 @@ class Algorithm:
 def check_processes(config, algorithm: Algorithm) -> None:
   """Raise ValueError when the processes this one belongs to differ from config.distributed's
   (`hosts.settings`: a run of several processes starts through `hosts.initialize`, as main.py
-  does), or when the algorithm does not run as several processes."""
+  does), or trees in several processes (not built)."""
   n = hosts.settings(config)["num_processes"]
   if n != jax.process_count():
     raise ValueError(f"distributed.num_processes={n} but this is one of {jax.process_count()} processes: start the run "
                      "through branch_replay_jax.main (it calls distributed.hosts.initialize(config) first)")
-  if n > 1 and not algorithm.multi_process:
-    raise ValueError(f"distributed.num_processes={n}: the {algorithm.name} loop runs in one process (several "
-                     "processes: algorithm grpo or rloo)")
-  if n > 1 and config.rollout.get("tree_fanouts"):
+  if n > 1 and config.get("rollout") and config.rollout.get("tree_fanouts"):
     raise ValueError(f"distributed.num_processes={n} with rollout.tree_fanouts={tuple(config.rollout.tree_fanouts)}: "
                      "trees run on a mesh in one process (padding them to one shape across processes is not built)")
 
