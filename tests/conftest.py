@@ -103,3 +103,34 @@ def experiment_config(module, variant: str, run_dir, **overrides):
       node = node[p]
     node[leaf] = value
   return config
+
+
+def cut_by_eos(shapes, seed=0, steps=2):
+  """A tree sampler that records each tree's trajectory count in `shapes` and, for the first prompt
+  of each step (recognised by its sampling key, (seed, step, 0) folded as loop.sample_groups makes
+  it: on a mesh the step's trees sample concurrently, in no fixed order), ends both first-level
+  segments as EOS would (after 1 and 3 tokens): a one-level tree with 2 trajectories beside a full
+  two-level tree with 4. A random 2-layer model almost never samples EOS (1 id in 49k), so this
+  gives the smoke run the shapes EOS gives real runs, the same in every run. The keys are made at
+  the first call, so that a two-process worker (tests/multihost_worker.py) can install it before
+  its processes join."""
+  from branch_replay_jax.data.trees import RolloutTree
+  from branch_replay_jax.rollout import tree_sampler
+  first_keys = set()
+
+  def sample(*args, **kwargs):
+    if not first_keys:
+      root = jax.random.key(seed)
+      first_keys.update(np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.fold_in(root, step), 0))).tobytes()
+                        for step in range(steps))
+    out = tree_sampler.sample_tree(*args, **kwargs)
+    tree = out.tree
+    if np.asarray(jax.random.key_data(kwargs["key"])).tobytes() in first_keys:
+      first = tree.children(0)
+      cut = RolloutTree((tree.segments[0],) + tuple(tree.segments[c][:n] for c, n in zip(first, (1, 3))),
+                        (-1, 0, 0), (1, 2))
+      out = tree_sampler.TreeRollout(cut, [out.logprobs[0]] + [out.logprobs[c][:n] for c, n in zip(first, (1, 3))],
+                                     np.ones(2, bool))
+    shapes.append(len(out.tree.ends))
+    return out
+  return sample

@@ -13,7 +13,7 @@ from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
 from branch_replay_jax.rollout.tasks import Task
-from conftest import experiment_config, length_score
+from conftest import cut_by_eos, experiment_config, length_score
 from experiments import grpo_smollm2_arith
 
 REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean",
@@ -231,33 +231,6 @@ def tree_smoke(run_dir, **overrides):
   return experiment_config(grpo_tree_smollm2_arith, "smoke", run_dir, **overrides)
 
 
-def _cut_by_eos(shapes, seed=0, steps=2, prompts_per_step=2):
-  """A tree sampler that records each tree's trajectory count in `shapes` and, for the first prompt
-  of each step (recognised by its sampling key, (seed, step, 0) folded as loop.sample_groups makes
-  it: on a mesh the step's trees sample concurrently, in no fixed order), ends both first-level
-  segments as EOS would (after 1 and 3 tokens): a one-level tree with 2 trajectories beside a full
-  two-level tree with 4. A random 2-layer model almost never samples EOS (1 id in 49k), so this
-  gives the smoke run the shapes EOS gives real runs, the same in every run."""
-  from branch_replay_jax.data.trees import RolloutTree
-  from branch_replay_jax.rollout import tree_sampler
-  root = jax.random.key(seed)
-  first_keys = {np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.fold_in(root, step), 0))).tobytes()
-                for step in range(steps)}
-
-  def sample(*args, **kwargs):
-    out = tree_sampler.sample_tree(*args, **kwargs)
-    tree = out.tree
-    if np.asarray(jax.random.key_data(kwargs["key"])).tobytes() in first_keys:
-      first = tree.children(0)
-      cut = RolloutTree((tree.segments[0],) + tuple(tree.segments[c][:n] for c, n in zip(first, (1, 3))),
-                        (-1, 0, 0), (1, 2))
-      out = tree_sampler.TreeRollout(cut, [out.logprobs[0]] + [out.logprobs[c][:n] for c, n in zip(first, (1, 3))],
-                                     np.ones(2, bool))
-    shapes.append(len(out.tree.ends))
-    return out
-  return sample
-
-
 @pytest.fixture(scope="module")
 def tree_run(tmp_path_factory):
   """The tree smoke run on one device (fan-outs (2, 2), 4-token segments, 2 trees a step), some
@@ -265,7 +238,7 @@ def tree_run(tmp_path_factory):
   from branch_replay_jax.rollout import collect
   run_dir, shapes = tmp_path_factory.mktemp("tree"), []
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(collect, "sample_tree", _cut_by_eos(shapes))
+    mp.setattr(collect, "sample_tree", cut_by_eos(shapes))
     history = train.train(tree_smoke(run_dir))
   return run_dir, history, shapes
 
@@ -277,7 +250,7 @@ def test_tree_rollouts_replay_equals_naive(tree_run, tmp_path, monkeypatch):
   from branch_replay_jax.rollout import collect
   run_dir, history, shapes = tree_run
   assert sorted(set(shapes)) == [2, 4]   # both shapes occur
-  monkeypatch.setattr(collect, "sample_tree", _cut_by_eos([]))
+  monkeypatch.setattr(collect, "sample_tree", cut_by_eos([]))
   train.train(tree_smoke(tmp_path, **{"train.gradient": "naive"}))
   assert history[0]["token_positions_naive"] > history[0]["token_positions_computed"]
   assert os.path.getsize(run_dir / "trees" / "step_2.png") > 0
@@ -299,7 +272,7 @@ def test_mesh_tree_run_trains_to_the_same_parameters(tree_run, tmp_path, monkeyp
   from branch_replay_jax.rollout import collect
   run_dir, history, shapes = tree_run
   assert any(a != b for a, b in zip(shapes[0::2], shapes[1::2]))   # some step pads one tree to the other
-  monkeypatch.setattr(collect, "sample_tree", _cut_by_eos([]))
+  monkeypatch.setattr(collect, "sample_tree", cut_by_eos([]))
   data, branch, seq = mesh
   got_history = train.train(tree_smoke(tmp_path, **{"mesh.data": data, "mesh.branch": branch, "mesh.seq": seq,
                                                     "mesh.params": params, "train.tree_schedule": schedule}))

@@ -19,8 +19,9 @@ stacked: trees over `data`, first-level subtrees over `branch`, prompt over `seq
 data-parallel on the mesh: each group samples on a device of its `data` row from a copy of the
 parameters gathered there, all devices at once (distributed/hosts.py), with the same tokens as on
 one device. The loop also runs as several processes (distributed.num_processes;
-distributed/hosts.py; groups, not trees): each process samples and places the groups of its own
-devices.
+distributed/hosts.py): each process samples and places the groups of its own devices; trees are
+first shared with every process (their padded shape is the step's largest over all processes),
+then each places its own rows.
 """
 
 from __future__ import annotations
@@ -135,12 +136,15 @@ class GRPOFunctions:
     """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (trees
     padded to one level layout by `pad_trees`, whose padding adds exact zeros to loss, gradient and
     metrics; prompts to one length by `pad_prompts`; with several processes, each passes its own
-    groups, those with a batch, as its part of it)."""
+    groups, those with a batch, as its part of it, and for trees, which every process holds, the
+    whole batch)."""
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
     kind, local = groups[0].kind, [g.batch for g in groups if g.batch is not None]
     if kind == "tree":
-      local = pad_trees(local)   # one process (loop.check_processes refuses trees on several)
+      # Every process holds every tree (`collect`: whole), so all pad them to one shape, the
+      # step's largest, and each places its own rows of the whole batch.
+      return [(kind, loop.on_mesh(pad_trees(local), self.mesh))]
     longest = hosts.global_max(max(b.prompt_ids.shape[0] for b in local))
     batch = stack_groups(pad_prompts(local, self.mesh.shape["seq"], longest=longest))
     return [(kind, shard_batch(batch, self.mesh, num_groups=len(groups)))]
@@ -202,8 +206,10 @@ class GRPO(loop.Algorithm):
   def collect(self, run, params, step, data_pos):
     devices = loop.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
     policy = self.fns.for_sampling(run.graphdef, params, devices)
+    # Trees: with several processes every process receives every tree's arrays (`whole`), as the
+    # padded shape of the step's trees is that of the largest over all processes.
     return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos,
-                              devices=devices)
+                              devices=devices, whole=bool(self.config.rollout.tree_fanouts))
 
   def update(self, params, opt_state, groups, step):
     check = self.exactness(params, groups) if self.fns.check.due(step) else {}

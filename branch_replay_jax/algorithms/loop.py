@@ -462,17 +462,14 @@ class Algorithm:
     plots.write_plots(self.config.run_dir)
 
 
-def check_processes(config, algorithm: Algorithm) -> None:
+def check_processes(config) -> None:
   """Raise ValueError when the processes this one belongs to differ from config.distributed's
   (`hosts.settings`: a run of several processes starts through `hosts.initialize`, as main.py
-  does), or trees in several processes (not built)."""
+  does)."""
   n = hosts.settings(config)["num_processes"]
   if n != jax.process_count():
     raise ValueError(f"distributed.num_processes={n} but this is one of {jax.process_count()} processes: start the run "
                      "through branch_replay_jax.main (it calls distributed.hosts.initialize(config) first)")
-  if n > 1 and config.get("rollout") and config.rollout.get("tree_fanouts"):
-    raise ValueError(f"distributed.num_processes={n} with rollout.tree_fanouts={tuple(config.rollout.tree_fanouts)}: "
-                     "trees run on a mesh in one process (padding them to one shape across processes is not built)")
 
 
 def train(config, algorithm: Algorithm) -> list[dict]:
@@ -480,7 +477,7 @@ def train(config, algorithm: Algorithm) -> list[dict]:
   With several processes (distributed/hosts.py) every process calls it; process 0 writes the logs.
   With config.eval.size > 0 it evaluates on held-out problems (`Evaluation`) at step 0, every
   eval.every steps and at the end."""
-  check_processes(config, algorithm)
+  check_processes(config)
   evaluation = Evaluation(config, algorithm) if config.get("eval") and config.eval.size else None
   run = start_run(config, algorithm.fingerprint(), optimizer_fn=lambda _: algorithm.make_optimizer(),
                   wrap=algorithm.wrap, keep_initial=algorithm.keep_initial)
@@ -706,7 +703,8 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
       `hosts.allgather_objects`, a collective every process joins.
     whole: with several processes, the other processes' groups come back with their arrays too
       (`Group.batch` on the host, numpy), so that every process holds the whole step in the same
-      order (PPO's minibatch shuffle and whitening see every group). One process: no effect.
+      order (PPO's minibatch shuffle and whitening, the padded shape of GRPO's trees see every
+      group). One process: no effect.
 
   Returns: ([prompts_per_step] groups in order, the next data position).
   """
@@ -716,7 +714,8 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
     return [rollout(config, policy, tokenizer, task, data_pos + i, keys[i]) for i in range(n)], data_pos + n
   local = hosts.run_on_devices(lambda i, device: rollout(config, policy[device], tokenizer, task, data_pos + i,
                                                          jax.device_put(keys[i], device)), devices)
-  shared = lambda g: dataclasses.replace(g, batch=jax.device_get(g.batch) if whole else None)
+  shared = lambda g: dataclasses.replace(g, batch=jax.device_get(g.batch) if whole else None,
+                                         naive_batch=jax.device_get(g.naive_batch))
   summaries = hosts.gather_items({i: shared(g) for i, g in local.items()}) if jax.process_count() > 1 else local
   return [local.get(i, summaries[i]) for i in range(n)], data_pos + n
 
