@@ -72,6 +72,55 @@ def test_sharded_actor_critic_equals_single_device():
     assert max_rel_err(jax.tree_util.tree_map(lambda x: np.asarray(x)[i], out), want_fwd) <= 1e-5
 
 
+@needs_8
+def test_sharded_actor_critic_trees_equal_single_device():
+  # Two PPO trees of different shapes (a two-level tree of 4 trajectories, prompt 5 tokens; a
+  # one-level tree of 2, as EOS leaves one, prompt 7), padded to one layout (pad_trees, whose
+  # padding adds exact zeros: tests/test_tree_replay.py) and stacked on a 2 x 2 x 1 FSDP mesh of 4
+  # devices (trees over data, first-level subtrees over branch; every parameter, the value head
+  # included, split). Loss and gradients equal the single-device tree replay of the same padded
+  # trees summed over them up to float32 rounding order, and the forward pass, read back per tree
+  # from the stacked layout (ppo.level_to_nodes, ppo.leaf_values: the one-level tree's slots inside
+  # two padded levels), equals the single-device one (~1e-7; a wrong slot would be O(1) off).
+  from test_ppo import T_MAX, _tree_case, _tree_objective
+
+  from branch_replay_jax.algorithms import ppo
+  from branch_replay_jax.data.batches import pad_trees
+  from branch_replay_jax.data.trees import RolloutTree
+  from branch_replay_jax.distributed.mesh import (sharded_actor_critic_tree_logprobs_values,
+                                                  sharded_actor_critic_tree_value_and_grad)
+  rng = np.random.default_rng(0)
+  seg = lambda n: rng.integers(0, 64, n)
+  trees = [RolloutTree((seg(5), seg(3), seg(2), seg(2), seg(1), seg(3), seg(2)), (-1, 0, 0, 1, 1, 2, 2), (3, 4, 5, 6)),
+           RolloutTree((seg(7), seg(4), seg(1)), (-1, 0, 0), (1, 2))]
+  graphdef, params = actor_critic("value_head", jnp.float32)
+  cases = [_tree_case(t, graphdef, params, jnp.float32, seed=i) for i, t in enumerate(trees)]
+  units = pad_prompts(pad_trees([arr for _, arr, _ in cases]))   # one shape: one compile per function below
+  step = jax.jit(pp.tree_replay_value_and_grad, static_argnums=(0, 3))
+  outs = [step(graphdef, params, arr, _tree_objective) for arr in units]
+  want = jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs])
+  mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    batch = shard_batch(stack_groups(units), mesh)
+    placed = shard_params(params, mesh, "fsdp")
+    loss, _, grads = jax.jit(lambda p, b: sharded_actor_critic_tree_value_and_grad(
+        graphdef, p, b, _tree_objective, mesh, micro_batch=2))(placed, batch)
+    levels = jax.device_get(jax.jit(lambda p, b: sharded_actor_critic_tree_logprobs_values(graphdef, p, b, mesh))(
+        placed, batch))
+  assert float(loss) == pytest.approx(sum(float(o[0]) for o in outs), rel=1e-5)
+  assert max_rel_err(grads, want) <= 1e-5
+  forward = jax.jit(pp.tree_logprobs_values, static_argnums=0)
+  for i, (tree, (padded, _, _)) in enumerate(zip(trees, cases)):
+    own = forward(graphdef, params, units[i])
+    mine = [jax.tree_util.tree_map(lambda x: x[i], lvl) for lvl in levels]
+    for k in ("logp", "values"):
+      got = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [getattr(v, k) for v in mine]), T_MAX)
+      ref = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [getattr(v, k) for v in own]), T_MAX)
+      assert max_rel_err(got, ref) <= 1e-5 and np.abs(ref).max() > 0, k
+    got = ppo.leaf_values(tree, padded.node_ids, [v.next_value for v in mine])
+    assert max_rel_err(got, ppo.leaf_values(tree, padded.node_ids, [v.next_value for v in own])) <= 1e-5
+
+
 def test_pad_groups_pads_with_masked_branches():
   # DPO's ragged groups: 3 completions of 8 tokens, 2 of 16 (prompt 16), 1 of 8 (prompt 32). On a
   # 2 x 2 x 2 mesh: G' = 3 rounded up to 4, T' = 16, prompts 32, and 3 groups + 1 filler (data = 2).
@@ -153,6 +202,38 @@ def test_ppo_mesh_run_trains_to_the_same_parameters(ppo_reference, tmp_path, sha
   assert max(r["kl"] for r in want_history) > 0
 
 
+@needs_8
+@pytest.mark.heavy   # 213 s on 2 shared cores; test_sharded_actor_critic_trees_equal_single_device runs in CI
+def test_ppo_tree_mesh_run_trains_to_the_same_parameters(tmp_path, monkeypatch):
+  # The PPO tree smoke run with fan-outs (4, 2) (8 trajectories a tree), one minibatch of both trees,
+  # on a 2 x 4 x 1 FSDP mesh: trees over data, first-level subtrees over branch, for policy and
+  # critic. Each step's first tree is cut short as EOS would (conftest.cut_by_eos: a one-level tree
+  # of 2 trajectories beside a full one of 8), so the step's old log-probs/values pass and each
+  # minibatch pad the trees to one layout (pad_trees: exact zeros), and the old values map back
+  # from the padded layout to each tree's nodes for GAE. The same terms summed in another order:
+  # parameters within the Adam rounding bound (1e-5), metrics to float32 rounding, equal samples.
+  from conftest import cut_by_eos
+
+  from branch_replay_jax.rollout import collect
+  tree = {"rollout.tree_fanouts": (4, 2), "ppo.minibatches": 1}
+  shapes = []
+  monkeypatch.setattr(collect, "sample_tree", cut_by_eos(shapes))
+  want_history = _run(ppo_smollm2_arith, "tree_smoke", tmp_path / "one", **tree)
+  assert sorted(set(shapes)) == [2, 8]   # both shapes occur
+  history = _run(ppo_smollm2_arith, "tree_smoke", tmp_path / "mesh", **tree, **_mesh((2, 4, 1), "fsdp", 2))
+  assert _lines(tmp_path / "mesh" / "samples.jsonl") == _lines(tmp_path / "one" / "samples.jsonl")
+  got, _ = final_params(tmp_path / "mesh")
+  want, _ = final_params(tmp_path / "one")
+  assert max_rel(got, want) <= 1e-5
+  for got_r, want_r in zip(history, want_history, strict=True):
+    for name in ("reward_mean", "token_positions_computed", "completion_len_mean"):
+      assert got_r[name] == want_r[name], name
+    for name in ("loss", "policy_loss", "value_loss", "kl", "clip_frac", "value_mean", "return_mean"):
+      assert got_r[name] == pytest.approx(want_r[name], rel=1e-4, abs=1e-7), name
+    assert got_r["grad_norm"] == pytest.approx(want_r["grad_norm"], rel=1e-5)
+  assert min(r["grad_norm"] for r in want_history) > 0.1 and max(r["value_loss"] for r in want_history) > 0
+
+
 @pytest.fixture(scope="module")
 def dpo_reference(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("dpo_one_device")
@@ -190,7 +271,8 @@ def test_dpo_mesh_run_trains_to_the_same_parameters(dpo_reference, tmp_path, sha
 @pytest.mark.parametrize("module,variant,overrides,match", [
     (ppo_smollm2_arith, "smoke", {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2},
      r"mesh.data=2 must divide the groups per minibatch, rollout.prompts_per_step / ppo.minibatches = 2 / 2 = 1"),
-    (ppo_smollm2_arith, "tree_smoke", {"mesh.branch": 2, "mesh.seq": 4}, r"rollout.tree_fanouts=\(2, 2\)"),
+    (ppo_smollm2_arith, "tree_smoke", {"mesh.branch": 2, "mesh.seq": 4},
+     r"mesh.seq=4 with rollout.tree_fanouts=\(2, 2\): PPO's tree replay does not split the prompt over seq"),
     (ppo_smollm2_arith, "smoke", {"mesh.branch": 4, "mesh.seq": 2, "train.gradient": "naive"},
      "train.gradient='naive'"),
     (dpo_smollm2_arith, "jsonl_smoke", {"mesh.data": 2, "mesh.branch": 4, "train.gradient": "naive"},

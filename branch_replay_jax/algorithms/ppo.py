@@ -16,13 +16,14 @@ With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py; g
 replay gradients), step 2 runs on the step's groups stacked into one batch and each minibatch's
 gradient (4) on its groups stacked into one batch, under `shard_map`: groups over `data`,
 completions over `branch`, prompt tokens over `seq`, for the policy and the critic alike;
-parameters and optimizer state replicated or FSDP-sharded (mesh.params). Sampling (1) is
-data-parallel on the mesh as GRPO's (each group on a device of its `data` row, from a copy of
+parameters and optimizer state replicated or FSDP-sharded (mesh.params). Trees run there too
+(mesh.seq = 1): the step's trees (a minibatch's) padded to one level layout
+(data.batches.pad_trees, exact zeros), trees over `data`, first-level subtrees over `branch`.
+Sampling (1) is data-parallel on the mesh as GRPO's (each group on a device of its `data` row, from a copy of
 the parameters gathered there; the same tokens as on one device). As several processes
 (distributed.num_processes) each process samples its devices' groups, then every process
 receives every group's arrays (loop.sample_groups, whole=True), so all compute the same GAE,
 whitening and minibatch order over the whole step and place only their own rows of each batch.
-Trees run on one device.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ from jax.sharding import PartitionSpec as P
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
-from branch_replay_jax.distributed.mesh import sharded_actor_critic_logprobs_values, sharded_actor_critic_value_and_grad
+from branch_replay_jax.distributed.mesh import (leaf_siblings, sharded_actor_critic_logprobs_values,
+                                                sharded_actor_critic_tree_logprobs_values,
+                                                sharded_actor_critic_tree_value_and_grad,
+                                                sharded_actor_critic_value_and_grad)
 from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout.collect import Group
@@ -77,9 +81,10 @@ def validate(config) -> None:
   loop.validate(config)
   m = config.mesh
   if m.data * m.branch * m.seq > 1:
-    if config.rollout.tree_fanouts:
-      raise ValueError(f"rollout.tree_fanouts={tuple(config.rollout.tree_fanouts)}: PPO runs trees on one device "
-                       f"(mesh={m.data}x{m.branch}x{m.seq}); use a 1x1x1 mesh or group rollouts")
+    if config.rollout.tree_fanouts and m.seq > 1:
+      raise ValueError(f"mesh.seq={m.seq} with rollout.tree_fanouts={tuple(config.rollout.tree_fanouts)}: PPO's "
+                       "tree replay does not split the prompt over seq; use mesh.seq=1 (trees over data, "
+                       "first-level subtrees over branch)")
     per_minibatch = config.rollout.prompts_per_step // p.minibatches
     if per_minibatch % m.data:
       raise ValueError(f"mesh.data={m.data} must divide the groups per minibatch, rollout.prompts_per_step / "
@@ -120,14 +125,23 @@ class PPOFunctions:
     cast, upcast = loop.param_casts(config)
     if self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
+      if tree:   # the step's trees padded to one layout (`units`); micro-batches fit each padded shape
+        fit = lambda b: fit_micro_batch(m, leaf_siblings(b, mesh))
+        mesh_grad = lambda prm, b: sharded_actor_critic_tree_value_and_grad(
+            graphdef, prm, b, objective, mesh, micro_batch=fit(b), schedule=t.tree_schedule)
+        mesh_forward = lambda prm, b: sharded_actor_critic_tree_logprobs_values(graphdef, prm, b, mesh,
+                                                                                micro_batch=fit(b))
+      else:
+        mesh_grad = lambda prm, b: sharded_actor_critic_value_and_grad(graphdef, prm, b, objective, mesh,
+                                                                       micro_batch=m)
+        mesh_forward = lambda prm, b: sharded_actor_critic_logprobs_values(graphdef, prm, b, mesh, micro_batch=m)
+
       # aux summed over the batch, the forward pass gathered: replicated, so that every process
       # reads them whole (with several processes the [B, ...] arrays span processes).
       def grad(prm, b):
-        loss, aux, grads = sharded_actor_critic_value_and_grad(graphdef, prm, b, objective, mesh, micro_batch=m)
+        loss, aux, grads = mesh_grad(prm, b)
         return loss, jax.tree_util.tree_map(jnp.sum, aux), grads
-      forward = lambda prm, b: jax.tree_util.tree_map(
-          lambda x: jax.sharding.reshard(x, P()),
-          sharded_actor_critic_logprobs_values(graphdef, prm, b, mesh, micro_batch=m))
+      forward = lambda prm, b: jax.tree_util.tree_map(lambda x: jax.sharding.reshard(x, P()), mesh_forward(prm, b))
     else:
       grad_fn = (pp.naive_value_and_grad if self.naive else
                  functools.partial(pp.tree_replay_value_and_grad, schedule=t.tree_schedule) if tree else
@@ -146,24 +160,29 @@ class PPOFunctions:
     self.cast = cast
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
-    """(kind, arrays) per update unit: each group or tree, or the groups as one stacked batch on the mesh."""
+    """(kind, arrays) per update unit: each group or tree, or the groups (trees) as one stacked
+    batch on the mesh, trees first padded to one level layout (`data.batches.pad_trees`: empty
+    slots, weights, advantages and returns 0, so loss, gradient and metric sums are unchanged)."""
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
-    return [("group", loop.on_mesh([g.batch for g in groups], self.mesh))]
+    kind, batches = groups[0].kind, [g.batch for g in groups]
+    return [(kind, loop.on_mesh(pad_trees(batches) if kind == "tree" else batches, self.mesh))]
 
   def forward_groups(self, params, groups: list[Group]) -> list:
     """`forward` of every group (its `LogprobsValues`, a tree's per-level list): group by group on one
     device; on the mesh, all groups as one stacked batch, split back per group on the host."""
     if self.mesh is None:
       return [self.forward(params, g.batch) for g in groups]
-    out = jax.device_get(self.forward(params, self.units(groups)[0][1]))   # [B, G, ...] on the host, split per group
+    out = jax.device_get(self.forward(params, self.units(groups)[0][1]))   # [B, ...] on the host, split per group
+    # (a tree's levels keep the step's padded layout; its own slots come first on every axis)
     return [jax.tree_util.tree_map(lambda x: x[i], out) for i in range(len(groups))]
 
 
 # Host-side layout of a tree's per-node values along trajectories (and back).
 
 def level_to_nodes(tree: RolloutTree, node_ids: tuple, levels: list) -> list[np.ndarray]:
-  """Per node [L_n] (root: zeros) from per-level slot arrays [F_1..F_d, T_d] (`PaddedTree.node_ids`)."""
+  """Per node [L_n] (root: zeros) from per-level slot arrays [F_1..F_d, T_d] (`PaddedTree.node_ids`),
+  or a larger layout padded at the end of each axis (`data.batches.pad_trees`, as on the mesh)."""
   out = [np.zeros(len(s), np.float32) for s in tree.segments]
   for ids, values in zip(node_ids, levels):
     values = np.asarray(values)
@@ -195,10 +214,11 @@ def node_columns(tree: RolloutTree, rows: np.ndarray) -> list[np.ndarray]:
 
 def leaf_values(tree: RolloutTree, node_ids: tuple, levels: list) -> np.ndarray:
   """[G]: per trajectory g, the value in the slot of the node it ends at (`tree.ends[g]`), from
-  per-level slot arrays [F_1..F_d] (`PaddedTree.node_ids`)."""
+  per-level slot arrays [F_1..F_d] (`PaddedTree.node_ids`), or a larger layout padded at the end
+  of each axis (`data.batches.pad_trees`, as on the mesh)."""
   per_node = np.zeros(tree.num_nodes, np.result_type(*[np.asarray(v) for v in levels]))
   for ids, values in zip(node_ids, levels):
-    values = np.asarray(values)
+    values = np.asarray(values)[tuple(slice(n) for n in ids.shape)]   # a padded layout: this tree's slots
     per_node[ids[ids >= 0]] = values[ids >= 0]
   return per_node[list(tree.ends)]
 

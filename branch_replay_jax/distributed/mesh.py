@@ -499,6 +499,49 @@ def sharded_actor_critic_logprobs_values(graphdef, params, batch: GroupBatch, me
       split_fn=actor_critic_prompt_split)
 
 
+def _check_tree_seq(mesh) -> None:
+  if mesh.shape["seq"] > 1:
+    raise ValueError(f"mesh.seq={mesh.shape['seq']}: an actor-critic's tree replay does not split the prompt over "
+                     "seq (gradients.actor_critic's tree functions take no prompt_fn); use mesh.seq=1")
+
+
+def sharded_actor_critic_tree_value_and_grad(graphdef, params, batch: TreeBatch, objective, mesh, *,
+                                             micro_batch: int = 1, logprob_chunk: int = 256,
+                                             schedule: str = "depth_first"):
+  """PPO's (loss, aux, grads) summed over a batch of rollout trees for an actor-critic (policy AND
+  critic parameters), by nested replay under `shard_map`: `gradients.actor_critic.
+  tree_replay_value_and_grad` tree by tree, trees over `data`, first-level subtrees (F_1) over
+  `branch`, the root's state cotangent (each trunk's prompt K/V and last hidden state) all-reduced
+  over `branch`. The prompt is not split: mesh.seq must be 1.
+
+  objective: an `actor_critic.PPOObjective` for trees (losses.ppo_tree_objective); batch, schedule
+  and micro_batch as `sharded_tree_replay_value_and_grad`. Returns (loss replicated, aux: the list
+  over levels of `NodeOutputs` [B, F_1..F_d, ...] sharded P("data", "branch"), grads like params),
+  the grads equal to the single-device tree replay's summed over the trees.
+
+  Raises:
+    ValueError: mesh.seq > 1; B or F_1 not divisible by the data or branch size; a bad micro_batch.
+  """
+  _check_tree_seq(mesh)
+
+  def per_group(local, batch, reduce):
+    return actor_critic.tree_replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
+                                                   logprob_chunk=logprob_chunk, schedule=schedule,
+                                                   reduce_prefix_cotangent=reduce)
+  return _mesh_value_and_grad(per_group, params, batch, mesh)
+
+
+def sharded_actor_critic_tree_logprobs_values(graphdef, params, batch: TreeBatch, mesh, *, micro_batch: int = 1,
+                                              logprob_chunk: int = 256) -> list:
+  """PPO's old log-probs and values of a batch of rollout trees by forward-only nested replay under
+  `shard_map`: per level d, `actor_critic.LogprobsValues` [B, F_1..F_d, ...] sharded P("data",
+  "branch"), equal to `actor_critic.tree_logprobs_values` tree by tree. Placement, micro_batch and
+  raises as `sharded_actor_critic_tree_value_and_grad`."""
+  _check_tree_seq(mesh)
+  return _mesh_map(graphdef, lambda local, b: actor_critic.tree_logprobs_values(
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk), params, batch, mesh)
+
+
 class ShardedReplaySteps:
   """`gradients.preference.ReplaySteps` (DPO's two passes) on `mesh`: a PreferenceBatch's ragged
   groups padded to one shape (`pad_groups`: zero-weight padding, so loss and gradient are
