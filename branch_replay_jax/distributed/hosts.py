@@ -16,7 +16,11 @@ Who does what (algorithms/grpo.py, algorithms/loop.py):
     run of the same seed (tests/test_multihost.py). A process samples only the groups of its own
     devices ("loads only its data");
   - the update: each process places its groups as its part of one global batch
-    (`distributed.mesh.shard_batch`, `jax.make_array_from_process_local_data`);
+    (`distributed.mesh.shard_batch`, `jax.make_array_from_process_local_data`). Steps that see the
+    whole step (PPO's minibatch shuffle and whitening, DPO's pairs, sampled trees' common padded
+    shape) first share every group's arrays with every process (`gather_items`), build the same
+    batch everywhere and place only their own rows of it (DPO's prompts sample on
+    `spread_devices`, as they are re-laid out anyway);
   - logs: every process learns every group's rewards, lengths and timings (`allgather_objects`),
     so the step's metrics are the same everywhere; only process 0 writes files (`is_primary`);
   - held-out evaluation (rollout/evaluate.py): the problems spread over every device, taking each
