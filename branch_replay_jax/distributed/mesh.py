@@ -272,7 +272,7 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
 
 
 def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, mesh, *,
-                                  micro_batch: int = 1, logprob_chunk: int = 256):
+                                  micro_batch: int = 1, logprob_chunk: int = 256, temperature: float = 1.0):
   """(loss, aux, grads) summed over a batch of groups, by replay under `shard_map` on `mesh`.
 
   Args:
@@ -280,6 +280,7 @@ def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective
     batch: `stack_groups` output placed with `shard_batch`: prompt_ids [B, P_pad], prompt_len [B],
       branches [B, G, ...].
     micro_batch: completions per scan step on each device; must divide G / branch.
+    temperature: τ of the log-probs (`gradients.logprobs.replay_value_and_grad`).
 
   Returns:
     loss: scalar, Σ over groups and completions of the objective (replicated).
@@ -295,16 +296,17 @@ def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective
   def per_group(local, batch, reduce):
     split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
     return replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
-                                 logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce, **split)
+                                 logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce,
+                                 temperature=temperature, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
 def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, mesh, *,
                                        micro_batch: int = 1, logprob_chunk: int = 256,
-                                       schedule: str = "depth_first"):
+                                       schedule: str = "depth_first", temperature: float = 1.0):
   """(loss, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`), by nested replay
   under `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
-  schedule: as in `gradients.logprobs.tree_replay_value_and_grad`.
+  schedule, temperature: as in `gradients.logprobs.tree_replay_value_and_grad`.
 
   Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G).
   """
@@ -315,12 +317,12 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objec
     split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
     return tree_replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
                                       logprob_chunk=logprob_chunk, schedule=schedule,
-                                      reduce_prefix_cotangent=reduce, **split)
+                                      reduce_prefix_cotangent=reduce, temperature=temperature, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
 def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
-                            logprob_chunk: int = 256) -> jax.Array:
+                            logprob_chunk: int = 256, temperature: float = 1.0) -> jax.Array:
   """[B, G, T] float32 completion log-probs (0 on padding) of a batch of groups, by forward-only
   replay under `shard_map` (reference and old-policy log-probs of the training loop).
 
@@ -334,7 +336,7 @@ def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_
     def one_group(_, batch):
       split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
       return None, replay_logprobs(graphdef, local, batch, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
-                                   **split)
+                                   temperature=temperature, **split)
     return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
   return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
 
