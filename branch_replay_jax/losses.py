@@ -123,41 +123,82 @@ def explained_variance(returns, predicted) -> float | None:
   return float(1.0 - np.var(r - v) / np.var(r))
 
 
-def trajectory_weights(lengths_g, *, mode: str, max_length: int | None = None) -> np.ndarray:
+def trajectory_weights(lengths_g, *, mode: str, max_length: int | None = None, in_loss=None) -> np.ndarray:
   """[G] per-token loss weight of each trajectory (the same for all its tokens) for one normalisation.
 
-  The group loss is Σ_g w_g Σ_{t in o_g} ℓ[g, t]. Modes:
-    sequence_mean: w_g = 1 / (G |o_g|)   -- mean over each completion, then over the group
+  The group loss is Σ_g w_g Σ_{t in o_g} ℓ[g, t]. Modes, over the K trajectories in the loss
+  (K = G unless `in_loss` leaves some out):
+    sequence_mean: w_g = 1 / (K |o_g|)   -- mean over each completion, then over the group
                    (GRPO, arXiv 2402.03300 eq. 3).
-    token_mean:    w_g = 1 / Σ_g |o_g|   -- mean over all tokens of the group
+    token_mean:    w_g = 1 / Σ_j |o_j|   -- mean over all tokens of the group, j in the loss
                    (DAPO, arXiv 2503.14476 eq. 8).
-    constant:      w_g = 1 / (G L_max)   -- a constant that does not depend on lengths
+    constant:      w_g = 1 / (K L_max)   -- a constant that does not depend on lengths
                    (Dr. GRPO, arXiv 2503.20783 section 3.1); L_max = max_length.
   On a tree, a token shared by several trajectories carries one term per trajectory.
+
+  Example (token_mean, lengths [3, 5, 8], in_loss [True, False, True]): w = [1/11, 0, 1/11]; the
+  group is normalised as if it held the two trajectories in the loss (`loss.mask_truncated`).
 
   Args:
     lengths_g: [G] completion lengths |o_g| (tokens), >= 0.
     mode: one of NORMALISATIONS.
     max_length: L_max, required for mode="constant".
+    in_loss: [G] bool, the trajectories the loss keeps (w = 0 for the others), or None (all).
+      None of them kept: every weight is 0 (the group adds nothing to the loss).
 
   Raises:
-    ValueError: unknown mode, a negative length, an all-empty group, constant without max_length.
+    ValueError: unknown mode, a negative length, an in_loss of another shape, kept trajectories
+      that are all empty, constant without max_length.
   """
   lengths = np.asarray(lengths_g, dtype=np.int64)
   if mode not in NORMALISATIONS:
     raise ValueError(f"token_weights: mode={mode!r} is not one of {NORMALISATIONS}")
   if lengths.ndim != 1 or np.any(lengths < 0):
     raise ValueError(f"token_weights: lengths {lengths.tolist()} must be a 1-D array of lengths >= 0")
-  if lengths.sum() == 0:
+  keep = np.ones(lengths.shape, bool) if in_loss is None else np.asarray(in_loss, bool)
+  if keep.shape != lengths.shape:
+    raise ValueError(f"token_weights: in_loss shape {keep.shape} differs from lengths shape {lengths.shape}")
+  if not keep.any():
+    return np.zeros(lengths.shape)
+  if lengths[keep].sum() == 0:
     raise ValueError("token_weights: every completion in the group is empty")
-  g = lengths.shape[0]
+  k = int(keep.sum())
   if mode == "sequence_mean":
-    return np.where(lengths > 0, 1.0 / (g * np.maximum(lengths, 1)), 0.0)
-  if mode == "token_mean":
-    return np.full(g, 1.0 / lengths.sum())
-  if not max_length:
+    w = np.where(lengths > 0, 1.0 / (k * np.maximum(lengths, 1)), 0.0)
+  elif mode == "token_mean":
+    w = np.full(lengths.shape, 1.0 / lengths[keep].sum())
+  elif not max_length:
     raise ValueError("token_weights: mode='constant' needs max_length (L_max)")
-  return np.full(g, 1.0 / (g * max_length))
+  else:
+    w = np.full(lengths.shape, 1.0 / (k * max_length))
+  return np.where(keep, w, 0.0)
+
+
+def overlong_penalty(lengths_g, *, max_length: int, buffer: int, penalty: float = 1.0) -> np.ndarray:
+  """[G] float64 soft overlong punishment, added to each trajectory's reward: 0 up to the last
+  `buffer` tokens of the budget, then falling linearly to -penalty at the budget.
+
+  DAPO (arXiv 2503.14476) eq. 13 with L_max = max_length, L_cache = buffer, scaled by `penalty`:
+      R(y) = 0                                        |y| <= L_max - L_cache
+             penalty ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+             -penalty                                 |y| > L_max
+  Example (L_max 32, L_cache 8, penalty 1): lengths [10, 24, 25, 28, 32] -> [0, 0, -1/8, -1/2, -1].
+
+  Args:
+    lengths_g: [G] completion lengths |y| (tokens, EOS included).
+    max_length: L_max >= 1, the completion budget.
+    buffer: L_cache in [1, L_max].
+    penalty: >= 0, the reward taken from a completion that fills the budget.
+
+  Raises:
+    ValueError: buffer outside [1, max_length] or penalty < 0.
+  """
+  if not 1 <= buffer <= max_length:
+    raise ValueError(f"overlong_penalty: buffer={buffer!r} must lie in [1, max_length={max_length}]")
+  if not penalty >= 0:
+    raise ValueError(f"overlong_penalty: penalty={penalty!r} must be >= 0")
+  lengths = np.asarray(lengths_g, np.float64)
+  return -penalty * np.clip((lengths - (max_length - buffer)) / buffer, 0.0, 1.0)
 
 
 def token_weights(lengths_g, num_tokens: int, *, mode: str, max_length: int | None = None) -> np.ndarray:
@@ -188,30 +229,61 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 
 
 def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, advantages: jax.Array, *,
-                    clip_eps: float = 0.2, kl_coef: float = 0.0) -> tuple[jax.Array, dict]:
-  """Per-token GRPO loss ℓ_t = -min(r_t A, clip(r_t, 1-ε, 1+ε) A) + β k3_t, r_t = exp(logp - old_logp).
+                    clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
+                    log_ratio: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """Per-token GRPO loss ℓ_t = -min(r_t A, clip(r_t, 1-ε_low, 1+ε_high) A) + β k3_t, r_t = exp(logp - old_logp).
 
   PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347 eq. 7) with the GRPO KL term
-  (arXiv 2402.03300 eq. 3). Token-local: exact under replay for any tree.
+  (arXiv 2402.03300 eq. 3) and DAPO's decoupled clip range ("clip-higher", arXiv 2503.14476
+  eq. 10: ε_high > ε_low lets low-probability tokens grow). Token-local: exact under replay for any
+  tree. Example: r = 1.3, A = +1, ε = (0.2, 0.28): ℓ = -1.28 (clipped); r = 0.7, A = -1: ℓ = 0.8.
 
   Args:
     logp, old_logp, ref_logp: [..., T] float log-probs of the sampled tokens under the current,
       sampling and reference policies (old/ref are constants).
     advantages: broadcastable to logp, e.g. [..., 1].
-    clip_eps: ε.
+    clip_eps: ε_low (and ε_high when clip_eps_high is None: the symmetric PPO clip).
+    clip_eps_high: ε_high, or None.
     kl_coef: β (0 disables the KL term; ref_logp is then unused).
+    log_ratio: log r_t in place of logp - old_logp (GSPO's `sequence_log_ratio`), or None.
 
   Returns:
     loss [..., T] and a dict of per-token metrics {"clipped": bool [..., T], "kl": [..., T]}.
   """
   old_logp = jax.lax.stop_gradient(old_logp)
   ref_logp = jax.lax.stop_gradient(ref_logp)
-  ratio = jnp.exp(logp - old_logp)
+  high = clip_eps if clip_eps_high is None else clip_eps_high
+  ratio = jnp.exp(logp - old_logp if log_ratio is None else log_ratio)
   unclipped = ratio * advantages
-  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
   kl = k3_kl(logp, ref_logp)
   loss = -jnp.minimum(unclipped, clipped) + kl_coef * kl
   return loss, {"clipped": clipped < unclipped, "kl": kl}
+
+
+IMPORTANCE_RATIOS = ("token", "sequence")
+
+
+def sequence_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
+  """[..., T] log of GSPO's token-form ratio s_{i,t} = sg[s_i] π(y_t) / sg[π(y_t)], s_i = (π/π_old)^(1/|y_i|).
+
+  GSPO (Zheng et al. 2025, arXiv 2507.18071) eq. 7 (s_i = exp((1/|y_i|) Σ_t log(π_t / π_old,t)))
+  in the token form of its eq. 13 (GSPO-token): every token of completion i has the value log s_i
+  and the gradient ∇logp_t, so s_i A_i (1/|y_i|) summed over the tokens has gradient A_i ∇s_i
+  (eq. 11). Weighted by `trajectory_weights`' sequence_mean (1/(G |y_i|)) it is GSPO's objective;
+  on-policy (old = sg(logp)) s_i = 1 and it equals the token ratio's GRPO in value and gradient.
+  Couples a completion's tokens: the objective must see the whole completion (groups; a tree node
+  sees a segment, so trees take it only on-policy, where it is the token ratio).
+
+  Args:
+    logp, old_logp: [..., T] log-probs (old is a constant); mask: [..., T] bool, the real tokens
+      (|y_i| = their count; an empty completion gets log s = 0).
+  """
+  mask = jnp.asarray(mask, bool)
+  d = jnp.where(mask, logp - jax.lax.stop_gradient(old_logp), 0.0)
+  n = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1).astype(d.dtype)
+  seq = jnp.sum(d, axis=-1, keepdims=True) / n
+  return jax.lax.stop_gradient(seq) + logp - jax.lax.stop_gradient(logp)
 
 
 def weighted_logprob_loss(logp: jax.Array, weights: jax.Array) -> jax.Array:
@@ -219,8 +291,8 @@ def weighted_logprob_loss(logp: jax.Array, weights: jax.Array) -> jax.Array:
   return -jnp.sum(weights * logp)
 
 
-def grpo_objective(logp: jax.Array, branch: Segments, *, clip_eps: float, kl_coef: float,
-                   on_policy: bool) -> tuple[jax.Array, dict]:
+def grpo_objective(logp: jax.Array, branch: Segments, *, clip_eps: float, kl_coef: float, on_policy: bool,
+                   clip_eps_high: float | None = None, importance_ratio: str = "token") -> tuple[jax.Array, dict]:
   """One completion's GRPO loss Σ_t w_t ℓ_t (see `grpo_token_loss`) and its metric sums.
 
   Args:
@@ -230,20 +302,31 @@ def grpo_objective(logp: jax.Array, branch: Segments, *, clip_eps: float, kl_coe
       [T] (read when kl_coef > 0).
     on_policy: the sampling policy is the current one (one update per batch): old_logp is
       stop_gradient(logp), so the ratio is exactly 1 and its gradient is ∇logp.
+    clip_eps, clip_eps_high: ε_low, ε_high (`grpo_token_loss`).
+    importance_ratio: "token" (PPO/GRPO's r_t) or "sequence" (GSPO's s_i, `sequence_log_ratio`).
 
   Returns:
-    (loss, {"clipped": clipped token count, "kl": Σ_t k3 over real tokens}).
+    (loss, {"clipped": clipped token count, "kl": Σ_t k3}), both over the tokens the loss weighs
+    (real tokens with weight > 0: a trajectory left out of the loss, `loss.mask_truncated`, adds
+    to neither, as in `grpo_tree_objective`).
+
+  Raises:
+    ValueError: an unknown importance_ratio.
   """
+  if importance_ratio not in IMPORTANCE_RATIOS:
+    raise ValueError(f"grpo_objective: importance_ratio={importance_ratio!r} is not one of {IMPORTANCE_RATIOS}")
   old = jax.lax.stop_gradient(logp) if on_policy else branch.old_logp
   ref = branch.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
-  loss, metrics = grpo_token_loss(logp, old, ref, branch.advantage, clip_eps=clip_eps, kl_coef=kl_coef)
-  mask = branch.mask
-  return jnp.sum(branch.weights * loss), {"clipped": jnp.sum(metrics["clipped"] & mask),
-                                             "kl": jnp.sum(jnp.where(mask, metrics["kl"], 0.0))}
+  log_ratio = sequence_log_ratio(logp, old, branch.mask) if importance_ratio == "sequence" else None
+  loss, metrics = grpo_token_loss(logp, old, ref, branch.advantage, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                                  kl_coef=kl_coef, log_ratio=log_ratio)
+  on = branch.mask & (branch.weights > 0)
+  return jnp.sum(branch.weights * loss), {"clipped": jnp.sum(metrics["clipped"] & on),
+                                             "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 
 
 def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_coef: float,
-                        on_policy: bool) -> tuple[jax.Array, dict]:
+                        on_policy: bool, clip_eps_high: float | None = None) -> tuple[jax.Array, dict]:
   """GRPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, A_g) (docs/design.md, "Losses on trees").
 
   A token shared by several trajectories has one log-prob but one term per trajectory g below it:
@@ -255,6 +338,7 @@ def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_
     node: the node's `data.batches.Segments` slot: weights [T, G] (`trajectory_weights`[g] where
       trajectory g passes the token, else 0), advantage [G], mask [T], old_logp [T] (unless
       on_policy), ref_logp [T] (if kl_coef).
+    clip_eps, clip_eps_high: ε_low, ε_high (`grpo_token_loss`).
 
   Returns:
     (loss, {"clipped": clipped (token, trajectory) pairs, "kl": Σ k3 over (token, trajectory)
@@ -265,7 +349,7 @@ def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_
   old = jax.lax.stop_gradient(logp) if on_policy else node.old_logp
   ref = node.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
   loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], node.advantage[None, :],
-                                  clip_eps=clip_eps, kl_coef=kl_coef)
+                                  clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef)
   w = node.weights
   on = (w > 0) & node.mask[:, None]   # (token, trajectory) pairs: trajectory g passes real token t
   return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & on),

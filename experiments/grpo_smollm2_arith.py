@@ -39,10 +39,26 @@ def get_config(arg=None):
   c.rollout.tree_fanouts = ()             # e.g. (4, 2, 2): sample a tree (TreePO) instead of G independent samples;
   #                                       # a tree config removes group_size and max_new_tokens (see grpo_tree_*)
   c.rollout.segment_length = 0            # tokens per tree segment with tree_fanouts; must be 0 without
+  c.rollout.dynamic_sampling = False      # DAPO: drop groups whose rewards are all equal, draw more prompts until
+  #                                       # prompts_per_step groups remain (logs prompts_drawn, dropped_groups)
+  c.rollout.max_prompt_draws = ml_collections.config_dict.placeholder(int)  # with dynamic_sampling: the most
+  #                                       # prompts drawn per step, a multiple of prompts_per_step (None without)
 
   c.loss = ml_collections.ConfigDict()
-  c.loss.clip_eps = 0.2                   # PPO/GRPO ratio clip epsilon; with train.inner_epochs = 1 GRPO is on-policy
-  #                                       # (ratio 1, its gradient is that of the ratio), so it clips nothing
+  c.loss.clip_eps_low = 0.2               # ratio clip [1 - clip_eps_low, 1 + clip_eps_high]; equal: PPO's symmetric
+  c.loss.clip_eps_high = 0.2              # clip, high > low: DAPO's clip-higher (e.g. 0.28). With
+  #                                       # train.inner_epochs = 1 GRPO is on-policy (ratio 1, its gradient is that
+  #                                       # of the ratio): nothing is clipped
+  c.loss.importance_ratio = "token"       # token (PPO/GRPO ratio per token) or sequence (GSPO, arXiv 2507.18071:
+  #                                       # (pi/pi_old)^(1/|y|) per completion; equal to token when on-policy)
+  c.loss.logprob_temperature = "one"      # trainer log-probs of softmax(logits / tau): one (tau = 1) or sampling
+  #                                       # (tau = rollout.temperature, the distribution the tokens came from)
+  c.loss.aggregation = "group_mean"       # group_mean (each group normalised, groups averaged) or step_token_mean
+  #                                       # (the token mean over the whole step; needs normalisation token_mean)
+  c.loss.mask_truncated = False           # True: completions cut by the token budget get no loss (weights 0, the
+  #                                       # group normalised over the others)
+  c.loss.overlong_buffer = 0              # DAPO's soft overlong punishment: the last N tokens of the budget cost
+  c.loss.overlong_penalty = 1.0           # up to overlong_penalty reward, linearly (0 disables)
   c.loss.kl_coef = 0.04                   # beta of the k3 KL penalty to the initial policy (0 disables it)
   c.loss.normalisation = "sequence_mean"  # sequence_mean (GRPO), token_mean (DAPO) or constant (Dr. GRPO)
   c.loss.advantage = "grpo"               # grpo (group-normalised) or rloo (leave-one-out baseline, arXiv 2402.14740)

@@ -33,7 +33,17 @@ def records(run_dir):
     (grpo_smollm2_arith, {"train.inner_epochs": 2}),   # reference and old log-probs from each layout
     (grpo_tree_smollm2_arith, {}),
     (grpo_smollm2_arith, {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp"}),
-], ids=["group", "group-inner-epochs", "tree", "mesh-fsdp"])
+    # The GRPO options trees take (tests/test_grpo_options.py): the step-level token mean rescales the tree's
+    # weights and its naive layout (Group.naive_batch) alike, the log-probs are at the sampling temperature on
+    # both sides, old log-probs (inner epochs 2) let clip-higher act, the rewards carry the overlong penalty.
+    # heavy (~1.5 min on 2 loaded cores): CI pins the naive layout's rescaling in
+    # test_grpo_options.py::test_step_token_mean_rescales_tree_batches and the check with every group option
+    # in test_grpo_options.py::test_options_run_replay_equals_naive.
+    pytest.param(grpo_tree_smollm2_arith, {"train.inner_epochs": 2, "loss.clip_eps_high": 0.28,
+                                           "loss.logprob_temperature": "sampling", "rollout.temperature": 0.7,
+                                           "loss.normalisation": "token_mean", "loss.aggregation": "step_token_mean",
+                                           "loss.overlong_buffer": 4}, marks=pytest.mark.heavy),
+], ids=["group", "group-inner-epochs", "tree", "mesh-fsdp", "tree-options"])
 def test_check_logs_replay_against_naive_every_k_steps(tmp_path, module, overrides):
   # every = 2 over 2 steps: step 2 carries the figures, step 1 none. float32 run: the relative
   # errors are rounding (<= 1e-4, the float32 exactness bound) yet not all exactly 0 on the

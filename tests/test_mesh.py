@@ -152,6 +152,31 @@ def test_sharded_logprobs_equal_single_device(reference, shape):
   assert np.all(np.asarray(got)[~np.stack([np.asarray(a.branches.mask) for a in groups])] == 0)
 
 
+def test_sharded_replay_at_the_sampling_temperature_equals_naive(reference):
+  # loss.logprob_temperature = "sampling" on the mesh (algorithms/grpo.py passes τ to every sharded
+  # function): log-probs of softmax(logits / τ), τ = 0.7. The sharded gradient equals the naive one at
+  # the same τ (float32, <= 1e-5 as above), the sharded forward-only log-probs the naive ones (the
+  # objective's aux); and τ acts: they differ from τ = 1's (the reference's aux) by far more than rounding.
+  graphdef, params, groups, _, _, _, at_one = reference
+  tau = 0.7
+  naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective, temperature=tau))
+  outs = [naive(params, a) for a in groups]
+  want_loss = sum(float(o[0]) for o in outs)
+  want_grads = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), [o[2] for o in outs])
+  want_lp = np.stack([np.asarray(o[1]["logp"]) for o in outs])
+  mesh = make_mesh(2, 2, 2)
+  with jax.set_mesh(mesh):
+    batch = shard_batch(stack_groups(pad_prompts(groups, mesh.shape["seq"])), mesh)
+    sharded = shard_params(params, mesh)
+    loss, _, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh,
+                                                                        temperature=tau))(sharded, batch)
+    lp = jax.jit(lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, temperature=tau))(sharded, batch)
+  assert float(loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+  assert max_rel_err(grads, want_grads) <= 1e-5
+  np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=1e-5, atol=1e-5)
+  assert np.max(np.abs(want_lp - at_one["logp"])) > 0.1
+
+
 @pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r != "none"])
 def test_every_remat_policy_on_a_sequence_sharded_mesh(reference, remat):
   # Rematerialisation recomputes the same operations (collectives included): the naive gradient.
@@ -307,8 +332,11 @@ def test_sharded_tree_replay_equals_naive():
   # one cut short by EOS (fan-outs 3 x 2, T = (8, 16), G = 4, P_pad = 32), padded to one layout
   # (pad_trees, pad_prompts), on data=2 x branch=2 (first-level subtrees) x seq=2 (prompt): the
   # naive gradient of all their trajectories, and single-device tree replay. The sharded
-  # forward-only log-probs equal single-device tree replay's tree by tree, 0 on the padding.
+  # forward-only log-probs equal single-device tree replay's tree by tree, 0 on the padding. All at
+  # the log-prob temperature τ = 0.7 (loss.logprob_temperature = "sampling"), which every sharded
+  # tree function passes down (τ = 1 skips the division: the loop's tree runs, tests/test_train.py).
   graphdef, params = tiny_model()
+  tau = 0.7
   tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   trees, naive_loss, naive_grads, replay_grads = [], 0.0, None, None
@@ -322,10 +350,11 @@ def test_sharded_tree_replay_equals_naive():
     trees.append(tree_arrays(pad_tree(tree), per_node, advantage=adv))
     naive = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": old}, w.astype(np.float32), vocab_size=64,
                                     max_positions=256, completion_bucket=16, advantage=adv)
-    loss, _, grads = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, group_obj))(params, naive)
+    loss, _, grads = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, group_obj, temperature=tau))(
+        params, naive)
     naive_loss, naive_grads = naive_loss + float(loss), add(naive_grads, grads)
-    replay_grads = add(replay_grads, jax.jit(lambda p, a: tree_replay_value_and_grad(graphdef, p, a, tree_obj))(
-        params, trees[-1])[2])
+    replay_grads = add(replay_grads, jax.jit(lambda p, a: tree_replay_value_and_grad(
+        graphdef, p, a, tree_obj, temperature=tau))(params, trees[-1])[2])
   assert max_rel_err(replay_grads, naive_grads) <= 1e-5
   padded = pad_trees(trees)
   assert [x.tokens.shape for x in padded[1].levels] == [(4, 8), (4, 2, 16)]
@@ -333,13 +362,14 @@ def test_sharded_tree_replay_equals_naive():
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(padded, mesh.shape["seq"])), mesh)
     sharded = shard_params(params, mesh)
-    loss, _, grads = jax.jit(lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, tree_obj, mesh))(
-        sharded, batch)
-    logprobs = jax.jit(lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=2))(sharded, batch)
+    loss, _, grads = jax.jit(lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, tree_obj, mesh,
+                                                                             temperature=tau))(sharded, batch)
+    logprobs = jax.jit(lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=2,
+                                                                 temperature=tau))(sharded, batch)
   assert float(loss) == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, naive_grads) <= 1e-5
   for b, tree in enumerate(trees):
-    want = jax.jit(lambda p, a: tree_replay_logprobs(graphdef, p, a))(params, tree)
+    want = jax.jit(lambda p, a: tree_replay_logprobs(graphdef, p, a, temperature=tau))(params, tree)
     for got, level in zip(logprobs, want):
       got = np.array(got)[b]
       corner = tuple(slice(0, n) for n in level.shape)

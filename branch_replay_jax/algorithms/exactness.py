@@ -64,9 +64,10 @@ def _rel(a, b) -> float:
 class ExactnessCheck:
   """Replay against naive on one group (module docstring). `objectives` maps "group" and "tree" to
   the step's objective for each layout; `cast` / `upcast` are loop.param_casts's; `frozen`, with
-  LoRA, the base state the adapters (params, ref_params) merge with (`models.lora.WithBase`)."""
+  LoRA, the base state the adapters (params, ref_params) merge with (`models.lora.WithBase`);
+  `temperature`, the τ of the step's log-probs (`grpo.logprob_temperature`), used by both sides."""
 
-  def __init__(self, config, graphdef, objectives: dict, cast, upcast, frozen=None):
+  def __init__(self, config, graphdef, objectives: dict, cast, upcast, frozen=None, *, temperature: float = 1.0):
     t = config.train
     self.every, self.bound = t.exactness_check_every, bound(config)
     self.kl, self.old = bool(config.loss.kl_coef), t.inner_epochs > 1
@@ -79,24 +80,26 @@ class ExactnessCheck:
       tree = isinstance(b, TreeBatch)
       lp = tree_replay_logprobs if tree else replay_logprobs
       if self.kl:
-        b = with_logprobs(b, "ref_logp", lp(graph, ref, b, micro_batch=mb(b)))
+        b = with_logprobs(b, "ref_logp", lp(graph, ref, b, micro_batch=mb(b), temperature=temperature))
       if self.old:
-        b = with_logprobs(b, "old_logp", lp(graph, p, b, micro_batch=mb(b)))
+        b = with_logprobs(b, "old_logp", lp(graph, p, b, micro_batch=mb(b), temperature=temperature))
       if tree:
         loss, aux, g = tree_replay_value_and_grad(graph, p, b, objectives["tree"], micro_batch=mb(b),
-                                                  schedule=t.tree_schedule)
+                                                  schedule=t.tree_schedule, temperature=temperature)
       else:
-        loss, aux, g = replay_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b))
+        loss, aux, g = replay_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b),
+                                             temperature=temperature)
       return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
 
     def naive(p, f, ref, b):
       graph = graphdef if f is None else WithBase(graphdef, f)
       p, ref = cast(p), cast(ref)
       if self.kl:
-        b = with_logprobs(b, "ref_logp", naive_logprobs(graph, ref, b))
+        b = with_logprobs(b, "ref_logp", naive_logprobs(graph, ref, b, temperature=temperature))
       if self.old:
-        b = with_logprobs(b, "old_logp", naive_logprobs(graph, p, b))
-      loss, aux, g = naive_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b))
+        b = with_logprobs(b, "old_logp", naive_logprobs(graph, p, b, temperature=temperature))
+      loss, aux, g = naive_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b),
+                                          temperature=temperature)
       return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
     self.replay, self.naive = jax.jit(replay), jax.jit(naive)
     self.pending = False   # a check came due and found no group with unequal rewards yet

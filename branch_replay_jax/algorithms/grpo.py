@@ -8,7 +8,11 @@ One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
   4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
   5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
      over the step's groups, clipped by global norm and applied with optax AdamW.
-Steps 1-3 are rollout/collect.py (loop.sample_groups); 4-5 are `update_on_batch`.
+Steps 1-3 are rollout/collect.py (loop.sample_groups; collect.step_groups adds DAPO's dynamic
+sampling and the step-level token mean); 4-5 are `update_on_batch`. The loss options of today's
+GRPO practice (clip-higher, GSPO's sequence ratio, log-probs at the sampling temperature, overlong
+shaping and masking, the aggregation) are config fields checked by `validate` (docs/design.md,
+"GRPO options").
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
 the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
@@ -47,13 +51,85 @@ from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_an
                                                   replay_value_and_grad, tree_replay_logprobs,
                                                   tree_replay_value_and_grad)
 from branch_replay_jax.models.lora import WithBase, adapters_off
+from branch_replay_jax.rollout import collect as rollouts
 from branch_replay_jax.rollout.collect import Group
 
+LOGPROB_TEMPERATURES = ("one", "sampling")
+AGGREGATIONS = ("group_mean", "step_token_mean")
+
+
+def clip_range(loss_config) -> tuple[float, float]:
+  """(ε_low, ε_high) of the ratio clip [1 - ε_low, 1 + ε_high]: loss.clip_eps_low and loss.clip_eps_high
+  (equal: PPO's symmetric clip; ε_high > ε_low: DAPO's clip-higher, arXiv 2503.14476 eq. 10).
+
+  Raises:
+    ValueError: a loss.clip_eps field (GRPO's clip range is the two fields; one name, one meaning),
+      ε_low outside (0, 1), ε_high not a finite number > 0.
+  """
+  if "clip_eps" in loss_config:
+    raise ValueError(f"loss.clip_eps={loss_config.clip_eps!r}: GRPO's clip range is loss.clip_eps_low and "
+                     "loss.clip_eps_high (set both equal for the symmetric clip); remove loss.clip_eps")
+  low, high = loss_config.clip_eps_low, loss_config.clip_eps_high
+  loop.check_number("loss.clip_eps_low", low, lambda v: 0 < v < 1, "in (0, 1)")
+  loop.check_number("loss.clip_eps_high", high, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  return float(low), float(high)
+
+
+def logprob_temperature(config) -> float:
+  """τ of the trainer's log-probs: rollout.temperature with loss.logprob_temperature = "sampling"
+  (the distribution the sampler drew from), 1 with "one" (docs/design.md, "Log-prob temperature")."""
+  return float(config.rollout.temperature) if config.loss.logprob_temperature == "sampling" else 1.0
+
+
+def validate_options(config) -> None:
+  """Raise ValueError (naming the field and value) for the GRPO options (docs/design.md, "GRPO
+  options"): clip range, importance ratio, log-prob temperature, aggregation, truncation masking,
+  overlong shaping and dynamic sampling."""
+  l, r, t = config.loss, config.rollout, config.train
+  clip_range(l)
+  if l.importance_ratio not in obj.IMPORTANCE_RATIOS:
+    raise ValueError(f"loss.importance_ratio={l.importance_ratio!r} is not one of {obj.IMPORTANCE_RATIOS}")
+  if l.importance_ratio == "sequence" and r.tree_fanouts and t.inner_epochs > 1:
+    raise ValueError(f"loss.importance_ratio='sequence' with rollout.tree_fanouts={tuple(r.tree_fanouts)} and "
+                     f"train.inner_epochs={t.inner_epochs}: GSPO's ratio is a mean over a whole trajectory, which a "
+                     "tree node's loss does not see off-policy (on-policy it is 1, the token ratio's GRPO); use "
+                     "train.inner_epochs=1, group rollouts or loss.importance_ratio='token'")
+  if l.logprob_temperature not in LOGPROB_TEMPERATURES:
+    raise ValueError(f"loss.logprob_temperature={l.logprob_temperature!r} is not one of {LOGPROB_TEMPERATURES}")
+  if l.aggregation not in AGGREGATIONS:
+    raise ValueError(f"loss.aggregation={l.aggregation!r} is not one of {AGGREGATIONS}")
+  if l.aggregation == "step_token_mean" and l.normalisation != "token_mean":
+    raise ValueError(f"loss.aggregation='step_token_mean' is the token mean over the whole step and replaces "
+                     f"loss.normalisation={l.normalisation!r}; set loss.normalisation='token_mean'")
+  if not isinstance(l.mask_truncated, bool):
+    raise ValueError(f"loss.mask_truncated={l.mask_truncated!r} must be a bool")
+  budget = rollouts.completion_budget(config)
+  if isinstance(l.overlong_buffer, bool) or not isinstance(l.overlong_buffer, int) or \
+     not 0 <= l.overlong_buffer <= budget:
+    raise ValueError(f"loss.overlong_buffer={l.overlong_buffer!r} must be an int in [0, {budget}] (the completion "
+                     "budget; 0 disables the overlong penalty)")
+  loop.check_number("loss.overlong_penalty", l.overlong_penalty, lambda v: 0 <= v < float("inf"),
+                    "a finite number >= 0")
+  if not isinstance(r.dynamic_sampling, bool):
+    raise ValueError(f"rollout.dynamic_sampling={r.dynamic_sampling!r} must be a bool")
+  cap, quota = r.max_prompt_draws, r.prompts_per_step
+  if not r.dynamic_sampling:
+    if cap is not None:
+      raise ValueError(f"rollout.max_prompt_draws={cap!r} applies to rollout.dynamic_sampling=True only; "
+                       "set it to None")
+    return
+  if isinstance(cap, bool) or not isinstance(cap, int) or cap < quota or cap % quota:
+    raise ValueError(f"rollout.max_prompt_draws={cap!r} must be a multiple of rollout.prompts_per_step={quota} "
+                     "(prompts are drawn in rounds of a step's quota), at least one round")
+  if jax.process_count() > 1:
+    raise ValueError(f"rollout.dynamic_sampling=True on {jax.process_count()} processes: the kept groups may lie on "
+                     "other processes than their data rows; use one process")
 
 
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for GRPO / RLOO settings that cannot run or would
-  be ignored: the advantage estimator's fields and the KL coefficient, then `loop.validate`."""
+  be ignored: the advantage estimator's fields and the KL coefficient, `loop.validate`, then
+  `validate_options`."""
   l = config.loss
   if l.advantage not in obj.ADVANTAGES:
     raise ValueError(f"loss.advantage={l.advantage!r} is not one of {obj.ADVANTAGES}")
@@ -68,14 +144,19 @@ def validate(config) -> None:
   if isinstance(k, bool) or not isinstance(k, int) or k < 0:
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   loop.validate(config)
+  validate_options(config)
 
 
 def objective(config, tree: bool):
   """The step's objective (losses.grpo_objective, or grpo_tree_objective for a tree) with the
-  config's clip, KL coefficient and on-policy setting."""
+  config's clip range (`clip_range`), importance ratio, KL coefficient and on-policy setting. A tree
+  takes the token ratio: `validate_options` allows GSPO's sequence ratio on trees only on-policy,
+  where it equals the token ratio in value and gradient."""
   l, t = config.loss, config.train
-  return functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=l.clip_eps,
-                           kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1)
+  low, high = clip_range(l)
+  ratio = {} if tree else {"importance_ratio": l.importance_ratio}
+  return functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=low,
+                           clip_eps_high=high, kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1, **ratio)
 
 
 class GRPOFunctions:
@@ -96,22 +177,24 @@ class GRPOFunctions:
     tree = bool(config.rollout.tree_fanouts) and not naive
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = objective(config, tree)
+    tau = logprob_temperature(config)
     cast, upcast = loop.param_casts(config)
     self.cast, self.frozen = cast, frozen
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
-                                cast, upcast, frozen)
+                                cast, upcast, frozen, temperature=tau)
     if self.mesh is not None and tree:
       mesh = self.mesh
       # A step's trees may all stop early (EOS): each padded shape uses the largest divisor of its leaf
       # siblings per device not above train.micro_batch, as on one device.
       fit = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
       grad = lambda g, p, b: sharded_tree_replay_value_and_grad(g, p, b, self.objective, mesh, micro_batch=fit(b),
-                                                                schedule=t.tree_schedule)
-      logprobs = lambda g, p, b: sharded_tree_replay_logprobs(g, p, b, mesh, micro_batch=fit(b))
+                                                                schedule=t.tree_schedule, temperature=tau)
+      logprobs = lambda g, p, b: sharded_tree_replay_logprobs(g, p, b, mesh, micro_batch=fit(b), temperature=tau)
     elif self.mesh is not None:
       mesh, m = self.mesh, t.micro_batch
-      grad = lambda g, p, b: sharded_replay_value_and_grad(g, p, b, self.objective, mesh, micro_batch=m)
-      logprobs = lambda g, p, b: sharded_replay_logprobs(g, p, b, mesh, micro_batch=m)
+      grad = lambda g, p, b: sharded_replay_value_and_grad(g, p, b, self.objective, mesh, micro_batch=m,
+                                                           temperature=tau)
+      logprobs = lambda g, p, b: sharded_replay_logprobs(g, p, b, mesh, micro_batch=m, temperature=tau)
     else:
       grad_fn = (naive_value_and_grad if naive else replay_value_and_grad if not tree else
                  functools.partial(tree_replay_value_and_grad, schedule=t.tree_schedule))
@@ -119,9 +202,10 @@ class GRPOFunctions:
       # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
       # each compiled shape uses the largest divisor of that count not above train.micro_batch.
       grad = lambda g, p, a: grad_fn(g, p, a, self.objective,
-                                     micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)))
-      logprobs = lambda g, p, a: (lp_fn(g, p, a) if naive else
-                                  lp_fn(g, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a))))
+                                     micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)), temperature=tau)
+      logprobs = lambda g, p, a: (lp_fn(g, p, a, temperature=tau) if naive else
+                                  lp_fn(g, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)),
+                                        temperature=tau))
     # The model of a step: the graphdef, or with LoRA the graphdef bound to the (traced) base state.
     model = lambda f: graphdef if f is None else WithBase(graphdef, f)
 
@@ -179,7 +263,7 @@ def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_
       loss, kl, clipped = loss + float(unit_loss), kl + float(unit_kl), clipped + float(unit_clipped)
     mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
     params, opt_state, grad_norm = update(params, opt_state, mean)
-  pairs = sum(int(g.lengths.sum()) for g in groups)   # completion tokens, one per (token, trajectory) pair
+  pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs}
   return params, opt_state, stats
 
@@ -204,12 +288,18 @@ class GRPO(loop.Algorithm):
     return self.fns.place(run.params), self.fns.place(run.opt_state)
 
   def collect(self, run, params, step, data_pos):
+    """The step's groups (collect.step_groups over loop.sample_groups); keeps the draw's metrics
+    (dynamic sampling: prompts_drawn, dropped_groups) for this step's `log`. On a mesh every round
+    of dynamic sampling samples data-parallel on the same devices. Trees: with several processes
+    every process receives every tree's arrays (`whole`), as the padded shape of the step's trees is
+    that of the largest over all processes."""
     devices = loop.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
     policy = self.fns.for_sampling(run.graphdef, params, devices)
-    # Trees: with several processes every process receives every tree's arrays (`whole`), as the
-    # padded shape of the step's trees is that of the largest over all processes.
-    return loop.sample_groups(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos,
-                              devices=devices, whole=bool(self.config.rollout.tree_fanouts))
+    whole = bool(self.config.rollout.tree_fanouts)
+    draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
+                                               devices=devices, whole=whole)
+    groups, data_pos, self.draw_metrics = rollouts.step_groups(self.config, draw, run.key, data_pos)
+    return groups, data_pos
 
   def update(self, params, opt_state, groups, step):
     check = self.exactness(params, groups) if self.fns.check.due(step) else {}
@@ -238,7 +328,8 @@ class GRPO(loop.Algorithm):
     return self.fns.for_sampling(run.graphdef, params, devices), devices
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):
-    return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s, wall_s=wall_s)
+    return loop.log_step(self.config, bar, step, groups, {**stats, **self.draw_metrics}, rollout_s=rollout_s,
+                         update_s=update_s, wall_s=wall_s)
 
 
 def train(config) -> list[dict]:

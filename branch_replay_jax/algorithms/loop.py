@@ -53,7 +53,8 @@ DTYPES = ("float32", "bfloat16")   # float16 is refused: no loss scaling, its 5-
 TINY_MAX_POSITIONS = 2048          # context of model.name = "tiny" (build_model)
 
 
-def _number(name: str, value, ok, domain: str) -> None:
+def check_number(name: str, value, ok, domain: str) -> None:
+  """Raise ValueError "{name}={value!r} must be {domain}" unless value is a number (not a bool) with ok(value)."""
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
     raise ValueError(f"{name}={value!r} must be {domain}")
 
@@ -76,9 +77,9 @@ def validate_common(config) -> None:
     raise ValueError(f"model.remat={m.remat!r} is not one of {REMAT_POLICIES}")
   if m.attention_impl not in ATTENTION_IMPLS:
     raise ValueError(f"model.attention_impl={m.attention_impl!r} is not one of {ATTENTION_IMPLS}")
-  _number("train.learning_rate", t.learning_rate, lambda v: 0 < v < float("inf"), "a finite number > 0")
-  _number("train.weight_decay", t.weight_decay, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
-  _number("train.max_grad_norm", t.max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  check_number("train.learning_rate", t.learning_rate, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  check_number("train.weight_decay", t.weight_decay, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+  check_number("train.max_grad_norm", t.max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0")
   for name, value in [("train.warmup_steps", t.warmup_steps), ("seed", config.seed)]:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"{name}={value!r} must be an int >= 0")
@@ -91,7 +92,7 @@ def validate_common(config) -> None:
     for name, value in [("task.size", k.size), ("task.seed", k.seed)]:
       if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "task.size" else 0):
         raise ValueError(f"{name}={value!r} must be an int >= {1 if name == 'task.size' else 0}")
-    _number("task.format_bonus", k.format_bonus, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+    check_number("task.format_bonus", k.format_bonus, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
     if not isinstance(k.strict_answer, bool):
       raise ValueError(f"task.strict_answer={k.strict_answer!r} must be a bool")
   if "eval" in config:
@@ -99,8 +100,8 @@ def validate_common(config) -> None:
   if "rollout" in config:
     r = config.rollout
     # 0 would be greedy decoding: G identical completions, equal rewards, no advantage.
-    _number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
-    _number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+    check_number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
+    check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
     context = TINY_MAX_POSITIONS if m.name == "tiny" else context_length(m.name)
     if isinstance(budget, int) and budget >= context:
@@ -133,7 +134,7 @@ def validate_eval(config) -> None:
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for rollout, update, loss-weight and mesh settings
   that cannot run, or that would be silently ignored, before any compute. Shared by GRPO and PPO;
-  each adds its own loss fields (grpo.validate, ppo.validate)."""
+  each adds its own loss fields, the clip range among them (grpo.validate, ppo.validate)."""
   validate_common(config)
   r, t, l = config.rollout, config.train, config.loss
   for name, value in [("rollout.prompts_per_step", r.prompts_per_step), ("train.steps", t.steps),
@@ -160,8 +161,6 @@ def validate(config) -> None:
     raise ValueError(f"train.lr_schedule={t.lr_schedule!r} is not one of {SCHEDULES}")
   if l.normalisation not in obj.NORMALISATIONS:
     raise ValueError(f"loss.normalisation={l.normalisation!r} is not one of {obj.NORMALISATIONS}")
-  if not 0 < l.clip_eps < 1:
-    raise ValueError(f"loss.clip_eps={l.clip_eps} must lie in (0, 1)")
   if t.tree_schedule not in TREE_SCHEDULES:
     raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
   validate_mesh(config)

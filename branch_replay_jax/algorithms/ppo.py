@@ -50,6 +50,12 @@ from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout.collect import Group
 
 
+# Fields of the GRPO experiment (its options, algorithms/grpo.py) that PPO configs derived from it delete.
+GRPO_ONLY = {"loss": ("clip_eps_low", "clip_eps_high", "importance_ratio", "logprob_temperature", "aggregation",
+                      "mask_truncated", "overlong_buffer", "overlong_penalty"),
+             "rollout": ("dynamic_sampling", "max_prompt_draws")}
+
+
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `loop.validate`."""
   p = config.ppo
@@ -75,6 +81,12 @@ def validate(config) -> None:
     if name in config.loss:
       raise ValueError(f"loss.{name}={config.loss[name]!r} does not apply to PPO (GAE advantages from the critic: "
                        "ppo.gamma, ppo.lam, ppo.whiten_advantages); remove the field")
+  for section, names in GRPO_ONLY.items():
+    for name in names:
+      if name in config[section]:
+        raise ValueError(f"{section}.{name}={config[section][name]!r} is a GRPO option (algorithms/grpo.py) that the "
+                         "PPO loop does not read; remove the field")
+  loop.check_number("loss.clip_eps", config.loss.clip_eps, lambda v: 0 < v < 1, "in (0, 1)")
   if config.train.inner_epochs != 1:
     raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "
                      "set it to 1")

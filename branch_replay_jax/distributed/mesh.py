@@ -364,7 +364,7 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
 
 
 def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, mesh, *,
-                                  micro_batch: int = 1, logprob_chunk: int = 256):
+                                  micro_batch: int = 1, logprob_chunk: int = 256, temperature: float = 1.0):
   """(loss, aux, grads) summed over a batch of groups, by replay under `shard_map` on `mesh`.
 
   Args:
@@ -372,6 +372,7 @@ def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective
     batch: `stack_groups` output placed with `shard_batch`: prompt_ids [B, P_pad], prompt_len [B],
       branches [B, G, ...].
     micro_batch: completions per scan step on each device; must divide G / branch.
+    temperature: τ of the log-probs (`gradients.logprobs.replay_value_and_grad`).
 
   Returns:
     loss: scalar, Σ over groups and completions of the objective (replicated).
@@ -387,17 +388,18 @@ def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective
   def per_group(local, batch, reduce):
     split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
     return replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
-                                 logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce, **split)
+                                 logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce,
+                                 temperature=temperature, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
 def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, mesh, *,
                                        micro_batch: int = 1, logprob_chunk: int = 256,
-                                       schedule: str = "depth_first"):
+                                       schedule: str = "depth_first", temperature: float = 1.0):
   """(loss, aux, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`; sampled
   trees of differing shapes through `data.batches.pad_trees` first), by nested replay under
   `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
-  schedule: as in `gradients.logprobs.tree_replay_value_and_grad`; micro_batch: leaf siblings per
+  schedule, temperature: as in `gradients.logprobs.tree_replay_value_and_grad`; micro_batch: leaf siblings per
   scan step on each device, a divisor of the last level's fan-out there (F_D, or F_1 / branch for a
   one-level tree).
 
@@ -411,7 +413,7 @@ def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objec
     split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
     return tree_replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
                                       logprob_chunk=logprob_chunk, schedule=schedule,
-                                      reduce_prefix_cotangent=reduce, **split)
+                                      reduce_prefix_cotangent=reduce, temperature=temperature, **split)
   return _mesh_value_and_grad(per_group, params, batch, mesh)
 
 
@@ -432,7 +434,7 @@ def _mesh_map(graphdef, per_group, params, batch, mesh, split_fn=prompt_split):
 
 
 def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
-                            logprob_chunk: int = 256) -> jax.Array:
+                            logprob_chunk: int = 256, temperature: float = 1.0) -> jax.Array:
   """[B, G, T] float32 completion log-probs (0 on padding) of a batch of groups, by forward-only
   replay under `shard_map` (reference and old-policy log-probs of the training loop).
 
@@ -440,11 +442,12 @@ def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_
   P("data", "branch"), equal to `gradients.logprobs.replay_logprobs` group by group.
   """
   return _mesh_map(graphdef, lambda local, b, **split: replay_logprobs(
-      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh)
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, temperature=temperature, **split),
+      params, batch, mesh)
 
 
 def sharded_tree_replay_logprobs(graphdef, params, batch: TreeBatch, mesh, *, micro_batch: int = 1,
-                                 logprob_chunk: int = 256) -> list:
+                                 logprob_chunk: int = 256, temperature: float = 1.0) -> list:
   """Per level d = 1..D: [B, F_1..F_d, T_d] float32 log-probs of every tree node's tokens (0 on
   padding), by forward-only nested replay under `shard_map` (reference and old-policy log-probs of
   the training loop on trees): trees over `data`, first-level subtrees over `branch`, prompt over `seq`.
@@ -455,6 +458,7 @@ def sharded_tree_replay_logprobs(graphdef, params, batch: TreeBatch, mesh, *, mi
       `shard_batch`: prompt_ids [B, P_pad], prompt_len [B], levels [B, F_1..F_d, T_d, ...].
     micro_batch: leaf siblings per scan step on each device; must divide the last level's fan-out
       on a device (F_D, or F_1 / branch for a one-level tree).
+    temperature: τ of the log-probs (`gradients.logprobs.replay_value_and_grad`).
 
   Returns:
     A list over levels, each sharded P("data", "branch"), equal to `gradients.logprobs.tree_replay_logprobs`
@@ -464,7 +468,8 @@ def sharded_tree_replay_logprobs(graphdef, params, batch: TreeBatch, mesh, *, mi
     ValueError: B, F_1 or P_pad not divisible by the data, branch or seq size; a bad micro_batch.
   """
   return _mesh_map(graphdef, lambda local, b, **split: tree_replay_logprobs(
-      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh)
+      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, temperature=temperature, **split),
+      params, batch, mesh)
 
 
 def sharded_actor_critic_value_and_grad(graphdef, params, batch: GroupBatch, objective, mesh, *,

@@ -61,36 +61,41 @@ def prompt_prefix_fn(graphdef, batch):
   return prefix_fn
 
 
-def _segment(model, segment: Segments, offset, ancestors: list, parent_last_hidden, chunk, attention=None):
+def _segment(model, segment: Segments, offset, ancestors: list, parent_last_hidden, chunk, attention=None,
+             temperature: float = 1.0):
   """Forward of one segment on its ancestors' K/V and the log-probs of its tokens.
 
   Token 0 is scored from the parent's last hidden state, token i > 0 from the segment's own
-  position i - 1. `attention` overrides the model's (context parallelism). Returns
-  (SegmentOutput, logp [T] with 0 on padding).
+  position i - 1. `attention` overrides the model's (context parallelism); `temperature` divides
+  the logits (`token_logprobs`). Returns (SegmentOutput, logp [T] with 0 on padding).
   """
   out = model(segment.tokens[None], offset, ancestors=ancestors, valid_bt=segment.mask[None],
               attention=attention)
   hidden = jnp.concatenate([parent_last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
-  logp = token_logprobs(hidden[None], model.unembedding(), segment.tokens[None], chunk=chunk)[0]
+  logp = token_logprobs(hidden[None], model.unembedding(), segment.tokens[None], chunk=chunk,
+                        temperature=temperature)[0]
   return out, jnp.where(segment.mask, logp, 0.0)
 
 
-def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None):
+def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None, temperature=1.0):
   kv, last_hidden = prefix_out
-  return _segment(merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention)[1]
+  return _segment(merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention, temperature)[1]
 
 
 def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, *, micro_batch: int = 1,
-                          logprob_chunk: int = 256, reduce_prefix_cotangent=None, prefix_fn=None, attention=None):
+                          logprob_chunk: int = 256, reduce_prefix_cotangent=None, prefix_fn=None, attention=None,
+                          temperature: float = 1.0):
   """(loss, aux [G, ...], grads) of Σ_g objective by branch replay. See the module docstring and
   `replay_vjp` for `reduce_prefix_cotangent`.
 
   prefix_fn, attention: replace `prompt_prefix_fn(graphdef, batch)` and the completions' attention
   (context parallelism: distributed/seq_parallel.py's `prompt_split`); default: the whole prompt
   on this device and the model's own attention.
+  temperature: τ, a Python float: log-probs of softmax(logits / τ) (`models.llama.token_logprobs`;
+  docs/design.md, "Log-prob temperature"); every function of this module takes it.
   """
   def branch_fn(p, prefix_out, branch):
-    logp = _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention)
+    logp = _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention, temperature)
     return objective(logp, branch)
   prefix_fn = prompt_prefix_fn(graphdef, batch) if prefix_fn is None else prefix_fn
   return replay_vjp(prefix_fn, branch_fn, params, batch.branches, micro_batch=micro_batch,
@@ -98,11 +103,11 @@ def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Object
 
 
 def replay_logprobs(graphdef, params, batch: GroupBatch, *, micro_batch: int = 1, logprob_chunk: int = 256,
-                    prefix_fn=None, attention=None) -> jax.Array:
+                    prefix_fn=None, attention=None, temperature: float = 1.0) -> jax.Array:
   """[G, T] float32 log-probs of every completion token (0 on padding), forward-only replay.
-  prefix_fn, attention: as in `replay_value_and_grad`."""
+  prefix_fn, attention, temperature: as in `replay_value_and_grad`."""
   def branch_fn(p, prefix_out, branch):
-    return _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention)
+    return _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention, temperature)
   prefix_fn = prompt_prefix_fn(graphdef, batch) if prefix_fn is None else prefix_fn
   return replay_map(prefix_fn, branch_fn, params, batch.branches, micro_batch=micro_batch)
 
@@ -121,21 +126,21 @@ def naive_batch(batch):
   return tokens, valid, -shift  # offset: the first real prompt token sits at position 0
 
 
-def _naive_logprobs(graphdef, params, tokens, valid, offset, p_pad, chunk):
+def _naive_logprobs(graphdef, params, tokens, valid, offset, p_pad, chunk, temperature=1.0):
   model = merge(graphdef, params)
   out = model(tokens, offset, valid_bt=valid)
   t = tokens.shape[1] - p_pad
   hidden = out.hidden_btd[:, p_pad - 1:p_pad - 1 + t]
-  logp = token_logprobs(hidden, model.unembedding(), tokens[:, p_pad:], chunk=chunk)
+  logp = token_logprobs(hidden, model.unembedding(), tokens[:, p_pad:], chunk=chunk, temperature=temperature)
   return jnp.where(valid[:, p_pad:], logp, 0.0)
 
 
 def naive_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, *, micro_batch: int | None = None,
-                         logprob_chunk: int = 256):
+                         logprob_chunk: int = 256, temperature: float = 1.0):
   """(loss, aux [G, ...], grads) of Σ_g objective with the prompt repeated per completion.
 
   micro_batch: sequences per forward+backward (must divide G; default G, one batch); the
-  gradients of the micro-batches are summed in a `lax.scan`.
+  gradients of the micro-batches are summed in a `lax.scan`. temperature: as in `replay_value_and_grad`.
   """
   tokens, valid, offset = naive_batch(batch)
   p_pad = batch.prompt_ids.shape[0]
@@ -146,7 +151,7 @@ def naive_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objecti
 
   def loss_fn(p, mb):
     tok, val, branches = mb
-    logp = _naive_logprobs(graphdef, p, tok, val, offset, p_pad, logprob_chunk)
+    logp = _naive_logprobs(graphdef, p, tok, val, offset, p_pad, logprob_chunk, temperature)
     losses, aux = jax.vmap(objective)(logp, branches)
     return jnp.sum(losses), aux
 
@@ -154,10 +159,12 @@ def naive_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objecti
   return loss, merge_micro_batches(aux, g), grads
 
 
-def naive_logprobs(graphdef, params, batch: GroupBatch, *, logprob_chunk: int = 256) -> jax.Array:
+def naive_logprobs(graphdef, params, batch: GroupBatch, *, logprob_chunk: int = 256,
+                   temperature: float = 1.0) -> jax.Array:
   """[G, T] completion log-probs from full sequences (the reference for `replay_logprobs`)."""
   tokens, valid, offset = naive_batch(batch)
-  return _naive_logprobs(graphdef, params, tokens, valid, offset, batch.prompt_ids.shape[0], logprob_chunk)
+  return _naive_logprobs(graphdef, params, tokens, valid, offset, batch.prompt_ids.shape[0], logprob_chunk,
+                         temperature)
 
 
 def _tree_root_fn(graphdef, batch, prefix_fn=None):
@@ -169,19 +176,19 @@ def _tree_root_fn(graphdef, batch, prefix_fn=None):
   return root_fn
 
 
-def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None):
+def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None, temperature=1.0):
   """(the node's output for its children, logp [T_d]) of one tree node on its ancestors' outputs."""
   parent = ancestors[-1]
   out, logp = _segment(merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
-                       parent["last_hidden"], chunk, attention)
+                       parent["last_hidden"], chunk, attention, temperature)
   n = jnp.sum(node.mask.astype(jnp.int32))
   last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)
   return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, logp
 
 
-def _tree_node_fn(graphdef, objective, chunk, attention=None):
+def _tree_node_fn(graphdef, objective, chunk, attention=None, temperature=1.0):
   def node_fn(params, ancestors, node):
-    out, logp = _tree_segment(graphdef, params, ancestors, node, chunk, attention)
+    out, logp = _tree_segment(graphdef, params, ancestors, node, chunk, attention, temperature)
     loss, aux = objective(logp, node)
     return out, loss, NodeOutputs(logp, aux)
   return node_fn
@@ -189,31 +196,32 @@ def _tree_node_fn(graphdef, objective, chunk, attention=None):
 
 def tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, *, micro_batch: int = 1,
                                logprob_chunk: int = 256, schedule: str = "depth_first", reduce_prefix_cotangent=None,
-                               prefix_fn=None, attention=None):
+                               prefix_fn=None, attention=None, temperature: float = 1.0):
   """(loss, aux per level, grads) of Σ over tree nodes of objective(logp_node, node), by nested replay.
 
   batch: from `data.batches.tree_arrays`. The objective sees one node's Segments slot: tokens
   [T_d], mask [T_d] and the per-node/shared fields (for GRPO on trees, `losses.grpo_tree_objective`). aux[d - 1] is level
   d's `NodeOutputs`. schedule: "depth_first" (least
   memory) or "level" (batched levels, faster); see core/tree_replay.py. reduce_prefix_cotangent,
-  prefix_fn, attention: as in `replay_value_and_grad` (the prompt is the tree's root).
+  prefix_fn, attention, temperature: as in `replay_value_and_grad` (the prompt is the tree's root).
   """
-  node_fn = _tree_node_fn(graphdef, objective, logprob_chunk, attention)
+  node_fn = _tree_node_fn(graphdef, objective, logprob_chunk, attention, temperature)
   return nested_replay_vjp(_tree_root_fn(graphdef, batch, prefix_fn), [node_fn] * len(batch.levels), params,
                            batch.levels, micro_batch=micro_batch, schedule=schedule,
                            reduce_prefix_cotangent=reduce_prefix_cotangent)
 
 
 def tree_replay_logprobs(graphdef, params, batch: TreeBatch, *, micro_batch: int = 1, logprob_chunk: int = 256,
-                         prefix_fn=None, attention=None) -> list:
+                         prefix_fn=None, attention=None, temperature: float = 1.0) -> list:
   """Per level d (d = 1..D): [F_1..F_d, T_d] float32 log-probs of every node's tokens (0 on padding).
 
   Forward-only nested replay (`core.tree_replay.nested_replay_map`): each node runs once, level by
   level, on its ancestors' K/V. A node's log-probs are those of every trajectory through it (same
   context), so they are the reference / old log-probs of the tree objective. batch: from
   `data.batches.tree_arrays`; micro_batch: leaf siblings per scan step (divides the last fan-out).
-  prefix_fn, attention: as in `replay_value_and_grad` (the prompt is the tree's root).
+  prefix_fn, attention, temperature: as in `replay_value_and_grad` (the prompt is the tree's root).
   """
-  node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk, attention)
+  node_fn = lambda p, ancestors, node: _tree_segment(graphdef, p, ancestors, node, logprob_chunk, attention,
+                                                     temperature)
   return nested_replay_map(_tree_root_fn(graphdef, batch, prefix_fn), [node_fn] * len(batch.levels), params,
                            batch.levels, micro_batch=micro_batch)

@@ -308,8 +308,9 @@ class Llama(nnx.Module):
     return jnp.einsum("btd,dv->btv", hidden_btd, w, preferred_element_type=accum_dtype(hidden_btd.dtype))
 
 
-def token_logprobs(hidden_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *, chunk: int = 256) -> jax.Array:
-  """log softmax(h_t W)[target_t] without holding [T, V] logits for the whole segment.
+def token_logprobs(hidden_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *, chunk: int = 256,
+                   temperature: float = 1.0) -> jax.Array:
+  """log softmax(h_t W / τ)[target_t] without holding [T, V] logits for the whole segment.
 
   Positions are processed `chunk` at a time with `jax.lax.map`; each chunk's logits are
   recomputed in the backward pass (`jax.checkpoint`), so memory is O(B * chunk * V).
@@ -319,6 +320,8 @@ def token_logprobs(hidden_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array
     w_dv: [d, V] unembedding.
     targets_bt: [B, T] int token ids.
     chunk: positions per chunk (tokens).
+    temperature: τ > 0, a Python float: the logits are divided by it before the softmax, as the
+      sampler draws (docs/design.md, "Log-prob temperature"); 1 (the default) skips the division.
 
   Returns:
     [B, T] float32 log-probabilities (float64 for float64 hidden states).
@@ -335,6 +338,8 @@ def token_logprobs(hidden_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array
   def one(args):
     h_bcd, y_bc = args
     logits = jnp.einsum("bcd,dv->bcv", h_bcd, w, preferred_element_type=accum_dtype(h_bcd.dtype))
+    if temperature != 1.0:
+      logits = logits / temperature
     picked = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1)
 

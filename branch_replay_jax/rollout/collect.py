@@ -4,8 +4,13 @@
 arrays of a rollout group; with `rollout.tree_fanouts` set it samples a tree (TreePO-style
 fixed-length segments, rollout.tree_sampler.sample_tree) whose trajectories are the completions.
 Either way the trajectories get GRPO (or, with `loss.advantage = "rloo"`, leave-one-out RLOO)
-advantages from the task's rewards, and the arrays are laid out for replay (group or tree) or,
-with `train.gradient = "naive"`, for the naive step over the same trajectories.
+advantages from the task's rewards (plus DAPO's soft overlong penalty with `loss.overlong_buffer`),
+and the arrays are laid out for replay (group or tree) or, with `train.gradient = "naive"`, for the
+naive step over the same trajectories.
+
+A step's groups: `step_groups` draws them through the loop's drawing function, with DAPO's dynamic
+sampling (`rollout.dynamic_sampling`: groups of equal rewards dropped, more prompts drawn) and the
+step-level token mean (`loss.aggregation = "step_token_mean"`) applied on top.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,9 +42,14 @@ class Group:
   truncated: [G] bool per trajectory (tree: in `tree.ends` order), the sampler's stop reason: True
     where the token budget cut it without EOS (`Rollouts.truncated`, `TreeRollout.truncated`), False
     where it ended with EOS (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
+  rewards: [G] float32, the task's rewards plus the overlong penalty (`loss.overlong_buffer`): what
+    the advantages are computed from.
+  in_loss: [G] bool, the trajectories the loss weighs (all but the truncated ones with
+    `loss.mask_truncated`), or None (all).
   naive_batch: a tree's trajectories laid out as a group (`trajectory_group_arrays`, the naive
     step's layout) when kind is "tree", for the run-time exactness check (algorithms/exactness.py);
-    None for a group, whose `batch` serves both.
+    None for a group, whose `batch` serves both. Its weights are the tree's (`step_token_mean`
+    rescales both).
   """
   kind: str
   batch: GroupBatch | TreeBatch
@@ -52,6 +63,14 @@ class Group:
   truncated: np.ndarray
   tree: RolloutTree | None = None
   naive_batch: GroupBatch | None = None
+  in_loss: np.ndarray | None = None
+
+  @property
+  def loss_tokens(self) -> int:
+    """(token, trajectory) pairs the loss weighs: Σ |o_g| over the trajectories in the loss (a
+    shared tree token counts once per trajectory through it, as in the naive layout)."""
+    kept = self.lengths if self.in_loss is None else self.lengths[self.in_loss]
+    return int(kept.sum())
 
 
 def completion_budget(config) -> int:
@@ -98,13 +117,18 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
   scores = [task.score(text, problem) for text in texts]
-  rewards = np.array([s.reward for s in scores], np.float32)
+  lengths = np.array([len(c) for c in completions])
+  buffer = config.loss.get("overlong_buffer", 0)   # GRPO's options (PPO configs have none)
+  shaping = (obj.overlong_penalty(lengths, max_length=budget, buffer=buffer, penalty=config.loss.overlong_penalty)
+             if buffer else 0.0)
+  rewards = (np.array([s.reward for s in scores], np.float64) + shaping).astype(np.float32)
   t2 = time.perf_counter()
 
-  lengths = np.array([len(c) for c in completions])
   advantages = trajectory_advantages(config.loss, rewards)
   advantage = {} if advantages is None else {"advantage": advantages}
-  w = obj.trajectory_weights(lengths, mode=config.loss.normalisation, max_length=budget).astype(np.float32)
+  in_loss = ~truncated if config.loss.get("mask_truncated", False) else None
+  w = obj.trajectory_weights(lengths, mode=config.loss.normalisation, max_length=budget,
+                             in_loss=in_loss).astype(np.float32)
   bucket = bucket_length(budget, minimum=8)
   naive = config.train.gradient == "naive"
   if r.tree_fanouts:
@@ -128,4 +152,90 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
             "reward": float(rewards[0])}
   kind = "tree" if r.tree_fanouts and not naive else "group"
   return Group(kind, arrays, rewards, np.array([s.correct for s in scores]), lengths, counts, sample, t1 - t0,
-               t2 - t1, truncated, tree if r.tree_fanouts else None, naive_arrays if kind == "tree" else None)
+               t2 - t1, truncated, tree if r.tree_fanouts else None, naive_arrays if kind == "tree" else None,
+               in_loss)
+
+
+def dynamic_sampling(draw, key, data_pos: int, *, quota: int, max_draws: int) -> tuple[list[Group], int, dict]:
+  """DAPO's dynamic sampling (arXiv 2503.14476, section 3.2, Algorithm 1 line 6): draw rounds of
+  groups, drop those whose rewards are all equal (`losses.constant_groups`: zero advantage, no
+  policy gradient), until `quota` groups remain or `max_draws` prompts were drawn.
+
+  Round k draws with `key` (k = 0) or `fold_in(key, k)` at data position data_pos + (prompts drawn
+  so far), so round 0 is the draw without dynamic sampling and a resumed run draws the same. When
+  the cap ends the drawing first, the step is filled up to `quota` with dropped groups in draw
+  order (their advantages are 0: only the KL term acts on them), so every step has `quota` groups
+  (a mesh's data axis must divide it). The step keeps the groups in draw order.
+
+  Example (quota 2, rounds of 2, max_draws 6): round 0 draws rewards (1, 1) and (0, 1): one kept;
+  round 1 draws (0, 1) and (0, 0): two kept, the quota is met; 4 prompts drawn, 2 groups dropped
+  ((1, 1) and (0, 0)); data_pos advances by 4.
+
+  Args:
+    draw: (key, data_pos) -> (groups of one round, next data position), e.g. `loop.sample_groups`
+      with the policy bound (its devices too, on a mesh: every round samples data-parallel).
+    quota: groups the step trains on (rollout.prompts_per_step).
+    max_draws: the most prompts drawn (rollout.max_prompt_draws).
+
+  Returns:
+    (quota groups, the data position after every drawn prompt, {"prompts_drawn": prompts drawn,
+    "dropped_groups": drawn groups the step does not train on}).
+  """
+  drawn: list[Group] = []
+  pos, rounds = data_pos, 0
+  while sum(not _constant(g) for g in drawn) < quota and pos - data_pos < max_draws:
+    groups, pos = draw(key if rounds == 0 else jax.random.fold_in(key, rounds), pos)
+    drawn, rounds = drawn + groups, rounds + 1
+  kept = [i for i, g in enumerate(drawn) if not _constant(g)][:quota]
+  kept = sorted(kept + [i for i, g in enumerate(drawn) if _constant(g)][:quota - len(kept)])
+  return [drawn[i] for i in kept], pos, {"prompts_drawn": pos - data_pos, "dropped_groups": len(drawn) - len(kept)}
+
+
+def _constant(group: Group) -> bool:
+  return bool(obj.constant_groups(group.rewards))
+
+
+def step_token_mean(groups: list[Group]) -> list[Group]:
+  """The groups with weights that make the loop's mean over groups the token mean over the step.
+
+  The loop averages the groups' losses (and gradients): (1/B) Σ_k Σ w ℓ. With every weight in the
+  loss set to B / N, N the step's (token, trajectory) pairs in the loss (Σ_k `Group.loss_tokens`),
+  that is (1/N) Σ over the step's tokens: each token counts the same wherever it lies (verl's
+  loss_agg_mode "token-mean", TRL's loss_type "dapo"). Weights outside the loss stay 0. A tree's
+  `naive_batch` (the exactness check's layout) is rescaled the same way, so replay and naive stay
+  equal. Groups without a batch (another process's, summarised) pass through unchanged.
+
+  Example: two groups, 2 and 6 tokens in the loss, all per-token losses 1 except one of 5 in the
+  first group: group_mean (token_mean weights) gives ((1 + 5) / 2 + 6 / 6) / 2 = 2;
+  step_token_mean gives (1 + 5 + 6) / 8 = 1.5.
+  """
+  n, b = sum(g.loss_tokens for g in groups), len(groups)
+  if n == 0:
+    return groups
+  scale = lambda w: jnp.where(w > 0, jnp.asarray(b / n, w.dtype), jnp.zeros((), w.dtype))
+  def rescaled(batch):
+    if isinstance(batch, TreeBatch):
+      return batch.replace(levels=tuple(level.replace(weights=scale(level.weights)) for level in batch.levels))
+    return batch.replace(branches=batch.branches.replace(weights=scale(batch.branches.weights)))
+  return [g if g.batch is None else
+          dataclasses.replace(g, batch=rescaled(g.batch),
+                              naive_batch=None if g.naive_batch is None else rescaled(g.naive_batch))
+          for g in groups]
+
+
+def step_groups(config, draw, key, data_pos: int) -> tuple[list[Group], int, dict]:
+  """The step's groups from `draw` ((key, data_pos) -> (rollout.prompts_per_step groups, next data
+  position)): one draw, or `dynamic_sampling` with rollout.dynamic_sampling; then `step_token_mean`
+  with loss.aggregation = "step_token_mean".
+
+  Returns (groups, next data position, the draw's metrics: {} without dynamic sampling).
+  """
+  r = config.rollout
+  if r.dynamic_sampling:
+    groups, data_pos, metrics = dynamic_sampling(draw, key, data_pos, quota=r.prompts_per_step,
+                                                 max_draws=r.max_prompt_draws)
+  else:
+    (groups, data_pos), metrics = draw(key, data_pos), {}
+  if config.loss.aggregation == "step_token_mean":
+    groups = step_token_mean(groups)
+  return groups, data_pos, metrics
