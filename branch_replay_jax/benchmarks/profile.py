@@ -83,8 +83,10 @@ _FRAME = re.compile(r"stack_frame_id=(\d+)")
 
 
 def parse_hlo(text: str) -> dict:
-  """{instruction name: {"opcode", "op_name", "frames": [(file, function, line), innermost first], "inner":
-  opcodes of its fused computation}} from a compiled module's text (with its stack-frame tables)."""
+  """{instruction name: {"opcode", "op_name", "frames": [(file, function, line), innermost first], "fused": inside
+  a fused computation, "inner": opcodes of its fused computation}} from a compiled module's text (with its
+  stack-frame tables). XLA drops the metadata of some rewritten dots (the attention einsums' batched
+  dots, often): those have no op_name and no frames, and `part_of` calls them "no source"."""
   tables = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
   section, comps, current, instrs = None, collections.defaultdict(list), None, {}
   for line in text.splitlines():
@@ -107,7 +109,7 @@ def parse_hlo(text: str) -> dict:
       op_name = _OPNAME.search(line)
       frame = _FRAME.search(line)
       calls = _CALLS.search(line)
-      instrs[name] = {"opcode": opcode, "op_name": op_name.group(1) if op_name else "",
+      instrs[name] = {"opcode": opcode, "op_name": op_name.group(1) if op_name else "", "computation": current,
                       "frame": int(frame.group(1)) if frame else None, "calls": calls.group(1) if calls else None}
   field = lambda s, k: int(re.search(rf"{k}=(\d+)", s).group(1))
   unquote = lambda s: s.strip().strip('"')
@@ -123,8 +125,10 @@ def parse_hlo(text: str) -> dict:
       fid = field(s, "parent_frame_id")
     return out
 
+  fused = {ins["calls"] for ins in instrs.values() if ins["opcode"] == "fusion"}
   for ins in instrs.values():
     ins["frames"] = frames(ins.pop("frame"))
+    ins["fused"] = ins.pop("computation") in fused   # inside a fusion: never a trace event of its own
     ins["inner"] = comps.get(ins.pop("calls"), [])
   return instrs
 
