@@ -17,7 +17,10 @@ from branch_replay_jax.models import token_logprobs
 from experiments import bench_backend, bench_peer, bench_profile
 
 
-def _tiny_replay_hlo(config):
+@pytest.fixture(scope="module")
+def tiny_replay_hlo():
+  """(compiled HLO text, model config) of the tiny replay step of bench_profile.py:smoke, compiled once."""
+  config = bench_profile.get_config("smoke")
   case = bench.parse_case(config, 0)
   model = bench.load_model(config)
   graphdef, params = nnx.split(model)
@@ -26,14 +29,13 @@ def _tiny_replay_hlo(config):
   return step.lower(params, arrays).compile().as_text(), model.config
 
 
-def test_every_matmul_of_the_replay_step_is_attributed_to_a_named_part():
+def test_every_matmul_of_the_replay_step_is_attributed_to_a_named_part(tiny_replay_hlo):
   # Each executed (unfused) dot of the compiled tiny replay step that keeps XLA metadata must land in a
   # part of PART_RULES by its stack frames (none in "no source"), forward and backward (op_name
   # "transpose(") both present, and the model's four projections and the log-prob head all found.
   # (XLA drops the metadata of some batched dots, the attention einsums' at this size: those are
   # the profile's "no source" matmuls, and carry no op_name here.)
-  config = bench_profile.get_config("smoke")
-  text, _ = _tiny_replay_hlo(config)
+  text, _ = tiny_replay_hlo
   instrs = profile.parse_hlo(text)
   matmuls = {name: ins for name, ins in instrs.items()
              if profile.kind_of(name, ins) == "matmul" and not ins["fused"] and ins["op_name"]}
@@ -87,11 +89,10 @@ def test_token_logprobs_take_the_tied_embedding_as_stored():
     token_logprobs(h, w_vd, y, vocab_axis=2)
 
 
-def test_replay_step_copies_no_transposed_unembedding():
+def test_replay_step_copies_no_transposed_unembedding(tiny_replay_hlo):
   # With tied embeddings the log-prob head contracts the embedding [V, d] as stored: the compiled tiny
   # replay step holds no [d, V] array at all (before, a transpose copy of it ran in every scan step).
-  config = bench_profile.get_config("smoke")
-  text, cfg = _tiny_replay_hlo(config)
+  text, cfg = tiny_replay_hlo
   assert cfg.tie_embeddings
   d, v = cfg.d_model, cfg.vocab_size
   assert f"f32[{d},{v}]" not in text
