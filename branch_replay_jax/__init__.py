@@ -1,8 +1,28 @@
 """branch_replay_jax: exact-gradient shared-prefix replay for RL post-training in JAX."""
 
 import logging as _logging
+import os as _os
 
 __version__ = "0.1.0"
+
+# XLA CPU backend options chosen by measurement (docs/design.md, "CPU backend options";
+# benchmarks/backend.py): flag -> value, appended to XLA_FLAGS when this package is imported, for each
+# flag the environment's XLA_FLAGS does not already name. To override one, name it in XLA_FLAGS
+# (e.g. XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot restores XLA's default).
+# They take effect only if the package is imported before JAX starts its CPU backend (the first
+# array or device query); the flags are CPU-only, ignored by GPU and TPU backends.
+CPU_XLA_FLAGS: dict[str, str] = {}
+
+
+def with_cpu_xla_flags(xla_flags: str) -> str:
+  """`xla_flags` plus "--FLAG=VALUE" for each CPU_XLA_FLAGS entry whose flag it does not name."""
+  named = {item.split("=", 1)[0].lstrip("-") for item in xla_flags.split()}
+  extra = [f"--{flag}={value}" for flag, value in CPU_XLA_FLAGS.items() if flag not in named]
+  return " ".join([xla_flags.strip(), *extra]).strip()
+
+
+if CPU_XLA_FLAGS:
+  _os.environ["XLA_FLAGS"] = with_cpu_xla_flags(_os.environ.get("XLA_FLAGS", ""))
 
 
 class _DropMessages(_logging.Filter):

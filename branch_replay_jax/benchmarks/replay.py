@@ -245,15 +245,17 @@ def rss_bytes(pid: int) -> int:
 
 
 def run_worker(job: dict, module: str = "branch_replay_jax.benchmarks.replay", timeout_s: float | None = None,
-                rss_limit_bytes: int | None = None) -> dict:
+                rss_limit_bytes: int | None = None, env: dict | None = None) -> dict:
   """Run `python -m module --worker=JOB` in a fresh process and return its BENCH_RESULT record.
+
+  env: the worker's environment (default: this process's), e.g. another XLA_FLAGS.
 
   The worker is killed after `timeout_s` seconds of wall time (error "timeout") or as soon as
   its resident set exceeds `rss_limit_bytes` (error "rss_limit"; polled every 0.2 s, Linux
   /proc); a failed worker returns {"error", "stderr_tail"}.
   """
   cmd = [sys.executable, "-m", module, f"--worker={json.dumps(job)}"]
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   start, status = time.monotonic(), None
   while True:
     try:

@@ -85,7 +85,8 @@ def _score(ac: ActorCritic, fwd: dict, parent: dict, tokens_t, mask_t, chunk):
   def shifted(pre):
     h = fwd[pre + "hidden"]
     return jnp.concatenate([parent[pre + "last"][None].astype(h.dtype), h[:-1]], axis=0)
-  logp = token_logprobs(shifted("")[None], ac.policy.unembedding(), tokens_t[None], chunk=chunk)[0]
+  w, vocab_axis = ac.policy.output_weights()
+  logp = token_logprobs(shifted("")[None], w, tokens_t[None], chunk=chunk, vocab_axis=vocab_axis)[0]
   values = ac.value(shifted("critic_" if ac.critic is not None else ""))
   return jnp.where(mask_t, logp, 0.0), jnp.where(mask_t, values, 0.0)
 
@@ -180,7 +181,8 @@ def _naive_forward(graphdef, params, tokens, valid, offset, p_pad, chunk):
   t = tokens.shape[1] - p_pad
   scored = lambda out: out.hidden_btd[:, p_pad - 1:p_pad - 1 + t]   # position P+i-1 predicts token i
   out = ac.policy(tokens, offset, valid_bt=valid)
-  logp = token_logprobs(scored(out), ac.policy.unembedding(), tokens[:, p_pad:], chunk=chunk)
+  w, vocab_axis = ac.policy.output_weights()
+  logp = token_logprobs(scored(out), w, tokens[:, p_pad:], chunk=chunk, vocab_axis=vocab_axis)
   if ac.critic is not None:
     out = ac.critic(tokens, offset, valid_bt=valid)
   values = ac.value(scored(out))

@@ -72,7 +72,8 @@ def _segment(model, segment: Segments, offset, ancestors: list, parent_last_hidd
   out = model(segment.tokens[None], offset, ancestors=ancestors, valid_bt=segment.mask[None],
               attention=attention)
   hidden = jnp.concatenate([parent_last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
-  logp = token_logprobs(hidden[None], model.unembedding(), segment.tokens[None], chunk=chunk,
+  w, vocab_axis = model.output_weights()
+  logp = token_logprobs(hidden[None], w, segment.tokens[None], chunk=chunk, vocab_axis=vocab_axis,
                         temperature=temperature)[0]
   return out, jnp.where(segment.mask, logp, 0.0)
 
@@ -131,7 +132,8 @@ def _naive_logprobs(graphdef, params, tokens, valid, offset, p_pad, chunk, tempe
   out = model(tokens, offset, valid_bt=valid)
   t = tokens.shape[1] - p_pad
   hidden = out.hidden_btd[:, p_pad - 1:p_pad - 1 + t]
-  logp = token_logprobs(hidden, model.unembedding(), tokens[:, p_pad:], chunk=chunk, temperature=temperature)
+  w, vocab_axis = model.output_weights()
+  logp = token_logprobs(hidden, w, tokens[:, p_pad:], chunk=chunk, vocab_axis=vocab_axis, temperature=temperature)
   return jnp.where(valid[:, p_pad:], logp, 0.0)
 
 

@@ -302,14 +302,23 @@ class Llama(nnx.Module):
       return _read("embed", self.embed[...]).T
     return _read("lm_head", self.lm_head[...])
 
+  def output_weights(self) -> tuple[jax.Array, int]:
+    """(w, vocab_axis): the output projection as stored, the tied embedding [V, d] (vocab_axis 0) or
+    lm_head [d, V] (vocab_axis 1), for `token_logprobs`. Contracting the embedding as stored spares
+    the [d, V] transpose `unembedding()` makes, which XLA does not hoist out of a replay scan: it
+    was copied once per scan step (docs/design.md, "Step profile")."""
+    if self.config.tie_embeddings:
+      return _read("embed", self.embed[...]), 0
+    return _read("lm_head", self.lm_head[...]), 1
+
   def logits(self, hidden_btd: jax.Array) -> jax.Array:
     """[B, T, V] float32 (float64 for float64 compute) logits. Only for short segments; long ones use `token_logprobs`."""
     w = self.unembedding().astype(hidden_btd.dtype)
     return jnp.einsum("btd,dv->btv", hidden_btd, w, preferred_element_type=accum_dtype(hidden_btd.dtype))
 
 
-def token_logprobs(hidden_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *, chunk: int = 256,
-                   temperature: float = 1.0) -> jax.Array:
+def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *, chunk: int = 256,
+                   vocab_axis: int = 1, temperature: float = 1.0) -> jax.Array:
   """log softmax(h_t W / τ)[target_t] without holding [T, V] logits for the whole segment.
 
   Positions are processed `chunk` at a time with `jax.lax.map`; each chunk's logits are
@@ -317,27 +326,35 @@ def token_logprobs(hidden_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array
 
   Args:
     hidden_btd: [B, T, d] hidden states that predict the targets (position t predicts target t).
-    w_dv: [d, V] unembedding.
+    w: the unembedding, [d, V] (vocab_axis 1) or [V, d] (vocab_axis 0: a tied embedding as stored,
+      `Llama.output_weights`).
     targets_bt: [B, T] int token ids.
     chunk: positions per chunk (tokens).
+    vocab_axis: 0 or 1, the axis of w that indexes the vocabulary.
     temperature: τ > 0, a Python float: the logits are divided by it before the softmax, as the
       sampler draws (docs/design.md, "Log-prob temperature"); 1 (the default) skips the division.
 
   Returns:
     [B, T] float32 log-probabilities (float64 for float64 hidden states).
+
+  Raises:
+    ValueError: if vocab_axis is not 0 or 1.
   """
+  if vocab_axis not in (0, 1):
+    raise ValueError(f"token_logprobs: vocab_axis={vocab_axis!r} must be 0 ([V, d]) or 1 ([d, V])")
+  spec = "bcd,dv->bcv" if vocab_axis == 1 else "bcd,vd->bcv"
   b, t, d = hidden_btd.shape
   c = max(1, min(chunk, t))
   n = -(-t // c)
   pad = n * c - t
   h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
   y = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
-  w = w_dv.astype(hidden_btd.dtype)
+  w = w.astype(hidden_btd.dtype)
 
   @jax.checkpoint
   def one(args):
     h_bcd, y_bc = args
-    logits = jnp.einsum("bcd,dv->bcv", h_bcd, w, preferred_element_type=accum_dtype(h_bcd.dtype))
+    logits = jnp.einsum(spec, h_bcd, w, preferred_element_type=accum_dtype(h_bcd.dtype))
     if temperature != 1.0:
       logits = logits / temperature
     picked = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0]
