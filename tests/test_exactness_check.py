@@ -30,9 +30,12 @@ def records(run_dir):
 
 @pytest.mark.parametrize("module,overrides", [
     (grpo_smollm2_arith, {}),
-    (grpo_smollm2_arith, {"train.inner_epochs": 2}),   # reference and old log-probs from each layout
+    # reference and old log-probs from each layout; heavy (~1 min): test_grpo_options checks with inner epochs
+    pytest.param(grpo_smollm2_arith, {"train.inner_epochs": 2}, marks=pytest.mark.heavy),
     (grpo_tree_smollm2_arith, {}),
-    (grpo_smollm2_arith, {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp"}),
+    # heavy (~1.5 min): the mesh step equals one device in CI (test_train, test_mesh), the check runs the same code
+    pytest.param(grpo_smollm2_arith, {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp"},
+                 marks=pytest.mark.heavy),
     # The GRPO options trees take (tests/test_grpo_options.py): the step-level token mean rescales the tree's
     # weights and its naive layout (Group.naive_batch) alike, the log-probs are at the sampling temperature on
     # both sides, old log-probs (inner epochs 2) let clip-higher act, the rewards carry the overlong penalty.

@@ -268,7 +268,7 @@ def test_attention_impl_resolution(caplog):
 
 
 # splash: ~30 s on 2 cores (the interpreter runs its kernels in both layers, forward and backward).
-@pytest.mark.parametrize("impl, head_dim", [("pallas", 16), pytest.param("splash", 64, marks=[pytest.mark.slow,
+@pytest.mark.parametrize("impl, head_dim", [("pallas", 16), pytest.param("splash", 64, marks=[pytest.mark.slow, pytest.mark.heavy,
                                                                                             NOT_ON_GPU])])
 def test_replay_with_pallas_equals_replay_with_xla(impl, head_dim):
   # Same parameters, only the attention implementation differs: float32 rounding, <= 1e-4.

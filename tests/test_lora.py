@@ -106,6 +106,7 @@ def test_float64_lora_replay_equals_naive_and_the_chain_rule(x64):
   assert min(np.abs(v).max() for v in want.values()) > 1e-8, "every adapter must get a gradient"
 
 
+@pytest.mark.heavy   # ~2 min on loaded cores; LoRA float32 in CI: the float32 depth-first tree case
 def test_float32_lora_replay_equals_naive():
   graphdef, adapters, base = adapted_model()
   batch = grpo_arrays(random_group(LENGTHS), np.float32)

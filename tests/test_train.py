@@ -287,6 +287,7 @@ def test_mesh_tree_run_trains_to_the_same_parameters(tree_run, tmp_path, monkeyp
   assert history[1]["kl"] > 0 and min(r["grad_norm"] for r in history) > 0.1   # not vacuous
 
 
+@pytest.mark.heavy   # ~3 min on loaded cores; trees replay == naive in CI: test_tree_rollouts_replay_equals_naive, the exactness check's tree case
 def test_tree_rollouts_with_kl_and_inner_epochs_replay_equals_naive(tmp_path):
   # Reference log-probs (kl_coef > 0) and old log-probs (inner_epochs = 2) come from forward-only
   # tree replay in replay mode and from the naive per-trajectory forward in naive mode; the two

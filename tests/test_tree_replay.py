@@ -131,6 +131,7 @@ def test_tree_replay_equals_naive_float64(tree):
         assert max_rel_err(gt, gn) <= 1e-10, (mode, schedule)
 
 
+@pytest.mark.heavy   # ~4 min on loaded cores; float32 trees in CI: test_lora tree float32, test_train tree runs, test_mesh trees
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=random_trees())
 def test_tree_replay_equals_naive_float32(tree):
