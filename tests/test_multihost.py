@@ -102,6 +102,7 @@ def test_two_processes_train_as_one(one_process, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy   # ~70 s on 2 idle cores; CI runs the two-process test above (same checkpoints code, one layout)
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_resume_across_layouts(one_process, tmp_path):
   # Step 1 in one process of 8 devices, step 2 resumed from its checkpoint as 2 processes of 4:

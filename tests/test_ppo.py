@@ -159,7 +159,7 @@ def _check_tree(tree, critic, dtype, tol):
   assert max_rel_err(leaf, naive.next_value) <= tol
 
 
-@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=random_trees(), critic=st.sampled_from(["value_head", "separate"]))
 def test_tree_replay_equals_naive_float64(tree, critic):
   with jax.enable_x64(True):
