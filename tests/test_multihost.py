@@ -159,9 +159,7 @@ def test_data_parallel_sampling_draws_the_same_groups(tmp_path):
   mesh = make_mesh(2, 2, 2)
   devices = hosts.sampling_devices(mesh, 4)
   assert devices == [mesh.devices[i // 2].reshape(-1)[i % 2] for i in range(4)] and len(set(devices)) == 4
-  with jax.set_mesh(mesh):
-    copies = hosts.device_copies(shard_params(params, mesh, "fsdp"), mesh, devices)
-  policy = {d: nnx.merge(graphdef, p) for d, p in copies.items()}
+  policy = loop.sampling_policy(graphdef, shard_params(params, mesh, "fsdp"), mesh, devices)   # hosts.device_copies
   got, pos = loop.sample_groups(config, policy, tokenizer, task, key, 3, 5, devices=devices)
   assert pos == 9
   for g, w in zip(got, want):
