@@ -39,18 +39,40 @@ def accum_dtype(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _scores(q_btkgd, k_bskd):
-  acc = accum_dtype(q_btkgd.dtype)
-  if k_bskd.shape[0] == 1 and q_btkgd.shape[0] != 1:
-    return jnp.einsum("btkgd,skd->bkgts", q_btkgd, k_bskd[0], preferred_element_type=acc)
-  return jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=acc)
+# Scores are laid out [Hkv, B, T, G, S] (query head h = kv head * G + g): every dot of the forward and
+# of its gradient then contracts exactly one axis (D for the scores, S for the mix, the flattened
+# (B,) T, G queries for the K and V gradients), with the batch axes leading. With the scores as
+# [B, Hkv, G, T, S] the K gradient contracted (T, G), which XLA:CPU canonicalised by a transposed
+# copy of the score-sized cotangent (docs/design.md, "Step profile (CPU)"); now only q-, K- and
+# V-sized arrays are transposed.
 
 
-def _mix(p_bkgts, v_bskd):
+def _scores(q_kbtgd, k_bskd):
+  """[Hkv, B, T, G, S] scores of queries [Hkv, B, T, G, D] against keys [B or 1, S, Hkv, D]."""
+  acc = accum_dtype(q_kbtgd.dtype)
+  hkv, b, t, g, d = q_kbtgd.shape
+  s = k_bskd.shape[1]
+  if k_bskd.shape[0] == 1:   # one block shared by the B rows: the rows join the queries
+    k_ksd = jnp.transpose(k_bskd[0], (1, 0, 2))
+    scores = jnp.einsum("knd,ksd->kns", q_kbtgd.reshape(hkv, b * t * g, d), k_ksd, preferred_element_type=acc)
+  else:
+    k_kbsd = jnp.transpose(k_bskd, (2, 0, 1, 3))
+    scores = jnp.einsum("kbqd,kbsd->kbqs", q_kbtgd.reshape(hkv, b, t * g, d), k_kbsd, preferred_element_type=acc)
+  return scores.reshape(hkv, b, t, g, s)
+
+
+def _mix(p_kbtgs, v_bskd):
+  """[Hkv, B, T, G, D] = probabilities [Hkv, B, T, G, S] times values [B or 1, S, Hkv, D]."""
   acc = accum_dtype(v_bskd.dtype)
-  if v_bskd.shape[0] == 1 and p_bkgts.shape[0] != 1:
-    return jnp.einsum("bkgts,skd->btkgd", p_bkgts, v_bskd[0], preferred_element_type=acc)
-  return jnp.einsum("bkgts,bskd->btkgd", p_bkgts, v_bskd, preferred_element_type=acc)
+  hkv, b, t, g, s = p_kbtgs.shape
+  d = v_bskd.shape[-1]
+  if v_bskd.shape[0] == 1:
+    v_ksd = jnp.transpose(v_bskd[0], (1, 0, 2))
+    out = jnp.einsum("kns,ksd->knd", p_kbtgs.reshape(hkv, b * t * g, s), v_ksd, preferred_element_type=acc)
+  else:
+    v_kbsd = jnp.transpose(v_bskd, (2, 0, 1, 3))
+    out = jnp.einsum("kbqs,kbsd->kbqd", p_kbtgs.reshape(hkv, b, t * g, s), v_kbsd, preferred_element_type=acc)
+  return out.reshape(hkv, b, t, g, d)
 
 
 def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlock,
@@ -76,26 +98,28 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
     raise ValueError(f"suffix_attention: q has {hq} heads of dim {d}, own K has {hkv} heads of dim "
                      f"{own.k.shape[-1]}; need Hq % Hkv == 0 and equal head dims")
   scale = d ** -0.5 if scale is None else scale
-  q = (q_bthd * scale).reshape(b, t, hkv, hq // hkv, d)
+  g = hq // hkv
+  q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, g, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
 
   causal_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
   blocks = list(ancestors) + [own]
-  masks = [blk.valid[:, None, None, None, :] for blk in ancestors]
-  masks.append(causal_ts[None, None, None] & own.valid[:, None, None, None, :])
-  scores = jnp.concatenate([_scores(q, blk.k) for blk in blocks], axis=-1)
-  mask = jnp.concatenate([jnp.broadcast_to(m, (b, 1, 1, t, blk.k.shape[1])) for m, blk in zip(masks, blocks)],
+  masks = [blk.valid[None, :, None, None, :] for blk in ancestors]
+  masks.append(causal_ts[None, None, :, None, :] & own.valid[None, :, None, None, :])
+  scores = jnp.concatenate([_scores(q, blk.k) for blk in blocks], axis=-1)   # [Hkv, B, T, G, S]
+  mask = jnp.concatenate([jnp.broadcast_to(m, (1, b, t, 1, blk.k.shape[1])) for m, blk in zip(masks, blocks)],
                          axis=-1)
   # A finite fill (not -inf) keeps the backward pass NaN-free for rows with no visible key.
   scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-  lse = jax.nn.logsumexp(scores, axis=-1)                  # [B, Hkv, G, T]
+  lse = jax.nn.logsumexp(scores, axis=-1)                  # [Hkv, B, T, G]
   probs = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
   lse = jnp.where(mask.any(axis=-1), lse, -jnp.inf)
 
-  out = jnp.zeros((b, t, hkv, hq // hkv, d), accum_dtype(q_bthd.dtype))
+  out = jnp.zeros((hkv, b, t, g, d), accum_dtype(q_bthd.dtype))
   start = 0
   for blk in blocks:
     s = blk.k.shape[1]
     out = out + _mix(probs[..., start:start + s].astype(blk.v.dtype), blk.v)
     start += s
-  lse_bth = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
-  return out.reshape(b, t, hq, d).astype(q_bthd.dtype), lse_bth
+  lse_bth = jnp.transpose(lse, (1, 2, 0, 3)).reshape(b, t, hq)
+  out_bthd = jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
+  return out_bthd.astype(q_bthd.dtype), lse_bth

@@ -12,7 +12,7 @@ from flax import nnx
 
 from branch_replay_jax.benchmarks import backend, peer, profile
 from branch_replay_jax.benchmarks import replay as bench
-from branch_replay_jax.gradients.logprobs import replay_value_and_grad
+from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad
 from branch_replay_jax.models import token_logprobs
 from experiments import bench_backend, bench_peer, bench_profile
 
@@ -45,6 +45,52 @@ def test_every_matmul_of_the_replay_step_is_attributed_to_a_named_part(tiny_repl
   assert {"qkv projections", "output projection", "MLP gate+up", "MLP down", "log-prob head"} <= parts, sorted(parts)
   assert any("transpose(" in ins["op_name"] for ins in matmuls.values())
   assert any("transpose(" not in ins["op_name"] for ins in matmuls.values())
+
+
+def test_naive_step_copies_no_mlp_or_score_sized_array_into_a_new_layout():
+  # The dots of the projections and the log-prob head (2-D, one contracted axis: models/llama.py
+  # `_matmul_2d`, `token_logprobs`) and of the attention ([Hkv, B, T, G, S] scores:
+  # kernels/reference.py) and their gradients take their operands as laid out. Before, XLA:CPU copied
+  # the SwiGLU cotangent [B, T, F] into [F, B, T] (here [48, 2, 30], twice) and the log-prob head's
+  # [B, chunk, V] cotangent into [V, B, chunk] for the weight-gradient dots (and, at SmolLM2's shapes,
+  # the [B, Hkv, G, T, S] scores for the K gradient). Now every copy that reorders data in the
+  # compiled tiny naive step is at most q-sized (B * T * Hq * D elements: q, K, V into the attention
+  # layout and back), and none has the MLP width F or the vocabulary V in its shape.
+  config = bench_profile.get_config("smoke")
+  case = bench.parse_case(config, 0)
+  model = bench.load_model(config)
+  graphdef, params = nnx.split(model)
+  arrays, _, _ = bench.case_inputs(config, case, model.config)
+  step = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, bench.GRPO_OBJECTIVE, micro_batch=2,
+                                                   logprob_chunk=8))
+  text = step.lower(params, arrays).compile().as_text()
+  cfg = model.config
+  b, t = 2, case["P"] + case["T"]
+  q_size = b * t * cfg.num_heads * cfg.head_dim
+  others = (cfg.d_model, t, case["T"], cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+  assert cfg.ffn_dim not in others and cfg.vocab_size not in others
+  moved = profile.moving_transposes(text)
+  assert moved   # q, K, V still change layout
+  big = [(name, dims) for name, dims in moved
+         if cfg.ffn_dim in dims or cfg.vocab_size in dims or np.prod(dims) > q_size]
+  assert not big, big
+
+
+def test_moving_transposes_lists_layout_changing_copies_only():
+  # XLA writes a layout change as a transpose whose result layout undoes it (a bitcast) then a copy
+  # into the default layout: the copy is listed; a copy between equal physical orders is not, and
+  # size-1 axes do not count.
+  text = """
+  %mul.1 = f32[2,3,5]{2,1,0} multiply(%a, %b)
+  %transpose.1 = f32[5,2,3]{0,2,1} transpose(%mul.1), dimensions={2,0,1}
+  %copy.1 = f32[5,2,3]{2,1,0} copy(%transpose.1)
+  %copy.2 = f32[2,3,5]{2,1,0} copy(%mul.1)
+  %x.1 = f32[1,4,7]{2,1,0} parameter(0)
+  %copy.3 = f32[1,4,7]{2,0,1} copy(%x.1)
+  %transpose.2 = f32[7,4]{1,0} transpose(%y), dimensions={1,0}
+  %y = f32[4,7]{1,0} parameter(1)
+"""
+  assert profile.moving_transposes(text) == [("copy.1", (5, 2, 3)), ("transpose.2", (7, 4))]
 
 
 def test_trace_self_time_subtracts_nested_events_per_thread(tmp_path):

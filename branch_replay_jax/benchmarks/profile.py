@@ -58,6 +58,7 @@ PART_RULES = (
     ("models/llama.py", "apply_rope", "rope"),
     ("models/llama.py", "rope_inv_freq", "rope"),
     ("models/llama.py", "_project", "projections"),
+    ("models/llama.py", "_matmul_2d", "projections"),   # _project's dots, named by its spec (a named_scope)
     ("models/llama.py", "_layer", "layer other (silu, residual)"),
     ("models/llama.py", "__call__", "model"),   # split by its source line (CALL_LINES)
     ("losses.py", "", "objective"),
@@ -131,6 +132,35 @@ def parse_hlo(text: str) -> dict:
     ins["fused"] = ins.pop("computation") in fused   # inside a fusion: never a trace event of its own
     ins["inner"] = comps.get(ins.pop("calls"), [])
   return instrs
+
+
+_SHAPED = re.compile(r"^\s*(?:ROOT )?%(\S+) = [a-z0-9]+\[([0-9,]*)\]\{([0-9,]*)[}:]")
+_RELAYOUT = re.compile(r"^\s*(?:ROOT )?%(\S+) = [a-z0-9]+\[([0-9,]*)\]\{([0-9,]*)[}:].* (transpose|copy)\(%([\w.\-]+)\)"
+                       r"(?:, dimensions=\{([0-9,]*)\})?")
+
+
+def moving_transposes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+  """[(name, logical shape)] of the transpose and copy instructions (fused or not) of a compiled
+  module's text that reorder data: whose result's physical element order differs from their
+  operand's (size-1 axes ignored). XLA:CPU writes a layout change as a transpose whose result layout
+  undoes it (a bitcast) followed by a copy into the default layout: the copy is listed. These are
+  the layout copies of docs/design.md, "Step profile (CPU)"."""
+  ints = lambda s: tuple(int(v) for v in (s or "").split(",") if v)
+  shaped = {m.group(1): (ints(m.group(2)), ints(m.group(3))) for m in map(_SHAPED.match, text.splitlines()) if m}
+  out = []
+  for m in map(_RELAYOUT.match, text.splitlines()):
+    if not m or m.group(5) not in shaped:
+      continue
+    dims, layout = ints(m.group(2)), ints(m.group(3))
+    perm = ints(m.group(6)) if m.group(4) == "transpose" else tuple(range(len(dims)))
+    in_dims, in_layout = shaped[m.group(5)]
+    if len(in_layout) != len(in_dims) or len(layout) != len(dims):
+      continue
+    physical_out = [perm[a] for a in layout if dims[a] != 1]     # operand axes, minor to major
+    physical_in = [a for a in in_layout if in_dims[a] != 1]
+    if physical_out != physical_in:
+      out.append((m.group(1), dims))
+  return out
 
 
 def part_of(ins: dict) -> str:

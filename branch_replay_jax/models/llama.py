@@ -131,20 +131,38 @@ def apply_rope(x_bthd, positions_bt, inv_freq):
   return (x * cos + rotated * sin).astype(x_bthd.dtype)
 
 
+def _matmul_2d(x, w, n_in: int, n_out: int):
+  """x [*kept, *in] times w [*in, *out] -> [*kept, *out], the n_in contracted axes and the n_out
+  produced ones each flattened to one, so the dot and both of its gradient dots contract exactly one
+  axis. (With several contracted axes, e.g. "btd,btf->df" for a weight gradient, XLA:CPU
+  canonicalises the dot by a transposed copy of the [B, T, F] cotangent into [F, B*T]: see
+  docs/design.md, "Step profile (CPU)".) Row-major reshapes only: no data moves."""
+  kept = x.shape[:x.ndim - n_in]
+  c = math.prod(x.shape[x.ndim - n_in:])
+  out = w.shape[n_in:n_in + n_out]
+  y = jnp.matmul(x.reshape(math.prod(kept), c), w.reshape(c, math.prod(out)))
+  return y.reshape(*kept, *out)
+
+
 def _project(p: dict, name: str, spec: str, x, lora_scale: float):
-  """x projected by p[name] (einsum `spec`), plus lora_scale * (x A) B where p holds the adapters
-  NAME_lora_a [*in, r] and NAME_lora_b [r, *out] of models/lora.py; in the compute dtype of x."""
+  """x projected by p[name] (einsum `spec`, of the form "KEPT IN, IN OUT -> KEPT OUT"), plus
+  lora_scale * (x A) B where p holds the adapters NAME_lora_a [*in, r] and NAME_lora_b [r, *out] of
+  models/lora.py; in the compute dtype of x. Computed as 2-D matmuls (`_matmul_2d`) under a
+  jax.named_scope of the spec (benchmarks/profile.py tells projections apart by it)."""
   dt = x.dtype
-  y = jnp.einsum(spec, x, p[name].astype(dt))
-  if name + "_lora_a" not in p:
-    return y
   lhs, rest = spec.split(",")
   w, out = rest.split("->")
   contracted = "".join(c for c in w if c in lhs)
   kept = "".join(c for c in lhs if c not in contracted)
-  xa = jnp.einsum(f"{lhs},{contracted}r->{kept}r", x, p[name + "_lora_a"].astype(dt))
   produced = "".join(c for c in w if c not in lhs)
-  delta = jnp.einsum(f"{kept}r,r{produced}->{out}", xa, p[name + "_lora_b"].astype(dt))
+  if lhs != kept + contracted or w != contracted + produced or out != kept + produced:
+    raise ValueError(f"_project: spec {spec!r} is not of the form 'KEPT IN, IN OUT -> KEPT OUT'")
+  with jax.named_scope(spec):
+    y = _matmul_2d(x, p[name].astype(dt), len(contracted), len(produced))
+    if name + "_lora_a" not in p:
+      return y
+    xa = _matmul_2d(x, p[name + "_lora_a"].astype(dt), len(contracted), 1)
+    delta = _matmul_2d(xa, p[name + "_lora_b"].astype(dt), 1, len(produced))
   return y + lora_scale * delta
 
 
@@ -342,7 +360,7 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
   """
   if vocab_axis not in (0, 1):
     raise ValueError(f"token_logprobs: vocab_axis={vocab_axis!r} must be 0 ([V, d]) or 1 ([d, V])")
-  spec = "bcd,dv->bcv" if vocab_axis == 1 else "bcd,vd->bcv"
+  spec = "nd,dv->nv" if vocab_axis == 1 else "nd,vd->nv"   # rows flattened: one contracted axis in every gradient dot
   b, t, d = hidden_btd.shape
   c = max(1, min(chunk, t))
   n = -(-t // c)
@@ -354,11 +372,11 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
   @jax.checkpoint
   def one(args):
     h_bcd, y_bc = args
-    logits = jnp.einsum(spec, h_bcd, w, preferred_element_type=accum_dtype(h_bcd.dtype))
+    logits = jnp.einsum(spec, h_bcd.reshape(-1, d), w, preferred_element_type=accum_dtype(h_bcd.dtype))
     if temperature != 1.0:
       logits = logits / temperature
-    picked = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, y_bc.reshape(-1, 1), axis=-1)[:, 0]
+    return (picked - jax.nn.logsumexp(logits, axis=-1)).reshape(y_bc.shape)
 
   out = jax.lax.map(one, (h, y))                   # [n, B, c]
   return out.swapaxes(0, 1).reshape(b, n * c)[:, :t]
