@@ -40,7 +40,7 @@ def test_summary_medians_reach_and_ratio(tmp_path):
   assert r["eval_first"]["accuracy"] == 0.10 and n["eval_last"]["accuracy"] == 0.31
   assert os.path.getsize(tmp_path / "fig.png") > 1000
   text = compare.table(results)
-  assert "| naive | 20 | 6.00 | 24.00 | 30.00 | 0.100 -> 0.310 [0.260, 0.360] | 600 s (step 20) | 2.07x |" in text
+  assert "| naive | 20 | 6.00 | 0.010 | 24.00 | 30.00 | 0.100 -> 0.310 [0.260, 0.360] | 600 s (step 20) | 2.07x |" in text
   # A target no evaluation reaches: None, shown as a dash.
   missed = compare.compare({"naive": naive}, target=0.9)["naive"]
   assert missed["reach_step"] is None and missed["reach_wall_s"] is None

@@ -107,12 +107,13 @@ def table(results: dict[str, dict]) -> str:
   def fmt(v, spec=".2f"):
     return "—" if v is None else format(v, spec)
   base = next(iter(results.values()))
-  lines = ["| run | steps | rollout s/step | update s/step | step s | accuracy first -> last | "
-           "wall-clock to reach the target | vs first run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  lines = ["| run | steps | rollout s/step | score s/step | update s/step | step s | accuracy first -> last | "
+           "wall-clock to reach the target | vs first run |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for label, s in results.items():
     first, last = s["eval_first"] or {}, s["eval_last"] or {}
     ratio = (s["reach_wall_s"] / base["reach_wall_s"] if s["reach_wall_s"] and base["reach_wall_s"] else None)
-    lines.append(f"| {label} | {s['steps']} | {fmt(s['rollout_s'])} | {fmt(s['update_s'])} | {fmt(s['step_s'])} | "
+    lines.append(f"| {label} | {s['steps']} | {fmt(s['rollout_s'])} | {fmt(s['score_s'], '.3f')} | "
+                 f"{fmt(s['update_s'])} | {fmt(s['step_s'])} | "
                  f"{fmt(first.get('accuracy'), '.3f')} -> {fmt(last.get('accuracy'), '.3f')} "
                  f"[{fmt(last.get('accuracy_lo'), '.3f')}, {fmt(last.get('accuracy_hi'), '.3f')}] | "
                  f"{fmt(s['reach_wall_s'], '.0f')} s (step {s['reach_step']}) | {fmt(ratio)}x |")

@@ -30,9 +30,10 @@ as in rule-based rewards that require the answer in a specified format (DeepSeek
 2501.12948 §2.2.2). Use it to measure or train the format itself, or with a model that already
 emits the tags; it gives a weak model no signal until it does.
 
-Every training experiment in ``experiments/`` (the ``*_smollm2_arith`` files) uses the forgiving
+The training experiments in ``experiments/`` (the ``*_smollm2_arith`` files) use the forgiving
 default (``task.strict_answer = False``), with ``format_bonus = 0.1`` rewarding the tags on top of
-the accuracy.
+the accuracy, except ``grpo_smollm2_arith.py:learn``: its few-shot examples (``make_task(few_shot=)``)
+teach the tags, so it counts tagged answers only.
 
 The extracted text is always a verbatim substring of the completion: no normalisation, so
 correctness is exactly what the dataset's scorer says about what the model wrote.
