@@ -46,6 +46,8 @@ def get_config(arg=None):
     c.task.format_bonus = 0.1             # reward added when the answer is inside <answer></answer> tags
     c.task.strict_answer = False          # True: only a closed <answer></answer> tag counts; False: also an
     #                                     # unclosed tag or the last number (rollout/tasks, "Answer extraction")
+    c.task.few_shot = 0                   # solved examples shown before each question (chat turns; the same
+    c.task.few_shot_seed = 2_000_000      # in training and evaluation), drawn from this generator seed
     c.rollout = ml_collections.ConfigDict()  # sampling of the candidates
     c.rollout.prompts_per_step = 2 if smoke else 4   # prompts per step; each gives at most one pair
     c.rollout.group_size = 4 if smoke else 8         # G completions sampled per prompt (one shared prefill)

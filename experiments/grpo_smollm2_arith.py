@@ -4,6 +4,7 @@
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:long       # longer run
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:smoke      # tiny model, 2 steps
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:eval200    # default, 200 held-out problems
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:learn      # learning experiment (README)
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:lora       # LoRA adapters, base frozen
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py:lora_smoke # LoRA, tiny model, 2 steps
 """
@@ -29,6 +30,8 @@ def get_config(arg=None):
   c.task.format_bonus = 0.1               # reward added when the answer is inside <answer></answer> tags
   c.task.strict_answer = False            # True: only a closed <answer></answer> tag counts; False: also an
   #                                       # unclosed tag or the last number (rollout/tasks, "Answer extraction")
+  c.task.few_shot = 0                     # solved examples shown before each question (chat turns; the same
+  c.task.few_shot_seed = 2_000_000        # in training and evaluation), drawn from this generator seed
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 2          # groups per optimizer step
@@ -123,6 +126,25 @@ def get_config(arg=None):
     c.eval.size = 200                     # a 95% interval of about +-0.07 at accuracy 0.5
     c.eval.every = 30                     # step 0 and the end only: about 9 min per evaluation on 2 CPU cores
     c.run_dir = "runs/grpo_smollm2_arith_eval200"
+  elif arg == "learn":
+    # The learning experiment (README, "Learning on held-out problems"): 4 solved examples before each
+    # question teach the <answer> format at once (format rate 1.0 at step 0) but the untrained model
+    # then copies the examples' numbers (greedy accuracy ~0.1 on held-out problems, against ~0.3
+    # without examples): a behaviour RL can unlearn, and a 220-token shared prompt against ~8-token
+    # completions (ideal_flop_ratio ~6), where replay matters.
+    c.task.few_shot = 4
+    c.task.strict_answer = True           # the examples teach the tags: only a tagged answer counts
+    c.rollout.max_new_tokens = 16         # "<answer>-123</answer>" + EOS is ~9 tokens
+    c.rollout.dynamic_sampling = True     # ~3 in 4 groups are all wrong at step 0 (zero advantage):
+    c.rollout.max_prompt_draws = 16       # draw up to 8 prompts per kept group
+    c.loss.kl_coef = 0.0                  # no reference forward (DAPO, arXiv 2503.14476 §2.3)
+    c.train.steps = 120
+    c.train.learning_rate = 5e-6
+    c.eval.size = 200                     # a 95% interval of about +-0.05 at accuracy 0.15
+    c.eval.every = 40
+    c.eval.pass_k = 0                     # greedy only: ~1 s per problem on 2 CPU cores
+    c.checkpoint_every = 40
+    c.run_dir = "runs/grpo_smollm2_arith_learn"
   elif arg in ("smoke", "lora_smoke"):
     c.model.name = "tiny"
     c.task.size = 64
@@ -144,5 +166,5 @@ def get_config(arg=None):
       c.run_dir = "runs/grpo_lora_smoke"
   elif arg not in (None, "", "lora"):
     raise ValueError(f"experiments/grpo_smollm2_arith.py: unknown variant {arg!r}; use '', 'long', 'eval200', "
-                     "'smoke', 'lora' or 'lora_smoke'")
+                     "'learn', 'smoke', 'lora' or 'lora_smoke'")
   return c

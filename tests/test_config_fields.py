@@ -18,7 +18,7 @@ from conftest import experiment_config
 # experiment module -> its variants; each non-smoke variant maps to the smoke variant whose run
 # covers it (the same fields, and the same values of the fields that select a code path).
 VARIANTS = {
-    "grpo_smollm2_arith": {"": "smoke", "long": "smoke", "eval200": "smoke", "smoke": "smoke", "lora": "lora_smoke",
+    "grpo_smollm2_arith": {"": "smoke", "long": "smoke", "eval200": "smoke", "learn": "smoke", "smoke": "smoke", "lora": "lora_smoke",
                            "lora_smoke": "lora_smoke"},
     "grpo_tree_smollm2_arith": {"": "smoke", "smoke": "smoke"},
     "rloo_smollm2_arith": {"": "smoke", "smoke": "smoke"},

@@ -120,7 +120,39 @@ def test_heldout_problems_never_repeat_a_training_question():
                               training_items=3000)
 
 
+def test_heldout_problems_drop_the_few_shot_examples():
+  # An evaluation problem equal to a few-shot example would be answered in its own prompt. With the
+  # examples drawn from the evaluation's own seed, eval items 0 and 1 ARE the two examples: dropped.
+  train_task = make_task("basic_arithmetic", seed=0, size=10)
+  eval_task = make_task("basic_arithmetic", seed=5000, size=100, few_shot=2, few_shot_seed=5000)
+  examples = {e.question for e in eval_task.examples}
+  assert {eval_task[0].question, eval_task[1].question} == examples
+  kept, dropped = held_out.heldout_problems(train_task, eval_task, size=20, training_items=10)
+  assert 0 not in kept and 1 not in kept and dropped >= 2
+  assert not {eval_task[j].question for j in kept} & examples
+
+
+def test_few_shot_prompts_in_training_and_evaluation(tmp_path):
+  # task.few_shot = 2: training and evaluation tasks show the same 2 examples, and a sampled group's
+  # prompt is exactly the chat template of the examples' 4 turns + the question (not the question alone).
+  import jax
+  from branch_replay_jax.models.loading import encode_chat, load_tokenizer
+  from branch_replay_jax.rollout.collect import rollout
+  config = smoke(tmp_path, **{"task.few_shot": 2})
+  train_task = loop.make_task_from(config)
+  eval_task = loop.make_task_from(config, seed=config.eval.task_seed, size=50)
+  assert len(train_task.examples) == 2 and train_task.examples == eval_task.examples
+  tokenizer = load_tokenizer("smollm2-135m-instruct")
+  model, _ = loop.build_model(config)
+  group = rollout(config, model, tokenizer, train_task, 3, jax.random.key(0))
+  want = encode_chat(tokenizer, train_task.messages(train_task[3]))
+  assert int(group.batch.prompt_len) == len(want) > len(encode_chat(tokenizer, train_task.messages(train_task[3])[-1:])) + 20
+  assert list(map(int, group.batch.prompt_ids[:len(want)])) == list(want)
+
+
 @pytest.mark.parametrize("field,value,match", [
+    ("task.few_shot", -1, "task.few_shot=-1 must be an int >= 0"),
+    ("task.few_shot_seed", -5, "task.few_shot_seed=-5 must be an int >= 0"),
     ("eval.size", -1, "eval.size=-1 must be an int >= 0"),
     ("eval.every", 0, "eval.every=0 must be an int >= 1"),
     ("eval.pass_k", -2, "eval.pass_k=-2 must be an int >= 0"),

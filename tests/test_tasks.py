@@ -174,6 +174,39 @@ def test_format_messages(arith):
   assert format_messages(p, instruction="Answer.")[0]["content"].endswith("\nAnswer.")
 
 
+def test_few_shot_examples_come_before_the_question(arith):
+  # Two solved examples, each a user turn (question + instruction) and an assistant turn with the
+  # answer in tags, then the question: 2 * 2 + 1 = 5 messages, in that order.
+  p, a, b = arith[0], arith[1], arith[2]
+  q = lambda x: {"role": "user", "content": f"{x.question}\n{DEFAULT_INSTRUCTION}"}
+  assert format_messages(p, examples=(a, b)) == [
+      q(a), {"role": "assistant", "content": f"<answer>{a.answer}</answer>"},
+      q(b), {"role": "assistant", "content": f"<answer>{b.answer}</answer>"}, q(p)]
+
+
+def test_few_shot_examples_are_the_same_for_every_seed_of_the_task():
+  # The examples are items 0 .. k-1 of the generator at few_shot_seed, whatever the task's own seed,
+  # so training (seed 0) and evaluation (seed 1_000_000) prompts show the same ones.
+  train_task = make_task("basic_arithmetic", seed=0, size=10, few_shot=3, few_shot_seed=77)
+  eval_task = make_task("basic_arithmetic", seed=1_000_000, size=10, few_shot=3, few_shot_seed=77)
+  shots = make_task("basic_arithmetic", seed=77, size=3)
+  assert [e.question for e in train_task.examples] == [shots[i].question for i in range(3)]
+  assert train_task.examples == eval_task.examples
+  assert train_task.messages(train_task[4]) == format_messages(train_task[4], examples=train_task.examples)
+  assert len(train_task.messages(train_task[4])) == 7
+  assert make_task("basic_arithmetic", seed=0, size=10).messages(train_task[4]) == format_messages(train_task[4])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+  (dict(few_shot=-1), "few_shot must be an int >= 0, got -1"),
+  (dict(few_shot=True), "few_shot must be an int >= 0, got True"),
+  (dict(few_shot=2, few_shot_seed=-3), "few_shot_seed must be a non-negative int, got -3"),
+])
+def test_bad_few_shot_is_refused(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    make_task("basic_arithmetic", seed=0, size=4, **kwargs)
+
+
 def test_unknown_task_name():
   with pytest.raises(ValueError, match="basic_arithmetic.*gsm_symbolic"):
     make_task("nope", seed=0, size=1)

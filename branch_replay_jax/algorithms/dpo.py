@@ -41,7 +41,6 @@ from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout.sampler import sample_group
-from branch_replay_jax.rollout.tasks import format_messages
 
 SOURCES = ("task", "jsonl")
 FIELDS = ("prompt", "chosen", "rejected")
@@ -159,7 +158,7 @@ def sample_prompt(config, policy, tokenizer, task, key, data_pos: int) -> dict:
   Host values only (numpy), so that a prompt sampled on another process can be sent here."""
   r = config.rollout
   problem = task[data_pos % len(task)]
-  ids = encode_chat(tokenizer, format_messages(problem))
+  ids = encode_chat(tokenizer, task.messages(problem))
   t0 = time.perf_counter()
   ro = sample_group(policy, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
                     temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id],

@@ -89,7 +89,8 @@ def validate_common(config) -> None:
     k = config.task
     if k.name not in TASKS:
       raise ValueError(f"task.name={k.name!r} is not one of {sorted(TASKS)}")
-    for name, value in [("task.size", k.size), ("task.seed", k.seed)]:
+    for name, value in [("task.size", k.size), ("task.seed", k.seed), ("task.few_shot", k.few_shot),
+                        ("task.few_shot_seed", k.few_shot_seed)]:
       if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "task.size" else 0):
         raise ValueError(f"{name}={value!r} must be an int >= {1 if name == 'task.size' else 0}")
     check_number("task.format_bonus", k.format_bonus, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
@@ -609,6 +610,7 @@ def make_task_from(config, *, seed: int | None = None, size: int | None = None):
   seed, size = t.seed if seed is None else seed, t.size if size is None else size
   try:
     return make_task(t.name, seed=seed, size=size, format_bonus=t.format_bonus, strict_answer=t.strict_answer,
+                     few_shot=t.few_shot, few_shot_seed=t.few_shot_seed,
                      **t.options.to_dict())
   except ValueError as e:
     raise ValueError(f"task (task.name={t.name!r}, task.options={t.options.to_dict()}): {e}") from e

@@ -29,7 +29,6 @@ from branch_replay_jax.data.groups import bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.rollout.sampler import sample_group
-from branch_replay_jax.rollout.tasks import format_messages
 from branch_replay_jax.rollout.tree_sampler import sample_tree
 
 
@@ -94,7 +93,7 @@ def trajectory_advantages(loss_config, rewards: np.ndarray) -> np.ndarray | None
 def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   """Sample, score and lay out one prompt (task item `data_pos`)."""
   problem = task[data_pos % len(task)]
-  ids = encode_chat(tokenizer, format_messages(problem))
+  ids = encode_chat(tokenizer, task.messages(problem))
   r, cfg = config.rollout, model.config
   budget = completion_budget(config)
   if len(ids) + budget > cfg.max_positions:

@@ -35,7 +35,7 @@ import numpy as np
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.rollout.sampler import sample_group
-from branch_replay_jax.rollout.tasks import Problem, Task, format_messages
+from branch_replay_jax.rollout.tasks import Problem, Task
 
 # The standard normal's 0.975 quantile: the z of a two-sided 95% interval.
 Z_95 = 1.959963984540054
@@ -98,13 +98,15 @@ def heldout_problems(train_task: Task, eval_task: Task, *, size: int,
 
   Walks eval_task's items 0, 1, ... and keeps the first `size` whose question differs from the
   question of every training item the run can draw: train_task items 0 .. min(training_items,
-  len(train_task)) - 1 (data position p draws item p mod len(train_task)).
+  len(train_task)) - 1 (data position p draws item p mod len(train_task)), and from the question of
+  every few-shot example (`eval_task.examples`: each prompt shows those solved).
 
   Raises:
     ValueError: eval_task runs out of items before `size` are kept (its seed's problems repeat the
       training questions, or the task's question space is too small for both sets).
   """
   seen = {train_task[i].question for i in range(min(training_items, len(train_task)))}
+  seen |= {ex.question for ex in eval_task.examples}  # a few-shot example's question shows its answer
   kept, dropped = [], 0
   for j in range(len(eval_task)):
     if len(kept) == size:
@@ -132,7 +134,7 @@ def evaluate_problem(model, tokenizer, task: Task, problem: Problem, key, *, max
   Raises:
     ValueError: prompt + max_new_tokens longer than the model's context (`sample_group`).
   """
-  ids = encode_chat(tokenizer, format_messages(problem))
+  ids = encode_chat(tokenizer, task.messages(problem))
   common = dict(max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id or 0)
   greedy = sample_group(model, ids, num_samples=1, key=key, temperature=0.0, **common)
   length = int(np.asarray(greedy.lengths)[0])

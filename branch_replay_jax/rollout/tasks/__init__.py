@@ -7,7 +7,7 @@ accuracy reward from the dataset's own ``score_answer`` plus an optional format 
 
   task = make_task("basic_arithmetic", seed=0, size=10_000)   # strict_answer=False: forgiving
   problem = task[i]                      # i is the data position the trainer checkpoints
-  messages = format_messages(problem)    # chat messages; the trainer applies the template
+  messages = task.messages(problem)      # chat messages (with the task's few-shot examples, if any)
   score = task.score(completion_text, problem)
 
 Answer extraction (``extract_answer``) has two modes, chosen by ``make_task(strict_answer=...)``
@@ -30,9 +30,10 @@ as in rule-based rewards that require the answer in a specified format (DeepSeek
 2501.12948 §2.2.2). Use it to measure or train the format itself, or with a model that already
 emits the tags; it gives a weak model no signal until it does.
 
-Every training experiment in ``experiments/`` (the ``*_smollm2_arith`` files) uses the forgiving
+The training experiments in ``experiments/`` (the ``*_smollm2_arith`` files) use the forgiving
 default (``task.strict_answer = False``), with ``format_bonus = 0.1`` rewarding the tags on top of
-the accuracy.
+the accuracy, except ``grpo_smollm2_arith.py:learn``: its few-shot examples (``make_task(few_shot=)``)
+teach the tags, so it counts tagged answers only.
 
 The extracted text is always a verbatim substring of the completion: no normalisation, so
 correctness is exactly what the dataset's scorer says about what the model wrote.
@@ -110,14 +111,22 @@ def extract_answer(text: str, strict: bool = False) -> tuple[str | None, bool]:
   return (numbers[-1] if numbers else None), False
 
 
-def format_messages(problem: Problem, instruction: str = DEFAULT_INSTRUCTION) -> list[dict[str, str]]:
-  """Chat messages for one problem: a single user turn, the question then the instruction.
+def format_messages(problem: Problem, instruction: str = DEFAULT_INSTRUCTION,
+                    examples: Sequence[Problem] = ()) -> list[dict[str, str]]:
+  """Chat messages for one problem: one user turn, the question then the instruction, after
+  ``examples`` solved in the answer format (few-shot prompting, Brown et al. 2020, arXiv
+  2005.14165): per example a user turn as above and an assistant turn
+  ``<answer>{example.answer}</answer>``.
 
   The instruction comes last, nearest to the generation, where a small model such as
   SmolLM2-135M-Instruct is likeliest to follow it. No system message: the model's chat
   template adds its default one.
   """
-  return [{"role": "user", "content": f"{problem.question}\n{instruction}"}]
+  messages = []
+  for ex in examples:
+    messages += [{"role": "user", "content": f"{ex.question}\n{instruction}"},
+                 {"role": "assistant", "content": f"<answer>{ex.answer}</answer>"}]
+  return messages + [{"role": "user", "content": f"{problem.question}\n{instruction}"}]
 
 
 class Task(Sequence):
@@ -125,16 +134,22 @@ class Task(Sequence):
 
   Attributes: ``name`` (registry key), ``options`` (the generator options used, defaults
   merged with overrides), ``format_bonus``, ``strict_answer`` (the extraction mode, see the
-  module docstring), ``dataset`` (the reasoning-gym dataset).
+  module docstring), ``dataset`` (the reasoning-gym dataset), ``examples`` (the few-shot
+  problems every prompt shows solved, ``format_messages``; empty by default).
   """
 
   def __init__(self, name: str, dataset: Any, options: dict[str, Any], format_bonus: float,
-               strict_answer: bool = False):
+               strict_answer: bool = False, examples: Sequence[Problem] = ()):
     self.name = name
     self.dataset = dataset
     self.options = options
     self.format_bonus = format_bonus
     self.strict_answer = strict_answer
+    self.examples = tuple(examples)
+
+  def messages(self, problem: Problem) -> list[dict[str, str]]:
+    """The chat messages of ``problem``'s prompt: ``format_messages`` with this task's examples."""
+    return format_messages(problem, examples=self.examples)
 
   def __len__(self) -> int:
     return self.dataset.size
@@ -156,7 +171,8 @@ class Task(Sequence):
 
 
 def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bonus: float = 0.0,
-              strict_answer: bool = False, **options: Any) -> Task:
+              strict_answer: bool = False, few_shot: int = 0, few_shot_seed: int = 2_000_000,
+              **options: Any) -> Task:
   """Builds the task ``name`` of ``size`` problems from ``seed``.
 
   Args:
@@ -167,12 +183,17 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
     format_bonus: reward added when the completion has a non-blank ``<answer>`` tag.
     strict_answer: only a closed ``<answer>...</answer>`` tag counts as an answer; False (the
       default) also reads the last number of an untagged or unclosed answer (module docstring).
+    few_shot: how many solved examples every prompt shows before its question (``Task.messages``):
+      items 0 .. few_shot - 1 of the same generator at ``few_shot_seed``, so a training task and
+      its evaluation task (other seeds) show the same examples. 0: none.
+    few_shot_seed: the examples' generator seed (non-negative; keep it at least ``size`` away
+      from the training and evaluation seeds, module docstring "Seeds").
     **options: overrides of the task's reasoning-gym generator options.
 
   Raises:
     ValueError: unknown ``name`` (lists the known ones), an option the dataset's config does
       not have (names it), a value the config rejects, or a bad seed, size, format_bonus or
-      strict_answer (not a bool).
+      strict_answer (not a bool), few_shot (not an int >= 0) or few_shot_seed.
   """
   if name not in TASKS:
     raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
@@ -184,6 +205,10 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
     raise ValueError(f"format_bonus must be a finite number, got {format_bonus!r}")
   if not isinstance(strict_answer, bool):
     raise ValueError(f"strict_answer must be a bool, got {strict_answer!r}")
+  if isinstance(few_shot, bool) or not isinstance(few_shot, int) or few_shot < 0:
+    raise ValueError(f"few_shot must be an int >= 0, got {few_shot!r}")
+  if isinstance(few_shot_seed, bool) or not isinstance(few_shot_seed, int) or few_shot_seed < 0:
+    raise ValueError(f"few_shot_seed must be a non-negative int, got {few_shot_seed!r}")
 
   import reasoning_gym  # ~1 s to import (sympy, matplotlib): only when a task is built.
   from reasoning_gym.factory import DATASETS
@@ -198,4 +223,8 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
     dataset = reasoning_gym.create_dataset(dataset_name, seed=seed, size=size, **merged)
   except (AssertionError, TypeError, ValueError) as e:  # reasoning-gym validates with assert.
     raise ValueError(f"invalid options {options} for task {name!r} (with defaults {defaults}): {e!r}") from e
-  return Task(name, dataset, merged, float(format_bonus), strict_answer)
+  examples = ()
+  if few_shot:
+    shots = reasoning_gym.create_dataset(dataset_name, seed=few_shot_seed, size=few_shot, **merged)
+    examples = tuple(Problem(question=e["question"], answer=e["answer"], entry=e) for e in shots)
+  return Task(name, dataset, merged, float(format_bonus), strict_answer, examples)
