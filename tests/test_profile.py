@@ -17,16 +17,27 @@ from branch_replay_jax.models import token_logprobs
 from experiments import bench_backend, bench_peer, bench_profile
 
 
-@pytest.fixture(scope="module")
-def tiny_replay_hlo():
-  """(compiled HLO text, model config) of the tiny replay step of bench_profile.py:smoke, compiled once."""
+def tiny_step_hlo(mode: str):
+  """(compiled HLO text, model config, case) of the tiny replay or naive (micro-batch 2) step of
+  bench_profile.py:smoke."""
   config = bench_profile.get_config("smoke")
   case = bench.parse_case(config, 0)
   model = bench.load_model(config)
   graphdef, params = nnx.split(model)
-  _, arrays, _ = bench.case_inputs(config, case, model.config)
-  step = jax.jit(lambda p, a: replay_value_and_grad(graphdef, p, a, bench.GRPO_OBJECTIVE, logprob_chunk=8))
-  return step.lower(params, arrays).compile().as_text(), model.config
+  naive_arrays, replay_arrays, _ = bench.case_inputs(config, case, model.config)
+  if mode == "replay":
+    step, arrays = (lambda p, a: replay_value_and_grad(graphdef, p, a, bench.GRPO_OBJECTIVE, logprob_chunk=8),
+                    replay_arrays)
+  else:
+    step, arrays = (lambda p, a: naive_value_and_grad(graphdef, p, a, bench.GRPO_OBJECTIVE, micro_batch=2,
+                                                      logprob_chunk=8), naive_arrays)
+  return jax.jit(step).lower(params, arrays).compile().as_text(), model.config, case
+
+
+@pytest.fixture(scope="module")
+def tiny_replay_hlo():
+  """(compiled HLO text, model config) of the tiny replay step, compiled once."""
+  return tiny_step_hlo("replay")[:2]
 
 
 def test_every_matmul_of_the_replay_step_is_attributed_to_a_named_part(tiny_replay_hlo):
@@ -56,15 +67,7 @@ def test_naive_step_copies_no_mlp_or_score_sized_array_into_a_new_layout():
   # the [B, Hkv, G, T, S] scores for the K gradient). Now every copy that reorders data in the
   # compiled tiny naive step is at most q-sized (B * T * Hq * D elements: q, K, V into the attention
   # layout and back), and none has the MLP width F or the vocabulary V in its shape.
-  config = bench_profile.get_config("smoke")
-  case = bench.parse_case(config, 0)
-  model = bench.load_model(config)
-  graphdef, params = nnx.split(model)
-  arrays, _, _ = bench.case_inputs(config, case, model.config)
-  step = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, bench.GRPO_OBJECTIVE, micro_batch=2,
-                                                   logprob_chunk=8))
-  text = step.lower(params, arrays).compile().as_text()
-  cfg = model.config
+  text, cfg, case = tiny_step_hlo("naive")
   b, t = 2, case["P"] + case["T"]
   q_size = b * t * cfg.num_heads * cfg.head_dim
   others = (cfg.d_model, t, case["T"], cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
