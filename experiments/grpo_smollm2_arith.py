@@ -129,9 +129,9 @@ def get_config(arg=None):
   elif arg == "learn":
     # The learning experiment (README, "Learning on held-out problems"): 4 solved examples before each
     # question teach the <answer> format at once (format rate 1.0 at step 0) but the untrained model
-    # then copies the examples' numbers (greedy accuracy ~0.1 on held-out problems, against ~0.3
-    # without examples): a behaviour RL can unlearn, and a 220-token shared prompt against ~8-token
-    # completions (ideal_flop_ratio ~6), where replay matters.
+    # then copies the examples' numbers (greedy accuracy 0.035 on the 200 held-out problems, against
+    # ~0.3 without examples in a 40-problem probe): a behaviour RL can unlearn, and a 220-token shared
+    # prompt against ~9-token completions (ideal_flop_ratio ~6), where replay matters.
     c.task.few_shot = 4
     c.task.strict_answer = True           # the examples teach the tags: only a tagged answer counts
     c.rollout.max_new_tokens = 16         # "<answer>-123</answer>" + EOS is ~9 tokens
