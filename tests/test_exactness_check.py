@@ -64,25 +64,41 @@ def test_check_logs_replay_against_naive_every_k_steps(tmp_path, module, overrid
   assert second["exactness_ok"] is True
 
 
-def test_a_replay_that_drops_a_branch_fails_loudly(tmp_path, monkeypatch):
-  # Break replay on purpose: its gradient counts only half the group's loss (as a lost branch
-  # or a dropped prefix cotangent would). The check must see a relative error ~0.5 >> 1e-4, warn
-  # with ExactnessWarning and record exactness_ok = False.
-  from branch_replay_jax.gradients import logprobs
-  real = logprobs.replay_value_and_grad
+@pytest.mark.parametrize("gradient,expected", [("replay", 0.5), ("naive", 1.0)])
+def test_a_step_that_drops_half_its_gradient_fails_loudly(tmp_path, monkeypatch, gradient, expected):
+  # Break the step's own gradient on purpose: it counts only half the group's loss (as a lost
+  # branch or a dropped prefix cotangent would). Only the step's function is patched (grpo's), not
+  # the check's (exactness's): on one device the check compares the step's own gradient of the
+  # checked group with the other layout's, so it must catch it. Replay run, the step's replay
+  # gradient halved: ||g/2 - g|| / ||g|| = 0.5; naive run, the step's naive gradient halved:
+  # ||g - g/2|| / ||g/2|| = 1.0; both >> 1e-4: ExactnessWarning and exactness_ok = False.
+  name = "replay_value_and_grad" if gradient == "replay" else "naive_value_and_grad"
+  real = getattr(train, name)
 
   def half(*args, **kwargs):
     loss, aux, grads = real(*args, **kwargs)
     return loss * 0.5, aux, jax.tree_util.tree_map(lambda g: g * 0.5, grads)
-  monkeypatch.setattr(exactness, "replay_value_and_grad", half)
+  monkeypatch.setattr(train, name, half)
   with pytest.warns(exactness.ExactnessWarning, match="EXACTNESS CHECK FAILED"):
     train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": 1,
-                                                                             "train.steps": 1}))
+                                                                             "train.steps": 1,
+                                                                             "train.gradient": gradient}))
   (record,) = records(tmp_path)
   assert record["exactness_ok"] is False
-  assert record["exactness_grad_rel_err"] == pytest.approx(0.5, rel=1e-3)
+  assert record["exactness_grad_rel_err"] == pytest.approx(expected, rel=1e-3)
   # (The loss itself is 0 here: on-policy, equal lengths and advantages that sum to 0, so half of it
   # is still 0; the gradient is what the check catches.)
+
+
+def test_a_naive_run_checks_against_replay(tmp_path):
+  # gradient = naive: the step's naive gradient of the checked group against the check's replay one,
+  # within the float32 bound and not identically 0 (the two sum in different orders).
+  train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": 2,
+                                                                           "train.gradient": "naive"}))
+  first, second = records(tmp_path)
+  assert not any(name in first for name in FIELDS)
+  assert all(0 <= second[name] <= 1e-4 for name in FIELDS), second
+  assert second["exactness_grad_rel_err"] > 0 and second["exactness_ok"] is True
 
 
 @pytest.mark.parametrize("value", [-1, True])   # (ml_collections itself refuses a float for this int field)

@@ -2,12 +2,16 @@
 and the naive way, compared (docs/design.md, "Exactness at run time").
 
 The check takes the step's first group with unequal rewards, with the parameters the step's
-gradient is taken at, and computes on one device:
-  replay: the group's (or tree's) loss, KL and clip sums and gradient by replay (as the step does
-          on one device; on a mesh the step's sharded gradient is checked against replay by the
-          tests, tests/test_mesh.py, tests/test_train.py);
+gradient is taken at, and compares on one device:
+  replay: the group's (or tree's) loss, KL and clip sums and gradient by replay;
   naive:  the same from the prompt repeated per completion (a tree's trajectories laid out as a
           group, `Group.naive_batch`), its reference and old log-probs from the naive forward too.
+On one device one side is the step's own: the step computes every group's loss and gradient
+separately (`grpo.update_on_batch`), so the check keeps the checked group's and computes only the
+other layout (`compute`): the naive one in a replay run, replay in a naive run. What is checked is
+then the gradient the optimizer applies, and the check costs one layout, not two. On a mesh the
+step's gradient is the step's groups' sum, sharded: the check computes both sides on one device
+(`__call__`; the sharded step is checked against replay by tests/test_mesh.py, tests/test_train.py).
 It logs, in the step's metrics record:
   exactness_grad_rel_err = ||g_replay - g_naive||_2 / ||g_naive||_2 over all parameters (the
       absolute norm ||g_replay||_2 when g_naive is exactly 0);
@@ -15,7 +19,8 @@ It logs, in the step's metrics record:
       group's loss and Σ k3 KL (the logged metrics' inputs): relative above 1, absolute below, as a
       loss of cancelling advantages can be ~0 where a relative error means nothing;
   exactness_ok: all three within `BOUNDS[dtype]`;
-  exactness_s: the check's wall seconds (part of the step's update_s).
+  exactness_s: the check's own wall seconds (part of the step's update_s): the layout the step did
+      not compute, and the comparison.
 Above the bound the run warns loudly (`ExactnessWarning`, once per failing check) and records it.
 A due check waits for the next step with such a group when every group's rewards are equal: the
 gradient is then the KL term's alone, near 0 around the reference policy, and its relative error
@@ -110,27 +115,45 @@ class ExactnessCheck:
     self.pending = self.pending or (self.every > 0 and (step + 1) % self.every == 0)
     return self.pending
 
-  def __call__(self, params, ref_params, groups) -> dict | None:
-    """The check's metrics (module docstring) on one of `groups` (those with a batch, i.e. this
-    process's), with `params` and `ref_params` on one device; None when no such group has
-    unequal rewards."""
-    t0 = time.perf_counter()
-    group = next((g for g in groups if g.batch is not None and not bool(obj.constant_groups(g.rewards))), None)
-    if group is None:
-      return None
+  def pick(self, groups) -> int | None:
+    """Index in `groups` of the first with a batch (this process's) and unequal rewards; None if none."""
+    return next((i for i, g in enumerate(groups)
+                 if g.batch is not None and not bool(obj.constant_groups(g.rewards))), None)
+
+  def compute(self, layout: str, params, ref_params, group) -> tuple:
+    """(loss, Σ k3 KL, gradient) of `group` in `layout` ("replay": `group.batch`; "naive": its naive
+    layout), at `params` on one device, reference and old log-probs from the same layout."""
+    if layout == "replay":
+      return self.replay(params, self.frozen, ref_params, group.batch)
     naive_batch = group.naive_batch if group.naive_batch is not None else group.batch
-    lr, kr, gr = self.replay(params, self.frozen, ref_params, group.batch)
-    ln, kn, gn = self.naive(params, self.frozen, ref_params, naive_batch)
+    return self.naive(params, self.frozen, ref_params, naive_batch)
+
+  def compare(self, group, replay: tuple, naive: tuple, seconds: float) -> dict:
+    """The check's metrics (module docstring) from each layout's (loss, Σ k3 KL, gradient) of
+    `group`; warns with `ExactnessWarning` above the bound. `seconds`: the check's time so far."""
+    t0 = time.perf_counter()
+    (lr, kr, gr), (ln, kn, gn) = replay, naive
     diff = jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
                         for a, b in zip(jax.tree_util.tree_leaves(gr), jax.tree_util.tree_leaves(gn))))
     norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(b.astype(jnp.float32))) for b in jax.tree_util.tree_leaves(gn))))
     out = {"exactness_grad_rel_err": float(diff) / norm if norm > 0 else float(diff),
            "exactness_loss_rel_err": _rel(lr, ln), "exactness_kl_rel_err": _rel(kr, kn)}
     out["exactness_ok"] = bool(max(out.values()) <= self.bound)
-    out["exactness_s"] = time.perf_counter() - t0
+    out["exactness_s"] = seconds + time.perf_counter() - t0
     if not out["exactness_ok"]:
       warnings.warn(f"EXACTNESS CHECK FAILED: replay vs naive on group data_pos={group.sample['data_pos']}: "
                     f"{ {k: out[k] for k in ('exactness_grad_rel_err', 'exactness_loss_rel_err', 'exactness_kl_rel_err')} } above the bound {self.bound:g} "
                     "for this dtype; the replay gradient is not the naive one (please report it)",
                     ExactnessWarning, stacklevel=2)
     return out
+
+  def __call__(self, params, ref_params, groups) -> dict | None:
+    """Both layouts computed by the check (the mesh step's case, module docstring) on one of `groups`,
+    with `params` and `ref_params` on one device; None when no group has unequal rewards."""
+    t0 = time.perf_counter()
+    index = self.pick(groups)
+    if index is None:
+      return None
+    group = groups[index]
+    replay, naive = (self.compute(layout, params, ref_params, group) for layout in ("replay", "naive"))
+    return self.compare(group, replay, naive, time.perf_counter() - t0)

@@ -31,6 +31,7 @@ then each places its own rows.
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -246,26 +247,31 @@ class GRPOFunctions:
     return loop.sampling_policy(graphdef, params, self.mesh, devices)
 
 
-def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group]):
-  """Reference (and old) log-probs, then inner_epochs updates on the step's groups."""
-  units = []
+def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group],
+                    keep: int | None = None):
+  """Reference (and old) log-probs, then inner_epochs updates on the step's groups. Returns (params,
+  opt_state, stats, kept): `kept` is unit `keep`'s (loss, Σ k3 KL, gradient) of the first epoch, at
+  the given params (the run-time exactness check's step side, one device), or None."""
+  units, kept = [], None
   for kind, batch in fns.units(groups):
     if config.loss.kl_coef:
       batch = with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
     if config.train.inner_epochs > 1:
       batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
     units.append((kind, batch))
-  for _ in range(config.train.inner_epochs):
+  for epoch in range(config.train.inner_epochs):
     total, loss, kl, clipped = None, 0.0, 0.0, 0.0
-    for _, arrays in units:
+    for index, (_, arrays) in enumerate(units):
       unit_loss, (unit_kl, unit_clipped), grads = fns.grad(params, arrays)
+      if epoch == 0 and index == keep:
+        kept = (unit_loss, unit_kl, grads)
       total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
       loss, kl, clipped = loss + float(unit_loss), kl + float(unit_kl), clipped + float(unit_clipped)
     mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
     params, opt_state, grad_norm = update(params, opt_state, mean)
   pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs}
-  return params, opt_state, stats
+  return params, opt_state, stats, kept
 
 
 class GRPO(loop.Algorithm):
@@ -302,23 +308,35 @@ class GRPO(loop.Algorithm):
     return groups, data_pos
 
   def update(self, params, opt_state, groups, step):
-    check = self.exactness(params, groups) if self.fns.check.due(step) else {}
-    with loop.mesh_context(self.fns.mesh):
-      params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, self.ref_params,
-                                                 opt_state, groups)
+    """One step's update; with the run-time exactness check due, the check too (algorithms/exactness.py):
+    on one device the layout the step does not compute for the checked group, before the update
+    donates `params`, compared with the step's own; on a mesh both layouts by the check (`exactness`)."""
+    check, fns, index = {}, self.fns, None
+    if fns.check.due(step) and fns.mesh is not None:
+      check = self.exactness(params, groups)
+    elif fns.check.pending:   # (due on one device)
+      t0 = time.perf_counter()
+      index = fns.check.pick(groups)
+      fns.check.pending = index is None   # no group with unequal rewards: check at the next step
+      if index is not None:
+        layout = "replay" if self.config.train.gradient == "naive" else "naive"
+        other = jax.block_until_ready(fns.check.compute(layout, params, self.ref_params, groups[index]))
+        seconds = time.perf_counter() - t0
+    with loop.mesh_context(fns.mesh):
+      params, opt_state, stats, own = update_on_batch(self.config, fns, self.update_fn, params, self.ref_params,
+                                                      opt_state, groups, keep=index)
+    if index is not None:
+      replay, naive = (other, own) if layout == "replay" else (own, other)
+      check = fns.check.compare(groups[index], replay, naive, seconds)
     return params, opt_state, {**stats, **check}
 
   def exactness(self, params, groups) -> dict:
-    """The run-time exactness check (algorithms/exactness.py) at the parameters the step's gradient
-    is taken at: on one device as they are; on a mesh on a full copy on process 0's first device,
-    its figures shared with every process."""
-    if self.fns.mesh is None:
-      out = self.fns.check(params, self.ref_params, groups)
-    else:
-      device = jax.local_devices()[0]
-      with jax.set_mesh(self.fns.mesh):
-        p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
-      out = hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
+    """The run-time exactness check of a mesh step (algorithms/exactness.py), both layouts on a full
+    copy of the parameters on process 0's first device, its figures shared with every process."""
+    device = jax.local_devices()[0]
+    with jax.set_mesh(self.fns.mesh):
+      p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
+    out = hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
     self.fns.check.pending = out is None   # no group with unequal rewards: check at the next step
     return out or {}
 
