@@ -19,7 +19,7 @@ def get_config(arg=None):
   c.modes = ("replay", "naive", "torch_naive", "prefix_grouper")   # run in this order every round
   c.rounds = 2
   c.repeats = 2                       # timed steps per worker after one warm-up (median)
-  c.replay_micro_batch = 1            # ours: branches per replay scan step
+  c.replay_micro_batch = 8            # ours: branches per replay scan step (rows of one batch)
   c.naive_micro_batch = 2             # ours: sequences per naive forward+backward
   c.torch_micro_batches = (1, 2, 4)   # PyTorch naive: candidates, each timed once in round 0, the fastest kept
   c.logprob_chunk = 128
@@ -31,6 +31,7 @@ def get_config(arg=None):
     c.rounds = 1
     c.repeats = 1
     c.torch_micro_batches = (2,)
+    c.replay_micro_batch = 4
   elif arg not in (None, ""):
     raise ValueError(f"experiments/bench_peer.py: unknown variant {arg!r}; use '' or 'smoke'")
   return c

@@ -17,7 +17,7 @@ def get_config(arg=None):
   c.ppo_cases = ()                    # must stay empty (read by parse_case)
   c.remat = "none"                    # remat of both modes unless a case names one
   c.modes = ("replay", "naive")       # steps profiled, in this order, per case
-  c.replay_micro_batch = 1            # branches vmapped per replay scan step
+  c.replay_micro_batch = 8            # branches per replay scan step (rows of one batch); must divide G
   c.naive_micro_batch = 2             # sequences per naive forward+backward
   c.logprob_chunk = 128               # positions per log-prob chunk
   c.repeats = 2                       # timed runs before the traced one (median reported)
@@ -30,6 +30,7 @@ def get_config(arg=None):
     c.cases = ((24, 6, 4),)
     c.repeats = 1
     c.top = 5
+    c.replay_micro_batch = 4
   elif arg not in (None, ""):
     raise ValueError(f"experiments/bench_profile.py: unknown variant {arg!r}; use '' or 'smoke'")
   return c

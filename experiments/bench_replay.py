@@ -22,7 +22,7 @@ def get_config(arg=None):
   # (P, segment tokens, fan-outs per level[, remat]): full trees. The level schedule holds a whole
   # level's residuals: at P = 1024 with [4,2,2] and remat none the replay step was killed for memory.
   c.tree_cases = ((1024, 64, "4,2,2", "save_kv"), (256, 32, "2,2,2,2"))
-  c.replay_micro_batches = "1,4"      # candidates for branches vmapped per replay scan step; the fastest is reported
+  c.replay_micro_batches = "4,G"      # candidates for branches per replay scan step; the fastest is reported
   c.tree_replay_micro_batches = "1,2"  # candidates for leaf siblings vmapped per scan step (tree replay)
   c.ppo_cases = ((512, 64, 8),)       # (P, T, G): PPO step, policy + critic (gradients/actor_critic.py), naive vs replay
   c.ppo_critic = "value_head"         # critic of the PPO cases: value_head or separate (models/critic.py)

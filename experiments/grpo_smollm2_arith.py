@@ -76,7 +76,8 @@ def get_config(arg=None):
   c.train.max_grad_norm = 1.0             # global-norm gradient clipping
   c.train.inner_epochs = 1                # updates per sampled batch; > 1 replays old log-probs first
   c.train.gradient = "replay"             # replay (shared prompt once) or naive (prompt repeated per completion)
-  c.train.micro_batch = 4                 # completions per scan step, replay or naive; must divide G. Trees: leaf
+  c.train.micro_batch = 8                 # completions per scan step, replay or naive; must divide G (8 = G: one
+  #                                       # batch, no scan: the fastest; smaller lowers peak memory). Trees: leaf
   #                                       # siblings per step, must divide the last fan-out (levels EOS cut short and
   #                                       # naive trajectories use the largest divisor of their count not above it)
   c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)

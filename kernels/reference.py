@@ -20,6 +20,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class KVBlock(NamedTuple):
@@ -37,6 +38,12 @@ class KVBlock(NamedTuple):
 def accum_dtype(dtype):
   """Accumulation dtype: float32 for bfloat16/float16/float32 inputs, float64 for float64."""
   return jnp.promote_types(dtype, jnp.float32)
+
+
+QUERY_CHUNK = 256
+"""Queries per chunk of `suffix_attention`: chunk [a, b) attends to own keys [0, b) only, so a segment of
+T tokens computes about (1 + T / QUERY_CHUNK) / 2 of its T x T own-block scores instead of all of
+them (62.5% at T = 1024; a segment of <= QUERY_CHUNK tokens is one chunk)."""
 
 
 # Scores are laid out [Hkv, B, T, G, S] (query head h = kv head * G + g): every dot of the forward and
@@ -79,6 +86,14 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
                      *, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
   """Softmax attention of a segment's queries over [ancestors ; own], own bottom-right causal.
 
+  Dense, one block at a time, with FlashAttention's backward pass (Dao et al. 2022, arXiv
+  2205.14135, Algorithm 4; Dao 2023, arXiv 2307.08691, Algorithm 2, written with whole blocks instead
+  of tiles): the forward keeps only its inputs, the output and the log-sum-exp for the backward
+  pass, which recomputes each block's probabilities P = exp(S - lse) and forms
+  dS = P * (dP - rowsum(dO * O) + d lse), dP = dO V^T. So no score-sized array [Hkv, B, T, G, S] is
+  saved between the passes (a layer scan would stack one per layer: 30 of them for SmolLM2), and
+  the probabilities are never concatenated across blocks or split again.
+
   Args:
     q_bthd: [B, T, Hq, D] queries; Hq must be a multiple of every block's Hkv (GQA).
     ancestors: blocks with k, v [B or 1, S_i, Hkv, D] and valid [B or 1, S_i].
@@ -88,6 +103,7 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
   Returns:
     out_bthd: [B, T, Hq, D] in q's dtype. A query with no visible key gets zeros.
     lse_bth: [B, T, Hq] float32 (float64 for float64 q) log-sum-exp of the scaled scores (-inf where no key is visible).
+    Both are differentiable (the context-parallel merge differentiates through lse).
 
   Raises:
     ValueError: if Hq is not a multiple of Hkv or head dims differ.
@@ -98,28 +114,78 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
     raise ValueError(f"suffix_attention: q has {hq} heads of dim {d}, own K has {hkv} heads of dim "
                      f"{own.k.shape[-1]}; need Hq % Hkv == 0 and equal head dims")
   scale = d ** -0.5 if scale is None else scale
-  g = hq // hkv
-  q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, g, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
-
-  causal_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
-  blocks = list(ancestors) + [own]
-  masks = [blk.valid[None, :, None, None, :] for blk in ancestors]
-  masks.append(causal_ts[None, None, :, None, :] & own.valid[None, :, None, None, :])
-  scores = jnp.concatenate([_scores(q, blk.k) for blk in blocks], axis=-1)   # [Hkv, B, T, G, S]
-  mask = jnp.concatenate([jnp.broadcast_to(m, (1, b, t, 1, blk.k.shape[1])) for m, blk in zip(masks, blocks)],
-                         axis=-1)
-  # A finite fill (not -inf) keeps the backward pass NaN-free for rows with no visible key.
-  scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-  lse = jax.nn.logsumexp(scores, axis=-1)                  # [Hkv, B, T, G]
-  probs = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
-  lse = jnp.where(mask.any(axis=-1), lse, -jnp.inf)
-
-  out = jnp.zeros((hkv, b, t, g, d), accum_dtype(q_bthd.dtype))
-  start = 0
-  for blk in blocks:
-    s = blk.k.shape[1]
-    out = out + _mix(probs[..., start:start + s].astype(blk.v.dtype), blk.v)
-    start += s
+  q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
+  acc = accum_dtype(q_bthd.dtype)
+  if t == 0:
+    return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), acc)
+  ancestors = [blk for blk in ancestors if blk.k.shape[1]]   # an empty block adds no key (and max() needs one)
+  outs, lses = [], []
+  for start in range(0, t, QUERY_CHUNK):   # own keys after a chunk's last query are never visible to it
+    end = min(start + QUERY_CHUNK, t)
+    kvs = [(blk.k, blk.v) for blk in ancestors] + [(own.k[:, :end], own.v[:, :end])]
+    out, lse = _attend(q[:, :, start:end], kvs, _masks(ancestors, own.valid[:, :end], start))
+    outs.append(out)
+    lses.append(lse)
+  out, lse = (outs[0], lses[0]) if len(outs) == 1 else (jnp.concatenate(outs, 2), jnp.concatenate(lses, 2))
   lse_bth = jnp.transpose(lse, (1, 2, 0, 3)).reshape(b, t, hq)
   out_bthd = jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
   return out_bthd.astype(q_bthd.dtype), lse_bth
+
+
+def _masks(ancestors: Sequence[KVBlock], own_valid, start: int) -> list:
+  """Visibility of each block's keys to the queries start..start+C-1 of the segment, broadcastable to
+  their scores [Hkv, B, C, G, S]: ancestor keys by their valid mask; own keys 0..E-1 (own_valid
+  [B, E], E = start + C) bottom-right causal (query start + i sees own keys <= start + i) and valid."""
+  end = own_valid.shape[1]
+  causal = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]   # [C, E]
+  masks = [blk.valid[None, :, None, None, :] for blk in ancestors]
+  return masks + [causal[None, None, :, None, :] & own_valid[None, :, None, None, :]]
+
+
+def _block_probs(q, k, mask, lse):
+  """exp(S - lse) on visible keys, 0 elsewhere: [Hkv, B, T, G, S] accum dtype, and S's pullback (`_scores`)."""
+  scores, pullback = jax.vjp(_scores, q, k)
+  finite = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]   # rows with no visible key: all masked
+  return jnp.where(mask, jnp.exp(scores - finite), 0.0), pullback
+
+
+@jax.custom_vjp
+def _attend(q, kvs, masks):
+  """(out [Hkv, B, T, G, D] accum dtype, lse [Hkv, B, T, G]) of pre-scaled q over blocks kvs [(k, v), ...]."""
+  return _attend_fwd(q, kvs, masks)[0]
+
+
+def _attend_fwd(q, kvs, masks):
+  acc = accum_dtype(q.dtype)
+  # A finite fill (not -inf) keeps exp() NaN-free for rows with no visible key.
+  scores = [jnp.where(m, _scores(q, k), jnp.finfo(acc).min) for (k, _), m in zip(kvs, masks)]
+  row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)         # [Hkv, B, T, G]
+  exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in zip(scores, masks)]
+  total = sum(jnp.sum(e, axis=-1) for e in exps)
+  visible = total > 0
+  out = sum(_mix(e.astype(v.dtype), v) for e, (_, v) in zip(exps, kvs))
+  out = out / jnp.where(visible, total, 1.0)[..., None]      # normalise the output, not the probabilities
+  lse = jnp.where(visible, row_max + jnp.log(jnp.where(visible, total, 1.0)), -jnp.inf)
+  return (out, lse), (q, kvs, masks, out, lse)
+
+
+def _attend_bwd(residuals, cotangents):
+  q, kvs, masks, out, lse = residuals
+  d_out, d_lse = cotangents
+  # rowsum(dO * O) - d lse: what dS subtracts from dP (lse's cotangent enters as -(-d lse) = + d lse)
+  delta = (jnp.sum(d_out * out, axis=-1) - jnp.where(jnp.isfinite(lse), d_lse, 0.0))[..., None]
+  d_q = jnp.zeros(q.shape, out.dtype)
+  d_kvs = []
+  for (k, v), m in zip(kvs, masks):
+    probs, scores_pullback = _block_probs(q, k, m, lse)
+    _, mix_pullback = jax.vjp(_mix, probs.astype(v.dtype), v)
+    d_probs, d_v = mix_pullback(d_out.astype(out.dtype))
+    d_scores = probs * (d_probs.astype(probs.dtype) - delta)
+    dq_block, d_k = scores_pullback(d_scores)
+    d_q = d_q + dq_block.astype(d_q.dtype)
+    d_kvs.append((d_k, d_v))
+  masks_ct = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, jax.dtypes.float0), masks)
+  return d_q.astype(q.dtype), d_kvs, masks_ct
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -133,6 +133,38 @@ def test_kernel_error_at_most_twice_reference_error(fn, name):
     assert rel_err(reference[0], exact[0]) > 1e-4, "bfloat16 must actually round (else the rule checks nothing)"
 
 
+def textbook_attention(q, ancestors, own, scale=None):
+  """Softmax attention as written in a textbook, differentiated by autodiff: every block tiled to B
+  rows and concatenated, K/V repeated per query head, one [B, Hq, T, S] mask and softmax."""
+  b, t, hq, d = q.shape
+  g = hq // own.k.shape[-2]
+  scale = d ** -0.5 if scale is None else scale
+  tile = lambda x: jnp.broadcast_to(x, (b,) + x.shape[1:])
+  k = jnp.repeat(jnp.concatenate([tile(a.k) for a in ancestors] + [own.k], axis=1), g, axis=2)
+  v = jnp.repeat(jnp.concatenate([tile(a.v) for a in ancestors] + [own.v], axis=1), g, axis=2)
+  masks = [jnp.broadcast_to(tile(a.valid)[:, None, :], (b, t, a.k.shape[1])) for a in ancestors]
+  mask = jnp.concatenate(masks + [jnp.tril(jnp.ones((t, t), bool))[None] & own.valid[:, None, :]], axis=2)
+  scores = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", q * scale, k), -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  probs = jnp.where(mask[:, None], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  return jnp.einsum("bhts,bshd->bthd", probs, v), jnp.transpose(lse, (0, 2, 1))
+
+
+@pytest.mark.parametrize("query_chunk", [256, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_backward_equals_autodiff_of_textbook_attention(x64, monkeypatch, name, query_chunk):
+  # suffix_attention has its own backward pass (FlashAttention's: P recomputed from lse, dS = P (dP -
+  # rowsum(dO O) + dlse)) and splits its queries into chunks that skip later own keys. In float64 its
+  # out, lse and every gradient (with a cotangent on lse too) must equal autodiff of the textbook formula
+  # to rounding (<= 1e-12 relative), with one chunk (256) and with chunks of 3 queries (T up to 20).
+  from branch_replay_jax.kernels import reference
+  monkeypatch.setattr(reference, "QUERY_CHUNK", query_chunk)
+  inputs = make_inputs(CASES[name], seed=5)
+  got, want = run(suffix_attention, jnp.float64, inputs), run(textbook_attention, jnp.float64, inputs)
+  for i, (x, y) in enumerate(zip(got, want)):
+    assert rel_err(x, y) <= 1e-12, (i, rel_err(x, y))
+
+
 @pytest.mark.parametrize("fn", [pytest.param(suffix_attention_pallas, id="pallas"),
                                 pytest.param(suffix_attention_splash, id="splash", marks=NOT_ON_GPU)])
 def test_fully_masked_rows_give_zeros_and_no_nan(fn):

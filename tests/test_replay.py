@@ -12,7 +12,7 @@ from branch_replay_jax.core.replay import replay_vjp
 from branch_replay_jax.data.batches import group_arrays
 from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
                                                   replay_value_and_grad)
-from branch_replay_jax.models.llama import REMAT_POLICIES
+from branch_replay_jax.models.llama import REMAT_POLICIES, token_logprobs
 
 LENGTHS = {1: [6], 2: [1, 9], 7: [1, 5, 9, 3, 7, 1, 8]}
 
@@ -158,6 +158,44 @@ def test_g_copies_of_a_branch_give_g_times_its_gradient():
   _, _, five = replay_vjp(prefix_fn, branch_fn, params, jnp.full((5,), 2.0), micro_batch=5)
   np.testing.assert_allclose(five["a"], 5 * one["a"], rtol=1e-6)
   np.testing.assert_allclose(five["b"], 5 * one["b"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_vectorized_branch_fn_gives_the_same_gradient(micro_batch):
+  # The toy's branch_fn written for a micro-batch (c [m] -> losses [m]) and called as is: the values of
+  # test_prefix_cotangent_is_summed_once_over_branches, through the scan (m = 1) and the one-step path (m = G).
+  prefix_fn, branch_fn, params, _ = _toy()
+  loss, aux, grads = replay_vjp(prefix_fn, branch_fn, params, jnp.array([1.0, 2.0, 3.0]), micro_batch=micro_batch,
+                                vectorized=True)
+  np.testing.assert_allclose(aux, [-3.5, -2.5, -1.5])
+  np.testing.assert_allclose(grads["a"], 22.5)
+  np.testing.assert_allclose(grads["b"], [-45.0, -90.0])
+
+
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_prefix_cotangent_reduction_is_applied_once(micro_batch):
+  # reduce_prefix_cotangent triples the summed prefix cotangent: the prefix's share of the gradient
+  # (all of dL/da = 22.5 above) becomes 67.5 on both paths (the scan at m = 1, the single step at
+  # m = G = 3); dL/db comes from the branches alone and stays (-45, -90). Applying it per branch or
+  # not at all on one path would give 22.5 or 202.5.
+  prefix_fn, branch_fn, params, _ = _toy()
+  _, _, grads = replay_vjp(prefix_fn, branch_fn, params, jnp.array([1.0, 2.0, 3.0]), micro_batch=micro_batch,
+                           reduce_prefix_cotangent=lambda c: [3 * x for x in c])
+  np.testing.assert_allclose(grads["a"], 67.5)
+  np.testing.assert_allclose(grads["b"], [-45.0, -90.0])
+
+
+def test_one_logprob_chunk_equals_several(x64):
+  # token_logprobs recomputes its chunks in the backward pass only when there are several: one chunk
+  # of 6 positions and three of 2 give the same log-probs and gradients up to float64 rounding.
+  rng = np.random.default_rng(3)
+  h, w = jnp.asarray(rng.normal(size=(2, 6, 5))), jnp.asarray(rng.normal(size=(5, 11)))
+  y = jnp.asarray(rng.integers(0, 11, size=(2, 6)))
+  f = lambda chunk: jax.value_and_grad(lambda h, w: jnp.sum(jnp.sin(token_logprobs(h, w, y, chunk=chunk))),
+                                       argnums=(0, 1))(h, w)
+  (one, g_one), (three, g_three) = f(6), f(2)
+  np.testing.assert_allclose(one, three, rtol=1e-12)
+  assert max_rel_err(g_one, g_three) <= 1e-12
 
 
 def test_c04_prompt_completion_boundary():

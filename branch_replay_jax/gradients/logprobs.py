@@ -61,26 +61,30 @@ def prompt_prefix_fn(graphdef, batch):
   return prefix_fn
 
 
-def _segment(model, segment: Segments, offset, ancestors: list, parent_last_hidden, chunk, attention=None,
+def _segment(model, tokens_bt, mask_bt, offset, ancestors: list, parent_last_hidden, chunk, attention=None,
              temperature: float = 1.0):
-  """Forward of one segment on its ancestors' K/V and the log-probs of its tokens.
+  """Forward of B sibling segments (rows) on their shared ancestors' K/V and the log-probs of their tokens.
 
-  Token 0 is scored from the parent's last hidden state, token i > 0 from the segment's own
-  position i - 1. `attention` overrides the model's (context parallelism); `temperature` divides
-  the logits (`token_logprobs`). Returns (SegmentOutput, logp [T] with 0 on padding).
+  tokens_bt, mask_bt: [B, T]. parent_last_hidden: [d], the parent's last hidden state, which scores
+  token 0 of every row; token i > 0 is scored from the row's own position i - 1. The rows run as
+  one batch (not vmapped), so each weight-gradient dot contracts one (row·position) axis.
+  `attention` overrides the model's (context parallelism); `temperature` divides the logits
+  (`token_logprobs`). Returns (SegmentOutput, logp [B, T] with 0 on padding).
   """
-  out = model(segment.tokens[None], offset, ancestors=ancestors, valid_bt=segment.mask[None],
-              attention=attention)
-  hidden = jnp.concatenate([parent_last_hidden[None].astype(out.hidden_btd.dtype), out.hidden_btd[0, :-1]], axis=0)
+  out = model(tokens_bt, offset, ancestors=ancestors, valid_bt=mask_bt, attention=attention)
+  b, _, d = out.hidden_btd.shape
+  first = jnp.broadcast_to(parent_last_hidden.astype(out.hidden_btd.dtype), (b, 1, d))
+  hidden = jnp.concatenate([first, out.hidden_btd[:, :-1]], axis=1)
   w, vocab_axis = model.output_weights()
-  logp = token_logprobs(hidden[None], w, segment.tokens[None], chunk=chunk, vocab_axis=vocab_axis,
-                        temperature=temperature)[0]
-  return out, jnp.where(segment.mask, logp, 0.0)
+  logp = token_logprobs(hidden, w, tokens_bt, chunk=chunk, vocab_axis=vocab_axis, temperature=temperature)
+  return out, jnp.where(mask_bt, logp, 0.0)
 
 
-def _branch_logprobs(graphdef, params, prefix_out, branch, prompt_len, chunk, attention=None, temperature=1.0):
+def _branch_logprobs(graphdef, params, prefix_out, branches, prompt_len, chunk, attention=None, temperature=1.0):
+  """[m, T] log-probs of a micro-batch of completions (branches: Segments with a leading axis m)."""
   kv, last_hidden = prefix_out
-  return _segment(merge(graphdef, params), branch, prompt_len, [kv], last_hidden, chunk, attention, temperature)[1]
+  return _segment(merge(graphdef, params), branches.tokens, branches.mask, prompt_len, [kv], last_hidden, chunk,
+                  attention, temperature)[1]
 
 
 def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, *, micro_batch: int = 1,
@@ -95,22 +99,23 @@ def replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Object
   temperature: τ, a Python float: log-probs of softmax(logits / τ) (`models.llama.token_logprobs`;
   docs/design.md, "Log-prob temperature"); every function of this module takes it.
   """
-  def branch_fn(p, prefix_out, branch):
-    logp = _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention, temperature)
-    return objective(logp, branch)
+  def branch_fn(p, prefix_out, branches):
+    logp = _branch_logprobs(graphdef, p, prefix_out, branches, batch.prompt_len, logprob_chunk, attention,
+                            temperature)
+    return jax.vmap(objective)(logp, branches)
   prefix_fn = prompt_prefix_fn(graphdef, batch) if prefix_fn is None else prefix_fn
   return replay_vjp(prefix_fn, branch_fn, params, batch.branches, micro_batch=micro_batch,
-                    reduce_prefix_cotangent=reduce_prefix_cotangent)
+                    reduce_prefix_cotangent=reduce_prefix_cotangent, vectorized=True)
 
 
 def replay_logprobs(graphdef, params, batch: GroupBatch, *, micro_batch: int = 1, logprob_chunk: int = 256,
                     prefix_fn=None, attention=None, temperature: float = 1.0) -> jax.Array:
   """[G, T] float32 log-probs of every completion token (0 on padding), forward-only replay.
   prefix_fn, attention, temperature: as in `replay_value_and_grad`."""
-  def branch_fn(p, prefix_out, branch):
-    return _branch_logprobs(graphdef, p, prefix_out, branch, batch.prompt_len, logprob_chunk, attention, temperature)
+  def branch_fn(p, prefix_out, branches):
+    return _branch_logprobs(graphdef, p, prefix_out, branches, batch.prompt_len, logprob_chunk, attention, temperature)
   prefix_fn = prompt_prefix_fn(graphdef, batch) if prefix_fn is None else prefix_fn
-  return replay_map(prefix_fn, branch_fn, params, batch.branches, micro_batch=micro_batch)
+  return replay_map(prefix_fn, branch_fn, params, batch.branches, micro_batch=micro_batch, vectorized=True)
 
 
 def naive_batch(batch):
@@ -181,8 +186,9 @@ def _tree_root_fn(graphdef, batch, prefix_fn=None):
 def _tree_segment(graphdef, params, ancestors, node, chunk, attention=None, temperature=1.0):
   """(the node's output for its children, logp [T_d]) of one tree node on its ancestors' outputs."""
   parent = ancestors[-1]
-  out, logp = _segment(merge(graphdef, params), node, parent["end"], [a["kv"] for a in ancestors],
-                       parent["last_hidden"], chunk, attention, temperature)
+  out, logp = _segment(merge(graphdef, params), node.tokens[None], node.mask[None], parent["end"],
+                       [a["kv"] for a in ancestors], parent["last_hidden"], chunk, attention, temperature)
+  logp = logp[0]
   n = jnp.sum(node.mask.astype(jnp.int32))
   last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.maximum(n - 1, 0), keepdims=False)
   return {"kv": out.kv, "last_hidden": last, "end": parent["end"] + n}, logp

@@ -339,8 +339,9 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
                    vocab_axis: int = 1, temperature: float = 1.0) -> jax.Array:
   """log softmax(h_t W / τ)[target_t] without holding [T, V] logits for the whole segment.
 
-  Positions are processed `chunk` at a time with `jax.lax.map`; each chunk's logits are
-  recomputed in the backward pass (`jax.checkpoint`), so memory is O(B * chunk * V).
+  Positions are processed `chunk` at a time with `jax.lax.map`; when there are several chunks each
+  chunk's logits are recomputed in the backward pass (`jax.checkpoint`), so memory is O(B * chunk * V).
+  A single chunk is not recomputed: its logits are live at the backward's start either way.
 
   Args:
     hidden_btd: [B, T, d] hidden states that predict the targets (position t predicts target t).
@@ -369,7 +370,6 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
   y = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
   w = w.astype(hidden_btd.dtype)
 
-  @jax.checkpoint
   def one(args):
     h_bcd, y_bc = args
     logits = jnp.einsum(spec, h_bcd.reshape(-1, d), w, preferred_element_type=accum_dtype(h_bcd.dtype))
@@ -378,5 +378,8 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
     picked = jnp.take_along_axis(logits, y_bc.reshape(-1, 1), axis=-1)[:, 0]
     return (picked - jax.nn.logsumexp(logits, axis=-1)).reshape(y_bc.shape)
 
-  out = jax.lax.map(one, (h, y))                   # [n, B, c]
+  if n == 1:   # one chunk: recomputing it in the backward pass would not lower the peak, only add a matmul
+    out = one((h[0], y[0]))[None]
+  else:
+    out = jax.lax.map(jax.checkpoint(one), (h, y))   # [n, B, c]
   return out.swapaxes(0, 1).reshape(b, n * c)[:, :t]
