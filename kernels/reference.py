@@ -172,7 +172,7 @@ def _attend_fwd(q, kvs, masks):
 def _attend_bwd(residuals, cotangents):
   q, kvs, masks, out, lse = residuals
   d_out, d_lse = cotangents
-  # rowsum(dO * O) - d lse: what dS subtracts from dP (lse's cotangent enters as -(-d lse) = + d lse)
+  # dS = P (dP - rowsum(dO * O)) + P d lse (as d lse / dS = P) = P (dP - delta)
   delta = (jnp.sum(d_out * out, axis=-1) - jnp.where(jnp.isfinite(lse), d_lse, 0.0))[..., None]
   d_q = jnp.zeros(q.shape, out.dtype)
   d_kvs = []
