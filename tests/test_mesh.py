@@ -110,13 +110,14 @@ def reference():
   return graphdef, params, groups, sum(float(o[0]) for o in naive_out), n_grads, r_grads, naive_aux
 
 
-def _sharded(graphdef, params, groups, mesh, mode="replicated"):
+def _sharded(graphdef, params, groups, mesh, mode="replicated", micro_batch=1):
   """(loss / scale, aux of the first 4 groups, grads / scale) on `mesh`; 8 data shards need 8
   groups: the 4 groups twice (scale 2). Prompts are padded to one length first."""
   scale = 2 if mesh.shape["data"] == 8 else 1
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups * scale, mesh.shape["seq"])), mesh)
-    loss, aux, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh))(
+    loss, aux, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh,
+                                                                          micro_batch=micro_batch))(
         shard_params(params, mesh, mode), batch)
   aux = jax.tree_util.tree_map(lambda x: np.asarray(x)[:len(groups)], aux)
   return float(loss) / scale, aux, jax.tree_util.tree_map(lambda g: g / scale, grads)
@@ -137,6 +138,22 @@ def test_sharded_replay_equals_single_device_and_naive(reference, shape):
   np.testing.assert_array_equal(aux["clipped"], naive_aux["clipped"])
   np.testing.assert_allclose(aux["logp"], naive_aux["logp"], rtol=1e-5, atol=1e-5)
   assert naive_aux["clipped"].max() > 0   # not vacuous
+
+
+def test_sharded_replay_with_one_micro_batch_per_device_equals_naive(reference):
+  # On 2x2x2 each device holds G / 2 = 4 completions of its group; micro_batch 4 takes replay_vjp's
+  # one-step path (no scan), where the all-reduce of the prompt's cotangent over `branch` runs inside
+  # the backward pass (a custom_vjp identity, which must type-check under check_vma) and the prompt
+  # is split over `seq`. Same bounds as the scan path above: loss, gradient and per-completion aux
+  # equal naive's to float32 rounding (1e-5). (The mesh's reduction, psum / n_branch, is idempotent
+  # and the final psum is linear, so this cannot count how often it is applied:
+  # tests/test_replay.py::test_prefix_cotangent_reduction_is_applied_once does.)
+  graphdef, params, groups, naive_loss, naive_grads, _, naive_aux = reference
+  loss, aux, grads = _sharded(graphdef, params, groups, make_mesh(2, 2, 2), micro_batch=4)
+  assert loss == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
+  assert max_rel_err(grads, naive_grads) <= 1e-5
+  np.testing.assert_array_equal(aux["clipped"], naive_aux["clipped"])
+  np.testing.assert_allclose(aux["logp"], naive_aux["logp"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 8), (2, 4, 1)], ids=["2x2x2", "1x1x8", "2x4x1"])
