@@ -114,10 +114,9 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
     raise ValueError(f"suffix_attention: q has {hq} heads of dim {d}, own K has {hkv} heads of dim "
                      f"{own.k.shape[-1]}; need Hq % Hkv == 0 and equal head dims")
   scale = d ** -0.5 if scale is None else scale
-  q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
-  acc = accum_dtype(q_bthd.dtype)
   if t == 0:
-    return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), acc)
+    return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), accum_dtype(q_bthd.dtype))
+  q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
   ancestors = [blk for blk in ancestors if blk.k.shape[1]]   # an empty block adds no key (and max() needs one)
   outs, lses = [], []
   for start in range(0, t, QUERY_CHUNK):   # own keys after a chunk's last query are never visible to it
