@@ -1,3 +1,4 @@
+import functools
 """P9 field faults (round 2), the wiring into the training loop: config fields reach the pure
 functions (DPO label smoothing, task.strict_answer, GAE truncation), every config field's domain is
 checked before anything loads, resumed runs cut every log back, truncated safetensors are named.
@@ -16,11 +17,12 @@ import pytest
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import dpo, grpo, loop, ppo
 from branch_replay_jax.data.batches import GroupBatch, Segments, tree_arrays
-from branch_replay_jax.gradients.actor_critic import LogprobsValues
 from branch_replay_jax.models import hf_loader
 from branch_replay_jax.rollout.tasks import Score, Task
 from conftest import experiment_config
 from experiments import dpo_smollm2_arith, grpo_smollm2_arith, grpo_tree_smollm2_arith, ppo_smollm2_arith
+from branch_replay_jax.gradients.heads import ACTOR_CRITIC, LogprobsValues
+from branch_replay_jax.gradients.step import forward
 
 
 def _no_model_load(monkeypatch):
@@ -314,7 +316,6 @@ def test_next_value_is_the_value_of_the_state_after_the_last_token():
   # completion with the same first k tokens (the same context): replay and naive agree with it.
   from conftest import random_group
   from branch_replay_jax.data.batches import group_arrays
-  from branch_replay_jax.gradients import actor_critic as pp
   from branch_replay_jax.models import Llama, tiny_config
   from branch_replay_jax.models.critic import ActorCritic
   from flax import nnx
@@ -326,7 +327,7 @@ def test_next_value_is_the_value_of_the_state_after_the_last_token():
   comp = np.asarray(group.completion_ids[0, :6])
   both = make_group(group.prompt_ids[:group.prompt_len], [comp[:3], comp], vocab_size=64, max_positions=256)
   arrays = group_arrays(both)
-  for fwd in (pp.replay_logprobs_values, pp.naive_logprobs_values):
+  for fwd in (functools.partial(forward, ACTOR_CRITIC), functools.partial(forward, ACTOR_CRITIC, layout="naive")):
     out = jax.jit(fwd, static_argnums=0)(graphdef, params, arrays)
     np.testing.assert_allclose(out.next_value[0], out.values[1, 3], rtol=1e-5)
     assert abs(float(out.next_value[0])) > 1e-4

@@ -29,13 +29,14 @@ from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms import ppo
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
-from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad, tree_replay_value_and_grad
 from branch_replay_jax.models.llama import token_logprobs
 from branch_replay_jax.rollout import collect
 from branch_replay_jax.rollout.collect import Group, dynamic_sampling, step_token_mean
 from branch_replay_jax.rollout.tasks import Score, Task
 from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
 from test_train import final_params, max_rel
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
 # ---------------------------------------------------------------------------------------------
 # Hand-computed values.
@@ -201,9 +202,9 @@ TREE_OBJECTIVE = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, clip_e
                                    on_policy=False)
 NAIVE_TREE_OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05,
                                          on_policy=False)
-_replay = jax.jit(replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch", "temperature"))
-_naive = jax.jit(naive_value_and_grad, static_argnums=(0, 3), static_argnames=("temperature",))
-_tree = jax.jit(tree_replay_value_and_grad, static_argnums=(0, 3), static_argnames=("temperature",))
+_replay = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3), static_argnames=("micro_batch", "temperature"))
+_naive = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3), static_argnames=("temperature",))
+_tree = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3), static_argnames=("temperature",))
 
 
 def _loss_fields(lengths, dtype, *, budget, seed=1):

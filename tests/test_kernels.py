@@ -21,10 +21,11 @@ from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import group_arrays
-from branch_replay_jax.gradients.logprobs import replay_value_and_grad
 from branch_replay_jax.kernels import (KVBlock, attention_fn, resolve_attention_impl, suffix_attention,
                                       suffix_attention_pallas, suffix_attention_splash)
 from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
 FLOOR = 1e-6
 
@@ -314,7 +315,7 @@ def test_replay_with_pallas_equals_replay_with_xla(impl, head_dim):
   arrays = group_arrays(group, weights=(weights * np.array([[1.0], [-0.5]])).astype(np.float32))
   objective = lambda logp, br: (obj.weighted_logprob_loss(logp, br.weights), logp)
   # micro_batch=2: both branches in one vmapped step, so the kernels also run under jax.vmap.
-  fn = jax.jit(functools.partial(replay_value_and_grad, micro_batch=2), static_argnums=(0, 3))
+  fn = jax.jit(functools.partial(functools.partial(value_and_grad, POLICY), micro_batch=2), static_argnums=(0, 3))
   loss_xla, logp_xla, g_xla = fn(gd_xla, params, arrays, objective)
   loss_pallas, logp_pallas, g_pallas = fn(gd_pallas, params, arrays, objective)
   assert abs(float(loss_pallas) - float(loss_xla)) <= 1e-5 * max(1.0, abs(float(loss_xla)))

@@ -16,11 +16,11 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import grpo, loop
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
-from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_logprobs, replay_value_and_grad,
-                                                  tree_replay_value_and_grad)
 from branch_replay_jax.models import Llama, lora, tiny_config
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from experiments import grpo_smollm2_arith, ppo_smollm2_arith
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 SPEC = lora.LoraSpec(rank=3, alpha=6.0)      # every projection adapted; scale 2
 LENGTHS = [1, 5, 9, 3, 7, 1, 8]
@@ -60,12 +60,12 @@ def grpo_arrays(group, dtype, seed=1):
 # The base enters as a traced argument bound by WithBase (as GRPOFunctions does), adapters differentiated.
 @functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("micro_batch",))
 def _replay(graphdef, adapters, base, batch, objective, micro_batch=1):
-  return replay_value_and_grad(lora.WithBase(graphdef, base), adapters, batch, objective, micro_batch=micro_batch)
+  return value_and_grad(POLICY, lora.WithBase(graphdef, base), adapters, batch, objective, micro_batch=micro_batch)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _naive(graphdef, adapters, base, batch, objective):
-  return naive_value_and_grad(lora.WithBase(graphdef, base), adapters, batch, objective)
+  return value_and_grad(POLICY, lora.WithBase(graphdef, base), adapters, batch, objective, layout="naive")
 
 
 def _adapter_grads_from_merged_weights(graphdef, adapters, base, batch, objective):
@@ -74,7 +74,7 @@ def _adapter_grads_from_merged_weights(graphdef, adapters, base, batch, objectiv
   step on `lora.merged` (full fine-tuning's gradient), independent of the adapter code path."""
   model = lora.merged(nnx.merge(graphdef, adapters, base))
   plain_graph, params = nnx.split(model)
-  _, _, g_full = jax.jit(naive_value_and_grad, static_argnums=(0, 3))(plain_graph, params, batch, objective)
+  _, _, g_full = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))(plain_graph, params, batch, objective)
   s, r, want = SPEC.scale, SPEC.rank, {}
   for t in SPEC.targets:
     a, b = (np.asarray(adapters["layers"][t + x][...]) for x in ("_lora_a", "_lora_b"))
@@ -152,7 +152,7 @@ def _tree_and_naive(graphdef, adapters, base, dtype, schedule):
   tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   micro = padded.node_ids[-1].shape[-1] if schedule == "level" else 1
-  tree_step = jax.jit(lambda a, b, x: tree_replay_value_and_grad(lora.WithBase(graphdef, b), a, x, tree_obj,
+  tree_step = jax.jit(lambda a, b, x: value_and_grad(POLICY, lora.WithBase(graphdef, b), a, x, tree_obj,
                                                                   schedule=schedule, micro_batch=micro))
   group = trajectory_group_arrays(TREE, {"old_logp": old, "ref_logp": ref}, w.astype(dtype), vocab_size=64,
                                   max_positions=256, completion_bucket=16, advantage=adv)
@@ -180,15 +180,15 @@ def test_adapters_off_is_the_base_model_and_merging_keeps_the_function():
   # for export) computes the adapted policy up to float32 rounding.
   graphdef, adapters, base = adapted_model()
   batch = grpo_arrays(random_group(LENGTHS), np.float32)
-  logprobs = jax.jit(lambda a, b, x: replay_logprobs(lora.WithBase(graphdef, b), a, x, micro_batch=7))
+  logprobs = jax.jit(lambda a, b, x: forward(POLICY, lora.WithBase(graphdef, b), a, x, micro_batch=7))
   reference = logprobs(lora.adapters_off(adapters), base, batch)
   plain_graph, plain = nnx.split(Llama(tiny_config(), rngs=nnx.Rngs(0)))
-  np.testing.assert_array_equal(reference, jax.jit(lambda p, x: replay_logprobs(plain_graph, p, x, micro_batch=7))(
+  np.testing.assert_array_equal(reference, jax.jit(lambda p, x: forward(POLICY, plain_graph, p, x, micro_batch=7))(
       plain, batch))
   adapted = logprobs(adapters, base, batch)
   assert np.abs(np.asarray(adapted) - np.asarray(reference)).max() > 1e-2
   merged_graph, merged = nnx.split(lora.merged(nnx.merge(graphdef, adapters, base)))
-  np.testing.assert_allclose(replay_logprobs(merged_graph, merged, batch, micro_batch=7), adapted, atol=1e-5)
+  np.testing.assert_allclose(forward(POLICY, merged_graph, merged, batch, micro_batch=7), adapted, atol=1e-5)
 
 
 @pytest.mark.slow   # reads SmolLM2's GGUF (tokenizer or header)

@@ -21,15 +21,12 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.core.replay import replay_vjp
 from branch_replay_jax.data.batches import pad_trees, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
-from branch_replay_jax.distributed.mesh import (make_mesh, make_train_step, pad_prompts, param_specs, shard_batch,
-                                        shard_params, sharded_replay_logprobs, sharded_replay_value_and_grad,
-                                        sharded_tree_replay_logprobs, sharded_tree_replay_value_and_grad,
-                                        stack_groups)
-from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_logprobs, replay_value_and_grad,
-                                                  tree_replay_logprobs, tree_replay_value_and_grad)
+from branch_replay_jax.distributed.mesh import (make_mesh, pad_prompts, param_specs, shard_batch, shard_params, stack_groups)
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
 from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
 from branch_replay_jax.models.llama import REMAT_POLICIES
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import forward, make_train_step, value_and_grad
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
@@ -98,8 +95,8 @@ def reference():
   groups = [grpo_arrays(random_group([1, 5, 9, 3, 7, 1, 8, 4], seed=s, prompt_len=11 if s < 3 else 21,
                                      prompt_bucket=16 if s < 3 else 32, completion_bucket=16),
                         np.float32, seed=s) for s in range(4)]
-  naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective))
-  replay = jax.jit(lambda p, a: replay_value_and_grad(graphdef, p, a, grpo_objective))
+  naive = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, grpo_objective, layout="naive"))
+  replay = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, grpo_objective))
   add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)
   naive_out = [naive(params, a) for a in groups]
   replay_out = [replay(params, a) for a in groups]
@@ -116,7 +113,7 @@ def _sharded(graphdef, params, groups, mesh, mode="replicated", micro_batch=1):
   scale = 2 if mesh.shape["data"] == 8 else 1
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups * scale, mesh.shape["seq"])), mesh)
-    loss, aux, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh,
+    loss, aux, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, grpo_objective, mesh=mesh,
                                                                           micro_batch=micro_batch))(
         shard_params(params, mesh, mode), batch)
   aux = jax.tree_util.tree_map(lambda x: np.asarray(x)[:len(groups)], aux)
@@ -161,11 +158,11 @@ def test_sharded_logprobs_equal_single_device(reference, shape):
   # Forward-only replay on the mesh (the training loop's reference and old log-probs): each group's
   # [G, T] log-probs equal policy.replay_logprobs to float32 rounding, 0 on padding.
   graphdef, params, groups = reference[:3]
-  want = np.stack([np.asarray(jax.jit(lambda p, a: replay_logprobs(graphdef, p, a))(params, a)) for a in groups])
+  want = np.stack([np.asarray(jax.jit(lambda p, a: forward(POLICY, graphdef, p, a))(params, a)) for a in groups])
   mesh = make_mesh(*shape)
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups, mesh.shape["seq"])), mesh)
-    got = jax.jit(lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh))(shard_params(params, mesh), batch)
+    got = jax.jit(lambda p, b: forward(POLICY, graphdef, p, b, mesh=mesh))(shard_params(params, mesh), batch)
   assert got.sharding.spec == P("data", "branch", None)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
   assert np.all(np.asarray(got)[~np.stack([np.asarray(a.branches.mask) for a in groups])] == 0)
@@ -178,7 +175,7 @@ def test_sharded_replay_at_the_sampling_temperature_equals_naive(reference):
   # objective's aux); and τ acts: they differ from τ = 1's (the reference's aux) by far more than rounding.
   graphdef, params, groups, _, _, _, at_one = reference
   tau = 0.7
-  naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective, temperature=tau))
+  naive = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, grpo_objective, temperature=tau, layout="naive"))
   outs = [naive(params, a) for a in groups]
   want_loss = sum(float(o[0]) for o in outs)
   want_grads = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), [o[2] for o in outs])
@@ -187,9 +184,9 @@ def test_sharded_replay_at_the_sampling_temperature_equals_naive(reference):
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups, mesh.shape["seq"])), mesh)
     sharded = shard_params(params, mesh)
-    loss, _, grads = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, grpo_objective, mesh,
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, grpo_objective, mesh=mesh,
                                                                         temperature=tau))(sharded, batch)
-    lp = jax.jit(lambda p, b: sharded_replay_logprobs(graphdef, p, b, mesh, temperature=tau))(sharded, batch)
+    lp = jax.jit(lambda p, b: forward(POLICY, graphdef, p, b, mesh=mesh, temperature=tau))(sharded, batch)
   assert float(loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, want_grads) <= 1e-5
   np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=1e-5, atol=1e-5)
@@ -217,7 +214,7 @@ def test_fsdp_step_equals_replicated_gradient(reference):
   with jax.set_mesh(mesh):
     sharded = shard_params(params, mesh, "fsdp")
     opt_state = jax.jit(tx.init)(sharded)
-    step = make_train_step(graphdef, tx, grpo_objective, mesh)
+    step = make_train_step(POLICY, graphdef, tx, grpo_objective, mesh=mesh)
     new_params, new_state, loss = step(sharded, opt_state, shard_batch(stack_groups(pad_prompts(groups)), mesh))
   specs = param_specs(params, mesh, "fsdp")
   assert jax.tree_util.tree_leaves(specs)[0] == P(("data", "branch", "seq"))   # embed [64, 32]: rows split
@@ -260,7 +257,7 @@ def test_fsdp_inside_the_step_float64():
     graphdef, params = tiny_model(jnp.float64, jnp.float64)
     groups = [grpo_arrays(random_group([3, 5, 2, 7], seed=s, prompt_bucket=16, completion_bucket=8), np.float64,
                           seed=s) for s in range(2)]
-    naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective))
+    naive = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, grpo_objective, layout="naive"))
     outs = [naive(params, a) for a in groups]
     naive_grads = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
     loss, _, grads = _sharded(graphdef, params, groups, make_mesh(2, 2, 2), mode="fsdp")
@@ -280,13 +277,13 @@ def test_bfloat16_parameters_on_the_fsdp_mesh_error_at_most_twice_naive_error(re
   with jax.enable_x64(True):
     gd64, _ = tiny_model(jnp.float64, jnp.float64)
     p64 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
-    naive64 = jax.jit(lambda p, a: naive_value_and_grad(gd64, p, a, grpo_objective))
+    naive64 = jax.jit(lambda p, a: value_and_grad(POLICY, gd64, p, a, grpo_objective, layout="naive"))
     ref = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b),
                            [naive64(p64, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64)
                                                                 if x.dtype == jnp.float32 else x, a))[2]
                             for a in groups])
     ref = jax.tree_util.tree_map(np.asarray, ref)
-  naive = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, grpo_objective))
+  naive = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, grpo_objective, layout="naive"))
   g_naive = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b),
                              [naive(params, a)[2] for a in groups])
   _, _, g_fsdp = _sharded(graphdef, params, groups, make_mesh(2, 2, 2), mode="fsdp")
@@ -330,7 +327,7 @@ def test_mesh_step_refuses_a_layout_it_cannot_gather(reference):
     odd["embed"].set_value(jax.device_put(params["embed"][...], NamedSharding(mesh, P("data"))))
     batch = shard_batch(stack_groups(pad_prompts(groups[:2], 2)), mesh)
     with pytest.raises(ValueError, match="parameter 'embed' has spec"):
-      sharded_replay_value_and_grad(graphdef, odd, batch, grpo_objective, mesh)
+      value_and_grad(POLICY, graphdef, odd, batch, grpo_objective, mesh=mesh)
 
 
 def _random_tree(seed):
@@ -374,11 +371,10 @@ def test_sharded_tree_replay_equals_naive():
     trees.append(tree_arrays(pad_tree(tree), per_node, advantage=adv))
     naive = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": old}, w.astype(np.float32), vocab_size=64,
                                     max_positions=256, completion_bucket=16, advantage=adv)
-    loss, _, grads = jax.jit(lambda p, a: naive_value_and_grad(graphdef, p, a, group_obj, temperature=tau))(
+    loss, _, grads = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, group_obj, temperature=tau, layout="naive"))(
         params, naive)
     naive_loss, naive_grads = naive_loss + float(loss), add(naive_grads, grads)
-    replay_grads = add(replay_grads, jax.jit(lambda p, a: tree_replay_value_and_grad(
-        graphdef, p, a, tree_obj, temperature=tau))(params, trees[-1])[2])
+    replay_grads = add(replay_grads, jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, tree_obj, temperature=tau))(params, trees[-1])[2])
   assert max_rel_err(replay_grads, naive_grads) <= 1e-5
   padded = pad_trees(trees)
   assert [x.tokens.shape for x in padded[1].levels] == [(4, 8), (4, 2, 16)]
@@ -386,14 +382,14 @@ def test_sharded_tree_replay_equals_naive():
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(padded, mesh.shape["seq"])), mesh)
     sharded = shard_params(params, mesh)
-    loss, _, grads = jax.jit(lambda p, b: sharded_tree_replay_value_and_grad(graphdef, p, b, tree_obj, mesh,
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, tree_obj, mesh=mesh,
                                                                              temperature=tau))(sharded, batch)
-    logprobs = jax.jit(lambda p, b: sharded_tree_replay_logprobs(graphdef, p, b, mesh, micro_batch=2,
+    logprobs = jax.jit(lambda p, b: forward(POLICY, graphdef, p, b, mesh=mesh, micro_batch=2,
                                                                  temperature=tau))(sharded, batch)
   assert float(loss) == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, naive_grads) <= 1e-5
   for b, tree in enumerate(trees):
-    want = jax.jit(lambda p, a: tree_replay_logprobs(graphdef, p, a, temperature=tau))(params, tree)
+    want = jax.jit(lambda p, a: forward(POLICY, graphdef, p, a, temperature=tau))(params, tree)
     for got, level in zip(logprobs, want):
       got = np.array(got)[b]
       corner = tuple(slice(0, n) for n in level.shape)
@@ -436,7 +432,7 @@ def test_documented_optimizer_state_creation(reference):
     sharded = shard_params(params, mesh, "fsdp")
     states = {"jit inside set_mesh": jax.jit(tx.init)(sharded),
               "sharded init (loop)": shard_params(tx.init(params), mesh, "fsdp")}
-    step = make_train_step(graphdef, tx, grpo_objective, mesh)
+    step = make_train_step(POLICY, graphdef, tx, grpo_objective, mesh=mesh)
     batch = shard_batch(stack_groups(pad_prompts(groups)), mesh)
     for name, opt_state in states.items():
       same = jax.tree_util.tree_map(lambda x, s: x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim),

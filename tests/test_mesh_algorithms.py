@@ -18,12 +18,11 @@ from test_train import final_params, max_rel
 from branch_replay_jax import losses as obj
 from branch_replay_jax import main as entry
 from branch_replay_jax.data.batches import group_arrays
-from branch_replay_jax.distributed.mesh import (make_mesh, pad_groups, pad_prompts, shard_batch, shard_params,
-                                                sharded_actor_critic_logprobs_values,
-                                                sharded_actor_critic_value_and_grad, stack_groups)
-from branch_replay_jax.gradients import actor_critic as pp
+from branch_replay_jax.distributed.mesh import (make_mesh, pad_groups, pad_prompts, shard_batch, shard_params, stack_groups)
 from branch_replay_jax.rollout.tasks import Task
 from experiments import dpo_smollm2_arith, ppo_smollm2_arith
+from branch_replay_jax.gradients.heads import ACTOR_CRITIC
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 # 2x2x2 FSDP splits all three axes and the parameters; 2x4x1 (replicated parameters; DPO's groups
@@ -52,18 +51,18 @@ def test_sharded_actor_critic_equals_single_device():
   objective = functools.partial(obj.ppo_objective, **KW)
   graphdef, params = actor_critic("separate", jnp.float32)
   groups = [_ppo_group(0, 11), _ppo_group(1, 14)]
-  step = jax.jit(pp.replay_value_and_grad, static_argnums=(0, 3))
+  step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3))
   outs = [step(graphdef, params, a, objective) for a in groups]
   want = jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs])
-  fwd = [jax.jit(pp.replay_logprobs_values, static_argnums=0)(graphdef, params, a) for a in groups]
+  fwd = [jax.jit(functools.partial(forward, ACTOR_CRITIC), static_argnums=0)(graphdef, params, a) for a in groups]
   mesh = make_mesh(2, 2, 2)
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups, 2)), mesh)
     placed = shard_params(params, mesh, "fsdp")
     assert jax.typeof(placed["value_w"][...]).sharding.spec == P(("data", "branch", "seq"))
-    loss, aux, grads = jax.jit(lambda p, b: sharded_actor_critic_value_and_grad(graphdef, p, b, objective, mesh))(
+    loss, aux, grads = jax.jit(lambda p, b: value_and_grad(ACTOR_CRITIC, graphdef, p, b, objective, mesh=mesh))(
         placed, batch)
-    out = jax.jit(lambda p, b: sharded_actor_critic_logprobs_values(graphdef, p, b, mesh))(placed, batch)
+    out = jax.jit(lambda p, b: forward(ACTOR_CRITIC, graphdef, p, b, mesh=mesh))(placed, batch)
   assert float(loss) == pytest.approx(sum(float(o[0]) for o in outs), rel=1e-6)
   assert max_rel_err(grads, want) <= 1e-5
   assert max_rel_err(np.asarray(aux["value"]), np.stack([o[1]["value"] for o in outs])) <= 1e-5
@@ -87,8 +86,6 @@ def test_sharded_actor_critic_trees_equal_single_device():
   from branch_replay_jax.algorithms import ppo
   from branch_replay_jax.data.batches import pad_trees
   from branch_replay_jax.data.trees import RolloutTree
-  from branch_replay_jax.distributed.mesh import (sharded_actor_critic_tree_logprobs_values,
-                                                  sharded_actor_critic_tree_value_and_grad)
   rng = np.random.default_rng(0)
   seg = lambda n: rng.integers(0, 64, n)
   trees = [RolloutTree((seg(5), seg(3), seg(2), seg(2), seg(1), seg(3), seg(2)), (-1, 0, 0, 1, 1, 2, 2), (3, 4, 5, 6)),
@@ -96,22 +93,21 @@ def test_sharded_actor_critic_trees_equal_single_device():
   graphdef, params = actor_critic("value_head", jnp.float32)
   cases = [_tree_case(t, graphdef, params, jnp.float32, seed=i) for i, t in enumerate(trees)]
   units = pad_prompts(pad_trees([arr for _, arr, _ in cases]))   # one shape: one compile per function below
-  step = jax.jit(pp.tree_replay_value_and_grad, static_argnums=(0, 3))
+  step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3))
   outs = [step(graphdef, params, arr, _tree_objective) for arr in units]
   want = jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs])
   mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(units), mesh)
     placed = shard_params(params, mesh, "fsdp")
-    loss, _, grads = jax.jit(lambda p, b: sharded_actor_critic_tree_value_and_grad(
-        graphdef, p, b, _tree_objective, mesh, micro_batch=2))(placed, batch)
-    levels = jax.device_get(jax.jit(lambda p, b: sharded_actor_critic_tree_logprobs_values(graphdef, p, b, mesh))(
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(ACTOR_CRITIC, graphdef, p, b, _tree_objective, mesh=mesh, micro_batch=2))(placed, batch)
+    levels = jax.device_get(jax.jit(lambda p, b: forward(ACTOR_CRITIC, graphdef, p, b, mesh=mesh))(
         placed, batch))
   assert float(loss) == pytest.approx(sum(float(o[0]) for o in outs), rel=1e-5)
   assert max_rel_err(grads, want) <= 1e-5
-  forward = jax.jit(pp.tree_logprobs_values, static_argnums=0)
+  tree_forward = jax.jit(functools.partial(forward, ACTOR_CRITIC), static_argnums=0)
   for i, (tree, (padded, _, _)) in enumerate(zip(trees, cases)):
-    own = forward(graphdef, params, units[i])
+    own = tree_forward(graphdef, params, units[i])
     mine = [jax.tree_util.tree_map(lambda x: x[i], lvl) for lvl in levels]
     for k in ("logp", "values"):
       got = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [getattr(v, k) for v in mine]), T_MAX)

@@ -20,11 +20,12 @@ from branch_replay_jax import main as entry
 from branch_replay_jax.algorithms import ppo
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree
-from branch_replay_jax.gradients import actor_critic as pp
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.critic import ActorCritic
 from branch_replay_jax.rollout.tasks import Task
 from experiments import ppo_smollm2_arith
+from branch_replay_jax.gradients.heads import ACTOR_CRITIC
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 KW = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
 T_MAX = 16
@@ -84,8 +85,8 @@ def _assert_nonzero_grads(grads, critic):
     assert np.abs(np.asarray(g["critic"]["layers"]["w_down"])).max() > 0
 
 
-_group_step = jax.jit(pp.replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch",))
-_naive_step = jax.jit(pp.naive_value_and_grad, static_argnums=(0, 3))
+_group_step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3), static_argnames=("micro_batch",))
+_naive_step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC, layout="naive"), static_argnums=(0, 3))
 _group_objective = functools.partial(obj.ppo_objective, **KW)
 _tree_objective = functools.partial(obj.ppo_tree_objective, **KW)
 
@@ -110,8 +111,8 @@ def test_group_replay_equals_naive_for_policy_and_critic(critic, dtype, tol):
     assert max_rel_err(gr, gn) <= tol
     assert max_rel_err(aux_r["value"], aux_n["value"]) <= tol
     _assert_nonzero_grads(gn, critic)
-    fwd_r = jax.jit(pp.replay_logprobs_values, static_argnums=0)(graphdef, params, arrays)
-    fwd_n = jax.jit(pp.naive_logprobs_values, static_argnums=0)(graphdef, params, arrays)
+    fwd_r = jax.jit(functools.partial(forward, ACTOR_CRITIC), static_argnums=0)(graphdef, params, arrays)
+    fwd_n = jax.jit(functools.partial(forward, ACTOR_CRITIC, layout="naive"), static_argnums=0)(graphdef, params, arrays)
     assert max_rel_err(fwd_r, fwd_n) <= tol and np.abs(np.asarray(fwd_n.values)).max() > 0
 
 
@@ -135,9 +136,9 @@ def _tree_case(tree, graphdef, params, dtype, seed=0):
   return padded, tree_arr, naive_arr
 
 
-_tree_step = jax.jit(pp.tree_replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch",))
-_tree_fwd = jax.jit(pp.tree_logprobs_values, static_argnums=0)
-_naive_fwd = jax.jit(pp.naive_logprobs_values, static_argnums=0)
+_tree_step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3), static_argnames=("micro_batch",))
+_tree_fwd = jax.jit(functools.partial(forward, ACTOR_CRITIC), static_argnums=0)
+_naive_fwd = jax.jit(functools.partial(forward, ACTOR_CRITIC, layout="naive"), static_argnums=0)
 
 
 def _check_tree(tree, critic, dtype, tol):

@@ -12,9 +12,10 @@ from flax import nnx
 
 from branch_replay_jax.benchmarks import backend, peer, profile
 from branch_replay_jax.benchmarks import replay as bench
-from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad
 from branch_replay_jax.models import token_logprobs
 from experiments import bench_backend, bench_peer, bench_profile
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
 
 def tiny_step_hlo(mode: str):
@@ -26,11 +27,11 @@ def tiny_step_hlo(mode: str):
   graphdef, params = nnx.split(model)
   naive_arrays, replay_arrays, _ = bench.case_inputs(config, case, model.config)
   if mode == "replay":
-    step, arrays = (lambda p, a: replay_value_and_grad(graphdef, p, a, bench.GRPO_OBJECTIVE, logprob_chunk=8),
+    step, arrays = (lambda p, a: value_and_grad(POLICY, graphdef, p, a, bench.GRPO_OBJECTIVE, logprob_chunk=8),
                     replay_arrays)
   else:
-    step, arrays = (lambda p, a: naive_value_and_grad(graphdef, p, a, bench.GRPO_OBJECTIVE, micro_batch=2,
-                                                      logprob_chunk=8), naive_arrays)
+    step, arrays = (lambda p, a: value_and_grad(POLICY, graphdef, p, a, bench.GRPO_OBJECTIVE, micro_batch=2,
+                                                      logprob_chunk=8, layout="naive"), naive_arrays)
   return jax.jit(step).lower(params, arrays).compile().as_text(), model.config, case
 
 

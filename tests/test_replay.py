@@ -1,3 +1,4 @@
+import functools
 """replay_vjp: replay gradients equal the naive per-completion gradients (the product's promise)."""
 
 import jax
@@ -10,9 +11,9 @@ from conftest import max_rel_err, random_group, tiny_model
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.replay import replay_vjp
 from branch_replay_jax.data.batches import group_arrays
-from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
-                                                  replay_value_and_grad)
 from branch_replay_jax.models.llama import REMAT_POLICIES, token_logprobs
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 LENGTHS = {1: [6], 2: [1, 9], 7: [1, 5, 9, 3, 7, 1, 8]}
 
@@ -42,8 +43,8 @@ def grpo_arrays(group, dtype, seed=1, mode="sequence_mean"):
 
 
 # Module-level jits: tests that share shapes share compiles (graphdef and objective are static).
-_replay = jax.jit(replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch",))
-_naive = jax.jit(naive_value_and_grad, static_argnums=(0, 3))
+_replay = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3), static_argnames=("micro_batch",))
+_naive = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))
 
 
 def both(graphdef, params, arrays, objective=grpo_objective, micro_batch=1):
@@ -103,8 +104,8 @@ def test_micro_batch_and_prompt_bucket_do_not_change_the_gradient(x64):
 def test_forward_only_replay_logprobs_equal_naive(x64):
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
   arrays = grpo_arrays(random_group(LENGTHS[7]), jnp.float64)
-  lp_replay = replay_logprobs(graphdef, params, arrays, micro_batch=7)
-  lp_naive = naive_logprobs(graphdef, params, arrays)
+  lp_replay = forward(POLICY, graphdef, params, arrays, micro_batch=7)
+  lp_naive = forward(POLICY, graphdef, params, arrays, layout="naive")
   np.testing.assert_allclose(lp_replay, lp_naive, atol=1e-12)
   assert np.all(np.asarray(lp_replay)[~np.asarray(arrays.branches.mask)] == 0.0)
 

@@ -22,13 +22,13 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import grpo, loop, ppo
 from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree
-from branch_replay_jax.gradients import actor_critic as pp
-from branch_replay_jax.gradients import logprobs as lp
+from branch_replay_jax.gradients.heads import ACTOR_CRITIC, POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
-_grpo_tree = jax.jit(lp.tree_replay_value_and_grad, static_argnums=(0, 3))
-_grpo_naive = jax.jit(lp.naive_value_and_grad, static_argnums=(0, 3))
-_ppo_tree = jax.jit(pp.tree_replay_value_and_grad, static_argnums=(0, 3))
-_ppo_naive = jax.jit(pp.naive_value_and_grad, static_argnums=(0, 3))
+_grpo_tree = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3))
+_grpo_naive = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))
+_ppo_tree = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3))
+_ppo_naive = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC, layout="naive"), static_argnums=(0, 3))
 GRPO_KW = dict(clip_eps=0.2, kl_coef=0.05, on_policy=False)
 PPO_KW = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
 

@@ -15,9 +15,9 @@ from branch_replay_jax.core.tree_replay import SCHEDULES
 from branch_replay_jax.data.batches import pad_trees, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
-from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, tree_replay_logprobs,
-                                                  tree_replay_value_and_grad)
 from branch_replay_jax.models import tiny_config
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 MODES = obj.NORMALISATIONS
 L_MAX = 16
@@ -81,8 +81,8 @@ def random_trees(draw):
   return RolloutTree(tuple(segments), tuple(parents), tuple(leaves))
 
 
-_tree_step = jax.jit(tree_replay_value_and_grad, static_argnums=(0, 3), static_argnames=("micro_batch", "schedule"))
-_naive_step = jax.jit(naive_value_and_grad, static_argnums=(0, 3))
+_tree_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3), static_argnames=("micro_batch", "schedule"))
+_naive_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))
 _tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 _group_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 
@@ -167,7 +167,7 @@ def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
   assert abs(float(got_loss) - float(want_loss)) <= 1e-10 * abs(float(want_loss))
   assert abs(got_kl - want_kl) <= 1e-10 * want_kl and got_clipped == want_clipped
   assert max_rel_err(got_grads, want_grads) <= 1e-10
-  logprobs = jax.jit(lambda p, a: tree_replay_logprobs(graphdef, p, a))
+  logprobs = jax.jit(lambda p, a: forward(POLICY, graphdef, p, a))
   want, got = logprobs(params, arrays), logprobs(params, padded)
   corner = tuple(slice(0, n) for n in want[0].shape)
   assert np.abs(np.asarray(got[0])[corner] - want[0]).max() <= 1e-10 * np.abs(want[0]).max()
@@ -205,10 +205,10 @@ def test_forward_only_tree_logprobs_equal_naive(x64):
   tree = RolloutTree(tuple(segs), (-1, 0, 1, 1, 0, 3, 3, 2), (7, 4, 5, 6))
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
   padded = pad_tree(tree)
-  got = tree_replay_logprobs(graphdef, params, tree_arrays(padded, {}), micro_batch=2)
+  got = forward(POLICY, graphdef, params, tree_arrays(padded, {}), micro_batch=2)
   assert [x.shape for x in got] == [t.shape for t in padded.tokens]
   arrays = trajectory_group_arrays(tree, {}, np.ones(4), vocab_size=64, max_positions=256, completion_bucket=16)
-  want = np.asarray(naive_logprobs(graphdef, params, arrays))
+  want = np.asarray(forward(POLICY, graphdef, params, arrays, layout="naive"))
   for g, end in enumerate(tree.ends):
     row = []
     for n in tree.path(end)[1:]:
@@ -227,6 +227,6 @@ def test_bad_schedule_and_micro_batch_raise():
   graphdef, params = tiny_model()
   arrays = tree_arrays(pad_tree(tree), {"weights": tree.node_weights(np.ones(3))}, advantage=np.zeros(3))
   with pytest.raises(ValueError, match="schedule='breadth'"):
-    tree_replay_value_and_grad(graphdef, params, arrays, _tree_objective, schedule="breadth")
+    value_and_grad(POLICY, graphdef, params, arrays, _tree_objective, schedule="breadth")
   with pytest.raises(ValueError, match="micro_batch=3"):   # the last fan-out is 2
-    tree_replay_value_and_grad(graphdef, params, arrays, _tree_objective, micro_batch=3)
+    value_and_grad(POLICY, graphdef, params, arrays, _tree_objective, micro_batch=3)

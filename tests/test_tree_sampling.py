@@ -17,11 +17,12 @@ from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.outputs.plots import draw_tree
 from branch_replay_jax.data.batches import tree_arrays
-from branch_replay_jax.gradients.logprobs import tree_replay_value_and_grad
 from branch_replay_jax.rollout.sampler import sample_group
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.rollout.tree_sampler import TreeRollout, sample_tree
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
 PROMPT = [3, 17, 42, 8, 9, 60, 1]
 P = len(PROMPT)
@@ -186,7 +187,7 @@ def test_bad_input_raises(model, override, field):
     sample_tree(model, kw.pop("prompt_ids"), **kw)
 
 
-_tree_step = jax.jit(tree_replay_value_and_grad, static_argnums=(0, 3))
+_tree_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3))
 
 
 def test_sampled_tree_replays(model):

@@ -11,7 +11,7 @@ One step:
   4. the DPO (or IPO) gradient by two-pass replay (or naive), clipped by global norm, AdamW.
 A step without pairs makes no update. With a device mesh (config.mesh: data x branch x seq > 1,
 distributed/mesh.py; replay gradients), each pass of 3-4 runs on the step's groups padded to one
-shape (`distributed.mesh.ShardedReplaySteps`, `pad_groups`: padding completions and filler groups
+shape (`gradients.preference.ReplaySteps` with a mesh, `pad_groups`: padding completions and filler groups
 carry zero weight) and stacked into one batch under `shard_map`: groups over `data`, completions
 over `branch`, prompt tokens over `seq`; parameters and optimizer state replicated or
 FSDP-sharded (mesh.params). Sampling (data.source = "task") is data-parallel on the mesh: the
@@ -36,7 +36,6 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
 from branch_replay_jax.distributed import hosts
-from branch_replay_jax.distributed.mesh import ShardedReplaySteps
 from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.outputs import plots
@@ -212,14 +211,13 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int,
 
 class DPOFunctions:
   """Jitted pieces of a DPO step (compiled per group / batch shape), on one device or, with
-  config.mesh, on the device mesh (`distributed.mesh.ShardedReplaySteps`)."""
+  config.mesh, on the device mesh (`gradients.preference.ReplaySteps` with a mesh)."""
 
   def __init__(self, config, graphdef, update):
     t, p = config.train, config.dpo
     self.naive = t.gradient == "naive"
     self.mesh, self.param_mode = loop.mesh_from(config), config.mesh.params
-    self.replay = pref.ReplaySteps(graphdef, micro_batch=t.micro_batch)
-    self.sharded = None if self.mesh is None else ShardedReplaySteps(graphdef, self.mesh, micro_batch=t.micro_batch)
+    self.replay = pref.ReplaySteps(graphdef, mesh=self.mesh, micro_batch=t.micro_batch)
     self.naive_ref = jax.jit(lambda prm, n: pref.naive_ref_sums(graphdef, prm, n, micro_batch=t.micro_batch))
     self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
         graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, label_smoothing=p.label_smoothing,
@@ -231,14 +229,10 @@ class DPOFunctions:
     """Reference sums, the loss gradient and one optimizer update; returns (params, opt_state, stats)."""
     if self.naive:
       loss, metrics, grads = self.naive_grad(params, batch.naive, self.naive_ref(ref_params, batch.naive))
-    elif self.sharded is not None:
-      layout = self.sharded.layout(batch)
-      ref = self.sharded.flat_sums(ref_params, layout)
-      loss, metrics, grads = self.sharded.value_and_grad(params, layout, ref, beta=self.beta, loss_type=self.loss_type,
-                                                         label_smoothing=self.label_smoothing)
     else:
-      ref = self.replay.flat_sums(ref_params, batch)
-      loss, metrics, grads = self.replay.value_and_grad(params, batch, ref, beta=self.beta, loss_type=self.loss_type,
+      layout = self.replay.layout(batch)
+      ref = self.replay.flat_sums(ref_params, layout)
+      loss, metrics, grads = self.replay.value_and_grad(params, layout, ref, beta=self.beta, loss_type=self.loss_type,
                                                         label_smoothing=self.label_smoothing)
     params, opt_state, grad_norm = self.update(params, opt_state, grads)
     stats = {"loss": float(loss), "chosen_reward": float(np.mean(metrics["chosen_reward"])),

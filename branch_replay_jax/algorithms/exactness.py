@@ -39,9 +39,8 @@ import jax.numpy as jnp
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import TreeBatch, num_branches, with_logprobs
-from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
-                                                  replay_value_and_grad, tree_replay_logprobs,
-                                                  tree_replay_value_and_grad)
+from branch_replay_jax.gradients.heads import Policy
+from branch_replay_jax.gradients.step import forward, value_and_grad
 from branch_replay_jax.models.lora import WithBase
 
 # Relative error allowed between replay and naive, by the step's lowest precision: the exactness
@@ -79,34 +78,24 @@ class ExactnessCheck:
     mb = lambda b: fit_micro_batch(t.micro_batch, num_branches(b))
     self.frozen = frozen
 
-    def replay(p, f, ref, b):
-      graph = graphdef if f is None else WithBase(graphdef, f)
-      p, ref = cast(p), cast(ref)
-      tree = isinstance(b, TreeBatch)
-      lp = tree_replay_logprobs if tree else replay_logprobs
-      if self.kl:
-        b = with_logprobs(b, "ref_logp", lp(graph, ref, b, micro_batch=mb(b), temperature=temperature))
-      if self.old:
-        b = with_logprobs(b, "old_logp", lp(graph, p, b, micro_batch=mb(b), temperature=temperature))
-      if tree:
-        loss, aux, g = tree_replay_value_and_grad(graph, p, b, objectives["tree"], micro_batch=mb(b),
-                                                  schedule=t.tree_schedule, temperature=temperature)
-      else:
-        loss, aux, g = replay_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b),
-                                             temperature=temperature)
-      return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
+    head = Policy(temperature=temperature)
 
-    def naive(p, f, ref, b):
-      graph = graphdef if f is None else WithBase(graphdef, f)
-      p, ref = cast(p), cast(ref)
-      if self.kl:
-        b = with_logprobs(b, "ref_logp", naive_logprobs(graph, ref, b, temperature=temperature))
-      if self.old:
-        b = with_logprobs(b, "old_logp", naive_logprobs(graph, p, b, temperature=temperature))
-      loss, aux, g = naive_value_and_grad(graph, p, b, objectives["group"], micro_batch=mb(b),
-                                          temperature=temperature)
-      return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
-    self.replay, self.naive = jax.jit(replay), jax.jit(naive)
+    def side(layout):
+      """(params, frozen, ref_params, batch) -> (loss, Σ k3 KL, gradient) of one layout, its reference and
+      old log-probs from the same layout."""
+      def fn(p, f, ref, b):
+        graph = graphdef if f is None else WithBase(graphdef, f)
+        p, ref = cast(p), cast(ref)
+        kw = {"layout": layout, "micro_batch": mb(b)}
+        if self.kl:
+          b = with_logprobs(b, "ref_logp", forward(head, graph, ref, b, **kw))
+        if self.old:
+          b = with_logprobs(b, "old_logp", forward(head, graph, p, b, **kw))
+        objective = objectives["tree" if isinstance(b, TreeBatch) else "group"]
+        loss, aux, g = value_and_grad(head, graph, p, b, objective, schedule=t.tree_schedule, **kw)
+        return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
+      return jax.jit(fn)
+    self.replay, self.naive = side("replay"), side("naive")
     self.pending = False   # a check came due and found no group with unequal rewards yet
 
   def due(self, step: int) -> bool:

@@ -42,15 +42,11 @@ from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees, with_logprobs
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
-from branch_replay_jax.distributed.mesh import (leaf_siblings, pad_prompts, shard_batch,
-                                                sharded_replay_logprobs, sharded_replay_value_and_grad,
-                                                sharded_tree_replay_logprobs, sharded_tree_replay_value_and_grad,
-                                                stack_groups)
-from branch_replay_jax.gradients.logprobs import (naive_logprobs, naive_value_and_grad, replay_logprobs,
-                                                  replay_value_and_grad, tree_replay_logprobs,
-                                                  tree_replay_value_and_grad)
+from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_groups
+from branch_replay_jax.gradients.heads import Policy
+from branch_replay_jax.gradients.step import forward, leaf_siblings, value_and_grad
 from branch_replay_jax.models.lora import WithBase, adapters_off
 from branch_replay_jax.rollout import collect as rollouts
 from branch_replay_jax.rollout.collect import Group
@@ -173,7 +169,7 @@ class GRPOFunctions:
   """
 
   def __init__(self, config, graphdef, frozen=None):
-    t, l = config.train, config.loss
+    t = config.train
     naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not naive
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
@@ -183,30 +179,13 @@ class GRPOFunctions:
     self.cast, self.frozen = cast, frozen
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
                                 cast, upcast, frozen, temperature=tau)
-    if self.mesh is not None and tree:
-      mesh = self.mesh
-      # A step's trees may all stop early (EOS): each padded shape uses the largest divisor of its leaf
-      # siblings per device not above train.micro_batch, as on one device.
-      fit = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
-      grad = lambda g, p, b: sharded_tree_replay_value_and_grad(g, p, b, self.objective, mesh, micro_batch=fit(b),
-                                                                schedule=t.tree_schedule, temperature=tau)
-      logprobs = lambda g, p, b: sharded_tree_replay_logprobs(g, p, b, mesh, micro_batch=fit(b), temperature=tau)
-    elif self.mesh is not None:
-      mesh, m = self.mesh, t.micro_batch
-      grad = lambda g, p, b: sharded_replay_value_and_grad(g, p, b, self.objective, mesh, micro_batch=m,
-                                                           temperature=tau)
-      logprobs = lambda g, p, b: sharded_replay_logprobs(g, p, b, mesh, micro_batch=m, temperature=tau)
-    else:
-      grad_fn = (naive_value_and_grad if naive else replay_value_and_grad if not tree else
-                 functools.partial(tree_replay_value_and_grad, schedule=t.tree_schedule))
-      lp_fn = naive_logprobs if naive else tree_replay_logprobs if tree else replay_logprobs
-      # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are:
-      # each compiled shape uses the largest divisor of that count not above train.micro_batch.
-      grad = lambda g, p, a: grad_fn(g, p, a, self.objective,
-                                     micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)), temperature=tau)
-      logprobs = lambda g, p, a: (lp_fn(g, p, a, temperature=tau) if naive else
-                                  lp_fn(g, p, a, micro_batch=fit_micro_batch(t.micro_batch, num_branches(a)),
-                                        temperature=tau))
+    mesh, layout, head = self.mesh, "naive" if naive else "replay", Policy(temperature=tau)
+    # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are: each
+    # compiled shape uses the largest divisor of that count (per device) not above train.micro_batch.
+    mb = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
+    grad = lambda g, p, b: value_and_grad(head, g, p, b, self.objective, layout=layout, mesh=mesh,
+                                          micro_batch=mb(b), schedule=t.tree_schedule)
+    logprobs = lambda g, p, b: forward(head, g, p, b, layout=layout, mesh=mesh, micro_batch=mb(b))
     # The model of a step: the graphdef, or with LoRA the graphdef bound to the (traced) base state.
     model = lambda f: graphdef if f is None else WithBase(graphdef, f)
 

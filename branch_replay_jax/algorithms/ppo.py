@@ -3,7 +3,7 @@
 One step, for `prompts_per_step` prompts of a reasoning-gym task:
   1. sample and score G completions per prompt, or a tree (rollout/collect.py, as the GRPO loop);
   2. old log-probs and old values of the sampling-time policy and critic by forward-only replay
-     (gradients/actor_critic.py; the prompt is computed once for both);
+     (gradients/step.py with the ActorCritic head; the prompt is computed once for both);
   3. the task's reward on each trajectory's last token, GAE along every trajectory
      (losses.gae; on a tree, one advantage and return per (token, trajectory) pair),
      optionally whitened over the step's (token, trajectory) pairs;
@@ -39,13 +39,11 @@ from jax.sharding import PartitionSpec as P
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import loop
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches, pad_trees
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
-from branch_replay_jax.distributed.mesh import (leaf_siblings, sharded_actor_critic_logprobs_values,
-                                                sharded_actor_critic_tree_logprobs_values,
-                                                sharded_actor_critic_tree_value_and_grad,
-                                                sharded_actor_critic_value_and_grad)
-from branch_replay_jax.gradients import actor_critic as pp
+from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
+from branch_replay_jax.gradients.step import forward as step_forward
+from branch_replay_jax.gradients.step import leaf_siblings, value_and_grad
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout.collect import Group
 
@@ -118,13 +116,16 @@ def fingerprint(config) -> dict:
   return {**loop.fingerprint(config), "algorithm": "ppo", "critic": config.ppo.critic}
 
 
+HEAD = ActorCriticHead()   # PPO's log-probs at τ = 1
+
+
 class PPOFunctions:
   """The jitted pieces of a PPO step (compiled per shape): gradient and forward-only pass.
 
   grad and forward take one update unit (`units`): a group's or tree's arrays on one device, or,
-  with a mesh, groups stacked [B, ...] and sharded (distributed.mesh's sharded actor-critic
-  functions). grad returns (loss, aux, grads) summed over the unit's completions; forward the
-  `actor_critic.LogprobsValues` laid out like its tokens.
+  with a mesh, groups stacked [B, ...] and sharded (`gradients.step` on the mesh). grad returns
+  (loss, aux, grads) summed over the unit's completions; forward the `gradients.heads.LogprobsValues`
+  laid out like its tokens.
   """
 
   def __init__(self, config, graphdef):
@@ -135,18 +136,15 @@ class PPOFunctions:
     objective = functools.partial(obj.ppo_tree_objective if tree else obj.ppo_objective, clip_eps=config.loss.clip_eps,
                                   vf_coef=p.vf_coef, value_clip=p.value_clip)
     cast, upcast = loop.param_casts(config)
-    if self.mesh is not None:
-      mesh, m = self.mesh, t.micro_batch
-      if tree:   # the step's trees padded to one layout (`units`); micro-batches fit each padded shape
-        fit = lambda b: fit_micro_batch(m, leaf_siblings(b, mesh))
-        mesh_grad = lambda prm, b: sharded_actor_critic_tree_value_and_grad(
-            graphdef, prm, b, objective, mesh, micro_batch=fit(b), schedule=t.tree_schedule)
-        mesh_forward = lambda prm, b: sharded_actor_critic_tree_logprobs_values(graphdef, prm, b, mesh,
-                                                                                micro_batch=fit(b))
-      else:
-        mesh_grad = lambda prm, b: sharded_actor_critic_value_and_grad(graphdef, prm, b, objective, mesh,
-                                                                       micro_batch=m)
-        mesh_forward = lambda prm, b: sharded_actor_critic_logprobs_values(graphdef, prm, b, mesh, micro_batch=m)
+    mesh, layout = self.mesh, "naive" if self.naive else "replay"
+    # Every compiled shape (a step's trees may stop early: EOS) uses the largest divisor of its leaf
+    # siblings per device not above train.micro_batch.
+    mb = lambda a: fit_micro_batch(t.micro_batch, leaf_siblings(a, mesh))
+    grad = lambda prm, a: value_and_grad(HEAD, graphdef, prm, a, objective, layout=layout, mesh=mesh,
+                                         micro_batch=mb(a), schedule=t.tree_schedule)
+    forward = lambda prm, a: step_forward(HEAD, graphdef, prm, a, layout=layout, mesh=mesh, micro_batch=mb(a))
+    if mesh is not None:
+      mesh_grad, mesh_forward = grad, forward
 
       # aux summed over the batch, the forward pass gathered: replicated, so that every process
       # reads them whole (with several processes the [B, ...] arrays span processes).
@@ -154,15 +152,6 @@ class PPOFunctions:
         loss, aux, grads = mesh_grad(prm, b)
         return loss, jax.tree_util.tree_map(jnp.sum, aux), grads
       forward = lambda prm, b: jax.tree_util.tree_map(lambda x: jax.sharding.reshard(x, P()), mesh_forward(prm, b))
-    else:
-      grad_fn = (pp.naive_value_and_grad if self.naive else
-                 functools.partial(pp.tree_replay_value_and_grad, schedule=t.tree_schedule) if tree else
-                 pp.replay_value_and_grad)
-      fwd_fn = pp.tree_logprobs_values if tree else pp.replay_logprobs_values
-      mb = lambda a: fit_micro_batch(t.micro_batch, num_branches(a))
-      grad = lambda prm, a: grad_fn(graphdef, prm, a, objective, micro_batch=mb(a))
-      forward = lambda prm, a: (pp.naive_logprobs_values(graphdef, prm, a) if self.naive
-                                else fwd_fn(graphdef, prm, a, micro_batch=mb(a)))
 
     def grad_step(prm, a):
       loss, aux, grads = grad(cast(prm), a)

@@ -45,9 +45,10 @@ from ml_collections import config_flags
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import GroupBatch, Segments
-from branch_replay_jax.gradients.logprobs import replay_logprobs, replay_value_and_grad
 from branch_replay_jax.models import Llama, lora
 from branch_replay_jax.models.config import architecture_shape, tiny_config
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.04, on_policy=True)
 MODES = ("full", "lora")
@@ -93,9 +94,9 @@ def case(c, name: str, mode: str, base_dtype: str = "float32") -> dict:
   bind = lambda f: graphdef if f is None else lora.WithBase(graphdef, f)
 
   def step(trained, frozen, reference, opt_state, batch):
-    ref = replay_logprobs(bind(frozen), reference, batch, micro_batch=c.micro_batch, logprob_chunk=c.logprob_chunk)
+    ref = forward(POLICY, bind(frozen), reference, batch, micro_batch=c.micro_batch, logprob_chunk=c.logprob_chunk)
     batch = batch.replace(branches=batch.branches.replace(ref_logp=ref))
-    loss, _, grads = replay_value_and_grad(bind(frozen), trained, batch, OBJECTIVE, micro_batch=c.micro_batch,
+    loss, _, grads = value_and_grad(POLICY, bind(frozen), trained, batch, OBJECTIVE, micro_batch=c.micro_batch,
                                            logprob_chunk=c.logprob_chunk)
     updates, opt_state = tx.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss

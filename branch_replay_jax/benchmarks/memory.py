@@ -36,6 +36,8 @@ cost is the real one, the log-probs are meaningless and unused.
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import os
 import time
@@ -48,8 +50,9 @@ from ml_collections import config_flags
 
 from branch_replay_jax.benchmarks import replay as bench
 from branch_replay_jax.data.counts import group_counts
-from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad
 from branch_replay_jax.models.llama import REMAT_POLICIES
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
 _MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError", "bad_alloc")
 
@@ -64,7 +67,7 @@ def _worker(job: dict) -> dict:
   graphdef, params = nnx.split(model)
   del model
   arrays = bench.case_inputs(config, {"kind": "group", "P": p, "T": t, "G": g}, model_config)[0]
-  fn = replay_value_and_grad if job["mode"] == "replay" else naive_value_and_grad
+  fn = functools.partial(value_and_grad, POLICY) if job["mode"] == "replay" else functools.partial(value_and_grad, POLICY, layout="naive")
   step = jax.jit(lambda prm, a: fn(graphdef, prm, a, bench.GRPO_OBJECTIVE, micro_batch=job["micro_batch"],
                                    logprob_chunk=config.logprob_chunk))
   t0 = time.perf_counter()

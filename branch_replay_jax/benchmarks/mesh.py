@@ -12,11 +12,11 @@ parameter leaves of max|g - g_1x1x1| / max|g_1x1x1| against the one-device mesh.
 one update's gradient work on `config.groups` groups of G = `config.group_size` random completions
 of `config.completion_len` tokens on a random `config.prompt_len`-token prompt:
 
-  grpo: the GRPO gradient (`sharded_replay_value_and_grad`);
-  ppo:  the PPO gradient of policy and value head (`sharded_actor_critic_value_and_grad`, an
+  grpo: the GRPO gradient (`gradients.step.value_and_grad`, the Policy head);
+  ppo:  the PPO gradient of policy and value head (the ActorCritic head, an
         `ActorCritic` with a value head), random GAE advantages and returns per token;
   dpo:  the G / 2 pairs (2i, 2i + 1) of each group, completions of `completion_len` / 2 to
-        `completion_len` tokens, the policy as its own reference, through `ShardedReplaySteps`:
+        `completion_len` tokens, the policy as its own reference, through `gradients.preference.ReplaySteps` on the mesh:
         layout (`pad_groups`), reference sums, policy sums and the surrogate gradient (three
         jitted calls and host-side padding: its step includes host work).
 
@@ -43,10 +43,10 @@ from flax import nnx  # noqa: E402
 from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.data.batches import GroupBatch, group_arrays  # noqa: E402
 from branch_replay_jax.data.groups import make_group  # noqa: E402
-from branch_replay_jax.distributed.mesh import (ShardedReplaySteps, make_mesh, shard_batch, shard_params,  # noqa: E402
-                                                sharded_actor_critic_value_and_grad, sharded_replay_value_and_grad,
-                                                stack_groups)
+from branch_replay_jax.distributed.mesh import make_mesh, shard_batch, shard_params, stack_groups  # noqa: E402
 from branch_replay_jax.gradients import preference as pref  # noqa: E402
+from branch_replay_jax.gradients.heads import ACTOR_CRITIC, POLICY  # noqa: E402
+from branch_replay_jax.gradients.step import value_and_grad  # noqa: E402
 from branch_replay_jax.models import Llama, ModelConfig, tiny_config  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape  # noqa: E402
 from branch_replay_jax.models.critic import ActorCritic  # noqa: E402
@@ -112,17 +112,16 @@ def mesh_step(algorithm: str, graphdef, params, batch, mesh, micro_batch: int):
   """A zero-argument call of one step of `algorithm` on `mesh` -> (loss, grads); placement done here, once."""
   placed = shard_params(params, mesh)
   if algorithm == "dpo":
-    steps = ShardedReplaySteps(graphdef, mesh, micro_batch=micro_batch)
+    steps = pref.ReplaySteps(graphdef, mesh=mesh, micro_batch=micro_batch)
 
     def dpo():
       layout = steps.layout(batch)
       loss, _, grads = steps.value_and_grad(placed, layout, steps.flat_sums(placed, layout), beta=0.1)
       return loss, grads
     return dpo
-  fn, objective = ((sharded_actor_critic_value_and_grad, PPO_OBJECTIVE) if algorithm == "ppo" else
-                   (sharded_replay_value_and_grad, OBJECTIVE))
+  head, objective = (ACTOR_CRITIC, PPO_OBJECTIVE) if algorithm == "ppo" else (POLICY, OBJECTIVE)
   stacked = shard_batch(stack_groups(batch), mesh)
-  step = jax.jit(lambda p, b: fn(graphdef, p, b, objective, mesh, micro_batch=micro_batch))
+  step = jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, mesh=mesh, micro_batch=micro_batch))
 
   def grad_step():
     loss, _, grads = step(placed, stacked)

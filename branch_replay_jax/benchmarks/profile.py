@@ -24,6 +24,8 @@ the compiled HLO text (compiled.hlo.txt) whose instruction names the events carr
 
 from __future__ import annotations
 
+import functools
+
 import collections
 import glob
 import gzip
@@ -42,7 +44,8 @@ from ml_collections import config_flags
 
 from branch_replay_jax.benchmarks.replay import (GRPO_OBJECTIVE, case_inputs, cpu_seconds, emitter, load_model,
                                                  parse_case)
-from branch_replay_jax.gradients.logprobs import naive_value_and_grad, replay_value_and_grad
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
 MODES = ("replay", "naive")
 
@@ -256,9 +259,9 @@ def profile_step(config, case_index: int, mode: str) -> dict:
   naive_arrays, replay_arrays, counts = case_inputs(config, case, model.config)
   del model
   if mode == "naive":
-    fn, arrays, m = naive_value_and_grad, naive_arrays, config.naive_micro_batch
+    fn, arrays, m = functools.partial(value_and_grad, POLICY, layout="naive"), naive_arrays, config.naive_micro_batch
   else:
-    fn, arrays, m = replay_value_and_grad, replay_arrays, config.replay_micro_batch
+    fn, arrays, m = functools.partial(value_and_grad, POLICY), replay_arrays, config.replay_micro_batch
   step = jax.jit(lambda p, a: fn(graphdef, p, a, GRPO_OBJECTIVE, micro_batch=m, logprob_chunk=config.logprob_chunk))
   t0 = time.perf_counter()
   compiled = step.lower(params, arrays).compile()

@@ -55,12 +55,11 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, 
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.groups import make_group
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
-from branch_replay_jax.gradients import actor_critic as pp
-from branch_replay_jax.gradients.logprobs import (naive_value_and_grad, replay_value_and_grad,
-                                                  tree_replay_value_and_grad)
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.config import architecture_shape
 from branch_replay_jax.models.critic import ActorCritic
+from branch_replay_jax.gradients.heads import ACTOR_CRITIC, POLICY
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 
 # The on-policy GRPO step (ratio 1, beta 0, as in Dr. GRPO / DAPO): random old/ref log-probs far
@@ -163,11 +162,11 @@ def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str):
   graphdef, params = nnx.split(ac)
   rng = np.random.default_rng(config.seed + 1)
   branches = arrays.branches
-  old = jax.jit(lambda p, a: pp.replay_logprobs_values(graphdef, p, a, logprob_chunk=config.logprob_chunk))(
+  old = jax.jit(lambda p, a: forward(ACTOR_CRITIC, graphdef, p, a, logprob_chunk=config.logprob_chunk))(
       params, arrays)
   random = lambda: jnp.asarray(rng.normal(size=branches.tokens.shape), jnp.float32) * branches.mask
   branches = branches.replace(old_logp=old.logp, old_values=old.values, advantage=random(), returns=random())
-  fn = pp.naive_value_and_grad if mode == "naive" else pp.replay_value_and_grad
+  fn = functools.partial(value_and_grad, ACTOR_CRITIC, layout="naive") if mode == "naive" else functools.partial(value_and_grad, ACTOR_CRITIC)
   return graphdef, params, fn, PPO_OBJECTIVE, arrays.replace(branches=branches)
 
 
@@ -197,12 +196,12 @@ def _worker(job: dict) -> dict:
   if case["kind"] == "ppo":
     graphdef, params, fn, objective, arrays = _ppo_step(config, graphdef, params, naive_arrays, job["mode"])
   elif job["mode"] == "naive":
-    fn, objective, arrays = naive_value_and_grad, GRPO_OBJECTIVE, naive_arrays
+    fn, objective, arrays = functools.partial(value_and_grad, POLICY, layout="naive"), GRPO_OBJECTIVE, naive_arrays
   elif case["kind"] == "tree":
-    fn, objective, arrays = (functools.partial(tree_replay_value_and_grad, schedule=config.tree_schedule),
+    fn, objective, arrays = (functools.partial(functools.partial(value_and_grad, POLICY), schedule=config.tree_schedule),
                              TREE_OBJECTIVE, replay_arrays)
   else:
-    fn, objective, arrays = replay_value_and_grad, GRPO_OBJECTIVE, replay_arrays
+    fn, objective, arrays = functools.partial(value_and_grad, POLICY), GRPO_OBJECTIVE, replay_arrays
   step = jax.jit(lambda p, a: fn(graphdef, p, a, objective, micro_batch=job["micro_batch"],
                                  logprob_chunk=config.logprob_chunk))
   t0 = time.perf_counter()

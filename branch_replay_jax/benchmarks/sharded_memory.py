@@ -5,7 +5,7 @@
 
 For each architecture in `config.models` (models.config.ARCHITECTURE_SHAPES: abstract parameters
 from `nnx.eval_shape`, no weights anywhere), each parameter layout ("replicated", "fsdp"), remat
-policy and prompt length P, the whole optimizer step (`distributed.mesh.make_train_step`: sharded
+policy and prompt length P, the whole optimizer step (`gradients.step.make_train_step`: sharded
 replay value-and-grad + AdamW) on `config.mesh` over 8 fake CPU devices is lowered and compiled,
 never run, and `compiled.memory_analysis()` gives per-device bytes: arguments (this device's
 parameters, optimizer state and batch shard), outputs (new parameters and state), temporaries
@@ -52,10 +52,11 @@ from ml_collections import config_flags  # noqa: E402
 
 from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.data.batches import GroupBatch, Segments  # noqa: E402
-from branch_replay_jax.distributed.mesh import batch_specs, make_mesh, make_train_step, param_specs  # noqa: E402
-from branch_replay_jax.gradients.logprobs import naive_value_and_grad  # noqa: E402
+from branch_replay_jax.distributed.mesh import batch_specs, make_mesh, param_specs  # noqa: E402
 from branch_replay_jax.models import Llama  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape, tiny_config  # noqa: E402
+from branch_replay_jax.gradients.heads import POLICY  # noqa: E402
+from branch_replay_jax.gradients.step import make_train_step, value_and_grad  # noqa: E402
 
 OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 GIB = 2 ** 30
@@ -111,7 +112,7 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
     opt_state = _placed(opt_state, param_specs(opt_state, mesh, layout), mesh)
     batch = _batch(mesh.shape["data"], c.G, p, c.T)
     batch = _placed(batch, batch_specs(batch, mesh), mesh)
-    step = make_train_step(graphdef, tx, OBJECTIVE, mesh, micro_batch=c.micro_batch, logprob_chunk=c.logprob_chunk)
+    step = make_train_step(POLICY, graphdef, tx, OBJECTIVE, mesh=mesh, micro_batch=c.micro_batch, logprob_chunk=c.logprob_chunk)
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -136,8 +137,8 @@ def naive_case(c, name: str, remat: str, p: int) -> dict:
   cfg = _architecture(name)
   graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
   batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), _batch(1, 1, p, c.T))
-  step = jax.jit(lambda prm, b: naive_value_and_grad(graphdef, prm, b, OBJECTIVE, micro_batch=1,
-                                                     logprob_chunk=c.logprob_chunk))
+  step = jax.jit(lambda prm, b: value_and_grad(POLICY, graphdef, prm, b, OBJECTIVE, micro_batch=1,
+                                                     logprob_chunk=c.logprob_chunk, layout="naive"))
   compiled = step.lower(params, batch).compile()
   mem = _memory(compiled)
   total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))

@@ -28,7 +28,8 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax.benchmarks.replay import case_inputs, load_model, GRPO_OBJECTIVE, TREE_OBJECTIVE
-from branch_replay_jax.gradients.logprobs import naive_value_and_grad, tree_replay_value_and_grad
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 
 
 def _memory(compiled) -> dict:
@@ -56,11 +57,11 @@ def main(argv):
     case = {"kind": "tree", "P": c.prompt_len, "T": c.segment_len, "fanouts": fanouts, "G": g}
     naive_arrays, replay_arrays, counts = case_inputs(config, case, model_config)
     steps = {
-        "naive_G": (functools.partial(naive_value_and_grad, micro_batch=g), GRPO_OBJECTIVE, naive_arrays),
-        "naive_1": (functools.partial(naive_value_and_grad, micro_batch=1), GRPO_OBJECTIVE, naive_arrays),
-        "depth_first": (functools.partial(tree_replay_value_and_grad, schedule="depth_first"), TREE_OBJECTIVE,
+        "naive_G": (functools.partial(functools.partial(value_and_grad, POLICY, layout="naive"), micro_batch=g), GRPO_OBJECTIVE, naive_arrays),
+        "naive_1": (functools.partial(functools.partial(value_and_grad, POLICY, layout="naive"), micro_batch=1), GRPO_OBJECTIVE, naive_arrays),
+        "depth_first": (functools.partial(functools.partial(value_and_grad, POLICY), schedule="depth_first"), TREE_OBJECTIVE,
                         replay_arrays),
-        "level": (functools.partial(tree_replay_value_and_grad, schedule="level"), TREE_OBJECTIVE, replay_arrays),
+        "level": (functools.partial(functools.partial(value_and_grad, POLICY), schedule="level"), TREE_OBJECTIVE, replay_arrays),
     }
     for mode in c.modes.split(","):
       fn, objective, arrays = steps[mode]

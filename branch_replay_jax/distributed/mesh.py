@@ -23,12 +23,11 @@ shares back to one (exact for power-of-two n, one rounding otherwise). With seq 
 `seq` device computes the whole loss (the completions are replicated and see the whole prompt
 through the log-sum-exp merge), so the psum over the mesh is S times the gradient: divided by S.
 
-The training loops run their update here when config.mesh is larger than 1 x 1 x 1: GRPO / RLOO
-(algorithms/grpo.py) and PPO (algorithms/ppo.py; policy and critic: `sharded_actor_critic_*`) on
-the step's groups (PPO: each minibatch's) padded to one prompt length (`pad_prompts`), stacked
-and placed; GRPO's sampled trees first padded to one level layout (`data.batches.pad_trees`:
-depth, fan-outs, segment lengths, trajectories), then the same; DPO (algorithms/dpo.py,
-`ShardedReplaySteps`) on its ragged groups padded to one shape (`pad_groups`, zero-weight padding).
+What runs per group is the caller's: `gradients.step.value_and_grad` and `forward` (every head and
+layout) wrap themselves in `mesh_value_and_grad` / `mesh_map`; this module knows no model output and
+no algorithm. Batches of groups are padded to one prompt length (`pad_prompts`) and stacked; ragged
+groups (DPO's) to one shape (`pad_groups`, zero-weight padding); sampled trees to one level layout
+first (`data.batches.pad_trees`).
 
 Parameters are replicated or FSDP-sharded (`param_specs`; Rajbhandari et al. 2020, ZeRO stage 3,
 arXiv 1910.02054). FSDP splits each leaf's largest evenly divisible dimension (never a stacked
@@ -47,17 +46,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch
-from branch_replay_jax.distributed.seq_parallel import actor_critic_prompt_split, check_prompt_split, prompt_split
-from branch_replay_jax.gradients import actor_critic
-from branch_replay_jax.gradients import preference as pref
-from branch_replay_jax.gradients.logprobs import (Objective, replay_logprobs, replay_value_and_grad,
-                                                  tree_replay_logprobs, tree_replay_value_and_grad)
 from branch_replay_jax.models.critic import TRUNKS
 from branch_replay_jax.models.llama import param_gather
 
@@ -150,14 +142,6 @@ def pad_groups(groups: list[GroupBatch], mesh) -> tuple[list[GroupBatch], np.nda
   padded += [pad_branches(padded[0], False)] * (-len(padded) % mesh.shape["data"])
   flat_index = np.concatenate([j * g_pad + np.arange(g.branches.tokens.shape[0]) for j, g in enumerate(groups)])
   return padded, flat_index
-
-
-def leaf_siblings(batch: TreeBatch, mesh) -> int:
-  """Leaf siblings of a stacked tree batch on one device: the last fan-out F_D (its axis is not
-  split), or F_1 / branch when the trees have one level (F_1 is split over `branch`). The tree
-  functions' micro_batch must divide it."""
-  f = batch.levels[-1].tokens.shape[-2]
-  return f // mesh.shape["branch"] if len(batch.levels) == 1 else f
 
 
 def batch_specs(batch: GroupBatch | TreeBatch, mesh):
@@ -327,8 +311,9 @@ def _over_mesh(per_device, params, batch, mesh, out_specs):
                        out_specs=out_specs(specs) if callable(out_specs) else out_specs, check_vma=True)(params, batch)
 
 
-def _mesh_value_and_grad(per_group, params, batch, mesh):
-  """Σ over the batch of per_group(local params, one group's batch, reduce) under shard_map.
+def mesh_value_and_grad(per_group, params, batch, mesh):
+  """Σ over the batch of per_group(local params, one group's batch, reduce) under shard_map (the one
+  mesh wrapper of `gradients.step.value_and_grad`).
 
   per_group returns (loss, aux, grads) of one group on this device, aux with a leading G (or F_1)
   axis; reduce is the prompt-cotangent all-reduce over `branch`. Returns (loss replicated, aux
@@ -363,263 +348,11 @@ def _mesh_value_and_grad(per_group, params, batch, mesh):
   return _over_mesh(per_device, params, batch, mesh, out_specs=lambda specs: (P(), P("data", "branch"), specs))
 
 
-def sharded_replay_value_and_grad(graphdef, params, batch: GroupBatch, objective: Objective, mesh, *,
-                                  micro_batch: int = 1, logprob_chunk: int = 256, temperature: float = 1.0):
-  """(loss, aux, grads) summed over a batch of groups, by replay under `shard_map` on `mesh`.
-
-  Args:
-    params: parameters (an nnx.State) placed with `shard_params` (replicated or FSDP).
-    batch: `stack_groups` output placed with `shard_batch`: prompt_ids [B, P_pad], prompt_len [B],
-      branches [B, G, ...].
-    micro_batch: completions per scan step on each device; must divide G / branch.
-    temperature: τ of the log-probs (`gradients.logprobs.replay_value_and_grad`).
-
-  Returns:
-    loss: scalar, Σ over groups and completions of the objective (replicated).
-    aux: the objective's aux per completion, [B, G, ...] sharded P("data", "branch").
-    grads: like params (same shardings): equal to the single-device replay and naive gradients.
-
-  Raises:
-    ValueError: B, G or P_pad not divisible by the data, branch or seq size; a bad micro_batch.
-  """
-  n_seq = mesh.shape["seq"]
-  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
-
-  def per_group(local, batch, reduce):
-    split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
-    return replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
-                                 logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce,
-                                 temperature=temperature, **split)
-  return _mesh_value_and_grad(per_group, params, batch, mesh)
-
-
-def sharded_tree_replay_value_and_grad(graphdef, params, batch: TreeBatch, objective: Objective, mesh, *,
-                                       micro_batch: int = 1, logprob_chunk: int = 256,
-                                       schedule: str = "depth_first", temperature: float = 1.0):
-  """(loss, aux, grads) summed over a batch of rollout trees (stacked `data.batches.tree_arrays`; sampled
-  trees of differing shapes through `data.batches.pad_trees` first), by nested replay under
-  `shard_map`: trees over `data`, first-level subtrees (F_1) over `branch`, prompt over `seq`.
-  schedule, temperature: as in `gradients.logprobs.tree_replay_value_and_grad`; micro_batch: leaf siblings per
-  scan step on each device, a divisor of the last level's fan-out there (F_D, or F_1 / branch for a
-  one-level tree).
-
-  Returns and raises as `sharded_replay_value_and_grad` (with F_1 in place of G); aux is the list
-  over levels of `NodeOutputs` [B, F_1..F_d, ...], each sharded P("data", "branch").
-  """
-  n_seq = mesh.shape["seq"]
-  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
-
-  def per_group(local, batch, reduce):
-    split = prompt_split(graphdef, local, batch) if n_seq > 1 else {}
-    return tree_replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
-                                      logprob_chunk=logprob_chunk, schedule=schedule,
-                                      reduce_prefix_cotangent=reduce, temperature=temperature, **split)
-  return _mesh_value_and_grad(per_group, params, batch, mesh)
-
-
-def _mesh_map(graphdef, per_group, params, batch, mesh, split_fn=prompt_split):
-  """Forward-only `shard_map` of per_group(local params, one group's or tree's batch, **split) over a
-  stacked batch, split = split_fn(graphdef, local, batch) when seq > 1 (`prompt_split`'s prefix_fn
-  and attention; an actor-critic's: `actor_critic_prompt_split`). Returns its outputs stacked
-  [B, G (F_1), ...], sharded P("data", "branch")."""
-  n_seq = mesh.shape["seq"]
-  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
-
+def mesh_map(per_group, params, batch, mesh):
+  """Forward-only `shard_map` of per_group(local params, one group's or tree's batch) over a stacked
+  batch (the forward twin of `mesh_value_and_grad`). Returns its outputs stacked [B, G (F_1), ...],
+  sharded P("data", "branch")."""
   def per_device(local, batch, fsdp):
-    def one_group(_, batch):
-      split = split_fn(graphdef, local, batch) if n_seq > 1 else {}
-      return None, per_group(local, batch, **split)
-    return _invariant_over_seq(jax.lax.scan(one_group, None, batch)[1])
+    del fsdp
+    return _invariant_over_seq(jax.lax.scan(lambda _, one: (None, per_group(local, one)), None, batch)[1])
   return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
-
-
-def sharded_replay_logprobs(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
-                            logprob_chunk: int = 256, temperature: float = 1.0) -> jax.Array:
-  """[B, G, T] float32 completion log-probs (0 on padding) of a batch of groups, by forward-only
-  replay under `shard_map` (reference and old-policy log-probs of the training loop).
-
-  Args and placement as `sharded_replay_value_and_grad`. Returns the log-probs sharded
-  P("data", "branch"), equal to `gradients.logprobs.replay_logprobs` group by group.
-  """
-  return _mesh_map(graphdef, lambda local, b, **split: replay_logprobs(
-      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, temperature=temperature, **split),
-      params, batch, mesh)
-
-
-def sharded_tree_replay_logprobs(graphdef, params, batch: TreeBatch, mesh, *, micro_batch: int = 1,
-                                 logprob_chunk: int = 256, temperature: float = 1.0) -> list:
-  """Per level d = 1..D: [B, F_1..F_d, T_d] float32 log-probs of every tree node's tokens (0 on
-  padding), by forward-only nested replay under `shard_map` (reference and old-policy log-probs of
-  the training loop on trees): trees over `data`, first-level subtrees over `branch`, prompt over `seq`.
-
-  Args:
-    params: placed with `shard_params` (replicated or FSDP).
-    batch: stacked TreeBatches (`data.batches.pad_trees`, `pad_prompts`, `stack_groups`) placed with
-      `shard_batch`: prompt_ids [B, P_pad], prompt_len [B], levels [B, F_1..F_d, T_d, ...].
-    micro_batch: leaf siblings per scan step on each device; must divide the last level's fan-out
-      on a device (F_D, or F_1 / branch for a one-level tree).
-    temperature: τ of the log-probs (`gradients.logprobs.replay_value_and_grad`).
-
-  Returns:
-    A list over levels, each sharded P("data", "branch"), equal to `gradients.logprobs.tree_replay_logprobs`
-    tree by tree.
-
-  Raises:
-    ValueError: B, F_1 or P_pad not divisible by the data, branch or seq size; a bad micro_batch.
-  """
-  return _mesh_map(graphdef, lambda local, b, **split: tree_replay_logprobs(
-      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, temperature=temperature, **split),
-      params, batch, mesh)
-
-
-def sharded_actor_critic_value_and_grad(graphdef, params, batch: GroupBatch, objective, mesh, *,
-                                        micro_batch: int = 1, logprob_chunk: int = 256):
-  """PPO's (loss, aux, grads) summed over a batch of groups for an actor-critic (models.critic;
-  policy AND critic parameters), by replay under `shard_map`: `gradients.actor_critic.
-  replay_value_and_grad` group by group, with the prompt cotangent (each trunk's K/V and last
-  hidden state) all-reduced over `branch` and, for seq > 1, each trunk's prompt split over `seq`.
-
-  objective: an `actor_critic.PPOObjective` (losses.ppo_objective). Args, returns and raises as
-  `sharded_replay_value_and_grad`; grads are like params (the policy's, the critic's and the value
-  head's), equal to the single-device replay gradient summed over the groups.
-  """
-  n_seq = mesh.shape["seq"]
-  check_prompt_split(batch.prompt_ids.shape[1], n_seq)
-
-  def per_group(local, batch, reduce):
-    split = actor_critic_prompt_split(graphdef, local, batch) if n_seq > 1 else {}
-    return actor_critic.replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
-                                              logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce, **split)
-  return _mesh_value_and_grad(per_group, params, batch, mesh)
-
-
-def sharded_actor_critic_logprobs_values(graphdef, params, batch: GroupBatch, mesh, *, micro_batch: int = 1,
-                                         logprob_chunk: int = 256) -> actor_critic.LogprobsValues:
-  """PPO's old log-probs and values of a batch of groups by forward-only replay under `shard_map`:
-  `actor_critic.LogprobsValues` with logp, values [B, G, T] and next_value [B, G] float32, sharded
-  P("data", "branch"), equal to `actor_critic.replay_logprobs_values` group by group. Args,
-  placement and raises as `sharded_replay_value_and_grad`."""
-  return _mesh_map(graphdef, lambda local, b, **split: actor_critic.replay_logprobs_values(
-      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk, **split), params, batch, mesh,
-      split_fn=actor_critic_prompt_split)
-
-
-def _check_tree_seq(mesh) -> None:
-  if mesh.shape["seq"] > 1:
-    raise ValueError(f"mesh.seq={mesh.shape['seq']}: an actor-critic's tree replay does not split the prompt over "
-                     "seq (gradients.actor_critic's tree functions take no prompt_fn); use mesh.seq=1")
-
-
-def sharded_actor_critic_tree_value_and_grad(graphdef, params, batch: TreeBatch, objective, mesh, *,
-                                             micro_batch: int = 1, logprob_chunk: int = 256,
-                                             schedule: str = "depth_first"):
-  """PPO's (loss, aux, grads) summed over a batch of rollout trees for an actor-critic (policy AND
-  critic parameters), by nested replay under `shard_map`: `gradients.actor_critic.
-  tree_replay_value_and_grad` tree by tree, trees over `data`, first-level subtrees (F_1) over
-  `branch`, the root's state cotangent (each trunk's prompt K/V and last hidden state) all-reduced
-  over `branch`. The prompt is not split: mesh.seq must be 1.
-
-  objective: an `actor_critic.PPOObjective` for trees (losses.ppo_tree_objective); batch, schedule
-  and micro_batch as `sharded_tree_replay_value_and_grad`. Returns (loss replicated, aux: the list
-  over levels of `NodeOutputs` [B, F_1..F_d, ...] sharded P("data", "branch"), grads like params),
-  the grads equal to the single-device tree replay's summed over the trees.
-
-  Raises:
-    ValueError: mesh.seq > 1; B or F_1 not divisible by the data or branch size; a bad micro_batch.
-  """
-  _check_tree_seq(mesh)
-
-  def per_group(local, batch, reduce):
-    return actor_critic.tree_replay_value_and_grad(graphdef, local, batch, objective, micro_batch=micro_batch,
-                                                   logprob_chunk=logprob_chunk, schedule=schedule,
-                                                   reduce_prefix_cotangent=reduce)
-  return _mesh_value_and_grad(per_group, params, batch, mesh)
-
-
-def sharded_actor_critic_tree_logprobs_values(graphdef, params, batch: TreeBatch, mesh, *, micro_batch: int = 1,
-                                              logprob_chunk: int = 256) -> list:
-  """PPO's old log-probs and values of a batch of rollout trees by forward-only nested replay under
-  `shard_map`: per level d, `actor_critic.LogprobsValues` [B, F_1..F_d, ...] sharded P("data",
-  "branch"), equal to `actor_critic.tree_logprobs_values` tree by tree. Placement, micro_batch and
-  raises as `sharded_actor_critic_tree_value_and_grad`."""
-  _check_tree_seq(mesh)
-  return _mesh_map(graphdef, lambda local, b: actor_critic.tree_logprobs_values(
-      graphdef, local, b, micro_batch=micro_batch, logprob_chunk=logprob_chunk), params, batch, mesh)
-
-
-class ShardedReplaySteps:
-  """`gradients.preference.ReplaySteps` (DPO's two passes) on `mesh`: a PreferenceBatch's ragged
-  groups padded to one shape (`pad_groups`: zero-weight padding, so loss and gradient are
-  unchanged) and stacked into one batch; pass 1 by `sharded_replay_logprobs`, pass 2 by
-  `sharded_replay_value_and_grad` of `preference.surrogate_objective`, joined by
-  `preference.two_pass_value_and_grad`.
-
-    steps = ShardedReplaySteps(graphdef, mesh, micro_batch=2)
-    layout = steps.layout(batch)                      # once per batch
-    loss, metrics, grads = steps.value_and_grad(params, layout, steps.flat_sums(ref_params, layout), beta=0.1)
-
-  Call inside `jax.set_mesh(mesh)` with parameters placed by `shard_params`. micro_batch:
-  completions per scan step on each device, the largest divisor of G' / branch not above it.
-  """
-
-  def __init__(self, graphdef, mesh, *, micro_batch: int = 1, logprob_chunk: int = 256):
-    self.mesh = mesh
-    mb = lambda b: fit_micro_batch(micro_batch, b.branches.tokens.shape[1] // mesh.shape["branch"])
-    # Pass 1's sums [B, G'] come back replicated: the loss gathers the pairs' sums from them. Both
-    # passes take the stacked batch on the host and place it (shard_batch: with several processes,
-    # each places its rows of the whole batch every process holds; the weights are computed off the
-    # mesh, replicated).
-    sums = jax.jit(lambda p, b: jax.sharding.reshard(
-        sharded_replay_logprobs(graphdef, p, b, mesh, micro_batch=mb(b), logprob_chunk=logprob_chunk).sum(-1), P()))
-    grad = jax.jit(lambda p, b: sharded_replay_value_and_grad(graphdef, p, b, pref.surrogate_objective, mesh,
-                                                              micro_batch=mb(b), logprob_chunk=logprob_chunk)[2])
-    self.sums = lambda p, b: sums(p, shard_batch(b, mesh))
-    self.surrogate_grad = lambda p, b: grad(p, shard_batch(b, mesh))
-
-  def layout(self, batch: pref.PreferenceBatch) -> tuple[GroupBatch, np.ndarray, np.ndarray]:
-    """(the padded groups stacked [B', G', ...] on the host, chosen [K], rejected [K]): each pair's
-    completions as indices into the padded completions flattened [B' * G']."""
-    padded, index = pad_groups(batch.groups, self.mesh)
-    return jax.device_get(stack_groups(padded)), index[batch.chosen], index[batch.rejected]
-
-  def flat_sums(self, params, layout) -> jax.Array:
-    """[B' * G'] log-prob sums of the padded completions (0 for padding), replicated."""
-    return self.sums(params, layout[0]).reshape(-1)
-
-  def value_and_grad(self, params, layout, ref_sums: jax.Array, *, beta: float, loss_type: str = "sigmoid",
-                     label_smoothing: float = 0.0):
-    """(loss, metrics [K], grads like params) as `ReplaySteps.value_and_grad`; ref_sums: the
-    reference's `flat_sums` on the same layout."""
-    unit, chosen, rejected = layout
-    return pref.two_pass_value_and_grad(self.sums, self.surrogate_grad, params, [unit], chosen, rejected, ref_sums,
-                                        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
-
-
-def make_train_step(graphdef, tx: optax.GradientTransformation, objective: Objective, mesh, *, trees: bool = False,
-                    micro_batch: int = 1, logprob_chunk: int = 256):
-  """A jitted (params, opt_state, batch) -> (params, opt_state, loss) optimizer step on `mesh`.
-
-  The parameters keep their shardings (replicated or FSDP, `shard_params`), and so does the
-  optimizer state. The mesh's axes are Explicit (`make_mesh`): create the state from the placed
-  parameters INSIDE `jax.set_mesh(mesh)`, or place an unsharded state as the training loop does
-  (algorithms/grpo.py: `tx.init` on the unplaced parameters, then `shard_params`):
-
-      with jax.set_mesh(mesh):
-        params = shard_params(params, mesh, "fsdp")
-        opt_state = jax.jit(tx.init)(params)                  # or: shard_params(tx.init(host_params), mesh, "fsdp")
-        step = make_train_step(graphdef, tx, objective, mesh)
-        params, opt_state, loss = step(params, opt_state, shard_batch(batch, mesh))
-
-  `jax.jit(tx.init)(params)` outside `jax.set_mesh` fails on this mesh with a ValueError ("Length
-  of device assignment 1 is not equal to the size of the mesh ... via `jax.set_mesh`"; JAX 0.10;
-  tests/test_mesh.py::test_documented_optimizer_state_creation). Call the step inside it too.
-  """
-  value_and_grad = sharded_tree_replay_value_and_grad if trees else sharded_replay_value_and_grad
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    loss, _, grads = value_and_grad(graphdef, params, batch, objective, mesh, micro_batch=micro_batch,
-                                 logprob_chunk=logprob_chunk)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return step

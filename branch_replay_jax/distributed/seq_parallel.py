@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from branch_replay_jax.data.batches import GroupBatch
 from branch_replay_jax.kernels import attention_fn
@@ -51,29 +50,16 @@ def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq"):
   return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis)
 
 
-def _chunk_prefix_fn(graphdef, batch: GroupBatch, axis: str):
-  """params -> `chunk_prompt_forward` of the merged model."""
-  return lambda params: chunk_prompt_forward(nnx.merge(graphdef, params), batch, axis)
-
-
-def prompt_split(graphdef, params, batch: GroupBatch, *, axis: str = "seq") -> dict:
-  """{"prefix_fn", "attention"} for gradients.logprobs' replay functions when batch.prompt_ids is
-  this device's prompt chunk [C] over `axis`: the chunk's prefix (`_chunk_prefix_fn`) and the
-  completions' attention over the sharded prompt K/V merged by log-sum-exp (`over_sharded_prompt`).
+def prompt_split(attention_impl: str, batch: GroupBatch, *, axis: str = "seq") -> dict:
+  """{"prompt_fn", "attention"} for `gradients.step`'s replay when batch.prompt_ids is this device's
+  prompt chunk [C] over `axis`: prompt_fn(trunk) is each trunk's `chunk_prompt_forward`, and the
+  completions' (tree nodes') attention runs over the sharded prompt K/V, merged by log-sum-exp
+  (`over_sharded_prompt` of the `attention_impl` kernel).
 
   Call inside `shard_map` over `axis` with the prompt split as P(..., axis) and the completions (tree
-  nodes) replicated over `axis`. The replay functions then return (loss, aux, grads) as on one
-  device, except that the grads are this device's share: summed over `axis` they give S x d loss /
-  d params (every device computes the whole loss).
+  nodes) replicated over `axis`. Replay then returns (loss, aux, grads) as on one device, except
+  that the grads are this device's share: summed over `axis` they give S x d loss / d params (every
+  device computes the whole loss).
   """
-  attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).attention_impl), axis)
-  return {"prefix_fn": _chunk_prefix_fn(graphdef, batch, axis), "attention": attention}
-
-
-def actor_critic_prompt_split(graphdef, params, batch: GroupBatch, *, axis: str = "seq") -> dict:
-  """`prompt_split` for gradients.actor_critic's replay functions (an `ActorCritic` graphdef):
-  {"prompt_fn": each trunk's (policy's, a separate critic's) `chunk_prompt_forward`, "attention":
-  the completions' attention over the sharded prompt K/V}. Same placement and gradient share as
-  `prompt_split`."""
-  attention = over_sharded_prompt(attention_fn(nnx.merge(graphdef, params).policy.attention_impl), axis)
+  attention = over_sharded_prompt(attention_fn(attention_impl), axis)
   return {"prompt_fn": lambda trunk: chunk_prompt_forward(trunk, batch, axis), "attention": attention}

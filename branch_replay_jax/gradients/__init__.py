@@ -1,2 +1,3 @@
-"""A decoder's log-probs and objective gradients on groups and trees, replay and naive: the policy
-(logprobs.py), policy + critic (actor_critic.py), preference pairs (preference.py)."""
+"""The step builder: a decoder's objective gradients and forward passes on groups and trees, for any
+head (heads.py: policy, policy + critic), layout (replay, naive) and mesh (step.py); preference pairs'
+two-pass gradient on top of it (preference.py)."""

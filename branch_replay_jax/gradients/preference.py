@@ -15,9 +15,9 @@ the sum over a constant length, so the same holds). By the chain rule
     dL/dθ = Σ_i c_i dS_i/dθ,   c_i = ∂L/∂S_i,
 
 which is the gradient of the LINEAR surrogate Σ_i c_i S_i(θ) with c held constant. So:
-  pass 1: forward-only replay (logprobs.replay_logprobs) gives every S_i; c = jax.grad of L w.r.t.
+  pass 1: forward-only replay (gradients.step.forward) gives every S_i; c = jax.grad of L w.r.t.
           the sums (closed form, [N] scalars);
-  pass 2: branch replay (logprobs.replay_value_and_grad) of the token-local objective
+  pass 2: branch replay (gradients.step.value_and_grad) of the token-local objective
           -Σ_t w_{i,t} logp_{i,t} with w_{i,t} = -c_i on real tokens (losses.weighted_logprob_loss).
 The gradient equals that of the DPO loss exactly (up to float rounding order); the loss
 reported is L itself, not the surrogate's value. Pass 1 costs one extra forward of the unique
@@ -35,13 +35,16 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.accumulate import fit_micro_batch, merge_micro_batches, scan_value_and_grad, split_micro_batches
 from branch_replay_jax.data.batches import GroupBatch, Segments, group_arrays
 from branch_replay_jax.data.counts import group_counts
 from branch_replay_jax.data.groups import bucket_length, make_group
-from branch_replay_jax.gradients.logprobs import naive_logprobs, replay_logprobs, replay_value_and_grad
+from branch_replay_jax.distributed import mesh as meshes
+from branch_replay_jax.gradients.heads import Policy
+from branch_replay_jax.gradients.step import forward, value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +118,11 @@ def make_batch(pairs: Sequence[PreferencePair], *, vocab_size: int, max_position
                          {"token_positions_naive": naive_positions, "token_positions_computed": computed})
 
 
+POLICY = Policy()
+
+
 def surrogate_objective(logp, branch: Segments):
-  """Pass 2's token-local objective (a `gradients.logprobs.Objective`): (-Σ_t w_t logp_t, 0) with
+  """Pass 2's token-local objective (a `gradients.heads.Policy` objective): (-Σ_t w_t logp_t, 0) with
   w = branch.weights [T] (= -c_i on completion i's real tokens, 0 on padding)."""
   return obj.weighted_logprob_loss(logp, branch.weights), jnp.zeros((), logp.dtype)
 
@@ -130,34 +136,64 @@ def _mean_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta
 
 
 class ReplaySteps:
-  """Jitted pieces of the two-pass replay step; each compiles once per group shape.
+  """Jitted pieces of the two-pass replay step, on one device or a mesh; each compiles once per shape.
 
-  sums(params, batch) -> [G] log-prob sums of a GroupBatch (pass 1, forward only);
-  surrogate_grad(params, batch) -> grads of Σ_i c_i S_i, with -c_i in batch.branches.weights (pass 2).
-  (`distributed.mesh.ShardedReplaySteps` runs the same two passes on a device mesh.)
+    steps = ReplaySteps(graphdef, mesh=None, micro_batch=2)
+    layout = steps.layout(batch)                      # once per batch
+    loss, metrics, grads = steps.value_and_grad(params, layout, steps.flat_sums(ref_params, layout), beta=0.1)
+
+  One device: the layout is the batch's groups (one per distinct prompt), each run by itself. A mesh
+  (`distributed.mesh.make_mesh`; call inside `jax.set_mesh(mesh)` with parameters placed by
+  `shard_params`): the groups padded to one shape (`distributed.mesh.pad_groups`: zero-weight
+  padding, so loss and gradient are unchanged) and stacked into one batch.
+  sums(params, unit) -> the unit's completions' log-prob sums (pass 1, forward only);
+  surrogate_grad(params, unit) -> grads of Σ_i c_i S_i, with -c_i in unit.branches.weights (pass 2).
+  micro_batch: completions per scan step on each device, the largest divisor of G (G' / branch) not above it.
   """
 
-  def __init__(self, graphdef, *, micro_batch: int = 1, logprob_chunk: int = 256):
-    mb = lambda a: fit_micro_batch(micro_batch, a.branches.tokens.shape[0])
-    self.sums = jax.jit(lambda p, a: replay_logprobs(graphdef, p, a, micro_batch=mb(a),
-                                                     logprob_chunk=logprob_chunk).sum(-1))
-    self.surrogate_grad = jax.jit(lambda p, a: replay_value_and_grad(
-        graphdef, p, a, surrogate_objective, micro_batch=mb(a), logprob_chunk=logprob_chunk)[2])
+  def __init__(self, graphdef, *, mesh=None, micro_batch: int = 1, logprob_chunk: int = 256):
+    self.mesh = mesh
+    branch = 1 if mesh is None else mesh.shape["branch"]
+    mb = lambda a: fit_micro_batch(micro_batch, a.branches.tokens.shape[-2] // branch)
+    sums = lambda p, a: forward(POLICY, graphdef, p, a, mesh=mesh, micro_batch=mb(a),
+                                logprob_chunk=logprob_chunk).sum(-1)
+    grad = lambda p, a: value_and_grad(POLICY, graphdef, p, a, surrogate_objective, mesh=mesh, micro_batch=mb(a),
+                                       logprob_chunk=logprob_chunk)[2]
+    if mesh is None:
+      self.sums, self.surrogate_grad = jax.jit(sums), jax.jit(grad)
+      return
+    # Pass 1's sums [B, G'] come back replicated: the loss gathers the pairs' sums from them. Both
+    # passes take the stacked batch on the host and place it (shard_batch: with several processes,
+    # each places its rows of the whole batch every process holds; the weights are computed off the
+    # mesh, replicated).
+    sums_jit = jax.jit(lambda p, b: jax.sharding.reshard(sums(p, b), P()))
+    grad_jit = jax.jit(grad)
+    self.sums = lambda p, b: sums_jit(p, meshes.shard_batch(b, mesh))
+    self.surrogate_grad = lambda p, b: grad_jit(p, meshes.shard_batch(b, mesh))
 
-  def flat_sums(self, params, batch: PreferenceBatch) -> jax.Array:
-    """[N] log-prob sums of every distinct completion (N = Σ_j G_j), in `batch.chosen`'s indexing."""
-    return jnp.concatenate([self.sums(params, a) for a in batch.groups])
+  def layout(self, batch: PreferenceBatch) -> tuple[list[GroupBatch], np.ndarray, np.ndarray]:
+    """(units, chosen [K], rejected [K]): the groups to run, each pair's completions as indices into
+    the units' completions flattened in order (`two_pass_value_and_grad`). On a mesh, one unit: the
+    padded groups stacked [B', G', ...] on the host."""
+    if self.mesh is None:
+      return list(batch.groups), np.asarray(batch.chosen), np.asarray(batch.rejected)
+    padded, index = meshes.pad_groups(batch.groups, self.mesh)
+    return [jax.device_get(meshes.stack_groups(padded))], index[batch.chosen], index[batch.rejected]
 
-  def value_and_grad(self, params, batch: PreferenceBatch, ref_sums: jax.Array, *, beta: float,
+  def flat_sums(self, params, layout) -> jax.Array:
+    """[N] log-prob sums of the layout's completions (0 for a mesh's padding), in its indexing."""
+    return jnp.concatenate([self.sums(params, u).reshape(-1) for u in layout[0]])
+
+  def value_and_grad(self, params, layout, ref_sums: jax.Array, *, beta: float,
                      loss_type: str = "sigmoid", label_smoothing: float = 0.0):
     """(loss, metrics [K], grads) of mean_k ℓ_k by the two-pass scheme in the module docstring.
 
-    ref_sums: [N] the reference's `flat_sums` (frozen; compute once per batch).
+    ref_sums: [N] the reference's `flat_sums` on the same layout (frozen; compute once per batch).
     loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths come from the batch).
     """
-    return two_pass_value_and_grad(self.sums, self.surrogate_grad, params, batch.groups, batch.chosen,
-                                   batch.rejected, ref_sums, beta=beta, loss_type=loss_type,
-                                   label_smoothing=label_smoothing)
+    units, chosen, rejected = layout
+    return two_pass_value_and_grad(self.sums, self.surrogate_grad, params, units, chosen, rejected, ref_sums,
+                                   beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
 
 
 def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[GroupBatch], chosen, rejected,
@@ -172,7 +208,7 @@ def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[
     surrogate_grad_fn: (params, unit with branches.weights) -> grads of Σ_i -Σ_t w_{i,t} logp_{i,t}
       (pass 2, `surrogate_objective`).
     units: GroupBatches: one per group ([G_j, T_j] completions), or groups stacked [B, G, T] on a
-      device mesh (`distributed.mesh.ShardedReplaySteps`); their completions in order
+      device mesh (`ReplaySteps` with a mesh); their completions in order
       (row-major) make the flat completion axis [N].
     chosen, rejected: [K] int, each pair's completions on that flat axis.
     ref_sums: [N] the reference's sums on the same axis (frozen; compute once per batch).
@@ -201,7 +237,7 @@ def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[
 
 def _pair_sums(graphdef, params, naive_mb, chunk):
   """[m, 2] log-prob sums of m pairs (row 0 chosen, row 1 rejected) from full sequences."""
-  return jax.vmap(lambda a: naive_logprobs(graphdef, params, a, logprob_chunk=chunk).sum(-1))(naive_mb)
+  return jax.vmap(lambda a: forward(POLICY, graphdef, params, a, layout="naive", logprob_chunk=chunk).sum(-1))(naive_mb)
 
 
 def naive_ref_sums(graphdef, params, naive: GroupBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:

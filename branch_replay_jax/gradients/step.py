@@ -1,0 +1,300 @@
+"""One step builder for every cell of head x layout x mesh: the loss, aux and gradient of an objective
+over a rollout group or tree, and its forward-only twin.
+
+    value_and_grad(head, graphdef, params, batch, objective, layout=..., mesh=...) -> (loss, aux, grads)
+    forward(head, graphdef, params, batch, layout=..., mesh=...)                 -> per-token outputs
+
+  head    gradients/heads.py: Policy (log-probs) or ActorCritic (log-probs and values; PPO).
+  layout  "replay": the batch's own shape, a `GroupBatch` (prompt once, `core.replay.replay_vjp`, a
+            micro-batch of completions as rows of one batch) or a `TreeBatch` (every node once,
+            `core.tree_replay.nested_replay_vjp`);
+          "naive": each completion appended to a copy of the prompt (the "[B] -> [B*G]" of today's
+            pipelines, the reference), a GroupBatch only (a tree's trajectories as a group:
+            `rollout.collect.Group.naive_batch`).
+  mesh    None: one group or tree on this device. A ("data", "branch", "seq") mesh
+          (distributed/mesh.py): a batch of them stacked [B, ...], placed by `shard_batch`, under
+          one `shard_map`, the prompt split over `seq` when seq > 1 (distributed/seq_parallel.py).
+
+Both layouts compute the same function of the parameters,
+
+    loss(θ) = Σ_g objective(outputs_g(θ), branch_g),   logp_g[i] = log π_θ(o_g,i | prompt, o_g,<i) / τ-tempered,
+
+with the objective token-local and padding weighted 0 (losses.py), so replay's gradient equals
+naive's up to float rounding (docs/design.md, "The math"). The model enters through `nnx.split`
+(`graphdef, params = nnx.split(model)`); with LoRA `graphdef` is a `models.lora.WithBase` and
+`params` the adapters, which are then the only leaves differentiated.
+
+A segment's state for its descendants: {"kv": {trunk: K/V}, "last": {trunk: last real hidden state
+[d]}, "end": the position after it}. Its first token is scored from its parent's "last" (the
+prompt's, for a completion), which takes a cotangent from every child.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
+from branch_replay_jax.core.replay import replay_map, replay_vjp
+from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
+from branch_replay_jax.distributed import mesh as meshes
+from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
+from branch_replay_jax.gradients.heads import SegmentOutputs
+from branch_replay_jax.models.lora import merge
+
+LAYOUTS = ("replay", "naive")
+Objective = Callable[..., tuple[jax.Array, Any]]
+
+
+@struct.dataclass
+class NodeOutputs:
+  """What tree replay returns per level d for its slots [F_1..F_d]: logp [F_1..F_d, T_d] float32
+  (nats, 0 on padding), aux: the objective's aux per slot, values [F_1..F_d, T_d] float32 (an
+  ActorCritic's; None for a Policy)."""
+  logp: jax.Array
+  aux: Any
+  values: jax.Array | None = None
+
+
+def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
+  """The prompt's state for its children. prompt_fn(trunk) -> (K/V, last real hidden state [d])
+  replaces each trunk's whole-prompt forward (context parallelism: `seq_parallel.prompt_split`)."""
+  kv, last = {}, {}
+  for name, trunk in head.trunks(model).items():
+    if prompt_fn is not None:
+      kv[name], last[name] = prompt_fn(trunk)
+      continue
+    p_pad = batch.prompt_ids.shape[0]
+    out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None])
+    kv[name] = out.kv
+    last[name] = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
+  return {"kv": kv, "last": last, "end": batch.prompt_len}
+
+
+def _segment(head, model, ancestors, tokens_bt, mask_bt, chunk, attention=None):
+  """Forward of B sibling segments (rows [B, T]) on their shared ancestors' states: (each row's state
+  for its descendants, `SegmentOutputs` [B, ...]). The rows run as one batch (not vmapped), so each
+  weight-gradient dot contracts one (row·position) axis. `attention` overrides the trunks' own."""
+  parent = ancestors[-1]
+  shifted, last, kv = {}, {}, {}
+  n = jnp.sum(mask_bt.astype(jnp.int32), axis=1)                                   # [B] real tokens
+  for name, trunk in head.trunks(model).items():
+    out = trunk(tokens_bt, parent["end"], ancestors=[a["kv"][name] for a in ancestors], valid_bt=mask_bt,
+                attention=attention)
+    h = out.hidden_btd
+    first = jnp.broadcast_to(parent["last"][name].astype(h.dtype), (h.shape[0], 1, h.shape[2]))
+    shifted[name] = jnp.concatenate([first, h[:, :-1]], axis=1)
+    last[name] = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+    kv[name] = out.kv
+  outputs = head.outputs(model, shifted, tokens_bt, mask_bt, chunk, last)
+  return {"kv": kv, "last": last, "end": parent["end"] + n}, outputs
+
+
+def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
+  """(params, ancestors, node [T_d]) -> (state, loss, NodeOutputs), or forward only (no objective)
+  -> (state, the head's forward result): one tree node as a batch of one row."""
+  def node_fn(params, ancestors, node):
+    state, out = _segment(head, merge(graphdef, params), ancestors, node.tokens[None], node.mask[None], chunk,
+                          attention)
+    state = {"kv": state["kv"], "last": {k: v[0] for k, v in state["last"].items()}, "end": state["end"][0]}
+    out = jax.tree_util.tree_map(lambda x: x[0], out)
+    if objective is None:
+      return state, head.forward_result(out)
+    loss, aux = head.loss(objective, out, node)
+    return state, loss, NodeOutputs(out.logp, aux, out.values)
+  return node_fn
+
+
+def naive_batch(batch: GroupBatch):
+  """(tokens [G, P_pad + T], valid [G, P_pad + T], offset): full sequences, LEFT-padded so every
+  completion starts at column P_pad; offset -(P_pad - prompt_len) puts the first real prompt token
+  at position 0."""
+  prompt, p_len = batch.prompt_ids, batch.prompt_len
+  p_pad = prompt.shape[0]
+  shift = p_pad - p_len
+  prompt_left = jnp.roll(prompt, shift)  # real tokens move to the end; pads wrap to the front
+  prompt_valid = jnp.arange(p_pad) >= shift
+  br = batch.branches
+  g = br.tokens.shape[0]
+  tokens = jnp.concatenate([jnp.broadcast_to(prompt_left, (g, p_pad)), br.tokens], axis=1)
+  valid = jnp.concatenate([jnp.broadcast_to(prompt_valid, (g, p_pad)), br.mask], axis=1)
+  return tokens, valid, -shift
+
+
+def _naive_outputs(head, model, tokens, valid, offset, p_pad, chunk) -> SegmentOutputs:
+  """`SegmentOutputs` of the completion part of full left-padded sequences [B, P_pad + T]."""
+  t = tokens.shape[1] - p_pad
+  mask = valid[:, p_pad:]
+  end = p_pad - 1 + jnp.sum(mask.astype(jnp.int32), axis=1)   # each row's last real column
+  shifted, last = {}, {}
+  for name, trunk in head.trunks(model).items():
+    h = trunk(tokens, offset, valid_bt=valid).hidden_btd
+    shifted[name] = h[:, p_pad - 1:p_pad - 1 + t]              # position P+i-1 predicts token i
+    last[name] = jnp.take_along_axis(h, end[:, None, None], axis=1)[:, 0]
+  return head.outputs(model, shifted, tokens[:, p_pad:], mask, chunk, last)
+
+
+def _check(layout, batch, mesh):
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+  if layout == "naive" and not isinstance(batch, GroupBatch):
+    raise ValueError("layout='naive' takes a GroupBatch (a tree's trajectories as a group: Group.naive_batch), "
+                     f"got {type(batch).__name__}")
+  if layout == "naive" and mesh is not None:
+    raise ValueError("layout='naive' runs on one device; the mesh step is replay's")
+
+
+def _micro_batch(micro_batch, batch):
+  return num_branches(batch) if micro_batch is None else micro_batch
+
+
+def leaf_siblings(batch: GroupBatch | TreeBatch, mesh=None) -> int:
+  """The count a micro_batch must divide on one device: a group's completions G, a tree's last fan-out
+  F_D; on a mesh, of a stacked batch, G / branch, and F_1 / branch for a one-level tree (F_1 is split
+  over `branch`, a deeper tree's last fan-out is not)."""
+  branch = 1 if mesh is None else mesh.shape["branch"]
+  if isinstance(batch, GroupBatch):
+    return batch.branches.tokens.shape[-2] // branch
+  f = batch.levels[-1].tokens.shape[-2]
+  return f // branch if len(batch.levels) == 1 else f
+
+
+def _seq_split(head, graphdef, local, batch, mesh) -> dict:
+  """{} on one `seq` device, else `seq_parallel.prompt_split` for this device's prompt chunk."""
+  if mesh.shape["seq"] == 1:
+    return {}
+  return prompt_split(head.attention_impl(merge(graphdef, local)), batch)
+
+
+def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, objective: Objective, *,
+                   layout: str = "replay", mesh=None, micro_batch: int | None = None,
+                   schedule: str = "depth_first", logprob_chunk: int = 256, reduce_prefix_cotangent=None,
+                   prompt_fn=None, attention=None):
+  """(loss, aux, grads) of Σ objective over a group's completions or a tree's nodes (module docstring).
+
+  Args:
+    head: `heads.Policy` or `heads.ActorCritic` (its temperature τ divides the logits).
+    batch: a `GroupBatch` (`data.batches.group_arrays`) or `TreeBatch` (`tree_arrays`) with the
+      objective's fields; with a mesh, a stack of them [B, ...] placed by `mesh.shard_batch`.
+    objective: the head's objective (`heads.Policy.loss`), for a tree one node's (e.g.
+      `losses.grpo_tree_objective`).
+    micro_batch: completions (a tree's leaf siblings; naive: sequences) per scan step, a divisor of
+      their count on this device; None: all of them in one step (no scan; the fastest).
+    schedule: tree replay's "depth_first" (least memory) or "level" (batched levels), core/tree_replay.py.
+    reduce_prefix_cotangent, prompt_fn, attention: one device only, as in `core.replay.replay_vjp` and
+      `_prompt_state`; the mesh sets them (the prompt cotangent's all-reduce over `branch`, the seq split).
+
+  Returns:
+    loss: scalar, the sum over completions (nodes) and, with a mesh, groups (replicated).
+    aux: group: the objective's aux per completion [G, ...] ([B, G, ...] on a mesh, sharded
+      P("data", "branch")); tree: a list over levels of `NodeOutputs` [F_1..F_d, ...].
+    grads: like params (on a mesh with params' shardings), d loss / d params.
+
+  Raises:
+    ValueError: an unknown layout, naive on a tree or a mesh, a micro_batch that does not divide the
+      count, on a mesh B, G (F_1) or P_pad not divisible by the data, branch or seq size.
+  """
+  _check(layout, batch, mesh)
+  if mesh is not None:
+    check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
+
+    def per_group(local, one, reduce):
+      return value_and_grad(head, graphdef, local, one, objective, micro_batch=micro_batch, schedule=schedule,
+                            logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce,
+                            **_seq_split(head, graphdef, local, one, mesh))
+    return meshes.mesh_value_and_grad(per_group, params, batch, mesh)
+  m = _micro_batch(micro_batch, batch)
+  if layout == "naive":
+    return _naive_value_and_grad(head, graphdef, params, batch, objective, m, logprob_chunk)
+  root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
+  if isinstance(batch, TreeBatch):
+    node_fn = _tree_node_fn(head, graphdef, logprob_chunk, objective, attention)
+    return nested_replay_vjp(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m,
+                             schedule=schedule, reduce_prefix_cotangent=reduce_prefix_cotangent)
+
+  def branch_fn(p, root, branches):
+    _, out = _segment(head, merge(graphdef, p), [root], branches.tokens, branches.mask, logprob_chunk, attention)
+    return jax.vmap(lambda o, b: head.loss(objective, o, b))(out, branches)
+  return replay_vjp(root_fn, branch_fn, params, batch.branches, micro_batch=m,
+                    reduce_prefix_cotangent=reduce_prefix_cotangent, vectorized=True)
+
+
+def _naive_value_and_grad(head, graphdef, params, batch, objective, m, chunk):
+  tokens, valid, offset = naive_batch(batch)
+  p_pad, g = batch.prompt_ids.shape[0], tokens.shape[0]
+  if not isinstance(m, int) or m < 1 or g % m:
+    raise ValueError(f"value_and_grad: micro_batch={m!r} must be a positive divisor of G={g}")
+
+  def loss_fn(p, mb):
+    tok, val, branches = mb
+    out = _naive_outputs(head, merge(graphdef, p), tok, val, offset, p_pad, chunk)
+    losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, branches)
+    return jnp.sum(losses), aux
+
+  (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, batch.branches), m))
+  return loss, merge_micro_batches(aux, g), grads
+
+
+def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: str = "replay", mesh=None,
+            micro_batch: int | None = None, logprob_chunk: int = 256, prompt_fn=None, attention=None):
+  """The head's per-token outputs by a forward-only pass (reference and old log-probs, old values).
+
+  Policy: log-probs [G, T] float32 (0 on padding) of a group's completions, or per level d a tree's
+  [F_1..F_d, T_d]; ActorCritic: `heads.LogprobsValues` laid out alike. With a mesh, stacked [B, ...]
+  and sharded P("data", "branch"). A tree node's outputs are those of every trajectory through it
+  (same context). Args and raises as `value_and_grad`.
+  """
+  _check(layout, batch, mesh)
+  if mesh is not None:
+    check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
+    per_group = lambda local, one: forward(head, graphdef, local, one, micro_batch=micro_batch,
+                                           logprob_chunk=logprob_chunk, **_seq_split(head, graphdef, local, one, mesh))
+    return meshes.mesh_map(per_group, params, batch, mesh)
+  if layout == "naive":
+    tokens, valid, offset = naive_batch(batch)
+    return head.forward_result(_naive_outputs(head, merge(graphdef, params), tokens, valid, offset,
+                                              batch.prompt_ids.shape[0], logprob_chunk))
+  root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
+  m = _micro_batch(micro_batch, batch)
+  if isinstance(batch, TreeBatch):
+    node_fn = _tree_node_fn(head, graphdef, logprob_chunk, attention=attention)
+    return nested_replay_map(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m)
+
+  def branch_fn(p, root, branches):
+    _, out = _segment(head, merge(graphdef, p), [root], branches.tokens, branches.mask, logprob_chunk, attention)
+    return head.forward_result(out)
+  return replay_map(root_fn, branch_fn, params, batch.branches, micro_batch=m, vectorized=True)
+
+
+def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, micro_batch: int | None = None,
+                    schedule: str = "depth_first", logprob_chunk: int = 256):
+  """A jitted (params, opt_state, batch) -> (params, opt_state, loss) optimizer step of `value_and_grad`
+  (replay) and the optax transformation `tx`; batch and micro_batch as there.
+
+  On a mesh the parameters keep their shardings (replicated or FSDP, `distributed.mesh.shard_params`),
+  and so does the optimizer state. The mesh's axes are Explicit (`make_mesh`): create the state from
+  the placed parameters INSIDE `jax.set_mesh(mesh)`, or place an unsharded state as the training loop
+  does (`tx.init` on the unplaced parameters, then `shard_params`):
+
+      with jax.set_mesh(mesh):
+        params = shard_params(params, mesh, "fsdp")
+        opt_state = jax.jit(tx.init)(params)                  # or: shard_params(tx.init(host_params), mesh, "fsdp")
+        step = make_train_step(POLICY, graphdef, tx, objective, mesh=mesh)
+        params, opt_state, loss = step(params, opt_state, shard_batch(batch, mesh))
+
+  `jax.jit(tx.init)(params)` outside `jax.set_mesh` fails on this mesh with a ValueError ("Length
+  of device assignment 1 is not equal to the size of the mesh ... via `jax.set_mesh`"; JAX 0.10;
+  tests/test_mesh.py::test_documented_optimizer_state_creation). Call the step inside it too.
+  """
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, _, grads = value_and_grad(head, graphdef, params, batch, objective, mesh=mesh, micro_batch=micro_batch,
+                                    schedule=schedule, logprob_chunk=logprob_chunk)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return train_step
