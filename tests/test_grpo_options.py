@@ -35,7 +35,7 @@ from branch_replay_jax.rollout.collect import Group, dynamic_sampling, step_toke
 from branch_replay_jax.rollout.tasks import Score, Task
 from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
 from test_train import final_params, max_rel
-from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import value_and_grad
 
 # ---------------------------------------------------------------------------------------------
@@ -202,9 +202,10 @@ TREE_OBJECTIVE = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, clip_e
                                    on_policy=False)
 NAIVE_TREE_OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05,
                                          on_policy=False)
-_replay = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3), static_argnames=("micro_batch", "temperature"))
-_naive = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3), static_argnames=("temperature",))
-_tree = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3), static_argnames=("temperature",))
+_HEAD = Policy(temperature=TAU)   # log-probs at the sampling temperature
+_replay = jax.jit(functools.partial(value_and_grad, _HEAD), static_argnums=(0, 3), static_argnames=("micro_batch",))
+_naive = jax.jit(functools.partial(value_and_grad, _HEAD, layout="naive"), static_argnums=(0, 3))
+_tree = jax.jit(functools.partial(value_and_grad, _HEAD), static_argnums=(0, 3))
 
 
 def _loss_fields(lengths, dtype, *, budget, seed=1):
@@ -243,8 +244,8 @@ def _group_case(dtype):
   arrays = group_arrays(group, weights=(group.completion_mask * w[:, None]).astype(dtype), advantage=adv,
                         old_logp=(-4.2 + 0.3 * rng.normal(size=(g, t))).astype(dtype),
                         ref_logp=(-4.2 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
-  return (_replay(graphdef, params, arrays, GROUP_OBJECTIVE, micro_batch=7, temperature=TAU),
-          _naive(graphdef, params, arrays, GROUP_OBJECTIVE, temperature=TAU), in_loss)
+  return (_replay(graphdef, params, arrays, GROUP_OBJECTIVE, micro_batch=7),
+          _naive(graphdef, params, arrays, GROUP_OBJECTIVE), in_loss)
 
 
 @pytest.mark.slow   # two compiles: replay and naive
@@ -279,8 +280,8 @@ def _tree_case(dtype):
   tree_arrs = tree_arrays(pad_tree(TREE), per_node, advantage=adv)
   naive_arrs = trajectory_group_arrays(TREE, {"old_logp": old, "ref_logp": ref}, w, vocab_size=64, max_positions=256,
                                        completion_bucket=16, advantage=adv)
-  return (_tree(graphdef, params, tree_arrs, TREE_OBJECTIVE, temperature=TAU),
-          _naive(graphdef, params, naive_arrs, NAIVE_TREE_OBJECTIVE, temperature=TAU))
+  return (_tree(graphdef, params, tree_arrs, TREE_OBJECTIVE),
+          _naive(graphdef, params, naive_arrs, NAIVE_TREE_OBJECTIVE))
 
 
 @pytest.mark.slow   # two compiles: replay and naive

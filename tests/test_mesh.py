@@ -25,7 +25,7 @@ from branch_replay_jax.distributed.mesh import (make_mesh, pad_prompts, param_sp
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
 from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
 from branch_replay_jax.models.llama import REMAT_POLICIES
-from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.heads import POLICY, Policy
 from branch_replay_jax.gradients.step import forward, make_train_step, value_and_grad
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -175,7 +175,7 @@ def test_sharded_replay_at_the_sampling_temperature_equals_naive(reference):
   # objective's aux); and τ acts: they differ from τ = 1's (the reference's aux) by far more than rounding.
   graphdef, params, groups, _, _, _, at_one = reference
   tau = 0.7
-  naive = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, grpo_objective, temperature=tau, layout="naive"))
+  naive = jax.jit(lambda p, a: value_and_grad(Policy(temperature=tau), graphdef, p, a, grpo_objective, layout="naive"))
   outs = [naive(params, a) for a in groups]
   want_loss = sum(float(o[0]) for o in outs)
   want_grads = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), [o[2] for o in outs])
@@ -184,9 +184,8 @@ def test_sharded_replay_at_the_sampling_temperature_equals_naive(reference):
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups, mesh.shape["seq"])), mesh)
     sharded = shard_params(params, mesh)
-    loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, grpo_objective, mesh=mesh,
-                                                                        temperature=tau))(sharded, batch)
-    lp = jax.jit(lambda p, b: forward(POLICY, graphdef, p, b, mesh=mesh, temperature=tau))(sharded, batch)
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(Policy(temperature=tau), graphdef, p, b, grpo_objective, mesh=mesh))(sharded, batch)
+    lp = jax.jit(lambda p, b: forward(Policy(temperature=tau), graphdef, p, b, mesh=mesh))(sharded, batch)
   assert float(loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, want_grads) <= 1e-5
   np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=1e-5, atol=1e-5)
@@ -371,10 +370,10 @@ def test_sharded_tree_replay_equals_naive():
     trees.append(tree_arrays(pad_tree(tree), per_node, advantage=adv))
     naive = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": old}, w.astype(np.float32), vocab_size=64,
                                     max_positions=256, completion_bucket=16, advantage=adv)
-    loss, _, grads = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, group_obj, temperature=tau, layout="naive"))(
+    loss, _, grads = jax.jit(lambda p, a: value_and_grad(Policy(temperature=tau), graphdef, p, a, group_obj, layout="naive"))(
         params, naive)
     naive_loss, naive_grads = naive_loss + float(loss), add(naive_grads, grads)
-    replay_grads = add(replay_grads, jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, tree_obj, temperature=tau))(params, trees[-1])[2])
+    replay_grads = add(replay_grads, jax.jit(lambda p, a: value_and_grad(Policy(temperature=tau), graphdef, p, a, tree_obj))(params, trees[-1])[2])
   assert max_rel_err(replay_grads, naive_grads) <= 1e-5
   padded = pad_trees(trees)
   assert [x.tokens.shape for x in padded[1].levels] == [(4, 8), (4, 2, 16)]
@@ -382,14 +381,12 @@ def test_sharded_tree_replay_equals_naive():
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(padded, mesh.shape["seq"])), mesh)
     sharded = shard_params(params, mesh)
-    loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, tree_obj, mesh=mesh,
-                                                                             temperature=tau))(sharded, batch)
-    logprobs = jax.jit(lambda p, b: forward(POLICY, graphdef, p, b, mesh=mesh, micro_batch=2,
-                                                                 temperature=tau))(sharded, batch)
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(Policy(temperature=tau), graphdef, p, b, tree_obj, mesh=mesh))(sharded, batch)
+    logprobs = jax.jit(lambda p, b: forward(Policy(temperature=tau), graphdef, p, b, mesh=mesh, micro_batch=2))(sharded, batch)
   assert float(loss) == pytest.approx(naive_loss, rel=1e-5, abs=1e-6)
   assert max_rel_err(grads, naive_grads) <= 1e-5
   for b, tree in enumerate(trees):
-    want = jax.jit(lambda p, a: forward(POLICY, graphdef, p, a, temperature=tau))(params, tree)
+    want = jax.jit(lambda p, a: forward(Policy(temperature=tau), graphdef, p, a))(params, tree)
     for got, level in zip(logprobs, want):
       got = np.array(got)[b]
       corner = tuple(slice(0, n) for n in level.shape)
