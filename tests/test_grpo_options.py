@@ -1,4 +1,4 @@
-"""P14 item 3: the GRPO options of today's practice, each against hand-computed values and exact under replay.
+"""The GRPO options of today's practice, each against hand-computed values and exact under replay.
 
 Options (experiments/grpo_smollm2_arith.py, docs/design.md "GRPO options"): DAPO's clip-higher
 (loss.clip_eps_low / clip_eps_high), GSPO's sequence ratio (loss.importance_ratio), log-probs at the

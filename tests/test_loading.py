@@ -1,4 +1,4 @@
-"""Weight loading without the real model: GGUF Q/K un-permutation (C09), Q4_1 dequantisation (C12),
+"""Weight loading without the real model: GGUF Q/K un-permutation, Q4_1 dequantisation,
 GGUF and HF-directory round trips of tiny random models, and refusal of bad checkpoints."""
 
 import dataclasses
@@ -20,7 +20,7 @@ from branch_replay_jax.models.gguf_loader import dequantize, permute_rows, unper
 from branch_replay_jax.models import gguf_loader, hf_loader, loading
 from branch_replay_jax.models.llama import rope_inv_freq
 
-# ---------------------------------------------------------------- C09: Q/K row un-permutation
+# ---------------------------------------------------------------- Q/K row un-permutation
 
 
 def _row_index(rows, cols=3):
@@ -62,7 +62,7 @@ def test_unpermuting_k_with_the_query_head_count_is_wrong_or_refused():
     unpermute_rows(np.zeros((192, 576), np.float32), 9)
 
 
-# ---------------------------------------------------------------- C12: Q4_1 dequantisation
+# ---------------------------------------------------------------- Q4_1 dequantisation
 
 
 def _write_gguf(path, arch, tensors, metadata=None, raw=None):
@@ -332,7 +332,7 @@ def test_gguf_round_trip(tmp_path, name):
 
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_encode_chat_has_one_bos_whatever_add_bos_says(tmp_path, add_bos):
-  # C18. The template writes BOS itself. Tokenising its text with special tokens on would add a second BOS
+  # One BOS. The template writes BOS itself. Tokenising its text with special tokens on would add a second BOS
   # when add_bos_token is set; encode_chat must give exactly one, at position 0, in both settings.
   from branch_replay_jax.models import encode_chat
   source = random_model(tiny_config())

@@ -8,7 +8,7 @@ import pytest
 from branch_replay_jax import losses as obj
 
 
-def c01_case():
+def short_and_long_case():
   # G=4, lengths 3, 50, 50, 50, rewards 1, 0, 0, 0. Unbiased std of (1,0,0,0) is 0.5, mean 0.25,
   # so A = (+1.5, -0.5, -0.5, -0.5) (eps=0 to keep the hand values exact).
   lengths = np.array([3, 50, 50, 50])
@@ -17,7 +17,7 @@ def c01_case():
 
 
 def test_group_advantages_unbiased_std():
-  _, adv = c01_case()
+  _, adv = short_and_long_case()
   np.testing.assert_allclose(adv, [1.5, -0.5, -0.5, -0.5], rtol=1e-6)
   # Equal rewards: the eps keeps A at exactly 0 (no NaN) -- a zero-variance group gives no gradient.
   np.testing.assert_array_equal(obj.group_advantages(jnp.ones(4)), np.zeros(4))
@@ -33,9 +33,9 @@ def test_group_advantages_unbiased_std():
     # Dr. GRPO with L_max = 50: 70.5 / (4 * 50) = 0.3525.
     ("constant", 70.5 / 200, -1.5 / 200, 0.5 / 200),
 ])
-def test_c01_loss_normalisation(mode, loss, short_w, long_w):
+def test_loss_normalisation_modes_give_the_hand_values(mode, loss, short_w, long_w):
   # On-policy (ratio 1), beta = 0: the per-token loss is -A, its gradient w.r.t. logp is -A * w.
-  lengths, adv = c01_case()
+  lengths, adv = short_and_long_case()
   w = obj.token_weights(lengths, 50, mode=mode, max_length=50)
   logp = jnp.full((4, 50), -1.0)
 
@@ -101,7 +101,7 @@ def test_dpo_sigmoid_and_ipo_hand_case():
   # Log-prob sums: policy chosen -10, rejected -12; reference chosen -11, rejected -11.
   # h = (-10 - -11) - (-12 - -11) = 1 - (-1) = 2. beta = 0.1: beta*h = 0.2.
   # sigmoid: -log sigmoid(0.2) = log(1 + exp(-0.2)) = 0.598139; d/dh = -beta * sigmoid(-0.2) = -0.045017.
-  # IPO on sums (loss_type "ipo_sum"; "ipo" is the length-normalised form, tests/test_field_faults_p9.py):
+  # IPO on sums (loss_type "ipo_sum"; "ipo" is the length-normalised form, test_preference_losses_by_hand_on_one_pair):
   # (tau = beta = 0.1): (h - 1/(2*0.1))^2 = (2 - 5)^2 = 9; d/dh = 2 (h - 5) = -6.
   pc, pr, rc, rr = (jnp.array([x]) for x in (-10.0, -12.0, -11.0, -11.0))
   loss, m = obj.dpo_loss(pc, pr, rc, rr, beta=0.1)
