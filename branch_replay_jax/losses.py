@@ -359,7 +359,7 @@ def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_
 def grpo_aux_sums(aux) -> tuple[jax.Array, jax.Array]:
   """(Σ k3 KL, Σ clipped) scalars (float32, float64 under x64) of a GRPO gradient's aux: a group's {"kl", "clipped"}
   from `grpo_objective` (also a stacked batch's), or a tree's per-level outputs whose `.aux` are
-  `grpo_tree_objective`'s (gradients.logprobs.NodeOutputs). Traceable: the training step reduces
+  `grpo_tree_objective`'s (gradients.step.NodeOutputs). Traceable: the training step reduces
   inside its jit, so a multi-process run reads replicated scalars."""
   parts = [aux] if isinstance(aux, dict) else [level.aux for level in aux]
   total = lambda x: jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))   # float64 stays float64

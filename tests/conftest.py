@@ -134,3 +134,45 @@ def cut_by_eos(shapes, seed=0, steps=2):
     shapes.append(len(out.tree.ends))
     return out
   return sample
+
+
+def grpo_smoke(run_dir, **overrides):
+  """The GRPO experiment's smoke config writing to run_dir, with dotted overrides."""
+  from experiments import grpo_smollm2_arith
+  return experiment_config(grpo_smollm2_arith, "smoke", run_dir, **overrides)
+
+
+def final_params(run_dir):
+  """(params, metadata) of the latest checkpoint in run_dir."""
+  from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
+  ckpt = RunCheckpoints(str(run_dir))
+  state, meta = ckpt.restore(ckpt.latest_step())
+  ckpt.close()
+  return pure_params(state["params"]), meta
+
+
+def max_rel(a, b):
+  leaves = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+      lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(y)).max(), 1e-30)),
+      a, b))
+  return max(leaves)
+
+
+def same_eval_rows(got_dir, want_dir) -> bool:
+  """Every eval.jsonl row of want_dir (the smoke run's: steps 0 and 2) has an equal row of the same
+  step in got_dir, the timings (wall_s, eval_s) aside."""
+  import json
+  rows = [{r["step"]: {k: v for k, v in r.items() if k not in ("wall_s", "eval_s")} for r in map(json.loads, open(
+      os.path.join(d, "eval.jsonl")))} for d in (got_dir, want_dir)]
+  return sorted(rows[1]) == [0, 2] and all(rows[0].get(step) == row for step, row in rows[1].items())
+
+
+def no_model_load(monkeypatch):
+  """Any model or tokenizer load fails loudly: a check that runs first never reaches it."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("the model loaded before the config was checked")
+  from branch_replay_jax.algorithms import loop
+  from branch_replay_jax.models import loading
+  monkeypatch.setattr(loop, "build_model", refuse)
+  monkeypatch.setattr(loading, "load", refuse)
+  monkeypatch.setattr(loading, "load_tokenizer", refuse)

@@ -137,7 +137,7 @@ def test_compile_only_attempt_estimates_memory_and_meets_the_budget():
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_sharded_memory_fsdp_state_is_an_eighth_plus_one_layer():
   # Compile only, tiny model, 1 x 8 x 1 mesh. FSDP: each device's parameters + AdamW state (mu, nu)
-  # + gradient are within 1.25x of their total / 8 + one layer's gathered weights (the P10 target);
+  # + gradient are within 1.25x of their total / 8 + one layer's gathered weights (FSDP's target);
   # replicated they are the 4 full copies. The compiler's argument bytes (parameters, optimizer
   # state, batch shard) agree: FSDP's are under a quarter of replicated's.
   import ml_collections

@@ -8,12 +8,15 @@ unread field fails here with its dotted name. Reads are recorded by wrapping
 
 import contextlib
 import importlib
+import re
 
 import ml_collections
 import pytest
 
 from branch_replay_jax import main as entry
-from conftest import experiment_config
+from branch_replay_jax.algorithms import dpo, grpo, loop, ppo
+from conftest import experiment_config, no_model_load
+from experiments import dpo_smollm2_arith, grpo_smollm2_arith, grpo_tree_smollm2_arith, ppo_smollm2_arith
 
 # experiment module -> its variants; each non-smoke variant maps to the smoke variant whose run
 # covers it (the same fields, and the same values of the fields that select a code path).
@@ -94,3 +97,69 @@ def test_one_smoke_step_reads_every_field(tmp_path, name, variant):
     importlib.import_module(entry.TRAINERS[config.get("algorithm", "grpo")]).train(config)
   unread = sorted(set(leaf_fields(config)) - reads)
   assert not unread, f"experiments/{name}.py:{variant}: fields nothing reads: {unread}"
+
+
+# ---- every field's domain, checked before anything loads ----------------------------------------------
+
+# (experiment, variant, field, bad value, text the error must contain: the field and the value)
+BAD_FIELDS = [
+    (grpo_smollm2_arith, "", "train.learning_rate", -1.0, "train.learning_rate=-1.0"),
+    (grpo_smollm2_arith, "", "train.learning_rate", 0.0, "train.learning_rate=0.0"),
+    (grpo_smollm2_arith, "", "model.dtype", "float16", "model.dtype='float16'"),
+    (grpo_smollm2_arith, "", "model.remat", "some", "model.remat='some'"),
+    (grpo_smollm2_arith, "", "model.attention_impl", "cuda", "model.attention_impl='cuda'"),
+    (grpo_smollm2_arith, "", "rollout.temperature", -0.5, "rollout.temperature=-0.5"),
+    (grpo_smollm2_arith, "", "rollout.temperature", 0.0, "rollout.temperature=0.0"),
+    (grpo_smollm2_arith, "", "rollout.top_p", 0.0, "rollout.top_p=0.0"),
+    (grpo_smollm2_arith, "", "rollout.top_p", 1.5, "rollout.top_p=1.5"),
+    # SmolLM2-135M's context is 8192 tokens (its GGUF header): a budget of 8192 leaves no prompt.
+    (grpo_smollm2_arith, "", "rollout.max_new_tokens", 8192, "rollout.max_new_tokens=8192"),
+    (grpo_smollm2_arith, "smoke", "rollout.max_new_tokens", 4096, "rollout.max_new_tokens=4096"),
+    (grpo_tree_smollm2_arith, "", "rollout.segment_length", 5000, "rollout.segment_length=5000 x depth"),
+    (grpo_smollm2_arith, "", "loss.kl_coef", -0.1, "loss.kl_coef=-0.1"),
+    (grpo_smollm2_arith, "", "train.weight_decay", -0.01, "train.weight_decay=-0.01"),
+    (grpo_smollm2_arith, "", "train.max_grad_norm", 0.0, "train.max_grad_norm=0.0"),
+    (grpo_smollm2_arith, "", "train.warmup_steps", -1, "train.warmup_steps=-1"),
+    (grpo_smollm2_arith, "", "task.size", 0, "task.size=0"),
+    (grpo_smollm2_arith, "", "task.name", "chess", "task.name='chess'"),
+    (grpo_smollm2_arith, "", "seed", -3, "seed=-3"),
+    (ppo_smollm2_arith, "", "train.learning_rate", -1.0, "train.learning_rate=-1.0"),
+    (ppo_smollm2_arith, "", "rollout.top_p", 2.0, "rollout.top_p=2.0"),
+    (dpo_smollm2_arith, "", "model.dtype", "float16", "model.dtype='float16'"),
+    (dpo_smollm2_arith, "", "train.learning_rate", -1e-6, "train.learning_rate=-1e-06"),
+    (dpo_smollm2_arith, "", "rollout.temperature", -1.0, "rollout.temperature=-1.0"),
+    (dpo_smollm2_arith, "", "dpo.label_smoothing", 0.5, "dpo.label_smoothing=0.5"),
+    (dpo_smollm2_arith, "jsonl", "train.learning_rate", -1.0, "train.learning_rate=-1.0"),
+]
+TRAINERS = {"grpo": grpo.GRPO, "ppo": ppo.PPO, "dpo": dpo.DPO}
+
+
+@pytest.mark.parametrize("module,variant,field,value,message", BAD_FIELDS,
+                         ids=[f"{m.__name__.split('.')[-1]}:{v}:{f}={x!r}" for m, v, f, x, _ in BAD_FIELDS])
+def test_bad_field_is_refused_by_name_before_the_model_loads(monkeypatch, tmp_path, module, variant, field, value,
+                                                             message):
+  # Before the fix, train.learning_rate=-1 trained (gradient ascent) and model.dtype=float16 ran;
+  # a negative temperature or an over-long budget failed only after the model had loaded.
+  no_model_load(monkeypatch)
+  config = experiment_config(module, variant, tmp_path, **{field: value})
+  algorithm = TRAINERS[config.get("algorithm", "grpo")]
+  with pytest.raises(ValueError, match=re.escape(message)):
+    loop.train(config, algorithm(config))
+
+
+def test_label_smoothing_with_ipo_is_refused_before_any_compute(monkeypatch, tmp_path):
+  # Conservative DPO's label noise model is the sigmoid loss's; IPO has none (losses.dpo_loss).
+  no_model_load(monkeypatch)
+  for loss in ("ipo", "ipo_sum"):
+    config = experiment_config(dpo_smollm2_arith, "", tmp_path, **{"dpo.loss": loss, "dpo.label_smoothing": 0.1})
+    with pytest.raises(ValueError, match=rf"dpo.label_smoothing=0.1 applies to dpo.loss='sigmoid' only.*{loss}"):
+      dpo.DPO(config)
+
+
+def test_every_experiment_default_validates_without_loading(monkeypatch, tmp_path):
+  # The checks read the model's context from its GGUF header, not its weights.
+  no_model_load(monkeypatch)
+  for module, variant, algorithm in [(grpo_smollm2_arith, "", grpo), (grpo_tree_smollm2_arith, "", grpo),
+                                     (ppo_smollm2_arith, "", ppo), (ppo_smollm2_arith, "tree", ppo),
+                                     (dpo_smollm2_arith, "", dpo), (dpo_smollm2_arith, "jsonl", dpo)]:
+    algorithm.validate(experiment_config(module, variant, tmp_path))

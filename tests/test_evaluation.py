@@ -13,16 +13,11 @@ from branch_replay_jax.algorithms import loop
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout import evaluate as held_out
 from branch_replay_jax.rollout.tasks import Task, make_task
-from conftest import experiment_config, length_score
-from experiments import grpo_smollm2_arith
+from conftest import grpo_smoke, length_score
 
 # The fields every eval.jsonl row has (rollout.evaluate.summarize with pass_k, and loop.Evaluation).
 EVAL_FIELDS = {"step", "wall_s", "eval_s", "problems", "dropped_overlaps", "accuracy", "accuracy_lo", "accuracy_hi",
                "reward_mean", "format_rate", "completion_len_mean", "pass_k", "pass_at_k", "sampled_accuracy"}
-
-
-def smoke(run_dir, **overrides):
-  return experiment_config(grpo_smollm2_arith, "smoke", run_dir, **overrides)
 
 
 def lines(path):
@@ -138,7 +133,7 @@ def test_few_shot_prompts_in_training_and_evaluation(tmp_path):
   import jax
   from branch_replay_jax.models.loading import encode_chat, load_tokenizer
   from branch_replay_jax.rollout.collect import rollout
-  config = smoke(tmp_path, **{"task.few_shot": 2})
+  config = grpo_smoke(tmp_path, **{"task.few_shot": 2})
   train_task = loop.make_task_from(config)
   eval_task = loop.make_task_from(config, seed=config.eval.task_seed, size=50)
   assert len(train_task.examples) == 2 and train_task.examples == eval_task.examples
@@ -161,7 +156,7 @@ def test_few_shot_prompts_in_training_and_evaluation(tmp_path):
 ])
 def test_bad_eval_config_is_refused_before_any_compute(tmp_path, field, value, match):
   with pytest.raises(ValueError, match=match):
-    train.train(smoke(tmp_path, **{field: value}))
+    train.train(grpo_smoke(tmp_path, **{field: value}))
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
@@ -172,7 +167,7 @@ def eval_run(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("eval_run")
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(Task, "score", length_score)
-    history = train.train(smoke(run_dir, **{"eval.every": 1}))
+    history = train.train(grpo_smoke(run_dir, **{"eval.every": 1}))
   return run_dir, history
 
 
@@ -197,7 +192,7 @@ def test_step_0_row_is_the_initial_models_evaluation(eval_run):
   # The loop evaluates the initial parameters with the problems and keys it names: recomputing the
   # same evaluation outside the loop gives the same row (greedy decoding and fixed keys).
   run_dir, _ = eval_run
-  config = smoke(run_dir)
+  config = grpo_smoke(run_dir)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(Task, "score", length_score)
     evaluation = loop.Evaluation(config, train.GRPO(config))
@@ -240,7 +235,7 @@ def test_resume_cuts_eval_log_and_tensorboard_back(eval_run, tmp_path):
   first = lines(copy / "eval.jsonl")
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(Task, "score", length_score)
-    history = train.train(smoke(copy, resume=True, **{"eval.every": 1}))
+    history = train.train(grpo_smoke(copy, resume=True, **{"eval.every": 1}))
   assert [r["step"] for r in history] == [2]
   rows = lines(copy / "eval.jsonl")
   assert [r["step"] for r in rows] == [0, 1, 2]
@@ -273,11 +268,11 @@ def test_disabled_eval_writes_no_eval_log_and_trains_the_same(eval_run, tmp_path
   # evaluation never draws a training key or data position: the same run without it samples the
   # same completions (equal rewards) and ends at the same parameters, to the resume test's 1e-6
   # (other samples would move whole leaves by ~lr = 1e-5, ~1e-4 of the largest parameter).
-  from test_train import final_params, max_rel
+  from conftest import final_params, max_rel
   run_dir, history = eval_run
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(Task, "score", length_score)
-    got = train.train(smoke(tmp_path, **{"eval.size": 0}))
+    got = train.train(grpo_smoke(tmp_path, **{"eval.size": 0}))
   assert not os.path.exists(tmp_path / "eval.jsonl") and not os.path.exists(tmp_path / "eval.png")
   assert not any(t.startswith("eval/") for t in scalars(tmp_path))
   assert [r["reward_mean"] for r in got] == [r["reward_mean"] for r in history]

@@ -1,4 +1,4 @@
-"""P14 item 3: the GRPO options of today's practice, each against hand-computed values and exact under replay.
+"""The GRPO options of today's practice, each against hand-computed values and exact under replay.
 
 Options (experiments/grpo_smollm2_arith.py, docs/design.md "GRPO options"): DAPO's clip-higher
 (loss.clip_eps_low / clip_eps_high), GSPO's sequence ratio (loss.importance_ratio), log-probs at the
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import experiment_config, max_rel_err, random_group, tiny_model
+from conftest import final_params, grpo_smoke, length_score, max_rel, max_rel_err, random_group, tiny_model
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import grpo as train
@@ -32,9 +32,8 @@ from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.models.llama import token_logprobs
 from branch_replay_jax.rollout import collect
 from branch_replay_jax.rollout.collect import Group, dynamic_sampling, step_token_mean
-from branch_replay_jax.rollout.tasks import Score, Task
-from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
-from test_train import final_params, max_rel
+from branch_replay_jax.rollout.tasks import Task
+from experiments import grpo_tree_smollm2_arith
 from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import value_and_grad
 
@@ -318,14 +317,10 @@ def test_step_token_mean_rescales_tree_batches():
 # ---------------------------------------------------------------------------------------------
 # Validation.
 
-def smoke(run_dir, **overrides):
-  return experiment_config(grpo_smollm2_arith, "smoke", run_dir, **overrides)
-
-
 def test_an_old_grpo_config_with_clip_eps_names_the_new_fields(tmp_path):
   # A config written before the options: loss.clip_eps and none of the new fields. The first check of
   # the options (the clip range) refuses it, naming the two fields that replace it.
-  config = smoke(tmp_path)
+  config = grpo_smoke(tmp_path)
   for name in ("clip_eps_low", "clip_eps_high", "importance_ratio", "logprob_temperature", "aggregation",
                "mask_truncated", "overlong_buffer", "overlong_penalty"):
     del config.loss[name]
@@ -353,7 +348,7 @@ def test_an_old_grpo_config_with_clip_eps_names_the_new_fields(tmp_path):
 ])
 def test_bad_option_fails_before_any_compute(tmp_path, overrides, match):
   with pytest.raises(ValueError, match=match):
-    train.train(smoke(tmp_path, **overrides))
+    train.train(grpo_smoke(tmp_path, **overrides))
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
@@ -385,12 +380,6 @@ ALL_OPTIONS = {"loss.clip_eps_high": 0.28,
                "rollout.dynamic_sampling": True, "rollout.max_prompt_draws": 6}
 
 
-def _length_score(self, completion_text, problem):
-  """Rewards that vary within a group (a random model never solves a problem): len(text) % 3."""
-  return Score(reward=float(len(completion_text) % 3), correct=len(completion_text) % 3 == 2, extracted=None,
-               formatted=False)
-
-
 def _sample_with_stops(*args, **kwargs):
   """The sampler, with what a random tiny model never produces (deterministic in the prompt and tokens):
   stops: a sample whose first token is even 'hits EOS' after 3 + first % 5 tokens, the others are cut by
@@ -413,7 +402,7 @@ _SAMPLE_GROUP = collect.sample_group
 @pytest.fixture(scope="module")
 def patched():
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(Task, "score", _length_score)
+    mp.setattr(Task, "score", length_score)
     mp.setattr(collect, "sample_group", _sample_with_stops)
     yield
 
@@ -434,7 +423,7 @@ def _checked(records):
 @pytest.fixture(scope="module")
 def options_run(patched, tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("options")
-  return run_dir, train.train(smoke(run_dir, **ALL_OPTIONS, **CHECKED))
+  return run_dir, train.train(grpo_smoke(run_dir, **ALL_OPTIONS, **CHECKED))
 
 
 def _records(run_dir):
@@ -460,7 +449,7 @@ def test_options_run_replay_equals_naive(options_run, tmp_path):
   assert meta["data_pos"] == drawn and all(r["prompts_drawn"] - r["dropped_groups"] == 2 for r in history)
   assert sum(r["dropped_groups"] for r in history) > 0, "the run must exercise dynamic sampling's drops"
   _checked(history)
-  train.train(smoke(tmp_path, **ALL_OPTIONS, **{"train.gradient": "naive"}))
+  train.train(grpo_smoke(tmp_path, **ALL_OPTIONS, **{"train.gradient": "naive"}))
   naive_params, _ = final_params(tmp_path)
   assert max_rel(naive_params, params) <= 1e-5
   for got, want in zip(_records(tmp_path), _records(run_dir)):
@@ -473,8 +462,8 @@ def test_options_run_replay_equals_naive(options_run, tmp_path):
 def test_options_run_resumes_exactly(options_run, tmp_path):
   # Dynamic sampling advances the data position over every drawn prompt, which the checkpoint keeps.
   run_dir, _ = options_run
-  train.train(smoke(tmp_path, **ALL_OPTIONS, **{"train.steps": 1}))
-  train.train(smoke(tmp_path, **ALL_OPTIONS, resume=True))
+  train.train(grpo_smoke(tmp_path, **ALL_OPTIONS, **{"train.steps": 1}))
+  train.train(grpo_smoke(tmp_path, **ALL_OPTIONS, resume=True))
   (got, got_meta), (want, want_meta) = final_params(tmp_path), final_params(run_dir)
   assert got_meta == want_meta and max_rel(got, want) <= 1e-6
   assert [r["prompts_drawn"] for r in _records(tmp_path)] == [r["prompts_drawn"] for r in _records(run_dir)]
@@ -486,7 +475,7 @@ def test_options_run_on_a_mesh_equals_one_device(options_run, tmp_path):
   run_dir, _ = options_run
   # Dynamic sampling on the mesh: every round samples data-parallel (loop.sample_groups with the mesh's
   # sampling devices), the same tokens as on one device, so the same groups are kept.
-  train.train(smoke(tmp_path, **ALL_OPTIONS, **CHECKED, **{"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2,
+  train.train(grpo_smoke(tmp_path, **ALL_OPTIONS, **CHECKED, **{"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2,
                                                            "mesh.params": "fsdp"}))
   assert max_rel(final_params(tmp_path)[0], final_params(run_dir)[0]) <= 1e-5
   _checked(_records(tmp_path))

@@ -1,9 +1,10 @@
-"""Weight loading without the real model: GGUF Q/K un-permutation (C09), Q4_1 dequantisation (C12),
+"""Weight loading without the real model: GGUF Q/K un-permutation, Q4_1 dequantisation,
 GGUF and HF-directory round trips of tiny random models, and refusal of bad checkpoints."""
 
 import dataclasses
 import json
 import os
+import re
 
 import gguf
 import jax
@@ -16,9 +17,10 @@ from safetensors.numpy import save_file
 
 from branch_replay_jax.models import Llama, Llama3RopeScaling, load, tiny_config
 from branch_replay_jax.models.gguf_loader import dequantize, permute_rows, unpermute_rows
+from branch_replay_jax.models import gguf_loader, hf_loader, loading
 from branch_replay_jax.models.llama import rope_inv_freq
 
-# ---------------------------------------------------------------- C09: Q/K row un-permutation
+# ---------------------------------------------------------------- Q/K row un-permutation
 
 
 def _row_index(rows, cols=3):
@@ -60,7 +62,7 @@ def test_unpermuting_k_with_the_query_head_count_is_wrong_or_refused():
     unpermute_rows(np.zeros((192, 576), np.float32), 9)
 
 
-# ---------------------------------------------------------------- C12: Q4_1 dequantisation
+# ---------------------------------------------------------------- Q4_1 dequantisation
 
 
 def _write_gguf(path, arch, tensors, metadata=None, raw=None):
@@ -330,7 +332,7 @@ def test_gguf_round_trip(tmp_path, name):
 
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_encode_chat_has_one_bos_whatever_add_bos_says(tmp_path, add_bos):
-  # C18. The template writes BOS itself. Tokenising its text with special tokens on would add a second BOS
+  # One BOS. The template writes BOS itself. Tokenising its text with special tokens on would add a second BOS
   # when add_bos_token is set; encode_chat must give exactly one, at position 0, in both settings.
   from branch_replay_jax.models import encode_chat
   source = random_model(tiny_config())
@@ -482,3 +484,85 @@ def test_architecture_shapes_have_the_published_parameter_counts(name, count):
   from branch_replay_jax.models.config import architecture_shape
   model = nnx.eval_shape(lambda: Llama(architecture_shape(name), rngs=nnx.Rngs(0)))
   assert sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model))) == count
+
+
+# ---- a truncated or corrupt GGUF or safetensors file is named with its byte counts --------------------
+
+def test_gguf_first_megabyte_names_the_file_and_the_byte_counts(tmp_path):
+  # The reported file: the first 1 MB of SmolLM2-135M-Instruct.Q4_1.gguf. Its tokenizer metadata
+  # (49152 tokens) is longer than 1 MB, so the cut falls in the metadata: the last string needs 7
+  # bytes at offset 1048575 and 1 is there. Before: numpy's "When changing to a larger dtype..."
+  # or an IndexError, naming neither the file nor what was cut.
+  path = tmp_path / "cut.gguf"
+  with open(loading.smollm2_gguf_path(), "rb") as f:
+    path.write_bytes(f.read(1 << 20))
+  with pytest.raises(ValueError, match=re.escape(f"{path}: truncated or corrupt GGUF file (1048576 bytes): "
+                                                 "the header/metadata expects 7 bytes at offset 1048575, found 1")):
+    loading.load(str(path))
+
+
+def test_gguf_cut_inside_a_tensor_names_the_tensor(tmp_path):
+  # Cut the file half way into the tensor that starts first in the data section: the error names
+  # that tensor, its size in bytes (expected) and the bytes left (found), and counts the others.
+  full = gguf.GGUFReader(loading.smollm2_gguf_path())
+  first = min(full.tensors, key=lambda t: t.data_offset)
+  found = int(first.n_bytes) // 2
+  path = tmp_path / "cut.gguf"
+  with open(loading.smollm2_gguf_path(), "rb") as f:
+    path.write_bytes(f.read(int(first.data_offset) + found))
+  others = len(full.tensors) - 1
+  with pytest.raises(ValueError, match=re.escape(
+      f"{path}: truncated or corrupt GGUF file ({int(first.data_offset) + found} bytes): tensor {first.name!r} "
+      f"expects {int(first.n_bytes)} bytes at offset {int(first.data_offset)}, found {found} "
+      f"({others} more tensors lie beyond the end)")):
+    gguf_loader.read_gguf(path)
+
+
+def test_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+  empty, garbage = tmp_path / "empty.gguf", tmp_path / "garbage.gguf"
+  empty.write_bytes(b"")
+  garbage.write_bytes(b"not a gguf file at all")
+  for path in (empty, garbage):
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not a readable GGUF file")):
+      gguf_loader.read_gguf(path)
+
+
+def _safetensors(tmp_path):
+  from safetensors.numpy import save_file
+  path = os.path.join(tmp_path, "model.safetensors")
+  save_file({"a": np.zeros((4, 4), np.float32), "b": np.ones((8,), np.float32), "c": np.ones((2,), np.float32)}, path)
+  return path
+
+
+def test_truncated_safetensors_names_the_file_the_tensor_and_the_bytes(tmp_path):
+  path = _safetensors(tmp_path)
+  size = os.path.getsize(path)
+  header = 8 + int.from_bytes(open(path, "rb").read(8), "little")
+  # Data order is a (64 bytes), b (32 bytes), c (8 bytes) by offset; cut 10 bytes into b.
+  with open(path, "r+b") as f:
+    f.truncate(header + 64 + 10)
+  offsets = {k: v["data_offsets"] for k, v in json.loads(open(path, "rb").read(header)[8:]).items()
+             if k != "__metadata__"}
+  first_short = min((k for k in offsets if header + offsets[k][1] > header + 74), key=lambda k: offsets[k][0])
+  begin, end = offsets[first_short]
+  want = (f"{path}: truncated or corrupt safetensors file ({header + 74} bytes): tensor '{first_short}' expects "
+          f"{end - begin} bytes at offset {header + begin}, found {74 - begin}")
+  with pytest.raises(ValueError) as e:
+    hf_loader.read_tensors(str(tmp_path))
+  assert str(e.value).startswith(want), (str(e.value), want)
+  assert size > header + 74
+
+
+def test_safetensors_cut_inside_its_header(tmp_path):
+  path = _safetensors(tmp_path)
+  n = int.from_bytes(open(path, "rb").read(8), "little")
+  with open(path, "r+b") as f:
+    f.truncate(20)
+  with pytest.raises(ValueError, match=rf"safetensors file \(20 bytes\): the header expects {n} bytes at offset 8, "
+                                       "found 12"):
+    hf_loader.read_tensors(str(tmp_path))
+
+
+def test_context_length_reads_only_metadata():
+  from branch_replay_jax.models.loading import context_length
+  assert context_length("smollm2-135m-instruct") == 8192   # llama.context_length in the GGUF header

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from conftest import experiment_config, max_rel_err, random_group
+from conftest import experiment_config, max_rel_err, no_model_load, random_group
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import grpo, loop
@@ -240,12 +240,6 @@ def _lora_config(tmp_path, **overrides):
   return experiment_config(grpo_smollm2_arith, "lora_smoke", tmp_path, **overrides)
 
 
-def _no_model_load(monkeypatch):
-  def refuse(*args, **kwargs):
-    raise AssertionError("the model loaded before the config was checked")
-  monkeypatch.setattr(loop, "build_model", refuse)
-
-
 # (override, text the error must name): the tiny model's k/v projections have fan-out 2 x 8 = 16.
 BAD = [
     ({"lora.targets": ("wq", "attn_out")}, "lora.targets=('wq', 'attn_out')"),
@@ -262,7 +256,7 @@ BAD = [
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[m.split(" ")[0] for _, m in BAD])
 def test_bad_lora_settings_are_refused_by_name_before_the_model_loads(monkeypatch, tmp_path, overrides, message):
-  _no_model_load(monkeypatch)
+  no_model_load(monkeypatch)
   with pytest.raises(ValueError, match=re.escape(message)):
     grpo.GRPO(_lora_config(tmp_path, **overrides))
 
@@ -270,7 +264,7 @@ def test_bad_lora_settings_are_refused_by_name_before_the_model_loads(monkeypatc
 @pytest.mark.slow   # reads SmolLM2's GGUF (tokenizer or header)
 def test_rank_is_checked_against_the_real_model_before_it_loads_and_ppo_is_refused(monkeypatch, tmp_path):
   # SmolLM2-135M's shapes come from its GGUF header (no tensor read): k/v fan-out 3 x 64 = 192.
-  _no_model_load(monkeypatch)
+  no_model_load(monkeypatch)
   real = lambda rank: experiment_config(grpo_smollm2_arith, "lora", tmp_path, **{"lora.rank": rank})
   with pytest.raises(ValueError, match=re.escape("lora.rank=193 is larger than projection wk's dimensions "
                                                  "(fan-in 576, fan-out 192)")):

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=
 MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1)]
 
 
-def test_c15_no_double_psum():
+def test_replicated_weights_gradient_is_summed_once_across_devices():
   # loss(w) = Σ_i (w^2 + 1) d_i with d = arange(8) over 8 devices, w = 1 replicated:
   # loss = 2 * 28 = 56 and dL/dw = 2 w Σ d = 56 -- unsharded, sharded and replayed.
   # A gradient of 448 (8 x 56) would be the double psum of jax-ml/jax #3970.

@@ -13,7 +13,7 @@ import pytest
 from conftest import experiment_config, length_score, max_rel_err, random_group
 from jax.sharding import PartitionSpec as P
 from test_ppo import KW, _random_fields, actor_critic
-from test_train import final_params, max_rel
+from conftest import final_params, max_rel
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax import main as entry

@@ -75,7 +75,7 @@ def same_run(got_dir, want_dir):
   one process's all-reduce, and Adam's division by sqrt(v) amplifies that rounding on near-zero
   elements to a fraction of the learning rate (1e-5), < 1e-5 of the largest parameter; a group
   lost or counted twice moves whole leaves by ~lr (test_train.py, same bound)."""
-  from test_train import final_params, max_rel, same_eval_rows
+  from conftest import final_params, max_rel, same_eval_rows
   assert lines(os.path.join(got_dir, "samples.jsonl")) == lines(os.path.join(want_dir, "samples.jsonl"))
   assert same_eval_rows(got_dir, want_dir)
   got, want = lines(os.path.join(got_dir, "metrics.jsonl")), lines(os.path.join(want_dir, "metrics.jsonl"))
@@ -239,7 +239,7 @@ def test_two_processes_train_as_one_process(name, tmp_path):
   from branch_replay_jax import main as entry
   from branch_replay_jax.rollout import collect
   from conftest import cut_by_eos
-  from test_train import final_params, max_rel, same_eval_rows
+  from conftest import final_params, max_rel, same_eval_rows
   config_arg, overrides, exact, close, cut = ALGORITHMS[name]
   path, variant = config_arg.split(":")
   module = importlib.import_module(path.replace("/", ".").removesuffix(".py"))

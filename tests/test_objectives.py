@@ -8,7 +8,7 @@ import pytest
 from branch_replay_jax import losses as obj
 
 
-def c01_case():
+def short_and_long_case():
   # G=4, lengths 3, 50, 50, 50, rewards 1, 0, 0, 0. Unbiased std of (1,0,0,0) is 0.5, mean 0.25,
   # so A = (+1.5, -0.5, -0.5, -0.5) (eps=0 to keep the hand values exact).
   lengths = np.array([3, 50, 50, 50])
@@ -17,7 +17,7 @@ def c01_case():
 
 
 def test_group_advantages_unbiased_std():
-  _, adv = c01_case()
+  _, adv = short_and_long_case()
   np.testing.assert_allclose(adv, [1.5, -0.5, -0.5, -0.5], rtol=1e-6)
   # Equal rewards: the eps keeps A at exactly 0 (no NaN) -- a zero-variance group gives no gradient.
   np.testing.assert_array_equal(obj.group_advantages(jnp.ones(4)), np.zeros(4))
@@ -33,9 +33,9 @@ def test_group_advantages_unbiased_std():
     # Dr. GRPO with L_max = 50: 70.5 / (4 * 50) = 0.3525.
     ("constant", 70.5 / 200, -1.5 / 200, 0.5 / 200),
 ])
-def test_c01_loss_normalisation(mode, loss, short_w, long_w):
+def test_loss_normalisation_modes_give_the_hand_values(mode, loss, short_w, long_w):
   # On-policy (ratio 1), beta = 0: the per-token loss is -A, its gradient w.r.t. logp is -A * w.
-  lengths, adv = c01_case()
+  lengths, adv = short_and_long_case()
   w = obj.token_weights(lengths, 50, mode=mode, max_length=50)
   logp = jnp.full((4, 50), -1.0)
 
@@ -101,7 +101,7 @@ def test_dpo_sigmoid_and_ipo_hand_case():
   # Log-prob sums: policy chosen -10, rejected -12; reference chosen -11, rejected -11.
   # h = (-10 - -11) - (-12 - -11) = 1 - (-1) = 2. beta = 0.1: beta*h = 0.2.
   # sigmoid: -log sigmoid(0.2) = log(1 + exp(-0.2)) = 0.598139; d/dh = -beta * sigmoid(-0.2) = -0.045017.
-  # IPO on sums (loss_type "ipo_sum"; "ipo" is the length-normalised form, tests/test_field_faults_p9.py):
+  # IPO on sums (loss_type "ipo_sum"; "ipo" is the length-normalised form, test_preference_losses_by_hand_on_one_pair):
   # (tau = beta = 0.1): (h - 1/(2*0.1))^2 = (2 - 5)^2 = 9; d/dh = 2 (h - 5) = -6.
   pc, pr, rc, rr = (jnp.array([x]) for x in (-10.0, -12.0, -11.0, -11.0))
   loss, m = obj.dpo_loss(pc, pr, rc, rr, beta=0.1)
@@ -122,3 +122,140 @@ def test_dpo_sigmoid_and_ipo_hand_case():
     obj.dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="hinge")
   with pytest.raises(ValueError, match="beta=0"):
     obj.dpo_loss(pc, pr, rc, rr, beta=0)
+
+
+# ---- constant-reward groups: exactly 0 advantage; whitening; explained variance -----------------------
+
+# The reported inputs: sixteen 1.1 (a correct answer plus the format bonus), four 0.1 and three 0.1
+# with eps = 0. Before the fix, float32 gave -0.1061 (16 x 1.1), NaN (4 x 0.1, eps 0) and -0.8165
+# (3 x 0.1, eps 0) for every member: the residue of an inexact mean over its own std.
+CONSTANT_GROUPS = [(16, 1.1, 1e-6), (4, 0.1, 0.0), (3, 0.1, 0.0)]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("g,value,eps", CONSTANT_GROUPS)
+def test_constant_group_has_exactly_zero_advantage(x64, dtype, g, value, eps):
+  # A group of equal rewards says nothing about which completion is better: every estimator must
+  # give exactly 0 (not a rounding residue that pushes every correct answer down), never NaN.
+  rewards = jnp.full((g,), value, dtype)
+  for ddof in (0, 1):
+    for e in (eps, 0.0, 1e-6, 1.0):
+      adv = np.asarray(obj.group_advantages(rewards, eps=e, ddof=ddof))
+      np.testing.assert_array_equal(adv, np.zeros(g))
+  np.testing.assert_array_equal(np.asarray(obj.rloo_advantages(rewards)), np.zeros(g))
+  assert bool(obj.constant_groups(rewards))
+
+
+def test_constant_rows_are_zeroed_and_other_rows_keep_the_formula():
+  # A batch of groups: only the constant row is special-cased; the other keeps (r - mean) / std
+  # (unbiased std of (1, 0, 0, 0) is 0.5, mean 0.25 -> 1.5, -0.5, -0.5, -0.5) and RLOO's
+  # G/(G-1) (r - mean) = 4/3 * (0.75, -0.25, -0.25, -0.25).
+  rewards = jnp.array([[1.1, 1.1, 1.1, 1.1], [1.0, 0.0, 0.0, 0.0]], jnp.float32)
+  np.testing.assert_array_equal(obj.group_advantages(rewards, eps=0.0)[0], np.zeros(4))
+  np.testing.assert_allclose(obj.group_advantages(rewards, eps=0.0)[1], [1.5, -0.5, -0.5, -0.5], rtol=1e-6)
+  np.testing.assert_array_equal(obj.rloo_advantages(rewards)[0], np.zeros(4))
+  np.testing.assert_allclose(obj.rloo_advantages(rewards)[1], [1.0, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+  np.testing.assert_array_equal(obj.constant_groups(rewards), [True, False])
+  with pytest.raises(ValueError, match="eps=-1"):
+    obj.group_advantages(rewards, eps=-1.0)
+
+
+def test_zero_std_without_equal_rewards_gives_zero_not_nan():
+  # eps = 0 and rewards that differ by less than the square root of the smallest float32: the
+  # squares underflow, the std is 0 although the group is not constant. 0, not inf or NaN.
+  rewards = jnp.array([0.0, 1e-30, 0.0], jnp.float32)
+  adv = np.asarray(obj.group_advantages(rewards, eps=0.0))
+  assert np.isfinite(adv).all()
+
+
+def test_zero_variance_metric_agrees_with_the_advantages():
+  # train.step_record counts zero_variance_groups as np.ptp(rewards) == 0; constant_groups is the
+  # same test, so the metric counts exactly the groups whose advantages are 0.
+  rng = np.random.default_rng(0)
+  groups = [np.full(8, 1.1, np.float32), rng.integers(0, 2, 8).astype(np.float32), np.full(8, 0.0, np.float32),
+            np.array([0.1] * 7 + [0.1 + 1e-7], np.float32)]
+  for r in groups:
+    adv = np.asarray(obj.group_advantages(jnp.asarray(r)))
+    assert (np.ptp(r) == 0) == bool(obj.constant_groups(jnp.asarray(r))) == (not adv.any())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("value", [0.1, 0.5, 1.1, 0.123])
+def test_whitening_a_constant_advantage_gives_zero(x64, dtype, value):
+  # PPO whitens GAE advantages over the step's (token, trajectory) pairs. All equal -> exactly 0
+  # on every pair (numpy's (a - mean) / (std + 1e-8) gave -0.598 for 1234 copies of 0.1).
+  adv = jnp.full((1234,), value, dtype)
+  np.testing.assert_array_equal(np.asarray(obj.whiten(adv)), np.zeros(1234))
+  # Masked: the padding is ignored in the statistics and is 0 in the output.
+  padded = jnp.concatenate([adv, jnp.full((10,), 7.0, dtype)])
+  mask = np.arange(1244) < 1234
+  np.testing.assert_array_equal(np.asarray(obj.whiten(padded, mask)), np.zeros(1244))
+  np.testing.assert_array_equal(np.asarray(obj.whiten(adv[:1], eps=0.0)), [0.0])   # one entry: 0, not NaN
+
+
+def test_whitening_matches_the_formula_on_real_entries():
+  # Non-constant: (x - mean) / (std + eps) with population std over the masked entries only.
+  x = np.array([[1.0, 2.0, 3.0, 99.0], [4.0, 5.0, 99.0, 99.0]], np.float32)
+  mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
+  real = x[mask]
+  expected = np.where(mask, (x - real.mean()) / (real.std() + 1e-8), 0.0)
+  np.testing.assert_allclose(obj.whiten(x, mask), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_explained_variance_is_undefined_for_equal_returns():
+  # float32 np.var of 1234 copies of 0.1 is 2.2e-16, not 0: dividing by it made an arbitrary
+  # huge negative metric. Equal returns -> None; otherwise 1 - Var[R - V] / Var[R].
+  assert obj.explained_variance(np.full(1234, 0.1, np.float32), np.zeros(1234)) is None
+  r, v = np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 2.0])
+  assert obj.explained_variance(r, v) == pytest.approx(1 - np.var(r - v) / np.var(r))
+
+
+# ---- preference losses: length-normalised IPO and conservative DPO ------------------------------------
+
+# One pair: chosen 4 tokens, policy -1 / reference -1.5 per token (sums -4 / -6, Δ_w = 2,
+# mean 0.5); rejected 2 tokens, policy -2 / reference -1.5 (sums -4 / -3, Δ_l = -1, mean -0.5).
+PAIR = dict(policy_chosen=jnp.array([-4.0]), policy_rejected=jnp.array([-4.0]), ref_chosen=jnp.array([-6.0]),
+            ref_rejected=jnp.array([-3.0]))
+LENGTHS = dict(chosen_lengths=jnp.array([4]), rejected_lengths=jnp.array([2]))
+
+
+def _loss(**kw):
+  return float(obj.dpo_loss(**PAIR, beta=0.1, **kw)[0][0])
+
+
+def test_preference_losses_by_hand_on_one_pair():
+  # sum-form h = 2 - (-1) = 3, beta h = 0.3.
+  # DPO: -log sigmoid(0.3) = softplus(-0.3) = 0.554355.
+  assert _loss() == pytest.approx(0.554355, abs=1e-6)
+  # Conservative DPO, eps = 0.1: 0.9 softplus(-0.3) + 0.1 softplus(0.3) = 0.498920 + 0.085436 = 0.584355.
+  assert _loss(label_smoothing=0.1) == pytest.approx(0.584355, abs=1e-6)
+  # IPO on mean log-probs: h = 0.5 - (-0.5) = 1, (1 - 1/(2*0.1))^2 = (1 - 5)^2 = 16.
+  assert _loss(loss_type="ipo", **LENGTHS) == pytest.approx(16.0, abs=1e-5)
+  # IPO on sums (Azar et al. eq. 17 on sequence log-probs): (3 - 5)^2 = 4 (what "ipo" computed before).
+  assert _loss(loss_type="ipo_sum") == pytest.approx(4.0, abs=1e-5)
+
+
+def test_ipo_mean_gradient_is_the_mean_gradient_over_each_length():
+  # dL/dh = 2 (h - 5) = -8 at h = 1; h = S_w/4 - S_l/2 + const, so dL/dS_w = -8/4 = -2 and
+  # dL/dS_l = +8/2 = +4: each sequence's gradient is the mean's divided by its length.
+  def loss(pc, pr):
+    return obj.dpo_loss(pc, pr, PAIR["ref_chosen"], PAIR["ref_rejected"], beta=0.1, loss_type="ipo", **LENGTHS)[0][0]
+  d_chosen, d_rejected = jax.grad(loss, argnums=(0, 1))(PAIR["policy_chosen"], PAIR["policy_rejected"])
+  assert float(d_chosen[0]) == pytest.approx(-2.0, abs=1e-5)
+  assert float(d_rejected[0]) == pytest.approx(4.0, abs=1e-5)
+  h = jnp.array(1.0)
+  assert float(jax.grad(lambda h: (h - 1 / (2 * 0.1)) ** 2)(h)) == pytest.approx(-8.0)
+
+
+def test_preference_loss_refuses_bad_arguments():
+  with pytest.raises(ValueError, match="label_smoothing=0.1"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo", label_smoothing=0.1, **LENGTHS)
+  with pytest.raises(ValueError, match="label_smoothing=0.1"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo_sum", label_smoothing=0.1)
+  with pytest.raises(ValueError, match="label_smoothing=0.5"):
+    obj.dpo_loss(**PAIR, beta=0.1, label_smoothing=0.5)
+  with pytest.raises(ValueError, match="chosen_lengths"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo")
+  with pytest.raises(ValueError, match="rejected_lengths"):
+    obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo", chosen_lengths=jnp.array([4]), rejected_lengths=jnp.array([0]))

@@ -12,19 +12,21 @@ from conftest import experiment_config, length_score, max_rel_err, random_group
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import final_params, max_rel
+from conftest import final_params, max_rel
 from test_tree_replay import random_trees
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax import main as entry
 from branch_replay_jax.algorithms import ppo
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import GroupBatch, Segments
+from branch_replay_jax.algorithms import loop
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.critic import ActorCritic
 from branch_replay_jax.rollout.tasks import Task
 from experiments import ppo_smollm2_arith
-from branch_replay_jax.gradients.heads import ACTOR_CRITIC
+from branch_replay_jax.gradients.heads import ACTOR_CRITIC, LogprobsValues
 from branch_replay_jax.gradients.step import forward, value_and_grad
 
 KW = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
@@ -255,3 +257,164 @@ def test_tree_smoke_replay_equals_naive(tmp_path):
 def test_bad_config_fails_before_any_compute(tmp_path, field, value, match):
   with pytest.raises(ValueError, match=match):
     _run(tmp_path, **{field: value})
+
+
+# ---- GAE bootstraps a completion cut by its token budget ----------------------------------------------
+
+@pytest.mark.parametrize("lam,truncated,terminated", [
+    # gamma 1, rewards 0, V = (0.3, 0.5, 0.7), V(after the last token) = 0.9.
+    # Truncated, lambda 1: A_t = V_next_last - V_t = 0.9 - V_t = (0.6, 0.4, 0.2).
+    # Truncated, lambda 0.9: deltas (0.2, 0.2, 0.2); A_2 = 0.2, A_1 = 0.2 + 0.9*0.2 = 0.38,
+    #   A_0 = 0.2 + 0.9*0.38 = 0.542.
+    # Terminated (V = 0 after the end), lambda 1: A_t = -V_t; lambda 0.9: deltas (0.2, 0.2, -0.7),
+    #   A_1 = 0.2 - 0.63 = -0.43, A_0 = 0.2 - 0.387 = -0.187.
+    (1.0, [0.6, 0.4, 0.2], [-0.3, -0.5, -0.7]),
+    (0.9, [0.542, 0.38, 0.2], [-0.187, -0.43, -0.7]),
+])
+def test_gae_bootstraps_a_truncated_completion(lam, truncated, terminated):
+  # Row 0 truncated, row 1 the same trajectory terminated (EOS on its last token), row 2 truncated
+  # after 2 tokens with garbage on its padding: the bootstrap goes to the last REAL token.
+  rewards = np.zeros((3, 4))
+  values = np.array([[0.3, 0.5, 0.7, 5.0], [0.3, 0.5, 0.7, 5.0], [0.5, 0.7, 5.0, 5.0]])
+  mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 0, 0]], bool)
+  adv, ret = obj.gae(rewards, values, mask, gamma=1.0, lam=lam, truncated_b=np.array([True, False, True]),
+                     next_values_b=np.array([0.9, 0.9, 0.9]))
+  np.testing.assert_allclose(adv[0], truncated + [0.0], atol=1e-6)
+  np.testing.assert_allclose(adv[1], terminated + [0.0], atol=1e-6)
+  np.testing.assert_allclose(adv[2], truncated[1:] + [0.0, 0.0], atol=1e-6)
+  # Value targets R = A + V: with lambda 1 and a bootstrap, R_t = 0.9 for every token.
+  np.testing.assert_allclose(ret[0, :3], np.array(truncated) + [0.3, 0.5, 0.7], atol=1e-6)
+  # Without flags every row is terminated: today's values, unchanged.
+  adv_default, _ = obj.gae(rewards, values, mask, gamma=1.0, lam=lam)
+  np.testing.assert_allclose(adv_default[0], terminated + [0.0], atol=1e-6)
+  np.testing.assert_array_equal(adv_default[1], adv[1])
+  with pytest.raises(ValueError, match="next_values_b"):
+    obj.gae(rewards, values, mask, gamma=1.0, lam=lam, truncated_b=np.array([True, False, True]))
+
+
+# ---- PPO's GAE gets the sampler's stop reason and V after the last token ------------------------------
+
+class _FakeForward:
+  """PPOFunctions with a forward that returns fixed old log-probs, values and next values."""
+  naive = False
+
+  def __init__(self, out):
+    self.forward = lambda params, arrays: out
+
+  def forward_groups(self, params, groups):   # one device: forward of each group (PPOFunctions.forward_groups)
+    return [self.forward(params, g.batch) for g in groups]
+
+
+def _ppo_config(tmp_path, **overrides):
+  return experiment_config(ppo_smollm2_arith, "smoke", tmp_path, **{"ppo.gamma": 1.0, "ppo.lam": 0.9,
+                                                                     "ppo.whiten_advantages": False, **overrides})
+
+
+# The numbers of the GAE hand case above: rewards 0, values [0.3, 0.5, 0.7], V after the last token 0.9, gamma 1, lam 0.9.
+TRUNCATED_ADV = [0.542, 0.38, 0.2]
+TERMINATED_ADV = [-0.187, -0.43, -0.7]
+
+
+def test_ppo_group_advantages_bootstrap_only_the_truncated_completion(tmp_path):
+  # Two completions of 3 tokens with equal values: the first cut by the budget, the second ended by
+  # EOS on the budget's last token (same padded width: only the stop reason tells them apart).
+  from branch_replay_jax.rollout.collect import Group
+  values = np.zeros((2, 8), np.float32)
+  values[:, :3] = [0.3, 0.5, 0.7]
+  mask = np.arange(8)[None] < 3
+  arrays = GroupBatch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((2, 8), np.int32),
+                                                                    np.broadcast_to(mask, (2, 8))))
+  out = LogprobsValues(np.zeros((2, 8), np.float32), values, np.array([0.9, 0.9], np.float32))
+  group = Group("group", arrays, np.zeros(2, np.float32), np.zeros(2, bool), np.array([3, 3]), {}, {}, 0.0, 0.0,
+                truncated=np.array([True, False]))
+  ppo.prepare(_ppo_config(tmp_path), _FakeForward(out), None, [group])
+  adv = np.asarray(group.batch.branches.advantage)
+  np.testing.assert_allclose(adv[0, :3], TRUNCATED_ADV, atol=1e-6)
+  np.testing.assert_allclose(adv[1, :3], TERMINATED_ADV, atol=1e-6)
+  np.testing.assert_array_equal(adv[:, 3:], 0.0)
+
+
+def test_ppo_tree_advantages_bootstrap_from_the_leaf_each_trajectory_ends_at(tmp_path):
+  # Prompt -> node 1 (2 tokens) -> leaves 2 and 3 (1 token each): trajectory 0 ends at node 2 (cut
+  # by the budget), trajectory 1 at node 3 (EOS). Each path's values are [0.3, 0.5, 0.7]; V after
+  # node 2 and node 3 is 0.9, after node 1 it is 5.0 (a bootstrap from the wrong node would show).
+  from branch_replay_jax.data.trees import RolloutTree
+  from branch_replay_jax.rollout.collect import Group
+  tree = RolloutTree((np.array([1, 2, 3]), np.array([4, 5]), np.array([6]), np.array([7])), (-1, 0, 1, 1), (2, 3))
+  padded = ppo.pad_tree(tree)
+  node_values = {1: [0.3, 0.5], 2: [0.7], 3: [0.7]}
+  node_next = {1: 5.0, 2: 0.9, 3: 0.9}
+  out = []
+  for d, ids in enumerate(padded.node_ids, start=1):
+    t = padded.tokens[d - 1].shape[-1]
+    vals, nxt = np.zeros(ids.shape + (t,), np.float32), np.zeros(ids.shape, np.float32)
+    for slot in zip(*np.nonzero(ids >= 0)):
+      vals[slot][:len(node_values[ids[slot]])] = node_values[ids[slot]]
+      nxt[slot] = node_next[ids[slot]]
+    out.append(LogprobsValues(np.zeros_like(vals), vals, nxt))
+  arrays = tree_arrays(padded, {})
+  group = Group("tree", arrays, np.zeros(2, np.float32), np.zeros(2, bool), np.array([3, 3]), {}, {}, 0.0, 0.0,
+                truncated=np.array([True, False]), tree=tree)
+  ppo.prepare(_ppo_config(tmp_path), _FakeForward(out), None, [group])
+  # Per (token, trajectory) advantages [T_d, G] of node 1 (level 1, slot 0) and nodes 2, 3 (level 2).
+  lvl1, lvl2 = (np.asarray(level.advantage) for level in group.batch.levels)
+  np.testing.assert_allclose(lvl1[0, :2, 0], TRUNCATED_ADV[:2], atol=1e-6)
+  np.testing.assert_allclose(lvl1[0, :2, 1], TERMINATED_ADV[:2], atol=1e-6)
+  np.testing.assert_allclose(lvl2[0, 0, 0, 0], TRUNCATED_ADV[2], atol=1e-6)
+  np.testing.assert_allclose(lvl2[0, 1, 0, 1], TERMINATED_ADV[2], atol=1e-6)
+
+
+def test_ppo_whitening_of_a_constant_advantage_is_zero(tmp_path):
+  # Every completion terminated with reward 0 and values 0: every advantage is 0 exactly; whitening
+  # over the step must keep them 0 (the formula gave -0.598 on float32 constants).
+  from branch_replay_jax.rollout.collect import Group
+  mask = np.arange(8)[None] < 3
+  values = np.where(mask, 0.1, 0.0).astype(np.float32).repeat(4, 0)
+  arrays = GroupBatch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((4, 8), np.int32),
+                                                                    np.broadcast_to(mask, (4, 8))))
+  out = LogprobsValues(np.zeros((4, 8), np.float32), values, np.zeros(4, np.float32))
+  rewards = np.full(4, 0.1, np.float32)   # reward 0.1 on the last token against V = 0.1 throughout
+  group = Group("group", arrays, rewards, np.zeros(4, bool), np.array([3] * 4), {}, {}, 0.0, 0.0,
+                truncated=np.zeros(4, bool))
+  stats = ppo.prepare(_ppo_config(tmp_path, **{"ppo.whiten_advantages": True}), _FakeForward(out), None, [group])
+  np.testing.assert_array_equal(np.asarray(group.batch.branches.advantage), 0.0)
+  assert stats["explained_variance"] is None or np.isfinite(stats["explained_variance"])
+
+
+def test_next_value_is_the_value_of_the_state_after_the_last_token():
+  # V after a completion's k-th token is the value the critic gives token k of any longer
+  # completion with the same first k tokens (the same context): replay and naive agree with it.
+  from conftest import random_group
+  from branch_replay_jax.data.batches import group_arrays
+  from branch_replay_jax.models import Llama, tiny_config
+  from branch_replay_jax.models.critic import ActorCritic
+  from flax import nnx
+  ac = ActorCritic(Llama(tiny_config(), rngs=nnx.Rngs(0)), critic="value_head")
+  ac.value_w[...] = jax.random.normal(jax.random.key(1), ac.value_w.shape) * 0.1
+  graphdef, params = nnx.split(ac)
+  from branch_replay_jax.data.groups import make_group
+  group = random_group([6])
+  comp = np.asarray(group.completion_ids[0, :6])
+  both = make_group(group.prompt_ids[:group.prompt_len], [comp[:3], comp], vocab_size=64, max_positions=256)
+  arrays = group_arrays(both)
+  for fwd in (functools.partial(forward, ACTOR_CRITIC), functools.partial(forward, ACTOR_CRITIC, layout="naive")):
+    out = jax.jit(fwd, static_argnums=0)(graphdef, params, arrays)
+    np.testing.assert_allclose(out.next_value[0], out.values[1, 3], rtol=1e-5)
+    assert abs(float(out.next_value[0])) > 1e-4
+
+
+def test_rollouts_carry_the_samplers_stop_reason(tmp_path):
+  # Group.truncated is ~finished of the sampler: True exactly where the completion's last token is
+  # not EOS (the tiny random model rarely emits EOS; both cases are checked where they occur).
+  from branch_replay_jax.models.loading import load_tokenizer
+  from branch_replay_jax.rollout.collect import rollout
+  tokenizer = load_tokenizer("smollm2-135m-instruct")
+  for module, variant in [(ppo_smollm2_arith, "smoke"), (ppo_smollm2_arith, "tree_smoke")]:
+    config = experiment_config(module, variant, tmp_path)
+    model, _ = loop.build_model(config)
+    task = loop.make_task_from(config)
+    g = rollout(config, model, tokenizer, task, 0, jax.random.key(0))
+    comps = ([g.tree.completion(i) for i in range(len(g.tree.ends))] if g.tree is not None else
+             [np.asarray(g.batch.branches.tokens[i, :n]) for i, n in enumerate(g.lengths)])
+    assert g.truncated.shape == (len(comps),)
+    np.testing.assert_array_equal(g.truncated, [c[-1] != tokenizer.eos_token_id for c in comps])

@@ -7,6 +7,7 @@ import pytest
 from conftest import experiment_config, length_score, max_rel_err, tiny_model
 
 from branch_replay_jax.gradients import preference as pref
+from branch_replay_jax import losses as obj
 
 
 def _pairs(seed=0, vocab=64):
@@ -85,13 +86,50 @@ def test_float32_two_pass_replay_equals_naive(loss_type):
   assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-3
 
 
+# ---- IPO on means and conservative DPO: exact under the two-pass replay -------------------------------
+
+_naive_pref = jax.jit(pref.naive_value_and_grad, static_argnums=(0,),
+                      static_argnames=("beta", "loss_type", "label_smoothing", "micro_batch"))
+
+
+@pytest.mark.parametrize("loss_type,label_smoothing", [
+    # ipo and sigmoid are heavy (~25 s and ~1.5 min on loaded cores): IPO's mean is exact in CI through
+    # test_float32_two_pass_replay_equals_naive[ipo], the sigmoid loss through
+    # test_float64_two_pass_replay_equals_naive[sigmoid].
+    pytest.param("ipo", 0.0, marks=pytest.mark.heavy), ("ipo_sum", 0.0),
+    pytest.param("sigmoid", 0.1, marks=pytest.mark.heavy)])
+def test_ipo_mean_and_label_smoothing_are_exact_under_two_pass_replay(x64, loss_type, label_smoothing):
+  # The two-pass replay (sums, then the linear surrogate with c_i = dL/dS_i) and differentiating
+  # the loss on full sequences must agree to float64 rounding (~1e-15): IPO's mean is a sum over a
+  # constant length, label smoothing a function of the same sums.
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  _, ref_params = tiny_model(jnp.float64, jnp.float64, seed=1)
+  batch = pref.make_batch(_pairs(), vocab_size=64, max_positions=256)
+  steps = pref.ReplaySteps(graphdef, micro_batch=2)
+  ref = steps.flat_sums(ref_params, batch)
+  naive_ref = pref.naive_ref_sums(graphdef, ref_params, batch.naive)
+  kw = dict(beta=0.1, loss_type=loss_type, label_smoothing=label_smoothing)
+  lr, mr, gr = steps.value_and_grad(params, batch, ref, **kw)
+  ln, mn, gn = _naive_pref(graphdef, params, batch.naive, naive_ref, micro_batch=2, **kw)
+  assert max_rel_err(gr, gn) <= 1e-10
+  assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-3
+  # The loss is the one the formula gives on the pairs' sums and lengths (not the surrogate's value).
+  sums = steps.flat_sums(params, batch)
+  lengths = np.concatenate([np.asarray(a.branches.mask).sum(-1) for a in batch.groups])
+  c, r = batch.chosen, batch.rejected
+  want = obj.dpo_loss(sums[c], sums[r], ref[c], ref[r], chosen_lengths=lengths[c], rejected_lengths=lengths[r],
+                      **kw)[0].mean()
+  assert float(lr) == pytest.approx(float(want), rel=1e-12)
+
+
 # ---- the experiments through main's dispatch ------------------------------------------------------
 
 import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
-from test_train import final_params, max_rel  # noqa: E402
+from conftest import final_params, max_rel  # noqa: E402
 
 from branch_replay_jax import main as entry  # noqa: E402
 from branch_replay_jax.algorithms import dpo  # noqa: E402
@@ -201,3 +239,26 @@ def test_example_jsonl_file_is_valid():
   records = dpo.read_pairs_jsonl(dpo_smollm2_arith.get_config("jsonl").data.path)
   assert len(records) == 8
   assert records[1]["prompt"] == records[2]["prompt"]   # a prompt shared by two pairs
+
+
+def test_dpo_label_smoothing_reaches_the_replay_and_the_naive_step(tmp_path):
+  # One pair, a reference unlike the policy and β = 50 (margin m = β h far from 0). Conservative DPO with ε:
+  # loss = -(1 - ε) log σ(m) - ε log σ(-m) (losses.dpo_loss); both layouts must compute it with
+  # the configured ε = 0.1, not plain DPO's -log σ(m).
+  graphdef, params = tiny_model()
+  _, ref_params = tiny_model(seed=1)
+  rng = np.random.default_rng(0)
+  batch = pref.make_batch([pref.PreferencePair(rng.integers(0, 64, 9), rng.integers(0, 64, 5),
+                                               rng.integers(0, 64, 3))], vocab_size=64, max_positions=256)
+  for gradient in ("replay", "naive"):
+    config = experiment_config(dpo_smollm2_arith, "jsonl_smoke", tmp_path,
+                               **{"dpo.label_smoothing": 0.1, "dpo.beta": 50.0, "train.gradient": gradient,
+                                  "train.micro_batch": 1})
+    dpo.validate(config)
+    fns = dpo.DPOFunctions(config, graphdef, lambda p, o, g: (p, o, 0.0))
+    _, _, stats = fns.step(params, ref_params, None, batch)
+    m = stats["reward_margin"]
+    assert abs(m) > 0.02
+    want = -(0.9 * np.log(jax.nn.sigmoid(m)) + 0.1 * np.log(jax.nn.sigmoid(-m)))
+    np.testing.assert_allclose(stats["loss"], want, rtol=1e-5, err_msg=gradient)
+    assert abs(stats["loss"] + np.log(jax.nn.sigmoid(m))) > 1e-3   # differs from plain DPO by ε m

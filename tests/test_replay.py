@@ -1,6 +1,6 @@
-import functools
 """replay_vjp: replay gradients equal the naive per-completion gradients (the product's promise)."""
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,7 +153,7 @@ def test_prefix_cotangent_is_summed_once_over_branches():
 
 
 def test_g_copies_of_a_branch_give_g_times_its_gradient():
-  # C04's last check: G identical branches -> every gradient is exactly G times one branch's.
+  # G identical branches -> every gradient is exactly G times one branch's.
   prefix_fn, branch_fn, params, _ = _toy()
   _, _, one = replay_vjp(prefix_fn, branch_fn, params, jnp.array([2.0]))
   _, _, five = replay_vjp(prefix_fn, branch_fn, params, jnp.full((5,), 2.0), micro_batch=5)
@@ -199,7 +199,7 @@ def test_one_logprob_chunk_equals_several(x64):
   assert max_rel_err(g_one, g_three) <= 1e-12
 
 
-def test_c04_prompt_completion_boundary():
+def test_first_completion_token_is_predicted_by_the_prompts_last_position():
   # Vocab of 4, logits at a position = E @ E[token there]. Prompt [0, 1], completion [2, 3].
   # logp(2 | pos 1) = 0 - logsumexp(E @ E[1]) = -log(1 + e + 1 + 1/e) = -1.62652, likewise
   # logp(3 | pos 2), so the completion's log-prob sum is -3.25305 (not -1.25305, which is the

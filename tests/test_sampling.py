@@ -16,6 +16,8 @@ from branch_replay_jax.rollout import sampler as sampling
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.rollout.sampler import Rollouts, sample_group
+from branch_replay_jax.rollout.tree_sampler import sample_tree
+from branch_replay_jax import losses as obj
 
 PROMPT = [3, 17, 42, 8, 9, 60, 1]
 
@@ -267,3 +269,152 @@ def test_smollm2_greedy_matches_transformers_reference():
   want = ref["greedy"]["new_ids"]
   r = sample_group(model, prompt, num_samples=1, max_new_tokens=len(want), key=jax.random.key(0), temperature=0.0)
   np.testing.assert_array_equal(np.asarray(r.tokens[0]), want)
+
+
+# ---- the stop reason: budget (truncated) or EOS -------------------------------------------------------
+
+def _key_with_new_last_token(sample, n_last):
+  """The first key in 0..99 whose sample's last token does not occur before it (so an EOS equal to
+  it stops the sample exactly on the budget's last token)."""
+  for seed in range(100):
+    toks = sample(jax.random.key(seed))
+    if toks[n_last] not in toks[:n_last]:
+      return seed, toks
+  raise AssertionError("no key found")
+
+
+def test_sample_group_reports_the_stop_reason(model):
+  # Cut by the budget -> truncated; the same sample with EOS = its last token -> not truncated
+  # although its length equals the budget (the reason is the EOS, not the width).
+  n = 6
+  draw = lambda key: np.asarray(sample_group(model, PROMPT, num_samples=1, max_new_tokens=n, key=key).tokens[0])
+  seed, toks = _key_with_new_last_token(draw, n - 1)
+  free = sample_group(model, PROMPT, num_samples=1, max_new_tokens=n, key=jax.random.key(seed))
+  assert free.truncated.tolist() == [True] and int(free.lengths[0]) == n
+  stopped = sample_group(model, PROMPT, num_samples=1, max_new_tokens=n, key=jax.random.key(seed),
+                         eos_ids=[int(toks[-1])])
+  np.testing.assert_array_equal(np.asarray(stopped.tokens[0]), toks)
+  assert stopped.truncated.tolist() == [False] and int(stopped.lengths[0]) == n
+  # GAE with the sampler's flag: the EOS row is exactly the terminated default.
+  values = np.linspace(0.1, 0.6, n)[None]
+  rewards, mask = np.zeros((1, n)), np.ones((1, n), bool)
+  a_stop, _ = obj.gae(rewards, values, mask, gamma=1.0, lam=0.95, truncated_b=np.asarray(stopped.truncated),
+                      next_values_b=np.array([0.9]))
+  np.testing.assert_array_equal(a_stop, obj.gae(rewards, values, mask, gamma=1.0, lam=0.95)[0])
+  a_cut, _ = obj.gae(rewards, values, mask, gamma=1.0, lam=1.0, truncated_b=np.asarray(free.truncated),
+                     next_values_b=np.array([0.9]))
+  np.testing.assert_allclose(a_cut[0], 0.9 - values[0], atol=1e-6)
+
+
+# ---- top-p at its boundary ----------------------------------------------------------------------------
+
+def kept_ids(logits, top_p):
+  return np.flatnonzero(np.isfinite(np.asarray(sampling.top_p_filter(jnp.asarray(logits)[None], top_p))[0]))
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p():
+  # [0.3, 0.1, 0.1, 0.5], top_p 0.8: {3, 0} has mass exactly 0.8, which reaches p; the old filter
+  # (mass before a token computed as cumsum - p, rounded below p) kept all four.
+  np.testing.assert_array_equal(kept_ids(jnp.log(jnp.array([0.3, 0.1, 0.1, 0.5])), 0.8), [0, 3])
+  # Traced top_p (as inside the sampler's jit): the same set.
+  jitted = jax.jit(sampling.top_p_filter)(jnp.log(jnp.array([[0.3, 0.1, 0.1, 0.5]])), jnp.float32(0.8))
+  np.testing.assert_array_equal(np.flatnonzero(np.isfinite(np.asarray(jitted)[0])), [0, 3])
+  # 64 equal logits, top_p 0.1: 6 tokens have 0.094 < 0.1, 7 have 0.109 >= 0.1 -> 7 tokens, the
+  # lowest ids (ties broken by lower token id first). The old filter kept all 64.
+  np.testing.assert_array_equal(kept_ids(jnp.zeros(64), 0.1), np.arange(7))
+  # Exactly 7/64 also needs 7 tokens; a hair above needs 8.
+  np.testing.assert_array_equal(kept_ids(jnp.zeros(64), 7 / 64), np.arange(7))
+  np.testing.assert_array_equal(kept_ids(jnp.zeros(64), 7 / 64 + 1e-4), np.arange(8))
+
+
+def test_top_p_ties_break_by_lower_token_id():
+  # probs [0.2, 0.4, 0.2, 0.2], top_p 0.5: ranking 1, 0, 2, 3 (the three 0.2 by id); 0.4 < 0.5,
+  # 0.6 >= 0.5 -> {1, 0}. The old filter kept every token tied with the last kept one: all four.
+  np.testing.assert_array_equal(kept_ids(jnp.log(jnp.array([0.2, 0.4, 0.2, 0.2])), 0.5), [0, 1])
+  # The most likely token is always kept, even for a tiny top_p; top_p 1 keeps everything.
+  np.testing.assert_array_equal(kept_ids(jnp.log(jnp.array([0.2, 0.4, 0.2, 0.2])), 1e-9), [1])
+  np.testing.assert_array_equal(kept_ids(jnp.array([0.0, -30.0, -60.0, -90.0]), 1.0), [0, 1, 2, 3])
+
+
+def reference_nucleus(logits, top_p):
+  """The documented rule in float64 numpy: stable ranking, keep while the mass before < top_p - tol."""
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+  return set(order[(before < top_p - sampling.TOP_P_TOLERANCE) | (np.arange(p.size) == 0)].tolist())
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8])
+def test_sampled_tokens_lie_in_the_nucleus_and_logprobs_stay_untempered(model, top_p):
+  # Every drawn token is in the nucleus of softmax(logits / T) computed from a full forward, and its
+  # returned log-prob is log_softmax(logits) untempered and unfiltered (the documented convention,
+  # what the trainer's token_logprobs computes): filtering changes what is drawn, not how it is scored.
+  temperature = 0.7
+  r = sample_group(model, PROMPT, num_samples=4, max_new_tokens=8, key=jax.random.key(5), temperature=temperature,
+                   top_p=top_p)
+  for g in range(4):
+    n = int(r.lengths[g])
+    seq = PROMPT + np.asarray(r.tokens[g, :n]).tolist()
+    logits = np.asarray(forward_logits(model, jnp.asarray([seq], jnp.int32)), np.float64)
+    for i in range(n):
+      pos = len(PROMPT) - 1 + i
+      assert seq[pos + 1] in reference_nucleus(logits[pos] / temperature, top_p)
+      logp = logits[pos] - logits[pos].max() - np.log(np.exp(logits[pos] - logits[pos].max()).sum())
+      assert abs(float(r.logprobs[g, i]) - logp[seq[pos + 1]]) < 1e-5
+
+
+def test_group_and_tree_samplers_apply_the_same_top_p_filter(model):
+  # A top_p below every token's probability keeps only the most likely token: sampling at
+  # temperature 1 must then equal greedy decoding, in sample_group and in sample_tree alike (both
+  # draw through sampling.sample_token -> top_p_filter).
+  key = jax.random.key(6)
+  group = sample_group(model, PROMPT, num_samples=3, max_new_tokens=6, key=key, top_p=1e-6)
+  greedy = sample_group(model, PROMPT, num_samples=3, max_new_tokens=6, key=key, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(group.tokens), np.asarray(greedy.tokens))
+  tree = sample_tree(model, PROMPT, fanouts=[2, 2], segment_length=3, key=key, top_p=1e-6)
+  for g in range(4):
+    np.testing.assert_array_equal(tree.tree.completion(g), np.asarray(greedy.tokens[0]))
+
+
+# ---- both samplers under jax_enable_x64 ---------------------------------------------------------------
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_samplers_run_under_x64_and_draw_the_same_tokens(model, top_p):
+  # The reported call raised "index arguments to dynamic_update_slice must be integers of the same
+  # type, got int64, int32" (a Python 0 index becomes int64 under x64). A float32 model must draw
+  # exactly the same tokens with or without x64: the flag changes index types, not the math.
+  kw = dict(num_samples=2, max_new_tokens=5, key=jax.random.key(0), top_p=top_p)
+  tree_kw = dict(fanouts=[2, 2], segment_length=2, key=jax.random.key(0), top_p=top_p)
+  want_group = sample_group(model, [1, 2, 3], **kw)
+  want_tree = sample_tree(model, [1, 2, 3], **tree_kw)
+  with jax.enable_x64(True):
+    reported = sample_group(Llama(tiny_config()), [1, 2, 3], num_samples=1, max_new_tokens=2,
+                            key=jax.random.key(0))
+    assert reported.tokens.shape == (1, 2)
+    group = sample_group(model, [1, 2, 3], **kw)
+    tree = sample_tree(model, [1, 2, 3], **tree_kw)
+  np.testing.assert_array_equal(np.asarray(group.tokens), np.asarray(want_group.tokens))
+  np.testing.assert_allclose(np.asarray(group.logprobs), np.asarray(want_group.logprobs), atol=1e-6)
+  assert group.logprobs.dtype == jnp.float32
+  assert tree.tree.parents == want_tree.tree.parents
+  for a, b in zip(tree.tree.segments, want_tree.tree.segments):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_float64_model_samples_with_float64_logprobs(model):
+  # A float64 model (how the exactness tests run) under x64: the returned log-probs are float64
+  # and equal log_softmax of a full float64 forward to ~1e-12 (float32 would be ~1e-6).
+  with jax.enable_x64(True):
+    graphdef, state = nnx.split(Llama(tiny_config(), dtype=jnp.float64, rngs=nnx.Rngs(0)))
+    m64 = nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), state))
+    r = sample_group(m64, PROMPT, num_samples=2, max_new_tokens=5, key=jax.random.key(3), eos_ids=[5])
+    assert r.logprobs.dtype == jnp.float64
+    for g in range(2):
+      n = int(r.lengths[g])
+      seq = PROMPT + np.asarray(r.tokens[g, :n]).tolist()
+      logp = jax.nn.log_softmax(forward_logits(m64, jnp.asarray([seq], jnp.int32)), axis=-1)
+      want = np.asarray(logp)[len(PROMPT) - 1 + np.arange(n), seq[len(PROMPT):]]
+      np.testing.assert_allclose(np.asarray(r.logprobs[g, :n]), want, atol=1e-12, rtol=0)
+    tree = sample_tree(m64, PROMPT, fanouts=[2], segment_length=3, key=jax.random.key(3))
+    assert tree.logprobs[1].dtype == np.float64

@@ -2,8 +2,8 @@
 
 The fixture tests/fixtures/smollm2_reference.json was written by tools/make_reference.py with
 transformers 5.24 / torch 2.13 in float32: transformers dequantises the GGUF with its own torch code
-and undoes llama.cpp's Q/K permutation itself, so agreement checks our dequantisation (C12), our
-un-permutation with 9 query / 3 KV heads (C09), our layout and our model. Measured on CPU (float32):
+and undoes llama.cpp's Q/K permutation itself, so agreement checks our dequantisation, our
+un-permutation with 9 query / 3 KV heads, our layout and our model. Measured on CPU (float32):
 max |log-prob difference| 3.7e-5 (chat), 2.3e-5 (sentence), 6.6e-5 (random ids).
 """
 
@@ -112,7 +112,7 @@ def test_greedy_decode_reproduces_reference(loaded, reference):
 
 
 def test_encode_chat_has_no_doubled_bos(loaded, reference):
-  # C18. SmolLM2's BOS (id 1) is <|im_start|>, which the template writes at the start of EVERY turn, and the
+  # One BOS per turn. SmolLM2's BOS (id 1) is <|im_start|>, which the template writes at the start of EVERY turn, and the
   # GGUF says add_bos_token = False. So the right ids are exactly the rendered text tokenised without special
   # tokens: one BOS per turn (system, user, assistant prompt = 3), the first at position 0, never two in a row.
   _, tokenizer = loaded

@@ -15,6 +15,9 @@ import pytest
 
 from branch_replay_jax.rollout import tasks
 from branch_replay_jax.rollout.tasks import DEFAULT_INSTRUCTION, TASKS, extract_answer, format_messages, make_task
+from branch_replay_jax.algorithms import loop
+from conftest import experiment_config
+from experiments import grpo_smollm2_arith
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +250,51 @@ def test_hostile_completions_do_not_raise(name):
     assert math.isfinite(s.reward) and 0.0 <= s.reward <= 1.5, (text[:40], s)
     assert s.extracted is None or s.extracted in text
   assert time.perf_counter() - start < 5.0
+
+
+# ---- strict answer extraction -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,forgiving,strict", [
+    # Cut off by the token budget: forgiving reads the number after the unclosed tag, strict nothing.
+    ("Let me compute. <answer>-12", ("-12", False), (None, False)),
+    # Untagged last number: the forgiving fallback; strict: nothing.
+    ("5 - 17 is -12, so -12", ("-12", False), (None, False)),
+    # A closed tag counts in both modes (the last non-blank one).
+    ("<answer>3</answer> no wait <answer> -12 </answer>", ("-12", True), ("-12", True)),
+    # A closed pair followed by an unclosed one: the closed one in both modes.
+    ("<answer>7</answer> then <answer>8", ("7", True), ("7", True)),
+    ("<answer> </answer> 4", ("4", False), (None, False)),
+])
+def test_extract_answer_forgiving_and_strict_modes(text, forgiving, strict):
+  assert extract_answer(text) == forgiving
+  assert extract_answer(text, strict=True) == strict
+
+
+def test_task_strict_mode_scores_only_closed_tags():
+  # The same completions scored by the forgiving default and by a strict task: an unclosed or
+  # missing tag with the right number is correct (reward 1.0) only when forgiving; with strict it
+  # is 0. A closed tag scores 1.0 + format_bonus 0.1 in both.
+  forgiving = make_task("basic_arithmetic", seed=0, size=4, format_bonus=0.1)
+  strict = make_task("basic_arithmetic", seed=0, size=4, format_bonus=0.1, strict_answer=True)
+  assert not forgiving.strict_answer and strict.strict_answer
+  problem = forgiving[0]
+  for text in (f"<answer>{problem.answer}", f"The answer is {problem.answer}"):
+    assert forgiving.score(text, problem).correct and forgiving.score(text, problem).reward == 1.0
+    s = strict.score(text, problem)
+    assert (s.reward, s.correct, s.extracted, s.formatted) == (0.0, False, None, False)
+  closed = f"<answer>{problem.answer}</answer>"
+  for task in (forgiving, strict):
+    assert task.score(closed, problem).reward == pytest.approx(1.1)
+  with pytest.raises(ValueError, match="strict_answer must be a bool"):
+    make_task("basic_arithmetic", seed=0, size=4, strict_answer="yes")
+
+
+def test_task_strict_answer_reaches_the_task(tmp_path):
+  # "<answer>-12" (cut off by the budget) scores as -12 in the forgiving default, not in strict mode.
+  for strict in (False, True):
+    config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"task.strict_answer": strict})
+    task = loop.make_task_from(config)
+    assert task.strict_answer is strict
+    problem = task[0]
+    score = task.score(f"<answer>{problem.answer}", problem)
+    assert score.correct is (not strict)

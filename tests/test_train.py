@@ -11,32 +11,13 @@ from flax import nnx
 
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms import loop
-from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
+from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from branch_replay_jax.rollout.tasks import Task
-from conftest import cut_by_eos, experiment_config, length_score
-from experiments import grpo_smollm2_arith
+from conftest import cut_by_eos, experiment_config, final_params, grpo_smoke, length_score, max_rel, same_eval_rows
 
 REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean",
             "zero_variance_groups", "token_positions_naive", "token_positions_computed", "ideal_flop_ratio",
             "sample_s", "score_s", "update_s", "step_s"}
-
-
-def smoke(run_dir, **overrides):
-  return experiment_config(grpo_smollm2_arith, "smoke", run_dir, **overrides)
-
-
-def final_params(run_dir):
-  ckpt = RunCheckpoints(str(run_dir))
-  state, meta = ckpt.restore(ckpt.latest_step())
-  ckpt.close()
-  return pure_params(state["params"]), meta
-
-
-def max_rel(a, b):
-  leaves = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
-      lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(y)).max(), 1e-30)),
-      a, b))
-  return max(leaves)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,7 +30,7 @@ def varied_rewards():
 @pytest.fixture(scope="module")
 def replay_run(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("replay")
-  history = train.train(smoke(run_dir))
+  history = train.train(grpo_smoke(run_dir))
   return run_dir, history
 
 
@@ -70,7 +51,7 @@ def test_smoke_run_writes_metrics_plots_and_checkpoints(replay_run):
   # The update really moved the parameters: Adam's first steps move every element with a non-zero
   # gradient by about the learning rate (1e-5), so the largest move over two steps is >= 1e-5.
   assert any(r["zero_variance_groups"] < 2 for r in records)
-  _, init = nnx.split(loop.build_model(smoke(run_dir))[0])
+  _, init = nnx.split(loop.build_model(grpo_smoke(run_dir))[0])
   moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), params,
                                  nnx.to_pure_dict(init))
   assert max(jax.tree_util.tree_leaves(moved)) >= 1e-5
@@ -80,8 +61,8 @@ def test_resumed_run_equals_uninterrupted(replay_run, tmp_path):
   # Sampling keys derive from (seed, step) and the data position is checkpointed, so stopping
   # after step 1 and resuming must reproduce the uninterrupted run's parameters.
   run_dir, _ = replay_run
-  train.train(smoke(tmp_path, **{"train.steps": 1}))
-  history = train.train(smoke(tmp_path, resume=True))
+  train.train(grpo_smoke(tmp_path, **{"train.steps": 1}))
+  history = train.train(grpo_smoke(tmp_path, resume=True))
   assert [r["step"] for r in history] == [2]
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
@@ -96,7 +77,7 @@ def test_naive_gradient_mode_trains_to_the_same_parameters(replay_run, tmp_path)
   # a fraction of lr (1e-5), i.e. < 1e-6 of the largest parameter (~0.08); a dropped or doubled
   # prefix cotangent changes whole gradient leaves and moves elements by ~lr (> 1e-4 relative).
   run_dir, _ = replay_run
-  train.train(smoke(tmp_path, **{"train.gradient": "naive"}))
+  train.train(grpo_smoke(tmp_path, **{"train.gradient": "naive"}))
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
   assert max_rel(got, want) <= 1e-5
@@ -109,11 +90,11 @@ def test_bfloat16_parameters_keep_a_float32_master(replay_run, tmp_path):
   # weight ~0.02 (2**-8 relative): a bfloat16 master would leave most weights unchanged; the float32
   # master moves them, and stays within 2 x 1e-5 per step of the float32 run's parameters.
   run_dir, _ = replay_run
-  history = train.train(smoke(tmp_path, **{"model.param_dtype": "bfloat16"}))
+  history = train.train(grpo_smoke(tmp_path, **{"model.param_dtype": "bfloat16"}))
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
   start = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(nnx.split(loop.build_model(
-      smoke(tmp_path / "init"))[0])[1]))
+      grpo_smoke(tmp_path / "init"))[0])[1]))
   assert all(np.asarray(x).dtype == np.float32 for x in jax.tree_util.tree_leaves(got))
   moved = [np.abs(np.asarray(g) - np.asarray(s)).max() for g, s in
            zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(start))]
@@ -137,7 +118,7 @@ def test_mesh_run_trains_to_the_same_parameters(replay_run, tmp_path, mesh, para
   # sharded aux and log-probs with non-zero values.)
   run_dir, history = replay_run
   data, branch, seq = mesh
-  got_history = train.train(smoke(tmp_path, **{"mesh.data": data, "mesh.branch": branch, "mesh.seq": seq,
+  got_history = train.train(grpo_smoke(tmp_path, **{"mesh.data": data, "mesh.branch": branch, "mesh.seq": seq,
                                                "mesh.params": params, "train.micro_batch": micro_batch}))
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
@@ -158,14 +139,6 @@ def test_mesh_run_trains_to_the_same_parameters(replay_run, tmp_path, mesh, para
   assert same_eval_rows(tmp_path, run_dir)
 
 
-def same_eval_rows(got_dir, want_dir) -> bool:
-  """Every eval.jsonl row of want_dir (the smoke run's: steps 0 and 2) has an equal row of the same
-  step in got_dir, the timings (wall_s, eval_s) aside."""
-  rows = [{r["step"]: {k: v for k, v in r.items() if k not in ("wall_s", "eval_s")} for r in map(json.loads, open(
-      os.path.join(d, "eval.jsonl")))} for d in (got_dir, want_dir)]
-  return sorted(rows[1]) == [0, 2] and all(rows[0].get(step) == row for step, row in rows[1].items())
-
-
 @pytest.mark.parametrize("field,value,match", [
     ("mesh.data", 3, r"mesh.data x mesh.branch x mesh.seq = 3 x 1 x 1 = 3 must equal the device count"),
     ("mesh.branch", 0, "mesh.branch=0"),
@@ -179,7 +152,7 @@ def same_eval_rows(got_dir, want_dir) -> bool:
 ])
 def test_bad_config_fails_before_any_compute(tmp_path, field, value, match):
   with pytest.raises(ValueError, match=match):
-    train.train(smoke(tmp_path, **{field: value}))
+    train.train(grpo_smoke(tmp_path, **{field: value}))
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
@@ -189,7 +162,7 @@ def test_pallas_attention_on_a_mesh_is_refused(tmp_path, impl):
   # pallas_call outputs carry no mesh-varying type, so the kernels fail inside shard_map(check_vma):
   # refused by validation, naming the field, before the model loads.
   with pytest.raises(ValueError, match=f"model.attention_impl='{impl}'"):
-    train.train(smoke(tmp_path, **{"mesh.data": 2, "mesh.branch": 4, "model.attention_impl": impl}))
+    train.train(grpo_smoke(tmp_path, **{"mesh.data": 2, "mesh.branch": 4, "model.attention_impl": impl}))
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
@@ -212,7 +185,7 @@ def test_tree_mesh_that_does_not_split_is_refused(tmp_path, overrides, match):
 def test_run_dir_of_another_experiment_is_refused(replay_run):
   run_dir, _ = replay_run
   with pytest.raises(ValueError, match="different experiment"):
-    train.train(smoke(run_dir, seed=123, resume=True))
+    train.train(grpo_smoke(run_dir, seed=123, resume=True))
 
 
 def test_prompt_longer_than_context_is_refused(tmp_path):
@@ -220,10 +193,10 @@ def test_prompt_longer_than_context_is_refused(tmp_path):
   # before the model loads. A budget of 2040 leaves 8 tokens, fewer than any chat-formatted prompt:
   # refused when the first prompt is laid out, naming the model's limit.
   with pytest.raises(ValueError, match=r"rollout.max_new_tokens=4000 leaves no room for a prompt .* it must be < 2048"):
-    train.train(smoke(tmp_path / "a", **{"rollout.max_new_tokens": 4000}))
+    train.train(grpo_smoke(tmp_path / "a", **{"rollout.max_new_tokens": 4000}))
   # (rollout's own check, or the sampler's when the step-0 evaluation samples first)
   with pytest.raises(ValueError, match="exceeds (the model's|model.config.)max_positions"):
-    train.train(smoke(tmp_path / "b", **{"rollout.max_new_tokens": 2040}))
+    train.train(grpo_smoke(tmp_path / "b", **{"rollout.max_new_tokens": 2040}))
 
 
 def tree_smoke(run_dir, **overrides):

@@ -219,3 +219,24 @@ def test_draw_tree(model, tmp_path):
   assert os.path.getsize(path) > 1000
   with pytest.raises(ValueError, match="rewards"):
     draw_tree(r.tree, rewards[:-1], path)
+
+
+def test_sample_tree_reports_the_stop_reason(model):
+  # fanouts [2, 2], S = 3: budget 6 tokens per trajectory. EOS = trajectory 0's 6th token, absent
+  # elsewhere in the tree: trajectory 0 ends there (finished on the budget's last token, not
+  # truncated), the other three are cut by the budget (truncated).
+  kw = dict(fanouts=[2, 2], segment_length=3)
+  for seed in range(100):
+    free = sample_tree(model, PROMPT, key=jax.random.key(seed), **kw)
+    tree = free.tree
+    eos = int(tree.completion(0)[-1])
+    others = [int(t) for n in range(1, len(tree.segments)) if n != tree.ends[0] for t in tree.segments[n]]
+    if eos not in others and eos not in tree.segments[tree.ends[0]][:-1].tolist():
+      break
+  else:
+    raise AssertionError("no key found")
+  assert free.truncated.tolist() == [True] * 4
+  stopped = sample_tree(model, PROMPT, key=jax.random.key(seed), eos_ids=[eos], **kw)
+  assert stopped.tree.parents == tree.parents
+  assert len(stopped.tree.completion(0)) == 6
+  assert stopped.truncated.tolist() == [False, True, True, True]

@@ -65,7 +65,8 @@ PART_RULES = (
     ("models/llama.py", "_layer", "layer other (silu, residual)"),
     ("models/llama.py", "__call__", "model"),   # split by its source line (CALL_LINES)
     ("losses.py", "", "objective"),
-    ("gradients/logprobs.py", "", "segment glue (concat, where)"),
+    ("gradients/step.py", "", "segment glue (concat, where)"),
+    ("gradients/heads.py", "", "segment glue (concat, where)"),
     ("core/accumulate.py", "", "scan carry / accumulation"),
     ("core/replay.py", "", "scan carry / accumulation"),
 )

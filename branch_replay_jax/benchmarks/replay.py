@@ -22,7 +22,7 @@ Method:
   seconds as naive_cpu_s / replay_cpu_s / cpu_speedup: the work each step did, which other jobs
   sharing the cores do not inflate the way they inflate wall time.
 - Replay's micro-batch is chosen like naive's: each candidate timed once, the fastest kept.
-- PPO cases (config.ppo_cases): the PPO step of gradients/actor_critic.py, policy + critic (a value head,
+- PPO cases (config.ppo_cases): the PPO step of gradients/step.py with the ActorCritic head, policy + critic (a value head,
   config.ppo_critic), instead of GRPO's; same columns.
 - max_rel_grad_err: max over parameter leaves of max|g_replay - g_naive| / max|g_naive|.
 """
@@ -150,7 +150,7 @@ def case_inputs(config, case: dict, model_config) -> tuple[GroupBatch, GroupBatc
 
 
 def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str):
-  """(graphdef, params, fn, objective, arrays) of a PPO step (gradients/actor_critic.py, policy + critic) on a group.
+  """(graphdef, params, fn, objective, arrays) of a PPO step (gradients/step.py, the ActorCritic head) on a group.
 
   The model is wrapped in an ActorCritic (critic config.ppo_critic) whose value head is random
   (a zero head would contribute no value gradient to the trunk); old log-probs and old values

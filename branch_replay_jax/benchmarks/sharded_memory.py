@@ -20,7 +20,7 @@ parameters, optimizer state and batch shard), outputs (new parameters and state)
 Then, per (model, layout, remat), the largest P whose peak estimate fits each budget in
 `config.budgets_gib` (96 GiB: H20; 141 GiB: H200), by bisection over compiles, and the token
 positions G (P + T) one group of that P gives. The naive step (prompt repeated per completion,
-`gradients.logprobs.naive_value_and_grad` of one completion per scan step) is compiled on one device
+`gradients.step.value_and_grad(..., layout="naive")` of one completion per scan step) is compiled on one device
 for the same (P, T) with one completion (its memory per completion does not depend on G), its
 state added as replicated.
 

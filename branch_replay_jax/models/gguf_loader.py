@@ -116,7 +116,7 @@ class _CheckedReader(gguf.GGUFReader):
   The stock reader slices its memmap, gets a short array and fails far from the cause: numpy's
   "When changing to a larger dtype, its size must be a divisor of the total size in bytes of the
   last axis of the array" or an IndexError, naming neither the file nor the tensor. Overrides
-  two private methods (`_get`, `_build_tensors`) of gguf 0.17-0.19; tests/test_field_faults_p9.py
+  two private methods (`_get`, `_build_tensors`) of gguf 0.17-0.19; tests/test_loading.py
   loads truncated files through it.
   """
 

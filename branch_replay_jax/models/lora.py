@@ -134,7 +134,7 @@ def split(model: Llama):
 @dataclasses.dataclass(frozen=True)
 class WithBase:
   """A graphdef bound to the frozen base state it merges with. Pass it where the replay and naive
-  functions (gradients/logprobs.py) take `graphdef`, with the adapters as `params`: they merge
+  functions (gradients/step.py) take `graphdef`, with the adapters as `params`: they merge
   through `merge`, so only the adapters are differentiated; the base enters as a closed-over
   array argument (build it inside the jitted function from a traced base, not a constant)."""
 

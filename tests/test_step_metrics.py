@@ -1,4 +1,4 @@
-"""P9 item 4: every metric a tree step logs equals the same metric of the same trajectories laid out
+"""Every metric a tree step logs equals the same metric of the same trajectories laid out
 naive (prompt repeated), on random trees, for GRPO and PPO.
 
 The step divides its metric sums (k3 KL, clipped count; PPO also the w-weighted policy and value
@@ -113,3 +113,16 @@ def test_step_record_lengths_are_per_trajectory():
   group = Group("tree", {}, np.zeros(2), np.zeros(2, bool), tree.completion_lengths(), counts, {}, 0.0, 0.0,
                 truncated=np.zeros(2, bool), tree=tree)
   assert loop.step_record(0, [group], {}, rollout_s=0.0, update_s=0.0)["completion_len_mean"] == 4.5
+
+
+def test_zero_variance_groups_counts_the_groups_whose_advantages_are_zero():
+  # Sixteen float32 1.1 rewards: np.std is ~1e-7, not 0, yet the group is constant; the metric and
+  # the advantages (exactly 0 for it) both use losses.constant_groups.
+  from branch_replay_jax.rollout.collect import Group
+  rewards = [np.full(16, 1.1, np.float32), np.array([0.0, 1.1] * 8, np.float32)]
+  groups = [Group("group", {}, r, r > 1, np.full(16, 3), {"token_positions_naive": 1, "token_positions_computed": 1,
+                                                          "ideal_flop_ratio": 1.0, "padding_fraction": 0.0},
+                  {}, 0.0, 0.0, truncated=np.zeros(16, bool)) for r in rewards]
+  record = loop.step_record(0, groups, {}, rollout_s=0.0, update_s=0.0)
+  zeroed = [bool(np.all(np.asarray(obj.group_advantages(r)) == 0)) for r in rewards]
+  assert record["zero_variance_groups"] == sum(zeroed) == 1
