@@ -13,8 +13,8 @@ LAYERS = [
     {"data", "losses"},
     {"core"},
     {"kernels", "models"},
-    {"gradients"},
-    {"distributed", "rollout", "outputs"},
+    {"distributed"},   # the mesh and its shard_map wrapper know no model output and no algorithm
+    {"gradients", "rollout", "outputs"},
     {"algorithms"},
     {"benchmarks", "main", "export"},
 ]
