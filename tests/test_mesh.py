@@ -214,7 +214,8 @@ def test_fsdp_step_equals_replicated_gradient(reference):
     sharded = shard_params(params, mesh, "fsdp")
     opt_state = jax.jit(tx.init)(sharded)
     step = make_train_step(POLICY, graphdef, tx, grpo_objective, mesh=mesh)
-    new_params, new_state, loss = step(sharded, opt_state, shard_batch(stack_groups(pad_prompts(groups)), mesh))
+    new_params, new_state, metrics = step(sharded, opt_state, shard_batch(stack_groups(pad_prompts(groups)), mesh))
+  loss = metrics["loss"]
   specs = param_specs(params, mesh, "fsdp")
   assert jax.tree_util.tree_leaves(specs)[0] == P(("data", "branch", "seq"))   # embed [64, 32]: rows split
   for tree in (new_params, new_state[0].trace):
@@ -435,7 +436,7 @@ def test_documented_optimizer_state_creation(reference):
       same = jax.tree_util.tree_map(lambda x, s: x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim),
                                     opt_state[0].trace, specs)
       assert all(jax.tree_util.tree_leaves(same)), name
-      _, new_state, _ = step(sharded, opt_state, batch)
+      _, new_state, _ = step(shard_params(params, mesh, "fsdp"), opt_state, batch)   # the step donates its params
       assert max_rel_err(new_state[0].trace, naive_grads) <= 1e-5, name
   # What the docstring warns about: the same call without a current mesh (JAX 0.10: "Length of
   # device assignment 1 is not equal to the size of the mesh 8 ... enter your `jit` into a mesh

@@ -46,7 +46,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees, wit
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_groups
 from branch_replay_jax.gradients.heads import Policy
-from branch_replay_jax.gradients.step import forward, leaf_siblings, value_and_grad
+from branch_replay_jax.gradients.step import forward, leaf_siblings, make_train_step, value_and_grad
 from branch_replay_jax.models.lora import WithBase, adapters_off
 from branch_replay_jax.rollout import collect as rollouts
 from branch_replay_jax.rollout.collect import Group
@@ -168,7 +168,7 @@ class GRPOFunctions:
   differentiated; the reference is logprobs(models.lora.adapters_off(adapters), unit).
   """
 
-  def __init__(self, config, graphdef, frozen=None):
+  def __init__(self, config, graphdef, frozen=None, optimizer=None):
     t = config.train
     naive = t.gradient == "naive"
     tree = bool(config.rollout.tree_fanouts) and not naive
@@ -195,6 +195,13 @@ class GRPOFunctions:
     grad_jit, logprobs_jit = jax.jit(grad_step), jax.jit(lambda p, f, b: logprobs(model(f), cast(p), b))
     self.grad = lambda p, b: grad_jit(p, self.frozen, b)
     self.logprobs = lambda p, b: logprobs_jit(p, self.frozen, b)
+    # On the mesh the step's groups are one stacked unit: its gradient and the optimizer update run as
+    # one program (the step benchmarks/sharded_memory.py compiles). On one device the groups keep their
+    # own bucketed shapes (one compile per shape, not per combination of shapes in a step), so each
+    # group's gradient is its own program, summed on the device, then the update.
+    self.train_step = None if self.mesh is None or optimizer is None else make_train_step(
+        head, graphdef, optimizer, self.objective, mesh=mesh, micro_batch=t.micro_batch, schedule=t.tree_schedule,
+        reduce_aux=obj.grpo_aux_sums, cast=cast, upcast=upcast)
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
     """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (trees
@@ -239,15 +246,23 @@ def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_
       batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
     units.append((kind, batch))
   for epoch in range(config.train.inner_epochs):
-    total, loss, kl, clipped = None, 0.0, 0.0, 0.0
+    if fns.train_step is not None:   # the mesh: one unit, its gradient and the update in one program
+      (_, arrays), = units
+      params, opt_state, out = fns.train_step(params, opt_state, arrays, len(groups))
+      sums, grad_norm = [(out["loss"], *out["aux"])], out["grad_norm"]
+      continue
+    total, sums = None, []
     for index, (_, arrays) in enumerate(units):
-      unit_loss, (unit_kl, unit_clipped), grads = fns.grad(params, arrays)
+      unit_loss, unit_sums, grads = fns.grad(params, arrays)
       if epoch == 0 and index == keep:
-        kept = (unit_loss, unit_kl, grads)
+        kept = (unit_loss, unit_sums[0], grads)
       total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-      loss, kl, clipped = loss + float(unit_loss), kl + float(unit_kl), clipped + float(unit_clipped)
+      sums.append((unit_loss, *unit_sums))   # stays on the device: no host sync per group
     mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
     params, opt_state, grad_norm = update(params, opt_state, mean)
+  # One host sync per step; each sum in unit order, in Python floats.
+  sums, grad_norm = jax.device_get((sums, grad_norm))
+  loss, kl, clipped = (sum(float(unit[i]) for unit in sums) for i in range(3))
   pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs}
   return params, opt_state, stats, kept
@@ -267,7 +282,7 @@ class GRPO(loop.Algorithm):
 
   def setup(self, run):
     self.run, self.update_fn = run, loop.make_update(run.optimizer)
-    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen)   # LoRA runs on one device (validate_lora)
+    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer)   # LoRA: one device (validate_lora)
     self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
                        adapters_off(run.params))   # LoRA: the base model, no second copy of it
     return self.fns.place(run.params), self.fns.place(run.opt_state)

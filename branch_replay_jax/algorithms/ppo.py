@@ -43,7 +43,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
 from branch_replay_jax.gradients.step import forward as step_forward
-from branch_replay_jax.gradients.step import leaf_siblings, value_and_grad
+from branch_replay_jax.gradients.step import leaf_siblings, make_train_step, value_and_grad
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout.collect import Group
 
@@ -128,7 +128,7 @@ class PPOFunctions:
   laid out like its tokens.
   """
 
-  def __init__(self, config, graphdef):
+  def __init__(self, config, graphdef, optimizer=None):
     t, p = config.train, config.ppo
     self.naive = t.gradient == "naive"
     self.mesh, self.param_mode = loop.mesh_from(config), config.mesh.params
@@ -157,6 +157,11 @@ class PPOFunctions:
       loss, aux, grads = grad(cast(prm), a)
       return loss, aux, upcast(grads)
     self.grad = jax.jit(grad_step)
+    # On the mesh a minibatch's groups are one stacked unit: its gradient and the update run as one
+    # program; on one device each group keeps its own shapes (grpo.GRPOFunctions says why).
+    self.train_step = None if mesh is None or optimizer is None else make_train_step(
+        HEAD, graphdef, optimizer, objective, mesh=mesh, micro_batch=t.micro_batch, schedule=t.tree_schedule,
+        reduce_aux=lambda aux: jax.tree_util.tree_map(jnp.sum, aux), cast=cast, upcast=upcast)
     self.forward = jax.jit(lambda prm, a: forward(cast(prm), a))
     self.cast = cast
 
@@ -293,17 +298,29 @@ def update_on_batch(config, fns: PPOFunctions, update, params, opt_state, groups
   p = config.ppo
   for epoch in range(p.epochs):
     order = np.random.default_rng((config.seed, step, epoch)).permutation(len(groups))
-    sums, loss_sum = {"policy": 0.0, "value": 0.0, "clipped": 0.0, "kl": 0.0}, 0.0
+    results = []   # (kind, loss, aux) per unit, on the device until the step's end
     for minibatch in np.array_split(order, p.minibatches):
+      units = fns.units([groups[i] for i in minibatch])
+      if fns.train_step is not None:   # the mesh: one unit, its gradient and the update in one program
+        (kind, arrays), = units
+        params, opt_state, out = fns.train_step(params, opt_state, arrays, len(minibatch))
+        results.append((kind, out["loss"], out["aux"]))
+        grad_norm = out["grad_norm"]
+        continue
       total = None
-      for kind, arrays in fns.units([groups[i] for i in minibatch]):
+      for kind, arrays in units:
         loss, aux, grads = fns.grad(params, arrays)
         total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-        loss_sum += float(loss)
-        part = _aux_sums(kind, aux)
-        sums = {k: sums[k] + part[k] for k in sums}
+        results.append((kind, loss, aux))
       mean = jax.tree_util.tree_map(lambda x: x / len(minibatch), total)
       params, opt_state, grad_norm = update(params, opt_state, mean)
+  # One host sync per step; the last epoch's sums, unit by unit, in Python floats.
+  results, grad_norm = jax.device_get((results, grad_norm))
+  sums, loss_sum = {"policy": 0.0, "value": 0.0, "clipped": 0.0, "kl": 0.0}, 0.0
+  for kind, loss, aux in results:
+    loss_sum += float(loss)
+    part = _aux_sums(kind, aux)
+    sums = {k: sums[k] + part[k] for k in sums}
   pairs = sum(int(g.lengths.sum()) for g in groups)   # (token, trajectory) pairs
   stats = {"loss": loss_sum / len(groups), "policy_loss": sums["policy"] / len(groups),
            "value_loss": sums["value"] / len(groups), "grad_norm": float(grad_norm),
@@ -331,7 +348,7 @@ class PPO(loop.Algorithm):
     return ActorCritic(model, critic=self.config.ppo.critic)
 
   def setup(self, run):
-    self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef), loop.make_update(run.optimizer)
+    self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef, run.optimizer), loop.make_update(run.optimizer)
     return (loop.place(run.params, self.fns.mesh, self.fns.param_mode),
             loop.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
 

@@ -5,7 +5,7 @@
 
 For each architecture in `config.models` (models.config.ARCHITECTURE_SHAPES: abstract parameters
 from `nnx.eval_shape`, no weights anywhere), each parameter layout ("replicated", "fsdp"), remat
-policy and prompt length P, the whole optimizer step (`gradients.step.make_train_step`: sharded
+policy and prompt length P, the whole optimizer step (the loop's own `grpo.GRPOFunctions.train_step`: sharded
 replay value-and-grad + AdamW) on `config.mesh` over 8 fake CPU devices is lowered and compiled,
 never run, and `compiled.memory_analysis()` gives per-device bytes: arguments (this device's
 parameters, optimizer state and batch shard), outputs (new parameters and state), temporaries
@@ -44,7 +44,6 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -52,11 +51,12 @@ from ml_collections import config_flags  # noqa: E402
 
 from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.data.batches import GroupBatch, Segments  # noqa: E402
-from branch_replay_jax.distributed.mesh import batch_specs, make_mesh, param_specs  # noqa: E402
+from branch_replay_jax.distributed.mesh import batch_specs, param_specs  # noqa: E402
 from branch_replay_jax.models import Llama  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape, tiny_config  # noqa: E402
 from branch_replay_jax.gradients.heads import POLICY  # noqa: E402
-from branch_replay_jax.gradients.step import make_train_step, value_and_grad  # noqa: E402
+from branch_replay_jax.gradients.step import value_and_grad  # noqa: E402
+from branch_replay_jax.algorithms import grpo, loop  # noqa: E402
 
 OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 GIB = 2 ** 30
@@ -100,21 +100,36 @@ def _memory(compiled) -> dict:
                                   - m.alias_size_in_bytes)}
 
 
+def loop_config(c, layout: str):
+  """The GRPO experiment's config with this study's mesh, parameter layout, micro-batch and an off-policy
+  objective (train.inner_epochs = 2: the importance ratio and old log-probs are live, as with PPO-style
+  epochs; k3 KL at 0.05): what `grpo.GRPOFunctions` builds the loop's step from."""
+  from experiments import grpo_smollm2_arith
+  run = grpo_smollm2_arith.get_config()
+  run.mesh.data, run.mesh.branch, run.mesh.seq = c.mesh
+  run.mesh.params = layout
+  run.train.micro_batch, run.train.inner_epochs, run.loss.kl_coef = c.micro_batch, 2, 0.05
+  run.rollout.group_size = c.G
+  return run
+
+
 def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
-  """Compile the sharded optimizer step once; per-device bytes and the state accounting."""
+  """Compile the training loop's own mesh step (`grpo.GRPOFunctions.train_step`: the GRPO gradient by
+  replay and the clipped AdamW update in one program) once; per-device bytes and the state accounting."""
   cfg = _architecture(name)
-  mesh = make_mesh(*c.mesh)
+  run = loop_config(c, layout)
   graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
-  tx = optax.adamw(1e-6)
+  tx = loop.make_optimizer(run)
+  fns = grpo.GRPOFunctions(run, graphdef, optimizer=tx)
+  mesh = fns.mesh
   with jax.set_mesh(mesh):
     params = _placed(params, param_specs(params, mesh, layout), mesh)
     opt_state = jax.eval_shape(tx.init, params)
     opt_state = _placed(opt_state, param_specs(opt_state, mesh, layout), mesh)
     batch = _batch(mesh.shape["data"], c.G, p, c.T)
     batch = _placed(batch, batch_specs(batch, mesh), mesh)
-    step = make_train_step(POLICY, graphdef, tx, OBJECTIVE, mesh=mesh, micro_batch=c.micro_batch, logprob_chunk=c.logprob_chunk)
     t0 = time.perf_counter()
-    compiled = step.lower(params, opt_state, batch).compile()
+    compiled = fns.train_step.lower(params, opt_state, batch, mesh.shape["data"]).compile()
     compile_s = time.perf_counter() - t0
   total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
   layer = sum(math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize

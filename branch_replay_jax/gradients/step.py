@@ -38,14 +38,15 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
+from branch_replay_jax.core.accumulate import (fit_micro_batch, merge_micro_batches, scan_value_and_grad,
+                                              split_micro_batches)
 from branch_replay_jax.core.replay import replay_map, replay_vjp
 from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
 from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.heads import SegmentOutputs
-from branch_replay_jax.models.lora import merge
+from branch_replay_jax.models.lora import WithBase, merge
 
 LAYOUTS = ("replay", "naive")
 Objective = Callable[..., tuple[jax.Array, Any]]
@@ -272,9 +273,19 @@ def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: st
 
 
 def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, micro_batch: int | None = None,
-                    schedule: str = "depth_first", logprob_chunk: int = 256):
-  """A jitted (params, opt_state, batch) -> (params, opt_state, loss) optimizer step of `value_and_grad`
-  (replay) and the optax transformation `tx`; batch and micro_batch as there.
+                    schedule: str = "depth_first", logprob_chunk: int = 256, reduce_aux=None, cast=None, upcast=None):
+  """One jitted optimizer step: the replay gradient of a batch and the optax update `tx`, in one program.
+
+      train_step(params, opt_state, batch, num_groups=1, frozen=None) -> (params, opt_state, metrics)
+
+  grads = upcast(d loss / d cast(params)) / num_groups (the mean over the step's groups) (`value_and_grad`, replay); metrics is
+  {"loss": the batch's summed loss, "aux": reduce_aux(aux) (None without it), "grad_norm": ||grads||_2};
+  params and opt_state are donated (the caller must not read the arrays it passed in). micro_batch:
+  the largest divisor of each batch's leaf siblings per device (`leaf_siblings`) not above it; None:
+  all in one. cast, upcast: the parameter dtype's casts (algorithms.loop.param_casts; identities by
+  default). frozen: with LoRA the base model's state (`graphdef` is then bound to it by
+  `models.lora.WithBase`; params are the adapters). num_groups is traced, so a
+  step with another group count compiles nothing new.
 
   On a mesh the parameters keep their shardings (replicated or FSDP, `distributed.mesh.shard_params`),
   and so does the optimizer state. The mesh's axes are Explicit (`make_mesh`): create the state from
@@ -285,16 +296,22 @@ def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, micr
         params = shard_params(params, mesh, "fsdp")
         opt_state = jax.jit(tx.init)(params)                  # or: shard_params(tx.init(host_params), mesh, "fsdp")
         step = make_train_step(POLICY, graphdef, tx, objective, mesh=mesh)
-        params, opt_state, loss = step(params, opt_state, shard_batch(batch, mesh))
+        params, opt_state, metrics = step(params, opt_state, shard_batch(batch, mesh))
 
   `jax.jit(tx.init)(params)` outside `jax.set_mesh` fails on this mesh with a ValueError ("Length
   of device assignment 1 is not equal to the size of the mesh ... via `jax.set_mesh`"; JAX 0.10;
   tests/test_mesh.py::test_documented_optimizer_state_creation). Call the step inside it too.
   """
-  @jax.jit
-  def train_step(params, opt_state, batch):
-    loss, _, grads = value_and_grad(head, graphdef, params, batch, objective, mesh=mesh, micro_batch=micro_batch,
-                                    schedule=schedule, logprob_chunk=logprob_chunk)
+  cast = cast or (lambda x: x)
+  upcast = upcast or (lambda x: x)
+
+  def train_step(params, opt_state, batch, num_groups=1, frozen=None):
+    graph = graphdef if frozen is None else WithBase(graphdef, frozen)
+    m = None if micro_batch is None else fit_micro_batch(micro_batch, leaf_siblings(batch, mesh))
+    loss, aux, grads = value_and_grad(head, graph, cast(params), batch, objective, mesh=mesh, micro_batch=m,
+                                      schedule=schedule, logprob_chunk=logprob_chunk)
+    grads = jax.tree_util.tree_map(lambda g: g / num_groups, upcast(grads))
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return train_step
+    metrics = {"loss": loss, "aux": None if reduce_aux is None else reduce_aux(aux), "grad_norm": optax.tree.norm(grads)}
+    return optax.apply_updates(params, updates), opt_state, metrics
+  return jax.jit(train_step, donate_argnums=(0, 1))
