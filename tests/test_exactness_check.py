@@ -72,13 +72,12 @@ def test_a_step_that_drops_half_its_gradient_fails_loudly(tmp_path, monkeypatch,
   # checked group with the other layout's, so it must catch it. Replay run, the step's replay
   # gradient halved: ||g/2 - g|| / ||g|| = 0.5; naive run, the step's naive gradient halved:
   # ||g - g/2|| / ||g/2|| = 1.0; both >> 1e-4: ExactnessWarning and exactness_ok = False.
-  name = "replay_value_and_grad" if gradient == "replay" else "naive_value_and_grad"
-  real = getattr(train, name)
+  real = train.value_and_grad   # the step builder as grpo's step calls it, in either layout
 
   def half(*args, **kwargs):
     loss, aux, grads = real(*args, **kwargs)
     return loss * 0.5, aux, jax.tree_util.tree_map(lambda g: g * 0.5, grads)
-  monkeypatch.setattr(train, name, half)
+  monkeypatch.setattr(train, "value_and_grad", half)
   with pytest.warns(exactness.ExactnessWarning, match="EXACTNESS CHECK FAILED"):
     train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": 1,
                                                                              "train.steps": 1,

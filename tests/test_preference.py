@@ -48,7 +48,8 @@ def _setup(dtype):
     _, ref_params = tiny_model(dtype, dtype, seed=1)   # a reference unlike the policy: margins far from 0
     batch = pref.make_batch(_pairs(), vocab_size=64, max_positions=256)
     steps = pref.ReplaySteps(graphdef, micro_batch=2)
-    ref = steps.flat_sums(ref_params, batch)
+    layout = steps.layout(batch)
+    ref = steps.flat_sums(ref_params, layout)
     naive_ref = _naive_ref(graphdef, ref_params, batch.naive)
     # The two layouts' reference sums agree (the same sequences, scored by replay and by full sequences).
     np.testing.assert_allclose(np.stack([ref[batch.chosen], ref[batch.rejected]], 1), naive_ref,
@@ -59,7 +60,7 @@ def _setup(dtype):
 
 def _both(dtype, loss_type, beta=0.1):
   graphdef, params, batch, steps, ref, naive_ref = _setup(dtype)
-  replay = steps.value_and_grad(params, batch, ref, beta=beta, loss_type=loss_type)
+  replay = steps.value_and_grad(params, layout, ref, beta=beta, loss_type=loss_type)
   return replay, _naive(graphdef, params, batch.naive, naive_ref, beta=beta, loss_type=loss_type, micro_batch=2)
 
 
@@ -106,16 +107,17 @@ def test_ipo_mean_and_label_smoothing_are_exact_under_two_pass_replay(x64, loss_
   _, ref_params = tiny_model(jnp.float64, jnp.float64, seed=1)
   batch = pref.make_batch(_pairs(), vocab_size=64, max_positions=256)
   steps = pref.ReplaySteps(graphdef, micro_batch=2)
-  ref = steps.flat_sums(ref_params, batch)
+  layout = steps.layout(batch)
+  ref = steps.flat_sums(ref_params, layout)
   naive_ref = pref.naive_ref_sums(graphdef, ref_params, batch.naive)
   kw = dict(beta=0.1, loss_type=loss_type, label_smoothing=label_smoothing)
-  lr, mr, gr = steps.value_and_grad(params, batch, ref, **kw)
+  lr, mr, gr = steps.value_and_grad(params, layout, ref, **kw)
   ln, mn, gn = _naive_pref(graphdef, params, batch.naive, naive_ref, micro_batch=2, **kw)
   assert max_rel_err(gr, gn) <= 1e-10
   assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-3
   # The loss is the one the formula gives on the pairs' sums and lengths (not the surrogate's value).
-  sums = steps.flat_sums(params, batch)
+  sums = steps.flat_sums(params, layout)
   lengths = np.concatenate([np.asarray(a.branches.mask).sum(-1) for a in batch.groups])
   c, r = batch.chosen, batch.rejected
   want = obj.dpo_loss(sums[c], sums[r], ref[c], ref[r], chosen_lengths=lengths[c], rejected_lengths=lengths[r],

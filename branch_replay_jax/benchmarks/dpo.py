@@ -75,10 +75,11 @@ def main(argv):
   naive_ref_fn = jax.jit(lambda p, n: pref.naive_ref_sums(graphdef, p, n, logprob_chunk=chunk))
   naive_fn = jax.jit(lambda p, n, r: pref.naive_value_and_grad(graphdef, p, n, r, beta=beta, loss_type=loss_type,
                                                                logprob_chunk=chunk))
-  _, ref_replay_s, _, ref = _timed(lambda: steps.flat_sums(params, batch), c.repeats)
+  layout = steps.layout(batch)
+  _, ref_replay_s, _, ref = _timed(lambda: steps.flat_sums(params, layout), c.repeats)
   _, ref_naive_s, _, naive_ref = _timed(lambda: naive_ref_fn(params, batch.naive), c.repeats)
   r_first, replay_s, replay_cpu, (r_loss, _, r_grads) = _timed(
-      lambda: steps.value_and_grad(params, batch, ref, beta=beta, loss_type=loss_type), c.repeats)
+      lambda: steps.value_and_grad(params, layout, ref, beta=beta, loss_type=loss_type), c.repeats)
   n_first, naive_s, naive_cpu, (n_loss, _, n_grads) = _timed(lambda: naive_fn(params, batch.naive, naive_ref),
                                                              c.repeats)
   leaf = lambda a, b: float(jnp.abs(a - b).max() / jnp.maximum(jnp.abs(b).max(), 1e-30))
