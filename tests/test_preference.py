@@ -60,7 +60,7 @@ def _setup(dtype):
 
 def _both(dtype, loss_type, beta=0.1):
   graphdef, params, batch, steps, ref, naive_ref = _setup(dtype)
-  replay = steps.value_and_grad(params, layout, ref, beta=beta, loss_type=loss_type)
+  replay = steps.value_and_grad(params, steps.layout(batch), ref, beta=beta, loss_type=loss_type)
   return replay, _naive(graphdef, params, batch.naive, naive_ref, beta=beta, loss_type=loss_type, micro_batch=2)
 
 
