@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 from branch_replay_jax.models import Llama, lora
 from branch_replay_jax.models.config import ModelConfig
 from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_NAMES, LAYER_PREFIX
-from branch_replay_jax.models.loading import LAYER_PARAMS
+from branch_replay_jax.models.loading import LAYER_PARAMS, generation_config, stop_ids
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
@@ -51,6 +51,20 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
   if c.arch == "qwen2":
     out["use_sliding_window"] = False
   return out
+
+
+def token_ids(tokenizer) -> tuple[dict, dict]:
+  """(config.json's token-id fields, generation_config.json) that say how the exported model starts
+  and stops: config.json gets the tokenizer's bos_token_id / eos_token_id / pad_token_id (those it
+  has); generation_config.json is the source model's own (`models.loading.generation_config`: GGUF
+  metadata or the source directory's file) with eos_token_id the whole stop set
+  (`models.loading.stop_ids`: an int when one, else a list) and the tokenizer's ids where the source
+  names none. Without them transformers falls back to per-family class defaults."""
+  ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+  ids = {k: int(v) for k, v in ids.items() if v is not None}
+  stops = list(stop_ids(tokenizer))
+  generation = {**ids, **generation_config(tokenizer), "eos_token_id": stops[0] if len(stops) == 1 else stops}
+  return ids, generation
 
 
 def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -82,7 +96,8 @@ def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32
   """Write `model` (and `tokenizer`, when given) as a Hugging Face directory; returns out_dir.
 
   dtype: "float32" (exact) or "bfloat16" (rounded, half the bytes). A model with LoRA adapters is
-  written merged (`models.lora.merged`).
+  written merged (`models.lora.merged`). With a tokenizer, config.json carries its token ids and
+  generation_config.json the source model's stop set (`token_ids`).
 
   Raises:
     ValueError: dtype not in DTYPES, or out_dir exists and is not empty (nothing is overwritten).
@@ -98,9 +113,12 @@ def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32
     import ml_dtypes
     tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
   save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  ids, generation = ({}, None) if tokenizer is None else token_ids(tokenizer)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config(model.config, dtype), f, indent=2)
+    json.dump({**hf_config(model.config, dtype), **ids}, f, indent=2)
   if tokenizer is not None:
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+      json.dump(generation, f, indent=2)
     tokenizer.save_pretrained(out_dir)
   return out_dir
 

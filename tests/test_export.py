@@ -1,5 +1,6 @@
 """Export to a Hugging Face directory (branch_replay_jax/export.py): read back by our HF loader, same logits."""
 
+import copy
 import json
 import os
 
@@ -75,3 +76,30 @@ def test_exported_smollm2_reads_back_with_the_same_logits(tmp_path):
   loaded, _ = load(out)
   want, got = _logits(model), _logits(loaded)
   assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm=True))])
+def test_export_says_how_to_stop(tmp_path, tokenizer, arch, overrides):
+  # transformers reads the export's token ids: SmolLM2's tokenizer ends a turn with <|im_end|> = 2 and opens one
+  # with <|im_start|> = 1 (its GGUF's tokenizer.ggml.eos/bos_token_id). Without them in config.json AutoConfig
+  # gives None, and with no generation_config.json generate() falls back to per-family class defaults.
+  from transformers import AutoConfig, GenerationConfig
+  model = Llama(tiny_config(vocab_size=len(tokenizer), arch=arch, **overrides), rngs=nnx.Rngs(0))
+  out = export.export_model(model, tokenizer, str(tmp_path / arch))
+  config = AutoConfig.from_pretrained(out)
+  assert (config.eos_token_id, config.bos_token_id) == (2, 1)
+  generation = GenerationConfig.from_pretrained(out)
+  assert (generation.eos_token_id, generation.bos_token_id) == (2, 1)   # the source GGUF's one stop id, 2
+
+
+def test_export_keeps_the_source_models_stop_list(tmp_path, tokenizer):
+  # A source whose generation config lists two stop ids (as Qwen2.5-Instruct's <|im_end|> and <|endoftext|>)
+  # exports both, and the export loads back with the same stop set.
+  from transformers import GenerationConfig
+  from branch_replay_jax.models.loading import stop_ids, with_generation_config
+  source = with_generation_config(copy.copy(tokenizer), {"eos_token_id": [2, 0], "temperature": 0.7})
+  model = Llama(tiny_config(vocab_size=len(source)), rngs=nnx.Rngs(0))
+  out = export.export_model(model, source, str(tmp_path / "m"))
+  generation = GenerationConfig.from_pretrained(out)
+  assert generation.eos_token_id == [2, 0] and generation.temperature == 0.7
+  assert stop_ids(load(out)[1]) == (2, 0)

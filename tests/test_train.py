@@ -16,7 +16,7 @@ from branch_replay_jax.rollout.tasks import Task
 from conftest import cut_by_eos, experiment_config, length_score
 from experiments import grpo_smollm2_arith
 
-REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean",
+REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean", "truncated_frac",
             "zero_variance_groups", "token_positions_naive", "token_positions_computed", "ideal_flop_ratio",
             "sample_s", "score_s", "update_s", "step_s"}
 

@@ -751,6 +751,7 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
   return {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
           "accuracy": float(np.concatenate([g.correct for g in groups]).mean()), **stats,
           "completion_len_mean": float(lengths.mean()),
+          "truncated_frac": float(np.concatenate([g.truncated for g in groups]).mean()),
           "zero_variance_groups": int(sum(bool(obj.constant_groups(g.rewards)) for g in groups)), **counts,
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
           "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),

@@ -256,6 +256,23 @@ def _drop_tokens_beyond(backend, vocab_size: int):
   return Tokenizer.from_str(json.dumps(spec))
 
 
+# llama.cpp's end-of-generation ids (`llama_vocab_is_eog`): end of sequence, of turn, of message.
+STOP_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+
+
+def generation_config(metadata: dict) -> dict:
+  """The file's generation settings in generation_config.json's field names, from the `tokenizer.*`
+  metadata: {"eos_token_id": the stop ids of `STOP_KEYS` present (an int when one, else a list),
+  "bos_token_id", "pad_token_id"}, each only when the metadata has it."""
+  stops = list(dict.fromkeys(int(metadata[f"tokenizer.ggml.{k}"]) for k in STOP_KEYS
+                             if f"tokenizer.ggml.{k}" in metadata))
+  out = {} if not stops else {"eos_token_id": stops[0] if len(stops) == 1 else stops}
+  for ours, key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+    if f"tokenizer.ggml.{key}" in metadata:
+      out[ours] = int(metadata[f"tokenizer.ggml.{key}"])
+  return out
+
+
 def build_tokenizer(arch: str, metadata: dict, path: str):
   """A `PreTrainedTokenizerFast` from the `tokenizer.*` metadata, without torch.
 

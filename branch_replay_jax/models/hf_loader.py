@@ -153,6 +153,22 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
   return tensors
 
 
+GENERATION_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id")
+
+
+def generation_config(directory: str) -> dict:
+  """The checkpoint's generation settings: `directory/generation_config.json` as written, or without
+  one the token ids of config.json (`GENERATION_FIELDS`, as transformers' GenerationConfig.from_model_config
+  takes them); {} when neither names any. eos_token_id may be an int or a list of ints."""
+  path = os.path.join(directory, "generation_config.json")
+  if os.path.isfile(path):
+    with open(path) as f:
+      return json.load(f)
+  with open(os.path.join(directory, "config.json")) as f:
+    cfg = json.load(f)
+  return {k: cfg[k] for k in GENERATION_FIELDS if cfg.get(k) is not None}
+
+
 def load_tokenizer(directory: str):
   """`AutoTokenizer.from_pretrained(directory)` from local files only.
 
