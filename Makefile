@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py
+	$(PY) -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py --config.overwrite=True
 
 # Two pytest workers (pytest-xdist), one test file per worker at a time, so module fixtures run once.
 test: $(STAMP)

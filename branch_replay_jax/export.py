@@ -2,10 +2,13 @@
 
     python -m branch_replay_jax.export --config=experiments/grpo_smollm2_arith.py --out=exported/grpo
     python -m branch_replay_jax.export --config=experiments/ppo_smollm2_arith.py --out=exported/ppo --step=20
+    python -m branch_replay_jax.export --config=experiments/grpo_smollm2_arith.py --out=exported/base --base
 
-Reads the run directory of the experiment config (`config.run_dir`, as the training run wrote it),
-restores the checkpoint of `--step` (default: the latest) and writes the policy (PPO: the policy
-trunk, without the critic) in the layout transformers, vLLM and our own `models.load` read
+Reads the run directory of the experiment config (`config.run_dir`, as the training run wrote it:
+the model, tokenizer and chat template come from its experiment.json, and a config naming another
+model.name is refused), restores the checkpoint of `--step` (default: the latest) and writes the
+policy (PPO: the policy trunk, without the critic); `--base` writes config.model.name as loaded,
+with no run. The layout is the one transformers, vLLM and our own `models.load` read
 (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`). The tensors are the inverse of
 `models.loading.assemble_params`: projections transposed back to [out, in] and heads flattened.
 A LoRA run (config.lora) is written with its adapters merged into the base weights
@@ -15,12 +18,14 @@ matches the base model loaded now.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 import jax
+import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 from safetensors.numpy import save_file
@@ -28,7 +33,8 @@ from safetensors.numpy import save_file
 from branch_replay_jax.models import Llama, lora
 from branch_replay_jax.models.config import ModelConfig
 from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_NAMES, LAYER_PREFIX
-from branch_replay_jax.models.loading import LAYER_PARAMS
+from branch_replay_jax.models.loading import LAYER_PARAMS, generation_config, stop_ids
+from branch_replay_jax.outputs.checkpoints import read_run_record
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
@@ -51,6 +57,20 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
   if c.arch == "qwen2":
     out["use_sliding_window"] = False
   return out
+
+
+def token_ids(tokenizer) -> tuple[dict, dict]:
+  """(config.json's token-id fields, generation_config.json) that say how the exported model starts
+  and stops: config.json gets the tokenizer's bos_token_id / eos_token_id / pad_token_id (those it
+  has); generation_config.json is the source model's own (`models.loading.generation_config`: GGUF
+  metadata or the source directory's file) with eos_token_id the whole stop set
+  (`models.loading.stop_ids`: an int when one, else a list) and the tokenizer's ids where the source
+  names none. Without them transformers falls back to per-family class defaults."""
+  ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+  ids = {k: int(v) for k, v in ids.items() if v is not None}
+  stops = list(stop_ids(tokenizer))
+  generation = {**ids, **generation_config(tokenizer), "eos_token_id": stops[0] if len(stops) == 1 else stops}
+  return ids, generation
 
 
 def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -82,7 +102,8 @@ def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32
   """Write `model` (and `tokenizer`, when given) as a Hugging Face directory; returns out_dir.
 
   dtype: "float32" (exact) or "bfloat16" (rounded, half the bytes). A model with LoRA adapters is
-  written merged (`models.lora.merged`).
+  written merged (`models.lora.merged`). With a tokenizer, config.json carries its token ids and
+  generation_config.json the source model's stop set (`token_ids`).
 
   Raises:
     ValueError: dtype not in DTYPES, or out_dir exists and is not empty (nothing is overwritten).
@@ -98,35 +119,77 @@ def export_model(model: Llama, tokenizer, out_dir: str, *, dtype: str = "float32
     import ml_dtypes
     tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
   save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  ids, generation = ({}, None) if tokenizer is None else token_ids(tokenizer)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config(model.config, dtype), f, indent=2)
+    json.dump({**hf_config(model.config, dtype), **ids}, f, indent=2)
   if tokenizer is not None:
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+      json.dump(generation, f, indent=2)
     tokenizer.save_pretrained(out_dir)
   return out_dir
+
+
+@contextlib.contextmanager
+def quiet_absl():
+  """absl's logger (orbax logs every checkpoint phase through it at INFO) at WARNING inside the block."""
+  before = logging.get_verbosity()
+  logging.set_verbosity(logging.WARNING)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(before)
+
+
+def run_config(config):
+  """The config the run in config.run_dir trained with (its experiment.json), and its chat template.
+
+  Raises:
+    ValueError: no run there (no experiment.json: train first, or export the base model with
+      `export_base`); config.model.name differs from the run's (naming both).
+  """
+  try:
+    record = read_run_record(config.run_dir)
+  except ValueError as e:
+    raise ValueError(f"export: {e}; train there first, or export the base model with --base") from None
+  trained = record["fingerprint"]["model"]
+  if config.model.name != trained:
+    raise ValueError(f"export: model.name={config.model.name!r} but run_dir={config.run_dir!r} trained "
+                     f"model.name={trained!r}; export that run with its model, or the base model with --base")
+  saved = config if record["config"] is None else ml_collections.ConfigDict(record["config"])
+  return saved, record["chat_template"]
 
 
 def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "float32") -> str:
   """Export the policy of `config.run_dir`'s checkpoint `step` (default: the latest); returns out_dir.
 
+  The model (name, LoRA shape, algorithm), the tokenizer and its chat template are the run's, from
+  its experiment.json (`run_config`): settings changed in `config` since the run do not leak into
+  the export.
+
   Raises:
-    ValueError: the run directory has no checkpoint, or no checkpoint `step` (naming the ones it has);
-      a LoRA run's checkpoint was trained on another base model (models.lora.check_base).
+    ValueError: as `run_config` (no run in run_dir, another model.name); the run directory has no
+      checkpoint, or no checkpoint `step` (naming the ones it has); a LoRA run's checkpoint was
+      trained on another base model (models.lora.check_base).
   """
   from branch_replay_jax.algorithms.loop import build_model
   from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
-  ckpt = RunCheckpoints(config.run_dir)
-  try:
-    steps = ckpt.steps()
-    if not steps or (step is not None and step not in steps):
-      raise ValueError(f"export: {config.run_dir} has no checkpoint {step if step is not None else ''} "
-                       f"(checkpoints: {steps})")
-    state, meta = ckpt.restore(steps[-1] if step is None else step)
-  finally:
-    ckpt.close()
+  config, chat_template = run_config(config)
+  with quiet_absl():
+    ckpt = RunCheckpoints(config.run_dir)
+    try:
+      steps = ckpt.steps()
+      if not steps or (step is not None and step not in steps):
+        raise ValueError(f"export: {config.run_dir} has no checkpoint {step if step is not None else ''} "
+                         f"(checkpoints: {steps})")
+      state, meta = ckpt.restore(steps[-1] if step is None else step)
+    finally:
+      ckpt.close()
   params = pure_params(state["params"])
   if config.get("algorithm", "grpo") == "ppo":
     params = params["policy"]   # the actor-critic's policy trunk; the critic does not leave
   model, tokenizer = build_model(config)
+  if chat_template is not None:
+    tokenizer.chat_template = chat_template
   if model.lora is not None:   # the checkpoint holds the adapters only: check the base they belong to
     lora.check_base(meta.get("lora_base"), {"model": config.model.name, "sha256": lora.base_hash(lora.split(model)[2])},
                     f"run_dir={config.run_dir!r}")
@@ -135,9 +198,24 @@ def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "f
   return export_model(nnx.merge(graphdef, state), tokenizer, out_dir, dtype=dtype)
 
 
+def export_base(config, out_dir: str, *, dtype: str = "float32") -> str:
+  """Export config.model.name as loaded, before any training (no run directory is read); returns
+  out_dir. "tiny" is the random model a run of the same seed starts from; with config.lora the
+  untrained adapters (B = 0) merge to the base weights exactly."""
+  from branch_replay_jax.algorithms.loop import build_model
+  model, tokenizer = build_model(config)
+  return export_model(model, tokenizer, out_dir, dtype=dtype)
+
+
 def main(argv):
   del argv
-  print(export_run(flags.FLAGS.config, flags.FLAGS.out, step=flags.FLAGS.step, dtype=flags.FLAGS.dtype))
+  f = flags.FLAGS
+  if f.base:
+    if f.step is not None:
+      raise app.UsageError("--base exports the model before training; it takes no --step")
+    print(export_base(f.config, f.out, dtype=f.dtype))
+  else:
+    print(export_run(f.config, f.out, step=f.step, dtype=f.dtype))
 
 
 if __name__ == "__main__":
@@ -145,4 +223,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "The new directory to write.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
   flags.DEFINE_string("dtype", "float32", "float32 (exact) or bfloat16.")
+  flags.DEFINE_bool("base", False, "Export config.model.name as loaded, without a run (no checkpoint).")
   app.run(main)

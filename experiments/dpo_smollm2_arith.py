@@ -84,7 +84,10 @@ def get_config(arg=None):
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/dpo_smollm2_arith"    # metrics.jsonl, plots, checkpoints
   c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)
-  c.resume = False                        # continue from the latest checkpoint in run_dir
+  c.resume = False                        # continue from the latest checkpoint in run_dir (a run_dir holding
+  #                                       # a run is refused unless resume or overwrite is True)
+  c.overwrite = False                     # True: delete everything in run_dir (checkpoints included) before a
+  #                                       # fresh run; not with resume
 
   if jsonl:
     c.train.steps = 10

@@ -49,11 +49,12 @@ def get_config(arg=None):
 
   c.loss = ml_collections.ConfigDict()
   c.loss.clip_eps_low = 0.2               # ratio clip [1 - clip_eps_low, 1 + clip_eps_high]; equal: PPO's symmetric
-  c.loss.clip_eps_high = 0.2              # clip, high > low: DAPO's clip-higher (e.g. 0.28). With
-  #                                       # train.inner_epochs = 1 GRPO is on-policy (ratio 1, its gradient is that
-  #                                       # of the ratio): nothing is clipped
+  c.loss.clip_eps_high = 0.2              # clip, high > low: DAPO's clip-higher (e.g. 0.28); low > high is refused.
+  #                                       # APPLY ONLY WITH train.inner_epochs > 1: at 1 GRPO is on-policy (ratio 1,
+  #                                       # its gradient is that of the ratio) and nothing is clipped
   c.loss.importance_ratio = "token"       # token (PPO/GRPO ratio per token) or sequence (GSPO, arXiv 2507.18071:
-  #                                       # (pi/pi_old)^(1/|y|) per completion; equal to token when on-policy)
+  #                                       # (pi/pi_old)^(1/|y|) per completion; needs normalisation sequence_mean).
+  #                                       # Differs from token only with train.inner_epochs > 1 (on-policy: equal)
   c.loss.logprob_temperature = "one"      # trainer log-probs of softmax(logits / tau): one (tau = 1) or sampling
   #                                       # (tau = rollout.temperature, the distribution the tokens came from)
   c.loss.aggregation = "group_mean"       # group_mean (each group normalised, groups averaged) or step_token_mean
@@ -108,7 +109,10 @@ def get_config(arg=None):
   c.seed = 0                              # sampling and initialisation seed
   c.run_dir = "runs/grpo_smollm2_arith"   # metrics.jsonl, plots, checkpoints
   c.checkpoint_every = 5                  # steps between checkpoints (also saved at the end)
-  c.resume = False                        # continue from the latest checkpoint in run_dir
+  c.resume = False                        # continue from the latest checkpoint in run_dir (a run_dir holding
+  #                                       # a run is refused unless resume or overwrite is True)
+  c.overwrite = False                     # True: delete everything in run_dir (checkpoints included) before a
+  #                                       # fresh run; not with resume
 
   if arg in ("lora", "lora_smoke"):
     # LoRA (models/lora.py): only the adapters train; the KL reference is the base model (adapters off).

@@ -82,7 +82,7 @@ run_stage() {
       bench xla 32768 512 16 save_kv 1 1 || rc=1 ;;
     experiment)
       timeout "$STAGE_TIMEOUT" "$PY" -m branch_replay_jax.main --config=experiments/grpo_smollm2_arith.py \
-        --config.train.steps=10 --config.checkpoint_every=10 --config.run_dir=/tmp/gpu_default_run \
+        --config.train.steps=10 --config.checkpoint_every=10 --config.run_dir=/tmp/gpu_default_run --config.overwrite=True \
         > "$OUT/experiment.log" 2>&1 || rc=1
       cp /tmp/gpu_default_run/metrics.jsonl "$OUT/experiment_metrics.jsonl" || rc=1 ;;
     longest)

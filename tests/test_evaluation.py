@@ -17,7 +17,8 @@ from conftest import grpo_smoke, length_score
 
 # The fields every eval.jsonl row has (rollout.evaluate.summarize with pass_k, and loop.Evaluation).
 EVAL_FIELDS = {"step", "wall_s", "eval_s", "problems", "dropped_overlaps", "accuracy", "accuracy_lo", "accuracy_hi",
-               "reward_mean", "format_rate", "completion_len_mean", "pass_k", "pass_at_k", "sampled_accuracy"}
+               "reward_mean", "format_rate", "completion_len_mean", "truncated_frac", "pass_k", "pass_at_k",
+               "sampled_accuracy"}
 
 
 def lines(path):
@@ -64,14 +65,15 @@ def test_pass_at_k_hand_computed():
 
 
 def test_summarize_hand_computed():
-  results = [{"correct": True, "reward": 1.1, "formatted": True, "length": 10, "sampled_correct": 2},
-             {"correct": False, "reward": 0.0, "formatted": False, "length": 32, "sampled_correct": 0},
-             {"correct": True, "reward": 1.0, "formatted": False, "length": 6, "sampled_correct": 4}]
+  results = [{"correct": True, "reward": 1.1, "formatted": True, "length": 10, "truncated": False, "sampled_correct": 2},
+             {"correct": False, "reward": 0.0, "formatted": False, "length": 32, "truncated": True, "sampled_correct": 0},
+             {"correct": True, "reward": 1.0, "formatted": False, "length": 6, "truncated": False, "sampled_correct": 4}]
   row = held_out.summarize(results, pass_k=4)
   assert row["problems"] == 3 and row["accuracy"] == pytest.approx(2 / 3)
   assert (row["accuracy_lo"], row["accuracy_hi"]) == held_out.wilson_interval(2, 3)
   assert row["reward_mean"] == pytest.approx(2.1 / 3) and row["format_rate"] == pytest.approx(1 / 3)
   assert row["completion_len_mean"] == pytest.approx(16.0)
+  assert row["truncated_frac"] == pytest.approx(1 / 3)      # the 32-token answer ran to the budget
   assert row["pass_at_k"] == pytest.approx(2 / 3)           # problems 1 and 3 have a correct sample
   assert row["sampled_accuracy"] == pytest.approx(6 / 12)   # 2 + 0 + 4 correct of 3 x 4 samples
   assert "pass_at_k" not in held_out.summarize(results, pass_k=0)

@@ -336,6 +336,14 @@ def test_an_old_grpo_config_with_clip_eps_names_the_new_fields(tmp_path):
     ({"loss.clip_eps_low": 1.0}, r"loss.clip_eps_low=1.0 must be in \(0, 1\)"),
     ({"loss.clip_eps_high": 0.0}, r"loss.clip_eps_high=0.0 must be a finite number > 0"),
     ({"loss.importance_ratio": "seq"}, "loss.importance_ratio='seq'"),
+    # GSPO (arXiv 2507.18071) weighs each completion once; a token mean weighs it by its length: not GSPO.
+    ({"loss.importance_ratio": "sequence", "loss.normalisation": "token_mean"},
+     "loss.importance_ratio='sequence' with loss.normalisation='token_mean': GSPO weighs each completion once"),
+    ({"loss.importance_ratio": "sequence", "loss.normalisation": "token_mean", "loss.aggregation": "step_token_mean"},
+     "loss.importance_ratio='sequence' with loss.normalisation='token_mean'"),
+    # DAPO's clip-higher raises the upper bound; low 0.28 > high 0.2 is the reverse of what was meant.
+    ({"loss.clip_eps_low": 0.28, "loss.clip_eps_high": 0.2},
+     r"loss.clip_eps_low=0.28 > loss.clip_eps_high=0.2: clip-higher reversed"),
     ({"loss.logprob_temperature": "tempered"}, "loss.logprob_temperature='tempered'"),
     ({"loss.aggregation": "token"}, "loss.aggregation='token'"),
     ({"loss.aggregation": "step_token_mean"}, "loss.normalisation='sequence_mean'"),
@@ -372,8 +380,9 @@ def test_off_policy_sequence_ratio_on_trees_and_grpo_options_in_ppo_are_refused(
 # ---------------------------------------------------------------------------------------------
 # The loop with every option on: replay == naive, a resumed run == the uninterrupted one, the mesh.
 
-ALL_OPTIONS = {"loss.clip_eps_high": 0.28,
-               "loss.importance_ratio": "sequence", "train.inner_epochs": 2,
+# GSPO's sequence ratio is not among them: it weighs completions, not the token means below (refused together;
+# its off-policy replay == naive is held at the objective level, GROUP_OBJECTIVE).
+ALL_OPTIONS = {"loss.clip_eps_high": 0.28, "train.inner_epochs": 2,
                "loss.logprob_temperature": "sampling", "rollout.temperature": 0.7,
                "loss.mask_truncated": True, "loss.overlong_buffer": 4,
                "loss.normalisation": "token_mean", "loss.aggregation": "step_token_mean",

@@ -566,3 +566,50 @@ def test_safetensors_cut_inside_its_header(tmp_path):
 def test_context_length_reads_only_metadata():
   from branch_replay_jax.models.loading import context_length
   assert context_length("smollm2-135m-instruct") == 8192   # llama.context_length in the GGUF header
+
+
+# ---------------------------------------------------------------- a missing RoPE base is never a silent 10000
+
+
+def _without_rope_base(config):
+  metadata, arch = gguf_metadata(config)
+  return [(add, v) for add, v in metadata if add != "add_rope_freq_base"], arch
+
+
+def test_qwen2_gguf_without_rope_freq_base_is_refused_naming_the_key(tmp_path):
+  # Qwen2/2.5 files carry rope.freq_base = 1e6; llama.cpp and Qwen2Config would fall back to 10000, which
+  # rotates every position with the wrong frequencies. No family default exists here: refused by key.
+  source = random_model(GGUF_CONFIGS["qwen2_bias_untied"])
+  metadata, arch = _without_rope_base(source.config)
+  _write_gguf(tmp_path / "q.gguf", arch, gguf_tensors(source), metadata)
+  with pytest.raises(ValueError, match=r"q.gguf: qwen2.rope.freq_base is missing; the qwen2 family"):
+    load(str(tmp_path / "q.gguf"))
+
+
+def test_llama_gguf_without_rope_freq_base_takes_10000_and_says_so(tmp_path, caplog):
+  # Llama 1/2 document 10000 (LlamaConfig's default, llama.cpp's fallback): taken, with a warning naming the key.
+  source = random_model(GGUF_CONFIGS["llama_tied"])
+  metadata, arch = _without_rope_base(source.config)
+  _write_gguf(tmp_path / "l.gguf", arch, gguf_tensors(source), metadata)
+  with caplog.at_level("WARNING"):
+    model, _ = load(str(tmp_path / "l.gguf"))
+  assert model.config.rope_theta == 10000.0
+  assert "llama.rope.freq_base is missing; using the llama family's default RoPE base 10000.0" in caplog.text
+
+
+@pytest.mark.parametrize("name,expected", [("qwen2_bias_untied", None), ("qwen3_qk_norm_head_dim_16", None),
+                                           ("llama_tied", 10000.0)])
+def test_hf_config_without_rope_theta_is_refused_or_takes_the_llama_default(tmp_path, caplog, name, expected):
+  # The HF loader behaves as the GGUF one: qwen2 / qwen3 refuse by key, llama takes 10000 and logs it.
+  source = random_model(CONFIGS[name])
+  directory = write_hf_dir(tmp_path / name, source.config, hf_tensors(source))
+  cfg = json.load(open(directory / "config.json"))
+  del cfg["rope_theta"]
+  json.dump(cfg, open(directory / "config.json", "w"))
+  if expected is None:
+    with pytest.raises(ValueError, match=rf"config.json: rope_theta is missing; the {source.config.arch} family"):
+      load(directory)
+    return
+  with caplog.at_level("WARNING"):
+    model, _ = load(directory)
+  assert model.config.rope_theta == expected and "rope_theta is missing" in caplog.text

@@ -418,3 +418,68 @@ def test_float64_model_samples_with_float64_logprobs(model):
       np.testing.assert_allclose(np.asarray(r.logprobs[g, :n]), want, atol=1e-12, rtol=0)
     tree = sample_tree(m64, PROMPT, fanouts=[2], segment_length=3, key=jax.random.key(3))
     assert tree.logprobs[1].dtype == np.float64
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's stop set, not the tokenizer's one EOS, ends a completion everywhere the loops sample.
+
+def _emits_zero_first(vocab_size):
+  """A tiny model whose next token is always id 0: attention and MLP outputs are zero (the hidden state
+  is the last token's embedding), every embedding row is ones and row 0 twos, so the tied logits are
+  2d = 64 for id 0 against d = 32 for every other id: P(not 0) ~ 49151 e^-32 ~ 6e-10 at temperature 1.
+  Built from shapes (no random initialisation to compile): every other weight and norm is ones."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(tiny_config(vocab_size=vocab_size), rngs=nnx.Rngs(0))))
+  state = jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), state)
+  model = nnx.merge(graphdef, state)
+  model.layers.wo[...] = jnp.zeros_like(model.layers.wo[...])
+  model.layers.w_down[...] = jnp.zeros_like(model.layers.w_down[...])
+  model.embed[...] = model.embed[...].at[0].set(2.0)
+  return model
+
+
+@pytest.fixture(scope="module")
+def stops_on_zero(tmp_path_factory):
+  """(model, tokenizer) loaded from an HF directory whose generation_config.json lists eos_token_id [2, 0]
+  (SmolLM2's tokenizer: its EOS is 2, <|im_end|>), exported from the model above."""
+  from branch_replay_jax import export
+  from branch_replay_jax.models.loading import load, load_tokenizer, with_generation_config
+  tokenizer = with_generation_config(load_tokenizer("smollm2-135m-instruct"), {"eos_token_id": [2, 0]})
+  out = export.export_model(_emits_zero_first(len(tokenizer)), tokenizer, str(tmp_path_factory.mktemp("stops") / "m"))
+  return load(out)
+
+
+def test_the_generation_configs_stop_ids_end_rollouts_evaluation_and_dpo_samples(stops_on_zero, tmp_path):
+  # The policy's first token is id 0, a stop id of the model but not the tokenizer's EOS (2): every completion
+  # is that 1 token, terminated (not truncated), in group and tree rollouts, evaluation and DPO sampling.
+  # Stopping on the tokenizer's EOS alone ran each to its 8-token budget, truncated.
+  from branch_replay_jax.algorithms import dpo, loop
+  from branch_replay_jax.models.loading import stop_ids
+  from branch_replay_jax.rollout import collect, evaluate
+  from conftest import experiment_config
+  from experiments import dpo_smollm2_arith, grpo_smollm2_arith, grpo_tree_smollm2_arith
+  model, tokenizer = stops_on_zero
+  assert stop_ids(tokenizer) == (2, 0)
+  key = jax.random.key(0)
+  for module in (grpo_smollm2_arith, grpo_tree_smollm2_arith):
+    config = experiment_config(module, "smoke", tmp_path)
+    task = loop.make_task_from(config)
+    group = collect.rollout(config, model, tokenizer, task, 0, key)
+    n = len(group.lengths)
+    assert group.lengths.tolist() == [1] * n and group.truncated.tolist() == [False] * n, module.__name__
+    assert loop.step_record(0, [group], {}, rollout_s=0.0, update_s=0.0)["truncated_frac"] == 0.0
+  result = evaluate.evaluate_problem(model, tokenizer, task, task[0], key, max_new_tokens=8, temperature=1.0,
+                                     top_p=1.0, pass_k=4)   # = group_size: the group's compiled sampler
+  assert (result["length"], result["truncated"]) == (1, False)
+  config = experiment_config(dpo_smollm2_arith, "smoke", tmp_path)
+  sampled = dpo.sample_prompt(config, model, tokenizer, loop.make_task_from(config), key, 0)
+  assert sampled["truncated"].tolist() == [False] * config.rollout.group_size
+
+
+def test_stop_ids_read_from_gguf_metadata_and_from_config_json():
+  # GGUF: llama.cpp's end-of-generation ids (EOS, end of turn, end of message), repeats dropped; an HF directory
+  # without generation_config.json: config.json's ids, as transformers' GenerationConfig.from_model_config.
+  from branch_replay_jax.models import gguf_loader
+  meta = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2,
+          "tokenizer.ggml.bos_token_id": 1}
+  assert gguf_loader.generation_config(meta) == {"eos_token_id": [2, 7], "bos_token_id": 1}
+  assert gguf_loader.generation_config({"tokenizer.ggml.eos_token_id": 2}) == {"eos_token_id": 2}

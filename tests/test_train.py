@@ -15,7 +15,7 @@ from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from branch_replay_jax.rollout.tasks import Task
 from conftest import cut_by_eos, experiment_config, final_params, grpo_smoke, length_score, max_rel, same_eval_rows
 
-REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean",
+REQUIRED = {"step", "reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "completion_len_mean", "truncated_frac",
             "zero_variance_groups", "token_positions_naive", "token_positions_computed", "ideal_flop_ratio",
             "sample_s", "score_s", "update_s", "step_s"}
 
@@ -299,3 +299,71 @@ def test_checkpoint_killed_mid_save_leaves_the_previous_one_usable(replay_run, t
   got, meta = final_params(copy)
   want, _ = final_params(run_dir)
   assert meta["step"] == 2 and max_rel(got, want) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Run directories: never a mix of two runs.
+
+def _used_copy(replay_run, tmp_path):
+  import shutil
+  copy = tmp_path / "run"
+  shutil.copytree(replay_run[0], copy)
+  return copy
+
+
+def _no_model(cfg):
+  raise AssertionError("the model loaded before the run directory was checked")
+
+
+def test_a_new_run_in_a_used_run_dir_is_refused_before_the_model_loads(replay_run, tmp_path, monkeypatch):
+  # The fault: a second run without resume rewrote metrics.jsonl but kept checkpoints 1 and 2, so a later
+  # resume=True restored the first run's step 2 and metrics.jsonl read steps 1, then 3, ... of two runs.
+  # Refused by name, offering both ways out, and nothing in the directory changes.
+  copy = _used_copy(replay_run, tmp_path)
+  before = sorted(os.listdir(copy)), (copy / "metrics.jsonl").read_text()
+  monkeypatch.setattr(loop, "build_model", _no_model)
+  with pytest.raises(ValueError, match=rf"run_dir='{copy}' is not empty .*pass resume=True to continue it, "
+                                       r"overwrite=True to delete everything in it first"):
+    train.train(grpo_smoke(copy))
+  assert (sorted(os.listdir(copy)), (copy / "metrics.jsonl").read_text()) == before
+  with pytest.raises(ValueError, match="resume=True and overwrite=True"):
+    train.train(grpo_smoke(copy, resume=True, overwrite=True))
+
+
+def test_overwrite_deletes_the_old_run_checkpoints_included(replay_run, tmp_path, capsys):
+  # overwrite=True empties the directory before the run: no old checkpoint is left to resume from, and
+  # nothing is reported as a changed field (it is a new run, not a resumption).
+  copy = _used_copy(replay_run, tmp_path)
+  config = grpo_smoke(copy, overwrite=True)
+  assert "checkpoints" in os.listdir(copy)
+  loop.prepare_run_dir(config, train.GRPO(config).fingerprint())
+  assert os.listdir(copy) == [] and "differ" not in capsys.readouterr().out
+  # A directory no run wrote (no experiment.json) is not deleted, even with overwrite.
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "notes" / "todo.txt").write_text("keep")
+  with pytest.raises(ValueError, match="holds files no run wrote"):
+    loop.prepare_run_dir(grpo_smoke(tmp_path / "notes", overwrite=True), train.GRPO(config).fingerprint())
+  assert (tmp_path / "notes" / "todo.txt").read_text() == "keep"
+
+
+def test_resume_prints_changed_fields_and_refuses_a_changed_data_order(replay_run, tmp_path, capsys):
+  # The smoke run trained at learning rate 1e-5, constant: resuming at 3e-5, cosine lists both changes.
+  # The seed is part of the fingerprint (it fixes every sampling key): still refused.
+  copy = _used_copy(replay_run, tmp_path)
+  config = grpo_smoke(copy, resume=True, **{"train.learning_rate": 3e-5, "train.lr_schedule": "cosine"})
+  loop.prepare_run_dir(config, train.GRPO(config).fingerprint())
+  out = capsys.readouterr().out
+  assert "resume: 2 config fields differ" in out
+  assert "train.learning_rate: 1e-05 -> 3e-05" in out and "train.lr_schedule: 'constant' -> 'cosine'" in out
+  config = grpo_smoke(copy, resume=True, seed=1)
+  with pytest.raises(ValueError, match=r"holds checkpoints of a different experiment \(fields \['seed'\] differ"):
+    loop.prepare_run_dir(config, train.GRPO(config).fingerprint())
+
+
+def test_a_run_dir_that_cannot_hold_a_run_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+  monkeypatch.setattr(loop, "build_model", _no_model)
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match=rf"run_dir='{tmp_path}/file' is a file, not a directory"):
+    train.train(grpo_smoke(tmp_path / "file"))
+  with pytest.raises(ValueError, match=rf"run_dir='{tmp_path}/file/run' cannot be created: {tmp_path}/file is a file"):
+    train.train(grpo_smoke(tmp_path / "file" / "run"))

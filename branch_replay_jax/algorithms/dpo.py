@@ -37,7 +37,7 @@ from branch_replay_jax.algorithms import loop
 from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.gradients import preference as pref
-from branch_replay_jax.models.loading import encode_chat
+from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout.sampler import sample_group
 
@@ -153,21 +153,23 @@ def encode_pairs(records: list[dict], tokenizer, max_positions: int) -> list[pre
 def sample_prompt(config, policy, tokenizer, task, key, data_pos: int) -> dict:
   """One task prompt's G completions sampled (one shared prefill) and scored, and its pair: {"pair":
   the best-reward completion (chosen) with the worst (rejected), None when the G rewards are all
-  equal; "rewards", "correct" [G]; "sample_s", "score_s"; "sample": the texts logged for the pair}.
+  equal; "rewards", "correct", "truncated" [G] (cut by the budget without one of the model's stop
+  ids, `models.loading.stop_ids`); "sample_s", "score_s"; "sample": the texts logged for the pair}.
   Host values only (numpy), so that a prompt sampled on another process can be sent here."""
   r = config.rollout
   problem = task[data_pos % len(task)]
   ids = encode_chat(tokenizer, task.messages(problem))
   t0 = time.perf_counter()
   ro = sample_group(policy, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
-                    temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id],
+                    temperature=r.temperature, top_p=r.top_p, eos_ids=stop_ids(tokenizer),
                     pad_id=tokenizer.pad_token_id or 0)
   comps = [row[:n] for row, n in zip(np.asarray(ro.tokens), np.asarray(ro.lengths))]
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode(comps, skip_special_tokens=True)
   scores = [task.score(text, problem) for text in texts]
   rew = np.array([s.reward for s in scores], np.float32)
-  out = {"pair": None, "rewards": rew, "correct": np.array([s.correct for s in scores]), "sample_s": t1 - t0,
+  out = {"pair": None, "rewards": rew, "correct": np.array([s.correct for s in scores]),
+         "truncated": np.asarray(ro.truncated, bool), "sample_s": t1 - t0,
          "score_s": time.perf_counter() - t1, "sample": None}
   if not bool(obj.constant_groups(rew)):
     best, worst = int(np.argmax(rew)), int(np.argmin(rew))
@@ -203,6 +205,7 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int,
   pairs = [p["pair"] for p in prompts if p["pair"] is not None]
   info = {"rewards": np.concatenate([p["rewards"] for p in prompts]),
           "correct": np.concatenate([p["correct"] for p in prompts]),
+          "truncated": np.concatenate([p["truncated"] for p in prompts]),
           "skipped_prompts": sum(p["pair"] is None for p in prompts),
           "sample_s": sum(p["sample_s"] for p in prompts), "score_s": sum(p["score_s"] for p in prompts),
           "sample": next((p["sample"] for p in prompts if p["sample"] is not None), None)}
@@ -330,5 +333,6 @@ def _record(step: int, num_pairs: int, info: dict, stats: dict, counts: dict, *,
             **{k: stats.get(k) for k in loss_fields}, **counts}
   if "rewards" in info:   # sampled pairs: the task reward of every sampled completion
     record.update(reward_mean=float(info["rewards"].mean()), accuracy=float(info["correct"].mean()),
+                  truncated_frac=float(info["truncated"].mean()),
                   sample_s=info["sample_s"], score_s=info["score_s"])
   return {**record, "update_s": update_s, "step_s": rollout_s + update_s}

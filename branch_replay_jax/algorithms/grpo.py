@@ -61,7 +61,7 @@ def clip_range(loss_config) -> tuple[float, float]:
 
   Raises:
     ValueError: a loss.clip_eps field (GRPO's clip range is the two fields; one name, one meaning),
-      ε_low outside (0, 1), ε_high not a finite number > 0.
+      ε_low outside (0, 1), ε_high not a finite number > 0, ε_low > ε_high (clip-higher reversed).
   """
   if "clip_eps" in loss_config:
     raise ValueError(f"loss.clip_eps={loss_config.clip_eps!r}: GRPO's clip range is loss.clip_eps_low and "
@@ -69,6 +69,9 @@ def clip_range(loss_config) -> tuple[float, float]:
   low, high = loss_config.clip_eps_low, loss_config.clip_eps_high
   loop.check_number("loss.clip_eps_low", low, lambda v: 0 < v < 1, "in (0, 1)")
   loop.check_number("loss.clip_eps_high", high, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  if low > high:
+    raise ValueError(f"loss.clip_eps_low={low!r} > loss.clip_eps_high={high!r}: clip-higher reversed (DAPO raises "
+                     "the upper bound, e.g. low 0.2, high 0.28); swap them or set them equal")
   return float(low), float(high)
 
 
@@ -91,6 +94,11 @@ def validate_options(config) -> None:
                      f"train.inner_epochs={t.inner_epochs}: GSPO's ratio is a mean over a whole trajectory, which a "
                      "tree node's loss does not see off-policy (on-policy it is 1, the token ratio's GRPO); use "
                      "train.inner_epochs=1, group rollouts or loss.importance_ratio='token'")
+  if l.importance_ratio == "sequence" and l.normalisation != "sequence_mean":
+    raise ValueError(f"loss.importance_ratio='sequence' with loss.normalisation={l.normalisation!r}: GSPO weighs each "
+                     "completion once (1 / (G |y_i|), arXiv 2507.18071 eq. 5), a token mean weighs it by its length; "
+                     "set loss.normalisation='sequence_mean' (and loss.aggregation='group_mean') or use "
+                     "loss.importance_ratio='token'")
   if l.logprob_temperature not in LOGPROB_TEMPERATURES:
     raise ValueError(f"loss.logprob_temperature={l.logprob_temperature!r} is not one of {LOGPROB_TEMPERATURES}")
   if l.aggregation not in AGGREGATIONS:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from typing import Any
@@ -41,7 +42,8 @@ from branch_replay_jax.distributed.mesh import (PARAM_MODES, make_mesh, pad_prom
                                                 stack_groups)
 from branch_replay_jax.models import Llama, lora, tiny_config
 from branch_replay_jax.outputs import plots
-from branch_replay_jax.outputs.checkpoints import RunCheckpoints, check_run_dir
+from branch_replay_jax.outputs.checkpoints import (RunCheckpoints, check_run_dir, check_run_dir_path, config_changes,
+                                                  open_run_dir, write_run_record)
 from branch_replay_jax.outputs.tensorboard import ScalarWriter
 from branch_replay_jax.rollout import evaluate as held_out
 from branch_replay_jax.rollout.collect import Group, completion_budget, rollout
@@ -62,8 +64,10 @@ def check_number(name: str, value, ok, domain: str) -> None:
 def validate_common(config) -> None:
   """Raise ValueError (naming the field and value) for the fields every algorithm shares, before
   anything loads: model (dtype, remat, attention), optimizer (learning rate, warmup, decay,
-  clipping), seed and resume, task, sampling (temperature, top_p) and a completion budget longer
-  than the model's context (read from the model's metadata, models.loading.context_length)."""
+  clipping), seed, the run directory (resume, overwrite: not both; a run_dir that is a file or cannot
+  be created or written, outputs.checkpoints.check_run_dir_path), task, sampling (temperature,
+  top_p) and a completion budget longer than the model's context (read from the model's metadata,
+  models.loading.context_length)."""
   from branch_replay_jax.kernels import ATTENTION_IMPLS
   from branch_replay_jax.models.llama import REMAT_POLICIES
   from branch_replay_jax.models.loading import context_length
@@ -83,8 +87,12 @@ def validate_common(config) -> None:
   for name, value in [("train.warmup_steps", t.warmup_steps), ("seed", config.seed)]:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"{name}={value!r} must be an int >= 0")
-  if not isinstance(config.resume, bool):
-    raise ValueError(f"resume={config.resume!r} must be a bool")
+  for name in ("resume", "overwrite"):
+    if not isinstance(config[name], bool):
+      raise ValueError(f"{name}={config[name]!r} must be a bool")
+  if config.resume and config.overwrite:
+    raise ValueError("resume=True and overwrite=True: continue the run in run_dir or delete it, not both")
+  check_run_dir_path(config.run_dir)
   if "task" in config:
     k = config.task
     if k.name not in TASKS:
@@ -655,14 +663,20 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
   base); each checkpoint records the base ({"model": model.name, "sha256": models.lora.base_hash})
   and a resume checks it before restoring.
 
+  Before the model loads, RUN_DIR is opened (outputs.checkpoints.open_run_dir: a fresh run needs it
+  empty, config.overwrite empties it first, config.resume continues it) and, resuming, every config
+  field that differs from the run's experiment.json is printed; experiment.json then records this
+  run's fingerprint, config and chat template (what the export reads).
+
   Raises:
-    ValueError: RUN_DIR holds another experiment's checkpoints (check_run_dir), or, with
-      config.lora, adapters trained on another base model (models.lora.check_base).
+    ValueError: RUN_DIR is not empty without resume or overwrite (open_run_dir), holds another
+      experiment's checkpoints (check_run_dir), or, with config.lora, adapters trained on another
+      base model (models.lora.check_base).
   """
-  check_run_dir(config.run_dir, run_fingerprint, write=False)   # every process refuses a wrong run dir
-  if hosts.is_primary():
-    check_run_dir(config.run_dir, run_fingerprint)
+  saved = prepare_run_dir(config, run_fingerprint)
   model, tokenizer = build_model(config)
+  if hosts.is_primary():
+    write_run_record(config.run_dir, run_fingerprint, saved, tokenizer.chat_template)
   model_config = model.config
   frozen, meta = None, {}
   if model.lora is None:
@@ -688,6 +702,31 @@ def start_run(config, run_fingerprint: dict, *, optimizer_fn=make_optimizer, wra
     plots.cut_logs_back(config.run_dir, start)
   return Run(tokenizer, model_config, graphdef, params, initial, optimizer, opt_state, ckpt, key, start, data_pos,
              frozen)
+
+
+def prepare_run_dir(config, run_fingerprint: dict) -> dict:
+  """Open config.run_dir on process 0 (`open_run_dir`; its verdict shared, so every process raises
+  alike, and they continue once it is done), refuse another experiment's checkpoints on every
+  process (`check_run_dir`), print the config fields a resume changes; returns this run's config
+  as JSON (what experiment.json records)."""
+  error = None
+  if hosts.is_primary():
+    try:
+      open_run_dir(config.run_dir, resume=config.resume, overwrite=config.overwrite)
+      os.makedirs(config.run_dir, exist_ok=True)
+    except ValueError as e:
+      error = str(e)
+  error = hosts.allgather_objects(error)[0]   # also the barrier: overwrite's removal is done
+  if error is not None:
+    raise ValueError(error)
+  # to_json_best_effort, not to_dict: it reads no field through ConfigDict.__getitem__, so
+  # tests/test_config_fields.py still sees which fields the run itself reads.
+  now = json.loads(config.to_json_best_effort())
+  changes = config_changes(check_run_dir(config.run_dir, run_fingerprint), now)
+  if changes and hosts.is_primary():
+    print(f"resume: {len(changes)} config fields differ from run_dir={config.run_dir!r}'s experiment.json:\n" +
+          "\n".join(f"  {k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()), flush=True)
+  return now
 
 
 def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int, *,
@@ -751,6 +790,7 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
   return {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
           "accuracy": float(np.concatenate([g.correct for g in groups]).mean()), **stats,
           "completion_len_mean": float(lengths.mean()),
+          "truncated_frac": float(np.concatenate([g.truncated for g in groups]).mean()),
           "zero_variance_groups": int(sum(bool(obj.constant_groups(g.rewards)) for g in groups)), **counts,
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
           "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# RoPE base of a checkpoint whose metadata omits it, for the families that document one: Llama 1/2's
+# 10000 (transformers' LlamaConfig default, llama.cpp's fallback). Qwen2/2.5/3 checkpoints use 1000000
+# while Qwen2Config / Qwen3Config default to 10000: a missing key there is refused, never guessed.
+ROPE_THETA_DEFAULTS = {"llama": 10000.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,22 @@ class ModelConfig:
     d, hq, hkv, hd, f = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn_dim
     per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
     return self.num_layers * per_layer + d * self.vocab_size
+
+
+def default_rope_theta(arch: str, key: str, source: str) -> float:
+  """The RoPE base for a checkpoint `source` whose metadata lacks `key`: the family's documented
+  default (`ROPE_THETA_DEFAULTS`), logged as a warning.
+
+  Raises:
+    ValueError: naming `source` and `key`, for a family without one default (qwen2, qwen3).
+  """
+  if arch not in ROPE_THETA_DEFAULTS:
+    raise ValueError(f"{source}: {key} is missing; the {arch} family has no single RoPE base (Qwen2/2.5/3 "
+                     "checkpoints use 1000000, a 10000 default would rotate every position wrongly); add the key")
+  theta = ROPE_THETA_DEFAULTS[arch]
+  logging.getLogger(__name__).warning("%s: %s is missing; using the %s family's default RoPE base %s",
+                                      source, key, arch, theta)
+  return theta
 
 
 def tiny_config(**overrides) -> ModelConfig:

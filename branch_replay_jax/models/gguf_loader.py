@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 from tokenizers import Tokenizer
 
-from branch_replay_jax.models.config import ModelConfig
+from branch_replay_jax.models.config import ModelConfig, default_rope_theta
 
 # GGUF names: the same for every supported architecture; which optional ones must be present
 # follows from the config (qkv_bias, qk_norm, tie_embeddings).
@@ -176,6 +176,9 @@ def _field(reader: gguf.GGUFReader, key: str, path: str, default=None, required:
 def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
   """The `ModelConfig` the metadata describes.
 
+  A missing `<arch>.rope.freq_base` takes the family's documented default with a warning (llama:
+  10000) or is refused (qwen2, qwen3: `config.default_rope_theta`).
+
   Raises:
     ValueError: an architecture other than llama/qwen2/qwen3, RoPE scaling (not supported from
       GGUF metadata), a missing key, or a vocabulary size that disagrees with the token list.
@@ -200,6 +203,7 @@ def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
   if declared_vocab is not None and int(declared_vocab) != vocab:
     raise ValueError(f"{path}: {arch}.vocab_size={declared_vocab} but tokenizer.ggml.tokens has {vocab} entries")
   names = {t.name for t in reader.tensors}
+  theta = _field(reader, f"{arch}.rope.freq_base", path, required=False)
   return ModelConfig(
       arch=arch,
       vocab_size=vocab,
@@ -209,7 +213,7 @@ def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
       num_kv_heads=kv_heads,
       head_dim=head_dim,
       ffn_dim=int(_field(reader, f"{arch}.feed_forward_length", path)),
-      rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, default=10000.0)),
+      rope_theta=float(default_rope_theta(arch, f"{arch}.rope.freq_base", path) if theta is None else theta),
       norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
       tie_embeddings="output.weight" not in names,
       qkv_bias=arch == "qwen2",
@@ -250,6 +254,23 @@ def _drop_tokens_beyond(backend, vocab_size: int):
     return backend
   spec["added_tokens"] = kept
   return Tokenizer.from_str(json.dumps(spec))
+
+
+# llama.cpp's end-of-generation ids (`llama_vocab_is_eog`): end of sequence, of turn, of message.
+STOP_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+
+
+def generation_config(metadata: dict) -> dict:
+  """The file's generation settings in generation_config.json's field names, from the `tokenizer.*`
+  metadata: {"eos_token_id": the stop ids of `STOP_KEYS` present (an int when one, else a list),
+  "bos_token_id", "pad_token_id"}, each only when the metadata has it."""
+  stops = list(dict.fromkeys(int(metadata[f"tokenizer.ggml.{k}"]) for k in STOP_KEYS
+                             if f"tokenizer.ggml.{k}" in metadata))
+  out = {} if not stops else {"eos_token_id": stops[0] if len(stops) == 1 else stops}
+  for ours, key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+    if f"tokenizer.ggml.{key}" in metadata:
+      out[ours] = int(metadata[f"tokenizer.ggml.{key}"])
+  return out
 
 
 def build_tokenizer(arch: str, metadata: dict, path: str):

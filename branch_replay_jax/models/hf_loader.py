@@ -9,7 +9,7 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from branch_replay_jax.models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
+from branch_replay_jax.models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig, default_rope_theta
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 LAYER_PREFIX = "model.layers.{}."
@@ -31,10 +31,12 @@ LAYER_NAMES = {
 }
 
 
-def _rope(cfg: dict, path: str) -> tuple[float, Llama3RopeScaling | None]:
-  """(theta, scaling) from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+def _rope(cfg: dict, arch: str, path: str) -> tuple[float, Llama3RopeScaling | None]:
+  """(theta, scaling) from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`;
+  without rope_theta the family's documented default, logged, or a ValueError (`config.default_rope_theta`)."""
   params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-  theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+  theta = params.get("rope_theta", cfg.get("rope_theta"))
+  theta = float(default_rope_theta(arch, "rope_theta", path) if theta is None else theta)
   rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type == "default":
     return theta, None
@@ -54,7 +56,8 @@ def read_config(directory: str) -> ModelConfig:
   Raises:
     ValueError: a model_type other than llama/qwen2/qwen3, or an option our model does not
       implement (attention/MLP bias on Llama, sliding-window attention, a non-SiLU MLP,
-      RoPE types other than default/llama3).
+      RoPE types other than default/llama3), or no rope_theta in a qwen2/qwen3 config
+      (`config.default_rope_theta`; llama takes 10000 with a warning).
   """
   path = os.path.join(directory, "config.json")
   with open(path) as f:
@@ -71,7 +74,7 @@ def read_config(directory: str) -> ModelConfig:
   for option, present in unsupported.items():
     if present:
       raise ValueError(f"{path}: {option} is not supported by our {arch} decoder")
-  theta, scaling = _rope(cfg, path)
+  theta, scaling = _rope(cfg, arch, path)
   heads = int(cfg["num_attention_heads"])
   return ModelConfig(
       arch=arch,
@@ -148,6 +151,22 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
           raise ValueError(f"{file}: tensor {name!r} also appears in another safetensors file")
         tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
   return tensors
+
+
+GENERATION_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id")
+
+
+def generation_config(directory: str) -> dict:
+  """The checkpoint's generation settings: `directory/generation_config.json` as written, or without
+  one the token ids of config.json (`GENERATION_FIELDS`, as transformers' GenerationConfig.from_model_config
+  takes them); {} when neither names any. eos_token_id may be an int or a list of ints."""
+  path = os.path.join(directory, "generation_config.json")
+  if os.path.isfile(path):
+    with open(path) as f:
+      return json.load(f)
+  with open(os.path.join(directory, "config.json")) as f:
+    cfg = json.load(f)
+  return {k: cfg[k] for k in GENERATION_FIELDS if cfg.get(k) is not None}
 
 
 def load_tokenizer(directory: str):

@@ -167,7 +167,8 @@ def _load_gguf(path: str, dtype, model_options: dict):
   if gguf_loader.QK_PERMUTED[config.arch]:
     layers["q"] = [gguf_loader.unpermute_rows(w, config.num_heads, f"{path}: attn_q") for w in layers["q"]]
     layers["k"] = [gguf_loader.unpermute_rows(w, config.num_kv_heads, f"{path}: attn_k") for w in layers["k"]]
-  tokenizer = gguf_loader.build_tokenizer(config.arch, contents.metadata, path)
+  tokenizer = with_generation_config(gguf_loader.build_tokenizer(config.arch, contents.metadata, path),
+                                     gguf_loader.generation_config(contents.metadata))
   _check_vocab(tokenizer, config, path, exact=True)
   return build_model(config, assemble_params(config, globs, layers), dtype=dtype, **model_options), tokenizer
 
@@ -185,7 +186,7 @@ def _load_hf(directory: str, dtype, model_options: dict):
   globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
                                     layer_prefix=hf_loader.LAYER_PREFIX, layer_names=hf_loader.LAYER_NAMES,
                                     source=directory)
-  tokenizer = hf_loader.load_tokenizer(directory)
+  tokenizer = with_generation_config(hf_loader.load_tokenizer(directory), hf_loader.generation_config(directory))
   # HF embeddings are often padded past the tokenizer (Qwen2.5: 151936 rows, 151665 tokens).
   _check_vocab(tokenizer, config, directory, exact=False)
   return build_model(config, assemble_params(config, globs, layers), dtype=dtype, **model_options), tokenizer
@@ -287,9 +288,45 @@ def load_tokenizer(name_or_path: str | os.PathLike):
   name = os.fspath(name_or_path)
   path = smollm2_gguf_path() if name == "smollm2-135m-instruct" else name
   if os.path.isdir(path):
-    return hf_loader.load_tokenizer(path)
+    return with_generation_config(hf_loader.load_tokenizer(path), hf_loader.generation_config(path))
   if not (os.path.isfile(path) and path.endswith(".gguf")):
     raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
   reader = gguf.GGUFReader(path)
   metadata = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("tokenizer.")}
-  return gguf_loader.build_tokenizer(gguf_loader.read_config(reader, path).arch, metadata, path)
+  return with_generation_config(gguf_loader.build_tokenizer(gguf_loader.read_config(reader, path).arch, metadata,
+                                                            path), gguf_loader.generation_config(metadata))
+
+
+# The source checkpoint's generation settings travel with its tokenizer (every sampler and the export
+# receive the tokenizer) under this attribute: a dict in generation_config.json's field names.
+GENERATION_ATTR = "source_generation_config"
+
+
+def with_generation_config(tokenizer, generation: Mapping):
+  """`tokenizer` carrying `generation` (the source model's generation_config.json fields, e.g.
+  {"eos_token_id": [2, 0], "bos_token_id": 1}), read back by `generation_config` and `stop_ids`."""
+  setattr(tokenizer, GENERATION_ATTR, dict(generation))
+  return tokenizer
+
+
+def generation_config(tokenizer) -> dict:
+  """The source model's generation settings that `load` / `load_tokenizer` attached ({} for a tokenizer
+  built elsewhere): GGUF `tokenizer.ggml.*` ids or the directory's generation_config.json."""
+  return dict(getattr(tokenizer, GENERATION_ATTR, {}))
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+  """The ids that end a completion: the source generation config's eos_token_id (an int or a list;
+  Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>), then the tokenizer's own EOS when not among
+  them, without repeats. Every sampler of the loops (rollouts, evaluation, DPO) stops on these.
+
+  Raises:
+    ValueError: neither names a stop id (a completion could only end at the token budget).
+  """
+  eos = generation_config(tokenizer).get("eos_token_id")
+  ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+  ids.append(tokenizer.eos_token_id)
+  out = tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+  if not out:
+    raise ValueError("stop_ids: the tokenizer has no eos_token and the model's generation config no eos_token_id")
+  return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -91,27 +92,130 @@ def pure_params(tree):
   return tree
 
 
-def check_run_dir(run_dir: str, fingerprint: dict, *, write: bool = True) -> None:
-  """Record the experiment's identity in RUN_DIR/experiment.json (unless write=False: only check);
-  refuse a run dir of another one.
+RUN_RECORD = "experiment.json"
+# Fields that say where and how a run starts, not what it trains (a run dir copied elsewhere resumes
+# alike): not reported as changes.
+RESUME_FIELDS = ("resume", "overwrite", "run_dir")
+
+
+def check_run_dir_path(run_dir) -> None:
+  """Raise ValueError, naming run_dir and the reason, when it cannot hold a run: not a non-empty
+  string, an existing file, or a directory that cannot be created or written (the nearest existing
+  ancestor is a file or not writable). Creates nothing: it runs before anything loads."""
+  if not isinstance(run_dir, str) or not run_dir:
+    raise ValueError(f"run_dir={run_dir!r} must be a non-empty path string")
+  path = os.path.abspath(run_dir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"run_dir={run_dir!r} is a file, not a directory")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  verb = "written" if existing == path else "created"
+  if not os.path.isdir(existing):
+    raise ValueError(f"run_dir={run_dir!r} cannot be created: {existing} is a file")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"run_dir={run_dir!r} cannot be {verb}: {existing} is not writable")
+
+
+def open_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
+  """Make run_dir ready for a run. A fresh run (neither flag) needs it absent or empty; overwrite=True
+  first removes everything a previous run left there (checkpoints included); resume=True continues
+  whatever is there. Never a mix of two runs: a fresh run beside old checkpoints would resume from
+  them later.
+
+  Raises:
+    ValueError: run_dir is not empty and neither flag is set (naming both); overwrite=True on a
+      directory that holds no run (no experiment.json: nothing is removed).
+  """
+  entries = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []
+  if not entries or resume:
+    return
+  shown = entries if len(entries) <= 6 else entries[:6] + [f"... {len(entries) - 6} more"]
+  if not overwrite:
+    raise ValueError(f"run_dir={run_dir!r} is not empty ({shown}): a new run there would mix with the old one "
+                     "(its checkpoints stay and a later resume restores them); pass resume=True to continue it, "
+                     "overwrite=True to delete everything in it first, or choose another run_dir")
+  if RUN_RECORD not in entries:
+    raise ValueError(f"run_dir={run_dir!r} holds files no run wrote (no {RUN_RECORD}: {shown}); overwrite=True "
+                     "deletes only a run's directory; choose another run_dir")
+  for name in entries:
+    path = os.path.join(run_dir, name)
+    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+
+
+def _read_record(run_dir: str) -> dict | None:
+  """RUN_DIR/experiment.json as {"fingerprint", "config", "chat_template"} (a file of an older
+  version held the fingerprint alone), or None."""
+  path = os.path.join(run_dir, RUN_RECORD)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    record = json.load(f)
+  return record if "fingerprint" in record else {"fingerprint": record, "config": None, "chat_template": None}
+
+
+def read_run_record(run_dir: str) -> dict:
+  """The run's experiment.json: {"fingerprint": check_run_dir's fields, "config": the run's whole
+  config as JSON (None in a file of an older version), "chat_template": the tokenizer's (or None)}.
+
+  Raises:
+    ValueError: run_dir holds no experiment.json (no run was started there).
+  """
+  record = _read_record(run_dir)
+  if record is None:
+    raise ValueError(f"run_dir={run_dir!r} holds no run (no {RUN_RECORD})")
+  return record
+
+
+def write_run_record(run_dir: str, fingerprint: dict, config: dict, chat_template: str | None) -> None:
+  """Write RUN_DIR/experiment.json (`read_run_record`'s fields) whole or not at all (a temporary file
+  renamed: other processes may read it meanwhile); the directory must exist."""
+  path = os.path.join(run_dir, RUN_RECORD)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"fingerprint": fingerprint, "config": config, "chat_template": chat_template}, f, indent=1,
+              sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+def flat_fields(tree: dict, prefix: str = "") -> dict:
+  """{"train.learning_rate": 2e-06, ...}: the leaves of nested dicts under dotted names."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict) and v:
+      out.update(flat_fields(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_changes(old: dict | None, new: dict) -> dict:
+  """{dotted field: (value in `old`, value in `new`)} for the fields that differ, `RESUME_FIELDS` left
+  out; {} without an old config."""
+  if old is None:
+    return {}
+  a, b = flat_fields(old), flat_fields(new)
+  return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+          if k not in RESUME_FIELDS and a.get(k) != b.get(k)}
+
+
+def check_run_dir(run_dir: str, fingerprint: dict) -> dict | None:
+  """Refuse a run dir of another experiment (changing a fingerprint field breaks the data order or
+  exactness of a resumed run); returns the run's saved config (None without an experiment.json, or
+  in one of an older version), for `config_changes`.
 
   Raises:
     ValueError: RUN_DIR holds checkpoints of an experiment whose fingerprint differs (naming the
       differing fields).
   """
-  os.makedirs(run_dir, exist_ok=True)
-  path = os.path.join(run_dir, "experiment.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      old = json.load(f)
-    diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
-    has_checkpoints = os.path.isdir(os.path.join(run_dir, "checkpoints")) and os.listdir(
-        os.path.join(run_dir, "checkpoints"))
-    if diff and has_checkpoints:
-      raise ValueError(f"run_dir={run_dir!r} holds checkpoints of a different experiment (fields {diff} differ: "
-                       f"{ {k: old.get(k) for k in diff} } vs { {k: fingerprint.get(k) for k in diff} }); "
-                       "choose another run_dir")
-  if not write:
-    return
-  with open(path, "w") as f:
-    json.dump(fingerprint, f, indent=1, sort_keys=True)
+  record = _read_record(run_dir)
+  if record is None:
+    return None
+  old = record["fingerprint"]
+  diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+  has_checkpoints = os.path.isdir(os.path.join(run_dir, "checkpoints")) and os.listdir(
+      os.path.join(run_dir, "checkpoints"))
+  if diff and has_checkpoints:
+    raise ValueError(f"run_dir={run_dir!r} holds checkpoints of a different experiment (fields {diff} differ: "
+                     f"{ {k: old.get(k) for k in diff} } vs { {k: fingerprint.get(k) for k in diff} }); "
+                     "choose another run_dir")
+  return record["config"]

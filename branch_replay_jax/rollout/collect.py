@@ -27,7 +27,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, 
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.groups import bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
-from branch_replay_jax.models.loading import encode_chat
+from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.rollout.sampler import sample_group
 from branch_replay_jax.rollout.tree_sampler import sample_tree
 
@@ -99,17 +99,17 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   if len(ids) + budget > cfg.max_positions:
     raise ValueError(f"task item {data_pos}: prompt of {len(ids)} tokens + {budget} completion tokens "
                      f"exceeds the model's max_positions={cfg.max_positions}")
-  pad = tokenizer.pad_token_id or 0
+  pad, stops = tokenizer.pad_token_id or 0, stop_ids(tokenizer)
   t0 = time.perf_counter()
   if r.tree_fanouts:
     sampled = sample_tree(model, ids, fanouts=list(r.tree_fanouts), segment_length=r.segment_length, key=key,
-                          temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id], pad_id=pad)
+                          temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad)
     tree = sampled.tree
     completions = [tree.completion(g) for g in range(len(tree.ends))]
     truncated = np.asarray(sampled.truncated, bool)
   else:
     ro = sample_group(model, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
-                      temperature=r.temperature, top_p=r.top_p, eos_ids=[tokenizer.eos_token_id], pad_id=pad)
+                      temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad)
     tokens, lengths, logprobs = np.asarray(ro.tokens), np.asarray(ro.lengths), np.asarray(ro.logprobs)
     completions = [row[:n] for row, n in zip(tokens, lengths)]
     truncated = np.asarray(ro.truncated, bool)

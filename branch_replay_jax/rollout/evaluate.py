@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from branch_replay_jax.distributed import hosts
-from branch_replay_jax.models.loading import encode_chat
+from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.rollout.sampler import sample_group
 from branch_replay_jax.rollout.tasks import Problem, Task
 
@@ -127,15 +127,16 @@ def evaluate_problem(model, tokenizer, task: Task, problem: Problem, key, *, max
   """One problem's greedy answer and `pass_k` samples (none when 0), scored by the task.
 
   Returns:
-    {"correct": bool, "reward": float, "formatted": bool, "length": int} of the greedy completion
-    (length in tokens, counting its EOS), and "sampled_correct": int, how many of the pass_k samples
+    {"correct": bool, "reward": float, "formatted": bool, "length": int, "truncated": bool} of the
+    greedy completion (length in tokens, counting its stop id; truncated: cut by max_new_tokens
+    without one of the model's stop ids, `models.loading.stop_ids`), and "sampled_correct": int, how many of the pass_k samples
     are correct (0 when pass_k is 0).
 
   Raises:
     ValueError: prompt + max_new_tokens longer than the model's context (`sample_group`).
   """
   ids = encode_chat(tokenizer, task.messages(problem))
-  common = dict(max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id or 0)
+  common = dict(max_new_tokens=max_new_tokens, eos_ids=stop_ids(tokenizer), pad_id=tokenizer.pad_token_id or 0)
   greedy = sample_group(model, ids, num_samples=1, key=key, temperature=0.0, **common)
   length = int(np.asarray(greedy.lengths)[0])
   text = tokenizer.decode(np.asarray(greedy.tokens)[0, :length], skip_special_tokens=True)
@@ -147,7 +148,7 @@ def evaluate_problem(model, tokenizer, task: Task, problem: Problem, key, *, max
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(tokens, lengths)], skip_special_tokens=True)
     sampled_correct = sum(task.score(t, problem).correct for t in texts)
   return {"correct": bool(score.correct), "reward": float(score.reward), "formatted": bool(score.formatted),
-          "length": length, "sampled_correct": int(sampled_correct)}
+          "length": length, "truncated": bool(np.asarray(greedy.truncated)[0]), "sampled_correct": int(sampled_correct)}
 
 
 def evaluate(policy, tokenizer, task: Task, problems: Sequence[int], key, *, max_new_tokens: int,
@@ -178,7 +179,8 @@ def summarize(results: Sequence[dict], *, pass_k: int) -> dict[str, float | int]
 
   Returns:
     problems (n), accuracy (greedy, correct / n) with accuracy_lo / accuracy_hi (its 95% Wilson
-    interval), reward_mean, format_rate and completion_len_mean (tokens) of the greedy completions;
+    interval), reward_mean, format_rate, completion_len_mean (tokens) and truncated_frac (the
+    fraction cut by the token budget without a stop id) of the greedy completions;
     with pass_k >= 1 also pass_k, pass_at_k (the mean over problems of `pass_at_k(pass_k, c, pass_k)`)
     and sampled_accuracy (correct samples / (n pass_k)).
 
@@ -193,7 +195,8 @@ def summarize(results: Sequence[dict], *, pass_k: int) -> dict[str, float | int]
   row = {"problems": n, "accuracy": correct / n, "accuracy_lo": lo, "accuracy_hi": hi,
          "reward_mean": float(np.mean([r["reward"] for r in results])),
          "format_rate": float(np.mean([r["formatted"] for r in results])),
-         "completion_len_mean": float(np.mean([r["length"] for r in results]))}
+         "completion_len_mean": float(np.mean([r["length"] for r in results])),
+         "truncated_frac": float(np.mean([r["truncated"] for r in results]))}
   if pass_k:
     row.update(pass_k=pass_k, pass_at_k=float(np.mean([pass_at_k(pass_k, r["sampled_correct"], pass_k)
                                                          for r in results])),
