@@ -8,10 +8,11 @@ from ml_collections import config_flags
 
 import importlib
 
+from branch_replay_jax.algorithms import schema
 from branch_replay_jax.distributed import hosts
 
-# config.algorithm -> the module whose train(config) runs it (imported on demand).
-# RLOO is the GRPO loop with loss.advantage = "rloo".
+# config.algorithm (required: algorithms/schema.py) -> the module whose train(config) runs it (imported on
+# demand). RLOO is the GRPO loop with loss.advantage = "rloo".
 TRAINERS = {"grpo": "branch_replay_jax.algorithms.grpo", "ppo": "branch_replay_jax.algorithms.ppo", "dpo": "branch_replay_jax.algorithms.dpo"}
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/grpo_smollm2_arith.py", "Experiment config file.")
@@ -22,14 +23,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go through --config.FIELD=VALUE")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint phase at INFO
   config = _CONFIG.value
+  algorithm = schema.parse(config).algorithm   # fields and types of its algorithm's schema, before anything starts
   hosts.initialize(config)   # several processes: join them before anything touches a device
   primary = hosts.is_primary()
   run_dir = os.path.abspath(config.run_dir)
   if primary:
     print(f"run dir: {run_dir}", flush=True)
-  algorithm = config.get("algorithm", "grpo")
-  if algorithm not in TRAINERS:
-    raise ValueError(f"algorithm={algorithm!r} is not one of {sorted(TRAINERS)}")
   history = importlib.import_module(TRAINERS[algorithm]).train(config)
   if not primary:
     return

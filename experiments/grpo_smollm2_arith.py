@@ -14,6 +14,7 @@ import ml_collections
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
+  c.algorithm = "grpo"                    # main.py runs branch_replay_jax.algorithms.grpo (RLOO: loss.advantage)
   c.model = ml_collections.ConfigDict()
   c.model.name = "smollm2-135m-instruct"  # models.load name or path; "tiny" = random 2-layer model (smoke tests)
   c.model.dtype = "float32"               # compute dtype: float32 or bfloat16

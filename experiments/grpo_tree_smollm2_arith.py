@@ -13,6 +13,7 @@ from experiments import grpo_smollm2_arith
 
 def get_config(arg=None):
   c = grpo_smollm2_arith.get_config("smoke" if arg == "smoke" else None)
+  c.algorithm = "grpo"                   # the GRPO loop (as grpo_smollm2_arith's)
   del c.rollout.group_size, c.rollout.max_new_tokens   # a tree's leaves are its group; segments bound its length
   c.rollout.tree_fanouts = (4, 2, 2)     # 16 trajectories per prompt
   c.rollout.segment_length = 12          # tokens per segment: completions of up to 36 tokens

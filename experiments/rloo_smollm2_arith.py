@@ -15,6 +15,7 @@ def get_config(arg=None):
   if arg not in (None, "", "smoke"):
     raise ValueError(f"experiments/rloo_smollm2_arith.py: unknown variant {arg!r}; use '' or 'smoke'")
   c = grpo_smollm2_arith.get_config(arg)
+  c.algorithm = "grpo"                    # RLOO is the GRPO loop with loss.advantage = "rloo"
   c.loss.advantage = "rloo"
   del c.loss.advantage_eps                # RLOO's baseline divides by no standard deviation
   c.run_dir = "runs/rloo_smoke" if arg == "smoke" else "runs/rloo_smollm2_arith"

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms import loop, schema
 from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.gradients import preference as pref
@@ -48,7 +48,8 @@ FIELDS = ("prompt", "chosen", "rejected")
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for settings that cannot run, before any compute,
   and for the fields of the other data source (task and rollout with jsonl; data.path and
-  data.pairs_per_step with task), which would be ignored."""
+  data.pairs_per_step with task), which would be ignored. `schema.parse` first: DPO's fields and types."""
+  schema.parse(config, expect="dpo")
   d, t, p = config.data, config.train, config.dpo
   if d.source not in SOURCES:
     raise ValueError(f"data.source={d.source!r} is not one of {SOURCES}")

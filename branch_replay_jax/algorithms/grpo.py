@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms import loop, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.loop import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
@@ -133,8 +133,9 @@ def validate_options(config) -> None:
 
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for GRPO / RLOO settings that cannot run or would
-  be ignored: the advantage estimator's fields and the KL coefficient, `loop.validate`, then
-  `validate_options`."""
+  be ignored: the schema's fields and types (`schema.parse`), the advantage estimator's fields and
+  the KL coefficient, `loop.validate`, then `validate_options`."""
+  schema.parse(config, expect="grpo")
   l = config.loss
   if l.advantage not in obj.ADVANTAGES:
     raise ValueError(f"loss.advantage={l.advantage!r} is not one of {obj.ADVANTAGES}")

@@ -262,15 +262,12 @@ def lora_spec(config, model_config=None) -> lora.LoraSpec:
 def validate_lora(config) -> None:
   """Raise ValueError (naming the field and value) for a config.lora block (LoRA adapters,
   models/lora.py; absent: full fine-tuning) that cannot run: its fields (`lora_spec`: rank,
-  alpha, targets against the model's shapes; dropout must be 0) and the options LoRA cannot
-  honour here: another algorithm than GRPO / RLOO (PPO's critic and DPO's steps differentiate the
-  whole parameter tree) and a device mesh (the mesh step differentiates and shards the whole tree)."""
+  alpha, targets against the model's shapes; dropout must be 0) and the option LoRA cannot honour
+  here: a device mesh (the mesh step differentiates and shards the whole tree). Another algorithm
+  than GRPO / RLOO (PPO's critic and DPO's steps differentiate the whole parameter tree) is refused
+  by `schema.parse` (lora is a field of the grpo schema only)."""
   if config.get("lora") is None:
     return
-  algorithm = config.get("algorithm", "grpo")
-  if algorithm != "grpo":
-    raise ValueError(f"lora is set with algorithm={algorithm!r}: LoRA adapters train with GRPO / RLOO only "
-                     "(algorithm 'grpo'); remove the lora block")
   m = config.mesh
   if m.data * m.branch * m.seq != 1:
     raise ValueError(f"lora is set with mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq}: the "

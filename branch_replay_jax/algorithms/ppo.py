@@ -37,7 +37,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms import loop, schema
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
@@ -48,14 +48,11 @@ from branch_replay_jax.models.critic import CRITICS, ActorCritic
 from branch_replay_jax.rollout.collect import Group
 
 
-# Fields of the GRPO experiment (its options, algorithms/grpo.py) that PPO configs derived from it delete.
-GRPO_ONLY = {"loss": ("clip_eps_low", "clip_eps_high", "importance_ratio", "logprob_temperature", "aggregation",
-                      "mask_truncated", "overlong_buffer", "overlong_penalty"),
-             "rollout": ("dynamic_sampling", "max_prompt_draws")}
-
-
 def validate(config) -> None:
-  """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `loop.validate`."""
+  """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `loop.validate`.
+  `schema.parse` first: the fields and types of PPO's schema; the GRPO experiment's fields that PPO
+  configs derived from it delete (GRPO's options, loss.advantage) are refused there, naming GRPO."""
+  schema.parse(config, expect="ppo")
   p = config.ppo
   if p.critic not in CRITICS:
     raise ValueError(f"ppo.critic={p.critic!r} is not one of {CRITICS}")
@@ -75,15 +72,6 @@ def validate(config) -> None:
   if config.train.get("exactness_check_every"):
     raise ValueError(f"train.exactness_check_every={config.train.exactness_check_every}: the run-time exactness check "
                      "is GRPO / RLOO's (PPO's replay == naive is held by tests/test_ppo.py); set it to 0")
-  for name in ("advantage", "advantage_eps"):
-    if name in config.loss:
-      raise ValueError(f"loss.{name}={config.loss[name]!r} does not apply to PPO (GAE advantages from the critic: "
-                       "ppo.gamma, ppo.lam, ppo.whiten_advantages); remove the field")
-  for section, names in GRPO_ONLY.items():
-    for name in names:
-      if name in config[section]:
-        raise ValueError(f"{section}.{name}={config[section][name]!r} is a GRPO option (algorithms/grpo.py) that the "
-                         "PPO loop does not read; remove the field")
   loop.check_number("loss.clip_eps", config.loss.clip_eps, lambda v: 0 < v < 1, "in (0, 1)")
   if config.train.inner_epochs != 1:
     raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "

@@ -78,14 +78,15 @@ def completion_budget(config) -> int:
   return r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
 
 
-def trajectory_advantages(loss_config, rewards: np.ndarray) -> np.ndarray | None:
-  """[G] float32 advantages of a group's (or tree's) trajectories from their rewards [G]: GRPO's
-  group-normalised ones (loss.advantage = "grpo", eps loss.advantage_eps) or RLOO's leave-one-out
-  ones ("rloo"); None when the config has no loss.advantage (PPO: GAE from the critic, later)."""
-  kind = loss_config.get("advantage")
-  if kind is None:
+def trajectory_advantages(loss_config, rewards: np.ndarray, *, group_relative: bool) -> np.ndarray | None:
+  """[G] float32 advantages of a group's (or tree's) trajectories from their rewards [G]. With
+  `group_relative` (the caller's algorithm is GRPO / RLOO) GRPO's group-normalised ones
+  (loss.advantage = "grpo", eps loss.advantage_eps) or RLOO's leave-one-out ones ("rloo");
+  without (PPO: GAE from the critic, later) None. The caller says which: no field's presence
+  decides the algorithm (algorithms/schema.py checks the fields of config.algorithm's schema)."""
+  if not group_relative:
     return None
-  if kind == "rloo":
+  if loss_config.advantage == "rloo":
     return np.asarray(obj.rloo_advantages(jnp.asarray(rewards)), np.float32)
   return np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=loss_config.advantage_eps), np.float32)
 
@@ -117,15 +118,18 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
   scores = [task.score(text, problem) for text in texts]
   lengths = np.array([len(c) for c in completions])
-  buffer = config.loss.get("overlong_buffer", 0)   # GRPO's options (PPO configs have none)
+  # GRPO / RLOO (config.algorithm "grpo"): group-relative advantages and GRPO's options (overlong
+  # shaping, truncation masking); PPO: neither (its schema has no such fields; GAE from the critic).
+  grpo = config.algorithm == "grpo"
+  buffer = config.loss.overlong_buffer if grpo else 0
   shaping = (obj.overlong_penalty(lengths, max_length=budget, buffer=buffer, penalty=config.loss.overlong_penalty)
              if buffer else 0.0)
   rewards = (np.array([s.reward for s in scores], np.float64) + shaping).astype(np.float32)
   t2 = time.perf_counter()
 
-  advantages = trajectory_advantages(config.loss, rewards)
+  advantages = trajectory_advantages(config.loss, rewards, group_relative=grpo)
   advantage = {} if advantages is None else {"advantage": advantages}
-  in_loss = ~truncated if config.loss.get("mask_truncated", False) else None
+  in_loss = ~truncated if grpo and config.loss.mask_truncated else None
   w = obj.trajectory_weights(lengths, mode=config.loss.normalisation, max_length=budget,
                              in_loss=in_loss).astype(np.float32)
   bucket = bucket_length(budget, minimum=8)

@@ -1,0 +1,409 @@
+"""The config schema of each algorithm: typed frozen dataclasses, and `parse`, which checks an
+experiment's `ml_collections.ConfigDict` against them before anything loads (docs/design.md,
+"Config schema").
+
+`config.algorithm` ("grpo", which covers RLOO through loss.advantage; "ppo"; "dpo") picks the
+schema. `parse` refuses, naming the dotted field: a field the schema does not define (with a "did
+you mean" hint, or, for another algorithm's field, which algorithm reads it), a value of the wrong
+type (a bool is not an int; an int is a float), None where the field is no placeholder, and a
+missing field that has no default. A field whose default is None may be left out (it reads None);
+it may be set to None only when its type is Optional (the ml_collections placeholders). Ranges and
+combinations stay in the algorithms' `validate` (loop.py, grpo.py, ppo.py, dpo.py), which call
+`parse` first and keep reading the ConfigDict.
+
+`parse` reads the config's storage (`ConfigDict.items(preserve_field_references=True)`), not its
+`__getitem__`, so tests/test_config_fields.py's record of the fields a run reads still shows the
+fields the code reads; only `algorithm` is read the ordinary way (it decides the schema).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Optional
+
+import ml_collections
+
+ALGORITHMS = ("grpo", "ppo", "dpo")
+MODULES = {"grpo": "algorithms/grpo.py", "ppo": "algorithms/ppo.py", "dpo": "algorithms/dpo.py"}
+
+
+def _f(doc: str, default=dataclasses.MISSING):
+  """A schema field: its one-line doc (meaning, unit, where it applies); a default makes it optional."""
+  return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+_frozen = dataclasses.dataclass(frozen=True, kw_only=True)
+
+
+@_frozen
+class ModelConfig:
+  name: str = _f("models.load name or path; 'tiny': a random 2-layer model (smoke tests)")
+  dtype: str = _f("compute dtype: float32 or bfloat16")
+  param_dtype: str = _f("parameter dtype the steps see: float32, or bfloat16 (float32 master; grpo, ppo)")
+  remat: str = _f("rematerialisation: none, full, save_kv or offload_kv")
+  attention_impl: str = _f("suffix attention: xla, pallas, splash or auto (pallas on GPU, splash on TPU)")
+
+
+@_frozen
+class TaskConfig:
+  name: str = _f("a name in rollout.tasks.TASKS (basic_arithmetic, gsm_symbolic)")
+  size: int = _f("problems in the generated dataset (the data position wraps around)")
+  seed: int = _f("reasoning-gym generator seed")
+  options: dict = _f("generator options overriding the task's defaults (free-form, the generator checks them)")
+  format_bonus: float = _f("reward added when the answer is inside <answer></answer> tags")
+  strict_answer: bool = _f("True: only a closed <answer> tag counts; False: also an unclosed tag or the last number")
+  few_shot: int = _f("solved examples (chat turns) shown before each question, in training and evaluation")
+  few_shot_seed: int = _f("generator seed of the few-shot examples")
+
+
+@_frozen
+class SamplingConfig:
+  """DPO's rollout section (data.source = 'task'): the candidates of each pair."""
+  prompts_per_step: int = _f("prompts (groups) per optimizer step")
+  group_size: int = _f("G: completions sampled per prompt, one shared prefill")
+  max_new_tokens: int = _f("tokens generated per completion at most")
+  temperature: float = _f("sampling temperature (> 0)")
+  top_p: float = _f("nucleus mass in (0, 1] (1 disables the filter)")
+
+
+@_frozen
+class PPORolloutConfig(SamplingConfig):
+  group_size: int = _f("G: completions sampled per prompt; groups only (a tree config removes it)", None)
+  max_new_tokens: int = _f("tokens generated per completion at most; groups only (a tree config removes it)", None)
+  tree_fanouts: tuple[int, ...] = _f("fan-out per tree level, e.g. (4, 2, 2); () samples groups; trees only")
+  segment_length: int = _f("tokens per tree segment; trees only (must be 0 with groups)")
+
+
+@_frozen
+class GRPORolloutConfig(PPORolloutConfig):
+  dynamic_sampling: bool = _f("DAPO: drop groups of equal rewards, draw more prompts; groups and trees")
+  max_prompt_draws: Optional[int] = _f("prompts drawn per step at most, a multiple of prompts_per_step; "
+                                       "only with dynamic_sampling (None without)")
+
+
+@_frozen
+class GRPOLossConfig:
+  clip_eps_low: float = _f("ratio clip 1 - eps_low (only off-policy: train.inner_epochs > 1); groups and trees")
+  clip_eps_high: float = _f("ratio clip 1 + eps_high; > eps_low is DAPO's clip-higher; groups and trees")
+  importance_ratio: str = _f("token (per token) or sequence (GSPO, per completion; trees on-policy only)")
+  logprob_temperature: str = _f("trainer log-probs at tau = 1 ('one') or rollout.temperature ('sampling')")
+  aggregation: str = _f("group_mean or step_token_mean (token mean over the step; needs normalisation token_mean)")
+  mask_truncated: bool = _f("True: completions cut by the token budget get weight 0; groups and trees")
+  overlong_buffer: int = _f("DAPO's soft overlong penalty over the budget's last N tokens (tokens; 0 disables)")
+  overlong_penalty: float = _f("reward the overlong penalty costs at most (with overlong_buffer > 0)")
+  kl_coef: float = _f("beta of the k3 KL penalty to the initial policy (0: no reference forward)")
+  normalisation: str = _f("sequence_mean (GRPO), token_mean (DAPO) or constant (Dr. GRPO)")
+  advantage: str = _f("grpo (group-normalised) or rloo (leave-one-out baseline)")
+  advantage_eps: float = _f("epsilon added to the group reward std; loss.advantage='grpo' only (RLOO removes it)",
+                            None)
+
+
+@_frozen
+class PPOLossConfig:
+  clip_eps: float = _f("PPO's symmetric ratio clip epsilon in (0, 1)")
+  kl_coef: float = _f("must be 0: the PPO loss has no KL term")
+  normalisation: str = _f("per-(token, trajectory) weights: sequence_mean, token_mean or constant")
+
+
+@_frozen
+class TrainConfig:
+  """DPO's train section; the base of GRPO's and PPO's."""
+  steps: int = _f("optimizer steps")
+  learning_rate: float = _f("peak AdamW learning rate")
+  lr_schedule: str = _f("constant or cosine (decay to 10% over the run, after warmup)")
+  warmup_steps: int = _f("linear warmup steps")
+  weight_decay: float = _f("AdamW decoupled weight decay")
+  max_grad_norm: float = _f("global-norm gradient clipping")
+  gradient: str = _f("replay (shared prefix once) or naive (prompt repeated per completion)")
+  micro_batch: int = _f("completions per scan step (groups: divides G; trees: leaf siblings, divides the last "
+                        "fan-out; DPO naive: pairs)")
+
+
+@_frozen
+class PolicyTrainConfig(TrainConfig):
+  inner_epochs: int = _f("updates per sampled batch; > 1 replays old log-probs first (PPO: must be 1)")
+  tree_schedule: str = _f("tree replay order: depth_first (least memory) or level (faster); trees only")
+  exactness_check_every: int = _f("steps between run-time replay vs naive checks (0: off); GRPO / RLOO only")
+
+
+@_frozen
+class PPOTrainConfig(PolicyTrainConfig):
+  exactness_check_every: int = _f("must be 0: the run-time exactness check is GRPO / RLOO's", 0)
+
+
+@_frozen
+class EvalConfig:
+  size: int = _f("held-out problems (0 disables the evaluation)")
+  task_seed: int = _f("task seed of the held-out problems; must differ from task.seed")
+  every: int = _f("steps between evaluations (also at step 0 and at the end)")
+  pass_k: int = _f("samples per problem for pass@k at rollout.temperature (0: greedy only)")
+
+
+@_frozen
+class MeshConfig:
+  data: int = _f("devices the step's groups (trees) are split over; groups and trees")
+  branch: int = _f("devices each group's completions (a tree's first-level subtrees) are split over")
+  seq: int = _f("devices each prompt's tokens are split over (context parallelism)")
+  params: str = _f("replicated, or fsdp (parameters and optimizer state sharded at rest)")
+
+
+@_frozen
+class DistributedConfig:
+  coordinator_address: Optional[str] = _f("process 0's host:port; None: JAX_COORDINATOR_ADDRESS", None)
+  num_processes: Optional[int] = _f("processes of the run; None: JAX_NUM_PROCESSES, else 1", None)
+  process_id: Optional[int] = _f("this process's index; None: JAX_PROCESS_ID, else 0", None)
+
+
+@_frozen
+class LoraConfig:
+  rank: int = _f("r: adapter rank, at most every target's fan-in and fan-out")
+  alpha: float = _f("the adapters' output is scaled by alpha / r")
+  dropout: float = _f("adapter dropout; only 0 (replay needs one deterministic function)")
+  targets: tuple[str, ...] = _f("adapted projections (models.lora.TARGETS)")
+
+
+@_frozen
+class PPOConfig:
+  critic: str = _f("value_head (scalar head on the policy's trunk) or separate (own trunk)")
+  epochs: int = _f("passes over each step's groups")
+  minibatches: int = _f("optimizer updates per pass; divides rollout.prompts_per_step")
+  gamma: float = _f("GAE discount per token, in [0, 1]")
+  lam: float = _f("GAE lambda, in [0, 1]")
+  vf_coef: float = _f("weight of the value loss")
+  value_clip: float = _f("clip V - V_old to +-value_clip in the value loss (0 disables)")
+  whiten_advantages: bool = _f("normalise advantages over the step's (token, trajectory) pairs")
+  critic_lr_scale: float = _f("critic parameters' learning rate / train.learning_rate")
+
+
+@_frozen
+class DPOConfig:
+  loss: str = _f("sigmoid (DPO), ipo (on mean per-token log-probs) or ipo_sum (on sums)")
+  beta: float = _f("DPO beta (IPO: tau), > 0")
+  label_smoothing: float = _f("conservative DPO's epsilon in [0, 0.5); sigmoid only")
+
+
+@_frozen
+class DataConfig:
+  source: str = _f("task (pairs sampled and scored on the fly) or jsonl (pairs from a file)")
+  path: str = _f("JSON lines {prompt, chosen, rejected}; data.source='jsonl' only", None)
+  pairs_per_step: int = _f("pairs per optimizer step (wraps around the file); data.source='jsonl' only", None)
+
+
+@_frozen
+class RunConfig:
+  algorithm: str = _f("grpo (GRPO, RLOO with loss.advantage='rloo'), ppo or dpo: the trainer main.py runs")
+  seed: int = _f("sampling and initialisation seed")
+  run_dir: str = _f("directory of metrics.jsonl, plots and checkpoints")
+  checkpoint_every: int = _f("steps between checkpoints (also saved at the end)")
+  resume: bool = _f("continue from the latest checkpoint in run_dir")
+
+
+@_frozen
+class GRPOExperiment(RunConfig):
+  model: ModelConfig = _f("the policy")
+  task: TaskConfig = _f("the reasoning-gym task the prompts come from")
+  rollout: GRPORolloutConfig = _f("sampling: groups, or trees with rollout.tree_fanouts")
+  loss: GRPOLossConfig = _f("the GRPO / RLOO objective")
+  train: PolicyTrainConfig = _f("optimizer and gradient layout")
+  eval: EvalConfig = _f("held-out evaluation; absent: none", None)
+  mesh: MeshConfig = _f("device mesh of the update; 1 x 1 x 1: one device")
+  distributed: Optional[DistributedConfig] = _f("several processes; absent: the environment variables", None)
+  lora: Optional[LoraConfig] = _f("LoRA adapters, base frozen; absent: full fine-tuning", None)
+
+
+@_frozen
+class PPOExperiment(RunConfig):
+  model: ModelConfig = _f("the policy (and, with ppo.critic='separate', the critic's trunk)")
+  task: TaskConfig = _f("the reasoning-gym task the prompts come from")
+  rollout: PPORolloutConfig = _f("sampling: groups, or trees with rollout.tree_fanouts")
+  loss: PPOLossConfig = _f("the clipped policy loss")
+  train: PPOTrainConfig = _f("optimizer and gradient layout")
+  eval: EvalConfig = _f("held-out evaluation; absent: none", None)
+  mesh: MeshConfig = _f("device mesh of the update; 1 x 1 x 1: one device")
+  distributed: Optional[DistributedConfig] = _f("several processes; absent: the environment variables", None)
+  ppo: PPOConfig = _f("critic, GAE and epochs")
+
+
+@_frozen
+class DPOExperiment(RunConfig):
+  model: ModelConfig = _f("the policy")
+  data: DataConfig = _f("where the preference pairs come from")
+  task: TaskConfig = _f("the task prompts are drawn from; data.source='task' only", None)
+  rollout: SamplingConfig = _f("sampling of the candidates; data.source='task' only", None)
+  dpo: DPOConfig = _f("the preference loss")
+  train: TrainConfig = _f("optimizer and gradient layout")
+  eval: EvalConfig = _f("held-out evaluation (data.source='task'); absent: none", None)
+  mesh: MeshConfig = _f("device mesh of the update; 1 x 1 x 1: one device")
+  distributed: Optional[DistributedConfig] = _f("several processes; absent: the environment variables", None)
+
+
+SCHEMAS = {"grpo": GRPOExperiment, "ppo": PPOExperiment, "dpo": DPOExperiment}
+
+# Another algorithm's field in this algorithm's config: messages that say more than "remove it".
+_FOREIGN = {
+    ("grpo", "loss.clip_eps"): "loss.clip_eps={value}: GRPO's clip range is loss.clip_eps_low and loss.clip_eps_high "
+                               "(set both equal for the symmetric clip); remove loss.clip_eps (a PPO option, "
+                               "algorithms/ppo.py)",
+    **{(a, "lora"): "lora is set with algorithm={algorithm!r}: LoRA adapters train with GRPO / RLOO only (algorithm "
+                    "'grpo'); remove the lora block" for a in ("ppo", "dpo")},
+}
+_NOTES = {("ppo", f"loss.{n}"): " (GAE advantages from the critic: ppo.gamma, ppo.lam, ppo.whiten_advantages)"
+          for n in ("advantage", "advantage_eps")}
+
+
+def _hints(cls) -> dict:
+  return typing.get_type_hints(cls)
+
+
+def _is_section(tp) -> bool:
+  return dataclasses.is_dataclass(_unoptional(tp))
+
+
+def _unoptional(tp):
+  args = typing.get_args(tp)
+  return next(a for a in args if a is not type(None)) if typing.get_origin(tp) is typing.Union else tp
+
+
+def _names(cls, prefix: str = "") -> dict[str, bool]:
+  """Dotted name -> whether it is a section, for every field of schema `cls`."""
+  out = {}
+  for name, tp in _hints(cls).items():
+    out[prefix + name] = _is_section(tp)
+    if _is_section(tp):
+      out.update(_names(_unoptional(tp), f"{prefix}{name}."))
+  return out
+
+
+NAMES = {algorithm: _names(cls) for algorithm, cls in SCHEMAS.items()}
+
+
+def fields(algorithm: str) -> list[tuple[str, str, str]]:
+  """(dotted name, type, doc) of every leaf field of `algorithm`'s schema, in schema order."""
+  def walk(cls, prefix):
+    for f in dataclasses.fields(cls):
+      tp = _hints(cls)[f.name]
+      if _is_section(tp):
+        yield from walk(_unoptional(tp), f"{prefix}{f.name}.")
+      else:
+        yield prefix + f.name, _type_name(tp), f.metadata["doc"]
+  return list(walk(SCHEMAS[algorithm], ""))
+
+
+def algorithm_of(config: ml_collections.ConfigDict) -> str:
+  """config.algorithm, which every experiment states; ValueError when it is missing or unknown."""
+  if "algorithm" not in config:
+    raise ValueError(f"config.algorithm is missing: every experiment states its algorithm, one of {ALGORITHMS} "
+                     "(RLOO is 'grpo' with loss.advantage='rloo'); add e.g. c.algorithm = 'grpo' to the experiment's "
+                     "get_config")
+  algorithm = config.algorithm
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS} (RLOO is 'grpo' with loss.advantage='rloo')")
+  return algorithm
+
+
+def parse(config: ml_collections.ConfigDict, expect: str | None = None):
+  """The typed, frozen config of `config.algorithm` (GRPOExperiment, PPOExperiment or DPOExperiment).
+
+  Args:
+    expect: the algorithm the caller trains (its `validate`); another config.algorithm is refused.
+
+  Raises:
+    ValueError: naming the dotted field: config.algorithm missing or unknown (or not `expect`); a
+      field the schema does not define (did you mean ...?) or another algorithm's (which one reads
+      it); a value of the wrong type, or None where the field is no placeholder; a missing field
+      without a default.
+  """
+  algorithm = algorithm_of(config)
+  if expect is not None and algorithm != expect:
+    raise ValueError(f"algorithm={algorithm!r} given to the {expect} trainer ({MODULES[expect]}); "
+                     f"{MODULES[algorithm]} runs it (python -m branch_replay_jax.main dispatches on config.algorithm)")
+  cls = SCHEMAS[algorithm]
+  _refuse_unknown(cls, config, "", algorithm)   # first, everywhere: an old field's message before a missing one's
+  return _build(cls, config, "", algorithm)
+
+
+def _raw(node: ml_collections.ConfigDict) -> dict:
+  """The node's fields, FieldReferences (placeholders) resolved, without `__getitem__` (see the module doc)."""
+  out = {}
+  for key, value in node.items(preserve_field_references=True):
+    out[key] = value.get() if isinstance(value, ml_collections.FieldReference) else value
+  return out
+
+
+def _refuse_unknown(cls, node, prefix: str, algorithm: str) -> None:
+  hints = _hints(cls)
+  for key, value in _raw(node).items():
+    dotted = prefix + key
+    if key in hints:
+      tp = _unoptional(hints[key])
+      if dataclasses.is_dataclass(tp) and isinstance(value, ml_collections.ConfigDict):
+        _refuse_unknown(tp, value, dotted + ".", algorithm)
+      continue
+    owners = [a for a in ALGORITHMS if a != algorithm and dotted in NAMES[a]]
+    if owners:
+      section = any(NAMES[a][dotted] for a in owners)
+      template = _FOREIGN.get((algorithm, dotted))
+      if template:
+        raise ValueError(template.format(value=repr(value), algorithm=algorithm))
+      shown = dotted if section else f"{dotted}={value!r}"
+      raise ValueError(f"{shown} is a {' and '.join(a.upper() for a in owners)} {'section' if section else 'option'} "
+                       f"({', '.join(MODULES[a] for a in owners)}) that the {algorithm.upper()} loop does not read"
+                       f"{_NOTES.get((algorithm, dotted), '')}; remove the {'block' if section else 'field'}")
+    where = f"the {prefix[:-1]} fields" if prefix else "the top-level fields and sections"
+    close = difflib.get_close_matches(key, list(hints), n=1)
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"{where} are {', '.join(hints)}"
+    raise ValueError(f"{dotted} is not a field of the {algorithm} config; {hint}")
+
+
+def _build(cls, node, prefix: str, algorithm: str):
+  raw, values = _raw(node), {}
+  for f in dataclasses.fields(cls):
+    dotted, tp = prefix + f.name, _hints(cls)[f.name]
+    if f.name not in raw:
+      if f.default is dataclasses.MISSING:
+        raise ValueError(f"{dotted} is missing from the {algorithm} config ({_type_name(tp)}: "
+                         f"{f.metadata['doc']}); set it in the experiment file")
+      values[f.name] = f.default
+      continue
+    values[f.name] = _value(tp, raw[f.name], dotted, algorithm, f.default is not dataclasses.MISSING)
+  return cls(**values)
+
+
+def _value(tp, value, dotted: str, algorithm: str, optional: bool = False):
+  """`value` checked against type `tp` (and converted: ConfigDict -> dataclass or dict, list -> tuple, int -> float)."""
+  if typing.get_origin(tp) is typing.Union:   # Optional[X]: a placeholder
+    return None if value is None else _value(_unoptional(tp), value, dotted, algorithm)
+  if value is None:
+    leave = " or remove it" if optional else ""
+    raise ValueError(f"{dotted}=None: the field is no placeholder; set {_type_name(tp)}{leave}")
+  ok = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str),
+        dict: lambda v: isinstance(v, (ml_collections.ConfigDict, dict))}
+  origin = typing.get_origin(tp)
+  if dataclasses.is_dataclass(tp):
+    good = isinstance(value, ml_collections.ConfigDict)
+  elif origin is tuple:
+    good = isinstance(value, (tuple, list))
+  else:
+    good = ok[tp](value)
+  if not good:
+    raise ValueError(f"{dotted}={value!r} must be {_type_name(tp)}, not {type(value).__name__}")
+  if dataclasses.is_dataclass(tp):
+    return _build(tp, value, dotted + ".", algorithm)
+  if origin is tuple:
+    return tuple(_value(typing.get_args(tp)[0], v, f"{dotted}[{i}]", algorithm) for i, v in enumerate(value))
+  if tp is dict:
+    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
+  return float(value) if tp is float else value
+
+
+def _type_name(tp) -> str:
+  if typing.get_origin(tp) is typing.Union:
+    return f"{_type_name(_unoptional(tp))} or None"
+  if typing.get_origin(tp) is tuple:
+    return f"a tuple of {_type_name(typing.get_args(tp)[0]).split(' ', 1)[1]}s"
+  if dataclasses.is_dataclass(tp):
+    return "a section (ConfigDict)"
+  return {bool: "a bool", int: "an int", float: "a number (int or float)", str: "a str", dict: "a ConfigDict"}[tp]
