@@ -198,6 +198,7 @@ class RunConfig:
   run_dir: str = _f("directory of metrics.jsonl, plots and checkpoints")
   checkpoint_every: int = _f("steps between checkpoints (also saved at the end)")
   resume: bool = _f("continue from the latest checkpoint in run_dir")
+  overwrite: bool = _f("delete everything in run_dir (checkpoints included) before a new run; refused with resume")
 
 
 @_frozen
