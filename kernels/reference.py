@@ -12,15 +12,28 @@ visible to every query, subject to their validity mask; own keys are bottom-righ
 
 The blocks are not concatenated: a block whose batch is 1 (a prompt shared by B samples) is
 used as is, never tiled B times.
+
+Two paths, the same function. A short segment (T <= QUERY_CHUNK queries, every ancestor block
+<= KEY_BLOCK keys: a completion over a short prompt) is one dense step over whole blocks. A longer
+one is tiled: its queries in chunks of QUERY_CHUNK, visited one after another by `lax.fori_loop`,
+each scoring its keys a tile at a time with the online softmax, so that at most one tile's
+scores [Hkv, B, QUERY_CHUNK, G, KEY_BLOCK] (or [.., QUERY_CHUNK] for own keys) are live:
+
+    keys:     [ ancestor: tile 0 | tile 1 | tail ]  [ own: tile 0 | tile 1 | tile 2 ]
+    chunk 0     loop over tiles    ...      static    diagonal
+    chunk 1     loop over tiles    ...      static    loop       diagonal
+    chunk 2     loop over tiles    ...      static    loop       loop     diagonal
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 class KVBlock(NamedTuple):
@@ -41,9 +54,18 @@ def accum_dtype(dtype):
 
 
 QUERY_CHUNK = 256
-"""Queries per chunk of `suffix_attention`: chunk [a, b) attends to own keys [0, b) only, so a segment of
-T tokens computes about (1 + T / QUERY_CHUNK) / 2 of its T x T own-block scores instead of all of
-them (62.5% at T = 1024; a segment of <= QUERY_CHUNK tokens is one chunk)."""
+"""Queries per chunk of `suffix_attention`, and keys per tile of the segment's own keys. Chunk c
+(queries [cC, (c+1)C)) attends to own tiles 0..c-1, visible subject to their valid mask, and to
+tile c, its causal diagonal; own keys after the chunk are never scored. A segment of T tokens thus
+computes about (1 + T / C) / 2 of its T x T own-block scores (62.5% at T = 1024). A segment of
+<= QUERY_CHUNK tokens is one chunk; a longer one is padded to a multiple of QUERY_CHUNK (padded
+queries are dropped, padded keys masked)."""
+
+KEY_BLOCK = 512
+"""Ancestor keys per tile of the online softmax. An ancestor block of more than KEY_BLOCK keys is
+scored KEY_BLOCK keys at a time in a `lax.fori_loop`, its last S mod KEY_BLOCK keys as one more
+tile; a block of <= KEY_BLOCK keys is one tile. With QUERY_CHUNK, this bounds the live scores at
+[Hkv, B, QUERY_CHUNK, G, KEY_BLOCK] (B x 4.7 MB of float32 for SmolLM2-135M, Hkv = G = 3)."""
 
 
 # Scores are laid out [Hkv, B, T, G, S] (query head h = kv head * G + g): every dot of the forward and
@@ -51,48 +73,84 @@ them (62.5% at T = 1024; a segment of <= QUERY_CHUNK tokens is one chunk)."""
 # (B,) T, G queries for the K and V gradients), with the batch axes leading. With the scores as
 # [B, Hkv, G, T, S] the K gradient contracted (T, G), which XLA:CPU canonicalised by a transposed
 # copy of the score-sized cotangent (docs/design.md, "Step profile (CPU)"); now only q-, K- and
-# V-sized arrays are transposed.
+# V-sized arrays are transposed. The helpers with a _t suffix take K/V already as [Hkv, B or 1, S, D].
 
 
-def _scores(q_kbtgd, k_bskd):
-  """[Hkv, B, T, G, S] scores of queries [Hkv, B, T, G, D] against keys [B or 1, S, Hkv, D]."""
-  acc = accum_dtype(q_kbtgd.dtype)
+def _scores_t(q_kbtgd, k_kbsd):
+  """[Hkv, B, T, G, S] scores of queries [Hkv, B, T, G, D] against keys [Hkv, B or 1, S, D].
+
+  In the accumulation dtype of the two inputs' common dtype. A key batch of 1 (one block shared
+  by the B rows) joins the B rows to the queries instead of being broadcast."""
+  acc = accum_dtype(jnp.result_type(q_kbtgd, k_kbsd))
   hkv, b, t, g, d = q_kbtgd.shape
-  s = k_bskd.shape[1]
-  if k_bskd.shape[0] == 1:   # one block shared by the B rows: the rows join the queries
-    k_ksd = jnp.transpose(k_bskd[0], (1, 0, 2))
-    scores = jnp.einsum("knd,ksd->kns", q_kbtgd.reshape(hkv, b * t * g, d), k_ksd, preferred_element_type=acc)
+  s = k_kbsd.shape[2]
+  if k_kbsd.shape[1] == 1:
+    scores = jnp.einsum("knd,ksd->kns", q_kbtgd.reshape(hkv, b * t * g, d), k_kbsd[:, 0], preferred_element_type=acc)
   else:
-    k_kbsd = jnp.transpose(k_bskd, (2, 0, 1, 3))
     scores = jnp.einsum("kbqd,kbsd->kbqs", q_kbtgd.reshape(hkv, b, t * g, d), k_kbsd, preferred_element_type=acc)
   return scores.reshape(hkv, b, t, g, s)
 
 
-def _mix(p_kbtgs, v_bskd):
-  """[Hkv, B, T, G, D] = probabilities [Hkv, B, T, G, S] times values [B or 1, S, Hkv, D]."""
-  acc = accum_dtype(v_bskd.dtype)
+def _mix_t(p_kbtgs, v_kbsd):
+  """[Hkv, B, T, G, D] = weights [Hkv, B, T, G, S] times values [Hkv, B or 1, S, D], accumulation dtype."""
+  acc = accum_dtype(jnp.result_type(p_kbtgs, v_kbsd))
   hkv, b, t, g, s = p_kbtgs.shape
-  d = v_bskd.shape[-1]
-  if v_bskd.shape[0] == 1:
-    v_ksd = jnp.transpose(v_bskd[0], (1, 0, 2))
-    out = jnp.einsum("kns,ksd->knd", p_kbtgs.reshape(hkv, b * t * g, s), v_ksd, preferred_element_type=acc)
+  d = v_kbsd.shape[-1]
+  if v_kbsd.shape[1] == 1:
+    out = jnp.einsum("kns,ksd->knd", p_kbtgs.reshape(hkv, b * t * g, s), v_kbsd[:, 0], preferred_element_type=acc)
   else:
-    v_kbsd = jnp.transpose(v_bskd, (2, 0, 1, 3))
     out = jnp.einsum("kbqs,kbsd->kbqd", p_kbtgs.reshape(hkv, b, t * g, s), v_kbsd, preferred_element_type=acc)
   return out.reshape(hkv, b, t, g, d)
+
+
+def _outer_t(x_kbtgs, y_kbtgd, key_batch: int):
+  """[Hkv, key_batch, S, D] = x^T y summed over the queries ((B,) T, G): a K or V gradient.
+
+  x: [Hkv, B, T, G, S] (probabilities or dS), y: [Hkv, B, T, G, D] (dO or q); key_batch 1 also
+  sums over B (the gradient of a block shared by the B rows), else key_batch must be B."""
+  acc = accum_dtype(jnp.result_type(x_kbtgs, y_kbtgd))
+  hkv, b, t, g, s = x_kbtgs.shape
+  d = y_kbtgd.shape[-1]
+  if key_batch == 1:
+    return jnp.einsum("kns,knd->ksd", x_kbtgs.reshape(hkv, b * t * g, s), y_kbtgd.reshape(hkv, b * t * g, d),
+                      preferred_element_type=acc)[:, None]
+  return jnp.einsum("kbqs,kbqd->kbsd", x_kbtgs.reshape(hkv, b, t * g, s), y_kbtgd.reshape(hkv, b, t * g, d),
+                    preferred_element_type=acc)
+
+
+def _kv_t(x_bskd):
+  """[B, S, Hkv, D] -> [Hkv, B, S, D]."""
+  return jnp.transpose(x_bskd, (2, 0, 1, 3))
+
+
+def _scores(q_kbtgd, k_bskd):
+  """[Hkv, B, T, G, S] scores of queries [Hkv, B, T, G, D] against keys [B or 1, S, Hkv, D]."""
+  return _scores_t(q_kbtgd, _kv_t(k_bskd))
+
+
+def _mix(p_kbtgs, v_bskd):
+  """[Hkv, B, T, G, D] = probabilities [Hkv, B, T, G, S] times values [B or 1, S, Hkv, D]."""
+  return _mix_t(p_kbtgs, _kv_t(v_bskd))
 
 
 def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlock,
                      *, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
   """Softmax attention of a segment's queries over [ancestors ; own], own bottom-right causal.
 
-  Dense, one block at a time, with FlashAttention's backward pass (Dao et al. 2022, arXiv
-  2205.14135, Algorithm 4; Dao 2023, arXiv 2307.08691, Algorithm 2, written with whole blocks instead
-  of tiles): the forward keeps only its inputs, the output and the log-sum-exp for the backward
-  pass, which recomputes each block's probabilities P = exp(S - lse) and forms
-  dS = P * (dP - rowsum(dO * O) + d lse), dP = dO V^T. So no score-sized array [Hkv, B, T, G, S] is
-  saved between the passes (a layer scan would stack one per layer: 30 of them for SmolLM2), and
-  the probabilities are never concatenated across blocks or split again.
+  FlashAttention's algorithm written in jnp. Forward: the online softmax (Dao et al. 2022, arXiv
+  2205.14135, Algorithm 1, lines 9-12; Milakov & Gimelshein 2018, arXiv 1805.02867): per query
+  row a running max m, sum l and unnormalised output o, and per key tile with scores S_j,
+  m' = max(m, rowmax S_j), l' = e^(m - m') l + rowsum e^(S_j - m'), o' = e^(m - m') o + e^(S_j - m') V_j;
+  out = o / l, lse = m + log l. Backward (Dao 2023, arXiv 2307.08691, Algorithm 2): only the
+  inputs, out and lse are kept; each tile's probabilities are recomputed, P_j = exp(S_j - lse),
+  and dV_j = P_j^T dO, dS_j = P_j * (dO V_j^T - rowsum(dO * O) + d lse), dQ += dS_j K_j,
+  dK_j = dS_j^T Q (d lse / dS = P adds the lse cotangent). So no score-sized array is saved
+  between the passes (a layer scan would stack one per layer: 30 of them for SmolLM2).
+
+  Short segments (T <= QUERY_CHUNK and every ancestor block <= KEY_BLOCK keys) take one step over
+  whole blocks; longer ones loop over query chunks and key tiles (the module docstring), holding
+  O(QUERY_CHUNK x KEY_BLOCK) scores at a time, forward and backward, and accumulating dQ, dK and
+  dV across tiles in the accumulation dtype.
 
   Args:
     q_bthd: [B, T, Hq, D] queries; Hq must be a multiple of every block's Hkv (GQA).
@@ -118,17 +176,20 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
     return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), accum_dtype(q_bthd.dtype))
   q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
   ancestors = [blk for blk in ancestors if blk.k.shape[1]]   # an empty block adds no key (and max() needs one)
-  outs, lses = [], []
-  for start in range(0, t, QUERY_CHUNK):   # own keys after a chunk's last query are never visible to it
-    end = min(start + QUERY_CHUNK, t)
-    kvs = [(blk.k, blk.v) for blk in ancestors] + [(own.k[:, :end], own.v[:, :end])]
-    out, lse = _attend(q[:, :, start:end], kvs, _masks(ancestors, own.valid[:, :end], start))
-    outs.append(out)
-    lses.append(lse)
-  out, lse = (outs[0], lses[0]) if len(outs) == 1 else (jnp.concatenate(outs, 2), jnp.concatenate(lses, 2))
+  # Read at call time, so that tests can shrink them (monkeypatch) to exercise the tiling.
+  chunk, key_block = QUERY_CHUNK, KEY_BLOCK
+  if t <= chunk and all(blk.k.shape[1] <= key_block for blk in ancestors):
+    kvs = [(blk.k, blk.v) for blk in ancestors] + [(own.k, own.v)]
+    out, lse = _attend(q, kvs, _masks(ancestors, own.valid, 0))
+  else:
+    out, lse = _tiled(q, ancestors, own, chunk, key_block)
   lse_bth = jnp.transpose(lse, (1, 2, 0, 3)).reshape(b, t, hq)
   out_bthd = jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
   return out_bthd.astype(q_bthd.dtype), lse_bth
+
+
+# ------------------------------------------------------------------------------------------------
+# The dense step: one chunk of queries against whole blocks.
 
 
 def _masks(ancestors: Sequence[KVBlock], own_valid, start: int) -> list:
@@ -161,10 +222,8 @@ def _attend_fwd(q, kvs, masks):
   row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)         # [Hkv, B, T, G]
   exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in zip(scores, masks)]
   total = sum(jnp.sum(e, axis=-1) for e in exps)
-  visible = total > 0
   out = sum(_mix(e.astype(v.dtype), v) for e, (_, v) in zip(exps, kvs))
-  out = out / jnp.where(visible, total, 1.0)[..., None]      # normalise the output, not the probabilities
-  lse = jnp.where(visible, row_max + jnp.log(jnp.where(visible, total, 1.0)), -jnp.inf)
+  out, lse = _finish(_State(row_max, total, out))
   return (out, lse), (q, kvs, masks, out, lse)
 
 
@@ -188,3 +247,188 @@ def _attend_bwd(residuals, cotangents):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# The tiled path: query chunks one after another, key tiles one after another, online softmax.
+
+
+class _State(NamedTuple):
+  """Online-softmax statistics of a query chunk: running row max m and sum l [Hkv, B, C, G], and the
+  unnormalised output o [Hkv, B, C, G, D] (Dao et al. 2022, Algorithm 1: m_i, l_i, O_i before dividing)."""
+
+  m: jax.Array
+  l: jax.Array
+  o: jax.Array
+
+
+def _finish(state: _State):
+  """(out = o / l, lse = m + log l); rows with no visible key (l = 0) get out 0 and lse -inf."""
+  visible = state.l > 0
+  out = state.o / jnp.where(visible, state.l, 1.0)[..., None]      # normalise the output, not the probabilities
+  lse = jnp.where(visible, state.m + jnp.log(jnp.where(visible, state.l, 1.0)), -jnp.inf)
+  return out, lse
+
+
+def _online_step(q, tiles, state: _State) -> _State:
+  """Folds key tiles [(k [Hkv, B or 1, S, D], v, mask)] into `state` (Algorithm 1, lines 9-12).
+
+  The tiles of one call share one row max, as the dense step's blocks do. The fill of masked
+  scores is finite (not -inf), so m stays finite, m - m' is never inf - inf and exp() never NaN."""
+  acc = accum_dtype(q.dtype)
+  scores = [jnp.where(m, _scores_t(q, k), jnp.finfo(acc).min) for k, _, m in tiles]
+  row_max = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1) for s in scores], state.m)
+  exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, (_, _, m) in zip(scores, tiles)]
+  rescale = jnp.exp(state.m - row_max)                  # <= 1; 0 while m was the fill
+  total = rescale * state.l + sum(jnp.sum(e, axis=-1) for e in exps)
+  out = rescale[..., None] * state.o + sum(_mix_t(e.astype(v.dtype), v) for e, (_, v, _) in zip(exps, tiles))
+  return _State(row_max, total, out)
+
+
+def _grad_tile(q, d_out, lse, delta, k, v, mask):
+  """One key tile of Algorithm 2 (Dao 2023, lines 11-16): (dQ part, dK, dV), accumulation dtype.
+
+  q [Hkv, B, C, G, D] pre-scaled, d_out like q (accumulation dtype), lse [Hkv, B, C, G] with 0
+  where -inf, delta [Hkv, B, C, G, 1] = rowsum(dO * O) - d lse; k, v [Hkv, B or 1, S, D]. dS
+  stays in the accumulation dtype for dQ and dK (rounding it to bfloat16, as FA2 does, costs ~2.5x
+  accuracy: kernels/pallas_attention.py)."""
+  probs = jnp.where(mask, jnp.exp(_scores_t(q, k) - lse[..., None]), 0.0)
+  d_v = _outer_t(probs, d_out, v.shape[1])
+  d_scores = probs * (_scores_t(d_out, v) - delta)
+  return _mix_t(d_scores, k), _outer_t(d_scores, q, k.shape[1]), d_v
+
+
+def _take(x, start, size: int, axis: int):
+  """x[start:start + size] along `axis`; a static slice when start is a Python int."""
+  if isinstance(start, int):
+    return lax.slice_in_dim(x, start, start + size, axis=axis)
+  return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _add_at(x, y, start, axis: int):
+  """x with y added at [start:start + len(y)] along `axis` (in place inside a loop)."""
+  return lax.dynamic_update_slice_in_dim(x, _take(x, start, y.shape[axis], axis) + y, start, axis)
+
+
+def _loop(n, body, init):
+  """lax.fori_loop(0, n, body, init), without a loop for a static n of 0 or 1."""
+  if isinstance(n, int) and n <= 1:
+    return body(0, init) if n else init
+  return lax.fori_loop(0, n, body, init)
+
+
+def _tiles(c, sizes: Sequence[int], chunk: int, key_block: int):
+  """Key tiles seen by query chunk c: (looped [(block, start, size, count)], single [(block, start, size, causal)]).
+
+  `sizes` are the ancestor blocks' key counts; block index len(sizes) is the own block. Looped
+  entries are `count` tiles of `size` keys from `start`: an ancestor's full KEY_BLOCK tiles, and
+  own tiles 0..c-1 (all before the chunk's first query). Single tiles: an ancestor's remainder (or
+  the whole of a short one) and own tile c, the causal diagonal."""
+  looped, single = [], []
+  for i, s in enumerate(sizes):
+    n = s // key_block if s > key_block else 0
+    if n:
+      looped.append((i, 0, key_block, n))
+    if s > n * key_block:
+      single.append((i, n * key_block, s - n * key_block, False))
+  looped.append((len(sizes), 0, chunk, c))
+  single.append((len(sizes), c * chunk, chunk, True))
+  return looped, single
+
+
+def _tile(blocks, block: int, start, size: int, causal: bool):
+  """(k, v [Hkv, B or 1, size, D], mask broadcastable to [Hkv, B, C, G, size]) of one tile."""
+  k, v, valid = blocks[block]
+  mask = _take(valid, start, size, 1)[None, :, None, None, :]
+  if causal:   # the diagonal tile: query i of the chunk sees its keys 0..i
+    mask = mask & jnp.tril(jnp.ones((size, size), bool))[None, None, :, None, :]
+  return _take(k, start, size, 2), _take(v, start, size, 2), mask
+
+
+def _tiled(q, ancestors: Sequence[KVBlock], own: KVBlock, chunk: int, key_block: int):
+  """(out [Hkv, B, T, G, D] accum dtype, lse [Hkv, B, T, G]) of pre-scaled q [Hkv, B, T, G, D], tiled.
+
+  Pads T to a multiple of the chunk (padded queries see valid keys and are sliced off; their zero
+  cotangents add nothing; padded own keys are invalid) and transposes K/V to [Hkv, B, S, D] once."""
+  t = q.shape[2]
+  chunk = min(chunk, t)
+  pad = -t % chunk
+  q = jnp.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0), (0, 0)])
+  pad_kv = lambda x: jnp.pad(_kv_t(x), [(0, 0), (0, 0), (0, pad), (0, 0)])
+  own_t = (pad_kv(own.k), pad_kv(own.v), jnp.pad(own.valid, [(0, 0), (0, pad)]))
+  ancestors_t = tuple((_kv_t(blk.k), _kv_t(blk.v), blk.valid) for blk in ancestors)
+  out, lse = _attend_tiled(q, ancestors_t, own_t, chunk, key_block)
+  return out[:, :, :t], lse[:, :, :t]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attend_tiled(q, ancestors, own, chunk: int, key_block: int):
+  """`_attend` over ancestors ((k, v [Hkv, B or 1, S_i, D], valid [B or 1, S_i]), ...) and own
+  (k, v [Hkv, B, T, D], valid [B, T]), T a multiple of `chunk`, a tile at a time."""
+  return _attend_tiled_fwd(q, ancestors, own, chunk, key_block)[0]
+
+
+def _attend_tiled_fwd(q, ancestors, own, chunk, key_block):
+  acc = accum_dtype(q.dtype)
+  blocks = ancestors + (own,)
+  sizes = [k.shape[2] for k, _, _ in ancestors]
+
+  def chunk_body(c, outs):
+    q_c = _take(q, c * chunk, chunk, 2)
+    looped, single = _tiles(c, sizes, chunk, key_block)
+    state = _State(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc), jnp.zeros(q_c.shape[:-1], acc),
+                   jnp.zeros(q_c.shape, acc))
+    for block, start, size, count in looped:
+      step = lambda j, st, block=block, start=start, size=size: _online_step(
+          q_c, [_tile(blocks, block, start + j * size, size, False)], st)
+      state = _loop(count, step, state)
+    out_c, lse_c = _finish(_online_step(q_c, [_tile(blocks, *tile) for tile in single], state))
+    put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 2)
+    return put(outs[0], out_c), put(outs[1], lse_c)
+
+  out, lse = _loop(q.shape[2] // chunk, chunk_body, (jnp.zeros(q.shape, acc), jnp.zeros(q.shape[:-1], acc)))
+  return (out, lse), (q, ancestors, own, out, lse)
+
+
+def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
+  q, ancestors, own, out, lse = residuals
+  d_out, d_lse = cotangents
+  acc = out.dtype
+  blocks = ancestors + (own,)
+  sizes = [k.shape[2] for k, _, _ in ancestors]
+  d_out = d_out.astype(acc)
+  # dS = P (dP - rowsum(dO * O)) + P d lse (as d lse / dS = P) = P (dP - delta)
+  delta = (jnp.sum(d_out * out, axis=-1) - jnp.where(jnp.isfinite(lse), d_lse, 0.0))[..., None]
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)       # rows with no visible key: all masked, P = 0
+
+  def chunk_body(c, carry):
+    d_q, d_blocks = carry
+    rows = lambda x: _take(x, c * chunk, chunk, 2)
+    q_c, d_out_c, lse_c, delta_c = rows(q), rows(d_out), rows(lse), rows(delta)
+    looped, single = _tiles(c, sizes, chunk, key_block)
+
+    def visit(tile, carry):
+      dq_c, d_blocks = carry
+      block, start, size, _ = tile
+      dq_tile, dk_tile, dv_tile = _grad_tile(q_c, d_out_c, lse_c, delta_c, *_tile(blocks, *tile))
+      dk, dv = d_blocks[block]
+      d_kv = (_add_at(dk, dk_tile, start, 2), _add_at(dv, dv_tile, start, 2))
+      return dq_c + dq_tile, d_blocks[:block] + (d_kv,) + d_blocks[block + 1:]
+
+    carry = (jnp.zeros(q_c.shape, acc), d_blocks)
+    for block, start, size, count in looped:
+      step = lambda j, cr, block=block, start=start, size=size: visit((block, start + j * size, size, False), cr)
+      carry = _loop(count, step, carry)
+    for tile in single:
+      carry = visit(tile, carry)
+    dq_c, d_blocks = carry
+    return lax.dynamic_update_slice_in_dim(d_q, dq_c, c * chunk, 2), d_blocks
+
+  zeros = tuple((jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)) for k, v, _ in blocks)
+  d_q, d_blocks = _loop(q.shape[2] // chunk, chunk_body, (jnp.zeros(q.shape, acc), zeros))
+  cast = [(dk.astype(k.dtype), dv.astype(v.dtype), np.zeros(valid.shape, jax.dtypes.float0))
+          for (dk, dv), (k, v, valid) in zip(d_blocks, blocks)]
+  return d_q.astype(q.dtype), tuple(cast[:-1]), cast[-1]
+
+
+_attend_tiled.defvjp(_attend_tiled_fwd, _attend_tiled_bwd)
