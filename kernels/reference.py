@@ -58,8 +58,8 @@ QUERY_CHUNK = 256
 (queries [cC, (c+1)C)) attends to own tiles 0..c-1, visible subject to their valid mask, and to
 tile c, its causal diagonal; own keys after the chunk are never scored. A segment of T tokens thus
 computes about (1 + T / C) / 2 of its T x T own-block scores (62.5% at T = 1024). A segment of
-<= QUERY_CHUNK tokens is one chunk; a longer one is padded to a multiple of QUERY_CHUNK (padded
-queries are dropped, padded keys masked)."""
+<= QUERY_CHUNK tokens is one chunk; a longer one is split into n = ceil(T / QUERY_CHUNK) chunks
+of C = ceil(T / n) <= QUERY_CHUNK queries, padded by fewer than n (dropped queries, masked keys)."""
 
 KEY_BLOCK = 512
 """Ancestor keys per tile of the online softmax. An ancestor block of more than KEY_BLOCK keys is
@@ -85,7 +85,8 @@ def _scores_t(q_kbtgd, k_kbsd):
   hkv, b, t, g, d = q_kbtgd.shape
   s = k_kbsd.shape[2]
   if k_kbsd.shape[1] == 1:
-    scores = jnp.einsum("knd,ksd->kns", q_kbtgd.reshape(hkv, b * t * g, d), k_kbsd[:, 0], preferred_element_type=acc)
+    scores = jnp.einsum("knd,ksd->kns", q_kbtgd.reshape(hkv, b * t * g, d), k_kbsd.reshape(hkv, s, d),
+                        preferred_element_type=acc)
   else:
     scores = jnp.einsum("kbqd,kbsd->kbqs", q_kbtgd.reshape(hkv, b, t * g, d), k_kbsd, preferred_element_type=acc)
   return scores.reshape(hkv, b, t, g, s)
@@ -97,7 +98,8 @@ def _mix_t(p_kbtgs, v_kbsd):
   hkv, b, t, g, s = p_kbtgs.shape
   d = v_kbsd.shape[-1]
   if v_kbsd.shape[1] == 1:
-    out = jnp.einsum("kns,ksd->knd", p_kbtgs.reshape(hkv, b * t * g, s), v_kbsd[:, 0], preferred_element_type=acc)
+    out = jnp.einsum("kns,ksd->knd", p_kbtgs.reshape(hkv, b * t * g, s), v_kbsd.reshape(hkv, s, d),
+                     preferred_element_type=acc)
   else:
     out = jnp.einsum("kbqs,kbsd->kbqd", p_kbtgs.reshape(hkv, b, t * g, s), v_kbsd, preferred_element_type=acc)
   return out.reshape(hkv, b, t, g, d)
@@ -113,7 +115,7 @@ def _outer_t(x_kbtgs, y_kbtgd, key_batch: int):
   d = y_kbtgd.shape[-1]
   if key_batch == 1:
     return jnp.einsum("kns,knd->ksd", x_kbtgs.reshape(hkv, b * t * g, s), y_kbtgd.reshape(hkv, b * t * g, d),
-                      preferred_element_type=acc)[:, None]
+                      preferred_element_type=acc).reshape(hkv, 1, s, d)
   return jnp.einsum("kbqs,kbqd->kbsd", x_kbtgs.reshape(hkv, b, t * g, s), y_kbtgd.reshape(hkv, b, t * g, d),
                     preferred_element_type=acc)
 
@@ -123,14 +125,38 @@ def _kv_t(x_bskd):
   return jnp.transpose(x_bskd, (2, 0, 1, 3))
 
 
+# The dense step's `_scores` and `_mix` take K/V as [B or 1, S, Hkv, D] and transpose them inside the
+# vjp'd function. Written as `_scores_t(q, _kv_t(k))` they are the same math, but XLA:CPU then picked
+# other dot layouts for the gradient and the P = 256 fwd+bwd of benchmarks/attention_memory.py took
+# 8% more CPU time; so they stay as they were.
+
+
 def _scores(q_kbtgd, k_bskd):
   """[Hkv, B, T, G, S] scores of queries [Hkv, B, T, G, D] against keys [B or 1, S, Hkv, D]."""
-  return _scores_t(q_kbtgd, _kv_t(k_bskd))
+  acc = accum_dtype(q_kbtgd.dtype)
+  hkv, b, t, g, d = q_kbtgd.shape
+  s = k_bskd.shape[1]
+  if k_bskd.shape[0] == 1:   # one block shared by the B rows: the rows join the queries
+    k_ksd = jnp.transpose(k_bskd[0], (1, 0, 2))
+    scores = jnp.einsum("knd,ksd->kns", q_kbtgd.reshape(hkv, b * t * g, d), k_ksd, preferred_element_type=acc)
+  else:
+    k_kbsd = jnp.transpose(k_bskd, (2, 0, 1, 3))
+    scores = jnp.einsum("kbqd,kbsd->kbqs", q_kbtgd.reshape(hkv, b, t * g, d), k_kbsd, preferred_element_type=acc)
+  return scores.reshape(hkv, b, t, g, s)
 
 
 def _mix(p_kbtgs, v_bskd):
   """[Hkv, B, T, G, D] = probabilities [Hkv, B, T, G, S] times values [B or 1, S, Hkv, D]."""
-  return _mix_t(p_kbtgs, _kv_t(v_bskd))
+  acc = accum_dtype(v_bskd.dtype)
+  hkv, b, t, g, s = p_kbtgs.shape
+  d = v_bskd.shape[-1]
+  if v_bskd.shape[0] == 1:
+    v_ksd = jnp.transpose(v_bskd[0], (1, 0, 2))
+    out = jnp.einsum("kns,ksd->knd", p_kbtgs.reshape(hkv, b * t * g, s), v_ksd, preferred_element_type=acc)
+  else:
+    v_kbsd = jnp.transpose(v_bskd, (2, 0, 1, 3))
+    out = jnp.einsum("kbqs,kbsd->kbqd", p_kbtgs.reshape(hkv, b, t * g, s), v_kbsd, preferred_element_type=acc)
+  return out.reshape(hkv, b, t, g, d)
 
 
 def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlock,
@@ -348,11 +374,14 @@ def _tile(blocks, block: int, start, size: int, causal: bool):
 def _tiled(q, ancestors: Sequence[KVBlock], own: KVBlock, chunk: int, key_block: int):
   """(out [Hkv, B, T, G, D] accum dtype, lse [Hkv, B, T, G]) of pre-scaled q [Hkv, B, T, G, D], tiled.
 
-  Pads T to a multiple of the chunk (padded queries see valid keys and are sliced off; their zero
-  cotangents add nothing; padded own keys are invalid) and transposes K/V to [Hkv, B, S, D] once."""
+  The T queries are split into n = ceil(T / chunk) equal chunks of ceil(T / n) <= chunk, T padded
+  to n of them (fewer than n padded queries: padding T = 300 to two chunks of 256 doubled the
+  own-key work). Padded queries see valid keys and are sliced off, their zero cotangents add
+  nothing; padded own keys are invalid. K/V are transposed to [Hkv, B, S, D] once."""
   t = q.shape[2]
-  chunk = min(chunk, t)
-  pad = -t % chunk
+  n_chunks = -(-t // chunk)
+  chunk = -(-t // n_chunks)
+  pad = n_chunks * chunk - t
   q = jnp.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0), (0, 0)])
   pad_kv = lambda x: jnp.pad(_kv_t(x), [(0, 0), (0, 0), (0, pad), (0, 0)])
   own_t = (pad_kv(own.k), pad_kv(own.v), jnp.pad(own.valid, [(0, 0), (0, pad)]))
