@@ -336,6 +336,33 @@ def _add_at(x, y, start, axis: int):
   return lax.dynamic_update_slice_in_dim(x, _take(x, start, y.shape[axis], axis) + y, start, axis)
 
 
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes an array varies over inside `shard_map` (empty outside)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)      # jax >= 0.9: ManualAxisType.varying; before: aval.vma
+  return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+def _varying_like(*trees):
+  """f(x) -> x marked varying over every manual mesh axis that any array of `trees` varies over.
+
+  Inside `shard_map(check_vma=True)` a loop's carry must have the type of its body's output; a
+  body output mixing q with K/V varies over their axes, a fresh jnp.zeros over none. So every
+  loop carry starts as zeros cast to the union of the inputs' axes (outside shard_map: none)."""
+  axes = frozenset().union(*(_varying_axes(x) for x in jax.tree_util.tree_leaves(trees)))
+  if not axes:
+    return lambda x: x
+  return lambda x: lax.pcast(x, tuple(sorted(axes)), to="varying")
+
+
+def _reduce_like(ct, primal):
+  """ct summed over the mesh axes it varies over and `primal` does not: a cotangent must have its
+  primal's type. This is the transpose of the implicit broadcast (pcast to varying) of a replicated
+  input that meets a varying one, which `jax.vjp` of the dense step applies itself."""
+  extra = _varying_axes(ct) - _varying_axes(primal)
+  return lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
 def _loop(n, body, init):
   """lax.fori_loop(0, n, body, init), without a loop for a static n of 0 or 1."""
   if isinstance(n, int) and n <= 1:
@@ -401,12 +428,13 @@ def _attend_tiled_fwd(q, ancestors, own, chunk, key_block):
   acc = accum_dtype(q.dtype)
   blocks = ancestors + (own,)
   sizes = [k.shape[2] for k, _, _ in ancestors]
+  vary = _varying_like(q, blocks)
 
   def chunk_body(c, outs):
     q_c = _take(q, c * chunk, chunk, 2)
     looped, single = _tiles(c, sizes, chunk, key_block)
-    state = _State(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc), jnp.zeros(q_c.shape[:-1], acc),
-                   jnp.zeros(q_c.shape, acc))
+    state = _State(vary(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc)), vary(jnp.zeros(q_c.shape[:-1], acc)),
+                   vary(jnp.zeros(q_c.shape, acc)))
     for block, start, size, count in looped:
       step = lambda j, st, block=block, start=start, size=size: _online_step(
           q_c, [_tile(blocks, block, start + j * size, size, False)], st)
@@ -415,7 +443,7 @@ def _attend_tiled_fwd(q, ancestors, own, chunk, key_block):
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 2)
     return put(outs[0], out_c), put(outs[1], lse_c)
 
-  out, lse = _loop(q.shape[2] // chunk, chunk_body, (jnp.zeros(q.shape, acc), jnp.zeros(q.shape[:-1], acc)))
+  out, lse = _loop(q.shape[2] // chunk, chunk_body, (vary(jnp.zeros(q.shape, acc)), vary(jnp.zeros(q.shape[:-1], acc))))
   return (out, lse), (q, ancestors, own, out, lse)
 
 
@@ -425,6 +453,7 @@ def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
   acc = out.dtype
   blocks = ancestors + (own,)
   sizes = [k.shape[2] for k, _, _ in ancestors]
+  vary = _varying_like(residuals, cotangents)
   d_out = d_out.astype(acc)
   # dS = P (dP - rowsum(dO * O)) + P d lse (as d lse / dS = P) = P (dP - delta)
   delta = (jnp.sum(d_out * out, axis=-1) - jnp.where(jnp.isfinite(lse), d_lse, 0.0))[..., None]
@@ -444,7 +473,7 @@ def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
       d_kv = (_add_at(dk, dk_tile, start, 2), _add_at(dv, dv_tile, start, 2))
       return dq_c + dq_tile, d_blocks[:block] + (d_kv,) + d_blocks[block + 1:]
 
-    carry = (jnp.zeros(q_c.shape, acc), d_blocks)
+    carry = (vary(jnp.zeros(q_c.shape, acc)), d_blocks)
     for block, start, size, count in looped:
       step = lambda j, cr, block=block, start=start, size=size: visit((block, start + j * size, size, False), cr)
       carry = _loop(count, step, carry)
@@ -453,11 +482,12 @@ def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
     dq_c, d_blocks = carry
     return lax.dynamic_update_slice_in_dim(d_q, dq_c, c * chunk, 2), d_blocks
 
-  zeros = tuple((jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)) for k, v, _ in blocks)
-  d_q, d_blocks = _loop(q.shape[2] // chunk, chunk_body, (jnp.zeros(q.shape, acc), zeros))
-  cast = [(dk.astype(k.dtype), dv.astype(v.dtype), np.zeros(valid.shape, jax.dtypes.float0))
-          for (dk, dv), (k, v, valid) in zip(d_blocks, blocks)]
-  return d_q.astype(q.dtype), tuple(cast[:-1]), cast[-1]
+  zeros = tuple((vary(jnp.zeros(k.shape, acc)), vary(jnp.zeros(v.shape, acc))) for k, v, _ in blocks)
+  d_q, d_blocks = _loop(q.shape[2] // chunk, chunk_body, (vary(jnp.zeros(q.shape, acc)), zeros))
+  cast = lambda ct, x: _reduce_like(ct, x).astype(x.dtype)
+  d_kvs = [(cast(dk, k), cast(dv, v), np.zeros(valid.shape, jax.dtypes.float0))
+           for (dk, dv), (k, v, valid) in zip(d_blocks, blocks)]
+  return cast(d_q, q), tuple(d_kvs[:-1]), d_kvs[-1]
 
 
 _attend_tiled.defvjp(_attend_tiled_fwd, _attend_tiled_bwd)

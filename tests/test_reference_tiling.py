@@ -183,3 +183,35 @@ def test_tiled_intermediates_are_at_most_input_sized(small_tiles):
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=range(5)))(q, kv_anc, kv_anc, kv_own, kv_own).jaxpr
   sizes = [int(np.prod(shape)) for shape in jaxpr_shapes(jaxpr)]
   assert max(sizes) <= 2048, sorted(sizes)[-5:]
+
+
+def test_tiled_inside_shard_map_equals_unsharded_and_the_dense_step(x64, monkeypatch):
+  # The mesh (distributed/mesh.py) runs the reference inside shard_map(check_vma=True), where a loop
+  # carry must vary over the mesh axes its body's output varies over (a fresh jnp.zeros varies over
+  # none: a TypeError at trace time) and a custom_vjp cotangent must vary exactly as its primal.
+  # Here q and the own block are split over the 2 rows, the shared prompt block is replicated, so
+  # its gradient is the psum of the devices' parts (JAX's rule for a replicated input, which the
+  # dense step gets from jax.vjp): the whole gradient. Tiled (chunk 8, tile 16) and dense (one
+  # step) results inside shard_map both equal the unsharded call to 1e-12.
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+  case = Case(jnp.float64, b=2, t=29, s_anc=(50,), hq=4, hkv=2, d=8, pad_keys=True, pad_queries=True, shared=True)
+  q, k, v, valid, ko, vo, own_valid, do, dlse = make_inputs(case, seed=9)
+
+  def fwd_bwd(q, ka, va, ma, ko, vo, mo, do, dlse):
+    f = lambda q, ka, va, ko, vo: suffix_attention(q, [KVBlock(ka, va, ma)], KVBlock(ko, vo, mo))
+    (out, lse), pullback = jax.vjp(f, q, ka, va, ko, vo)
+    return (out, lse, *pullback((do, dlse)))
+
+  rows, rep = P("x"), P()
+  args = [(q, rows), (k[0], rep), (v[0], rep), (valid[0], rep), (ko, rows), (vo, rows), (own_valid, rows), (do, rows),
+          (dlse, rows)]
+  placed = [jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)) for x, spec in args]
+  sharded = jax.shard_map(fwd_bwd, mesh=mesh, in_specs=tuple(spec for _, spec in args),
+                          out_specs=(rows, rows, rows, rep, rep, rows, rows), check_vma=True)
+  for chunk, key_block in [(CHUNK, KEY_BLOCK), (1 << 20, 1 << 20)]:
+    monkeypatch.setattr(reference, "QUERY_CHUNK", chunk)
+    monkeypatch.setattr(reference, "KEY_BLOCK", key_block)
+    want = jax.jit(fwd_bwd)(*[jnp.asarray(x) for x, _ in args])
+    _assert_close([np.asarray(x) for x in jax.jit(sharded)(*placed)], [np.asarray(x) for x in want], 1e-12)
