@@ -1,4 +1,4 @@
-"""The tiled path of the jnp reference attention (kernels/reference.py) against naive attention.
+"""The tiled path of the jnp reference attention (kernels/tiled_attention.py) against naive attention.
 
 `suffix_attention` loops over query chunks (QUERY_CHUNK) and key tiles (KEY_BLOCK) with the
 online softmax once a segment has more than QUERY_CHUNK queries or an ancestor block more than
@@ -215,3 +215,18 @@ def test_tiled_inside_shard_map_equals_unsharded_and_the_dense_step(x64, monkeyp
     monkeypatch.setattr(reference, "KEY_BLOCK", key_block)
     want = jax.jit(fwd_bwd)(*[jnp.asarray(x) for x, _ in args])
     _assert_close([np.asarray(x) for x in jax.jit(sharded)(*placed)], [np.asarray(x) for x in want], 1e-12)
+
+
+def test_compiled_temporaries_grow_linearly_with_the_prompt():
+  # XLA's buffer assignment (compile only) for one layer's prompt + completions attention, fwd + bwd,
+  # at SmolLM2-135M shapes (benchmarks/attention_memory.py). With the shipped constants doubling P
+  # must less than double the temporaries (linear plus a constant; docs/results/attention-memory-cpu
+  # measured 1.51x from 2048 to 4096); with all scores live at once, as the dense step holds them
+  # (constants raised above P), it is ~4x (quadratic), which shows the measure can tell them apart.
+  from branch_replay_jax.benchmarks.attention_memory import memory_row
+  temp = lambda p: memory_row("current", reference, p, 8, 32, jnp.float32)["temp_bytes"]
+  assert temp(2048) < 2 * temp(1024)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(reference, "QUERY_CHUNK", 1 << 20)
+    mp.setattr(reference, "KEY_BLOCK", 1 << 20)
+    assert temp(2048) > 3.5 * temp(1024)
