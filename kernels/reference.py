@@ -12,6 +12,17 @@ visible to every query, subject to their validity mask; own keys are bottom-righ
 
 The blocks are not concatenated: a block whose batch is 1 (a prompt shared by B samples) is
 used as is, never tiled B times.
+
+Two paths, the same function. A short segment (T <= QUERY_CHUNK queries, every ancestor block
+<= KEY_BLOCK keys: a completion over a short prompt) is one dense step over whole blocks. A longer
+one is tiled: its queries in chunks of QUERY_CHUNK, visited one after another by `lax.fori_loop`,
+each scoring its keys a tile at a time with the online softmax, so that at most one tile's
+scores [Hkv, B, QUERY_CHUNK, G, KEY_BLOCK] (or [.., QUERY_CHUNK] for own keys) are live:
+
+    keys:     [ ancestor: tile 0 | tile 1 | tail ]  [ own: tile 0 | tile 1 | tile 2 ]
+    chunk 0     loop over tiles    ...      static    diagonal
+    chunk 1     loop over tiles    ...      static    loop       diagonal
+    chunk 2     loop over tiles    ...      static    loop       loop     diagonal
 """
 
 from __future__ import annotations
@@ -21,6 +32,10 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# accum_dtype is defined there (the tiled path needs it, and importing it from here would be circular)
+# and re-exported: context_parallel and the kernels import it from this module.
+from branch_replay_jax.kernels.tiled_attention import _State, _finish, accum_dtype, tiled_attention
 
 
 class KVBlock(NamedTuple):
@@ -35,23 +50,26 @@ class KVBlock(NamedTuple):
   valid: jax.Array
 
 
-def accum_dtype(dtype):
-  """Accumulation dtype: float32 for bfloat16/float16/float32 inputs, float64 for float64."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 QUERY_CHUNK = 256
-"""Queries per chunk of `suffix_attention`: chunk [a, b) attends to own keys [0, b) only, so a segment of
-T tokens computes about (1 + T / QUERY_CHUNK) / 2 of its T x T own-block scores instead of all of
-them (62.5% at T = 1024; a segment of <= QUERY_CHUNK tokens is one chunk)."""
+"""Queries per chunk of `suffix_attention`, and keys per tile of the segment's own keys. Chunk c
+(queries [cC, (c+1)C)) attends to own tiles 0..c-1, visible subject to their valid mask, and to
+tile c, its causal diagonal; own keys after the chunk are never scored. A segment of T tokens thus
+computes about (1 + T / C) / 2 of its T x T own-block scores (62.5% at T = 1024). A segment of
+<= QUERY_CHUNK tokens is one chunk; a longer one is split into n = ceil(T / QUERY_CHUNK) chunks
+of C = ceil(T / n) <= QUERY_CHUNK queries, padded by fewer than n (dropped queries, masked keys)."""
+
+KEY_BLOCK = 512
+"""Ancestor keys per tile of the online softmax. An ancestor block of more than KEY_BLOCK keys is
+scored KEY_BLOCK keys at a time in a `lax.fori_loop`, its last S mod KEY_BLOCK keys as one more
+tile; a block of <= KEY_BLOCK keys is one tile. With QUERY_CHUNK, this bounds the live scores at
+[Hkv, B, QUERY_CHUNK, G, KEY_BLOCK] (B x 4.7 MB of float32 for SmolLM2-135M, Hkv = G = 3)."""
 
 
-# Scores are laid out [Hkv, B, T, G, S] (query head h = kv head * G + g): every dot of the forward and
-# of its gradient then contracts exactly one axis (D for the scores, S for the mix, the flattened
-# (B,) T, G queries for the K and V gradients), with the batch axes leading. With the scores as
-# [B, Hkv, G, T, S] the K gradient contracted (T, G), which XLA:CPU canonicalised by a transposed
-# copy of the score-sized cotangent (docs/design.md, "Step profile (CPU)"); now only q-, K- and
-# V-sized arrays are transposed.
+# Scores are laid out [Hkv, B, T, G, S] (tiled_attention.py says why). The dense step's `_scores` and
+# `_mix` take K/V as [B or 1, S, Hkv, D] and transpose them inside the vjp'd function. Written with
+# tiled_attention's `_scores_t` on pre-transposed K/V they are the same math, but XLA:CPU then picked
+# other dot layouts for the gradient and the P = 256 fwd+bwd of benchmarks/attention_memory.py took
+# 8% more CPU time; so they stay as they were.
 
 
 def _scores(q_kbtgd, k_bskd):
@@ -86,13 +104,20 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
                      *, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
   """Softmax attention of a segment's queries over [ancestors ; own], own bottom-right causal.
 
-  Dense, one block at a time, with FlashAttention's backward pass (Dao et al. 2022, arXiv
-  2205.14135, Algorithm 4; Dao 2023, arXiv 2307.08691, Algorithm 2, written with whole blocks instead
-  of tiles): the forward keeps only its inputs, the output and the log-sum-exp for the backward
-  pass, which recomputes each block's probabilities P = exp(S - lse) and forms
-  dS = P * (dP - rowsum(dO * O) + d lse), dP = dO V^T. So no score-sized array [Hkv, B, T, G, S] is
-  saved between the passes (a layer scan would stack one per layer: 30 of them for SmolLM2), and
-  the probabilities are never concatenated across blocks or split again.
+  FlashAttention's algorithm written in jnp. Forward: the online softmax (Dao et al. 2022, arXiv
+  2205.14135, Algorithm 1, lines 9-12; Milakov & Gimelshein 2018, arXiv 1805.02867): per query
+  row a running max m, sum l and unnormalised output o, and per key tile with scores S_j,
+  m' = max(m, rowmax S_j), l' = e^(m - m') l + rowsum e^(S_j - m'), o' = e^(m - m') o + e^(S_j - m') V_j;
+  out = o / l, lse = m + log l. Backward (Dao 2023, arXiv 2307.08691, Algorithm 2): only the
+  inputs, out and lse are kept; each tile's probabilities are recomputed, P_j = exp(S_j - lse),
+  and dV_j = P_j^T dO, dS_j = P_j * (dO V_j^T - rowsum(dO * O) + d lse), dQ += dS_j K_j,
+  dK_j = dS_j^T Q (d lse / dS = P adds the lse cotangent). So no score-sized array is saved
+  between the passes (a layer scan would stack one per layer: 30 of them for SmolLM2).
+
+  Short segments (T <= QUERY_CHUNK and every ancestor block <= KEY_BLOCK keys) take one step over
+  whole blocks; longer ones loop over query chunks and key tiles (the module docstring), holding
+  O(QUERY_CHUNK x KEY_BLOCK) scores at a time, forward and backward, and accumulating dQ, dK and
+  dV across tiles in the accumulation dtype.
 
   Args:
     q_bthd: [B, T, Hq, D] queries; Hq must be a multiple of every block's Hkv (GQA).
@@ -118,17 +143,20 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
     return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), accum_dtype(q_bthd.dtype))
   q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
   ancestors = [blk for blk in ancestors if blk.k.shape[1]]   # an empty block adds no key (and max() needs one)
-  outs, lses = [], []
-  for start in range(0, t, QUERY_CHUNK):   # own keys after a chunk's last query are never visible to it
-    end = min(start + QUERY_CHUNK, t)
-    kvs = [(blk.k, blk.v) for blk in ancestors] + [(own.k[:, :end], own.v[:, :end])]
-    out, lse = _attend(q[:, :, start:end], kvs, _masks(ancestors, own.valid[:, :end], start))
-    outs.append(out)
-    lses.append(lse)
-  out, lse = (outs[0], lses[0]) if len(outs) == 1 else (jnp.concatenate(outs, 2), jnp.concatenate(lses, 2))
+  # Read at call time, so that tests can shrink them (monkeypatch) to exercise the tiling.
+  chunk, key_block = QUERY_CHUNK, KEY_BLOCK
+  if t <= chunk and all(blk.k.shape[1] <= key_block for blk in ancestors):
+    kvs = [(blk.k, blk.v) for blk in ancestors] + [(own.k, own.v)]
+    out, lse = _attend(q, kvs, _masks(ancestors, own.valid, 0))
+  else:
+    out, lse = tiled_attention(q, ancestors, own, chunk, key_block)
   lse_bth = jnp.transpose(lse, (1, 2, 0, 3)).reshape(b, t, hq)
   out_bthd = jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
   return out_bthd.astype(q_bthd.dtype), lse_bth
+
+
+# ------------------------------------------------------------------------------------------------
+# The dense step: one chunk of queries against whole blocks.
 
 
 def _masks(ancestors: Sequence[KVBlock], own_valid, start: int) -> list:
@@ -161,10 +189,8 @@ def _attend_fwd(q, kvs, masks):
   row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)         # [Hkv, B, T, G]
   exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in zip(scores, masks)]
   total = sum(jnp.sum(e, axis=-1) for e in exps)
-  visible = total > 0
   out = sum(_mix(e.astype(v.dtype), v) for e, (_, v) in zip(exps, kvs))
-  out = out / jnp.where(visible, total, 1.0)[..., None]      # normalise the output, not the probabilities
-  lse = jnp.where(visible, row_max + jnp.log(jnp.where(visible, total, 1.0)), -jnp.inf)
+  out, lse = _finish(_State(row_max, total, out))
   return (out, lse), (q, kvs, masks, out, lse)
 
 

@@ -24,9 +24,10 @@ positions G (P + T) one group of that P gives. The naive step (prompt repeated p
 for the same (P, T) with one completion (its memory per completion does not depend on G), its
 state added as replicated.
 
-Caveat: these are the CPU backend's buffer assignments with the dense XLA attention (the
-prompt's [P, P] scores per head and layer are materialised unless remat drops them); a GPU or TPU
-with the Pallas kernels (kernels/) needs less temporary memory for long P.
+Caveat: these are the CPU backend's buffer assignments with the jnp reference attention, which
+holds one [query chunk, key tile] block of scores at a time (kernels/reference.py; before that
+change the prompt's [P, P] scores per head were live at once, docs/results/attention-memory-cpu);
+a GPU or TPU runs the Pallas kernels (kernels/) instead, with their own tiling.
 """
 
 from __future__ import annotations
