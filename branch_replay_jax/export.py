@@ -171,7 +171,7 @@ def export_run(config, out_dir: str, *, step: int | None = None, dtype: str = "f
       checkpoint, or no checkpoint `step` (naming the ones it has); a LoRA run's checkpoint was
       trained on another base model (models.lora.check_base).
   """
-  from branch_replay_jax.algorithms.loop import build_model
+  from branch_replay_jax.algorithms.runs import build_model
   from branch_replay_jax.outputs.checkpoints import RunCheckpoints, pure_params
   config, chat_template = run_config(config)
   with quiet_absl():
@@ -202,7 +202,7 @@ def export_base(config, out_dir: str, *, dtype: str = "float32") -> str:
   """Export config.model.name as loaded, before any training (no run directory is read); returns
   out_dir. "tiny" is the random model a run of the same seed starts from; with config.lora the
   untrained adapters (B = 0) merge to the base weights exactly."""
-  from branch_replay_jax.algorithms.loop import build_model
+  from branch_replay_jax.algorithms.runs import build_model
   model, tokenizer = build_model(config)
   return export_model(model, tokenizer, out_dir, dtype=dtype)
 

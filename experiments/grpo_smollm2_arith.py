@@ -86,7 +86,7 @@ def get_config(arg=None):
   c.train.exactness_check_every = 25      # every k steps one group's gradient by replay and naive, compared and
   #                                       # logged (exactness_* in metrics.jsonl; a loud warning above the bound); 0: off
 
-  c.eval = ml_collections.ConfigDict()    # held-out evaluation (algorithms/loop.py Evaluation; RUN_DIR/eval.jsonl)
+  c.eval = ml_collections.ConfigDict()    # held-out evaluation (algorithms/evaluation.py; RUN_DIR/eval.jsonl)
   c.eval.size = 20                        # held-out problems N (0 disables the evaluation); with pass_k = 8 about
   #                                       # 55 s per evaluation on 2 idle CPU cores (README, "Held-out evaluation")
   c.eval.task_seed = 1_000_000            # their task seed; must differ from task.seed (problems whose question a

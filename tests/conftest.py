@@ -171,8 +171,8 @@ def no_model_load(monkeypatch):
   """Any model or tokenizer load fails loudly: a check that runs first never reaches it."""
   def refuse(*args, **kwargs):
     raise AssertionError("the model loaded before the config was checked")
-  from branch_replay_jax.algorithms import loop
+  from branch_replay_jax.algorithms import runs
   from branch_replay_jax.models import loading
-  monkeypatch.setattr(loop, "build_model", refuse)
+  monkeypatch.setattr(runs, "build_model", refuse)
   monkeypatch.setattr(loading, "load", refuse)
   monkeypatch.setattr(loading, "load_tokenizer", refuse)

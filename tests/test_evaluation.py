@@ -1,4 +1,4 @@
-"""Held-out evaluation (rollout/evaluate.py, loop.Evaluation), TensorBoard logs and the plots' new
+"""Held-out evaluation (rollout/evaluate.py, algorithms/evaluation.py's Evaluation), TensorBoard logs and the plots' new
 curves: the statistics on hand-computed cases, held-out problems disjoint from training, the smoke
 run's eval.jsonl and event files, a resume that cuts both back, and bad eval settings refused."""
 
@@ -9,13 +9,14 @@ import shutil
 import pytest
 
 from branch_replay_jax.algorithms import grpo as train
-from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms import loop, runs
+from branch_replay_jax.algorithms.evaluation import EVAL_STREAM, Evaluation
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout import evaluate as held_out
 from branch_replay_jax.rollout.tasks import Task, make_task
 from conftest import grpo_smoke, length_score
 
-# The fields every eval.jsonl row has (rollout.evaluate.summarize with pass_k, and loop.Evaluation).
+# The fields every eval.jsonl row has (rollout.evaluate.summarize with pass_k, and algorithms.evaluation.Evaluation).
 EVAL_FIELDS = {"step", "wall_s", "eval_s", "problems", "dropped_overlaps", "accuracy", "accuracy_lo", "accuracy_hi",
                "reward_mean", "format_rate", "completion_len_mean", "truncated_frac", "pass_k", "pass_at_k",
                "sampled_accuracy"}
@@ -136,11 +137,11 @@ def test_few_shot_prompts_in_training_and_evaluation(tmp_path):
   from branch_replay_jax.models.loading import encode_chat, load_tokenizer
   from branch_replay_jax.rollout.collect import rollout
   config = grpo_smoke(tmp_path, **{"task.few_shot": 2})
-  train_task = loop.make_task_from(config)
-  eval_task = loop.make_task_from(config, seed=config.eval.task_seed, size=50)
+  train_task = runs.make_task_from(config)
+  eval_task = runs.make_task_from(config, seed=config.eval.task_seed, size=50)
   assert len(train_task.examples) == 2 and train_task.examples == eval_task.examples
   tokenizer = load_tokenizer("smollm2-135m-instruct")
-  model, _ = loop.build_model(config)
+  model, _ = runs.build_model(config)
   group = rollout(config, model, tokenizer, train_task, 3, jax.random.key(0))
   want = encode_chat(tokenizer, train_task.messages(train_task[3]))
   assert int(group.batch.prompt_len) == len(want) > len(encode_chat(tokenizer, train_task.messages(train_task[3])[-1:])) + 20
@@ -197,11 +198,11 @@ def test_step_0_row_is_the_initial_models_evaluation(eval_run):
   config = grpo_smoke(run_dir)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(Task, "score", length_score)
-    evaluation = loop.Evaluation(config, train.GRPO(config))
-    model, tokenizer = loop.build_model(config)
+    evaluation = Evaluation(config, train.GRPO(config))
+    model, tokenizer = runs.build_model(config)
     import jax
     results = held_out.evaluate(model, tokenizer, evaluation.task, evaluation.problems,
-                                jax.random.fold_in(jax.random.key(config.seed), loop.EVAL_STREAM), max_new_tokens=8,
+                                jax.random.fold_in(jax.random.key(config.seed), EVAL_STREAM), max_new_tokens=8,
                                 temperature=1.0, top_p=1.0, pass_k=4)
   want = held_out.summarize([results[j] for j in range(2)], pass_k=4)
   got = lines(os.path.join(run_dir, "eval.jsonl"))[0]

@@ -111,11 +111,11 @@ def test_export_keeps_the_source_models_stop_list(tmp_path, tokenizer):
 def _run_with_a_checkpoint(run_dir, **overrides):
   """A :lora_smoke run directory as the loop starts it (experiment.json) with its step-1 checkpoint: the
   untrained adapters (B = 0), so the export must equal the tiny base model. No step runs."""
-  from branch_replay_jax.algorithms import grpo, loop
+  from branch_replay_jax.algorithms import grpo, runs
   from conftest import experiment_config
   from experiments import grpo_smollm2_arith
   config = experiment_config(grpo_smollm2_arith, "lora_smoke", run_dir, **overrides)
-  run = loop.start_run(config, grpo.GRPO(config).fingerprint())
+  run = runs.start_run(config, grpo.GRPO(config).fingerprint())
   run.ckpt.save(1, {"params": run.params, "opt_state": run.opt_state, "rng": jax.random.key_data(run.key)},
                 {"step": 1, "data_pos": 2})
   run.ckpt.close()
@@ -162,13 +162,13 @@ def test_export_refuses_another_model_and_a_missing_run_by_name(tmp_path):
 
 def test_export_base_writes_the_model_before_training(tmp_path):
   # --base: no run directory; the tiny model of seed 0 is the one a run of seed 0 starts from.
-  from branch_replay_jax.algorithms import loop
+  from branch_replay_jax.algorithms import runs
   from experiments import grpo_smollm2_arith
   from conftest import experiment_config
   config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "never")
   out = export.export_base(config, str(tmp_path / "hf"))
   loaded, _ = load(out)
-  want = nnx.to_pure_dict(nnx.state(loop.build_model(config)[0], nnx.Param))
+  want = nnx.to_pure_dict(nnx.state(runs.build_model(config)[0], nnx.Param))
   got = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(a, b)), got, want)))
   assert not (tmp_path / "never").exists()

@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import experiment_config, max_rel_err, no_model_load, random_group
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import grpo, loop
+from branch_replay_jax.algorithms import grpo, runs
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.models import Llama, lora, tiny_config
@@ -217,7 +217,7 @@ def test_grpo_setup_keeps_no_second_copy_and_optimises_adapters_only(tmp_path):
   # the adapters set to zero (adapter-sized), not a copy of the model.
   config = experiment_config(grpo_smollm2_arith, "lora_smoke", tmp_path)
   algorithm = grpo.GRPO(config)
-  run = loop.start_run(config, algorithm.fingerprint(), optimizer_fn=lambda _: algorithm.make_optimizer(),
+  run = runs.start_run(config, algorithm.fingerprint(), optimizer_fn=lambda _: algorithm.make_optimizer(),
                        keep_initial=algorithm.keep_initial)
   params, opt_state = algorithm.setup(run)
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
@@ -285,28 +285,28 @@ def test_resume_refuses_adapters_of_another_base_model(monkeypatch, tmp_path):
   # same base resumes.
   config = experiment_config(grpo_smollm2_arith, "lora_smoke", tmp_path)
   fingerprint = grpo.GRPO(config).fingerprint()
-  run = loop.start_run(config, fingerprint)
+  run = runs.start_run(config, fingerprint)
   run.ckpt.save(1, {"params": run.params, "opt_state": run.opt_state, "rng": jax.random.key_data(run.key)},
                 {"step": 1, "data_pos": 2})
   run.ckpt.close()
   ckpt = RunCheckpoints(config.run_dir)
   assert ckpt.meta(1)["lora_base"] == {"model": "tiny", "sha256": lora.base_hash(lora.split(
-      loop.build_model(config)[0])[2])}
+      runs.build_model(config)[0])[2])}
   ckpt.close()
   config.resume = True
-  resumed = loop.start_run(config, fingerprint)
+  resumed = runs.start_run(config, fingerprint)
   assert (resumed.start, resumed.data_pos) == (1, 2)
   resumed.ckpt.close()
 
-  build = loop.build_model
+  build = runs.build_model
 
   def other_base(cfg):
     model, tokenizer = build(cfg)
     model.layers.wq[...] = model.layers.wq[...] + 1e-3
     return model, tokenizer
-  monkeypatch.setattr(loop, "build_model", other_base)
+  monkeypatch.setattr(runs, "build_model", other_base)
   with pytest.raises(ValueError, match=r"adapters were trained on base model.name='tiny' \(weights sha256 [0-9a-f]{64}"):
-    loop.start_run(config, fingerprint)
+    runs.start_run(config, fingerprint)
 
 
 @pytest.mark.heavy   # two training steps (45 s); CI runs :lora_smoke through test_config_fields already
@@ -334,5 +334,5 @@ def test_lora_smoke_run_trains_adapters_only_and_passes_the_exactness_check(tmp_
   assert set(layers) == {"layers"} and set(layers["layers"]) == {t + s for t in lora.TARGETS
                                                                  for s in ("_lora_a", "_lora_b")}
   assert all(np.abs(layers["layers"][t + "_lora_b"]).max() > 0 for t in lora.TARGETS)
-  model = loop.build_model(config)[0]
+  model = runs.build_model(config)[0]
   assert meta["lora_base"]["sha256"] == lora.base_hash(lora.split(model)[2])

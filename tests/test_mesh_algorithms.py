@@ -180,7 +180,7 @@ def test_ppo_mesh_run_trains_to_the_same_parameters(ppo_reference, tmp_path, sha
   # The same gradients summed in another order: parameters within the Adam rounding bound of
   # test_train (1e-5), the logged losses, KL, clip fraction, value statistics and gradient norm
   # within float32 rounding, and the same samples (rewards).
-  # Sampling is data-parallel (each group on a device of its data row, loop.sampling_devices) with
+  # Sampling is data-parallel (each group on a device of its data row, placement.sampling_devices) with
   # the one-device keys: the same samples.jsonl, line for line.
   run_dir, want_history = ppo_reference
   history = _run(ppo_smollm2_arith, "smoke", tmp_path, **PPO, **_mesh(shape, params, micro_batch))

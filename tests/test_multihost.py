@@ -148,18 +148,19 @@ def test_data_parallel_sampling_draws_the_same_groups(tmp_path):
   # sampling's bit for bit.
   from flax import nnx
 
-  from branch_replay_jax.algorithms import loop
+  from branch_replay_jax.algorithms import loop, placement, runs
   from branch_replay_jax.distributed import hosts
   from branch_replay_jax.distributed.mesh import make_mesh, shard_params
   config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"rollout.prompts_per_step": 4})
-  model, tokenizer = loop.build_model(config)
+  model, tokenizer = runs.build_model(config)
   graphdef, params = nnx.split(model)
-  task, key = loop.make_task_from(config), jax.random.key(0)
+  task, key = runs.make_task_from(config), jax.random.key(0)
   want, _ = loop.sample_groups(config, model, tokenizer, task, key, 3, 5)
   mesh = make_mesh(2, 2, 2)
   devices = hosts.sampling_devices(mesh, 4)
   assert devices == [mesh.devices[i // 2].reshape(-1)[i % 2] for i in range(4)] and len(set(devices)) == 4
-  policy = loop.sampling_policy(graphdef, shard_params(params, mesh, "fsdp"), mesh, devices)   # hosts.device_copies
+  # hosts.device_copies
+  policy = placement.sampling_policy(graphdef, shard_params(params, mesh, "fsdp"), mesh, devices)
   got, pos = loop.sample_groups(config, policy, tokenizer, task, key, 3, 5, devices=devices)
   assert pos == 9
   for g, w in zip(got, want):
@@ -176,19 +177,19 @@ def test_dpo_data_parallel_sampling_draws_the_same_pairs(tmp_path, monkeypatch):
   # rewards, skipped prompts and logged sample as sampling them one after another on one device.
   from flax import nnx
 
-  from branch_replay_jax.algorithms import dpo, loop
+  from branch_replay_jax.algorithms import dpo, placement, runs
   from branch_replay_jax.distributed.mesh import make_mesh, shard_params
   from experiments import dpo_smollm2_arith
   monkeypatch.setattr(Task, "score", length_score)   # varied rewards: pairs to compare
   config = experiment_config(dpo_smollm2_arith, "smoke", tmp_path, **{"rollout.prompts_per_step": 3})
-  model, tokenizer = loop.build_model(config)
+  model, tokenizer = runs.build_model(config)
   graphdef, params = nnx.split(model)
-  task, key = loop.make_task_from(config), jax.random.key(0)
+  task, key = runs.make_task_from(config), jax.random.key(0)
   want_pairs, want_info = dpo.sample_pairs(config, model, tokenizer, task, key, 3, 5)
   mesh = make_mesh(2, 2, 2)
-  devices = loop.spread_devices(mesh, 3)
+  devices = placement.spread_devices(mesh, 3)
   assert devices == list(mesh.devices.flat)[:3]
-  policy = loop.sampling_policy(graphdef, shard_params(params, mesh, "fsdp"), mesh, devices)
+  policy = placement.sampling_policy(graphdef, shard_params(params, mesh, "fsdp"), mesh, devices)
   got_pairs, got_info = dpo.sample_pairs(config, policy, tokenizer, task, key, 3, 5, devices=devices)
   assert len(want_pairs) >= 2   # not vacuous: several prompts gave a pair
   assert len(got_pairs) == len(want_pairs)

@@ -20,7 +20,7 @@ from branch_replay_jax import main as entry
 from branch_replay_jax.algorithms import ppo
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.batches import GroupBatch, Segments
-from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms import runs
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.critic import ActorCritic
@@ -411,8 +411,8 @@ def test_rollouts_carry_the_samplers_stop_reason(tmp_path):
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   for module, variant in [(ppo_smollm2_arith, "smoke"), (ppo_smollm2_arith, "tree_smoke")]:
     config = experiment_config(module, variant, tmp_path)
-    model, _ = loop.build_model(config)
-    task = loop.make_task_from(config)
+    model, _ = runs.build_model(config)
+    task = runs.make_task_from(config)
     g = rollout(config, model, tokenizer, task, 0, jax.random.key(0))
     comps = ([g.tree.completion(i) for i in range(len(g.tree.ends))] if g.tree is not None else
              [np.asarray(g.batch.branches.tokens[i, :n]) for i, n in enumerate(g.lengths)])

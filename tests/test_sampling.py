@@ -452,7 +452,7 @@ def test_the_generation_configs_stop_ids_end_rollouts_evaluation_and_dpo_samples
   # The policy's first token is id 0, a stop id of the model but not the tokenizer's EOS (2): every completion
   # is that 1 token, terminated (not truncated), in group and tree rollouts, evaluation and DPO sampling.
   # Stopping on the tokenizer's EOS alone ran each to its 8-token budget, truncated.
-  from branch_replay_jax.algorithms import dpo, loop
+  from branch_replay_jax.algorithms import dpo, loop, runs
   from branch_replay_jax.models.loading import stop_ids
   from branch_replay_jax.rollout import collect, evaluate
   from conftest import experiment_config
@@ -462,7 +462,7 @@ def test_the_generation_configs_stop_ids_end_rollouts_evaluation_and_dpo_samples
   key = jax.random.key(0)
   for module in (grpo_smollm2_arith, grpo_tree_smollm2_arith):
     config = experiment_config(module, "smoke", tmp_path)
-    task = loop.make_task_from(config)
+    task = runs.make_task_from(config)
     group = collect.rollout(config, model, tokenizer, task, 0, key)
     n = len(group.lengths)
     assert group.lengths.tolist() == [1] * n and group.truncated.tolist() == [False] * n, module.__name__
@@ -471,7 +471,7 @@ def test_the_generation_configs_stop_ids_end_rollouts_evaluation_and_dpo_samples
                                      top_p=1.0, pass_k=4)   # = group_size: the group's compiled sampler
   assert (result["length"], result["truncated"]) == (1, False)
   config = experiment_config(dpo_smollm2_arith, "smoke", tmp_path)
-  sampled = dpo.sample_prompt(config, model, tokenizer, loop.make_task_from(config), key, 0)
+  sampled = dpo.sample_prompt(config, model, tokenizer, runs.make_task_from(config), key, 0)
   assert sampled["truncated"].tolist() == [False] * config.rollout.group_size
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from branch_replay_jax.rollout import tasks
 from branch_replay_jax.rollout.tasks import DEFAULT_INSTRUCTION, TASKS, extract_answer, format_messages, make_task
-from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms import runs
 from conftest import experiment_config
 from experiments import grpo_smollm2_arith
 
@@ -293,7 +293,7 @@ def test_task_strict_answer_reaches_the_task(tmp_path):
   # "<answer>-12" (cut off by the budget) scores as -12 in the forgiving default, not in strict mode.
   for strict in (False, True):
     config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"task.strict_answer": strict})
-    task = loop.make_task_from(config)
+    task = runs.make_task_from(config)
     assert task.strict_answer is strict
     problem = task[0]
     score = task.score(f"<answer>{problem.answer}", problem)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from branch_replay_jax.algorithms import grpo as train
-from branch_replay_jax.algorithms import loop
+from branch_replay_jax.algorithms import runs
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from branch_replay_jax.rollout.tasks import Task
 from conftest import cut_by_eos, experiment_config, final_params, grpo_smoke, length_score, max_rel, same_eval_rows
@@ -51,7 +51,7 @@ def test_smoke_run_writes_metrics_plots_and_checkpoints(replay_run):
   # The update really moved the parameters: Adam's first steps move every element with a non-zero
   # gradient by about the learning rate (1e-5), so the largest move over two steps is >= 1e-5.
   assert any(r["zero_variance_groups"] < 2 for r in records)
-  _, init = nnx.split(loop.build_model(grpo_smoke(run_dir))[0])
+  _, init = nnx.split(runs.build_model(grpo_smoke(run_dir))[0])
   moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), params,
                                  nnx.to_pure_dict(init))
   assert max(jax.tree_util.tree_leaves(moved)) >= 1e-5
@@ -93,7 +93,7 @@ def test_bfloat16_parameters_keep_a_float32_master(replay_run, tmp_path):
   history = train.train(grpo_smoke(tmp_path, **{"model.param_dtype": "bfloat16"}))
   got, _ = final_params(tmp_path)
   want, _ = final_params(run_dir)
-  start = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(nnx.split(loop.build_model(
+  start = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(nnx.split(runs.build_model(
       grpo_smoke(tmp_path / "init"))[0])[1]))
   assert all(np.asarray(x).dtype == np.float32 for x in jax.tree_util.tree_leaves(got))
   moved = [np.abs(np.asarray(g) - np.asarray(s)).max() for g, s in
@@ -321,7 +321,7 @@ def test_a_new_run_in_a_used_run_dir_is_refused_before_the_model_loads(replay_ru
   # Refused by name, offering both ways out, and nothing in the directory changes.
   copy = _used_copy(replay_run, tmp_path)
   before = sorted(os.listdir(copy)), (copy / "metrics.jsonl").read_text()
-  monkeypatch.setattr(loop, "build_model", _no_model)
+  monkeypatch.setattr(runs, "build_model", _no_model)
   with pytest.raises(ValueError, match=rf"run_dir='{copy}' is not empty .*pass resume=True to continue it, "
                                        r"overwrite=True to delete everything in it first"):
     train.train(grpo_smoke(copy))
@@ -336,13 +336,13 @@ def test_overwrite_deletes_the_old_run_checkpoints_included(replay_run, tmp_path
   copy = _used_copy(replay_run, tmp_path)
   config = grpo_smoke(copy, overwrite=True)
   assert "checkpoints" in os.listdir(copy)
-  loop.prepare_run_dir(config, train.GRPO(config).fingerprint())
+  runs.prepare_run_dir(config, train.GRPO(config).fingerprint())
   assert os.listdir(copy) == [] and "differ" not in capsys.readouterr().out
   # A directory no run wrote (no experiment.json) is not deleted, even with overwrite.
   (tmp_path / "notes").mkdir()
   (tmp_path / "notes" / "todo.txt").write_text("keep")
   with pytest.raises(ValueError, match="holds files no run wrote"):
-    loop.prepare_run_dir(grpo_smoke(tmp_path / "notes", overwrite=True), train.GRPO(config).fingerprint())
+    runs.prepare_run_dir(grpo_smoke(tmp_path / "notes", overwrite=True), train.GRPO(config).fingerprint())
   assert (tmp_path / "notes" / "todo.txt").read_text() == "keep"
 
 
@@ -351,17 +351,17 @@ def test_resume_prints_changed_fields_and_refuses_a_changed_data_order(replay_ru
   # The seed is part of the fingerprint (it fixes every sampling key): still refused.
   copy = _used_copy(replay_run, tmp_path)
   config = grpo_smoke(copy, resume=True, **{"train.learning_rate": 3e-5, "train.lr_schedule": "cosine"})
-  loop.prepare_run_dir(config, train.GRPO(config).fingerprint())
+  runs.prepare_run_dir(config, train.GRPO(config).fingerprint())
   out = capsys.readouterr().out
   assert "resume: 2 config fields differ" in out
   assert "train.learning_rate: 1e-05 -> 3e-05" in out and "train.lr_schedule: 'constant' -> 'cosine'" in out
   config = grpo_smoke(copy, resume=True, seed=1)
   with pytest.raises(ValueError, match=r"holds checkpoints of a different experiment \(fields \['seed'\] differ"):
-    loop.prepare_run_dir(config, train.GRPO(config).fingerprint())
+    runs.prepare_run_dir(config, train.GRPO(config).fingerprint())
 
 
 def test_a_run_dir_that_cannot_hold_a_run_is_refused_before_the_model_loads(tmp_path, monkeypatch):
-  monkeypatch.setattr(loop, "build_model", _no_model)
+  monkeypatch.setattr(runs, "build_model", _no_model)
   (tmp_path / "file").write_text("")
   with pytest.raises(ValueError, match=rf"run_dir='{tmp_path}/file' is a file, not a directory"):
     train.train(grpo_smoke(tmp_path / "file"))

@@ -15,7 +15,7 @@ shape (`gradients.preference.ReplaySteps` with a mesh, `pad_groups`: padding com
 carry zero weight) and stacked into one batch under `shard_map`: groups over `data`, completions
 over `branch`, prompt tokens over `seq`; parameters and optimizer state replicated or
 FSDP-sharded (mesh.params). Sampling (data.source = "task") is data-parallel on the mesh: the
-prompts spread over every device (`loop.spread_devices`), each sampling from a copy of the
+prompts spread over every device (`placement.spread_devices`), each sampling from a copy of the
 parameters gathered there with the key (seed, step, i), so the pairs are those of one device. As
 several processes (distributed.num_processes) each process samples its devices' prompts and
 every process receives every pair (or reads the same file lines), so all build the same batch and
@@ -33,8 +33,8 @@ import jax
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import loop, schema
-from branch_replay_jax.algorithms.loop import GRADIENTS, SCHEDULES
+from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
+from branch_replay_jax.algorithms.checks import GRADIENTS, SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat, stop_ids
@@ -58,7 +58,7 @@ def validate(config) -> None:
     section, _, field = name.rpartition(".")
     if (field in config[section]) if section else (name in config):
       raise ValueError(f"{name} does not apply to data.source={d.source!r}; remove it")
-  loop.validate_common(config)
+  checks.validate_common(config)
   if config.model.param_dtype != "float32":
     raise ValueError(f"model.param_dtype={config.model.param_dtype!r}: DPO's two-pass step keeps float32 parameters "
                      "(bfloat16 parameters are implemented for grpo and ppo); set it to 'float32'")
@@ -88,7 +88,7 @@ def validate(config) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{name}={value!r} must be a positive int")
   # The step's groups are padded to the mesh (pad_groups): no divisibility to ask of the config.
-  loop.validate_mesh_shape(config)
+  checks.validate_mesh_shape(config)
 
 
 def fingerprint(config) -> dict:
@@ -190,7 +190,7 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int,
   Args:
     policy: the model, or with `devices` {device: the model on it} for this process's devices.
     devices: None (every prompt here, one after another), or [prompts_per_step] the device of each
-      prompt (`loop.spread_devices`): each of this process's devices samples its prompts in its own
+      prompt (`placement.spread_devices`): each of this process's devices samples its prompts in its own
       thread, all at once, and every process receives every prompt's pair and figures
       (`hosts.gather_items`, a collective), so all hold the step's pairs in the same order.
   """
@@ -220,14 +220,14 @@ class DPOFunctions:
   def __init__(self, config, graphdef, update):
     t, p = config.train, config.dpo
     self.naive = t.gradient == "naive"
-    self.mesh, self.param_mode = loop.mesh_from(config), config.mesh.params
+    self.mesh, self.param_mode = placement.mesh_from(config), config.mesh.params
     self.replay = pref.ReplaySteps(graphdef, mesh=self.mesh, micro_batch=t.micro_batch)
     self.naive_ref = jax.jit(lambda prm, n: pref.naive_ref_sums(graphdef, prm, n, micro_batch=t.micro_batch))
     self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
         graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, label_smoothing=p.label_smoothing,
         micro_batch=t.micro_batch))
     self.beta, self.loss_type, self.label_smoothing = p.beta, p.loss, p.label_smoothing
-    self.update = update   # loop.make_update
+    self.update = update   # runs.make_update
 
   def step(self, params, ref_params, opt_state, batch: pref.PreferenceBatch):
     """Reference sums, the loss gradient and one optimizer update; returns (params, opt_state, stats)."""
@@ -257,7 +257,7 @@ class DPO(loop.Algorithm):
     validate(config)
     super().__init__(config)
     self.records = read_pairs_jsonl(config.data.path) if config.data.source == "jsonl" else None
-    self.task = None if self.records else loop.make_task_from(config)
+    self.task = None if self.records else runs.make_task_from(config)
 
   def fingerprint(self):
     return fingerprint(self.config)
@@ -266,10 +266,10 @@ class DPO(loop.Algorithm):
     self.run = run
     cfg = run.model_config
     self.data = encode_pairs(self.records, run.tokenizer, cfg.max_positions) if self.records else None
-    self.fns = DPOFunctions(self.config, run.graphdef, loop.make_update(run.optimizer))
+    self.fns = DPOFunctions(self.config, run.graphdef, runs.make_update(run.optimizer))
     mesh, mode = self.fns.mesh, self.fns.param_mode
-    self.ref_params = loop.place(run.initial_params, mesh, mode)
-    return loop.place(run.params, mesh, mode), loop.place(run.opt_state, mesh, mode)
+    self.ref_params = placement.place(run.initial_params, mesh, mode)
+    return placement.place(run.params, mesh, mode), placement.place(run.opt_state, mesh, mode)
 
   def collect(self, run, params, step, data_pos):
     """((pairs, info), next data position): the next pairs of the file, or pairs sampled from task prompts."""
@@ -278,15 +278,15 @@ class DPO(loop.Algorithm):
       pairs = [self.data[(data_pos + i) % len(self.data)] for i in range(d.pairs_per_step)]
       info = {"skipped_prompts": 0, "sample": _text_sample(self.records, data_pos)}
       return (pairs, info), data_pos + d.pairs_per_step
-    devices = loop.spread_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
-    policy = loop.sampling_policy(run.graphdef, params, self.fns.mesh, devices)
+    devices = placement.spread_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
+    policy = placement.sampling_policy(run.graphdef, params, self.fns.mesh, devices)
     pairs, info = sample_pairs(self.config, policy, run.tokenizer, self.task, run.key, step, data_pos, devices=devices)
     return (pairs, info), data_pos + self.config.rollout.prompts_per_step
 
   def eval_policy(self, run, params, num_problems):
     """The policy `collect` samples with; on a mesh the problems spread over every device."""
-    devices = loop.spread_devices(self.fns.mesh, num_problems)
-    return loop.sampling_policy(run.graphdef, params, self.fns.mesh, devices), devices
+    devices = placement.spread_devices(self.fns.mesh, num_problems)
+    return placement.sampling_policy(run.graphdef, params, self.fns.mesh, devices), devices
 
   def update(self, params, opt_state, batch, step):
     """Lay the pairs out (`gradients.preference.make_batch`) and take one step; no update without pairs."""
@@ -296,7 +296,7 @@ class DPO(loop.Algorithm):
       cfg, tokenizer = self.run.model_config, self.run.tokenizer
       layout = pref.make_batch(pairs, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions,
                                pad_id=tokenizer.pad_token_id or 0)
-      with loop.mesh_context(self.fns.mesh):
+      with placement.mesh_context(self.fns.mesh):
         params, opt_state, stats = self.fns.step(params, self.ref_params, opt_state, layout)
       counts = layout.counts
     return params, opt_state, {**stats, **counts}

@@ -67,7 +67,7 @@ def _rel(a, b) -> float:
 
 class ExactnessCheck:
   """Replay against naive on one group (module docstring). `objectives` maps "group" and "tree" to
-  the step's objective for each layout; `cast` / `upcast` are loop.param_casts's; `frozen`, with
+  the step's objective for each layout; `cast` / `upcast` are runs.param_casts's; `frozen`, with
   LoRA, the base state the adapters (params, ref_params) merge with (`models.lora.WithBase`);
   `temperature`, the τ of the step's log-probs (`grpo.logprob_temperature`), used by both sides."""
 

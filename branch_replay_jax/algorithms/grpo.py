@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import loop, schema
+from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
-from branch_replay_jax.algorithms.loop import mesh_from
+from branch_replay_jax.algorithms.placement import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
@@ -67,8 +67,8 @@ def clip_range(loss_config) -> tuple[float, float]:
     raise ValueError(f"loss.clip_eps={loss_config.clip_eps!r}: GRPO's clip range is loss.clip_eps_low and "
                      "loss.clip_eps_high (set both equal for the symmetric clip); remove loss.clip_eps")
   low, high = loss_config.clip_eps_low, loss_config.clip_eps_high
-  loop.check_number("loss.clip_eps_low", low, lambda v: 0 < v < 1, "in (0, 1)")
-  loop.check_number("loss.clip_eps_high", high, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  checks.check_number("loss.clip_eps_low", low, lambda v: 0 < v < 1, "in (0, 1)")
+  checks.check_number("loss.clip_eps_high", high, lambda v: 0 < v < float("inf"), "a finite number > 0")
   if low > high:
     raise ValueError(f"loss.clip_eps_low={low!r} > loss.clip_eps_high={high!r}: clip-higher reversed (DAPO raises "
                      "the upper bound, e.g. low 0.2, high 0.28); swap them or set them equal")
@@ -113,7 +113,7 @@ def validate_options(config) -> None:
      not 0 <= l.overlong_buffer <= budget:
     raise ValueError(f"loss.overlong_buffer={l.overlong_buffer!r} must be an int in [0, {budget}] (the completion "
                      "budget; 0 disables the overlong penalty)")
-  loop.check_number("loss.overlong_penalty", l.overlong_penalty, lambda v: 0 <= v < float("inf"),
+  checks.check_number("loss.overlong_penalty", l.overlong_penalty, lambda v: 0 <= v < float("inf"),
                     "a finite number >= 0")
   if not isinstance(r.dynamic_sampling, bool):
     raise ValueError(f"rollout.dynamic_sampling={r.dynamic_sampling!r} must be a bool")
@@ -134,7 +134,7 @@ def validate_options(config) -> None:
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for GRPO / RLOO settings that cannot run or would
   be ignored: the schema's fields and types (`schema.parse`), the advantage estimator's fields and
-  the KL coefficient, `loop.validate`, then `validate_options`."""
+  the KL coefficient, `checks.validate`, then `validate_options`."""
   schema.parse(config, expect="grpo")
   l = config.loss
   if l.advantage not in obj.ADVANTAGES:
@@ -149,7 +149,7 @@ def validate(config) -> None:
   k = config.train.exactness_check_every
   if isinstance(k, bool) or not isinstance(k, int) or k < 0:
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
-  loop.validate(config)
+  checks.validate(config)
   validate_options(config)
 
 
@@ -184,7 +184,7 @@ class GRPOFunctions:
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = objective(config, tree)
     tau = logprob_temperature(config)
-    cast, upcast = loop.param_casts(config)
+    cast, upcast = runs.param_casts(config)
     self.cast, self.frozen = cast, frozen
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
                                 cast, upcast, frozen, temperature=tau)
@@ -224,22 +224,22 @@ class GRPOFunctions:
     if kind == "tree":
       # Every process holds every tree (`collect`: whole), so all pad them to one shape, the
       # step's largest, and each places its own rows of the whole batch.
-      return [(kind, loop.on_mesh(pad_trees(local), self.mesh))]
+      return [(kind, placement.on_mesh(pad_trees(local), self.mesh))]
     longest = hosts.global_max(max(b.prompt_ids.shape[0] for b in local))
     batch = stack_groups(pad_prompts(local, self.mesh.shape["seq"], longest=longest))
     return [(kind, shard_batch(batch, self.mesh, num_groups=len(groups)))]
 
   def place(self, tree):
-    """Parameters or optimizer state onto the mesh in config.mesh.params's layout (`loop.place`)."""
-    return loop.place(tree, self.mesh, self.param_mode)
+    """Parameters or optimizer state onto the mesh in config.mesh.params's layout (`placement.place`)."""
+    return placement.place(tree, self.mesh, self.param_mode)
 
   def for_sampling(self, graphdef, params, devices):
-    """The policy the sampler runs (`loop.sampling_policy`): the model on one device, or {device:
+    """The policy the sampler runs (`placement.sampling_policy`): the model on one device, or {device:
     the model on a full copy of the parameters on it} for this process's sampling `devices`."""
     params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
     if devices is None and self.frozen is not None:
-      return nnx.merge(graphdef, params, self.frozen)   # LoRA (one device, loop.validate_lora): adapters + base
-    return loop.sampling_policy(graphdef, params, self.mesh, devices)
+      return nnx.merge(graphdef, params, self.frozen)   # LoRA (one device, checks.validate_lora): adapters + base
+    return placement.sampling_policy(graphdef, params, self.mesh, devices)
 
 
 def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group],
@@ -287,10 +287,10 @@ class GRPO(loop.Algorithm):
   def __init__(self, config):
     validate(config)
     super().__init__(config)
-    self.task = loop.make_task_from(config)
+    self.task = runs.make_task_from(config)
 
   def setup(self, run):
-    self.run, self.update_fn = run, loop.make_update(run.optimizer)
+    self.run, self.update_fn = run, runs.make_update(run.optimizer)
     self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer)   # LoRA: one device (validate_lora)
     self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
                        adapters_off(run.params))   # LoRA: the base model, no second copy of it
@@ -302,7 +302,7 @@ class GRPO(loop.Algorithm):
     of dynamic sampling samples data-parallel on the same devices. Trees: with several processes
     every process receives every tree's arrays (`whole`), as the padded shape of the step's trees is
     that of the largest over all processes."""
-    devices = loop.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
+    devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
     policy = self.fns.for_sampling(run.graphdef, params, devices)
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
@@ -325,7 +325,7 @@ class GRPO(loop.Algorithm):
         layout = "replay" if self.config.train.gradient == "naive" else "naive"
         other = jax.block_until_ready(fns.check.compute(layout, params, self.ref_params, groups[index]))
         seconds = time.perf_counter() - t0
-    with loop.mesh_context(fns.mesh):
+    with placement.mesh_context(fns.mesh):
       params, opt_state, stats, own = update_on_batch(self.config, fns, self.update_fn, params, self.ref_params,
                                                       opt_state, groups, keep=index)
     if index is not None:
@@ -345,7 +345,7 @@ class GRPO(loop.Algorithm):
 
   def eval_policy(self, run, params, num_problems):
     """The policy `collect` samples with; on a mesh the problems spread over every device."""
-    devices = loop.spread_devices(self.fns.mesh, num_problems)
+    devices = placement.spread_devices(self.fns.mesh, num_problems)
     return self.fns.for_sampling(run.graphdef, params, devices), devices
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):

@@ -10,7 +10,7 @@ One step, for `prompts_per_step` prompts of a reasoning-gym task:
   4. `ppo.epochs` passes over the step's groups/trees, shuffled and split into `ppo.minibatches`
      minibatches; each minibatch's mean gradient of the clipped policy loss plus the value loss
      (losses.ppo_objective / ppo_tree_objective; policy and critic) is applied with AdamW
-     (loop.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
+     (runs.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
 Runs in the training loop (algorithms/loop.py), which writes RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py; group rollouts,
 replay gradients), step 2 runs on the step's groups stacked into one batch and each minibatch's
@@ -37,7 +37,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import loop, schema
+from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
@@ -49,7 +49,7 @@ from branch_replay_jax.rollout.collect import Group
 
 
 def validate(config) -> None:
-  """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `loop.validate`.
+  """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `checks.validate`.
   `schema.parse` first: the fields and types of PPO's schema; the GRPO experiment's fields that PPO
   configs derived from it delete (GRPO's options, loss.advantage) are refused there, naming GRPO."""
   schema.parse(config, expect="ppo")
@@ -72,11 +72,11 @@ def validate(config) -> None:
   if config.train.get("exactness_check_every"):
     raise ValueError(f"train.exactness_check_every={config.train.exactness_check_every}: the run-time exactness check "
                      "is GRPO / RLOO's (PPO's replay == naive is held by tests/test_ppo.py); set it to 0")
-  loop.check_number("loss.clip_eps", config.loss.clip_eps, lambda v: 0 < v < 1, "in (0, 1)")
+  checks.check_number("loss.clip_eps", config.loss.clip_eps, lambda v: 0 < v < 1, "in (0, 1)")
   if config.train.inner_epochs != 1:
     raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "
                      "set it to 1")
-  loop.validate(config)
+  checks.validate(config)
   m = config.mesh
   if m.data * m.branch * m.seq > 1:
     if config.rollout.tree_fanouts and m.seq > 1:
@@ -91,9 +91,9 @@ def validate(config) -> None:
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-  """`loop.make_optimizer` for the policy; the critic's parameters (value head, separate trunk) get
+  """`runs.make_optimizer` for the policy; the critic's parameters (value head, separate trunk) get
   its updates scaled by ppo.critic_lr_scale (a larger step for a head that starts at zero)."""
-  base = loop.make_optimizer(config)
+  base = runs.make_optimizer(config)
   critic = optax.chain(base, optax.scale(config.ppo.critic_lr_scale))
   labels = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: "policy" if path[0].key == "policy" else "critic", params)
@@ -101,7 +101,7 @@ def make_optimizer(config) -> optax.GradientTransformation:
 
 
 def fingerprint(config) -> dict:
-  return {**loop.fingerprint(config), "algorithm": "ppo", "critic": config.ppo.critic}
+  return {**runs.fingerprint(config), "algorithm": "ppo", "critic": config.ppo.critic}
 
 
 HEAD = ActorCriticHead()   # PPO's log-probs at τ = 1
@@ -119,11 +119,11 @@ class PPOFunctions:
   def __init__(self, config, graphdef, optimizer=None):
     t, p = config.train, config.ppo
     self.naive = t.gradient == "naive"
-    self.mesh, self.param_mode = loop.mesh_from(config), config.mesh.params
+    self.mesh, self.param_mode = placement.mesh_from(config), config.mesh.params
     tree = bool(config.rollout.tree_fanouts) and not self.naive
     objective = functools.partial(obj.ppo_tree_objective if tree else obj.ppo_objective, clip_eps=config.loss.clip_eps,
                                   vf_coef=p.vf_coef, value_clip=p.value_clip)
-    cast, upcast = loop.param_casts(config)
+    cast, upcast = runs.param_casts(config)
     mesh, layout = self.mesh, "naive" if self.naive else "replay"
     # Every compiled shape (a step's trees may stop early: EOS) uses the largest divisor of its leaf
     # siblings per device not above train.micro_batch.
@@ -160,7 +160,7 @@ class PPOFunctions:
     if self.mesh is None:
       return [(g.kind, g.batch) for g in groups]
     kind, batches = groups[0].kind, [g.batch for g in groups]
-    return [(kind, loop.on_mesh(pad_trees(batches) if kind == "tree" else batches, self.mesh))]
+    return [(kind, placement.on_mesh(pad_trees(batches) if kind == "tree" else batches, self.mesh))]
 
   def forward_groups(self, params, groups: list[Group]) -> list:
     """`forward` of every group (its `LogprobsValues`, a tree's per-level list): group by group on one
@@ -324,7 +324,7 @@ class PPO(loop.Algorithm):
   def __init__(self, config):
     validate(config)
     super().__init__(config)
-    self.task = loop.make_task_from(config)
+    self.task = runs.make_task_from(config)
 
   def fingerprint(self):
     return fingerprint(self.config)
@@ -336,30 +336,30 @@ class PPO(loop.Algorithm):
     return ActorCritic(model, critic=self.config.ppo.critic)
 
   def setup(self, run):
-    self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef, run.optimizer), loop.make_update(run.optimizer)
-    return (loop.place(run.params, self.fns.mesh, self.fns.param_mode),
-            loop.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
+    self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef, run.optimizer), runs.make_update(run.optimizer)
+    return (placement.place(run.params, self.fns.mesh, self.fns.param_mode),
+            placement.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
 
   def policy(self, run, params, devices):
     """The policy the step trains, the actor-critic's policy at model.param_dtype's rounding: on one
-    device, or on a mesh {device: it on a full copy of the parameters} (`loop.sampling_policy`)."""
-    return loop.sampling_policy(run.graphdef, self.fns.cast(params), self.fns.mesh, devices,
+    device, or on a mesh {device: it on a full copy of the parameters} (`placement.sampling_policy`)."""
+    return placement.sampling_policy(run.graphdef, self.fns.cast(params), self.fns.mesh, devices,
                                 select=lambda actor_critic: actor_critic.policy)
 
   def collect(self, run, params, step, data_pos):
-    """The step's groups, sampled data-parallel on a mesh as GRPO's (`loop.sampling_devices`); with
+    """The step's groups, sampled data-parallel on a mesh as GRPO's (`placement.sampling_devices`); with
     several processes every process receives every group's arrays (`whole`): the minibatch
     shuffle, whitening and GAE see the whole step, the same on every process."""
-    devices = loop.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
+    devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
     return loop.sample_groups(self.config, self.policy(run, params, devices), run.tokenizer, self.task, run.key, step,
                               data_pos, devices=devices, whole=True)
 
   def eval_policy(self, run, params, num_problems):
-    devices = loop.spread_devices(self.fns.mesh, num_problems)
+    devices = placement.spread_devices(self.fns.mesh, num_problems)
     return self.policy(run, params, devices), devices
 
   def update(self, params, opt_state, groups, step):
-    with loop.mesh_context(self.fns.mesh):
+    with placement.mesh_context(self.fns.mesh):
       value_stats = prepare(self.config, self.fns, params, groups)
       params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, opt_state, groups,
                                                  step)

@@ -8,7 +8,7 @@ you mean" hint, or, for another algorithm's field, which algorithm reads it), a 
 type (a bool is not an int; an int is a float), None where the field is no placeholder, and a
 missing field that has no default. A field whose default is None may be left out (it reads None);
 it may be set to None only when its type is Optional (the ml_collections placeholders). Ranges and
-combinations stay in the algorithms' `validate` (loop.py, grpo.py, ppo.py, dpo.py), which call
+combinations stay in the algorithms' `validate` (checks.py, grpo.py, ppo.py, dpo.py), which call
 `parse` first and keep reading the ConfigDict.
 
 `parse` reads the config's storage (`ConfigDict.items(preserve_field_references=True)`), not its

@@ -57,7 +57,7 @@ from branch_replay_jax.models import Llama  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape, tiny_config  # noqa: E402
 from branch_replay_jax.gradients.heads import POLICY  # noqa: E402
 from branch_replay_jax.gradients.step import value_and_grad  # noqa: E402
-from branch_replay_jax.algorithms import grpo, loop  # noqa: E402
+from branch_replay_jax.algorithms import grpo, runs  # noqa: E402
 
 OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 GIB = 2 ** 30
@@ -120,7 +120,7 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   cfg = _architecture(name)
   run = loop_config(c, layout)
   graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
-  tx = loop.make_optimizer(run)
+  tx = runs.make_optimizer(run)
   fns = grpo.GRPOFunctions(run, graphdef, optimizer=tx)
   mesh = fns.mesh
   with jax.set_mesh(mesh):

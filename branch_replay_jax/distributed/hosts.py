@@ -6,7 +6,7 @@ every process's devices and one `jax.sharding.Mesh` spans them all. Each process
 Python loop; jitted steps over the mesh are collective (every process calls them, each feeding
 and reading only its own devices' shards; on CPU the collectives go through gloo).
 
-Who does what (algorithms/grpo.py, algorithms/loop.py):
+Who does what (algorithms/grpo.py, algorithms/loop.py, algorithms/placement.py):
   - sampling: the step's B groups are split over the mesh's `data` rows as the update splits them
     (group i belongs to row i // (B / data)); within its row, group i samples on the row's device
     (i mod B / data) mod (branch x seq), from a full copy of the parameters gathered onto that

@@ -282,7 +282,7 @@ def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, micr
   {"loss": the batch's summed loss, "aux": reduce_aux(aux) (None without it), "grad_norm": ||grads||_2};
   params and opt_state are donated (the caller must not read the arrays it passed in). micro_batch:
   the largest divisor of each batch's leaf siblings per device (`leaf_siblings`) not above it; None:
-  all in one. cast, upcast: the parameter dtype's casts (algorithms.loop.param_casts; identities by
+  all in one. cast, upcast: the parameter dtype's casts (algorithms.runs.param_casts; identities by
   default). frozen: with LoRA the base model's state (`graphdef` is then bound to it by
   `models.lora.WithBase`; params are the adapters). num_groups is traced, so a
   step with another group count compiles nothing new.

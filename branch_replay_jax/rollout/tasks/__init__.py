@@ -11,7 +11,7 @@ accuracy reward from the dataset's own ``score_answer`` plus an optional format 
   score = task.score(completion_text, problem)
 
 Answer extraction (``extract_answer``) has two modes, chosen by ``make_task(strict_answer=...)``
-(config field ``task.strict_answer``, passed by ``algorithms.loop.make_task_from``):
+(config field ``task.strict_answer``, passed by ``algorithms.runs.make_task_from``):
 
 1. Tagged (both modes): the content of the LAST ``<answer>...</answer>`` pair (tags matched
    case-insensitively) whose content is not blank, stripped of surrounding whitespace.

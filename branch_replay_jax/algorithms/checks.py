@@ -1,0 +1,245 @@
+"""Config checks shared by the algorithms, run before anything loads: each raises ValueError naming
+the field and its value. `validate_common` (model, optimizer, seed, run directory, task, sampling,
+evaluation, LoRA) is every algorithm's; `validate` adds the rollout, update, loss and mesh checks
+of GRPO and PPO; `validate_mesh_shape` is DPO's mesh check. Each algorithm adds its own fields'
+checks (grpo.validate, ppo.validate, dpo.validate); the schema (algorithms/schema.py) has already
+refused unknown fields and wrong types."""
+
+from __future__ import annotations
+
+import jax
+
+from branch_replay_jax import losses as obj
+from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
+from branch_replay_jax.distributed.mesh import PARAM_MODES
+from branch_replay_jax.models import lora, tiny_config
+from branch_replay_jax.outputs.checkpoints import check_run_dir_path
+
+GRADIENTS = ("replay", "naive")
+SCHEDULES = ("constant", "cosine")
+DTYPES = ("float32", "bfloat16")   # float16 is refused: no loss scaling, its 5-bit exponent overflows
+TINY_MAX_POSITIONS = 2048          # context of model.name = "tiny" (build_model)
+
+
+def check_number(name: str, value, ok, domain: str) -> None:
+  """Raise ValueError "{name}={value!r} must be {domain}" unless value is a number (not a bool) with ok(value)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+    raise ValueError(f"{name}={value!r} must be {domain}")
+
+
+def validate_common(config) -> None:
+  """Raise ValueError (naming the field and value) for the fields every algorithm shares, before
+  anything loads: model (dtype, remat, attention), optimizer (learning rate, warmup, decay,
+  clipping), seed, the run directory (resume, overwrite: not both; a run_dir that is a file or cannot
+  be created or written, outputs.checkpoints.check_run_dir_path), task, sampling (temperature,
+  top_p) and a completion budget longer than the model's context (read from the model's metadata,
+  models.loading.context_length)."""
+  from branch_replay_jax.kernels import ATTENTION_IMPLS
+  from branch_replay_jax.models.llama import REMAT_POLICIES
+  from branch_replay_jax.models.loading import context_length
+  from branch_replay_jax.rollout.tasks import TASKS
+  m, t = config.model, config.train
+  if m.dtype not in DTYPES:
+    raise ValueError(f"model.dtype={m.dtype!r} is not one of {DTYPES} (float16 has no loss scaling here)")
+  if m.param_dtype not in DTYPES:
+    raise ValueError(f"model.param_dtype={m.param_dtype!r} is not one of {DTYPES}")
+  if m.remat not in REMAT_POLICIES:
+    raise ValueError(f"model.remat={m.remat!r} is not one of {REMAT_POLICIES}")
+  if m.attention_impl not in ATTENTION_IMPLS:
+    raise ValueError(f"model.attention_impl={m.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+  check_number("train.learning_rate", t.learning_rate, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  check_number("train.weight_decay", t.weight_decay, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+  check_number("train.max_grad_norm", t.max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0")
+  for name, value in [("train.warmup_steps", t.warmup_steps), ("seed", config.seed)]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"{name}={value!r} must be an int >= 0")
+  for name in ("resume", "overwrite"):
+    if not isinstance(config[name], bool):
+      raise ValueError(f"{name}={config[name]!r} must be a bool")
+  if config.resume and config.overwrite:
+    raise ValueError("resume=True and overwrite=True: continue the run in run_dir or delete it, not both")
+  check_run_dir_path(config.run_dir)
+  if "task" in config:
+    k = config.task
+    if k.name not in TASKS:
+      raise ValueError(f"task.name={k.name!r} is not one of {sorted(TASKS)}")
+    for name, value in [("task.size", k.size), ("task.seed", k.seed), ("task.few_shot", k.few_shot),
+                        ("task.few_shot_seed", k.few_shot_seed)]:
+      if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "task.size" else 0):
+        raise ValueError(f"{name}={value!r} must be an int >= {1 if name == 'task.size' else 0}")
+    check_number("task.format_bonus", k.format_bonus, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+    if not isinstance(k.strict_answer, bool):
+      raise ValueError(f"task.strict_answer={k.strict_answer!r} must be a bool")
+  if "eval" in config:
+    validate_eval(config)
+  if "rollout" in config:
+    r = config.rollout
+    # 0 would be greedy decoding: G identical completions, equal rewards, no advantage.
+    check_number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
+    check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+    budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
+    context = TINY_MAX_POSITIONS if m.name == "tiny" else context_length(m.name)
+    if isinstance(budget, int) and budget >= context:
+      field = (f"rollout.segment_length={r.segment_length} x depth len(rollout.tree_fanouts)={len(r.tree_fanouts)}"
+               f" = {budget} completion tokens" if r.get("tree_fanouts") else f"rollout.max_new_tokens={budget}")
+      raise ValueError(f"{field} leaves no room for a prompt in model {m.name!r}'s context of {context} tokens; "
+                       f"it must be < {context}")
+  validate_lora(config)
+
+
+def validate_eval(config) -> None:
+  """Raise ValueError (naming the field and value) for a config.eval block that cannot run: sizes
+  that are not ints (eval.size >= 0, 0 disables the evaluation; eval.every >= 1; eval.pass_k >= 0,
+  0 skips the sampled pass@k), a task seed that is not an int >= 0 or equals task.seed (the
+  evaluation would draw the training problems), or no config.task to draw problems from."""
+  e = config.eval
+  for name, value, low in [("eval.size", e.size, 0), ("eval.every", e.every, 1), ("eval.pass_k", e.pass_k, 0),
+                           ("eval.task_seed", e.task_seed, 0)]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ValueError(f"{name}={value!r} must be an int >= {low}")
+  if "task" not in config:
+    raise ValueError("eval: the held-out evaluation draws problems from config.task, which this config has not; "
+                     "remove the eval block")
+  if e.task_seed == config.task.seed:
+    raise ValueError(f"eval.task_seed={e.task_seed!r} equals task.seed: the evaluation would draw the training "
+                     "problems; choose another (rollout/tasks: item i of seed s is item i - 1 of seed s + 1, "
+                     "so seeds at least task.size apart share no items)")
+
+
+def validate(config) -> None:
+  """Raise ValueError (naming the field and value) for rollout, update, loss-weight and mesh settings
+  that cannot run, or that would be silently ignored, before any compute. Shared by GRPO and PPO;
+  each adds its own loss fields, the clip range among them (grpo.validate, ppo.validate)."""
+  validate_common(config)
+  r, t, l = config.rollout, config.train, config.loss
+  for name, value in [("rollout.prompts_per_step", r.prompts_per_step), ("train.steps", t.steps),
+                      ("train.micro_batch", t.micro_batch), ("train.inner_epochs", t.inner_epochs),
+                      ("checkpoint_every", config.checkpoint_every)]:
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int")
+  if r.tree_fanouts:
+    validate_tree_rollout(config)
+  else:
+    if r.segment_length:
+      raise ValueError(f"rollout.segment_length={r.segment_length!r} applies to tree rollouts only and "
+                       "rollout.tree_fanouts is empty; set it to 0")
+    if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
+      raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens!r} must be a positive int")
+    if r.group_size < 2:
+      raise ValueError(f"rollout.group_size={r.group_size}: a group-relative advantage or baseline needs G >= 2")
+    if r.group_size % t.micro_batch:
+      # Groups have a fixed G; a micro-batch that does not divide it is a configuration mistake.
+      raise ValueError(f"train.micro_batch={t.micro_batch} must divide rollout.group_size={r.group_size}")
+  if t.gradient not in GRADIENTS:
+    raise ValueError(f"train.gradient={t.gradient!r} is not one of {GRADIENTS}")
+  if t.lr_schedule not in SCHEDULES:
+    raise ValueError(f"train.lr_schedule={t.lr_schedule!r} is not one of {SCHEDULES}")
+  if l.normalisation not in obj.NORMALISATIONS:
+    raise ValueError(f"loss.normalisation={l.normalisation!r} is not one of {obj.NORMALISATIONS}")
+  if t.tree_schedule not in TREE_SCHEDULES:
+    raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
+  validate_mesh(config)
+
+
+def validate_tree_rollout(config) -> None:
+  """Tree rollouts (rollout.tree_fanouts set): fan-outs and segment length, no group fields (a tree's
+  trajectories are its leaves, its completions at most segment_length x depth tokens), and a
+  train.micro_batch that divides the last fan-out (levels that EOS cut short, and the naive step's
+  trajectories, use the largest divisor of their count not above it)."""
+  r, t = config.rollout, config.train
+  for name in ("group_size", "max_new_tokens"):
+    if name in r:
+      raise ValueError(f"rollout.{name}={r[name]!r} does not apply to tree rollouts (rollout.tree_fanouts="
+                       f"{tuple(r.tree_fanouts)}): the tree's leaves are the group and rollout.segment_length x "
+                       "depth bounds a completion; remove the field")
+  if any(not isinstance(f, int) or f < 1 for f in r.tree_fanouts) or r.segment_length < 1:
+    raise ValueError(f"rollout.tree_fanouts={tuple(r.tree_fanouts)} needs ints >= 1 and rollout.segment_length="
+                     f"{r.segment_length} >= 1")
+  if r.tree_fanouts[-1] % t.micro_batch:
+    raise ValueError(f"train.micro_batch={t.micro_batch} must divide the last fan-out rollout.tree_fanouts[-1]="
+                     f"{r.tree_fanouts[-1]} (leaf siblings per scan step)")
+
+
+def validate_mesh(config) -> None:
+  """Raise ValueError for a config.mesh the loop cannot run: `validate_mesh_shape`'s (sizes, device
+  count, naive updates or Pallas attention on a mesh), and groups (trees), completions (first-level
+  subtrees) or micro-batches that do not split evenly."""
+  m, r, t = config.mesh, config.rollout, config.train
+  if not validate_mesh_shape(config):
+    return
+  if r.prompts_per_step % m.data:
+    raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")
+  if r.tree_fanouts:   # trees: first-level subtrees over `branch` (the step pads the sampled trees to one shape)
+    f = tuple(r.tree_fanouts)
+    if f[0] % m.branch:
+      raise ValueError(f"mesh.branch={m.branch} must divide the first fan-out rollout.tree_fanouts[0] of "
+                       f"rollout.tree_fanouts={f} (first-level subtrees are split over mesh.branch)")
+    if len(f) == 1 and (f[0] // m.branch) % t.micro_batch:
+      raise ValueError(f"train.micro_batch={t.micro_batch} must divide the leaf siblings per device, "
+                       f"rollout.tree_fanouts[0] / mesh.branch = {f[0]} / {m.branch}")
+    return
+  if r.group_size % m.branch:
+    raise ValueError(f"mesh.branch={m.branch} must divide rollout.group_size={r.group_size}")
+  if (r.group_size // m.branch) % t.micro_batch:
+    raise ValueError(f"train.micro_batch={t.micro_batch} must divide the completions per device, rollout.group_size "
+                     f"/ mesh.branch = {r.group_size} / {m.branch}")
+
+
+def validate_mesh_shape(config) -> bool:
+  """Whether config.mesh is a mesh (data x branch x seq > 1); raise ValueError, naming the field, for
+  sizes that are not positive ints or whose product (when > 1) is not the device count, an unknown
+  mesh.params, naive gradients or Pallas attention on a mesh. Every algorithm's check (GRPO and PPO
+  through `validate_mesh`; DPO, whose ragged groups are padded to the mesh, directly)."""
+  m, t = config.mesh, config.train
+  for name in ("data", "branch", "seq"):
+    if not isinstance(m[name], int) or m[name] < 1:
+      raise ValueError(f"mesh.{name}={m[name]!r} must be a positive int")
+  if m.params not in PARAM_MODES:
+    raise ValueError(f"mesh.params={m.params!r} is not one of {PARAM_MODES}")
+  n = m.data * m.branch * m.seq
+  if n == 1:
+    return False
+  if n != jax.device_count():
+    raise ValueError(f"mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq} = {n} must equal the "
+                     f"device count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+  if t.gradient != "replay":
+    raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
+  impl = config.model.attention_impl
+  if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
+    raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
+                     "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
+  return True
+
+
+def lora_spec(config, model_config=None) -> lora.LoraSpec:
+  """config.lora's `models.lora.LoraSpec`, checked against the model's shapes (`model_config`, or
+  read from the model's metadata: models.loading.architecture; "tiny": tiny_config).
+
+  Raises:
+    ValueError: a bad lora.rank, lora.alpha or lora.targets (models.lora.check_spec).
+  """
+  from branch_replay_jax.models.loading import architecture
+  if model_config is None:
+    model_config = tiny_config() if config.model.name == "tiny" else architecture(config.model.name)
+  c = config.lora
+  return lora.check_spec(c.rank, c.alpha, c.targets, model_config)
+
+
+def validate_lora(config) -> None:
+  """Raise ValueError (naming the field and value) for a config.lora block (LoRA adapters,
+  models/lora.py; absent: full fine-tuning) that cannot run: its fields (`lora_spec`: rank,
+  alpha, targets against the model's shapes; dropout must be 0) and the option LoRA cannot honour
+  here: a device mesh (the mesh step differentiates and shards the whole tree). Another algorithm
+  than GRPO / RLOO (PPO's critic and DPO's steps differentiate the whole parameter tree) is refused
+  by `schema.parse` (lora is a field of the grpo schema only)."""
+  if config.get("lora") is None:
+    return
+  m = config.mesh
+  if m.data * m.branch * m.seq != 1:
+    raise ValueError(f"lora is set with mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq}: the "
+                     "mesh step differentiates the whole parameter tree; LoRA runs on a 1 x 1 x 1 mesh")
+  d = config.lora.dropout
+  if d != 0:
+    raise ValueError(f"lora.dropout={d!r}: only 0 is supported (replay, the naive step and the reference pass must "
+                     "compute one deterministic function of the adapters)")
+  lora_spec(config)

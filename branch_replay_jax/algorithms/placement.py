@@ -1,0 +1,75 @@
+"""Where an algorithm's steps run: one device (mesh None) or config.mesh's ("data", "branch", "seq")
+mesh (`mesh_from`). Parameters and optimizer state onto the mesh (`place`), the devices that sample
+a step's groups (`sampling_devices`) or independent items (`spread_devices`), the sampler's policy
+on them (`sampling_policy`), a step's batch on the mesh (`on_mesh`) and the mesh context its steps
+run in (`mesh_context`); unchanged or None without a mesh."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from flax import nnx
+
+from branch_replay_jax.distributed import hosts
+from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
+
+def mesh_from(config):
+  """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device).
+
+  Raises:
+    ValueError: with several processes, a `data` row spanning processes (hosts.check_rows_local).
+  """
+  m = config.mesh
+  if m.data * m.branch * m.seq == 1:
+    return None
+  mesh = make_mesh(m.data, m.branch, m.seq)
+  if jax.process_count() > 1:
+    hosts.check_rows_local(mesh)
+  return mesh
+
+
+def place(tree, mesh, mode: str):
+  """Parameters or optimizer state onto `mesh` in layout `mode` (mesh.params: distributed.mesh.shard_params);
+  unchanged without a mesh."""
+  return tree if mesh is None else shard_params(tree, mesh, mode)
+
+
+def sampling_devices(mesh, num_groups: int):
+  """None without a mesh (every group samples on this process's default device), else [num_groups]
+  the device that samples each of a step's groups (`hosts.sampling_devices`: on its `data` row)."""
+  return None if mesh is None else hosts.sampling_devices(mesh, num_groups)
+
+
+def spread_devices(mesh, num_items: int):
+  """None without a mesh, else [num_items] the device of each of independent items (held-out
+  problems, DPO's prompts): `hosts.spread_devices`, every device of the mesh, the processes in turn."""
+  return None if mesh is None else hosts.spread_devices(mesh, num_items)
+
+
+def sampling_policy(graphdef, params, mesh, devices, select=None):
+  """The policy the sampler runs, from `params` as the update holds them (cast by the caller):
+  without `devices`, the model nnx.merge(graphdef, params) where the parameters lie; with
+  `devices` ([n] from `sampling_devices` or `eval_devices`, on `mesh`), {device: the model on a
+  full copy of the parameters on that device} for this process's devices (`hosts.device_copies`:
+  FSDP parameters all-gathered once, a collective every process joins). `select` picks the module
+  that samples out of the merged one (PPO: the actor-critic's `.policy`); default the model itself."""
+  select = select or (lambda model: model)
+  if devices is None:
+    return select(nnx.merge(graphdef, params))
+  mine = [d for d in devices if d.process_index == jax.process_index()]
+  with jax.set_mesh(mesh):
+    copies = hosts.device_copies(params, mesh, mine)
+  return {d: select(nnx.merge(graphdef, p)) for d, p in copies.items()}
+
+
+def on_mesh(batches: list, mesh):
+  """Group batches of one completion shape as one batch on `mesh`: prompts padded to one length
+  (a multiple of mesh.seq: distributed.mesh.pad_prompts), stacked [B, ...] and placed (shard_batch).
+  With several processes every process passes the same, whole batch and places its own rows."""
+  return shard_batch(stack_groups(pad_prompts(batches, mesh.shape["seq"])), mesh)
+
+
+def mesh_context(mesh):
+  """`jax.set_mesh(mesh)` (the mesh's Explicit axes need it around its steps), or a no-op context without a mesh."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
