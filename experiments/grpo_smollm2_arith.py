@@ -87,8 +87,8 @@ def get_config(arg=None):
   #                                       # logged (exactness_* in metrics.jsonl; a loud warning above the bound); 0: off
 
   c.eval = ml_collections.ConfigDict()    # held-out evaluation (algorithms/evaluation.py; RUN_DIR/eval.jsonl)
-  c.eval.size = 20                        # held-out problems N (0 disables the evaluation); with pass_k = 8 about
-  #                                       # 55 s per evaluation on 2 idle CPU cores (README, "Held-out evaluation")
+  c.eval.size = 20                        # held-out problems N (0 disables the evaluation); its cost per
+  #                                       # evaluation: docs/results/default-run
   c.eval.task_seed = 1_000_000            # their task seed; must differ from task.seed (problems whose question a
   #                                       # training item asks are dropped as well)
   c.eval.every = 15                       # steps between evaluations; also at step 0 and at the end
@@ -101,7 +101,7 @@ def get_config(arg=None):
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
 
-  c.distributed = ml_collections.ConfigDict()  # several processes (distributed/hosts.py; README, "Several hosts")
+  c.distributed = ml_collections.ConfigDict()  # several processes (distributed/hosts.py; README, "Several processes and hosts")
   c.distributed.coordinator_address = ml_collections.config_dict.placeholder(str)  # process 0's "host:port";
   #                                       # None: environment variable JAX_COORDINATOR_ADDRESS
   c.distributed.num_processes = ml_collections.config_dict.placeholder(int)  # None: JAX_NUM_PROCESSES, else 1
