@@ -35,7 +35,7 @@ import numpy as np
 
 # accum_dtype is defined there (the tiled path needs it, and importing it from here would be circular)
 # and re-exported: context_parallel and the kernels import it from this module.
-from branch_replay_jax.kernels.tiled_attention import _State, _finish, accum_dtype, tiled_attention
+from branch_replay_jax.kernels.tiled_attention import SoftmaxState, accum_dtype, finish_softmax, tiled_attention
 
 
 class KVBlock(NamedTuple):
@@ -190,7 +190,7 @@ def _attend_fwd(q, kvs, masks):
   exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in zip(scores, masks)]
   total = sum(jnp.sum(e, axis=-1) for e in exps)
   out = sum(_mix(e.astype(v.dtype), v) for e, (_, v) in zip(exps, kvs))
-  out, lse = _finish(_State(row_max, total, out))
+  out, lse = finish_softmax(SoftmaxState(row_max, total, out))
   return (out, lse), (q, kvs, masks, out, lse)
 
 

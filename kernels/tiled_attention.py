@@ -8,7 +8,7 @@ log-sum-exp (Dao 2023, arXiv 2307.08691, Algorithm 2). At most one tile's scores
 tiles in the accumulation dtype. The chunk and tile sizes come from the caller
 (`reference.QUERY_CHUNK`, `reference.KEY_BLOCK`).
 
-Its score/mix helpers take K/V as [Hkv, B or 1, S, D] (suffix _t); `_State` and `_finish` are
+Its score/mix helpers take K/V as [Hkv, B or 1, S, D] (suffix _t); `SoftmaxState` and `finish_softmax` are
 shared with the dense step, `accum_dtype` with everything (re-exported by `reference`).
 """
 
@@ -85,7 +85,7 @@ def _kv_t(x_bskd):
   return jnp.transpose(x_bskd, (2, 0, 1, 3))
 
 
-class _State(NamedTuple):
+class SoftmaxState(NamedTuple):
   """Online-softmax statistics of a query chunk: running row max m and sum l [Hkv, B, C, G], and the
   unnormalised output o [Hkv, B, C, G, D] (Dao et al. 2022, Algorithm 1: m_i, l_i, O_i before dividing)."""
 
@@ -94,7 +94,7 @@ class _State(NamedTuple):
   o: jax.Array
 
 
-def _finish(state: _State):
+def finish_softmax(state: SoftmaxState):
   """(out = o / l, lse = m + log l); rows with no visible key (l = 0) get out 0 and lse -inf."""
   visible = state.l > 0
   out = state.o / jnp.where(visible, state.l, 1.0)[..., None]      # normalise the output, not the probabilities
@@ -102,7 +102,7 @@ def _finish(state: _State):
   return out, lse
 
 
-def _online_step(q, tiles, state: _State) -> _State:
+def _online_step(q, tiles, state: SoftmaxState) -> SoftmaxState:
   """Folds key tiles [(k [Hkv, B or 1, S, D], v, mask)] into `state` (Algorithm 1, lines 9-12).
 
   The tiles of one call share one row max, as the dense step's blocks do. The fill of masked
@@ -114,7 +114,7 @@ def _online_step(q, tiles, state: _State) -> _State:
   rescale = jnp.exp(state.m - row_max)                  # <= 1; 0 while m was the fill
   total = rescale * state.l + sum(jnp.sum(e, axis=-1) for e in exps)
   out = rescale[..., None] * state.o + sum(_mix_t(e.astype(v.dtype), v) for e, (_, v, _) in zip(exps, tiles))
-  return _State(row_max, total, out)
+  return SoftmaxState(row_max, total, out)
 
 
 def _grad_tile(q, d_out, lse, delta, k, v, mask):
@@ -242,13 +242,13 @@ def _attend_tiled_fwd(q, ancestors, own, chunk, key_block):
   def chunk_body(c, outs):
     q_c = _take(q, c * chunk, chunk, 2)
     looped, single = _tiles(c, sizes, chunk, key_block)
-    state = _State(vary(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc)), vary(jnp.zeros(q_c.shape[:-1], acc)),
+    state = SoftmaxState(vary(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc)), vary(jnp.zeros(q_c.shape[:-1], acc)),
                    vary(jnp.zeros(q_c.shape, acc)))
     for block, start, size, count in looped:
       step = lambda j, st, block=block, start=start, size=size: _online_step(
           q_c, [_tile(blocks, block, start + j * size, size, False)], st)
       state = _loop(count, step, state)
-    out_c, lse_c = _finish(_online_step(q_c, [_tile(blocks, *tile) for tile in single], state))
+    out_c, lse_c = finish_softmax(_online_step(q_c, [_tile(blocks, *tile) for tile in single], state))
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 2)
     return put(outs[0], out_c), put(outs[1], lse_c)
 
