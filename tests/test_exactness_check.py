@@ -100,9 +100,11 @@ def test_a_naive_run_checks_against_replay(tmp_path):
   assert second["exactness_grad_rel_err"] > 0 and second["exactness_ok"] is True
 
 
-@pytest.mark.parametrize("value", [-1, True])   # (ml_collections itself refuses a float for this int field)
-def test_bad_cadence_is_refused(tmp_path, value):
-  with pytest.raises(ValueError, match=f"train.exactness_check_every={value!r} must be an int >= 0"):
+# -1: the range check (grpo.validate); True: the schema's type check, which runs first (a bool is not
+# an int there); ml_collections itself refuses a float for this int field.
+@pytest.mark.parametrize("value,message", [(-1, "must be an int >= 0"), (True, "must be an int, not bool")])
+def test_bad_cadence_is_refused(tmp_path, value, message):
+  with pytest.raises(ValueError, match=f"train.exactness_check_every={value!r} {message}"):
     train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": value}))
 
 
