@@ -1,4 +1,4 @@
-"""Advantages, loss normalisation and per-token objectives (pure functions on arrays).
+"""Advantages, loss weightings and per-token objectives (pure functions on arrays).
 
 Every function here takes arrays and keyword arguments, never a config, and is exact under
 replay because it is token-local: a token's term depends only on that token's log-prob and
@@ -15,7 +15,10 @@ import numpy as np
 
 from branch_replay_jax.data.batches import Segments
 
-NORMALISATIONS = ("sequence_mean", "token_mean", "constant")
+# The loss weightings (config field loss.weighting; docs/design.md, "Loss weightings"):
+# `trajectory_weights` gives each one's per-(token, trajectory) weight within a group; step_token_mean's
+# step-level scale B / N is `step_token_scale`, applied once the step's groups are known.
+WEIGHTINGS = ("sequence_mean", "group_token_mean", "step_token_mean", "constant")
 
 
 def _as_float(x) -> jax.Array:
@@ -124,35 +127,42 @@ def explained_variance(returns, predicted) -> float | None:
 
 
 def trajectory_weights(lengths_g, *, mode: str, max_length: int | None = None, in_loss=None) -> np.ndarray:
-  """[G] per-token loss weight of each trajectory (the same for all its tokens) for one normalisation.
+  """[G] per-token loss weight of each trajectory (the same for all its tokens) for one weighting.
 
-  The group loss is Σ_g w_g Σ_{t in o_g} ℓ[g, t]. Modes, over the K trajectories in the loss
-  (K = G unless `in_loss` leaves some out):
-    sequence_mean: w_g = 1 / (K |o_g|)   -- mean over each completion, then over the group
-                   (GRPO, arXiv 2402.03300 eq. 3).
-    token_mean:    w_g = 1 / Σ_j |o_j|   -- mean over all tokens of the group, j in the loss
-                   (DAPO, arXiv 2503.14476 eq. 8).
-    constant:      w_g = 1 / (K L_max)   -- a constant that does not depend on lengths
-                   (Dr. GRPO, arXiv 2503.20783 section 3.1); L_max = max_length.
+  The group loss is Σ_g w_g Σ_{t in o_g} ℓ[g, t]. Weightings (`WEIGHTINGS`), over the K
+  trajectories in the loss (K = G unless `in_loss` leaves some out):
+    sequence_mean:    w_g = 1 / (K |o_g|)  -- mean over each completion, then over the group
+                      (GRPO, arXiv 2402.03300 eq. 3).
+    group_token_mean: w_g = 1 / Σ_j |o_j|  -- mean over all tokens of the group, j in the loss
+                      (DAPO's token mean, arXiv 2503.14476 eq. 8, taken per group).
+    step_token_mean:  w_g = 1              -- the sum over the group's tokens; the step scales every
+                      weight by B / N (`step_token_scale`: B groups, N (token, trajectory) pairs in
+                      the step's loss), which makes the loop's mean over groups the token mean over
+                      the whole step (DAPO eq. 8 over the batch).
+    constant:         w_g = 1 / (K L_max)  -- a constant that does not depend on lengths
+                      (Dr. GRPO, arXiv 2503.20783 section 3.1); L_max = max_length.
   On a tree, a token shared by several trajectories carries one term per trajectory.
 
-  Example (token_mean, lengths [3, 5, 8], in_loss [True, False, True]): w = [1/11, 0, 1/11]; the
-  group is normalised as if it held the two trajectories in the loss (`loss.mask_truncated`).
+  Example (group_token_mean, lengths [3, 5, 8], in_loss [True, False, True]): w = [1/11, 0, 1/11];
+  the group is normalised as if it held the two trajectories in the loss (`loss.mask_truncated`).
 
   Args:
     lengths_g: [G] completion lengths |o_g| (tokens), >= 0.
-    mode: one of NORMALISATIONS.
+    mode: one of WEIGHTINGS.
     max_length: L_max, required for mode="constant".
     in_loss: [G] bool, the trajectories the loss keeps (w = 0 for the others), or None (all).
       None of them kept: every weight is 0 (the group adds nothing to the loss).
+
+  Returns:
+    [G] float64.
 
   Raises:
     ValueError: unknown mode, a negative length, an in_loss of another shape, kept trajectories
       that are all empty, constant without max_length.
   """
   lengths = np.asarray(lengths_g, dtype=np.int64)
-  if mode not in NORMALISATIONS:
-    raise ValueError(f"token_weights: mode={mode!r} is not one of {NORMALISATIONS}")
+  if mode not in WEIGHTINGS:
+    raise ValueError(f"token_weights: mode={mode!r} is not one of {WEIGHTINGS}")
   if lengths.ndim != 1 or np.any(lengths < 0):
     raise ValueError(f"token_weights: lengths {lengths.tolist()} must be a 1-D array of lengths >= 0")
   keep = np.ones(lengths.shape, bool) if in_loss is None else np.asarray(in_loss, bool)
@@ -165,13 +175,32 @@ def trajectory_weights(lengths_g, *, mode: str, max_length: int | None = None, i
   k = int(keep.sum())
   if mode == "sequence_mean":
     w = np.where(lengths > 0, 1.0 / (k * np.maximum(lengths, 1)), 0.0)
-  elif mode == "token_mean":
+  elif mode == "group_token_mean":
     w = np.full(lengths.shape, 1.0 / lengths[keep].sum())
+  elif mode == "step_token_mean":
+    w = np.ones(lengths.shape)
   elif not max_length:
     raise ValueError("token_weights: mode='constant' needs max_length (L_max)")
   else:
     w = np.full(lengths.shape, 1.0 / (k * max_length))
   return np.where(keep, w, 0.0)
+
+
+def step_token_scale(num_groups: int, num_pairs: int) -> float:
+  """B / N: the factor on step_token_mean's weights (`trajectory_weights`, 1 per (token,
+  trajectory) pair in the loss) that makes the loop's mean over a step's B groups, (1/B) Σ_k Σ w ℓ,
+  the token mean over the step, (1/N) Σ ℓ over its N (token, trajectory) pairs in the loss (DAPO,
+  arXiv 2503.14476 eq. 8; verl's loss_agg_mode "token-mean", TRL's loss_type "dapo"). N = 0 (no
+  token in the loss): 0.
+
+  Example: two groups with 2 and 6 pairs in the loss: B / N = 2 / 8.
+
+  Raises:
+    ValueError: num_groups < 1 or num_pairs < 0.
+  """
+  if num_groups < 1 or num_pairs < 0:
+    raise ValueError(f"step_token_scale: num_groups={num_groups} must be >= 1 and num_pairs={num_pairs} >= 0")
+  return num_groups / num_pairs if num_pairs else 0.0
 
 
 def overlong_penalty(lengths_g, *, max_length: int, buffer: int, penalty: float = 1.0) -> np.ndarray:

@@ -54,18 +54,19 @@ def get_config(arg=None):
   #                                       # APPLY ONLY WITH train.inner_epochs > 1: at 1 GRPO is on-policy (ratio 1,
   #                                       # its gradient is that of the ratio) and nothing is clipped
   c.loss.importance_ratio = "token"       # token (PPO/GRPO ratio per token) or sequence (GSPO, arXiv 2507.18071:
-  #                                       # (pi/pi_old)^(1/|y|) per completion; needs normalisation sequence_mean).
+  #                                       # (pi/pi_old)^(1/|y|) per completion; needs weighting sequence_mean).
   #                                       # Differs from token only with train.inner_epochs > 1 (on-policy: equal)
   c.loss.logprob_temperature = "one"      # trainer log-probs of softmax(logits / tau): one (tau = 1) or sampling
   #                                       # (tau = rollout.temperature, the distribution the tokens came from)
-  c.loss.aggregation = "group_mean"       # group_mean (each group normalised, groups averaged) or step_token_mean
-  #                                       # (the token mean over the whole step; needs normalisation token_mean)
+  c.loss.weighting = "sequence_mean"      # per-(token, trajectory) loss weights: sequence_mean (GRPO: mean over each
+  #                                       # completion, then the group), group_token_mean (DAPO's token mean per
+  #                                       # group), step_token_mean (DAPO's token mean over the whole step) or
+  #                                       # constant (Dr. GRPO: 1 / (G x budget)); groups averaged over the step
   c.loss.mask_truncated = False           # True: completions cut by the token budget get no loss (weights 0, the
   #                                       # group normalised over the others)
   c.loss.overlong_buffer = 0              # DAPO's soft overlong punishment: the last N tokens of the budget cost
   c.loss.overlong_penalty = 1.0           # up to overlong_penalty reward, linearly (0 disables)
   c.loss.kl_coef = 0.04                   # beta of the k3 KL penalty to the initial policy (0 disables it)
-  c.loss.normalisation = "sequence_mean"  # sequence_mean (GRPO), token_mean (DAPO) or constant (Dr. GRPO)
   c.loss.advantage = "grpo"               # grpo (group-normalised) or rloo (leave-one-out baseline, arXiv 2402.14740)
   c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std (grpo; an rloo config removes it)
 

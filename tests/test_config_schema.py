@@ -224,3 +224,52 @@ def test_every_schema_field_is_in_a_shipped_experiment():
     defined = {name for name, _, _ in schema.fields(algorithm)}
     extra = {n for n in defined if n.split(".")[0] in ("eval", "distributed")} if algorithm == "dpo" else set()
     assert defined - extra == used[algorithm], (algorithm, sorted(defined ^ used[algorithm]))
+
+
+@pytest.mark.parametrize("algorithm,old,message", [
+    # Every pair that ran before maps to the weighting it computed.
+    ("grpo", {"normalisation": "sequence_mean", "aggregation": "group_mean"}, "write loss.weighting='sequence_mean'"),
+    ("grpo", {"normalisation": "token_mean", "aggregation": "group_mean"}, "write loss.weighting='group_token_mean'"),
+    ("grpo", {"normalisation": "constant", "aggregation": "group_mean"}, "write loss.weighting='constant'"),
+    ("grpo", {"normalisation": "token_mean", "aggregation": "step_token_mean"},
+     "write loss.weighting='step_token_mean'"),
+    ("grpo", {"normalisation": "token_mean"}, "write loss.weighting='group_token_mean' and remove loss.normalisation"),
+    ("ppo", {"normalisation": "token_mean"}, "write loss.weighting='group_token_mean' and remove loss.normalisation"),
+    ("ppo", {"normalisation": "constant"}, "write loss.weighting='constant'"),
+    # A pair that was refused before is refused with the new field's values.
+    ("grpo", {"normalisation": "sequence_mean", "aggregation": "step_token_mean"}, "never ran"),
+    ("grpo", {"normalisation": "mean"}, "loss.normalisation='mean' never ran"),
+])
+def test_the_old_normalisation_and_aggregation_are_refused_with_the_weighting_to_write(algorithm, old, message):
+  # loss.normalisation + loss.aggregation merged into loss.weighting: an old config runs the same weighting
+  # once rewritten, and the message says exactly which value that is (schema.OLD_WEIGHTINGS).
+  config = (grpo_smollm2_arith if algorithm == "grpo" else ppo_smollm2_arith).get_config()
+  del config.loss.weighting
+  for name, value in old.items():
+    config.loss[name] = value
+  with pytest.raises(ValueError, match=re.escape(message)):
+    schema.parse(config)
+  given = " with ".join(f"loss.{k}={v!r}" for k, v in old.items())
+  with pytest.raises(ValueError, match=re.escape(given)):
+    (grpo if algorithm == "grpo" else ppo).validate(config)
+
+
+def test_a_step_token_mean_ppo_config_is_refused(monkeypatch):
+  # PPO averages each minibatch's groups, so a token mean over the whole step has no place in its update.
+  no_model_load(monkeypatch)
+  config = ppo_smollm2_arith.get_config()
+  config.loss.weighting = "step_token_mean"
+  with pytest.raises(ValueError, match=re.escape("loss.weighting='step_token_mean': PPO averages each minibatch's")):
+    ppo.validate(config)
+
+
+def test_the_schema_says_which_fields_apply_to_groups_or_trees_only():
+  # Each field applies to groups and trees unless the schema says otherwise: the group's size and budget
+  # (a tree config removes them), the tree's segment length and replay order.
+  group_only, tree_only = {"rollout.group_size", "rollout.max_new_tokens"}, {"rollout.segment_length",
+                                                                            "train.tree_schedule"}
+  for algorithm in ("grpo", "ppo"):
+    layouts = schema.layouts(algorithm)
+    assert {n for n, l in layouts.items() if l == ("group",)} == group_only, algorithm
+    assert {n for n, l in layouts.items() if l == ("tree",)} == tree_only, algorithm
+  assert set(schema.layouts("dpo")) == set()

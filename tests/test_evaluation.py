@@ -135,14 +135,14 @@ def test_few_shot_prompts_in_training_and_evaluation(tmp_path):
   # prompt is exactly the chat template of the examples' 4 turns + the question (not the question alone).
   import jax
   from branch_replay_jax.models.loading import encode_chat, load_tokenizer
-  from branch_replay_jax.rollout.collect import rollout
+  from branch_replay_jax.algorithms.groups import rollout_group
   config = grpo_smoke(tmp_path, **{"task.few_shot": 2})
   train_task = runs.make_task_from(config)
   eval_task = runs.make_task_from(config, seed=config.eval.task_seed, size=50)
   assert len(train_task.examples) == 2 and train_task.examples == eval_task.examples
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   model, _ = runs.build_model(config)
-  group = rollout(config, model, tokenizer, train_task, 3, jax.random.key(0))
+  group = rollout_group(config, model, tokenizer, train_task, 3, jax.random.key(0))
   want = encode_chat(tokenizer, train_task.messages(train_task[3]))
   assert int(group.batch.prompt_len) == len(want) > len(encode_chat(tokenizer, train_task.messages(train_task[3])[-1:])) + 20
   assert list(map(int, group.batch.prompt_ids[:len(want)])) == list(want)

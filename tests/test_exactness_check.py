@@ -46,7 +46,7 @@ def records(run_dir):
     # in test_grpo_options.py::test_options_run_replay_equals_naive.
     pytest.param(grpo_tree_smollm2_arith, {"train.inner_epochs": 2, "loss.clip_eps_high": 0.28,
                                            "loss.logprob_temperature": "sampling", "rollout.temperature": 0.7,
-                                           "loss.normalisation": "token_mean", "loss.aggregation": "step_token_mean",
+                                           "loss.weighting": "step_token_mean",
                                            "loss.overlong_buffer": 4}, marks=pytest.mark.heavy),
 ], ids=["group", "group-inner-epochs", "tree", "mesh-fsdp", "tree-options"])
 def test_check_logs_replay_against_naive_every_k_steps(tmp_path, module, overrides):

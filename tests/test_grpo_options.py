@@ -2,7 +2,7 @@
 
 Options (experiments/grpo_smollm2_arith.py, docs/design.md "GRPO options"): DAPO's clip-higher
 (loss.clip_eps_low / clip_eps_high), GSPO's sequence ratio (loss.importance_ratio), log-probs at the
-sampling temperature (loss.logprob_temperature), the step-level token mean (loss.aggregation),
+sampling temperature (loss.logprob_temperature), the step-level token mean (loss.weighting),
 masking truncated completions (loss.mask_truncated), DAPO's soft overlong penalty
 (loss.overlong_buffer / overlong_penalty) and dynamic sampling (rollout.dynamic_sampling /
 max_prompt_draws).
@@ -30,8 +30,8 @@ from branch_replay_jax.algorithms import ppo
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.algorithms.groups import Group, dynamic_sampling, step_token_mean
 from branch_replay_jax.rollout import collect
-from branch_replay_jax.rollout.collect import Group, dynamic_sampling, step_token_mean
 from branch_replay_jax.rollout.tasks import Task
 from experiments import grpo_tree_smollm2_arith
 from branch_replay_jax.gradients.heads import Policy
@@ -117,13 +117,13 @@ def test_overlong_penalty_hand_case():
 def test_trajectory_weights_leave_out_truncated_hand_case():
   # lengths (3, 5, 8), the 5-token one truncated and masked: the group is normalised over the other two.
   lengths, keep = [3, 5, 8], [True, False, True]
-  np.testing.assert_allclose(obj.trajectory_weights(lengths, mode="token_mean", in_loss=keep), [1 / 11, 0, 1 / 11])
+  np.testing.assert_allclose(obj.trajectory_weights(lengths, mode="group_token_mean", in_loss=keep), [1 / 11, 0, 1 / 11])
   np.testing.assert_allclose(obj.trajectory_weights(lengths, mode="sequence_mean", in_loss=keep), [1 / 6, 0, 1 / 16])
   np.testing.assert_allclose(obj.trajectory_weights(lengths, mode="constant", max_length=8, in_loss=keep),
                              [1 / 16, 0, 1 / 16])
-  np.testing.assert_array_equal(obj.trajectory_weights(lengths, mode="token_mean", in_loss=[False] * 3), 0.0)
+  np.testing.assert_array_equal(obj.trajectory_weights(lengths, mode="group_token_mean", in_loss=[False] * 3), 0.0)
   with pytest.raises(ValueError, match="in_loss shape"):
-    obj.trajectory_weights(lengths, mode="token_mean", in_loss=[True])
+    obj.trajectory_weights(lengths, mode="group_token_mean", in_loss=[True])
 
 
 def test_token_logprobs_at_a_temperature_hand_case():
@@ -145,19 +145,22 @@ def _group(batch, lengths, rewards=None, in_loss=None, tree=None, naive_batch=No
 def test_step_token_mean_hand_case():
   # Group 1: completions of 1 and 1 tokens (2 in the loss); group 2: 2 and 4 tokens (6). Per-token losses
   # all 1 except 5 on group 1's second token. The loop averages group losses over B = 2 groups:
-  #   group_mean (token_mean weights): ((1 + 5)/2 + 6/6) / 2 = 2
-  #   step_token_mean (every weight B/N = 2/8):            (1 + 5 + 6) / 8 = 1.5
+  #   group_token_mean (1 / the group's tokens):      ((1 + 5)/2 + 6/6) / 2 = 2
+  #   step_token_mean (1 per pair, scaled by B/N = 2/8): (1 + 5 + 6) / 8 = 1.5
   g1, g2 = random_group([1, 1]), random_group([2, 4])
-  batches = [group_arrays(g, weights=(g.completion_mask * obj.trajectory_weights(g.lengths, mode="token_mean")[:, None]
-                                      ).astype(np.float32)) for g in (g1, g2)]
+  arrays = lambda g, mode, **kw: group_arrays(g, weights=(
+      g.completion_mask * obj.trajectory_weights(g.lengths, mode=mode, **kw)[:, None]).astype(np.float32))
   losses = [np.where(g1.completion_mask, [[1.0], [5.0]], 0.0), np.where(g2.completion_mask, 1.0, 0.0)]
   mean = lambda bs: sum(float(np.sum(np.asarray(b.branches.weights) * l)) for b, l in zip(bs, losses)) / 2
-  assert mean(batches) == pytest.approx(2.0, rel=1e-6)
+  assert mean([arrays(g, "group_token_mean") for g in (g1, g2)]) == pytest.approx(2.0, rel=1e-6)
+  batches = [arrays(g, "step_token_mean") for g in (g1, g2)]
   groups = step_token_mean([_group(b, g.lengths) for b, g in zip(batches, (g1, g2))])
   assert mean([g.batch for g in groups]) == pytest.approx(1.5, rel=1e-6)
   np.testing.assert_array_equal(np.asarray(groups[1].batch.branches.weights), np.where(g2.completion_mask, 0.25, 0.0))
   # A trajectory out of the loss keeps weight 0 and its tokens leave N: group 2's 4-token one masked, N = 4.
-  masked = step_token_mean([_group(batches[0], g1.lengths), _group(batches[1], g2.lengths, in_loss=[True, False])])
+  masked = step_token_mean([_group(batches[0], g1.lengths),
+                            _group(arrays(g2, "step_token_mean", in_loss=[True, False]), g2.lengths,
+                                   in_loss=[True, False])])
   assert masked[1].batch.branches.weights.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(masked[0].batch.branches.weights), np.where(g1.completion_mask, 0.5, 0.0))
 
@@ -208,17 +211,17 @@ _tree = jax.jit(functools.partial(value_and_grad, _HEAD), static_argnums=(0, 3))
 
 
 def _loss_fields(lengths, dtype, *, budget, seed=1):
-  """(advantages [G], trajectory weights [G], in_loss [G]) as rollout/collect.py builds them with the
+  """(advantages [G], trajectory weights [G], in_loss [G]) as algorithms/groups.py builds them with the
   options on: rewards shaped by the overlong penalty (buffer 12 of the budget), the trajectories of
-  >= 8 tokens left out (mask_truncated), token_mean weights rescaled to B / N (step_token_mean; B = 2,
-  another group of 20 tokens in the loss)."""
+  >= 8 tokens left out (mask_truncated), step_token_mean's weights scaled by B / N (B = 2, another
+  group of 20 tokens in the loss)."""
   rng = np.random.default_rng(seed)
   lengths = np.asarray(lengths)
   rewards = rng.normal(size=len(lengths)) + obj.overlong_penalty(lengths, max_length=budget, buffer=12)
   adv = np.asarray(obj.group_advantages(jnp.asarray(rewards)), np.float64)
   in_loss = lengths < 8
-  w = obj.trajectory_weights(lengths, mode="token_mean", max_length=budget, in_loss=in_loss)
-  w = np.where(w > 0, 2 / (lengths[in_loss].sum() + 20), 0.0)
+  w = obj.trajectory_weights(lengths, mode="step_token_mean", max_length=budget, in_loss=in_loss)
+  w = w * obj.step_token_scale(2, int(lengths[in_loss].sum()) + 20)
   return adv.astype(dtype), w.astype(dtype), in_loss
 
 
@@ -294,11 +297,11 @@ def test_tree_options_replay_equals_naive_float32():
 
 
 def test_step_token_mean_rescales_tree_batches():
-  # collect.step_token_mean on a tree's TreeBatch: every (token, trajectory) pair in the loss gets B / N.
+  # groups.step_token_mean on a tree's TreeBatch: every (token, trajectory) pair in the loss gets B / N.
   # Tree lengths (7, 1, 10, 9) = 27 pairs, a second group of 4 pairs: B / N = 2 / 31. The tree's naive
   # layout (Group.naive_batch, the run-time exactness check's) gets the same weights: its 27 real
   # (token, trajectory) pairs weigh 2 / 31 each, so naive and replay losses stay equal.
-  w = obj.trajectory_weights(TREE.completion_lengths(), mode="token_mean")
+  w = obj.trajectory_weights(TREE.completion_lengths(), mode="step_token_mean")
   batch = tree_arrays(pad_tree(TREE), {"weights": [x.astype(np.float32) for x in TREE.node_weights(w)]},
                       advantage=np.zeros(4, np.float32))
   naive = trajectory_group_arrays(TREE, {}, w.astype(np.float32), vocab_size=64, max_positions=256,
@@ -318,10 +321,10 @@ def test_step_token_mean_rescales_tree_batches():
 # Validation.
 
 def test_an_old_grpo_config_with_clip_eps_names_the_new_fields(tmp_path):
-  # A config written before the options: loss.clip_eps and none of the new fields. The first check of
-  # the options (the clip range) refuses it, naming the two fields that replace it.
+  # A config written before the options: loss.clip_eps and none of the new fields. The schema refuses
+  # it first, naming the two fields that replace it.
   config = grpo_smoke(tmp_path)
-  for name in ("clip_eps_low", "clip_eps_high", "importance_ratio", "logprob_temperature", "aggregation",
+  for name in ("clip_eps_low", "clip_eps_high", "importance_ratio", "logprob_temperature",
                "mask_truncated", "overlong_buffer", "overlong_penalty"):
     del config.loss[name]
   del config.rollout.dynamic_sampling, config.rollout.max_prompt_draws
@@ -337,16 +340,15 @@ def test_an_old_grpo_config_with_clip_eps_names_the_new_fields(tmp_path):
     ({"loss.clip_eps_high": 0.0}, r"loss.clip_eps_high=0.0 must be a finite number > 0"),
     ({"loss.importance_ratio": "seq"}, "loss.importance_ratio='seq'"),
     # GSPO (arXiv 2507.18071) weighs each completion once; a token mean weighs it by its length: not GSPO.
-    ({"loss.importance_ratio": "sequence", "loss.normalisation": "token_mean"},
-     "loss.importance_ratio='sequence' with loss.normalisation='token_mean': GSPO weighs each completion once"),
-    ({"loss.importance_ratio": "sequence", "loss.normalisation": "token_mean", "loss.aggregation": "step_token_mean"},
-     "loss.importance_ratio='sequence' with loss.normalisation='token_mean'"),
+    ({"loss.importance_ratio": "sequence", "loss.weighting": "group_token_mean"},
+     "loss.importance_ratio='sequence' with loss.weighting='group_token_mean': GSPO weighs each completion once"),
+    ({"loss.importance_ratio": "sequence", "loss.weighting": "step_token_mean"},
+     "loss.importance_ratio='sequence' with loss.weighting='step_token_mean'"),
     # DAPO's clip-higher raises the upper bound; low 0.28 > high 0.2 is the reverse of what was meant.
     ({"loss.clip_eps_low": 0.28, "loss.clip_eps_high": 0.2},
      r"loss.clip_eps_low=0.28 > loss.clip_eps_high=0.2: clip-higher reversed"),
     ({"loss.logprob_temperature": "tempered"}, "loss.logprob_temperature='tempered'"),
-    ({"loss.aggregation": "token"}, "loss.aggregation='token'"),
-    ({"loss.aggregation": "step_token_mean"}, "loss.normalisation='sequence_mean'"),
+    ({"loss.weighting": "token"}, "loss.weighting='token'"),
     ({"loss.overlong_buffer": 9}, r"loss.overlong_buffer=9 must be an int in \[0, 8\]"),
     ({"loss.overlong_penalty": -1.0}, "loss.overlong_penalty=-1.0"),
     ({"rollout.max_prompt_draws": 4}, "rollout.max_prompt_draws=4 applies to rollout.dynamic_sampling=True only"),
@@ -385,7 +387,7 @@ def test_off_policy_sequence_ratio_on_trees_and_grpo_options_in_ppo_are_refused(
 ALL_OPTIONS = {"loss.clip_eps_high": 0.28, "train.inner_epochs": 2,
                "loss.logprob_temperature": "sampling", "rollout.temperature": 0.7,
                "loss.mask_truncated": True, "loss.overlong_buffer": 4,
-               "loss.normalisation": "token_mean", "loss.aggregation": "step_token_mean",
+               "loss.weighting": "step_token_mean",
                "rollout.dynamic_sampling": True, "rollout.max_prompt_draws": 6}
 
 

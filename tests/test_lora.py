@@ -145,7 +145,7 @@ def _tree_and_naive(graphdef, adapters, base, dtype, schedule):
   adv = rng.normal(size=g).astype(dtype)
   old = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in TREE.segments]
   ref = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in TREE.segments]
-  w = obj.trajectory_weights(TREE.completion_lengths(), mode="token_mean", max_length=16)
+  w = obj.trajectory_weights(TREE.completion_lengths(), mode="group_token_mean", max_length=16)
   padded = pad_tree(TREE)
   arrays = tree_arrays(padded, {"weights": [x.astype(dtype) for x in TREE.node_weights(w)], "old_logp": old,
                                 "ref_logp": ref}, advantage=adv)

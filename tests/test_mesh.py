@@ -366,7 +366,7 @@ def test_sharded_tree_replay_equals_naive():
     rng = np.random.default_rng(seed)
     adv = rng.normal(size=len(tree.ends)).astype(np.float32)
     old = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(np.float32) for s in tree.segments]
-    w = obj.trajectory_weights(tree.completion_lengths(), mode="token_mean", max_length=16)
+    w = obj.trajectory_weights(tree.completion_lengths(), mode="group_token_mean", max_length=16)
     per_node = {"weights": [x.astype(np.float32) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": old}
     trees.append(tree_arrays(pad_tree(tree), per_node, advantage=adv))
     naive = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": old}, w.astype(np.float32), vocab_size=64,

@@ -35,7 +35,7 @@ def _ppo_group(seed, prompt_len):
   group = random_group([3, 7, 1, 5], seed=seed, prompt_len=prompt_len, prompt_bucket=16, completion_bucket=8)
   rng = np.random.default_rng(seed)
   shape = group.completion_ids.shape
-  w = obj.token_weights(group.lengths, shape[1], mode="token_mean").astype(np.float32)
+  w = obj.token_weights(group.lengths, shape[1], mode="group_token_mean").astype(np.float32)
   return group_arrays(group, weights=w, advantage=rng.normal(size=shape).astype(np.float32),
                       returns=rng.normal(size=shape).astype(np.float32), **_random_fields(rng, shape, np.float32))
 

@@ -29,7 +29,9 @@ def test_group_advantages_unbiased_std():
     # Per-sequence mean: Σ_g (1/G)(1/|o_g|) Σ_t (-A_g) = -(1/G) Σ_g A_g = 0.
     ("sequence_mean", 0.0, -1.5 / (4 * 3), 0.5 / (4 * 50)),
     # Token mean: -(3*1.5 - 150*0.5) / 153 = 70.5 / 153 = 0.46078.
-    ("token_mean", 70.5 / 153, -1.5 / 153, 0.5 / 153),
+    ("group_token_mean", 70.5 / 153, -1.5 / 153, 0.5 / 153),
+    # The step's token mean before the step's scale B / N: the sum, -(3*1.5 - 150*0.5) = 70.5.
+    ("step_token_mean", 70.5, -1.5, 0.5),
     # Dr. GRPO with L_max = 50: 70.5 / (4 * 50) = 0.3525.
     ("constant", 70.5 / 200, -1.5 / 200, 0.5 / 200),
 ])
@@ -54,11 +56,11 @@ def test_token_weights_rejects_bad_input():
   with pytest.raises(ValueError, match="mode='mean'"):
     obj.token_weights([1, 2], 4, mode="mean")
   with pytest.raises(ValueError, match=r"\[0, 4\]"):
-    obj.token_weights([1, 5], 4, mode="token_mean")
+    obj.token_weights([1, 5], 4, mode="group_token_mean")
   with pytest.raises(ValueError, match=r"\[0, 4\]"):
-    obj.token_weights([-1, 2], 4, mode="token_mean")
+    obj.token_weights([-1, 2], 4, mode="group_token_mean")
   with pytest.raises(ValueError, match="empty"):
-    obj.token_weights([0, 0], 4, mode="token_mean")
+    obj.token_weights([0, 0], 4, mode="group_token_mean")
 
 
 def test_k3_kl_values():

@@ -104,7 +104,7 @@ def test_group_replay_equals_naive_for_policy_and_critic(critic, dtype, tol):
     group = random_group([3, 7, 1, 5])
     rng = np.random.default_rng(0)
     shape = group.completion_ids.shape
-    w = obj.token_weights(group.lengths, shape[1], mode="token_mean").astype(dtype)
+    w = obj.token_weights(group.lengths, shape[1], mode="group_token_mean").astype(dtype)
     arrays = group_arrays(group, weights=w, advantage=rng.normal(size=shape).astype(dtype),
                           returns=rng.normal(size=shape).astype(dtype), **_random_fields(rng, shape, dtype))
     lr, aux_r, gr = _group_step(graphdef, params, arrays, _group_objective, micro_batch=2)
@@ -318,7 +318,7 @@ TERMINATED_ADV = [-0.187, -0.43, -0.7]
 def test_ppo_group_advantages_bootstrap_only_the_truncated_completion(tmp_path):
   # Two completions of 3 tokens with equal values: the first cut by the budget, the second ended by
   # EOS on the budget's last token (same padded width: only the stop reason tells them apart).
-  from branch_replay_jax.rollout.collect import Group
+  from branch_replay_jax.algorithms.groups import Group
   values = np.zeros((2, 8), np.float32)
   values[:, :3] = [0.3, 0.5, 0.7]
   mask = np.arange(8)[None] < 3
@@ -339,7 +339,7 @@ def test_ppo_tree_advantages_bootstrap_from_the_leaf_each_trajectory_ends_at(tmp
   # by the budget), trajectory 1 at node 3 (EOS). Each path's values are [0.3, 0.5, 0.7]; V after
   # node 2 and node 3 is 0.9, after node 1 it is 5.0 (a bootstrap from the wrong node would show).
   from branch_replay_jax.data.trees import RolloutTree
-  from branch_replay_jax.rollout.collect import Group
+  from branch_replay_jax.algorithms.groups import Group
   tree = RolloutTree((np.array([1, 2, 3]), np.array([4, 5]), np.array([6]), np.array([7])), (-1, 0, 1, 1), (2, 3))
   padded = ppo.pad_tree(tree)
   node_values = {1: [0.3, 0.5], 2: [0.7], 3: [0.7]}
@@ -367,7 +367,7 @@ def test_ppo_tree_advantages_bootstrap_from_the_leaf_each_trajectory_ends_at(tmp
 def test_ppo_whitening_of_a_constant_advantage_is_zero(tmp_path):
   # Every completion terminated with reward 0 and values 0: every advantage is 0 exactly; whitening
   # over the step must keep them 0 (the formula gave -0.598 on float32 constants).
-  from branch_replay_jax.rollout.collect import Group
+  from branch_replay_jax.algorithms.groups import Group
   mask = np.arange(8)[None] < 3
   values = np.where(mask, 0.1, 0.0).astype(np.float32).repeat(4, 0)
   arrays = GroupBatch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((4, 8), np.int32),
@@ -407,13 +407,13 @@ def test_rollouts_carry_the_samplers_stop_reason(tmp_path):
   # Group.truncated is ~finished of the sampler: True exactly where the completion's last token is
   # not EOS (the tiny random model rarely emits EOS; both cases are checked where they occur).
   from branch_replay_jax.models.loading import load_tokenizer
-  from branch_replay_jax.rollout.collect import rollout
+  from branch_replay_jax.algorithms.groups import rollout_group
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   for module, variant in [(ppo_smollm2_arith, "smoke"), (ppo_smollm2_arith, "tree_smoke")]:
     config = experiment_config(module, variant, tmp_path)
     model, _ = runs.build_model(config)
     task = runs.make_task_from(config)
-    g = rollout(config, model, tokenizer, task, 0, jax.random.key(0))
+    g = rollout_group(config, model, tokenizer, task, 0, jax.random.key(0))
     comps = ([g.tree.completion(i) for i in range(len(g.tree.ends))] if g.tree is not None else
              [np.asarray(g.batch.branches.tokens[i, :n]) for i, n in enumerate(g.lengths)])
     assert g.truncated.shape == (len(comps),)

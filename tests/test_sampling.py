@@ -452,9 +452,9 @@ def test_the_generation_configs_stop_ids_end_rollouts_evaluation_and_dpo_samples
   # The policy's first token is id 0, a stop id of the model but not the tokenizer's EOS (2): every completion
   # is that 1 token, terminated (not truncated), in group and tree rollouts, evaluation and DPO sampling.
   # Stopping on the tokenizer's EOS alone ran each to its 8-token budget, truncated.
-  from branch_replay_jax.algorithms import dpo, loop, runs
+  from branch_replay_jax.algorithms import dpo, groups, loop, runs
   from branch_replay_jax.models.loading import stop_ids
-  from branch_replay_jax.rollout import collect, evaluate
+  from branch_replay_jax.rollout import evaluate
   from conftest import experiment_config
   from experiments import dpo_smollm2_arith, grpo_smollm2_arith, grpo_tree_smollm2_arith
   model, tokenizer = stops_on_zero
@@ -463,7 +463,7 @@ def test_the_generation_configs_stop_ids_end_rollouts_evaluation_and_dpo_samples
   for module in (grpo_smollm2_arith, grpo_tree_smollm2_arith):
     config = experiment_config(module, "smoke", tmp_path)
     task = runs.make_task_from(config)
-    group = collect.rollout(config, model, tokenizer, task, 0, key)
+    group = groups.rollout_group(config, model, tokenizer, task, 0, key)
     n = len(group.lengths)
     assert group.lengths.tolist() == [1] * n and group.truncated.tolist() == [False] * n, module.__name__
     assert loop.step_record(0, [group], {}, rollout_s=0.0, update_s=0.0)["truncated_frac"] == 0.0

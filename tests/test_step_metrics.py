@@ -67,7 +67,7 @@ def _check_ppo(tree):
               "old_values": [rng.normal(size=len(s)) for s in tree.segments]}
   mask = np.arange(T_MAX)[None] < tree.completion_lengths()[:, None]
   rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0) for k in ("advantage", "returns")}
-  w = obj.trajectory_weights(tree.completion_lengths(), mode="token_mean", max_length=T_MAX)
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="group_token_mean", max_length=T_MAX)
   nodes = {**per_node, "weights": tree.node_weights(w), **{k: ppo.node_columns(tree, v) for k, v in rows.items()}}
   tree_arr = tree_arrays(pad_tree(tree), nodes)
   naive_arr = trajectory_group_arrays(tree, per_node, w, vocab_size=64, max_positions=256, completion_bucket=T_MAX,
@@ -107,7 +107,7 @@ def test_step_record_lengths_are_per_trajectory():
   # completion_len_mean averages over trajectories in both layouts (a tree's Group.lengths are its
   # completion lengths, tree.completion_lengths()), never over unique segments.
   from branch_replay_jax.data.trees import RolloutTree
-  from branch_replay_jax.rollout.collect import Group
+  from branch_replay_jax.algorithms.groups import Group
   tree = RolloutTree((np.array([1, 2]), np.array([5, 6, 7]), np.array([8]), np.array([9, 10])), (-1, 0, 1, 1), (2, 3))
   counts = {"token_positions_naive": 1, "token_positions_computed": 1, "ideal_flop_ratio": 1.0, "padding_fraction": 0.0}
   group = Group("tree", {}, np.zeros(2), np.zeros(2, bool), tree.completion_lengths(), counts, {}, 0.0, 0.0,
@@ -118,7 +118,7 @@ def test_step_record_lengths_are_per_trajectory():
 def test_zero_variance_groups_counts_the_groups_whose_advantages_are_zero():
   # Sixteen float32 1.1 rewards: np.std is ~1e-7, not 0, yet the group is constant; the metric and
   # the advantages (exactly 0 for it) both use losses.constant_groups.
-  from branch_replay_jax.rollout.collect import Group
+  from branch_replay_jax.algorithms.groups import Group
   rewards = [np.full(16, 1.1, np.float32), np.array([0.0, 1.1] * 8, np.float32)]
   groups = [Group("group", {}, r, r > 1, np.full(16, 3), {"token_positions_naive": 1, "token_positions_computed": 1,
                                                           "ideal_flop_ratio": 1.0, "padding_fraction": 0.0},

@@ -19,7 +19,7 @@ from branch_replay_jax.models import tiny_config
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import forward, value_and_grad
 
-MODES = obj.NORMALISATIONS
+MODES = ("sequence_mean", "group_token_mean", "constant")   # step_token_mean: the sum (1s), scaled by the step
 L_MAX = 16
 
 
@@ -155,8 +155,8 @@ def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
   small = tree_from_trajectories([9, 9, 9], [[1, 2, 3], [7]])
   big = tree_from_trajectories([9] * 20, [[1] * 10, [3] + [4] * 10 + [5], [3, 8], [11]])
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
-  arrays = _grpo_tree_arrays(small, "token_mean", np.float64, seed=5)   # seed 5: 2 of its 4 pairs clip
-  padded = pad_trees([arrays, _grpo_tree_arrays(big, "token_mean", np.float64, seed=1)])[0]
+  arrays = _grpo_tree_arrays(small, "group_token_mean", np.float64, seed=5)   # seed 5: 2 of its 4 pairs clip
+  padded = pad_trees([arrays, _grpo_tree_arrays(big, "group_token_mean", np.float64, seed=1)])[0]
   assert [x.tokens.shape for x in padded.levels] == [(3, 16), (3, 2, 16)]
   assert [x.weights.shape[-1] for x in padded.levels] == [4, 4]
   want_loss, want_aux, want_grads = _tree_step(graphdef, params, arrays, _tree_objective)
@@ -189,7 +189,7 @@ def test_loss_normalisation_modes_give_the_hand_values_on_a_tree():
   adv = np.array([1.5, -0.5, -0.5, -0.5])
   graphdef, params = tiny_model()
   objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
-  for mode, want in [("sequence_mean", 0.0), ("token_mean", 70.5 / 153), ("constant", 70.5 / 200)]:
+  for mode, want in [("sequence_mean", 0.0), ("group_token_mean", 70.5 / 153), ("constant", 70.5 / 200)]:
     w = obj.trajectory_weights(tree.completion_lengths(), mode=mode, max_length=50)
     arrays = tree_arrays(pad_tree(tree), {"weights": tree.node_weights(w)}, advantage=adv)
     loss, _, _ = _tree_step(graphdef, params, arrays, objective)

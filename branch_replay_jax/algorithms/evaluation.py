@@ -65,7 +65,7 @@ class Evaluation:
     r = self.config.rollout
     policy, devices = algorithm.eval_policy(run, params, len(self.problems))
     results = held_out.evaluate(policy, run.tokenizer, self.task, self.problems,
-                                jax.random.fold_in(run.key, EVAL_STREAM), max_new_tokens=completion_budget(self.config),
+                                jax.random.fold_in(run.key, EVAL_STREAM), max_new_tokens=completion_budget(self.config.rollout),
                                 temperature=r.temperature, top_p=r.top_p, pass_k=self.pass_k, devices=devices)
     summary = held_out.summarize([results[j] for j in range(len(self.problems))], pass_k=self.pass_k)
     row = {"step": step, "wall_s": wall_s, "eval_s": time.perf_counter() - t0, **summary,

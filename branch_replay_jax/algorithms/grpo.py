@@ -8,11 +8,11 @@ One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
   4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
   5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
      over the step's groups, clipped by global norm and applied with optax AdamW.
-Steps 1-3 are rollout/collect.py (loop.sample_groups; collect.step_groups adds DAPO's dynamic
-sampling and the step-level token mean); 4-5 are `update_on_batch`. The loss options of today's
-GRPO practice (clip-higher, GSPO's sequence ratio, log-probs at the sampling temperature, overlong
-shaping and masking, the aggregation) are config fields checked by `validate` (docs/design.md,
-"GRPO options").
+Steps 1-2 are rollout/collect.py (raw trajectories), 3 and the loss weights are algorithms/groups.py
+(loop.sample_groups; groups.step_groups adds DAPO's dynamic sampling and the step's token mean);
+4-5 are `update_on_batch`. The loss options of today's GRPO practice (clip-higher, GSPO's sequence
+ratio, log-probs at the sampling temperature, overlong shaping and masking, the loss weighting) are
+config fields checked by `validate` (docs/design.md, "GRPO options").
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
 the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
@@ -48,24 +48,22 @@ from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_g
 from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import forward, leaf_siblings, make_train_step, value_and_grad
 from branch_replay_jax.models.lora import WithBase, adapters_off
-from branch_replay_jax.rollout import collect as rollouts
-from branch_replay_jax.rollout.collect import Group
+from branch_replay_jax.algorithms.groups import Group, step_groups
+from branch_replay_jax.rollout.collect import completion_budget
 
 LOGPROB_TEMPERATURES = ("one", "sampling")
-AGGREGATIONS = ("group_mean", "step_token_mean")
 
 
 def clip_range(loss_config) -> tuple[float, float]:
   """(ε_low, ε_high) of the ratio clip [1 - ε_low, 1 + ε_high]: loss.clip_eps_low and loss.clip_eps_high
   (equal: PPO's symmetric clip; ε_high > ε_low: DAPO's clip-higher, arXiv 2503.14476 eq. 10).
 
+  A loss.clip_eps field (PPO's) is refused by `schema.parse`, which every caller runs first.
+
   Raises:
-    ValueError: a loss.clip_eps field (GRPO's clip range is the two fields; one name, one meaning),
-      ε_low outside (0, 1), ε_high not a finite number > 0, ε_low > ε_high (clip-higher reversed).
+    ValueError: ε_low outside (0, 1), ε_high not a finite number > 0, ε_low > ε_high (clip-higher
+      reversed).
   """
-  if "clip_eps" in loss_config:
-    raise ValueError(f"loss.clip_eps={loss_config.clip_eps!r}: GRPO's clip range is loss.clip_eps_low and "
-                     "loss.clip_eps_high (set both equal for the symmetric clip); remove loss.clip_eps")
   low, high = loss_config.clip_eps_low, loss_config.clip_eps_high
   checks.check_number("loss.clip_eps_low", low, lambda v: 0 < v < 1, "in (0, 1)")
   checks.check_number("loss.clip_eps_high", high, lambda v: 0 < v < float("inf"), "a finite number > 0")
@@ -83,8 +81,8 @@ def logprob_temperature(config) -> float:
 
 def validate_options(config) -> None:
   """Raise ValueError (naming the field and value) for the GRPO options (docs/design.md, "GRPO
-  options"): clip range, importance ratio, log-prob temperature, aggregation, truncation masking,
-  overlong shaping and dynamic sampling."""
+  options"): clip range, importance ratio, log-prob temperature, the loss weighting, overlong
+  shaping and dynamic sampling. `schema.parse` has checked the types (bools, ints, numbers)."""
   l, r, t = config.loss, config.rollout, config.train
   clip_range(l)
   if l.importance_ratio not in obj.IMPORTANCE_RATIOS:
@@ -94,36 +92,25 @@ def validate_options(config) -> None:
                      f"train.inner_epochs={t.inner_epochs}: GSPO's ratio is a mean over a whole trajectory, which a "
                      "tree node's loss does not see off-policy (on-policy it is 1, the token ratio's GRPO); use "
                      "train.inner_epochs=1, group rollouts or loss.importance_ratio='token'")
-  if l.importance_ratio == "sequence" and l.normalisation != "sequence_mean":
-    raise ValueError(f"loss.importance_ratio='sequence' with loss.normalisation={l.normalisation!r}: GSPO weighs each "
+  if l.importance_ratio == "sequence" and l.weighting != "sequence_mean":
+    raise ValueError(f"loss.importance_ratio='sequence' with loss.weighting={l.weighting!r}: GSPO weighs each "
                      "completion once (1 / (G |y_i|), arXiv 2507.18071 eq. 5), a token mean weighs it by its length; "
-                     "set loss.normalisation='sequence_mean' (and loss.aggregation='group_mean') or use "
-                     "loss.importance_ratio='token'")
+                     "set loss.weighting='sequence_mean' or use loss.importance_ratio='token'")
   if l.logprob_temperature not in LOGPROB_TEMPERATURES:
     raise ValueError(f"loss.logprob_temperature={l.logprob_temperature!r} is not one of {LOGPROB_TEMPERATURES}")
-  if l.aggregation not in AGGREGATIONS:
-    raise ValueError(f"loss.aggregation={l.aggregation!r} is not one of {AGGREGATIONS}")
-  if l.aggregation == "step_token_mean" and l.normalisation != "token_mean":
-    raise ValueError(f"loss.aggregation='step_token_mean' is the token mean over the whole step and replaces "
-                     f"loss.normalisation={l.normalisation!r}; set loss.normalisation='token_mean'")
-  if not isinstance(l.mask_truncated, bool):
-    raise ValueError(f"loss.mask_truncated={l.mask_truncated!r} must be a bool")
-  budget = rollouts.completion_budget(config)
-  if isinstance(l.overlong_buffer, bool) or not isinstance(l.overlong_buffer, int) or \
-     not 0 <= l.overlong_buffer <= budget:
+  budget = completion_budget(r)
+  if not 0 <= l.overlong_buffer <= budget:
     raise ValueError(f"loss.overlong_buffer={l.overlong_buffer!r} must be an int in [0, {budget}] (the completion "
                      "budget; 0 disables the overlong penalty)")
   checks.check_number("loss.overlong_penalty", l.overlong_penalty, lambda v: 0 <= v < float("inf"),
                     "a finite number >= 0")
-  if not isinstance(r.dynamic_sampling, bool):
-    raise ValueError(f"rollout.dynamic_sampling={r.dynamic_sampling!r} must be a bool")
   cap, quota = r.max_prompt_draws, r.prompts_per_step
   if not r.dynamic_sampling:
     if cap is not None:
       raise ValueError(f"rollout.max_prompt_draws={cap!r} applies to rollout.dynamic_sampling=True only; "
                        "set it to None")
     return
-  if isinstance(cap, bool) or not isinstance(cap, int) or cap < quota or cap % quota:
+  if cap is None or cap < quota or cap % quota:
     raise ValueError(f"rollout.max_prompt_draws={cap!r} must be a multiple of rollout.prompts_per_step={quota} "
                      "(prompts are drawn in rounds of a step's quota), at least one round")
   if jax.process_count() > 1:
@@ -147,7 +134,7 @@ def validate(config) -> None:
   if l.kl_coef < 0:
     raise ValueError(f"loss.kl_coef={l.kl_coef} must be >= 0")
   k = config.train.exactness_check_every
-  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+  if k < 0:
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   checks.validate(config)
   validate_options(config)
@@ -297,7 +284,7 @@ class GRPO(loop.Algorithm):
     return self.fns.place(run.params), self.fns.place(run.opt_state)
 
   def collect(self, run, params, step, data_pos):
-    """The step's groups (collect.step_groups over loop.sample_groups); keeps the draw's metrics
+    """The step's groups (groups.step_groups over loop.sample_groups); keeps the draw's metrics
     (dynamic sampling: prompts_drawn, dropped_groups) for this step's `log`. On a mesh every round
     of dynamic sampling samples data-parallel on the same devices. Trees: with several processes
     every process receives every tree's arrays (`whole`), as the padded shape of the step's trees is
@@ -307,7 +294,7 @@ class GRPO(loop.Algorithm):
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
                                                devices=devices, whole=whole)
-    groups, data_pos, self.draw_metrics = rollouts.step_groups(self.config, draw, run.key, data_pos)
+    groups, data_pos, self.draw_metrics = step_groups(self.config, draw, run.key, data_pos)
     return groups, data_pos
 
   def update(self, params, opt_state, groups, step):

@@ -37,12 +37,12 @@ from flax import nnx
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import runs
 from branch_replay_jax.algorithms.evaluation import Evaluation
+from branch_replay_jax.algorithms.groups import Group, rollout_group
 from branch_replay_jax.algorithms.runs import Run
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from branch_replay_jax.outputs.tensorboard import ScalarWriter
-from branch_replay_jax.rollout.collect import Group, rollout
 
 
 class Algorithm:
@@ -193,9 +193,9 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
   n = config.rollout.prompts_per_step
   keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
   if devices is None:
-    return [rollout(config, policy, tokenizer, task, data_pos + i, keys[i]) for i in range(n)], data_pos + n
-  local = hosts.run_on_devices(lambda i, device: rollout(config, policy[device], tokenizer, task, data_pos + i,
-                                                         jax.device_put(keys[i], device)), devices)
+    return [rollout_group(config, policy, tokenizer, task, data_pos + i, keys[i]) for i in range(n)], data_pos + n
+  local = hosts.run_on_devices(lambda i, device: rollout_group(config, policy[device], tokenizer, task, data_pos + i,
+                                                               jax.device_put(keys[i], device)), devices)
   shared = lambda g: dataclasses.replace(g, batch=jax.device_get(g.batch) if whole else None,
                                          naive_batch=jax.device_get(g.naive_batch))
   summaries = hosts.gather_items({i: shared(g) for i, g in local.items()}) if jax.process_count() > 1 else local

@@ -1,7 +1,8 @@
 """PPO for the training loop (algorithms/loop.py): old log-probs and values, GAE, epochs of minibatches.
 
 One step, for `prompts_per_step` prompts of a reasoning-gym task:
-  1. sample and score G completions per prompt, or a tree (rollout/collect.py, as the GRPO loop);
+  1. sample and score G completions per prompt, or a tree (rollout/collect.py, as the GRPO loop),
+     and lay them out with loss.weighting's weights (algorithms/groups.py);
   2. old log-probs and old values of the sampling-time policy and critic by forward-only replay
      (gradients/step.py with the ActorCritic head; the prompt is computed once for both);
   3. the task's reward on each trajectory's last token, GAE along every trajectory
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
+from branch_replay_jax.algorithms.groups import Group
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
@@ -45,7 +47,6 @@ from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
 from branch_replay_jax.gradients.step import forward as step_forward
 from branch_replay_jax.gradients.step import leaf_siblings, make_train_step, value_and_grad
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
-from branch_replay_jax.rollout.collect import Group
 
 
 def validate(config) -> None:
@@ -57,7 +58,7 @@ def validate(config) -> None:
   if p.critic not in CRITICS:
     raise ValueError(f"ppo.critic={p.critic!r} is not one of {CRITICS}")
   for name, value in [("ppo.epochs", p.epochs), ("ppo.minibatches", p.minibatches)]:
-    if not isinstance(value, int) or value < 1:
+    if value < 1:
       raise ValueError(f"{name}={value!r} must be a positive int")
   if config.rollout.prompts_per_step % p.minibatches:
     raise ValueError(f"ppo.minibatches={p.minibatches} must divide rollout.prompts_per_step="
@@ -73,6 +74,9 @@ def validate(config) -> None:
     raise ValueError(f"train.exactness_check_every={config.train.exactness_check_every}: the run-time exactness check "
                      "is GRPO / RLOO's (PPO's replay == naive is held by tests/test_ppo.py); set it to 0")
   checks.check_number("loss.clip_eps", config.loss.clip_eps, lambda v: 0 < v < 1, "in (0, 1)")
+  if config.loss.weighting == "step_token_mean":
+    raise ValueError("loss.weighting='step_token_mean': PPO averages each minibatch's groups, so a step-level token "
+                     f"mean does not apply; use one of {tuple(w for w in obj.WEIGHTINGS if w != 'step_token_mean')}")
   if config.train.inner_epochs != 1:
     raise ValueError(f"train.inner_epochs={config.train.inner_epochs}: PPO repeats updates with ppo.epochs; "
                      "set it to 1")

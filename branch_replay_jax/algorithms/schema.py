@@ -9,7 +9,14 @@ type (a bool is not an int; an int is a float), None where the field is no place
 missing field that has no default. A field whose default is None may be left out (it reads None);
 it may be set to None only when its type is Optional (the ml_collections placeholders). Ranges and
 combinations stay in the algorithms' `validate` (checks.py, grpo.py, ppo.py, dpo.py), which call
-`parse` first and keep reading the ConfigDict.
+`parse` first and keep reading the ConfigDict. A field renamed or merged (loss.normalisation and
+loss.aggregation into loss.weighting) is refused with the value to write instead (`RENAMED`).
+
+Each field says which rollout layouts it applies to (`layouts`): groups, trees, or both (the
+default); episodes of several turns come later. A group-only field in a tree config is refused
+(checks.validate_tree_rollout), and so is a tree-only one set to act on groups
+(rollout.segment_length > 0); train.tree_schedule, which every shipped experiment sets, is read
+by trees only and inert on groups.
 
 `parse` reads the config's storage (`ConfigDict.items(preserve_field_references=True)`), not its
 `__getitem__`, so tests/test_config_fields.py's record of the fields a run reads still shows the
@@ -25,13 +32,19 @@ from typing import Optional
 
 import ml_collections
 
+from branch_replay_jax.losses import WEIGHTINGS
+
 ALGORITHMS = ("grpo", "ppo", "dpo")
 MODULES = {"grpo": "algorithms/grpo.py", "ppo": "algorithms/ppo.py", "dpo": "algorithms/dpo.py"}
 
 
-def _f(doc: str, default=dataclasses.MISSING):
-  """A schema field: its one-line doc (meaning, unit, where it applies); a default makes it optional."""
-  return dataclasses.field(default=default, metadata={"doc": doc})
+LAYOUTS = ("group", "tree")   # the rollout layouts a field can apply to (episodes: later)
+
+
+def _f(doc: str, default=dataclasses.MISSING, *, layouts: tuple[str, ...] = LAYOUTS):
+  """A schema field: its one-line doc (meaning, unit), the rollout layouts it applies to (groups,
+  trees or both; `layouts`); a default makes it optional."""
+  return dataclasses.field(default=default, metadata={"doc": doc, "layouts": layouts})
 
 
 _frozen = dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,10 +83,12 @@ class SamplingConfig:
 
 @_frozen
 class PPORolloutConfig(SamplingConfig):
-  group_size: int = _f("G: completions sampled per prompt; groups only (a tree config removes it)", None)
-  max_new_tokens: int = _f("tokens generated per completion at most; groups only (a tree config removes it)", None)
-  tree_fanouts: tuple[int, ...] = _f("fan-out per tree level, e.g. (4, 2, 2); () samples groups; trees only")
-  segment_length: int = _f("tokens per tree segment; trees only (must be 0 with groups)")
+  group_size: int = _f("G: completions sampled per prompt; groups only (a tree config removes it)", None,
+                       layouts=("group",))
+  max_new_tokens: int = _f("tokens generated per completion at most; groups only (a tree config removes it)", None,
+                           layouts=("group",))
+  tree_fanouts: tuple[int, ...] = _f("fan-out per tree level, e.g. (4, 2, 2); () samples groups (it picks the layout)")
+  segment_length: int = _f("tokens per tree segment; trees only (must be 0 with groups)", layouts=("tree",))
 
 
 @_frozen
@@ -87,14 +102,15 @@ class GRPORolloutConfig(PPORolloutConfig):
 class GRPOLossConfig:
   clip_eps_low: float = _f("ratio clip 1 - eps_low (only off-policy: train.inner_epochs > 1); groups and trees")
   clip_eps_high: float = _f("ratio clip 1 + eps_high; > eps_low is DAPO's clip-higher; groups and trees")
-  importance_ratio: str = _f("token (per token) or sequence (GSPO, per completion; trees on-policy only)")
+  importance_ratio: str = _f("token (per token) or sequence (GSPO, per completion; needs weighting sequence_mean; "
+                             "trees on-policy only)")
   logprob_temperature: str = _f("trainer log-probs at tau = 1 ('one') or rollout.temperature ('sampling')")
-  aggregation: str = _f("group_mean or step_token_mean (token mean over the step; needs normalisation token_mean)")
+  weighting: str = _f("per-(token, trajectory) loss weights: sequence_mean (GRPO), group_token_mean (DAPO's token "
+                      "mean per group), step_token_mean (DAPO's token mean over the step) or constant (Dr. GRPO)")
   mask_truncated: bool = _f("True: completions cut by the token budget get weight 0; groups and trees")
   overlong_buffer: int = _f("DAPO's soft overlong penalty over the budget's last N tokens (tokens; 0 disables)")
   overlong_penalty: float = _f("reward the overlong penalty costs at most (with overlong_buffer > 0)")
   kl_coef: float = _f("beta of the k3 KL penalty to the initial policy (0: no reference forward)")
-  normalisation: str = _f("sequence_mean (GRPO), token_mean (DAPO) or constant (Dr. GRPO)")
   advantage: str = _f("grpo (group-normalised) or rloo (leave-one-out baseline)")
   advantage_eps: float = _f("epsilon added to the group reward std; loss.advantage='grpo' only (RLOO removes it)",
                             None)
@@ -104,7 +120,7 @@ class GRPOLossConfig:
 class PPOLossConfig:
   clip_eps: float = _f("PPO's symmetric ratio clip epsilon in (0, 1)")
   kl_coef: float = _f("must be 0: the PPO loss has no KL term")
-  normalisation: str = _f("per-(token, trajectory) weights: sequence_mean, token_mean or constant")
+  weighting: str = _f("per-(token, trajectory) loss weights: sequence_mean, group_token_mean or constant")
 
 
 @_frozen
@@ -124,7 +140,8 @@ class TrainConfig:
 @_frozen
 class PolicyTrainConfig(TrainConfig):
   inner_epochs: int = _f("updates per sampled batch; > 1 replays old log-probs first (PPO: must be 1)")
-  tree_schedule: str = _f("tree replay order: depth_first (least memory) or level (faster); trees only")
+  tree_schedule: str = _f("tree replay order: depth_first (least memory) or level (faster); trees only (inert on "
+                          "groups)", layouts=("tree",))
   exactness_check_every: int = _f("steps between run-time replay vs naive checks (0: off); GRPO / RLOO only")
 
 
@@ -254,6 +271,32 @@ _NOTES = {("ppo", f"loss.{n}"): " (GAE advantages from the critic: ppo.gamma, pp
           for n in ("advantage", "advantage_eps")}
 
 
+# Fields that were merged or renamed: refused with what to write instead (`_renamed`).
+# (loss.normalisation, loss.aggregation) -> loss.weighting; a PPO config had no aggregation (group_mean).
+OLD_WEIGHTINGS = {("sequence_mean", "group_mean"): "sequence_mean", ("token_mean", "group_mean"): "group_token_mean",
+                  ("constant", "group_mean"): "constant", ("token_mean", "step_token_mean"): "step_token_mean"}
+RENAMED = ("loss.normalisation", "loss.aggregation")
+
+
+def _renamed(loss: dict, algorithm: str) -> str:
+  """The message refusing loss.normalisation / loss.aggregation (the fields of `loss`, a loss
+  section's raw values): the loss.weighting value the pair meant, or that the pair never ran."""
+  old = (loss.get("normalisation", "sequence_mean"), loss.get("aggregation", "group_mean"))
+  given = " with ".join(f"loss.{k}={loss[k]!r}" for k in ("normalisation", "aggregation") if k in loss)
+  remove = " and ".join(f"loss.{k}" for k in ("normalisation", "aggregation") if k in loss)
+  new = OLD_WEIGHTINGS.get(old)
+  if new is not None and not (algorithm == "ppo" and new == "step_token_mean"):
+    return (f"{given}: the loss weighting is one field now, loss.weighting; write loss.weighting={new!r} and remove "
+            f"{remove} (docs/design.md, \"Loss weightings\")")
+  return (f"{given} never ran (step_token_mean needed normalisation token_mean; the normalisations were "
+          f"sequence_mean, token_mean and constant); the loss weighting is one field now, loss.weighting, one of "
+          f"{_weightings(algorithm)}: remove {remove} and set loss.weighting (docs/design.md, \"Loss weightings\")")
+
+
+def _weightings(algorithm: str) -> tuple[str, ...]:
+  return WEIGHTINGS if algorithm == "grpo" else tuple(w for w in WEIGHTINGS if w != "step_token_mean")
+
+
 def _hints(cls) -> dict:
   return typing.get_type_hints(cls)
 
@@ -290,6 +333,19 @@ def fields(algorithm: str) -> list[tuple[str, str, str]]:
       else:
         yield prefix + f.name, _type_name(tp), f.metadata["doc"]
   return list(walk(SCHEMAS[algorithm], ""))
+
+
+def layouts(algorithm: str) -> dict[str, tuple[str, ...]]:
+  """{dotted name: the rollout layouts it applies to ("group", "tree")} of every leaf field of
+  `algorithm`'s schema that does not apply to every layout."""
+  def walk(cls, prefix):
+    for f in dataclasses.fields(cls):
+      tp = _hints(cls)[f.name]
+      if _is_section(tp):
+        yield from walk(_unoptional(tp), f"{prefix}{f.name}.")
+      elif f.metadata["layouts"] != LAYOUTS:
+        yield prefix + f.name, f.metadata["layouts"]
+  return dict(walk(SCHEMAS[algorithm], ""))
 
 
 def algorithm_of(config: ml_collections.ConfigDict) -> str:
@@ -337,6 +393,8 @@ def _refuse_unknown(cls, node, prefix: str, algorithm: str) -> None:
   hints = _hints(cls)
   for key, value in _raw(node).items():
     dotted = prefix + key
+    if dotted in RENAMED and algorithm in ("grpo", "ppo"):
+      raise ValueError(_renamed(_raw(node), algorithm))
     if key in hints:
       tp = _unoptional(hints[key])
       if dataclasses.is_dataclass(tp) and isinstance(value, ml_collections.ConfigDict):

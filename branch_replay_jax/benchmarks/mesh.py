@@ -91,7 +91,7 @@ def ppo_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[
   rng = np.random.default_rng(1)
   out = []
   for group in random_groups(config, groups, g, p, t, rng):
-    out.append(group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="token_mean"),
+    out.append(group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="group_token_mean"),
                             **{k: (rng.normal(size=(g, t)) + (-4.0 if k == "old_logp" else 0.0)).astype(np.float32)
                                for k in ("advantage", "returns", "old_logp", "old_values")}))
   return out

@@ -10,7 +10,7 @@ over a rollout group or tree, and its forward-only twin.
             `core.tree_replay.nested_replay_vjp`);
           "naive": each completion appended to a copy of the prompt (the "[B] -> [B*G]" of today's
             pipelines, the reference), a GroupBatch only (a tree's trajectories as a group:
-            `rollout.collect.Group.naive_batch`).
+            `algorithms.groups.Group.naive_batch`).
   mesh    None: one group or tree on this device. A ("data", "branch", "seq") mesh
           (distributed/mesh.py): a batch of them stacked [B, ...], placed by `shard_batch`, under
           one `shard_map`, the prompt split over `seq` when seq > 1 (distributed/seq_parallel.py).

@@ -1,0 +1,225 @@
+"""A step's groups: the update arrays GRPO / RLOO and PPO train on, built from raw rollouts.
+
+    rollout.collect.rollout ─► Trajectories ─► `build` ─► Group ─► `step_groups` ─► the step's groups
+      (sample, score)            (raw)        (shaping, advantages,    (dynamic sampling,
+                                               weights, layout)         the step's token mean)
+
+The sampling layer (rollout/collect.py) returns raw trajectories and reads only config.rollout;
+everything the loss needs is built here, from the algorithm's fields (algorithms/schema.py):
+  - GRPO / RLOO: DAPO's soft overlong penalty added to the task's rewards (loss.overlong_buffer,
+    loss.overlong_penalty), group-relative advantages (loss.advantage, loss.advantage_eps), the
+    truncated trajectories left out of the loss (loss.mask_truncated);
+  - both: the per-(token, trajectory) loss weights of loss.weighting (losses.trajectory_weights;
+    docs/design.md, "Loss weightings"), and the layout: replay (a GroupBatch, or a tree's TreeBatch)
+    or, with train.gradient = "naive", the prompt repeated per trajectory;
+  - GRPO / RLOO's step: dynamic sampling (rollout.dynamic_sampling) and, with loss.weighting =
+    "step_token_mean", the step's scale B / N on every weight (losses.step_token_scale).
+PPO's advantages are GAE from its critic (algorithms/ppo.py, `prepare`), not built here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay_jax import losses as obj
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.counts import group_counts, tree_counts
+from branch_replay_jax.data.groups import bucket_length, group_from_padded
+from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.rollout.collect import Trajectories, rollout
+
+
+@dataclasses.dataclass
+class Group:
+  """One prompt's rollouts after scoring: arrays for the update, figures and texts for the logs.
+
+  kind: "group" (batch: a `GroupBatch` from `group_arrays`, also a tree's trajectories laid out
+    naive) or "tree" (a `TreeBatch` from `tree_arrays`).
+  truncated: [G] bool per trajectory (tree: in `tree.ends` order), the sampler's stop reason: True
+    where the token budget cut it without EOS (`Rollouts.truncated`, `TreeRollout.truncated`), False
+    where it ended with EOS (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
+  rewards: [G] float32, the task's rewards plus the overlong penalty (`loss.overlong_buffer`): what
+    the advantages are computed from.
+  in_loss: [G] bool, the trajectories the loss weighs (all but the truncated ones with
+    `loss.mask_truncated`), or None (all).
+  naive_batch: a tree's trajectories laid out as a group (`trajectory_group_arrays`, the naive
+    step's layout) when kind is "tree", for the run-time exactness check (algorithms/exactness.py);
+    None for a group, whose `batch` serves both. Its weights are the tree's (`step_token_mean`
+    scales both).
+  """
+  kind: str
+  batch: GroupBatch | TreeBatch
+  rewards: np.ndarray
+  correct: np.ndarray
+  lengths: np.ndarray
+  counts: dict
+  sample: dict
+  sample_s: float
+  score_s: float
+  truncated: np.ndarray
+  tree: RolloutTree | None = None
+  naive_batch: GroupBatch | None = None
+  in_loss: np.ndarray | None = None
+
+  @property
+  def loss_tokens(self) -> int:
+    """(token, trajectory) pairs the loss weighs: Σ |o_g| over the trajectories in the loss (a
+    shared tree token counts once per trajectory through it, as in the naive layout)."""
+    kept = self.lengths if self.in_loss is None else self.lengths[self.in_loss]
+    return int(kept.sum())
+
+
+def trajectory_advantages(loss_config, rewards: np.ndarray, *, group_relative: bool) -> np.ndarray | None:
+  """[G] float32 advantages of a group's (or tree's) trajectories from their rewards [G]. With
+  `group_relative` (the caller's algorithm is GRPO / RLOO) GRPO's group-normalised ones
+  (loss.advantage = "grpo", eps loss.advantage_eps) or RLOO's leave-one-out ones ("rloo");
+  without (PPO: GAE from the critic, later) None. The caller says which: no field's presence
+  decides the algorithm (algorithms/schema.py checks the fields of config.algorithm's schema)."""
+  if not group_relative:
+    return None
+  if loss_config.advantage == "rloo":
+    return np.asarray(obj.rloo_advantages(jnp.asarray(rewards)), np.float32)
+  return np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=loss_config.advantage_eps), np.float32)
+
+
+def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
+  """The update arrays of one prompt's raw rollouts `raw` for config.algorithm ("grpo": shaped
+  rewards, group-relative advantages, truncation masking; "ppo": neither, GAE comes later) with
+  loss.weighting's weights, laid out for replay (group or tree) or, with train.gradient = "naive",
+  for the naive step over the same trajectories.
+
+  Args:
+    model_config: the policy's `ModelConfig` (vocab_size, max_positions, and the counts' sizes).
+    pad_id: the tokenizer's pad id (the padding of a tree's segments).
+  """
+  grpo = config.algorithm == "grpo"
+  budget, lengths, truncated = raw.budget, raw.lengths, raw.truncated
+  buffer = config.loss.overlong_buffer if grpo else 0
+  shaping = (obj.overlong_penalty(lengths, max_length=budget, buffer=buffer, penalty=config.loss.overlong_penalty)
+             if buffer else 0.0)
+  rewards = (raw.task_rewards + shaping).astype(np.float32)
+  advantages = trajectory_advantages(config.loss, rewards, group_relative=grpo)
+  advantage = {} if advantages is None else {"advantage": advantages}
+  in_loss = ~truncated if grpo and config.loss.mask_truncated else None
+  w = obj.trajectory_weights(lengths, mode=config.loss.weighting, max_length=budget,
+                             in_loss=in_loss).astype(np.float32)
+  bucket = bucket_length(budget, minimum=8)
+  naive = config.train.gradient == "naive"
+  cfg, tree = model_config, raw.tree
+  if tree is not None:
+    per_node = {"old_logp": raw.logprobs}
+    padded = pad_tree(tree, pad_id=pad_id)
+    naive_arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size,
+                                           max_positions=cfg.max_positions, completion_bucket=bucket, **advantage)
+    arrays = naive_arrays if naive else tree_arrays(padded, {**per_node, "weights": tree.node_weights(w)}, **advantage)
+    counts = {**tree_counts(tree, cfg), "padding_fraction": padded.padding_fraction}
+  else:
+    group = group_from_padded(raw.prompt_ids, raw.tokens, lengths, vocab_size=cfg.vocab_size,
+                              max_positions=cfg.max_positions, pad_id=pad_id, completion_bucket=bucket)
+    old = np.zeros(group.completion_ids.shape, np.float32)
+    old[:, :raw.logprobs.shape[1]] = raw.logprobs
+    arrays = group_arrays(group, weights=(group.completion_mask * w[:, None]).astype(np.float32),
+                          **advantage, old_logp=old, ref_logp=np.zeros_like(old))
+    computed = group.prompt_ids.size + group.completion_ids.size
+    counts = {**group_counts(group.prompt_len, group.lengths, cfg),
+              "padding_fraction": 1.0 - (group.prompt_len + group.lengths.sum()) / computed}
+  kind = "tree" if tree is not None and not naive else "group"
+  return Group(kind, arrays, rewards, raw.correct, lengths, counts, {**raw.sample, "reward": float(rewards[0])},
+               raw.sample_s, raw.score_s, truncated, tree, naive_arrays if kind == "tree" else None, in_loss)
+
+
+def rollout_group(config, model, tokenizer, task, data_pos: int, key) -> Group:
+  """`build` of `rollout.collect.rollout` (config.rollout's sampling) for task item `data_pos`."""
+  raw = rollout(config.rollout, model, tokenizer, task, data_pos, key)
+  return build(config, raw, model.config, tokenizer.pad_token_id or 0)
+
+
+def dynamic_sampling(draw, key, data_pos: int, *, quota: int, max_draws: int) -> tuple[list[Group], int, dict]:
+  """DAPO's dynamic sampling (arXiv 2503.14476, section 3.2, Algorithm 1 line 6): draw rounds of
+  groups, drop those whose rewards are all equal (`losses.constant_groups`: zero advantage, no
+  policy gradient), until `quota` groups remain or `max_draws` prompts were drawn.
+
+  Round k draws with `key` (k = 0) or `fold_in(key, k)` at data position data_pos + (prompts drawn
+  so far), so round 0 is the draw without dynamic sampling and a resumed run draws the same. When
+  the cap ends the drawing first, the step is filled up to `quota` with dropped groups in draw
+  order (their advantages are 0: only the KL term acts on them), so every step has `quota` groups
+  (a mesh's data axis must divide it). The step keeps the groups in draw order.
+
+  Example (quota 2, rounds of 2, max_draws 6): round 0 draws rewards (1, 1) and (0, 1): one kept;
+  round 1 draws (0, 1) and (0, 0): two kept, the quota is met; 4 prompts drawn, 2 groups dropped
+  ((1, 1) and (0, 0)); data_pos advances by 4.
+
+  Args:
+    draw: (key, data_pos) -> (groups of one round, next data position), e.g. `loop.sample_groups`
+      with the policy bound (its devices too, on a mesh: every round samples data-parallel).
+    quota: groups the step trains on (rollout.prompts_per_step).
+    max_draws: the most prompts drawn (rollout.max_prompt_draws).
+
+  Returns:
+    (quota groups, the data position after every drawn prompt, {"prompts_drawn": prompts drawn,
+    "dropped_groups": drawn groups the step does not train on}).
+  """
+  drawn: list[Group] = []
+  pos, rounds = data_pos, 0
+  while sum(not _constant(g) for g in drawn) < quota and pos - data_pos < max_draws:
+    groups, pos = draw(key if rounds == 0 else jax.random.fold_in(key, rounds), pos)
+    drawn, rounds = drawn + groups, rounds + 1
+  kept = [i for i, g in enumerate(drawn) if not _constant(g)][:quota]
+  kept = sorted(kept + [i for i, g in enumerate(drawn) if _constant(g)][:quota - len(kept)])
+  return [drawn[i] for i in kept], pos, {"prompts_drawn": pos - data_pos, "dropped_groups": len(drawn) - len(kept)}
+
+
+def _constant(group: Group) -> bool:
+  return bool(obj.constant_groups(group.rewards))
+
+
+def step_token_mean(groups: list[Group]) -> list[Group]:
+  """The groups with every loss weight scaled by B / N (`losses.step_token_scale`: B groups, N the
+  step's (token, trajectory) pairs in the loss, Σ_k `Group.loss_tokens`), for loss.weighting =
+  "step_token_mean", whose per-group weights are 1 per pair in the loss (`losses.trajectory_weights`).
+
+  The loop averages the groups' losses (and gradients): (1/B) Σ_k Σ w ℓ; with w = B / N that is
+  (1/N) Σ over the step's pairs: each token counts the same wherever it lies (verl's loss_agg_mode
+  "token-mean", TRL's loss_type "dapo"). Weights outside the loss stay 0. A tree's `naive_batch`
+  (the exactness check's layout) is scaled the same way, so replay and naive stay equal. Groups
+  without a batch (another process's, summarised) pass through unchanged.
+
+  Example: two groups, 2 and 6 tokens in the loss, all per-token losses 1 except one of 5 in the
+  first group: group_token_mean gives ((1 + 5) / 2 + 6 / 6) / 2 = 2; step_token_mean gives
+  (1 + 5 + 6) / 8 = 1.5.
+  """
+  n, b = sum(g.loss_tokens for g in groups), len(groups)
+  if n == 0:
+    return groups
+  scale = obj.step_token_scale(b, n)
+  scaled = lambda w: w * jnp.asarray(scale, w.dtype)
+  def rescaled(batch):
+    if isinstance(batch, TreeBatch):
+      return batch.replace(levels=tuple(level.replace(weights=scaled(level.weights)) for level in batch.levels))
+    return batch.replace(branches=batch.branches.replace(weights=scaled(batch.branches.weights)))
+  return [g if g.batch is None else
+          dataclasses.replace(g, batch=rescaled(g.batch),
+                              naive_batch=None if g.naive_batch is None else rescaled(g.naive_batch))
+          for g in groups]
+
+
+def step_groups(config, draw, key, data_pos: int) -> tuple[list[Group], int, dict]:
+  """GRPO / RLOO's step: the groups from `draw` ((key, data_pos) -> (rollout.prompts_per_step
+  groups, next data position)): one draw, or `dynamic_sampling` with rollout.dynamic_sampling;
+  then `step_token_mean` with loss.weighting = "step_token_mean".
+
+  Returns (groups, next data position, the draw's metrics: {} without dynamic sampling).
+  """
+  r = config.rollout
+  if r.dynamic_sampling:
+    groups, data_pos, metrics = dynamic_sampling(draw, key, data_pos, quota=r.prompts_per_step,
+                                                 max_draws=r.max_prompt_draws)
+  else:
+    (groups, data_pos), metrics = draw(key, data_pos), {}
+  if config.loss.weighting == "step_token_mean":
+    groups = step_token_mean(groups)
+  return groups, data_pos, metrics
