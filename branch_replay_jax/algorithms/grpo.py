@@ -6,15 +6,19 @@ One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
   3. group-normalised advantages (losses.group_advantages), or RLOO's leave-one-out ones
      (losses.rloo_advantages) with loss.advantage = "rloo";
   4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
-  5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
+  5. the GRPO gradient of each group by replay (or naive, for comparison); gradients are averaged
      over the step's groups, clipped by global norm and applied with optax AdamW.
 Steps 1-3 are rollout/collect.py (loop.sample_groups; collect.step_groups adds DAPO's dynamic
-sampling and the step-level token mean); 4-5 are `update_on_batch`. The loss options of today's
+sampling and the step-level token mean); 4-5 are `update_on_batch`: the step's groups stacked into
+one batch (prompts padded to the longest bucket, `placement.stack_on_device`), step 4 one forward
+program, step 5 one jitted program per optimizer step (`gradients.step.make_train_step`: a scan
+over the groups' gradients, their mean and the update, params and optimizer state donated), its
+metrics fetched once per step. The loss options of today's
 GRPO practice (clip-higher, GSPO's sequence ratio, log-probs at the sampling temperature, overlong
 shaping and masking, the aggregation) are config fields checked by `validate` (docs/design.md,
 "GRPO options").
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
-the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
+the same stacked batch (prompts padded to a multiple of `seq`) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
 replicated or FSDP-sharded (mesh.params). Tree rollouts (rollout.tree_fanouts) run there too: EOS
 makes the step's sampled trees differ in depth, segment buckets and trajectory count, so they are
