@@ -9,6 +9,7 @@ import pytest
 
 from branch_replay_jax.algorithms import exactness
 from branch_replay_jax.algorithms import grpo as train
+from branch_replay_jax.gradients import step
 from branch_replay_jax.rollout.tasks import Task
 from conftest import experiment_config, length_score
 from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
@@ -67,17 +68,18 @@ def test_check_logs_replay_against_naive_every_k_steps(tmp_path, module, overrid
 @pytest.mark.parametrize("gradient,expected", [("replay", 0.5), ("naive", 1.0)])
 def test_a_step_that_drops_half_its_gradient_fails_loudly(tmp_path, monkeypatch, gradient, expected):
   # Break the step's own gradient on purpose: it counts only half the group's loss (as a lost
-  # branch or a dropped prefix cotangent would). Only the step's function is patched (grpo's), not
-  # the check's (exactness's): on one device the check compares the step's own gradient of the
+  # branch or a dropped prefix cotangent would). Only the train step's per-group gradient is patched
+  # (gradients.step's, which make_train_step's scan calls), not the check's (exactness.py binds its
+  # own import): on one device the check compares the step's own gradient of the
   # checked group with the other layout's, so it must catch it. Replay run, the step's replay
   # gradient halved: ||g/2 - g|| / ||g|| = 0.5; naive run, the step's naive gradient halved:
   # ||g - g/2|| / ||g/2|| = 1.0; both >> 1e-4: ExactnessWarning and exactness_ok = False.
-  real = train.value_and_grad   # the step builder as grpo's step calls it, in either layout
+  real = step.value_and_grad   # the step builder as grpo's train step calls it, in either layout
 
   def half(*args, **kwargs):
     loss, aux, grads = real(*args, **kwargs)
     return loss * 0.5, aux, jax.tree_util.tree_map(lambda g: g * 0.5, grads)
-  monkeypatch.setattr(train, "value_and_grad", half)
+  monkeypatch.setattr(step, "value_and_grad", half)
   with pytest.warns(exactness.ExactnessWarning, match="EXACTNESS CHECK FAILED"):
     train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": 1,
                                                                              "train.steps": 1,

@@ -6,15 +6,19 @@ One step, for each of `prompts_per_step` prompts of a reasoning-gym task:
   3. group-normalised advantages (losses.group_advantages), or RLOO's leave-one-out ones
      (losses.rloo_advantages) with loss.advantage = "rloo";
   4. reference log-probs of the frozen initial policy by forward-only replay, for the k3 KL;
-  5. the GRPO gradient of the group by replay (or naive, for comparison); gradients are averaged
+  5. the GRPO gradient of each group by replay (or naive, for comparison); gradients are averaged
      over the step's groups, clipped by global norm and applied with optax AdamW.
 Steps 1-2 are rollout/collect.py (raw trajectories), 3 and the loss weights are algorithms/groups.py
 (loop.sample_groups; groups.step_groups adds DAPO's dynamic sampling and the step's token mean);
-4-5 are `update_on_batch`. The loss options of today's GRPO practice (clip-higher, GSPO's sequence
-ratio, log-probs at the sampling temperature, overlong shaping and masking, the loss weighting) are
-config fields checked by `validate` (docs/design.md, "GRPO options").
+4-5 are `update_on_batch`: the step's groups stacked into one batch (prompts padded to the longest
+bucket, `placement.stack_on_device`), step 4 one forward program, step 5 one jitted program per
+optimizer step (`gradients.step.make_train_step`: a scan over the groups' gradients, their mean and
+the update, params and optimizer state donated), its metrics fetched once per step. The loss
+options of today's GRPO practice (clip-higher, GSPO's sequence ratio, log-probs at the sampling
+temperature, overlong shaping and masking, the loss weighting) are config fields checked by
+`validate` (docs/design.md, "GRPO options").
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py), steps 4-5 run on
-the step's groups stacked into one batch (prompts padded to one length) under `shard_map`: groups
+the same stacked batch (prompts padded to a multiple of `seq`) under `shard_map`: groups
 over `data`, completions over `branch`, prompt tokens over `seq`; parameters and optimizer state
 replicated or FSDP-sharded (mesh.params). Tree rollouts (rollout.tree_fanouts) run there too: EOS
 makes the step's sampled trees differ in depth, segment buckets and trajectory count, so they are
@@ -35,6 +39,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from branch_replay_jax import losses as obj
@@ -46,7 +51,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees, wit
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_groups
 from branch_replay_jax.gradients.heads import Policy
-from branch_replay_jax.gradients.step import forward, leaf_siblings, make_train_step, value_and_grad
+from branch_replay_jax.gradients.step import batch_forward, leaf_siblings, make_train_step
 from branch_replay_jax.models.lora import WithBase, adapters_off
 from branch_replay_jax.algorithms.groups import Group, step_groups
 from branch_replay_jax.rollout.collect import completion_budget
@@ -155,10 +160,13 @@ def objective(config, tree: bool):
 class GRPOFunctions:
   """The jitted pieces of a step; the graphdef and the objective are static (compiled per shape).
 
-  grad and logprobs take one update unit (`units`): a group's or tree's arrays on one device, or,
-  with a mesh, the step's groups (or padded trees) stacked [B, ...] and sharded. grad returns
-  (loss, (Σ k3 KL, Σ clipped), grads) summed over the unit's completions (scalars, replicated on
-  a mesh); logprobs the per-token log-probs laid out like its tokens.
+  Every piece takes the step's one update unit (`units`): its groups (or trees) stacked [B, ...]
+  (on one device, `placement.stack_on_device`; with a mesh, sharded). train_step is the step itself,
+  `gradients.step.make_train_step`: every group's gradient, their mean and the optimizer update in
+  one program with donated params and opt_state, called as train_step(params, opt_state, unit,
+  len(groups), frozen, keep), metrics {"loss", "aux": (Σ k3 KL, Σ clipped), "grad_norm"} (per group
+  [B] on one device, summed on a mesh). logprobs returns the per-token
+  log-probs laid out like the unit's tokens (`gradients.step.batch_forward`).
   With LoRA (config.lora), `frozen` is the base model's state: both then take the adapters as
   params and the model is `models.lora.WithBase(graphdef, frozen)`, so only adapters are
   differentiated; the reference is logprobs(models.lora.adapters_off(adapters), unit).
@@ -179,35 +187,26 @@ class GRPOFunctions:
     # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are: each
     # compiled shape uses the largest divisor of that count (per device) not above train.micro_batch.
     mb = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
-    grad = lambda g, p, b: value_and_grad(head, g, p, b, self.objective, layout=layout, mesh=mesh,
-                                          micro_batch=mb(b), schedule=t.tree_schedule)
-    logprobs = lambda g, p, b: forward(head, g, p, b, layout=layout, mesh=mesh, micro_batch=mb(b))
+    logprobs = lambda g, p, b: batch_forward(head, g, p, b, layout=layout, mesh=mesh, micro_batch=mb(b))
     # The model of a step: the graphdef, or with LoRA the graphdef bound to the (traced) base state.
     model = lambda f: graphdef if f is None else WithBase(graphdef, f)
-
-    def grad_step(p, f, b):
-      loss, aux, grads = grad(model(f), cast(p), b)
-      return loss, obj.grpo_aux_sums(aux), upcast(grads)
-    grad_jit, logprobs_jit = jax.jit(grad_step), jax.jit(lambda p, f, b: logprobs(model(f), cast(p), b))
-    self.grad = lambda p, b: grad_jit(p, self.frozen, b)
+    logprobs_jit = jax.jit(lambda p, f, b: logprobs(model(f), cast(p), b))
     self.logprobs = lambda p, b: logprobs_jit(p, self.frozen, b)
-    # On the mesh the step's groups are one stacked unit: its gradient and the optimizer update run as
-    # one program (the step benchmarks/sharded_memory.py compiles). On one device the groups keep their
-    # own bucketed shapes (one compile per shape, not per combination of shapes in a step), so each
-    # group's gradient is its own program, summed on the device, then the update.
-    self.train_step = None if self.mesh is None or optimizer is None else make_train_step(
-        head, graphdef, optimizer, self.objective, mesh=mesh, micro_batch=t.micro_batch, schedule=t.tree_schedule,
-        reduce_aux=obj.grpo_aux_sums, cast=cast, upcast=upcast)
+    # One program per optimizer step, on one device and on the mesh alike (the step
+    # benchmarks/sharded_memory.py compiles): every group's gradient, their mean, the update.
+    self.train_step = None if optimizer is None else make_train_step(
+        head, graphdef, optimizer, self.objective, mesh=mesh, layout=layout, micro_batch=t.micro_batch,
+        schedule=t.tree_schedule, reduce_aux=obj.grpo_aux_sums, cast=cast, upcast=upcast)
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
-    """(kind, arrays) per update unit: each group or tree, or one stacked batch on the mesh (trees
-    padded to one level layout by `pad_trees`, whose padding adds exact zeros to loss, gradient and
-    metrics; prompts to one length by `pad_prompts`; with several processes, each passes its own
-    groups, those with a batch, as its part of it, and for trees, which every process holds, the
-    whole batch)."""
-    if self.mesh is None:
-      return [(g.kind, g.batch) for g in groups]
+    """[(kind, arrays)]: the step's one update unit, its groups (trees) as one stacked batch. One
+    device: `placement.stack_on_device`. A mesh: trees padded to one level layout by `pad_trees`,
+    whose padding adds exact zeros to loss, gradient and metrics; prompts to one length by
+    `pad_prompts`; with several processes, each passes its own groups, those with a batch, as its
+    part of it, and for trees, which every process holds, the whole batch."""
     kind, local = groups[0].kind, [g.batch for g in groups if g.batch is not None]
+    if self.mesh is None:
+      return [(kind, placement.stack_on_device(local))]
     if kind == "tree":
       # Every process holds every tree (`collect`: whole), so all pad them to one shape, the
       # step's largest, and each places its own rows of the whole batch.
@@ -229,36 +228,31 @@ class GRPOFunctions:
     return placement.sampling_policy(graphdef, params, self.mesh, devices)
 
 
-def update_on_batch(config, fns: GRPOFunctions, update, params, ref_params, opt_state, groups: list[Group],
+def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, groups: list[Group],
                     keep: int | None = None):
-  """Reference (and old) log-probs, then inner_epochs updates on the step's groups. Returns (params,
-  opt_state, stats, kept): `kept` is unit `keep`'s (loss, Σ k3 KL, gradient) of the first epoch, at
-  the given params (the run-time exactness check's step side, one device), or None."""
-  units, kept = [], None
-  for kind, batch in fns.units(groups):
-    if config.loss.kl_coef:
-      batch = with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
-    if config.train.inner_epochs > 1:
-      batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
-    units.append((kind, batch))
+  """Reference (and old) log-probs, then inner_epochs updates on the step's groups, each one jitted
+  program (`GRPOFunctions.train_step`), its metrics fetched once at the step's end. Returns (params,
+  opt_state, stats, kept): `kept` is group `keep`'s (loss, Σ k3 KL, gradient) of the first epoch,
+  at the given params (the run-time exactness check's step side, one device), or None."""
+  (_, batch), = fns.units(groups)
+  if config.loss.kl_coef:
+    batch = with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
+  if config.train.inner_epochs > 1:
+    batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
+  kept = None
   for epoch in range(config.train.inner_epochs):
-    if fns.train_step is not None:   # the mesh: one unit, its gradient and the update in one program
-      (_, arrays), = units
-      params, opt_state, out = fns.train_step(params, opt_state, arrays, len(groups))
-      sums, grad_norm = [(out["loss"], *out["aux"])], out["grad_norm"]
-      continue
-    total, sums = None, []
-    for index, (_, arrays) in enumerate(units):
-      unit_loss, unit_sums, grads = fns.grad(params, arrays)
-      if epoch == 0 and index == keep:
-        kept = (unit_loss, unit_sums[0], grads)
-      total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-      sums.append((unit_loss, *unit_sums))   # stays on the device: no host sync per group
-    mean = jax.tree_util.tree_map(lambda x: x / len(groups), total)
-    params, opt_state, grad_norm = update(params, opt_state, mean)
-  # One host sync per step; each sum in unit order, in Python floats.
-  sums, grad_norm = jax.device_get((sums, grad_norm))
-  loss, kl, clipped = (sum(float(unit[i]) for unit in sums) for i in range(3))
+    index = None if keep is None or epoch else jnp.int32(keep)
+    params, opt_state, out = fns.train_step(params, opt_state, batch, len(groups), fns.frozen, index)
+    if index is not None:
+      kept = out.pop("kept_grads")
+    if epoch == 0:
+      first = out
+  # One host sync per step: each sum in group order, in Python floats (a mesh step's are its batch sums).
+  (losses, (kls, clips)), grad_norm, own = jax.device_get(((out["loss"], out["aux"]), out["grad_norm"],
+                                                           None if kept is None else (first["loss"], first["aux"])))
+  loss, kl, clipped = (sum(float(x) for x in np.atleast_1d(v)) for v in (losses, kls, clips))
+  if kept is not None:
+    kept = (own[0][keep], own[1][0][keep], kept)
   pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs}
   return params, opt_state, stats, kept
@@ -277,7 +271,7 @@ class GRPO(loop.Algorithm):
     self.task = runs.make_task_from(config)
 
   def setup(self, run):
-    self.run, self.update_fn = run, runs.make_update(run.optimizer)
+    self.run = run
     self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer)   # LoRA: one device (validate_lora)
     self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
                        adapters_off(run.params))   # LoRA: the base model, no second copy of it
@@ -313,8 +307,8 @@ class GRPO(loop.Algorithm):
         other = jax.block_until_ready(fns.check.compute(layout, params, self.ref_params, groups[index]))
         seconds = time.perf_counter() - t0
     with placement.mesh_context(fns.mesh):
-      params, opt_state, stats, own = update_on_batch(self.config, fns, self.update_fn, params, self.ref_params,
-                                                      opt_state, groups, keep=index)
+      params, opt_state, stats, own = update_on_batch(self.config, fns, params, self.ref_params, opt_state, groups,
+                                                      keep=index)
     if index is not None:
       replay, naive = (other, own) if layout == "replay" else (own, other)
       check = fns.check.compare(groups[index], replay, naive, seconds)

@@ -4,7 +4,8 @@
                                                                                               ─► plots
 
 An algorithm plugs in as an `Algorithm` (algorithms/grpo.py, ppo.py, dpo.py): it supplies its
-batch (`collect`), its update (`update`, built on the one jitted optimizer step `runs.make_update`)
+batch (`collect`), its update (`update`: GRPO's and PPO's one jitted program per optimizer step,
+`gradients.step.make_train_step`; DPO's passes, then `runs.make_update`)
 and its metrics record (`log`); the loop owns the order of the steps, timing (`Stopwatch`), the
 step's rollouts (`sample_groups`), its records (`log_step`, `step_record`), checkpoints
 (`save_if_due`) and plots, and drives run setup and resume (algorithms/runs.py, `start_run`) and

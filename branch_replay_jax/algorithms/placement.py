@@ -1,8 +1,9 @@
 """Where an algorithm's steps run: one device (mesh None) or config.mesh's ("data", "branch", "seq")
 mesh (`mesh_from`). Parameters and optimizer state onto the mesh (`place`), the devices that sample
 a step's groups (`sampling_devices`) or independent items (`spread_devices`), the sampler's policy
-on them (`sampling_policy`), a step's batch on the mesh (`on_mesh`) and the mesh context its steps
-run in (`mesh_context`); unchanged or None without a mesh."""
+on them (`sampling_policy`), a step's batch on the mesh (`on_mesh`) or stacked on one device
+(`stack_on_device`) and the mesh context its steps run in (`mesh_context`); unchanged or None
+without a mesh."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import contextlib
 import jax
 from flax import nnx
 
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.distributed import hosts
-from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
+from branch_replay_jax.distributed.mesh import (make_mesh, pad_groups, pad_prompts, shard_batch, shard_params,
+                                               stack_groups)
+
 
 def mesh_from(config):
   """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device).
@@ -68,6 +72,18 @@ def on_mesh(batches: list, mesh):
   (a multiple of mesh.seq: distributed.mesh.pad_prompts), stacked [B, ...] and placed (shard_batch).
   With several processes every process passes the same, whole batch and places its own rows."""
   return shard_batch(stack_groups(pad_prompts(batches, mesh.shape["seq"])), mesh)
+
+
+def stack_on_device(batches: list) -> GroupBatch | TreeBatch:
+  """The step's group (or tree) batches as one batch stacked [B, ...] for the one-device step
+  (`gradients.step.make_train_step`): trees padded to one level layout (data.batches.pad_trees), groups
+  to the largest G and T (distributed.mesh.pad_groups: a no-op when they share them, as a step's
+  sampled groups do), prompts to the longest P_pad (pad_prompts). Every padding adds exact zeros to
+  loss, gradient and metric sums. Prompt buckets are powers of two (data.groups.bucket_length), so
+  a step compiles one program per largest prompt bucket."""
+  if isinstance(batches[0], TreeBatch):
+    return stack_groups(pad_prompts(pad_trees(batches)))
+  return stack_groups(pad_groups(batches)[0])
 
 
 def mesh_context(mesh):

@@ -45,7 +45,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
 from branch_replay_jax.gradients.step import forward as step_forward
-from branch_replay_jax.gradients.step import leaf_siblings, make_train_step, value_and_grad
+from branch_replay_jax.gradients.step import leaf_siblings, make_train_step
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 
 
@@ -114,10 +114,12 @@ HEAD = ActorCriticHead()   # PPO's log-probs at τ = 1
 class PPOFunctions:
   """The jitted pieces of a PPO step (compiled per shape): gradient and forward-only pass.
 
-  grad and forward take one update unit (`units`): a group's or tree's arrays on one device, or,
-  with a mesh, groups stacked [B, ...] and sharded (`gradients.step` on the mesh). grad returns
-  (loss, aux, grads) summed over the unit's completions; forward the `gradients.heads.LogprobsValues`
-  laid out like its tokens.
+  train_step takes a minibatch's update unit (`units`): its groups (trees) stacked [B, ...] (one
+  device: `placement.stack_on_device`; a mesh: sharded), and runs every group's gradient, their mean
+  and the AdamW update as one program (`gradients.step.make_train_step`), metrics {"loss", "aux"
+  (summed per group [B] on one device, over the batch on a mesh), "grad_norm"}. forward takes one
+  group's or tree's arrays on one device, or the step's groups stacked and sharded on a mesh, and
+  returns the `gradients.heads.LogprobsValues` laid out like its tokens.
   """
 
   def __init__(self, config, graphdef, optimizer=None):
@@ -132,38 +134,28 @@ class PPOFunctions:
     # Every compiled shape (a step's trees may stop early: EOS) uses the largest divisor of its leaf
     # siblings per device not above train.micro_batch.
     mb = lambda a: fit_micro_batch(t.micro_batch, leaf_siblings(a, mesh))
-    grad = lambda prm, a: value_and_grad(HEAD, graphdef, prm, a, objective, layout=layout, mesh=mesh,
-                                         micro_batch=mb(a), schedule=t.tree_schedule)
     forward = lambda prm, a: step_forward(HEAD, graphdef, prm, a, layout=layout, mesh=mesh, micro_batch=mb(a))
     if mesh is not None:
-      mesh_grad, mesh_forward = grad, forward
-
-      # aux summed over the batch, the forward pass gathered: replicated, so that every process
-      # reads them whole (with several processes the [B, ...] arrays span processes).
-      def grad(prm, b):
-        loss, aux, grads = mesh_grad(prm, b)
-        return loss, jax.tree_util.tree_map(jnp.sum, aux), grads
+      mesh_forward = forward
+      # the forward pass gathered: replicated, so that every process reads it whole (with several
+      # processes the [B, ...] arrays span processes).
       forward = lambda prm, b: jax.tree_util.tree_map(lambda x: jax.sharding.reshard(x, P()), mesh_forward(prm, b))
-
-    def grad_step(prm, a):
-      loss, aux, grads = grad(cast(prm), a)
-      return loss, aux, upcast(grads)
-    self.grad = jax.jit(grad_step)
-    # On the mesh a minibatch's groups are one stacked unit: its gradient and the update run as one
-    # program; on one device each group keeps its own shapes (grpo.GRPOFunctions says why).
-    self.train_step = None if mesh is None or optimizer is None else make_train_step(
-        HEAD, graphdef, optimizer, objective, mesh=mesh, micro_batch=t.micro_batch, schedule=t.tree_schedule,
-        reduce_aux=lambda aux: jax.tree_util.tree_map(jnp.sum, aux), cast=cast, upcast=upcast)
+    # One program per minibatch update, on one device and on the mesh alike: every group's gradient
+    # of the minibatch stacked [B, ...], their mean and the update (gradients.step.make_train_step).
+    self.train_step = None if optimizer is None else make_train_step(
+        HEAD, graphdef, optimizer, objective, mesh=mesh, layout=layout, micro_batch=t.micro_batch,
+        schedule=t.tree_schedule, reduce_aux=lambda aux: jax.tree_util.tree_map(jnp.sum, aux), cast=cast,
+        upcast=upcast)
     self.forward = jax.jit(lambda prm, a: forward(cast(prm), a))
     self.cast = cast
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
-    """(kind, arrays) per update unit: each group or tree, or the groups (trees) as one stacked
-    batch on the mesh, trees first padded to one level layout (`data.batches.pad_trees`: empty
+    """[(kind, arrays)]: the groups (trees) as one stacked update unit (one device:
+    `placement.stack_on_device`), on the mesh sharded, trees first padded to one level layout (`data.batches.pad_trees`: empty
     slots, weights, advantages and returns 0, so loss, gradient and metric sums are unchanged)."""
-    if self.mesh is None:
-      return [(g.kind, g.batch) for g in groups]
     kind, batches = groups[0].kind, [g.batch for g in groups]
+    if self.mesh is None:
+      return [(kind, placement.stack_on_device(batches))]
     return [(kind, placement.on_mesh(pad_trees(batches) if kind == "tree" else batches, self.mesh))]
 
   def forward_groups(self, params, groups: list[Group]) -> list:
@@ -282,35 +274,27 @@ def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
 
 def _aux_sums(kind: str, aux) -> dict:
   parts = [aux] if kind == "group" else [level.aux for level in aux]
-  return {k: sum(float(np.sum(part[k])) for part in parts) for k in ("policy", "value", "clipped", "kl")}
+  # per group [B] (one device) or the batch's sums (a mesh): added in Python floats
+  return {k: sum(float(x) for part in parts for x in np.ravel(part[k])) for k in ("policy", "value", "clipped", "kl")}
 
 
-def update_on_batch(config, fns: PPOFunctions, update, params, opt_state, groups: list[Group], step: int):
-  """ppo.epochs x ppo.minibatches AdamW updates over the step's groups; metrics of the last epoch."""
+def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[Group], step: int):
+  """ppo.epochs x ppo.minibatches AdamW updates over the step's groups, each one jitted program
+  (`PPOFunctions.train_step`); metrics of the last epoch, fetched once at the step's end."""
   p = config.ppo
   for epoch in range(p.epochs):
     order = np.random.default_rng((config.seed, step, epoch)).permutation(len(groups))
-    results = []   # (kind, loss, aux) per unit, on the device until the step's end
+    results = []   # (kind, loss, aux) per minibatch, on the device until the step's end
     for minibatch in np.array_split(order, p.minibatches):
-      units = fns.units([groups[i] for i in minibatch])
-      if fns.train_step is not None:   # the mesh: one unit, its gradient and the update in one program
-        (kind, arrays), = units
-        params, opt_state, out = fns.train_step(params, opt_state, arrays, len(minibatch))
-        results.append((kind, out["loss"], out["aux"]))
-        grad_norm = out["grad_norm"]
-        continue
-      total = None
-      for kind, arrays in units:
-        loss, aux, grads = fns.grad(params, arrays)
-        total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
-        results.append((kind, loss, aux))
-      mean = jax.tree_util.tree_map(lambda x: x / len(minibatch), total)
-      params, opt_state, grad_norm = update(params, opt_state, mean)
-  # One host sync per step; the last epoch's sums, unit by unit, in Python floats.
+      (kind, arrays), = fns.units([groups[i] for i in minibatch])
+      params, opt_state, out = fns.train_step(params, opt_state, arrays, len(minibatch))
+      results.append((kind, out["loss"], out["aux"]))
+      grad_norm = out["grad_norm"]
+  # One host sync per step; the last epoch's sums, minibatch by minibatch, in Python floats.
   results, grad_norm = jax.device_get((results, grad_norm))
   sums, loss_sum = {"policy": 0.0, "value": 0.0, "clipped": 0.0, "kl": 0.0}, 0.0
   for kind, loss, aux in results:
-    loss_sum += float(loss)
+    loss_sum += sum(float(x) for x in np.atleast_1d(loss))
     part = _aux_sums(kind, aux)
     sums = {k: sums[k] + part[k] for k in sums}
   pairs = sum(int(g.lengths.sum()) for g in groups)   # (token, trajectory) pairs
@@ -340,7 +324,7 @@ class PPO(loop.Algorithm):
     return ActorCritic(model, critic=self.config.ppo.critic)
 
   def setup(self, run):
-    self.run, self.fns, self.update_fn = run, PPOFunctions(self.config, run.graphdef, run.optimizer), runs.make_update(run.optimizer)
+    self.run, self.fns = run, PPOFunctions(self.config, run.graphdef, run.optimizer)
     return (placement.place(run.params, self.fns.mesh, self.fns.param_mode),
             placement.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
 
@@ -365,8 +349,7 @@ class PPO(loop.Algorithm):
   def update(self, params, opt_state, groups, step):
     with placement.mesh_context(self.fns.mesh):
       value_stats = prepare(self.config, self.fns, params, groups)
-      params, opt_state, stats = update_on_batch(self.config, self.fns, self.update_fn, params, opt_state, groups,
-                                                 step)
+      params, opt_state, stats = update_on_batch(self.config, self.fns, params, opt_state, groups, step)
     return params, opt_state, {**stats, **value_stats}
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):

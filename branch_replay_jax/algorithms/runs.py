@@ -1,6 +1,6 @@
 """A run's setup and resume (what `loop.train` starts from): the model (`build_model`), its parameter
-dtype casts (`param_casts`), the optimizer (`make_optimizer`) and the one jitted optimizer step of
-every algorithm (`make_update`), the fields that define an experiment (`fingerprint`), the task
+dtype casts (`param_casts`), the optimizer (`make_optimizer`) and a jitted optimizer update on
+given gradients (`make_update`, DPO's; GRPO and PPO fold theirs into `gradients.step.make_train_step`), the fields that define an experiment (`fingerprint`), the task
 (`make_task_from`), the process count check (`check_processes`), and `start_run`: RUN_DIR opened
 and checked (`prepare_run_dir`), the latest checkpoint restored when config.resume, the logs cut
 back to the step the run continues from (`Run`)."""
@@ -86,7 +86,7 @@ def fingerprint(config) -> dict:
 
 
 def make_update(optimizer: optax.GradientTransformation):
-  """The one optimizer step of every algorithm: jitted (params, opt_state, grads) -> (params,
+  """An optimizer step on given gradients (DPO's update): jitted (params, opt_state, grads) -> (params,
   opt_state, global gradient norm). It donates params and opt_state (their buffers are reused
   for the new ones): the caller must not read the arrays it passed in afterwards; grads are not
   donated (the caller may still hold them)."""

@@ -106,9 +106,10 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
   return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
 
 
-def pad_groups(groups: list[GroupBatch], mesh) -> tuple[list[GroupBatch], np.ndarray]:
+def pad_groups(groups: list[GroupBatch], mesh=None) -> tuple[list[GroupBatch], np.ndarray]:
   """Ragged groups (different G_j completions of different lengths T_j: DPO's one group per
-  distinct prompt) padded so that `stack_groups` stacks them and `shard_batch` splits them on mesh:
+  distinct prompt, a naive step's tree trajectories) padded so that `stack_groups` stacks them and
+  `shard_batch` splits them on mesh (mesh None: one device, every mesh size 1):
   prompts as `pad_prompts` (to a multiple of mesh.seq); every group to G' branches, the largest
   G_j rounded up to a multiple of mesh.branch, and T' tokens, the largest T_j; the group count to a
   multiple of mesh.data with filler groups (group 0's prompt, every branch padding).
@@ -129,17 +130,18 @@ def pad_groups(groups: list[GroupBatch], mesh) -> tuple[list[GroupBatch], np.nda
   """
   if not groups:
     raise ValueError("pad_groups: need at least one group")
-  g_pad = -(-max(g.branches.tokens.shape[0] for g in groups) // mesh.shape["branch"]) * mesh.shape["branch"]
+  sizes = {"data": 1, "branch": 1, "seq": 1} if mesh is None else mesh.shape
+  g_pad = -(-max(g.branches.tokens.shape[0] for g in groups) // sizes["branch"]) * sizes["branch"]
   t_pad = max(g.branches.tokens.shape[1] for g in groups)
 
   def pad_branches(batch: GroupBatch, keep: bool) -> GroupBatch:
     def pad(x):   # a branches field: [G_j] per completion or [G_j, T_j, ...] per token
-      widths = [(0, g_pad - x.shape[0])] + [(0, t_pad - x.shape[1])] * (x.ndim > 1) + [(0, 0)] * (x.ndim - 2)
+      widths = [(0, g_pad - x.shape[0])] + ([(0, t_pad - x.shape[1])] if x.ndim > 1 else []) + [(0, 0)] * (x.ndim - 2)
       return jnp.pad(x if keep else jnp.zeros_like(x), widths)
     return batch.replace(branches=jax.tree_util.tree_map(pad, batch.branches))
 
-  padded = [pad_branches(g, True) for g in pad_prompts(groups, mesh.shape["seq"])]
-  padded += [pad_branches(padded[0], False)] * (-len(padded) % mesh.shape["data"])
+  padded = [pad_branches(g, True) for g in pad_prompts(groups, sizes["seq"])]
+  padded += [pad_branches(padded[0], False)] * (-len(padded) % sizes["data"])
   flat_index = np.concatenate([j * g_pad + np.arange(g.branches.tokens.shape[0]) for j, g in enumerate(groups)])
   return padded, flat_index
 

@@ -272,20 +272,86 @@ def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: st
   return replay_map(root_fn, branch_fn, params, batch.branches, micro_batch=m, vectorized=True)
 
 
-def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, micro_batch: int | None = None,
-                    schedule: str = "depth_first", logprob_chunk: int = 256, reduce_aux=None, cast=None, upcast=None):
-  """One jitted optimizer step: the replay gradient of a batch and the optax update `tx`, in one program.
+def batch_value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, objective: Objective, *,
+                         layout: str = "replay", mesh=None, micro_batch: int | None = None,
+                         schedule: str = "depth_first", logprob_chunk: int = 256, reduce_aux=None, upcast=None,
+                         keep=None):
+  """(losses, aux, grads, kept) of a batch of groups (or trees) stacked [B, ...]: the step's gradient.
 
-      train_step(params, opt_state, batch, num_groups=1, frozen=None) -> (params, opt_state, metrics)
+  One device: a `lax.scan` over the B groups, each `value_and_grad` of its own (prompts padded to one
+  length, `distributed.mesh.pad_prompts`, leave each group's loss and gradient unchanged), the
+  gradients upcast (`upcast`, default identity) and summed in the carry in group order; losses [B] and
+  aux (reduce_aux(aux) per group, or the aux itself) stacked per group. A mesh: `value_and_grad`
+  with the mesh (its shard_map, module docstring), losses the batch's sum (a scalar, replicated) and
+  aux reduce_aux of the batch's aux. Summing losses gives the batch's loss either way.
 
-  grads = upcast(d loss / d cast(params)) / num_groups (the mean over the step's groups) (`value_and_grad`, replay); metrics is
-  {"loss": the batch's summed loss, "aux": reduce_aux(aux) (None without it), "grad_norm": ||grads||_2};
-  params and opt_state are donated (the caller must not read the arrays it passed in). micro_batch:
-  the largest divisor of each batch's leaf siblings per device (`leaf_siblings`) not above it; None:
-  all in one. cast, upcast: the parameter dtype's casts (algorithms.runs.param_casts; identities by
+  keep: one device only, None or a traced int32 index b: kept is then group b's own gradient (upcast,
+  the run-time exactness check's step side, algorithms/exactness.py), else None. A different
+  `keep`-ness is another program (None is no pytree leaf).
+
+  Raises:
+    ValueError: keep with a mesh, and as `value_and_grad`.
+  """
+  upcast = upcast or (lambda x: x)
+  reduce = reduce_aux or (lambda aux: aux)
+  if mesh is not None:
+    if keep is not None:
+      raise ValueError("batch_value_and_grad: keep (one group's own gradient) is for one device; on a mesh the "
+                       "exactness check computes its group apart (algorithms/exactness.py)")
+    loss, aux, grads = value_and_grad(head, graphdef, params, batch, objective, layout=layout, mesh=mesh,
+                                      micro_batch=micro_batch, schedule=schedule, logprob_chunk=logprob_chunk)
+    return loss, reduce(aux), upcast(grads), None
+
+  def one_group(carry, xs):
+    index, group = xs
+    total, kept = carry
+    loss, aux, grads = value_and_grad(head, graphdef, params, group, objective, layout=layout,
+                                      micro_batch=micro_batch, schedule=schedule, logprob_chunk=logprob_chunk)
+    grads = upcast(grads)
+    total = jax.tree_util.tree_map(jnp.add, total, grads)
+    if keep is not None:
+      kept = jax.tree_util.tree_map(lambda k, g: jnp.where(index == keep, g, k), kept, grads)
+    return (total, kept), (loss, reduce(aux))
+
+  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(upcast, params))
+  count = jax.tree_util.tree_leaves(batch)[0].shape[0]
+  (grads, kept), (losses, aux) = jax.lax.scan(one_group, (zeros, None if keep is None else zeros),
+                                              (jnp.arange(count), batch))
+  return losses, aux, grads, kept
+
+
+def batch_forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: str = "replay", mesh=None,
+                  micro_batch: int | None = None, logprob_chunk: int = 256):
+  """`forward` of a batch of groups (trees) stacked [B, ...]: outputs stacked [B, ...]; on one device a
+  `lax.map` over the groups, on a mesh `forward` with the mesh. Raises as `forward`."""
+  if mesh is not None:
+    return forward(head, graphdef, params, batch, layout=layout, mesh=mesh, micro_batch=micro_batch,
+                   logprob_chunk=logprob_chunk)
+  return jax.lax.map(lambda one: forward(head, graphdef, params, one, layout=layout, micro_batch=micro_batch,
+                                         logprob_chunk=logprob_chunk), batch)
+
+
+def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, layout: str = "replay",
+                    micro_batch: int | None = None, schedule: str = "depth_first", logprob_chunk: int = 256,
+                    reduce_aux=None, cast=None, upcast=None):
+  """One jitted optimizer step: the gradient of a stacked batch of groups and the optax update `tx`, in
+  one program, on one device or a mesh (the step the training loop runs and benchmarks compile).
+
+      train_step(params, opt_state, batch, num_groups=1, frozen=None, keep=None) -> (params, opt_state, metrics)
+
+  batch: groups (or trees) of one shape stacked [B, ...] (`distributed.mesh.pad_prompts`,
+  `stack_groups`; trees `data.batches.pad_trees` first); on a mesh placed by `shard_batch`.
+  grads = Σ_b upcast(d loss_b / d cast(params)) / num_groups, the mean over the step's groups
+  (`batch_value_and_grad`); metrics is {"loss": per-group losses [B] (one device) or their sum
+  (a mesh), "aux": reduce_aux per group [B, ...] (one device) or of the batch (a mesh), or the aux
+  itself without reduce_aux, "grad_norm": ||grads||_2}, plus "kept_grads" (group `keep`'s own
+  gradient, one device) when keep is an index. params and opt_state are donated (the caller must not
+  read the arrays it passed in). layout: "replay" or, on one device, "naive". micro_batch: the largest
+  divisor of each batch's leaf siblings per device (`leaf_siblings`) not above it; None: all in
+  one. cast, upcast: the parameter dtype's casts (algorithms.runs.param_casts; identities by
   default). frozen: with LoRA the base model's state (`graphdef` is then bound to it by
-  `models.lora.WithBase`; params are the adapters). num_groups is traced, so a
-  step with another group count compiles nothing new.
+  `models.lora.WithBase`; params are the adapters). num_groups and keep are traced, so a step with
+  another group count or kept group compiles nothing new; each stacked shape is one program.
 
   On a mesh the parameters keep their shardings (replicated or FSDP, `distributed.mesh.shard_params`),
   and so does the optimizer state. The mesh's axes are Explicit (`make_mesh`): create the state from
@@ -305,13 +371,17 @@ def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, micr
   cast = cast or (lambda x: x)
   upcast = upcast or (lambda x: x)
 
-  def train_step(params, opt_state, batch, num_groups=1, frozen=None):
+  def train_step(params, opt_state, batch, num_groups=1, frozen=None, keep=None):
     graph = graphdef if frozen is None else WithBase(graphdef, frozen)
     m = None if micro_batch is None else fit_micro_batch(micro_batch, leaf_siblings(batch, mesh))
-    loss, aux, grads = value_and_grad(head, graph, cast(params), batch, objective, mesh=mesh, micro_batch=m,
-                                      schedule=schedule, logprob_chunk=logprob_chunk)
-    grads = jax.tree_util.tree_map(lambda g: g / num_groups, upcast(grads))
+    loss, aux, grads, kept = batch_value_and_grad(head, graph, cast(params), batch, objective, layout=layout,
+                                                  mesh=mesh, micro_batch=m, schedule=schedule,
+                                                  logprob_chunk=logprob_chunk, reduce_aux=reduce_aux, upcast=upcast,
+                                                  keep=keep)
+    grads = jax.tree_util.tree_map(lambda g: g / num_groups, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
-    metrics = {"loss": loss, "aux": None if reduce_aux is None else reduce_aux(aux), "grad_norm": optax.tree.norm(grads)}
+    metrics = {"loss": loss, "aux": aux, "grad_norm": optax.tree.norm(grads)}
+    if kept is not None:
+      metrics["kept_grads"] = kept
     return optax.apply_updates(params, updates), opt_state, metrics
   return jax.jit(train_step, donate_argnums=(0, 1))
