@@ -212,8 +212,8 @@ def _over_mesh(per_device, params, batch, mesh, out_specs):
   one layer's gathered weights beyond the embedding; the all-gather's transpose reduce-scatters
   their gradients, already summed over the mesh. per_device gets `dims` (`gather_dims`'s list, in
   the order of `_leaves`): its caller must not psum the gradients of the gathered ones again (the
-  over-count trap, docs/design.md "Pitfalls"), and must hand back gradients through `_restore` (the
-  tree of params without the gather metadata) for the out_specs.
+  over-count trap, docs/design.md "Pitfalls"), and must hand back gradients in params' own tree
+  structure (without the Gather metadata), which the out_specs are.
   """
   dims = gather_dims(params)
   specs = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, params)

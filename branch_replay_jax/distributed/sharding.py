@@ -96,6 +96,8 @@ def param_specs(params, mesh, mode: str = "replicated", rules=None):
     raise ValueError(f"param_specs: rules name {unknown}, not logical axes of {LOGICAL_AXES}")
 
   def spec(path, x):
+    if _is_variable(x) and not hasattr(x.get_value(), "shape"):
+      return x   # no array: optax.multi_transform's MaskedNode for another label's parameter
     if not rules:
       return x.replace(P()) if _is_variable(x) else P()
     if not _is_variable(x):
@@ -123,6 +125,7 @@ def shard_params(params, mesh, mode: str = "replicated", rules=None):
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
   specs = jax.tree_util.tree_leaves(param_specs(params, mesh, mode, rules), is_leaf=lambda s: isinstance(s, P))
   leaves, treedef = jax.tree_util.tree_flatten(params)
+  assert len(leaves) == len(specs), (len(leaves), len(specs))
   return jax.tree_util.tree_unflatten(treedef, [place(x, s) for x, s in zip(leaves, specs)])
 
 

@@ -25,7 +25,6 @@ from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models.llama import Llama, annotated, param_value
 
 CRITICS = ("value_head", "separate")
-TRUNKS = ("policy", "critic")   # the Llama submodules: parameter names "policy.layers.wq", "critic.embed", ...
 
 
 class ActorCritic(nnx.Module):
