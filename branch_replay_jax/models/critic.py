@@ -7,9 +7,10 @@
     separate:    a second Llama, initialised as a copy of the policy's trunk, with its own head
                  w, b: the critic's gradient never reaches the policy's parameters.
 
-Parameters (`nnx.split`): policy/... (the Llama's), critic/... (separate only), value_w [d],
-value_b [], with logical axis names (embed) and () (models/llama.py). The head starts at zero, so the first values are 0 and the first advantages are the
-discounted rewards themselves rather than a random critic's noise.
+Parameters (`nnx.split`): policy/... (the Llama's), critic/... (separate only), value_w [d], value_b
+[], with logical axis names (embed) and () (models/llama.py). The head starts at zero, so the first
+values are 0 and the first advantages are the discounted rewards themselves rather than a random
+critic's noise.
 
 V(s_t) is the value of the context before token t: it is read from the same hidden state that
 predicts token t (the previous position; for a segment's first token, its parent's last one).

@@ -19,12 +19,12 @@ each parameter's logical axis names (its `nnx.Param` metadata "out_sharding", se
     layers.q_norm, layers.k_norm [L, D]                          (layers, head_dim)              (qk_norm, Qwen3)
     layers.w_gate, layers.w_up [L, d, F]  (layers, embed, mlp)   layers.w_down [L, F, d]  (layers, mlp, embed)
     layers.W_lora_a [L, *in, r]  (layers, *W's input names, lora_rank)
-    layers.W_lora_b [L, r, *out] (layers, lora_rank, *W's output names)   (LoRA adapters of projection W, models/lora.py)
+    layers.W_lora_b [L, r, *out] (layers, lora_rank, *W's output names)  (LoRA adapters of W, models/lora.py)
 
-The logical names (LOGICAL_AXES, the terms MaxText's logical axis rules use) say what a dimension
-is, not where it lives: `distributed.sharding`'s one rules table maps them to mesh axes, so a
-parameter's layout follows its annotation, never its attribute name. models/critic.py's value
-head is (embed) and () alike.
+The logical names (LOGICAL_AXES; MaxText's logical axis rules name dimensions the same way) say
+what a dimension is, not where it lives: `distributed.sharding`'s one rules table maps them to
+mesh axes, so a parameter's layout follows its annotation, never its attribute name.
+models/critic.py's value head: value_w [d] (embed), value_b [] ().
 
 Formulas: RMSNorm (Zhang & Sennrich 2019), RoPE in the "rotate half" layout (Su et al. 2021,
 arXiv 2104.09864, eq. 34), SwiGLU (Shazeer 2020, arXiv 2002.05202), GQA (Ainslie et al. 2023,
