@@ -235,7 +235,7 @@ FSDP_MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]
                                    for s in FSDP_MESHES], ids=["x".join(map(str, s)) for s in FSDP_MESHES])
 def test_fsdp_inside_the_step_equals_naive(reference, shape):
   # FSDP parameters enter the shard_map as shards and are all-gathered layer by layer inside the
-  # scan (models.llama.param_gather); their gradients leave reduce-scattered, already in the FSDP
+  # scan (each shard marked with its models.llama.Gather); their gradients leave reduce-scattered, already in the FSDP
   # layout. Expected: the naive gradient to float32 rounding (<= 1e-5), on a data-only mesh, a
   # 2x2x2 mesh and a sequence-sharded one (seq = 4).
   graphdef, params, groups, naive_loss, naive_grads, _, naive_aux = reference

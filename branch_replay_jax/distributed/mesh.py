@@ -29,12 +29,15 @@ no algorithm. Batches of groups are padded to one prompt length (`pad_prompts`) 
 groups (DPO's) to one shape (`pad_groups`, zero-weight padding); sampled trees to one level layout
 first (`data.batches.pad_trees`).
 
-Parameters are replicated or FSDP-sharded (`param_specs`; Rajbhandari et al. 2020, ZeRO stage 3,
-arXiv 1910.02054). FSDP splits each leaf's largest evenly divisible dimension (never a stacked
-layer parameter's layer axis) over all devices, and the step keeps them split: the shards enter
-the `shard_map` as they are, and the model all-gathers each parameter just before use
-(`models.llama.param_gather`), a layer's weights inside the layer scan, where remat drops them
-again (they are gathered anew in the backward pass). The all-gather's transpose reduce-scatters
+Parameters are replicated or FSDP-sharded (Rajbhandari et al. 2020, ZeRO stage 3, arXiv
+1910.02054) by annotation: each nnx.Param carries logical axis names and one rules table maps them
+to mesh axes (distributed/sharding.py: `param_specs`, `shard_params`; re-exported here). FSDP
+splits one logical dimension of each leaf over all devices (never "layers"), and the step keeps
+them split: the shards enter the `shard_map` as they are, each shard's Variable is marked with the
+dimension to all-gather (static metadata `models.llama.Gather`, from its spec: the gather is passed
+explicitly, in the parameters the model reads), and the model all-gathers each parameter just
+before use (`models.llama.param_value`), a layer's weights inside the layer scan, where remat
+drops them again (they are gathered anew in the backward pass). The all-gather's transpose reduce-scatters
 the gradient, which leaves the step in the FSDP layout, summed over the mesh: no device holds a
 full parameter copy or a full gradient, only one layer's gathered weights at a time beyond the
 embedding / output projection. The optimizer state follows the parameters' shardings. The
@@ -49,12 +52,12 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch
-from branch_replay_jax.models.critic import TRUNKS
-from branch_replay_jax.models.llama import param_gather
+from flax import nnx
 
-MESH_AXES = ("data", "branch", "seq")
-PARAM_MODES = ("replicated", "fsdp")
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch
+from branch_replay_jax.distributed.sharding import (MESH_AXES, PARAM_MODES, gather_dims, param_specs,  # noqa: F401
+                                                    shard_params)
+from branch_replay_jax.models.llama import GATHER_KEY, Gather
 
 
 def make_mesh(data: int, branch: int, seq: int = 1, devices=None) -> jax.sharding.Mesh:
@@ -185,86 +188,6 @@ def shard_batch(batch: GroupBatch | TreeBatch, mesh, num_groups: int | None = No
       batch, specs)
 
 
-def _leaf_name(path) -> str:
-  """"embed", "layers.wq", "policy.layers.wq", ...: a parameter's dotted name from its nnx.State
-  path: the trailing run of dict keys (the Variable's own `.value` attribute is not part of the
-  name), so that an optimizer state's moments get their parameter's name, also inside
-  `optax.multi_transform`'s dict of per-label states (PPO's)."""
-  keys = list(path)
-  if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
-    keys = keys[:-1]
-  names = []
-  for k in reversed(keys):
-    if not isinstance(k, jax.tree_util.DictKey):
-      break
-    names.append(str(k.key))
-  return ".".join(reversed(names))
-
-
-def _read_name(name: str) -> str:
-  """The name the model reads a parameter under (`models.llama.read_param`): its dotted name less an
-  actor-critic's trunk prefix ("policy.layers.wq" -> "layers.wq"; models.critic.TRUNKS)."""
-  head, _, rest = name.partition(".")
-  return rest if head in TRUNKS and rest else name
-
-
-def param_specs(params, mesh, mode: str = "replicated"):
-  """PartitionSpecs of the parameters: P() for "replicated"; for "fsdp" each leaf's largest
-  dimension divisible by the device count is split over all mesh axes (P() when none is). A
-  stacked layer parameter [L, ...] is never split on its layer axis: the layer scan then slices
-  each layer's shard and all-gathers it just before use (`_over_mesh`).
-
-  Raises:
-    ValueError: for a mode outside PARAM_MODES.
-  """
-  if mode not in PARAM_MODES:
-    raise ValueError(f"param_specs: mode={mode!r} is not one of {PARAM_MODES}")
-  n = mesh.size
-
-  def spec(path, x):
-    if mode == "replicated":
-      return P()
-    first = 1 if _read_name(_leaf_name(path)).startswith("layers.") else 0
-    for dim in sorted(range(first, x.ndim), key=lambda i: -x.shape[i]):
-      if x.shape[dim] % n == 0:
-        return P(*([None] * dim), MESH_AXES)
-    return P()
-  return jax.tree_util.tree_map_with_path(spec, params)
-
-
-def _sharded_dims(params) -> dict[str, int | None]:
-  """name -> the dimension of the parameter split over all mesh axes (FSDP), or None when replicated.
-
-  Raises:
-    ValueError: a parameter sharded otherwise (over some axes only, or over several dimensions),
-      naming it and its spec: the step gathers only `param_specs`'s layouts.
-  """
-  dims = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name, spec = _leaf_name(path), tuple(jax.typeof(x).sharding.spec)
-    split = [(d, a) for d, a in enumerate(spec) if a is not None]
-    if not split:
-      dims[name] = None
-    elif len(split) == 1 and tuple(split[0][1] if isinstance(split[0][1], tuple) else (split[0][1],)) == MESH_AXES:
-      if _read_name(name).startswith("layers.") and split[0][0] == 0:
-        raise ValueError(f"parameter {name!r} is split on its layer axis (spec {spec}); use param_specs")
-      dims[name] = split[0][0]
-    else:
-      raise ValueError(f"parameter {name!r} has spec {spec}: the mesh step takes parameters replicated (P()) or "
-                       f"split on one dimension over all of {MESH_AXES} (param_specs(..., 'fsdp'))")
-  return dims
-
-
-def shard_params(params, mesh, mode: str = "replicated"):
-  """Place parameters (or an optimizer state shaped like them) with `param_specs`, from a whole
-  copy in this process (with several processes, each process's own identical copy, e.g. the
-  initialised or restored state: each places its devices' shards from it, no cross-host copy)."""
-  def place(x, spec):
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
-  return jax.tree_util.tree_map(place, params, param_specs(params, mesh, mode))
-
-
 def _invariant_over_seq(tree):
   """Every `seq` device holds the same completion values (module docstring): mark them invariant
   over `seq` (pmax of equal values is exact) so that out_specs may omit the axis."""
@@ -274,43 +197,45 @@ def _invariant_over_seq(tree):
   return jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, "seq") if "seq" in varying(x) else x, tree)
 
 
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
 def _over_mesh(per_device, params, batch, mesh, out_specs):
-  """`shard_map` of per_device(local params, this device's part of the batch) on `mesh`.
+  """`shard_map` of per_device(local params, this device's part of the batch, dims) on `mesh`.
 
   Replicated parameters enter whole (P()) and are cast to varying over every mesh axis inside:
   their gradients then stay per-device until an explicit psum (no implicit one; module docstring),
   and the layer scan's carry keeps one type while mixing the prompt (varying over `seq`) with the
   completions (varying over `branch`). FSDP parameters enter as this device's shard (already
-  varying) and the model all-gathers each one just before use (`models.llama.param_gather`):
-  inside the layer scan for layer weights, so no device holds more than one layer's gathered
-  weights beyond the embedding; the all-gather's transpose reduce-scatters their gradients,
-  already summed over the mesh. per_device gets `fsdp`, the set of gathered names (its caller
-  must not psum their gradients again: the over-count trap, docs/design.md "Pitfalls").
+  varying), and each one's nnx.Variable gets the static metadata GATHER_KEY = Gather(dim, MESH_AXES)
+  (`sharding.gather_dims`, from its spec): the model then all-gathers it just before use
+  (`models.llama.param_value`; a layer's slice inside the layer scan), so no device holds more than
+  one layer's gathered weights beyond the embedding; the all-gather's transpose reduce-scatters
+  their gradients, already summed over the mesh. per_device gets `dims` (`gather_dims`'s list, in
+  the order of `_leaves`): its caller must not psum the gradients of the gathered ones again (the
+  over-count trap, docs/design.md "Pitfalls"), and must hand back gradients in params' own tree
+  structure (without the Gather metadata), which the out_specs are.
   """
-  dims = _sharded_dims(params)
+  dims = gather_dims(params)
   specs = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, params)
-  read_dims = {}   # by the name the model reads (an actor-critic's two trunks share their layouts)
-  for name, dim in dims.items():
-    if read_dims.setdefault(_read_name(name), dim) != dim:
-      raise ValueError(f"parameter {name!r} is split on dimension {dim}, its namesake in the other trunk on "
-                       f"{read_dims[_read_name(name)]}: use param_specs")
 
-  def gather(name, x):
-    dim = read_dims[name]
-    if dim is None:
-      return x
-    axis = dim - 1 if name.startswith("layers.") else dim   # inside the scan: the layer axis is gone
-    return jax.lax.all_gather(x, MESH_AXES, axis=axis, tiled=True)
-
-  fsdp = {name for name, dim in dims.items() if dim is not None}
+  def local(x, dim):
+    if dim is not None:
+      return x.copy(x[...], **{GATHER_KEY: Gather(dim, MESH_AXES)})
+    cast = lambda v: jax.lax.pcast(v, MESH_AXES, to="varying")
+    return x.copy(cast(x[...])) if _is_variable(x) else cast(x)
 
   def body(params, batch):
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: x if _leaf_name(path) in fsdp else jax.lax.pcast(x, MESH_AXES, to="varying"), params)
-    with param_gather(gather):
-      return per_device(params, batch, fsdp)
+    leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_variable)
+    return per_device(jax.tree_util.tree_unflatten(treedef, [local(x, d) for x, d in zip(leaves, dims)]), batch, dims)
   return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch_specs(batch, mesh)),
                        out_specs=out_specs(specs) if callable(out_specs) else out_specs, check_vma=True)(params, batch)
+
+
+def _leaves(tree) -> list:
+  """tree's nnx.Variables (or bare arrays), the order of `sharding.gather_dims`."""
+  return jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)
 
 
 def mesh_value_and_grad(per_group, params, batch, mesh):
@@ -329,7 +254,9 @@ def mesh_value_and_grad(per_group, params, batch, mesh):
     return jax.tree_util.tree_map(
         lambda c: jax.lax.pcast(jax.lax.psum(c, "branch") / n_branch, "branch", to="varying"), cotangent)
 
-  def per_device(local, batch, fsdp):
+  treedef = jax.tree_util.tree_structure(params)   # without the gather metadata `_over_mesh` adds
+
+  def per_device(local, batch, dims):
     def one_group(carry, batch):
       loss, aux, grads = per_group(local, batch, reduce_prompt_cotangent)
       return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
@@ -341,8 +268,9 @@ def mesh_value_and_grad(per_group, params, batch, mesh):
     loss = jax.lax.psum(loss, MESH_AXES)
     # A gathered (FSDP) parameter's gradient left the backward reduce-scattered, summed over the
     # mesh already: a psum on top would count it mesh.size times.
-    grads = jax.tree_util.tree_map_with_path(
-        lambda path, g: g if _leaf_name(path) in fsdp else jax.lax.psum(g, MESH_AXES), grads)
+    grads = [g if dim is not None else jax.tree_util.tree_map(lambda x: jax.lax.psum(x, MESH_AXES), g)
+             for g, dim in zip(_leaves(grads), dims)]
+    grads = jax.tree_util.tree_unflatten(treedef, jax.tree_util.tree_leaves(grads))
     if n_seq > 1:   # every seq device computed the whole loss (module docstring)
       loss, grads = loss / n_seq, jax.tree_util.tree_map(lambda g: g / n_seq, grads)
     return loss, _invariant_over_seq(aux), grads
@@ -354,7 +282,7 @@ def mesh_map(per_group, params, batch, mesh):
   """Forward-only `shard_map` of per_group(local params, one group's or tree's batch) over a stacked
   batch (the forward twin of `mesh_value_and_grad`). Returns its outputs stacked [B, G (F_1), ...],
   sharded P("data", "branch")."""
-  def per_device(local, batch, fsdp):
-    del fsdp
+  def per_device(local, batch, dims):
+    del dims
     return _invariant_over_seq(jax.lax.scan(lambda _, one: (None, per_group(local, one)), None, batch)[1])
   return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))

@@ -6,16 +6,25 @@ K/V of its ancestors (prompt, shared response segments, a decode cache) and retu
 per-layer K/V and its final hidden states: exactly what branch replay needs to run the prompt
 once and each branch on top of it.
 
-Parameter layout (L layers, d model width, Hq/Hkv heads, D head dim, F MLP width, V vocab):
+Parameter layout (L layers, d model width, Hq/Hkv heads, D head dim, F MLP width, V vocab), with
+each parameter's logical axis names (its `nnx.Param` metadata "out_sharding", set by `annotated`):
 
-    embed          [V, d]            lm_head   [d, V]   (absent when tie_embeddings)
-    final_norm     [d]
-    layers.attn_norm [L, d]          layers.mlp_norm [L, d]
-    layers.wq [L, d, Hq, D]   layers.wk, layers.wv [L, d, Hkv, D]   layers.wo [L, Hq, D, d]
-    layers.bq [L, Hq, D], bk, bv [L, Hkv, D]           (qkv_bias, Qwen2)
-    layers.q_norm, layers.k_norm [L, D]                (qk_norm, Qwen3)
-    layers.w_gate, layers.w_up [L, d, F]   layers.w_down [L, F, d]
-    layers.W_lora_a [L, *in, r], layers.W_lora_b [L, r, *out]   (LoRA adapters of projection W, models/lora.py)
+    embed          [V, d]  (vocab, embed)         lm_head   [d, V]  (embed, vocab)   (absent when tie_embeddings)
+    final_norm     [d]     (embed)
+    layers.attn_norm, layers.mlp_norm [L, d]                     (layers, embed)
+    layers.wq [L, d, Hq, D]            (layers, embed, heads, head_dim)
+    layers.wk, layers.wv [L, d, Hkv, D] (layers, embed, kv_heads, head_dim)
+    layers.wo [L, Hq, D, d]            (layers, heads, head_dim, embed)
+    layers.bq [L, Hq, D]  (layers, heads, head_dim); bk, bv [L, Hkv, D] (layers, kv_heads, head_dim)   (qkv_bias, Qwen2)
+    layers.q_norm, layers.k_norm [L, D]                          (layers, head_dim)              (qk_norm, Qwen3)
+    layers.w_gate, layers.w_up [L, d, F]  (layers, embed, mlp)   layers.w_down [L, F, d]  (layers, mlp, embed)
+    layers.W_lora_a [L, *in, r]  (layers, *W's input names, lora_rank)
+    layers.W_lora_b [L, r, *out] (layers, lora_rank, *W's output names)  (LoRA adapters of W, models/lora.py)
+
+The logical names (LOGICAL_AXES; MaxText's logical axis rules name dimensions the same way) say
+what a dimension is, not where it lives: `distributed.sharding`'s one rules table maps them to
+mesh axes, so a parameter's layout follows its annotation, never its attribute name.
+models/critic.py's value head: value_w [d] (embed), value_b [] ().
 
 Formulas: RMSNorm (Zhang & Sennrich 2019), RoPE in the "rotate half" layout (Su et al. 2021,
 arXiv 2104.09864, eq. 34), SwiGLU (Shazeer 2020, arXiv 2002.05202), GQA (Ainslie et al. 2023,
@@ -24,10 +33,8 @@ arXiv 2305.13245), Llama-3 RoPE scaling (Meta's `apply_scaling`).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,37 +48,52 @@ from branch_replay_jax.models.config import ModelConfig
 
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
 
-# FSDP inside the step (docs/design.md, "Mesh and sharding"): while a gather is set, the model reads
-# every parameter through it just before use, a layer's weights inside the layer scan.
-_PARAM_GATHER: contextvars.ContextVar = contextvars.ContextVar("param_gather", default=None)
+# Logical axis names of the parameters' dimensions (module docstring); `annotated` refuses others.
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank")
+AXES_KEY = "out_sharding"   # Flax NNX's Variable metadata key for sharding names (nnx.get_partition_spec reads it)
+GATHER_KEY = "gather"       # Variable metadata the mesh step sets on an FSDP shard: a `Gather`
 
 
-@contextlib.contextmanager
-def param_gather(gather: Callable[[str, jax.Array], jax.Array]):
-  """Within this context (while a step is traced), `Llama` reads each parameter as gather(name, x).
+class Gather(NamedTuple):
+  """How a parameter the mesh step holds FSDP-sharded becomes whole: all-gather its `dim` (of the
+  parameter as stored, a stacked layer parameter's layer axis included) over mesh `axes`
+  (`jax.lax.all_gather(..., tiled=True)`; Rajbhandari et al. 2020, ZeRO stage 3, arXiv 1910.02054).
+  `distributed.mesh` sets it as the static metadata GATHER_KEY of each shard's Variable inside its
+  `shard_map` (docs/design.md, "Mesh and sharding"); the model reads it in `param_value`."""
 
-  name is "embed", "final_norm", "lm_head", or "layers.NAME" for one layer's slice of a stacked
-  parameter (its leading layer axis removed), read inside the layer scan. gather returns the full
-  parameter from this device's shard: `distributed.mesh` passes an all-gather over the mesh, whose
-  transpose reduce-scatters the gradient (FSDP; Rajbhandari et al. 2020, ZeRO stage 3, arXiv
-  1910.02054). Gathered layer weights are named "gathered_weights" for remat: never saved for
-  the backward pass, gathered again there.
+  dim: int
+  axes: tuple[str, ...]
+
+
+def annotated(value, names: Sequence[str], kind=nnx.Param) -> nnx.Variable:
+  """`kind(value)` (nnx.Param, or nnx.LoRAParam for adapters) carrying logical axis names `names`, one per
+  dimension of value, as Flax NNX sharding metadata (AXES_KEY; eager_sharding off: the names are
+  logical, the mesh places the parameter later through `distributed.sharding`'s rules table).
+
+  Raises:
+    ValueError: names not one per dimension of value, or a name outside LOGICAL_AXES.
   """
-  token = _PARAM_GATHER.set(gather)
-  try:
-    yield
-  finally:
-    _PARAM_GATHER.reset(token)
+  names = tuple(names)
+  if len(names) != len(value.shape) or any(n not in LOGICAL_AXES for n in names):
+    raise ValueError(f"annotated: logical axis names {names} for a parameter of shape {tuple(value.shape)} must be "
+                     f"one per dimension, each one of {LOGICAL_AXES}")
+  return kind(value, eager_sharding=False, **{AXES_KEY: names})
 
 
-def read_param(name: str, x: jax.Array) -> jax.Array:
-  """x, or gather(name, x) inside `param_gather`: how a module reads a parameter that the mesh step
-  may hold FSDP-sharded (the Llama's own, and models.critic's value head)."""
-  gather = _PARAM_GATHER.get()
-  return x if gather is None else gather(name, x)
+def gathered(x: jax.Array, gather: Gather | None, *, sliced: int = 0) -> jax.Array:
+  """x whole: x itself, or x all-gathered as `gather` says (its transpose reduce-scatters the
+  gradient); `sliced` leading axes of the stored parameter are gone from x (1 for a layer's slice of
+  a stacked parameter, read inside the layer scan)."""
+  if gather is None:
+    return x
+  return jax.lax.all_gather(x, gather.axes, axis=gather.dim - sliced, tiled=True)
 
 
-_read = read_param
+def param_value(variable: nnx.Variable) -> jax.Array:
+  """A parameter's value as the model uses it: whole, all-gathered first when the mesh step holds it
+  FSDP-sharded (its GATHER_KEY metadata; `gathered`). How every module reads an unstacked parameter
+  (the Llama's own, models.critic's value head)."""
+  return gathered(variable[...], variable.get_metadata(GATHER_KEY, None))
 
 
 def _check_host_memory(remat: str) -> None:
@@ -199,25 +221,30 @@ class DecoderLayers(nnx.Module):
     L, d, hq, hkv, hd, f = (config.num_layers, config.d_model, config.num_heads, config.num_kv_heads,
                             config.head_dim, config.ffn_dim)
     init = nnx.initializers.normal(0.02)
-    self.attn_norm = nnx.Param(jnp.ones((L, d)))
-    self.mlp_norm = nnx.Param(jnp.ones((L, d)))
-    self.wq = nnx.Param(init(rngs.params(), (L, d, hq, hd)))
-    self.wk = nnx.Param(init(rngs.params(), (L, d, hkv, hd)))
-    self.wv = nnx.Param(init(rngs.params(), (L, d, hkv, hd)))
-    self.wo = nnx.Param(init(rngs.params(), (L, hq, hd, d)))
-    self.w_gate = nnx.Param(init(rngs.params(), (L, d, f)))
-    self.w_up = nnx.Param(init(rngs.params(), (L, d, f)))
-    self.w_down = nnx.Param(init(rngs.params(), (L, f, d)))
+    normal = lambda *names_shape: annotated(init(rngs.params(), tuple(s for _, s in names_shape)),
+                                            [n for n, _ in names_shape])
+    self.attn_norm = annotated(jnp.ones((L, d)), ("layers", "embed"))
+    self.mlp_norm = annotated(jnp.ones((L, d)), ("layers", "embed"))
+    self.wq = normal(("layers", L), ("embed", d), ("heads", hq), ("head_dim", hd))
+    self.wk = normal(("layers", L), ("embed", d), ("kv_heads", hkv), ("head_dim", hd))
+    self.wv = normal(("layers", L), ("embed", d), ("kv_heads", hkv), ("head_dim", hd))
+    self.wo = normal(("layers", L), ("heads", hq), ("head_dim", hd), ("embed", d))
+    self.w_gate = normal(("layers", L), ("embed", d), ("mlp", f))
+    self.w_up = normal(("layers", L), ("embed", d), ("mlp", f))
+    self.w_down = normal(("layers", L), ("mlp", f), ("embed", d))
     if config.qkv_bias:
-      self.bq = nnx.Param(init(rngs.params(), (L, hq, hd)))
-      self.bk = nnx.Param(init(rngs.params(), (L, hkv, hd)))
-      self.bv = nnx.Param(init(rngs.params(), (L, hkv, hd)))
+      self.bq = normal(("layers", L), ("heads", hq), ("head_dim", hd))
+      self.bk = normal(("layers", L), ("kv_heads", hkv), ("head_dim", hd))
+      self.bv = normal(("layers", L), ("kv_heads", hkv), ("head_dim", hd))
     if config.qk_norm:
-      self.q_norm = nnx.Param(jnp.ones((L, hd)))
-      self.k_norm = nnx.Param(jnp.ones((L, hd)))
+      self.q_norm = annotated(jnp.ones((L, hd)), ("layers", "head_dim"))
+      self.k_norm = annotated(jnp.ones((L, hd)), ("layers", "head_dim"))
 
-  def stacked(self) -> dict:
-    return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+  def stacked(self) -> tuple[dict, dict]:
+    """({name: stacked value [L, ...]}, {name: its `Gather` or None}) of every parameter (adapters included)."""
+    params = {name: v for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+    return ({name: v[...] for name, v in params.items()},
+            {name: v.get_metadata(GATHER_KEY, None) for name, v in params.items()})
 
 
 class Llama(nnx.Module):
@@ -252,11 +279,12 @@ class Llama(nnx.Module):
       _check_host_memory(remat)
     self.remat = remat
     self.attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
-    self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.d_model)))
+    normal = nnx.initializers.normal(0.02)
+    self.embed = annotated(normal(rngs.params(), (config.vocab_size, config.d_model)), ("vocab", "embed"))
     self.layers = DecoderLayers(config, rngs=rngs)
-    self.final_norm = nnx.Param(jnp.ones((config.d_model,)))
+    self.final_norm = annotated(jnp.ones((config.d_model,)), ("embed",))
     if not config.tie_embeddings:
-      self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (config.d_model, config.vocab_size)))
+      self.lm_head = annotated(normal(rngs.params(), (config.d_model, config.vocab_size)), ("embed", "vocab"))
     self.lora = None   # models.lora.LoraSpec once models.lora.add_adapters has added adapters
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[KVBlock] = (),
@@ -284,8 +312,9 @@ class Llama(nnx.Module):
     positions = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1)) + jnp.arange(t, dtype=jnp.int32)[None]
     positions = jnp.broadcast_to(positions, (b, t))
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
-    gathering = _PARAM_GATHER.get() is not None
-    x = _read("embed", self.embed[...])[tokens_bt].astype(self.dtype)
+    stacked, gathers = self.layers.stacked()
+    gathering = any(g is not None for g in gathers.values())
+    x = param_value(self.embed)[tokens_bt].astype(self.dtype)
     anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
     anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
     anc_valid = [blk.valid for blk in ancestors]
@@ -294,8 +323,8 @@ class Llama(nnx.Module):
 
     def body(x, xs):
       p, ks, vs = xs
-      if gathering:
-        p = {k: checkpoint_name(_read("layers." + k, v), "gathered_weights") for k, v in p.items()}
+      if gathering:   # FSDP: one layer's weights all-gathered here, just before use
+        p = {k: checkpoint_name(gathered(v, gathers[k], sliced=1), "gathered_weights") for k, v in p.items()}
       x = checkpoint_name(x, "layer_input")  # every use below reads the named copy, so "offload_kv" can offload it
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
       return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention, lora_scale)
@@ -310,15 +339,15 @@ class Llama(nnx.Module):
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
           names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input", "k", "v"),
           offload_src="device", offload_dst="pinned_host"))
-    x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), anc_k, anc_v))
-    hidden = rms_norm(x, _read("final_norm", self.final_norm[...]), cfg.norm_eps)
+    x, (k, v) = jax.lax.scan(body, x, (stacked, anc_k, anc_v))
+    hidden = rms_norm(x, param_value(self.final_norm), cfg.norm_eps)
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
 
   def unembedding(self) -> jax.Array:
     """[d, V] output projection (the transposed embedding when tied)."""
     if self.config.tie_embeddings:
-      return _read("embed", self.embed[...]).T
-    return _read("lm_head", self.lm_head[...])
+      return param_value(self.embed).T
+    return param_value(self.lm_head)
 
   def output_weights(self) -> tuple[jax.Array, int]:
     """(w, vocab_axis): the output projection as stored, the tied embedding [V, d] (vocab_axis 0) or
@@ -326,8 +355,8 @@ class Llama(nnx.Module):
     the [d, V] transpose `unembedding()` makes, which XLA does not hoist out of a replay scan: it
     was copied once per scan step (docs/design.md, "Step profile")."""
     if self.config.tie_embeddings:
-      return _read("embed", self.embed[...]), 0
-    return _read("lm_head", self.lm_head[...]), 1
+      return param_value(self.embed), 0
+    return param_value(self.lm_head), 1
 
   def logits(self, hidden_btd: jax.Array) -> jax.Array:
     """[B, T, V] float32 (float64 for float64 compute) logits. Only for short segments; long ones use `token_logprobs`."""

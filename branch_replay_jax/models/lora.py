@@ -8,6 +8,10 @@ same leading layer axis and typed `nnx.LoRAParam` (Flax NNX's LoRA variable type
     A = layers.W_lora_a [L, *in, r]     (he-uniform over the input axes, as qwix and nnx.LoRA)
     B = layers.W_lora_b [L, r, *out]    (zeros: the adapted model starts as the base model)
 
+with W's logical axis names and "lora_rank" for r (A: (layers, *in names, lora_rank); B: (layers,
+lora_rank, *out names); models/llama.py's parameter layout), so the adapters shard by the same
+rules table as the base (`distributed.sharding`).
+
     y = x W + (alpha / r) (x A) B        (the layer computes x A first: rank-r intermediates)
 
 Why not a library's interception: qwix (`qwix.LoraProvider`, as Tunix uses) adds adapters by
@@ -15,7 +19,7 @@ intercepting `einsum`/`dot_general` inside a module's call and matching the weig
 parameter of the *current module* (by identity, tracer parentage or shape,
 `qwix._src.utils.flax_util.find_param`). Our model scans over layers (`jax.lax.scan`) with every
 parameter sliced out of a stacked [L, ...] array of the child module `DecoderLayers` (and, under
-FSDP, read through `llama._read`): inside the scan body the weight is a per-layer slice that
+FSDP, all-gathered inside the scan): inside the scan body the weight is a per-layer slice that
 matches no parameter of the calling `Llama`, so qwix would find none and add nothing, and were it
 matched by shape it would create one unstacked adapter inside the scan trace, shared by all
 layers. `nnx.LoRA` / `nnx.LoRALinear` are 2-D modules (x @ a @ b, no alpha / rank scaling) for
@@ -43,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from branch_replay_jax.models.config import ModelConfig
-from branch_replay_jax.models.llama import Llama
+from branch_replay_jax.models.llama import AXES_KEY, Llama, annotated
 
 # Projection name -> number of its input axes after the layer axis (the rest are output axes).
 IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
@@ -107,7 +111,8 @@ def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
   """Add `spec`'s adapters to `model` in place (A he-uniform, B zero: the output is unchanged) and return it.
 
   Sets `model.lora = spec` (read by the forward for the scale) and, per target W,
-  `model.layers.W_lora_a` [L, *in, r] and `W_lora_b` [L, r, *out], float32 `nnx.LoRAParam`.
+  `model.layers.W_lora_a` [L, *in, r] and `W_lora_b` [L, r, *out], float32 `nnx.LoRAParam` annotated
+  with W's logical axis names and "lora_rank" (module docstring).
 
   Raises:
     ValueError: the model already has adapters, or `spec` does not fit its shapes (`check_spec`).
@@ -118,10 +123,13 @@ def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
   shapes, L, r = projection_shapes(model.config), model.config.num_layers, spec.rank
   for t in spec.targets:
     ins, outs = shapes[t]
+    names = getattr(model.layers, t).get_metadata(AXES_KEY)   # W's: (layers, *in names, *out names)
+    names_a, names_b = names[:1 + len(ins)] + ("lora_rank",), ("layers", "lora_rank") + names[1 + len(ins):]
     init_a = nnx.initializers.variance_scaling(2.0, "fan_in", "uniform", in_axis=tuple(range(1, 1 + len(ins))),
                                                out_axis=-1, batch_axis=(0,))
-    setattr(model.layers, t + "_lora_a", nnx.LoRAParam(init_a(rngs.params(), (L, *ins, r), jnp.float32)))
-    setattr(model.layers, t + "_lora_b", nnx.LoRAParam(jnp.zeros((L, r, *outs), jnp.float32)))
+    setattr(model.layers, t + "_lora_a", annotated(init_a(rngs.params(), (L, *ins, r), jnp.float32), names_a,
+                                                   nnx.LoRAParam))
+    setattr(model.layers, t + "_lora_b", annotated(jnp.zeros((L, r, *outs), jnp.float32), names_b, nnx.LoRAParam))
   model.lora = spec
   return model
 
