@@ -162,7 +162,7 @@ def validate_tree_rollout(config) -> None:
 
 def validate_mesh(config) -> None:
   """Raise ValueError for a config.mesh the loop cannot run: `validate_mesh_shape`'s (sizes, device
-  count, naive updates or Pallas attention on a mesh), and groups (trees), completions (first-level
+  count, naive updates or splash attention on a mesh), and groups (trees), completions (first-level
   subtrees) or micro-batches that do not split evenly."""
   m, r, t = config.mesh, config.rollout, config.train
   if not validate_mesh_shape(config):
@@ -188,7 +188,7 @@ def validate_mesh(config) -> None:
 def validate_mesh_shape(config) -> bool:
   """Whether config.mesh is a mesh (data x branch x seq > 1); raise ValueError, naming the field, for
   sizes that are not positive ints or whose product (when > 1) is not the device count, an unknown
-  mesh.params, naive gradients or Pallas attention on a mesh. Every algorithm's check (GRPO and PPO
+  mesh.params, naive gradients or splash attention (TPU) on a mesh. Every algorithm's check (GRPO and PPO
   through `validate_mesh`; DPO, whose ragged groups are padded to the mesh, directly)."""
   m, t = config.mesh, config.train
   for name in ("data", "branch", "seq"):
@@ -205,9 +205,12 @@ def validate_mesh_shape(config) -> bool:
   if t.gradient != "replay":
     raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
   impl = config.model.attention_impl
-  if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
-    raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
-                     "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
+  if impl == "splash" or (impl in ("pallas", "auto") and jax.default_backend() == "tpu"):
+    # The Triton kernels state their outputs' mesh-varying types (kernels/vma.py) and run inside the
+    # step's shard_map; JAX's splash kernels (TPU) build theirs without, which check_vma refuses.
+    raise ValueError(f"model.attention_impl={impl!r}: splash attention (the TPU kernels, from JAX) does not trace "
+                     "inside the mesh step's shard_map (check_vma: its pallas_call outputs state no varying mesh "
+                     "axes); use 'xla' or a 1x1x1 mesh")
   return True
 
 
