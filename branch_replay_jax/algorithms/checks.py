@@ -231,16 +231,12 @@ def lora_spec(config, model_config=None) -> lora.LoraSpec:
 def validate_lora(config) -> None:
   """Raise ValueError (naming the field and value) for a config.lora block (LoRA adapters,
   models/lora.py; absent: full fine-tuning) that cannot run: its fields (`lora_spec`: rank,
-  alpha, targets against the model's shapes; dropout must be 0) and the option LoRA cannot honour
-  here: a device mesh (the mesh step differentiates and shards the whole tree). Another algorithm
+  alpha, targets against the model's shapes; dropout must be 0). On a mesh the base is placed like
+  the parameters (mesh.params) and the adapters alone are differentiated. Another algorithm
   than GRPO / RLOO (PPO's critic and DPO's steps differentiate the whole parameter tree) is refused
   by `schema.parse` (lora is a field of the grpo schema only)."""
   if config.get("lora") is None:
     return
-  m = config.mesh
-  if m.data * m.branch * m.seq != 1:
-    raise ValueError(f"lora is set with mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq}: the "
-                     "mesh step differentiates the whole parameter tree; LoRA runs on a 1 x 1 x 1 mesh")
   d = config.lora.dropout
   if d != 0:
     raise ValueError(f"lora.dropout={d!r}: only 0 is supported (replay, the naive step and the reference pass must "
