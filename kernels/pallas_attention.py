@@ -33,6 +33,11 @@ error at most 2x the dense reference's in the same dtype): D = rowsum(dO * O) us
 dK = dS^T Q as two 16-bit operands hi + lo rather than one rounded dS (two extra dots per tile
 pair in the backward). float32 inputs use exact float32 dots, never TF32.
 
+Inside `shard_map(check_vma=True)` (the mesh step): the operands are cast to one manual-axis type
+before the custom_vjp and every kernel output states it (kernels/vma.py); the interpreter runs each
+device's call from gathered operands (`_interpret_per_device`). docs/design.md, "Attention kernels
+inside the mesh step".
+
 Targets: NVIDIA GPUs through the Triton lowering; the CPU through the Pallas interpreter (tests).
 On TPUs, attention_impl="pallas" resolves to splash attention (`splash_attention.py`) instead:
 these kernels were written for Triton (its compiler params, a whole K/V block per program, 1-D
