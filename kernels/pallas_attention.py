@@ -33,6 +33,11 @@ error at most 2x the dense reference's in the same dtype): D = rowsum(dO * O) us
 dK = dS^T Q as two 16-bit operands hi + lo rather than one rounded dS (two extra dots per tile
 pair in the backward). float32 inputs use exact float32 dots, never TF32.
 
+Inside `shard_map(check_vma=True)` (the mesh step): the operands are cast to one manual-axis type
+before the custom_vjp and every kernel output states it (kernels/vma.py); the interpreter runs each
+device's call from gathered operands (`_interpret_per_device`). docs/design.md, "Attention kernels
+inside the mesh step".
+
 Targets: NVIDIA GPUs through the Triton lowering; the CPU through the Pallas interpreter (tests).
 On TPUs, attention_impl="pallas" resolves to splash attention (`splash_attention.py`) instead:
 these kernels were written for Triton (its compiler params, a whole K/V block per program, 1-D
@@ -52,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from branch_replay_jax.kernels.reference import KVBlock
+from branch_replay_jax.kernels.vma import out_struct, to_common_varying
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims the kernel takes: Triton tiles are powers of two and its dots need K >= 16."""
@@ -76,6 +82,7 @@ class _Plan:
   num_warps: int
   num_stages: int
   interpret: bool
+  varying: frozenset = frozenset()   # manual mesh axes of every input and output (kernels/vma.py)
 
 
 def _tile(requested: int | None, default: int, length: int, name: str) -> int:
@@ -267,9 +274,35 @@ def _interleave(ks, vs, valids):
 
 
 def _call(plan: _Plan, kernel, **kwargs):
+  if plan.interpret and plan.varying:
+    return _interpret_per_device(plan, kernel, **kwargs)
   return pl.pallas_call(kernel, interpret=plan.interpret,
                         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
                         **kwargs)
+
+
+def _interpret_per_device(plan: _Plan, kernel, *, out_shape, **kwargs):
+  """The interpreted kernel inside shard_map(check_vma=True) on the CPU (tests), as one device's call.
+
+  The Pallas interpreter evaluates the state-discharged kernel, whose loops carry the K/V blocks
+  typed without manual axes, and JAX 0.10 refuses to run it on blocks that vary over mesh axes
+  ("Scan carry input and output got mismatched varying manual axes"); the Mosaic interpreter
+  (`pltpu.InterpretParams`) runs per device but through io_callbacks, which `jax.checkpoint`
+  (remat, FSDP's layer scan) does not take. So every device gathers all devices' operands
+  (invariant: `all_gather(..., to="invarying")`), runs the interpreted kernel on each under
+  `jax.vmap`, and keeps its own slice: the same values as the compiled kernel's one call per
+  device, at `mesh size` times the interpreter's work. Never on a GPU, where the Triton kernel runs
+  with the stated types.
+  """
+  axes = tuple(sorted(plan.varying))
+  invariant = jax.tree_util.tree_map(lambda s: out_struct(s.shape, s.dtype, frozenset()), out_shape)
+  inner = pl.pallas_call(kernel, interpret=True, out_shape=invariant, **kwargs)
+
+  def run(*args):
+    outs = jax.vmap(inner)(*(jax.lax.all_gather(x, axes, to="invarying") for x in args))
+    me = jax.lax.axis_index(axes)
+    return jax.tree_util.tree_map(lambda o: o[me], outs)
+  return run
 
 
 def _forward(plan: _Plan, q, ks, vs, valids):
@@ -280,7 +313,8 @@ def _forward(plan: _Plan, q, ks, vs, valids):
   return _call(plan, functools.partial(_forward_kernel, plan=plan), name="suffix_attention_fwd",
                grid=(b, hkv, r // bq), in_specs=[row_spec, *_kv_specs(plan, ks, valids)],
                out_specs=[row_spec, stat_spec],
-               out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((b, hkv, r), jnp.float32)],
+               out_shape=[out_struct(q.shape, jnp.float32, plan.varying),
+                          out_struct((b, hkv, r), jnp.float32, plan.varying)],
                )(q, *_interleave(ks, vs, valids))
 
 
@@ -292,7 +326,7 @@ def _dq(plan: _Plan, q, do, lse, delta, ks, vs, valids):
   return _call(plan, functools.partial(_dq_kernel, plan=plan), name="suffix_attention_dq",
                grid=(b, hkv, r // bq), in_specs=[row_spec, row_spec, stat_spec, stat_spec,
                                                   *_kv_specs(plan, ks, valids)],
-               out_specs=row_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+               out_specs=row_spec, out_shape=out_struct(q.shape, q.dtype, plan.varying),
                )(q, do, lse, delta, *_interleave(ks, vs, valids))
 
 
@@ -310,7 +344,7 @@ def _dkv(plan: _Plan, i: int, q, do, lse, delta, k, v, valid):
                grid=(k.shape[0], hkv, k.shape[1] // bk),
                in_specs=[row_spec, row_spec, stat_spec, stat_spec, key_spec, key_spec, valid_spec],
                out_specs=[key_spec, key_spec],
-               out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+               out_shape=[out_struct(k.shape, k.dtype, plan.varying), out_struct(v.shape, v.dtype, plan.varying)],
                )(q, do, lse, delta, k, v, valid)
 
 
@@ -424,7 +458,11 @@ def suffix_attention_pallas(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own
                block_k=tuple(tiles), causal=(False,) * (len(blocks) - 1) + (True,), shared=tuple(shared),
                num_warps=4 if d <= 64 or bq <= 32 else 8, num_stages=2,
                interpret=jax.default_backend() == "cpu" if interpret is None else bool(interpret))
-  o, lse = _flash(plan, q, tuple(ks), tuple(vs), tuple(valids))
+  # Inside shard_map(check_vma=True): one manual-axis type for every operand, stated on every
+  # kernel output (kernels/vma.py); outside, an empty set and no cast.
+  (q, ks, vs, valids), varying = to_common_varying(q, tuple(ks), tuple(vs), tuple(valids))
+  plan = dataclasses.replace(plan, varying=varying)
+  o, lse = _flash(plan, q, ks, vs, valids)
   out = o[:, :, :rows].astype(q_bthd.dtype).reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
   lse = lse[:, :, :rows].reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
   return out, lse

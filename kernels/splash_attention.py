@@ -31,6 +31,9 @@ Precision: splash rounds O to q's dtype before D = rowsum(dO * O) and dS to q's 
 dQ = dS K and dK = dS^T Q, both of which FlashAttention-2 also does; `pallas_attention` avoids both
 for bfloat16. tests/test_kernels.py measures the effect against the 2x rule.
 
+Not inside the mesh step's `shard_map(check_vma=True)`: splash's pallas_calls (JAX's) state no
+varying mesh axes for their outputs, which check_vma refuses; the loop refuses splash on a mesh.
+
 Targets: TPUs (Mosaic). On the CPU, `interpret=True` runs the same kernels in the Pallas
 interpreter (the tests). Not for GPUs: use `suffix_attention_pallas` there.
 """

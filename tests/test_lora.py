@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from conftest import experiment_config, max_rel_err, no_model_load, random_group
 
 from branch_replay_jax import losses as obj
@@ -250,7 +251,6 @@ BAD = [
     ({"lora.rank": 17}, "lora.rank=17 is larger than projection wk's dimensions (fan-in 32, fan-out 16)"),
     ({"lora.alpha": 0.0}, "lora.alpha=0.0"),
     ({"lora.dropout": 0.1}, "lora.dropout=0.1"),
-    ({"mesh.branch": 8}, "lora is set with mesh.data x mesh.branch x mesh.seq = 1 x 8 x 1"),
 ]
 
 
@@ -336,3 +336,67 @@ def test_lora_smoke_run_trains_adapters_only_and_passes_the_exactness_check(tmp_
   assert all(np.abs(layers["layers"][t + "_lora_b"]).max() > 0 for t in lora.TARGETS)
   model = runs.build_model(config)[0]
   assert meta["lora_base"]["sha256"] == lora.base_hash(lora.split(model)[2])
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+# float64 is heavy (~40 s of CPU, 2-3 min on loaded cores: four compiles); CI runs float32, the same
+# code path with the adapters FSDP-sharded too.
+@pytest.mark.parametrize("dtype, tol, adapters_mode", [
+    pytest.param(jnp.float64, 1e-10, "replicated", marks=pytest.mark.heavy), (jnp.float32, 1e-5, "fsdp")])
+def test_lora_on_the_fsdp_mesh_equals_naive(dtype, tol, adapters_mode):
+  # Two groups (prompts of 11 and 6 tokens, bucket 16) on 2 x 2 x 2: the frozen base FSDP-sharded
+  # (each leaf split over the 8 devices, gathered per use inside the step, never differentiated),
+  # the adapters replicated (float64) or FSDP-sharded too (float32). Expected: the one-device naive
+  # step summed over the groups, to float64 rounding (1e-10) or float32's (1e-5, the mesh bound);
+  # only the order of sums differs. The forward-only log-probs equal one device's, and the
+  # gradient is the adapters' alone, laid out as they were placed.
+  from branch_replay_jax.distributed.mesh import (make_mesh, pad_prompts, param_specs, shard_batch, shard_params,
+                                                  stack_groups)
+  from jax.sharding import NamedSharding
+  with jax.enable_x64(dtype == jnp.float64):
+    graphdef, adapters, base = adapted_model(dtype)
+    groups = [grpo_arrays(random_group([3, 5, 2, 7], seed=s, prompt_len=n, prompt_bucket=16, completion_bucket=8),
+                          np.dtype(dtype), seed=s) for s, n in enumerate((11, 6))]
+    outs = [_naive(graphdef, adapters, base, g, grpo_objective) for g in groups]
+    want_grads = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
+    logprobs = jax.jit(lambda a, b, x: forward(POLICY, lora.WithBase(graphdef, b), a, x))
+    want_logp = [np.asarray(logprobs(adapters, base, g)) for g in groups]
+    mesh = make_mesh(2, 2, 2)
+    with jax.set_mesh(mesh):
+      batch = shard_batch(stack_groups(pad_prompts(groups, 2)), mesh)
+      placed_base, placed = shard_params(base, mesh, "fsdp"), shard_params(adapters, mesh, adapters_mode)
+      assert jax.typeof(placed_base["layers"]["wq"][...]).sharding.spec != P()   # the base is split
+      loss, _, grads = jax.jit(lambda a, b, x: value_and_grad(POLICY, lora.WithBase(graphdef, b), a, x, grpo_objective,
+                                                              mesh=mesh))(placed, placed_base, batch)
+      logp = jax.jit(lambda a, b, x: forward(POLICY, lora.WithBase(graphdef, b), a, x, mesh=mesh))(
+          placed, placed_base, batch)
+    assert float(loss) == pytest.approx(float(outs[0][0] + outs[1][0]), rel=tol)
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(adapters), "only adapters differentiated"
+    assert max_rel_err(grads, want_grads) <= tol
+    same = jax.tree_util.tree_map(lambda g, s: g.sharding.is_equivalent_to(NamedSharding(mesh, s), g.ndim), grads,
+                                  param_specs(adapters, mesh, adapters_mode))
+    assert all(jax.tree_util.tree_leaves(same))
+    for i, want in enumerate(want_logp):
+      assert max_rel_err(np.asarray(logp)[i], want) <= tol
+
+
+@pytest.mark.heavy   # two 2-step runs (~3 min on loaded cores); CI: test_lora_on_the_fsdp_mesh_equals_naive[float32]
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_lora_mesh_run_trains_the_adapters_of_the_one_device_run(tmp_path, monkeypatch):
+  # :lora_smoke (2 groups x G=4, 2 steps, rewards that vary) on one device and on 2 x 2 x 2 with the
+  # base and the adapters FSDP-sharded, the run-time exactness check at step 2 (on a device copy
+  # of the base): the same adapters to the mesh-run bound (1e-5 relative; only the order of sums
+  # differs), the same rewards, and both checks pass.
+  from conftest import final_params, length_score, max_rel
+  from branch_replay_jax.rollout.tasks import Task
+  monkeypatch.setattr(Task, "score", length_score)
+  runs_ = {}
+  for name, mesh in (("one", {}), ("mesh", {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp",
+                                             "train.micro_batch": 2})):
+    config = experiment_config(grpo_smollm2_arith, "lora_smoke", tmp_path / name,
+                               **{"train.exactness_check_every": 2, **mesh})
+    runs_[name] = (grpo.train(config), final_params(tmp_path / name)[0])
+  (h1, p1), (h2, p2) = runs_["one"], runs_["mesh"]
+  assert max_rel(p2, p1) <= 1e-5
+  assert [r["reward_mean"] for r in h2] == [r["reward_mean"] for r in h1]
+  assert h1[-1]["exactness_ok"] and h2[-1]["exactness_ok"]

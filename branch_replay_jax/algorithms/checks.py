@@ -158,7 +158,7 @@ def validate_tree_rollout(config) -> None:
 
 def validate_mesh(config) -> None:
   """Raise ValueError for a config.mesh the loop cannot run: `validate_mesh_shape`'s (sizes, device
-  count, naive updates or Pallas attention on a mesh), and groups (trees), completions (first-level
+  count, naive updates or splash attention on a mesh), and groups (trees), completions (first-level
   subtrees) or micro-batches that do not split evenly."""
   m, r, t = config.mesh, config.rollout, config.train
   if not validate_mesh_shape(config):
@@ -184,7 +184,7 @@ def validate_mesh(config) -> None:
 def validate_mesh_shape(config) -> bool:
   """Whether config.mesh is a mesh (data x branch x seq > 1); raise ValueError, naming the field, for
   sizes that are not positive ints or whose product (when > 1) is not the device count, an unknown
-  mesh.params, naive gradients or Pallas attention on a mesh. Every algorithm's check (GRPO and PPO
+  mesh.params, naive gradients or splash attention (TPU) on a mesh. Every algorithm's check (GRPO and PPO
   through `validate_mesh`; DPO, whose ragged groups are padded to the mesh, directly)."""
   m, t = config.mesh, config.train
   for name in ("data", "branch", "seq"):
@@ -201,9 +201,12 @@ def validate_mesh_shape(config) -> bool:
   if t.gradient != "replay":
     raise ValueError(f"train.gradient={t.gradient!r}: the mesh step is replay only; use 'replay' or a 1x1x1 mesh")
   impl = config.model.attention_impl
-  if impl in ("pallas", "splash") or (impl == "auto" and jax.default_backend() != "cpu"):
-    raise ValueError(f"model.attention_impl={impl!r}: the Pallas kernels do not compile inside the mesh step's "
-                     "shard_map (check_vma); use 'xla' or a 1x1x1 mesh")
+  if impl == "splash" or (impl in ("pallas", "auto") and jax.default_backend() == "tpu"):
+    # The Triton kernels state their outputs' mesh-varying types (kernels/vma.py) and run inside the
+    # step's shard_map; JAX's splash kernels (TPU) build theirs without, which check_vma refuses.
+    raise ValueError(f"model.attention_impl={impl!r}: splash attention (the TPU kernels, from JAX) does not trace "
+                     "inside the mesh step's shard_map (check_vma: its pallas_call outputs state no varying mesh "
+                     "axes); use 'xla' or a 1x1x1 mesh")
   return True
 
 
@@ -224,16 +227,12 @@ def lora_spec(config, model_config=None) -> lora.LoraSpec:
 def validate_lora(config) -> None:
   """Raise ValueError (naming the field and value) for a config.lora block (LoRA adapters,
   models/lora.py; absent: full fine-tuning) that cannot run: its fields (`lora_spec`: rank,
-  alpha, targets against the model's shapes; dropout must be 0) and the option LoRA cannot honour
-  here: a device mesh (the mesh step differentiates and shards the whole tree). Another algorithm
+  alpha, targets against the model's shapes; dropout must be 0). On a mesh the base is placed like
+  the parameters (mesh.params) and the adapters alone are differentiated. Another algorithm
   than GRPO / RLOO (PPO's critic and DPO's steps differentiate the whole parameter tree) is refused
   by `schema.parse` (lora is a field of the grpo schema only)."""
   if config.get("lora") is None:
     return
-  m = config.mesh
-  if m.data * m.branch * m.seq != 1:
-    raise ValueError(f"lora is set with mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq}: the "
-                     "mesh step differentiates the whole parameter tree; LoRA runs on a 1 x 1 x 1 mesh")
   d = config.lora.dropout
   if d != 0:
     raise ValueError(f"lora.dropout={d!r}: only 0 is supported (replay, the naive step and the reference pass must "

@@ -180,9 +180,12 @@ class GRPOFunctions:
     self.objective = objective(config, tree)
     tau = logprob_temperature(config)
     cast, upcast = runs.param_casts(config)
-    self.cast, self.frozen = cast, frozen
+    # LoRA's base on the mesh: placed like the parameters (mesh.params: FSDP or replicated) and
+    # passed into the step's shard_map (gradients.step), never differentiated. The run-time check
+    # runs on one device: on a mesh it takes a device copy of the base for the check (`exactness`).
+    self.cast, self.frozen = cast, placement.place(frozen, self.mesh, self.param_mode)
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
-                                cast, upcast, frozen, temperature=tau)
+                                cast, upcast, frozen if self.mesh is None else None, temperature=tau)
     mesh, layout, head = self.mesh, "naive" if naive else "replay", Policy(temperature=tau)
     # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are: each
     # compiled shape uses the largest divisor of that count (per device) not above train.micro_batch.
@@ -224,8 +227,8 @@ class GRPOFunctions:
     the model on a full copy of the parameters on it} for this process's sampling `devices`."""
     params = self.cast(params)   # the policy the step trains: model.param_dtype's rounding of the master
     if devices is None and self.frozen is not None:
-      return nnx.merge(graphdef, params, self.frozen)   # LoRA (one device, checks.validate_lora): adapters + base
-    return placement.sampling_policy(graphdef, params, self.mesh, devices)
+      return nnx.merge(graphdef, params, self.frozen)   # LoRA on one device: adapters + base
+    return placement.sampling_policy(graphdef, params, self.mesh, devices, frozen=self.frozen)
 
 
 def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, groups: list[Group],
@@ -272,9 +275,9 @@ class GRPO(loop.Algorithm):
 
   def setup(self, run):
     self.run = run
-    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer)   # LoRA: one device (validate_lora)
+    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer)
     self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
-                       adapters_off(run.params))   # LoRA: the base model, no second copy of it
+                       self.fns.place(adapters_off(run.params)))   # LoRA: the base model, no second copy of it
     return self.fns.place(run.params), self.fns.place(run.opt_state)
 
   def collect(self, run, params, step, data_pos):
@@ -320,7 +323,10 @@ class GRPO(loop.Algorithm):
     device = jax.local_devices()[0]
     with jax.set_mesh(self.fns.mesh):
       p, ref = (hosts.device_copies(x, self.fns.mesh, [device])[device] for x in (params, self.ref_params))
+      if self.fns.frozen is not None:   # LoRA: the base on the check's device, for the check only
+        self.fns.check.frozen = hosts.device_copies(self.fns.frozen, self.fns.mesh, [device])[device]
     out = hosts.allgather_objects(self.fns.check(p, ref, groups) if hosts.is_primary() else None)[0]
+    self.fns.check.frozen = None
     self.fns.check.pending = out is None   # no group with unequal rewards: check at the next step
     return out or {}
 

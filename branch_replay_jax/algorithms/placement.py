@@ -51,20 +51,22 @@ def spread_devices(mesh, num_items: int):
   return None if mesh is None else hosts.spread_devices(mesh, num_items)
 
 
-def sampling_policy(graphdef, params, mesh, devices, select=None):
+def sampling_policy(graphdef, params, mesh, devices, select=None, frozen=None):
   """The policy the sampler runs, from `params` as the update holds them (cast by the caller):
   without `devices`, the model nnx.merge(graphdef, params) where the parameters lie; with
   `devices` ([n] from `sampling_devices` or `eval_devices`, on `mesh`), {device: the model on a
   full copy of the parameters on that device} for this process's devices (`hosts.device_copies`:
   FSDP parameters all-gathered once, a collective every process joins). `select` picks the module
-  that samples out of the merged one (PPO: the actor-critic's `.policy`); default the model itself."""
+  that samples out of the merged one (PPO: the actor-critic's `.policy`); default the model itself.
+  frozen: LoRA's base state (params are then the adapters), merged with them and copied alike."""
   select = select or (lambda model: model)
+  states = (params,) if frozen is None else (params, frozen)
   if devices is None:
-    return select(nnx.merge(graphdef, params))
+    return select(nnx.merge(graphdef, *states))
   mine = [d for d in devices if d.process_index == jax.process_index()]
   with jax.set_mesh(mesh):
-    copies = hosts.device_copies(params, mesh, mine)
-  return {d: select(nnx.merge(graphdef, p)) for d, p in copies.items()}
+    copies = hosts.device_copies(states, mesh, mine)
+  return {d: select(nnx.merge(graphdef, *s)) for d, s in copies.items()}
 
 
 def on_mesh(batches: list, mesh):

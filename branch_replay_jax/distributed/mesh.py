@@ -238,13 +238,15 @@ def _leaves(tree) -> list:
   return jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)
 
 
-def mesh_value_and_grad(per_group, params, batch, mesh):
+def mesh_value_and_grad(per_group, params, batch, mesh, frozen=None):
   """Σ over the batch of per_group(local params, one group's batch, reduce) under shard_map (the one
   mesh wrapper of `gradients.step.value_and_grad`).
 
   per_group returns (loss, aux, grads) of one group on this device, aux with a leading G (or F_1)
   axis; reduce is the prompt-cotangent all-reduce over `branch`. Returns (loss replicated, aux
-  [B, G, ...] sharded P("data", "branch"), grads resharded like `params`).
+  [B, G, ...] sharded P("data", "branch"), grads resharded like `params`). frozen: parameters read
+  but not differentiated (LoRA's base, `models.lora.WithBase`), placed and gathered like `params`
+  (replicated or FSDP) and passed as per_group(..., frozen=this device's frozen); no gradient.
   """
   n_branch, n_seq = mesh.shape["branch"], mesh.shape["seq"]
 
@@ -256,9 +258,11 @@ def mesh_value_and_grad(per_group, params, batch, mesh):
 
   treedef = jax.tree_util.tree_structure(params)   # without the gather metadata `_over_mesh` adds
 
-  def per_device(local, batch, dims):
+  def per_device(local, batch, dims):   # dims: params' leaves first, then frozen's (`_leaves` order)
+    local, extra = (local, {}) if frozen is None else (local[0], {"frozen": local[1]})
+
     def one_group(carry, batch):
-      loss, aux, grads = per_group(local, batch, reduce_prompt_cotangent)
+      loss, aux, grads = per_group(local, batch, reduce_prompt_cotangent, **extra)
       return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), aux
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, local)
@@ -275,14 +279,18 @@ def mesh_value_and_grad(per_group, params, batch, mesh):
       loss, grads = loss / n_seq, jax.tree_util.tree_map(lambda g: g / n_seq, grads)
     return loss, _invariant_over_seq(aux), grads
 
-  return _over_mesh(per_device, params, batch, mesh, out_specs=lambda specs: (P(), P("data", "branch"), specs))
+  tree = params if frozen is None else (params, frozen)
+  return _over_mesh(per_device, tree, batch, mesh,
+                    out_specs=lambda specs: (P(), P("data", "branch"), specs if frozen is None else specs[0]))
 
 
-def mesh_map(per_group, params, batch, mesh):
+def mesh_map(per_group, params, batch, mesh, frozen=None):
   """Forward-only `shard_map` of per_group(local params, one group's or tree's batch) over a stacked
-  batch (the forward twin of `mesh_value_and_grad`). Returns its outputs stacked [B, G (F_1), ...],
-  sharded P("data", "branch")."""
+  batch (the forward twin of `mesh_value_and_grad`, `frozen` as there). Returns its outputs stacked
+  [B, G (F_1), ...], sharded P("data", "branch")."""
   def per_device(local, batch, dims):
     del dims
-    return _invariant_over_seq(jax.lax.scan(lambda _, one: (None, per_group(local, one)), None, batch)[1])
-  return _over_mesh(per_device, params, batch, mesh, out_specs=P("data", "branch"))
+    local, extra = (local, {}) if frozen is None else (local[0], {"frozen": local[1]})
+    return _invariant_over_seq(jax.lax.scan(lambda _, one: (None, per_group(local, one, **extra)), None, batch)[1])
+  return _over_mesh(per_device, params if frozen is None else (params, frozen), batch, mesh,
+                    out_specs=P("data", "branch"))

@@ -165,6 +165,13 @@ def leaf_siblings(batch: GroupBatch | TreeBatch, mesh=None) -> int:
   return f // branch if len(batch.levels) == 1 else f
 
 
+def _unbind(graphdef):
+  """(graphdef, None), or for LoRA's `WithBase` (its graphdef, its base): on a mesh the base enters
+  the shard_map as an argument, placed as the caller placed it (replicated or FSDP, gathered per
+  use like the parameters), never as a closed-over constant (which would be replicated whole)."""
+  return (graphdef.graphdef, graphdef.base) if isinstance(graphdef, WithBase) else (graphdef, None)
+
+
 def _seq_split(head, graphdef, local, batch, mesh) -> dict:
   """{} on one `seq` device, else `seq_parallel.prompt_split` for this device's prompt chunk."""
   if mesh.shape["seq"] == 1:
@@ -204,11 +211,14 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
   if mesh is not None:
     check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
 
-    def per_group(local, one, reduce):
-      return value_and_grad(head, graphdef, local, one, objective, micro_batch=micro_batch, schedule=schedule,
+    graph, frozen = _unbind(graphdef)
+
+    def per_group(local, one, reduce, frozen=None):
+      g = graph if frozen is None else WithBase(graph, frozen)
+      return value_and_grad(head, g, local, one, objective, micro_batch=micro_batch, schedule=schedule,
                             logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce,
-                            **_seq_split(head, graphdef, local, one, mesh))
-    return meshes.mesh_value_and_grad(per_group, params, batch, mesh)
+                            **_seq_split(head, g, local, one, mesh))
+    return meshes.mesh_value_and_grad(per_group, params, batch, mesh, frozen=frozen)
   m = _micro_batch(micro_batch, batch)
   if layout == "naive":
     return _naive_value_and_grad(head, graphdef, params, batch, objective, m, logprob_chunk)
@@ -253,9 +263,13 @@ def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: st
   _check(layout, batch, mesh)
   if mesh is not None:
     check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
-    per_group = lambda local, one: forward(head, graphdef, local, one, micro_batch=micro_batch,
-                                           logprob_chunk=logprob_chunk, **_seq_split(head, graphdef, local, one, mesh))
-    return meshes.mesh_map(per_group, params, batch, mesh)
+    graph, frozen = _unbind(graphdef)
+
+    def per_group(local, one, frozen=None):
+      g = graph if frozen is None else WithBase(graph, frozen)
+      return forward(head, g, local, one, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
+                     **_seq_split(head, g, local, one, mesh))
+    return meshes.mesh_map(per_group, params, batch, mesh, frozen=frozen)
   if layout == "naive":
     tokens, valid, offset = naive_batch(batch)
     return head.forward_result(_naive_outputs(head, merge(graphdef, params), tokens, valid, offset,
