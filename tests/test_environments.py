@@ -2,11 +2,20 @@
 tool calls, and episodes run end to end, including the ones that end marked (a malformed call, a tool
 error, a budget) and the ones that stop with an error naming the problem."""
 
+import functools
 import importlib.util
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from conftest import max_rel_err, tiny_model
 
-from branch_replay_jax.data.episodes import MODEL, OBSERVATION, episode_tree
+from branch_replay_jax import losses as obj
+from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, episode_group_arrays, episode_tree,
+                                             episode_tree_arrays)
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.rollout.environments import (CalculatorEnv, EpisodeEnd, episode_counts, run_episode)
 from branch_replay_jax.rollout.tools import CALCULATOR, ToolCallError, ToolError, calculate, parse_tool_calls
 
@@ -159,3 +168,33 @@ def test_an_environment_that_raises_or_returns_malformed_messages_stops_naming_t
     _run(Malformed(), None, tokenizer, ["hello"], index=3)
   with pytest.raises(ValueError, match="status='done'"):
     EpisodeEnd("done", "not a marked end")
+
+
+@pytest.mark.heavy   # ~5 min on loaded cores (SmolLM2's 49k vocabulary); the layouts' exactness in CI: tests/test_episodes.py
+@needs_smollm2
+def test_calculator_episodes_train_by_replay_as_by_naive_rows(tokenizer, task):
+  # End to end: three calculator episodes of one problem (right, wrong, a malformed call) through
+  # ChatTokens, their tree and both layouts, on a random 2-layer model with SmolLM2's vocabulary.
+  # GRPO over the rewards (1, 0, 0), token_mean over model tokens: replay's loss and gradient equal
+  # the naive rows' (float32 bounds), and the loss is not 0 (the advantages are not).
+  problem, env = task[0], CalculatorEnv(task)
+  results = [_run(env, problem, tokenizer, [call("5 - 33"), "<answer>-28</answer>"]),
+             _run(env, problem, tokenizer, [call("5 + 33"), "<answer>38</answer>"]),
+             _run(env, problem, tokenizer, ['<tool_call>{"name": "calculator"'])]
+  assert [r.reward for r in results] == [1.0, 0.0, 0.0]
+  episodes = [r.episode for r in results]
+  etree = episode_tree(episodes)
+  adv = np.asarray(obj.group_advantages(jnp.asarray([r.reward for r in results], jnp.float32)))
+  w = obj.trajectory_weights(etree.model_lengths(), mode="token_mean").astype(np.float32)
+  vocab, context = len(tokenizer), 1024
+  replay = episode_tree_arrays(etree, adv, w)
+  naive = episode_group_arrays(episodes, adv, w, vocab_size=vocab, max_positions=context)
+  graphdef, params = tiny_model(vocab_size=vocab, max_positions=context)
+  tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
+  group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
+  f = replay.levels[-1].tokens.shape[-2]
+  lt, _, gt = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, tree_obj, schedule="level",
+                                                  micro_batch=f))(params, replay)
+  ln, _, gn = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, group_obj, layout="naive"))(params, naive)
+  assert abs(float(ln)) > 1e-3
+  assert abs(float(lt) - float(ln)) <= 1e-5 * max(1.0, abs(float(ln))) and max_rel_err(gt, gn) <= 1e-4
