@@ -86,6 +86,8 @@ def test_bad_episodes_are_refused():
     Episode(p, (np.array([3]),), ("tool",))
   with pytest.raises(ValueError, match="no model segment"):
     Episode(p, (), ())
+  with pytest.raises(ValueError, match=r"segments\[0\] must hold token ids"):
+    Episode(p, (np.array([3, -1]),), (M,))
   with pytest.raises(ValueError, match=r"episodes\[1\].prompt differs"):
     episode_tree([Episode(p, (np.array([3]),), (M,)), Episode(p + 1, (np.array([3]),), (M,))])
   etree = episode_tree([Episode(p, (np.array([3]),), (M,)), Episode(p, (np.array([4]),), (M,))])
@@ -136,11 +138,18 @@ def _logged(out, batch) -> dict:
           "clip_frac": float(clipped) / pairs, "clipped": int(clipped), "pairs": pairs}
 
 
-def _both(graphdef, params, mode, dtype, advantage="grpo"):
+def _replay_step(graphdef, params, batch, schedule="level"):
+  """Tree replay of an episode TreeBatch: the level schedule with all leaf siblings in one step, or
+  depth-first one leaf at a time."""
+  f = batch.levels[-1].tokens.shape[-2]
+  return _tree_step(graphdef, params, batch, _tree_objective, schedule=schedule,
+                    micro_batch=f if schedule == "level" else 1)
+
+
+def _both(graphdef, params, mode, dtype, advantage="grpo", schedules=SCHEDULES):
+  """({schedule: replay's (loss, aux, grads)}, naive's, replay TreeBatch, naive GroupBatch)."""
   _, replay, naive = _layouts(mode, dtype, advantage)
-  f = replay.levels[-1].tokens.shape[-2]
-  tree = {s: _tree_step(graphdef, params, replay, _tree_objective, schedule=s, micro_batch=f if s == "level" else 1)
-          for s in SCHEDULES}
+  tree = {s: _replay_step(graphdef, params, replay, s) for s in schedules}
   return tree, _naive_step(graphdef, params, naive, _group_objective), replay, naive
 
 
@@ -164,9 +173,10 @@ def test_episode_replay_equals_naive_rows_float64_with_every_logged_metric(x64, 
 
 
 def test_episode_replay_equals_naive_rows_float32():
+  # The level schedule (float64 above runs both; one compile per schedule costs minutes on loaded cores).
   graphdef, params = tiny_model()
   for mode in obj.NORMALISATIONS:
-    tree, (ln, _, gn), _, _ = _both(graphdef, params, mode, np.float32)
+    tree, (ln, _, gn), _, _ = _both(graphdef, params, mode, np.float32, schedules=("level",))
     for schedule, (lt, _, gt) in tree.items():
       assert abs(float(lt) - float(ln)) <= 1e-5 * max(1.0, abs(float(ln))), (mode, schedule)
       assert max_rel_err(gt, gn) <= 1e-4, (mode, schedule)
@@ -174,13 +184,14 @@ def test_episode_replay_equals_naive_rows_float32():
 
 def test_episode_replay_bfloat16_error_at_most_twice_the_naive_rows_error():
   # bfloat16 compute: replay's gradient error against the float64 naive gradient is at most 2x the
-  # naive layout's own error (flash-attention's rule, as tests/test_replay.py).
+  # naive layout's own error (flash-attention's rule, as tests/test_replay.py). Depth-first here, the
+  # level schedule in float32.
   with jax.enable_x64(True):
     gd64, p64 = tiny_model(jnp.float64, jnp.float64)
-    _, (_, _, g_ref), _, _ = _both(gd64, p64, "sequence_mean", np.float64)
+    _, (_, _, g_ref), _, _ = _both(gd64, p64, "sequence_mean", np.float64, schedules=())
     g_ref = jax.tree_util.tree_map(np.asarray, g_ref)
   graphdef, params = tiny_model(jnp.bfloat16)
-  tree, (_, _, g_naive), _, _ = _both(graphdef, params, "sequence_mean", np.float32)
+  tree, (_, _, g_naive), _, _ = _both(graphdef, params, "sequence_mean", np.float32, schedules=("depth_first",))
   err_naive = max_rel_err(g_naive, g_ref)
   assert err_naive > 1e-4, "bfloat16 must actually round (else this test checks nothing)"
   for schedule, (_, _, g_replay) in tree.items():
@@ -225,7 +236,7 @@ def test_an_observation_token_has_weight_zero_and_its_advantage_and_ref_logp_do_
     return out
 
   cases = [(replay, lambda b, leak=False: b.replace(levels=tuple(perturb(s, o, leak) for s, o in zip(b.levels, obs_levels))),
-            lambda b: _tree_step(graphdef, params, b, _tree_objective)),
+            lambda b: _replay_step(graphdef, params, b)),
            (naive, lambda b, leak=False: b.replace(branches=perturb(b.branches, obs_naive, leak)),
             lambda b: _naive_step(graphdef, params, b, _group_objective))]
   for batch, change, step in cases:

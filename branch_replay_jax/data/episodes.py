@@ -48,8 +48,8 @@ class Episode:
     environment or the chat template: attended, never trained), one per segment.
 
   Raises:
-    ValueError: an empty prompt or segment, a role not in ROLES, segments and roles of different
-      lengths, no model segment, or a last segment that is an observation (no model token attends
+    ValueError: an empty prompt or segment, ids that are not integers >= 0, a role not in ROLES,
+      segments and roles of different lengths, no model segment, or a last segment that is an observation (no model token attends
       to it, so it would be computed for nothing: drop it).
   """
 
@@ -67,6 +67,10 @@ class Episode:
         raise ValueError(f"Episode: roles[{i}]={role!r} is not one of {ROLES}")
       if np.asarray(seg).ndim != 1 or np.asarray(seg).size == 0:
         raise ValueError(f"Episode: segments[{i}] ({role}) must be a non-empty 1-D array of token ids")
+    for name, ids in [("prompt", self.prompt)] + [(f"segments[{i}]", s) for i, s in enumerate(self.segments)]:
+      ids = np.asarray(ids)
+      if not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
+        raise ValueError(f"Episode: {name} must hold token ids (integers >= 0), got {ids.dtype} {ids[:8].tolist()}")
     if MODEL not in self.roles:
       raise ValueError("Episode: no model segment; an episode needs a sampled token to train")
     if self.roles[-1] != MODEL:
