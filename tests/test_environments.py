@@ -166,6 +166,10 @@ def test_an_environment_that_raises_or_returns_malformed_messages_stops_naming_t
     _run(Raising(), None, tokenizer, ["hello"], index=3)
   with pytest.raises(ValueError, match=r"problem 3: the environment's step 0 returned '42'"):
     _run(Malformed(), None, tokenizer, ["hello"], index=3)
+  with pytest.raises(ValueError, match=r"problem 3: sample_turn returned 2 ids without a stop id, under the turn's "
+                     "budget of 64"):
+    run_episode(Raising(), None, 3, tokenizer, lambda ids, budget: [12, 13], max_turns=2, max_turn_tokens=64,
+                max_context=1024)
   with pytest.raises(ValueError, match="status='done'"):
     EpisodeEnd("done", "not a marked end")
 

@@ -148,8 +148,9 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
     An `EpisodeResult`.
 
   Raises:
-    ValueError: a budget < 1; a prompt with no room for a turn; the environment's reset or step
-      returned malformed messages; the template rewrites earlier turns (each naming the problem's index).
+    ValueError: a budget < 1; a prompt with no room for a turn; sample_turn returned no ids, more than
+      the budget, or fewer without a stop id; the environment's reset or step returned malformed
+      messages; the template rewrites earlier turns (each naming the problem's index).
     RuntimeError: the environment raised something other than `EpisodeEnd` (naming the problem's index).
   """
   for name, value in (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens), ("max_context", max_context)):
@@ -175,8 +176,11 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
       raise ValueError(f"problem {index}: sample_turn returned {len(sampled)} ids for a budget of {budget}")
     content = chat.add_model_turn(sampled)
     turns += 1
-    if sampled[-1] not in stops:
-      status = "max_turn_tokens" if len(sampled) == max_turn_tokens else "max_context"
+    if sampled[-1] not in stops:   # cut by a budget: the turn's own, or the context's when that is smaller
+      if len(sampled) != budget:
+        raise ValueError(f"problem {index}: sample_turn returned {len(sampled)} ids without a stop id, under the "
+                         f"turn's budget of {budget}")
+      status = "max_turn_tokens" if budget == max_turn_tokens else "max_context"
       break
     try:
       observation, r, done = env.step(content)
