@@ -33,9 +33,11 @@ from branch_replay_jax.rollout.tools import (CALCULATOR, Tool, ToolCallError, To
 
 # How an episode ended: "done" (the environment said so), "malformed_tool_call", "tool_error" (marked
 # by the environment, `EpisodeEnd`), or cut by a budget (truncated): "max_turns", "max_turn_tokens"
-# (a model turn reached its token budget without a stop id), "max_context" (the next turn has no room).
-STATUSES = ("done", "malformed_tool_call", "tool_error", "max_turns", "max_turn_tokens", "max_context")
-TRUNCATED = ("max_turns", "max_turn_tokens", "max_context")
+# (a model turn reached its token budget without a stop id), "max_episode_tokens" (the episode's model
+# tokens reached theirs), "max_context" (the next turn has no room).
+STATUSES = ("done", "malformed_tool_call", "tool_error", "max_turns", "max_turn_tokens", "max_episode_tokens",
+            "max_context")
+TRUNCATED = ("max_turns", "max_turn_tokens", "max_episode_tokens", "max_context")
 
 
 class Environment(Protocol):
@@ -130,7 +132,7 @@ def _check_messages(messages, index: int, where: str):
 
 
 def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: Callable[[list[int], int], Sequence[int]],
-                *, max_turns: int, max_turn_tokens: int, max_context: int,
+                *, max_turns: int, max_turn_tokens: int, max_context: int, max_episode_tokens: int | None = None,
                 chat_template: str | None = None) -> EpisodeResult:
   """Run one episode: reset, then model turns and observations until done, an `EpisodeEnd` or a budget.
 
@@ -139,9 +141,11 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
     problem, index: the problem and its index (named in errors).
     tokenizer: the model's tokenizer (its chat template renders the messages, `rollout.chat.ChatTokens`).
     sample_turn: (ids so far, token budget) -> the sampled ids of one turn (at most the budget; ending
-      with a stop id unless the budget cut it), e.g. a sampler continuing `ids`.
+      with a stop id unless the budget cut it), e.g. `rollout.episode_sampler.EpisodeSampler`.
     max_turns: model turns per episode; max_turn_tokens: tokens per model turn; max_context: tokens
-      of the whole episode (prompt included).
+      of the whole episode (prompt included); max_episode_tokens: model tokens of the whole episode
+      (its turns summed; None: no such budget). A turn's budget is the smallest of what each leaves;
+      the one that cuts a turn names its status.
     chat_template: as `ChatTokens`.
 
   Returns:
@@ -153,7 +157,9 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
       messages; the template rewrites earlier turns (each naming the problem's index).
     RuntimeError: the environment raised something other than `EpisodeEnd` (naming the problem's index).
   """
-  for name, value in (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens), ("max_context", max_context)):
+  budgets = (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens), ("max_context", max_context)) + (
+      (("max_episode_tokens", max_episode_tokens),) if max_episode_tokens is not None else ())
+  for name, value in budgets:
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"run_episode: {name}={value!r} must be an int >= 1")
   try:
@@ -165,22 +171,27 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
   if len(chat.ids) >= max_context:
     raise ValueError(f"problem {index}: the prompt has {len(chat.ids)} tokens, no room in max_context={max_context}")
   stops = set(stop_ids(tokenizer))
-  reward, status, turns, tool_calls = 0.0, "max_turns", 0, 0
+  reward, status, turns, tool_calls, sampled_tokens = 0.0, "max_turns", 0, 0, 0
   while turns < max_turns:
-    budget = min(max_turn_tokens, max_context - len(chat.ids))
+    left = {"max_turn_tokens": max_turn_tokens, "max_context": max_context - len(chat.ids)}
+    if max_episode_tokens is not None:
+      left["max_episode_tokens"] = max_episode_tokens - sampled_tokens
+    binding = min(left, key=left.get)   # ties: the turn's own budget, then the context's
+    budget = left[binding]
     if budget < 1:
-      status = "max_context"
+      status = binding
       break
     sampled = [int(i) for i in sample_turn(list(chat.ids), budget)]
     if not 1 <= len(sampled) <= budget:
       raise ValueError(f"problem {index}: sample_turn returned {len(sampled)} ids for a budget of {budget}")
     content = chat.add_model_turn(sampled)
     turns += 1
+    sampled_tokens += len(sampled)
     if sampled[-1] not in stops:   # cut by a budget: the turn's own, or the context's when that is smaller
       if len(sampled) != budget:
         raise ValueError(f"problem {index}: sample_turn returned {len(sampled)} ids without a stop id, under the "
                          f"turn's budget of {budget}")
-      status = "max_turn_tokens" if budget == max_turn_tokens else "max_context"
+      status = binding
       break
     try:
       observation, r, done = env.step(content)
