@@ -327,8 +327,9 @@ def grpo_objective(logp: jax.Array, branch: Segments, *, clip_eps: float, kl_coe
   Args:
     logp: [T] log-probs of the completion's tokens under the current parameters (0 on padding).
     branch: that completion's row of `data.batches.Segments`: mask [T] bool, weights [T]
-      (`token_weights`, 0 on padding), advantage [], old_logp [T] (read unless on_policy), ref_logp
-      [T] (read when kl_coef > 0).
+      (`token_weights`, 0 on padding; an episode's also 0 on observation tokens, `data.episodes`),
+      advantage [] or [T] (an episode's: A_g on model tokens, 0 on observations), old_logp [T] (read
+      unless on_policy), ref_logp [T] (read when kl_coef > 0).
     on_policy: the sampling policy is the current one (one update per batch): old_logp is
       stop_gradient(logp), so the ratio is exactly 1 and its gradient is ∇logp.
     clip_eps, clip_eps_high: ε_low, ε_high (`grpo_token_loss`).
@@ -346,10 +347,11 @@ def grpo_objective(logp: jax.Array, branch: Segments, *, clip_eps: float, kl_coe
     raise ValueError(f"grpo_objective: importance_ratio={importance_ratio!r} is not one of {IMPORTANCE_RATIOS}")
   old = jax.lax.stop_gradient(logp) if on_policy else branch.old_logp
   ref = branch.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
-  log_ratio = sequence_log_ratio(logp, old, branch.mask) if importance_ratio == "sequence" else None
+  # GSPO's |y_i| and mean run over the tokens the loss weighs (an episode's model tokens, not its observations).
+  on = branch.mask & (branch.weights > 0)
+  log_ratio = sequence_log_ratio(logp, old, on) if importance_ratio == "sequence" else None
   loss, metrics = grpo_token_loss(logp, old, ref, branch.advantage, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
                                   kl_coef=kl_coef, log_ratio=log_ratio)
-  on = branch.mask & (branch.weights > 0)
   return jnp.sum(branch.weights * loss), {"clipped": jnp.sum(metrics["clipped"] & on),
                                              "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 
@@ -365,8 +367,9 @@ def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_
   Args:
     logp: [T] log-probs of the node's tokens (0 on padding).
     node: the node's `data.batches.Segments` slot: weights [T, G] (`trajectory_weights`[g] where
-      trajectory g passes the token, else 0), advantage [G], mask [T], old_logp [T] (unless
-      on_policy), ref_logp [T] (if kl_coef).
+      trajectory g passes the token, else 0), advantage [G], or [T, G] per (token, trajectory) (an
+      episode's: A_g on model tokens, 0 on observations, `data.episodes`), mask [T], old_logp [T]
+      (unless on_policy), ref_logp [T] (if kl_coef).
     clip_eps, clip_eps_high: ε_low, ε_high (`grpo_token_loss`).
 
   Returns:
@@ -377,7 +380,8 @@ def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_
   """
   old = jax.lax.stop_gradient(logp) if on_policy else node.old_logp
   ref = node.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
-  loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], node.advantage[None, :],
+  adv = node.advantage if node.advantage.ndim == 2 else node.advantage[None, :]   # [T, G] (an episode's) or [G]
+  loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], adv,
                                   clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef)
   w = node.weights
   on = (w > 0) & node.mask[:, None]   # (token, trajectory) pairs: trajectory g passes real token t

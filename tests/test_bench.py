@@ -175,3 +175,29 @@ def test_lora_memory_accounts_adapters_base_and_reference():
   assert 0 <= low["opt_state_bytes"] - 2 * adapters <= 16
   assert low["state_bytes"] == low["frozen_bytes"] + 4 * adapters + (low["opt_state_bytes"] - 2 * adapters)
   assert low["argument_bytes"] < full["argument_bytes"] / 2   # the compiled step's inputs: the state above + batch
+
+
+@pytest.mark.slow   # ~2 min on 2 loaded cores: three step compiles and the sampler's
+def test_bench_episodes_smoke_prints_the_three_layouts_and_the_sampler():
+  proc = subprocess.run([sys.executable, "-m", "branch_replay_jax.benchmarks.episodes",
+                         "--config=experiments/bench_episodes.py:smoke"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+  assert len(rows) == 1
+  r = rows[0]
+  assert {"ideal_flop_ratio", "ideal_flop_ratio_prompt_only", "naive_s", "replay_s", "prompt_only_s", "naive_cpu_s",
+          "replay_cpu_s", "prompt_only_cpu_s", "speedup", "prompt_only_speedup", "speedup_over_ideal",
+          "sampler_kept_s_per_episode", "sampler_reprefill_s_per_episode", "sampler_speedup"} <= set(r)
+  # (P, T, O, fanouts) = (16, 4, 6, [2, 2]): 4 episodes of turn(4) observation(6) turn(4) = 14 tokens.
+  # Naive: 4 x (16 + 14) = 120 positions; replay: 16 + 2 x (4 + 6) + 4 x 4 = 52; prompt-only: 16 + 4 x 14 = 72.
+  assert (r["G"], r["token_positions_naive"], r["token_positions_replay"], r["token_positions_prompt_only"]) == (
+      4, 120, 52, 72)
+  assert r["ideal_flop_ratio"] > r["ideal_flop_ratio_prompt_only"] > 1
+  # float32, the same terms in every layout: rounding only.
+  assert r["max_rel_grad_err"] <= 1e-5 and r["max_rel_grad_err_prompt_only"] <= 1e-5
+  assert r["speedup"] == pytest.approx(r["naive_s"] / r["replay_s"])
+  assert r["prompt_only_speedup"] == pytest.approx(r["naive_s"] / r["prompt_only_s"])
+  # Sampler, per episode: kept prefills the prompt once for the 4 branches (16 / 4) and per later turn the
+  # last sampled id + the observation (7); re-prefilling runs the prompt, then prompt + turn + observation (26).
+  assert (r["sampler_kept_prefilled_per_episode"], r["sampler_reprefill_prefilled_per_episode"]) == (11, 42)

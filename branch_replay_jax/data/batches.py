@@ -47,7 +47,9 @@ class Segments:
   weights: float32 loss weights, 0 on padding: [L, T] per completion token (group), or [L, T, G]
     per (token, trajectory) pair (tree node); `losses.token_weights`, `losses.trajectory_weights`.
   advantage: float32. GRPO/RLOO: [L] per completion (group) or [L, G] per trajectory (tree node,
-    the same G values in every slot); PPO (GAE, per token): [L, T] (group) or [L, T, G] (tree node).
+    the same G values in every slot); PPO (GAE, per token): [L, T] (group) or [L, T, G] (tree node);
+    an episode's GRPO/RLOO advantage per token, A_g on model tokens and 0 on observations
+    (data/episodes.py): [L, T] (group) or [L, T, G] (tree node).
   old_logp: [L, T] float32 log-probs under the sampling policy (nats; 0 on padding).
   ref_logp: [L, T] float32 log-probs under the reference policy (nats; 0 on padding).
   old_values: [L, T] float32 the critic's values at sampling time (PPO).

@@ -251,7 +251,7 @@ def context_length(name_or_path: str | os.PathLike) -> int:
   return architecture(name_or_path).max_positions
 
 
-def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template: str | None = None) -> list[int]:
   """Token ids of a chat prompt, ready for the assistant's reply.
 
   Renders the tokenizer's chat template with `add_generation_prompt=True` and tokenises the
@@ -263,11 +263,13 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
 
   Args:
     messages: [{"role": ..., "content": ...}, ...].
+    chat_template: a Jinja template in place of the tokenizer's own (`rollout.chat.ChatTokens`), or None.
 
   Returns:
     list of int token ids.
   """
-  text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+  kw = {} if chat_template is None else {"chat_template": chat_template}
+  text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kw)
   ids = list(tokenizer.encode(text, add_special_tokens=False))
   bos = tokenizer.bos_token_id
   if bos is not None and _adds_bos(tokenizer) and ids[:1] != [bos]:

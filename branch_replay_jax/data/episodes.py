@@ -1,0 +1,234 @@
+"""Agentic episodes: token segments that alternate model turns and environment observations, the
+episodes of one problem as a tree, and their two layouts (docs/design.md, "Episodes").
+
+    prompt  │ model turn 1 │ observation 1 │ model turn 2 │ observation 2 │ model turn 3
+    (reset) │  sampled     │  tool output, │  sampled     │               │  sampled
+            │  loss        │  chat glue:   │  loss        │  attended     │  loss
+            │              │  attended     │              │               │
+
+Every token is attended (it is in the K/V of the tokens after it); only the tokens the model sampled
+carry loss. An observation token (everything the environment or the chat template inserted, up to
+and including the next turn's generation prompt) has weight 0 and advantage 0, so it adds nothing
+to the loss, its KL term, its clip count or a value target (`losses.grpo_objective`,
+`losses.grpo_tree_objective` weigh every per-token term and count only tokens with weight > 0).
+
+    episode_tree(episodes)                                   -> EpisodeTree (the trie of the episodes)
+    episode_tree_arrays(tree, advantage_g, weights_g, ...)   -> TreeBatch   (replay: every node once)
+    episode_group_arrays(episodes, advantage_g, weights_g, ...) -> GroupBatch (naive: one row per episode,
+                                                                the layout verl and TRL train)
+
+Advantages are per episode (outcome reward; GRPO or RLOO over the G episodes of one problem,
+`losses.group_advantages`, `losses.rloo_advantages`) and laid out per token: A_g on episode g's
+model tokens, 0 on its observation tokens (and on padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, tree_arrays
+from branch_replay_jax.data.groups import make_group
+from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
+
+MODEL, OBSERVATION = "model", "observation"
+ROLES = (MODEL, OBSERVATION)
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+  """One episode's token ids: the prompt, then segments of model turns and observations.
+
+  prompt: [P] int32, the environment's first messages templated, ending with the generation prompt
+    of the first assistant turn (`rollout.chat.ChatTokens`).
+  segments: tuple of 1-D int32 arrays, each >= 1 token, in order after the prompt.
+  roles: tuple of "model" (sampled by the policy: trained) or "observation" (inserted by the
+    environment or the chat template: attended, never trained), one per segment.
+
+  Raises:
+    ValueError: an empty prompt or segment, ids that are not integers >= 0, a role not in ROLES,
+      segments and roles of different lengths, no model segment, or a last segment that is an observation (no model token attends
+      to it, so it would be computed for nothing: drop it).
+  """
+
+  prompt: np.ndarray
+  segments: tuple
+  roles: tuple
+
+  def __post_init__(self):
+    if np.asarray(self.prompt).ndim != 1 or np.asarray(self.prompt).size == 0:
+      raise ValueError(f"Episode: prompt must be a non-empty 1-D array of token ids, got shape {np.shape(self.prompt)}")
+    if len(self.segments) != len(self.roles):
+      raise ValueError(f"Episode: {len(self.segments)} segments but {len(self.roles)} roles")
+    for i, (seg, role) in enumerate(zip(self.segments, self.roles)):
+      if role not in ROLES:
+        raise ValueError(f"Episode: roles[{i}]={role!r} is not one of {ROLES}")
+      if np.asarray(seg).ndim != 1 or np.asarray(seg).size == 0:
+        raise ValueError(f"Episode: segments[{i}] ({role}) must be a non-empty 1-D array of token ids")
+    for name, ids in [("prompt", self.prompt)] + [(f"segments[{i}]", s) for i, s in enumerate(self.segments)]:
+      ids = np.asarray(ids)
+      if not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
+        raise ValueError(f"Episode: {name} must hold token ids (integers >= 0), got {ids.dtype} {ids[:8].tolist()}")
+    if MODEL not in self.roles:
+      raise ValueError("Episode: no model segment; an episode needs a sampled token to train")
+    if self.roles[-1] != MODEL:
+      raise ValueError(f"Episode: the last segment (segments[{len(self.roles) - 1}]) is an observation; no model "
+                       "token attends to it: end the episode with the model's turn")
+
+  def tokens(self) -> np.ndarray:
+    """[N] int32, every token after the prompt (model turns and observations)."""
+    return np.concatenate([np.asarray(s, np.int32) for s in self.segments])
+
+  def model_mask(self) -> np.ndarray:
+    """[N] bool, True on the model's (trained) tokens, False on observation tokens."""
+    return np.concatenate([np.full(len(s), r == MODEL) for s, r in zip(self.segments, self.roles)])
+
+  @property
+  def num_model_tokens(self) -> int:
+    return int(sum(len(s) for s, r in zip(self.segments, self.roles) if r == MODEL))
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeTree:
+  """The G episodes of one problem as a rollout tree: a node is a run of tokens shared by the
+  episodes through it (their prompt, earlier turns and observations), so nested replay computes it once.
+
+  tree: the `RolloutTree` (segment 0 the prompt; trajectory g is episode g).
+  model_mask: per node [L_n] bool, True on model tokens (node 0, the prompt: all False).
+  """
+
+  tree: RolloutTree
+  model_mask: tuple
+
+  @property
+  def num_episodes(self) -> int:
+    return len(self.tree.ends)
+
+  def model_lengths(self) -> np.ndarray:
+    """[G] int64, model (trained) tokens of each episode: the |o_g| of `losses.trajectory_weights`."""
+    return np.array([sum(int(self.model_mask[n].sum()) for n in self.tree.path(e)[1:]) for e in self.tree.ends],
+                    np.int64)
+
+  @property
+  def loss_tokens(self) -> int:
+    """(token, episode) pairs the loss weighs: Σ_g model tokens of episode g (a shared token once per
+    episode through it, as in the naive layout)."""
+    return int(self.model_lengths().sum())
+
+  def per_token(self, values_g) -> list[np.ndarray]:
+    """Per node [L_n, G]: values_g[g] on node n's model tokens for each episode g through n, 0 on its
+    observation tokens and for the episodes not through it (the tree's per-(token, episode) weights
+    and advantages; `RolloutTree.node_weights` with the model mask). Keeps values_g's dtype."""
+    values = np.asarray(values_g)
+    member = self.tree.membership()
+    return [np.where(m[:, None] & member[n][None, :], values[None, :], np.zeros((), values.dtype))
+            for n, m in enumerate(self.model_mask)]
+
+  def along(self, per_node: Sequence) -> list[np.ndarray]:
+    """Per episode g, per-node arrays [L_n, ...] concatenated along its path (prompt excluded): [N_g, ...]."""
+    return [np.concatenate([np.asarray(per_node[n]) for n in self.tree.path(e)[1:]]) for e in self.tree.ends]
+
+  def episode(self, g: int) -> Episode:
+    """Episode g back, with its segments cut where its role changes."""
+    tokens = self.tree.completion(g)
+    model = np.concatenate([self.model_mask[n] for n in self.tree.path(self.tree.ends[g])[1:]])
+    cuts = np.flatnonzero(np.diff(model.astype(np.int8))) + 1
+    segs = np.split(tokens, cuts)
+    roles = tuple(MODEL if part[0] else OBSERVATION for part in np.split(model, cuts))
+    return Episode(np.asarray(self.tree.segments[0]), tuple(segs), roles)
+
+
+def episode_tree(episodes: Sequence[Episode]) -> EpisodeTree:
+  """Merge one problem's episodes on their common prefixes of (token, role) pairs (a radix trie,
+  `data.trees.tree_from_trajectories`): G episodes sampled from the prompt branch at the first turn;
+  episodes continued from a common turn share it and its observation. The merge keys on the role too,
+  so a token the model sampled and the same token inserted by the environment are never one node.
+
+  Returns:
+    An `EpisodeTree` whose trajectory g is episodes[g].
+
+  Raises:
+    ValueError: no episodes, or an episode whose prompt differs from episode 0's (naming its index).
+  """
+  if not episodes:
+    raise ValueError("episode_tree: needs at least one episode")
+  prompt = np.asarray(episodes[0].prompt, np.int64)
+  for g, e in enumerate(episodes):
+    if not np.array_equal(np.asarray(e.prompt, np.int64), prompt):
+      raise ValueError(f"episode_tree: episodes[{g}].prompt differs from episodes[0].prompt; the episodes of one "
+                       "problem start from the same reset (one prompt)")
+  keys = [2 * e.tokens().astype(np.int64) + e.model_mask() for e in episodes]   # (token, role) as one key
+  merged = tree_from_trajectories(2 * prompt, keys)
+  segments = tuple((np.asarray(s) // 2).astype(np.int32) for s in merged.segments)
+  model = tuple((np.asarray(s) % 2).astype(bool) for s in merged.segments)
+  return EpisodeTree(RolloutTree(segments, merged.parents, merged.ends), model)
+
+
+def _per_episode(name, values, g):
+  values = np.asarray(values)
+  if values.shape != (g,):
+    raise ValueError(f"{name} has shape {values.shape}; needs one value per episode, ({g},)")
+  return values
+
+
+def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, per_node: dict | None = None,
+                        prompt_bucket: int | None = None, pad_id: int = 0) -> TreeBatch:
+  """The replay layout: the episode tree's padded levels (`data.trees.pad_tree`) as a TreeBatch.
+
+  Args:
+    advantage_g: [G] per-episode advantages; laid out per (token, episode) as advantage [.., T_d, G]
+      (A_g on model tokens of the episodes through a node, 0 elsewhere, `EpisodeTree.per_token`).
+    weights_g: [G] per-episode token weights (`losses.trajectory_weights` of `model_lengths()`), laid
+      out the same way as weights [.., T_d, G].
+    per_node: other per-token fields, name -> per node [L_n] (e.g. "old_logp", "ref_logp").
+    prompt_bucket, pad_id: as `pad_tree`.
+
+  Raises:
+    ValueError: advantage_g or weights_g not of shape [G]; a field Segments lacks.
+  """
+  g = tree.num_episodes
+  fields = {"weights": tree.per_token(_per_episode("weights_g", weights_g, g)),
+            "advantage": tree.per_token(_per_episode("advantage_g", advantage_g, g)), **(per_node or {})}
+  return tree_arrays(pad_tree(tree.tree, pad_id=pad_id, prompt_bucket=prompt_bucket), fields)
+
+
+def episode_group_arrays(episodes: Sequence[Episode], advantage_g, weights_g, *, per_episode: dict | None = None,
+                         vocab_size: int, max_positions: int, pad_id: int = 0, prompt_bucket: int | None = None,
+                         completion_bucket: int | None = None) -> GroupBatch:
+  """The naive layout: every episode as its own row (prompt repeated by the naive step), with a loss
+  mask: weights [G, T] = w_g on model tokens, 0 on observations and padding; advantage [G, T] = A_g
+  on model tokens, 0 elsewhere.
+
+  Args:
+    episodes: G episodes of one problem (one prompt).
+    advantage_g, weights_g: [G], as `episode_tree_arrays`.
+    per_episode: other per-token fields, name -> per episode [N_g] (`EpisodeTree.along` of per-node ones).
+    vocab_size, max_positions, pad_id, prompt_bucket, completion_bucket: as `data.groups.make_group`.
+
+  Raises:
+    ValueError: episodes with different prompts (naming the index), advantage_g or weights_g not of
+      shape [G], a per-episode field whose length differs from its episode's tokens, and `make_group`'s.
+  """
+  g = len(episodes)
+  for k, e in enumerate(episodes):
+    if not np.array_equal(np.asarray(e.prompt), np.asarray(episodes[0].prompt)):
+      raise ValueError(f"episode_group_arrays: episodes[{k}].prompt differs from episodes[0].prompt")
+  adv, w = _per_episode("advantage_g", advantage_g, g), _per_episode("weights_g", weights_g, g)
+  group = make_group(episodes[0].prompt, [e.tokens() for e in episodes], vocab_size=vocab_size,
+                     max_positions=max_positions, pad_id=pad_id, prompt_bucket=prompt_bucket,
+                     completion_bucket=completion_bucket)
+  t = group.completion_ids.shape[1]
+  model = np.stack([np.pad(e.model_mask(), (0, t - len(e.tokens()))) for e in episodes])
+  zero = lambda x: np.zeros((), x.dtype)
+  fields = {"weights": np.where(model, w[:, None], zero(w)), "advantage": np.where(model, adv[:, None], zero(adv))}
+  for name, values in (per_episode or {}).items():
+    rows = []
+    for k, (e, v) in enumerate(zip(episodes, values)):
+      v = np.asarray(v)
+      if v.shape[:1] != (len(e.tokens()),):
+        raise ValueError(f"episode_group_arrays: {name}[{k}] has {v.shape[:1]} tokens; episode {k} has {len(e.tokens())}")
+      rows.append(np.pad(v, [(0, t - len(v))] + [(0, 0)] * (v.ndim - 1)))
+    fields[name] = np.stack(rows)
+  return group_arrays(group, **fields)

@@ -1,0 +1,227 @@
+"""Environments an agent acts in, and the loop that runs one episode (docs/design.md, "Episodes").
+
+The protocol (ours; duck-typed):
+
+    messages = env.reset(problem)                                 # the first chat messages
+    observation, reward, done = env.step(assistant_message)       # messages or None, float, bool
+
+An environment ends an episode early, marked, by raising `EpisodeEnd(status, detail)` from step
+(a tool call that does not parse, a tool that errors); `run_episode` records the status and the
+episode keeps the tokens it has. Anything else an environment raises, a malformed observation or
+a template that rewrites earlier turns stops the run with an error naming the problem's index: the
+loss mask is never silently wrong.
+
+    env = CalculatorEnv(task)                    # reasoning-gym task + the calculator tool
+    result = run_episode(env, problem, index, tokenizer, sample_turn, max_turns=4, max_turn_tokens=64,
+                         max_context=1024)
+    result.episode, result.reward, result.status, result.tool_calls
+    episode_counts(results)                      # per-status counts, tool calls per episode
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from branch_replay_jax.data.episodes import Episode
+from branch_replay_jax.models.loading import stop_ids
+from branch_replay_jax.rollout.chat import ChatTokens
+from branch_replay_jax.rollout.tools import (CALCULATOR, Tool, ToolCallError, ToolError, call_tool, parse_tool_calls,
+                                             tool_table, tools_system_prompt)
+
+# How an episode ended: "done" (the environment said so), "malformed_tool_call", "tool_error" (marked
+# by the environment, `EpisodeEnd`), or cut by a budget (truncated): "max_turns", "max_turn_tokens"
+# (a model turn reached its token budget without a stop id), "max_episode_tokens" (the episode's model
+# tokens reached theirs), "max_context" (the next turn has no room).
+STATUSES = ("done", "malformed_tool_call", "tool_error", "max_turns", "max_turn_tokens", "max_episode_tokens",
+            "max_context")
+TRUNCATED = ("max_turns", "max_turn_tokens", "max_episode_tokens", "max_context")
+
+
+class Environment(Protocol):
+  def reset(self, problem: Any) -> list[dict[str, str]]: ...
+
+  def step(self, assistant_message: str) -> tuple[list[dict[str, str]] | None, float, bool]: ...
+
+
+class EpisodeEnd(Exception):
+  """Raised by `Environment.step` to end the episode early; status one of STATUSES (not "done")."""
+
+  def __init__(self, status: str, detail: str):
+    if status not in STATUSES or status == "done":
+      raise ValueError(f"EpisodeEnd: status={status!r} is not one of {STATUSES[1:]}")
+    super().__init__(f"{status}: {detail}")
+    self.status, self.detail = status, detail
+
+
+class ToolEnv:
+  """Tools in JSON calls (rollout/tools.py) over a task's problems (`rollout.tasks.Task`: `messages`,
+  `score`): reset gives the tools' system prompt and the task's messages; a turn with tool calls gets
+  one "tool" message per call (reward 0); a turn without one is the final answer, scored by the task.
+
+  A call that does not parse ends the episode as "malformed_tool_call", a tool that errors as
+  "tool_error", more than `max_tool_calls` calls as "max_turns" (`EpisodeEnd`); reward 0 then.
+  `tool_calls` counts the calls of the current episode.
+  """
+
+  def __init__(self, task, tools: Sequence[Tool], *, max_tool_calls: int = 4):
+    if max_tool_calls < 1:
+      raise ValueError(f"ToolEnv: max_tool_calls={max_tool_calls!r} must be >= 1")
+    self.task, self.tools, self.max_tool_calls = task, tool_table(tools), max_tool_calls
+    self.system = tools_system_prompt(list(tools))
+    self.problem, self.tool_calls = None, 0
+
+  def reset(self, problem) -> list[dict[str, str]]:
+    self.problem, self.tool_calls = problem, 0
+    return [{"role": "system", "content": self.system}] + list(self.task.messages(problem))
+
+  def step(self, assistant_message: str):
+    try:
+      calls = parse_tool_calls(assistant_message, self.tools)
+    except ToolCallError as e:
+      raise EpisodeEnd("malformed_tool_call", str(e)) from None
+    if not calls:
+      return None, float(self.task.score(assistant_message, self.problem).reward), True
+    if self.tool_calls + len(calls) > self.max_tool_calls:
+      raise EpisodeEnd("max_turns", f"{self.tool_calls + len(calls)} tool calls, more than {self.max_tool_calls}")
+    out = []
+    for call in calls:
+      try:
+        out.append({"role": "tool", "content": call_tool(self.tools[call.name], call)})
+      except ToolCallError as e:
+        raise EpisodeEnd("malformed_tool_call", str(e)) from None
+      except ToolError as e:
+        raise EpisodeEnd("tool_error", f"{call.name}: {e}") from None
+      self.tool_calls += 1
+    return out, 0.0, False
+
+
+def CalculatorEnv(task, *, max_tool_calls: int = 4) -> ToolEnv:
+  """A `ToolEnv` with the calculator (`rollout.tools.calculate`, a restricted ast evaluator)."""
+  return ToolEnv(task, [CALCULATOR], max_tool_calls=max_tool_calls)
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+  """One episode run by `run_episode`.
+
+  episode: the tokens (`data.episodes.Episode`; a last observation, attended by nothing, left out).
+  reward: the sum of the environment's step rewards (0 for an episode ended by `EpisodeEnd`).
+  status: one of STATUSES; truncated: status in TRUNCATED.
+  turns: model turns; tool_calls: "tool" messages the environment returned.
+  """
+  episode: Episode
+  reward: float
+  status: str
+  turns: int
+  tool_calls: int
+
+  @property
+  def truncated(self) -> bool:
+    return self.status in TRUNCATED
+
+
+def _check_messages(messages, index: int, where: str):
+  ok = isinstance(messages, (list, tuple)) and messages and all(
+      isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+  if not ok:
+    raise ValueError(f"problem {index}: the environment's {where} returned {str(messages)[:120]!r}; it must be a "
+                     "non-empty list of {\"role\": str, \"content\": str} messages")
+
+
+def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: Callable[[list[int], int], Sequence[int]],
+                *, max_turns: int, max_turn_tokens: int, max_context: int, max_episode_tokens: int | None = None,
+                chat_template: str | None = None) -> EpisodeResult:
+  """Run one episode: reset, then model turns and observations until done, an `EpisodeEnd` or a budget.
+
+  Args:
+    env: an `Environment`.
+    problem, index: the problem and its index (named in errors).
+    tokenizer: the model's tokenizer (its chat template renders the messages, `rollout.chat.ChatTokens`).
+    sample_turn: (ids so far, token budget) -> the sampled ids of one turn (at most the budget; ending
+      with a stop id unless the budget cut it), e.g. `rollout.episode_sampler.EpisodeSampler`.
+    max_turns: model turns per episode; max_turn_tokens: tokens per model turn; max_context: tokens
+      of the whole episode (prompt included); max_episode_tokens: model tokens of the whole episode
+      (its turns summed; None: no such budget). A turn's budget is the smallest of what each leaves;
+      the one that cuts a turn names its status.
+    chat_template: as `ChatTokens`.
+
+  Returns:
+    An `EpisodeResult`.
+
+  Raises:
+    ValueError: a budget < 1; a prompt with no room for a turn; sample_turn returned no ids, more than
+      the budget, or fewer without a stop id; the environment's reset or step returned malformed
+      messages; the template rewrites earlier turns (each naming the problem's index).
+    RuntimeError: the environment raised something other than `EpisodeEnd` (naming the problem's index).
+  """
+  budgets = (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens), ("max_context", max_context)) + (
+      (("max_episode_tokens", max_episode_tokens),) if max_episode_tokens is not None else ())
+  for name, value in budgets:
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"run_episode: {name}={value!r} must be an int >= 1")
+  try:
+    messages = env.reset(problem)
+  except Exception as e:
+    raise RuntimeError(f"problem {index}: the environment's reset raised {e!r}") from e
+  _check_messages(messages, index, "reset")
+  chat = ChatTokens(tokenizer, messages, chat_template=chat_template)
+  if len(chat.ids) >= max_context:
+    raise ValueError(f"problem {index}: the prompt has {len(chat.ids)} tokens, no room in max_context={max_context}")
+  stops = set(stop_ids(tokenizer))
+  reward, status, turns, tool_calls, sampled_tokens = 0.0, "max_turns", 0, 0, 0
+  while turns < max_turns:
+    left = {"max_turn_tokens": max_turn_tokens, "max_context": max_context - len(chat.ids)}
+    if max_episode_tokens is not None:
+      left["max_episode_tokens"] = max_episode_tokens - sampled_tokens
+    binding = min(left, key=left.get)   # ties: the turn's own budget, then the context's
+    budget = left[binding]
+    if budget < 1:
+      status = binding
+      break
+    sampled = [int(i) for i in sample_turn(list(chat.ids), budget)]
+    if not 1 <= len(sampled) <= budget:
+      raise ValueError(f"problem {index}: sample_turn returned {len(sampled)} ids for a budget of {budget}")
+    content = chat.add_model_turn(sampled)
+    turns += 1
+    sampled_tokens += len(sampled)
+    if sampled[-1] not in stops:   # cut by a budget: the turn's own, or the context's when that is smaller
+      if len(sampled) != budget:
+        raise ValueError(f"problem {index}: sample_turn returned {len(sampled)} ids without a stop id, under the "
+                         f"turn's budget of {budget}")
+      status = binding
+      break
+    try:
+      observation, r, done = env.step(content)
+    except EpisodeEnd as e:
+      reward, status = 0.0, e.status
+      break
+    except Exception as e:
+      raise RuntimeError(f"problem {index}: the environment's step {turns - 1} raised {e!r}") from e
+    reward += float(r)
+    if done:
+      status = "done"
+      break
+    _check_messages(observation, index, f"step {turns - 1}")
+    try:
+      chat.add_observation(observation)
+    except ValueError as e:
+      raise ValueError(f"problem {index}: {e}") from e
+    tool_calls += sum(m["role"] == "tool" for m in observation)
+  return EpisodeResult(chat.episode(), reward, status, turns, tool_calls)
+
+
+def episode_counts(results: Sequence[EpisodeResult]) -> dict[str, float]:
+  """The metrics of a batch of episodes: "episodes", one "episodes_<status>" count per status (0 included),
+  "truncated", and the means "tool_calls_per_episode", "turns_per_episode" and "reward"."""
+  n = len(results)
+  out: dict[str, float] = {"episodes": n}
+  for s in STATUSES:
+    out[f"episodes_{s}"] = sum(r.status == s for r in results)
+  out["truncated"] = sum(r.truncated for r in results)
+  for name, values in (("tool_calls_per_episode", [r.tool_calls for r in results]),
+                       ("turns_per_episode", [r.turns for r in results]), ("reward", [r.reward for r in results])):
+    out[name] = float(np.mean(values)) if n else 0.0
+  return out

@@ -1,0 +1,174 @@
+"""Sampling across an episode's turns with its KV cache kept between them (docs/design.md, "Episodes").
+
+`EpisodeSampler` is the `sample_turn` of `rollout.environments.run_episode`, backed by the KV-cache
+sampler (`rollout.sampler.decode_from`). It keeps the K/V of every token it has seen as a list of
+blocks; a turn prefills only the ids it has not seen (the observation, with the previous turn's
+last sampled token, whose K/V the decode loop never computes) on top of them, then decodes:
+
+    turn 0:  [ prompt block ]                                  prefill P ids, decode turn 0
+    turn 1:  [ prompt | turn 0 cache | y_last + observation ]  prefill |obs| + 1 ids, decode turn 1
+    turn 2:  [ ...                   | y_last + observation ]  ...
+
+A block is right-padded to a bucket (`data.groups.bucket_length`) with its padding masked invalid,
+and the decode cache is valid on the slots it fed, so every key is at its true position (RoPE is in
+the cached K) and the attention sees exactly the episode's tokens. With keep_cache=False each turn
+re-prefills the whole history instead (the reference: same tokens from the same key, more compute).
+
+G episodes of one problem branch at the first turn: `EpisodeSampler.branches` prefills the prompt
+once (batch 1) and hands every branch that block, as `sample_group` and `sample_tree` share theirs.
+Each branch then decodes its own turns (batch 1; the episodes of a problem run one by one).
+
+Keys: branch g of `branches(key=k)` has key fold_in(k, g); turn i of a sampler with key k draws
+token t with fold_in(fold_in(k, i), t), whether the cache is kept or not.
+
+    samplers = EpisodeSampler.branches(model, chat.ids, 8, key=key, eos_ids=stop_ids(tokenizer))
+    results = [run_episode(env, problem, i, tokenizer, s, max_turns=3, ...) for s in samplers]
+    samplers[g].logprobs      # per turn [n_i] log pi(token | history), untempered (`Rollouts.logprobs`)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from branch_replay_jax.data.groups import bucket_length
+from branch_replay_jax.kernels import KVBlock
+from branch_replay_jax.models.llama import Llama
+from branch_replay_jax.rollout.sampler import check_sampling_inputs, decode_from
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _extend(graphdef, state, blocks, new_1t, new_len, offset):
+  """K/V of `new_len` right-padded ids at `offset` on top of `blocks`, and the logits [1, V] at the last."""
+  model = nnx.merge(graphdef, state)
+  valid = jnp.arange(new_1t.shape[1])[None] < new_len
+  out = model(new_1t, offset, ancestors=blocks, valid_bt=valid)
+  last = jax.lax.dynamic_slice_in_dim(out.hidden_btd, new_len - 1, 1, axis=1)
+  return out.kv, model.logits(last)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
+def _decode(graphdef, state, blocks, logits_1v, offset, key, temperature, top_p, eos_ids, pad_id, *, max_new_tokens,
+            greedy, use_top_p):
+  model = nnx.merge(graphdef, state)
+  return decode_from(model, blocks, logits_1v, offset, key[None], temperature=temperature,
+                     top_p=top_p if use_top_p else None, eos_ids=eos_ids, pad_id=pad_id,
+                     max_new_tokens=max_new_tokens, greedy=greedy)
+
+
+class EpisodeSampler:
+  """One episode's `sample_turn(ids, budget) -> sampled ids` (see the module docstring).
+
+  Args:
+    model: the decoder (any compute dtype).
+    key: PRNG key of this episode.
+    temperature: >= 0; 0 is greedy. top_p: nucleus mass in (0, 1] (1: no filter).
+    eos_ids: ids that end a turn (kept as its last token; `models.loading.stop_ids`), up to 8 per compile.
+    pad_id: id in [0, V) used inside the decode loop.
+    keep_cache: keep the K/V between turns (True) or re-prefill the whole history each turn (False).
+
+  Attributes:
+    logprobs: list per turn of [n_i] float32 (float64 for a float64 model) untempered log-probs.
+    finished: list per turn of bool, the turn ended with an eos id.
+    prefilled: tokens run through a prefill so far (the cost the kept cache saves).
+
+  Raises (on a call):
+    ValueError: ids not extending the ids of the previous turn (with keep_cache, naming both lengths),
+      a budget < 1, len(ids) + budget > model.config.max_positions, an id outside [0, V).
+  """
+
+  def __init__(self, model: Llama, *, key: jax.Array, temperature: float = 1.0, top_p: float = 1.0,
+               eos_ids: Sequence[int] = (), pad_id: int = 0, keep_cache: bool = True):
+    eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
+    check_sampling_inputs("EpisodeSampler", model.config, np.zeros(1, np.int32), eos, temperature=temperature,
+                          top_p=top_p, pad_id=pad_id)
+    if eos.size > 8:
+      raise ValueError(f"EpisodeSampler: eos_ids has {eos.size} ids; at most 8")
+    self.config = model.config
+    self.graphdef, self.state = nnx.split(model)
+    self.key, self.keep_cache = key, keep_cache
+    self.greedy = temperature == 0
+    self.scalars = dict(temperature=jnp.float32(1.0 if self.greedy else temperature), top_p=jnp.float32(top_p),
+                        eos_ids=jnp.asarray(np.pad(eos, (0, 8 - eos.size), constant_values=-1), jnp.int32),
+                        pad_id=jnp.int32(pad_id))
+    self.use_top_p = top_p < 1 and not self.greedy
+    self.blocks: list[KVBlock] = []   # K/V of self.seen
+    self.seen: list[int] = []
+    self.logits = None                # [1, V] after the last id of self.seen, when it was just prefilled
+    self.turn, self.prefilled = 0, 0
+    self.logprobs: list[np.ndarray] = []
+    self.finished: list[bool] = []
+
+  @classmethod
+  def branches(cls, model: Llama, prompt_ids, num_branches: int, *, key: jax.Array, **kwargs) -> list:
+    """G samplers whose episodes start from `prompt_ids`, its K/V prefilled once and shared (batch 1).
+
+    Branch g has key fold_in(key, g); kwargs as the constructor (with keep_cache=False no K/V is
+    shared: each branch prefills its own history, the reference).
+
+    Raises:
+      ValueError: num_branches < 1, an empty prompt or an id outside [0, V); the constructor's.
+    """
+    if num_branches < 1:
+      raise ValueError(f"EpisodeSampler.branches: num_branches={num_branches!r} must be >= 1")
+    samplers = [cls(model, key=jax.random.fold_in(key, g), **kwargs) for g in range(num_branches)]
+    if samplers[0].keep_cache:
+      first = samplers[0]
+      first._prefill(list(np.asarray(prompt_ids).tolist()))
+      for s in samplers[1:]:
+        s.blocks, s.seen, s.logits = list(first.blocks), list(first.seen), first.logits
+    return samplers
+
+  def _prefill(self, ids: list[int]) -> None:
+    new = ids[len(self.seen):]
+    if not new:
+      raise ValueError("EpisodeSampler: ids is empty")
+    prompt = np.asarray(new)
+    if prompt.min() < 0 or prompt.max() >= self.config.vocab_size:
+      raise ValueError(f"EpisodeSampler: ids must lie in [0, {self.config.vocab_size}), got {sorted(set(new))[:8]}")
+    padded = np.zeros((1, bucket_length(len(new))), np.int32)
+    padded[0, :len(new)] = new
+    kv, self.logits = _extend(self.graphdef, self.state, self.blocks, jnp.asarray(padded), jnp.int32(len(new)),
+                              jnp.int32(len(self.seen)))
+    self.blocks.append(kv)
+    self.seen = list(ids)
+    self.prefilled += len(new)
+
+  def __call__(self, ids: Sequence[int], budget: int) -> list[int]:
+    """Sample one turn continuing `ids` (the episode's ids so far: prompt, turns, observations).
+
+    Returns:
+      The turn's ids, 1..budget of them, ending with an eos id unless the budget cut them.
+    """
+    ids = [int(i) for i in ids]
+    if not isinstance(budget, (int, np.integer)) or budget < 1:
+      raise ValueError(f"EpisodeSampler: budget={budget!r} must be an int >= 1")
+    if len(ids) + budget > self.config.max_positions:
+      raise ValueError(f"EpisodeSampler: {len(ids)} ids + budget {budget} exceed model.config.max_positions="
+                       f"{self.config.max_positions}")
+    if not self.keep_cache:
+      self.blocks, self.seen, self.logits = [], [], None
+    elif ids[:len(self.seen)] != self.seen:
+      raise ValueError(f"EpisodeSampler: ids ({len(ids)} tokens) do not extend the {len(self.seen)} ids of the "
+                       "previous turns; an episode's history is never re-tokenized (rollout.chat.ChatTokens)")
+    if len(ids) > len(self.seen) or self.logits is None:
+      self._prefill(ids)
+    turn_key = jax.random.fold_in(self.key, self.turn)
+    tokens, logprobs, lengths, done, cache = _decode(
+        self.graphdef, self.state, self.blocks, self.logits, jnp.int32(len(ids)), turn_key, **self.scalars,
+        max_new_tokens=int(budget), greedy=self.greedy, use_top_p=self.use_top_p)
+    n = int(lengths[0])
+    sampled = np.asarray(tokens[0, :n]).tolist()
+    # The decode cache holds the K/V of the tokens it fed: all but the last sampled one (slots < n - 1).
+    self.blocks.append(cache)
+    self.seen = ids + sampled[:-1]
+    self.logits = None
+    self.turn += 1
+    self.logprobs.append(np.asarray(logprobs[0, :n]))
+    self.finished.append(bool(done[0]))
+    return sampled

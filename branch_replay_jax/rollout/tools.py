@@ -1,0 +1,183 @@
+"""Tools an agent calls, and the JSON tool-call format (docs/design.md, "Episodes").
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 3"}}</tool_call>
+
+A call is a JSON object (or a JSON list of them, SmolLM2's function-calling format) between
+<tool_call> tags in the model's turn; the tools' JSON schemas are listed in the system prompt
+(`tools_system_prompt`). `calculate` evaluates arithmetic with a restricted `ast` walk: numbers,
++ - * / // % ** and parentheses only; never `eval`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+import operator
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class ToolCallError(ValueError):
+  """A tool call that does not parse: unclosed tags, not JSON, no tool name, an unknown tool, or
+  arguments that are not a JSON object."""
+
+
+class ToolError(ValueError):
+  """A tool that refused its arguments or failed on them (e.g. division by zero)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+  """A callable tool: `fn(**arguments) -> str` (raising `ToolError`), with its JSON schema.
+
+  name: the name a call uses; description: one line for the system prompt; parameters: a JSON
+  schema object of the arguments (https://json-schema.org), as in OpenAI's function tools.
+  """
+  name: str
+  description: str
+  parameters: dict
+  fn: Callable[..., str]
+
+  def schema(self) -> dict:
+    """{"type": "function", "function": {name, description, parameters}} (OpenAI's tool format)."""
+    return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                             "parameters": self.parameters}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  name: str
+  arguments: dict
+
+
+def parse_tool_calls(text: str, tools: Mapping[str, Tool]) -> list[ToolCall]:
+  """The tool calls in a model turn, in order; [] when it has none (a final answer).
+
+  Raises:
+    ToolCallError: an unclosed <tool_call>, a call that is not JSON, not an object (or a list of
+      objects) with a string "name" of one of `tools` and an object "arguments"; the message names
+      the call's index and what is wrong.
+  """
+  bodies = _TOOL_CALL.findall(text)
+  if text.count("<tool_call>") != len(bodies):
+    raise ToolCallError(f"a <tool_call> is not closed by </tool_call> ({text.count('<tool_call>')} opened, "
+                        f"{len(bodies)} closed)")
+  calls = []
+  for i, body in enumerate(bodies):
+    try:
+      value = json.loads(body)
+    except json.JSONDecodeError as e:
+      raise ToolCallError(f"tool call {i} is not JSON ({e.msg} at character {e.pos}): {body.strip()[:80]!r}") from e
+    for item in value if isinstance(value, list) else [value]:
+      if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise ToolCallError(f"tool call {i} must be an object with a string \"name\", got {json.dumps(item)[:80]}")
+      if item["name"] not in tools:
+        raise ToolCallError(f"tool call {i} names tool {item['name']!r}; the tools are {sorted(tools)}")
+      arguments = item.get("arguments", {})
+      if not isinstance(arguments, dict):
+        raise ToolCallError(f"tool call {i}: \"arguments\" must be a JSON object, got {json.dumps(arguments)[:80]}")
+      calls.append(ToolCall(item["name"], arguments))
+  return calls
+
+
+def call_tool(tool: Tool, call: ToolCall) -> str:
+  """tool.fn(**call.arguments).
+
+  Raises:
+    ToolCallError: arguments the tool does not take (or missing ones).
+    ToolError: the tool's own refusal or failure.
+  """
+  required = tool.parameters.get("required", [])
+  known = tool.parameters.get("properties", {})
+  missing, unknown = [k for k in required if k not in call.arguments], [k for k in call.arguments if k not in known]
+  if missing or unknown:
+    raise ToolCallError(f"tool {tool.name!r}: missing arguments {missing}, unknown arguments {unknown}")
+  return tool.fn(**call.arguments)
+
+
+def tools_system_prompt(tools: Sequence[Tool]) -> str:
+  """The system message that lists the tools' schemas and the call format."""
+  schemas = "\n".join(json.dumps(t.schema()) for t in tools)
+  return ("You can call tools. Their JSON schemas:\n<tools>\n" + schemas + "\n</tools>\n"
+          "To call one, write <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> and stop; the result "
+          "comes back in a tool message. When you know the answer, write it without a tool call.")
+
+
+# ---- the calculator: a restricted ast evaluator ------------------------------------------------------
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPRESSION_CHARS = 200
+MAX_MAGNITUDE = 10 ** 30    # results and operands beyond it are refused (no huge powers)
+MAX_EXPONENT = 64
+
+
+def _evaluate(node: ast.AST) -> int | float:
+  if isinstance(node, ast.Expression):
+    return _evaluate(node.body)
+  if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    value = node.value
+  elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+    value = _UNARY[type(node.op)](_evaluate(node.operand))
+  elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+    left, right = _evaluate(node.left), _evaluate(node.right)
+    if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+      raise ToolError(f"exponent {right} is beyond ±{MAX_EXPONENT}")
+    try:
+      value = _BINARY[type(node.op)](left, right)
+    except ZeroDivisionError:
+      raise ToolError("division by zero") from None
+    except OverflowError:
+      raise ToolError("the result overflows") from None
+    if isinstance(value, complex):
+      raise ToolError("the result is not a real number")
+  else:
+    raise ToolError(f"{type(node).__name__} is not allowed: only numbers, + - * / // % ** and parentheses")
+  if (isinstance(value, float) and not math.isfinite(value)) or abs(value) > MAX_MAGNITUDE:
+    raise ToolError("the result's magnitude is beyond 1e30")
+  return value
+
+
+def calculate(expression: str) -> str:
+  """Evaluate an arithmetic expression: numbers, + - * / // % ** (exponent within ±64), unary ± and
+  parentheses; anything else (names, calls, attributes, strings) is refused. Never `eval`.
+
+  Returns:
+    The value as text: an integer without a decimal point ("1024"; also an integer-valued float,
+    "6 / 2" -> "3"), else up to 12 significant digits ("7 / 2" -> "3.5").
+
+  Raises:
+    ToolError: a non-string or too long expression, a syntax error, a disallowed construct,
+      division by zero, a result beyond 1e30 in magnitude, or a complex result.
+  """
+  if not isinstance(expression, str):
+    raise ToolError(f"expression must be a string, got {type(expression).__name__}")
+  if len(expression) > MAX_EXPRESSION_CHARS:
+    raise ToolError(f"expression of {len(expression)} characters is longer than {MAX_EXPRESSION_CHARS}")
+  try:
+    tree = ast.parse(expression.strip(), mode="eval")
+  except SyntaxError as e:
+    raise ToolError(f"not an arithmetic expression: {e.msg}") from None
+  value = _evaluate(tree)
+  if isinstance(value, float) and value.is_integer():
+    value = int(value)
+  return str(value) if isinstance(value, int) else format(value, ".12g")
+
+
+CALCULATOR = Tool("calculator", "Evaluates an arithmetic expression with + - * / // % ** and parentheses.",
+                  {"type": "object", "properties": {"expression": {"type": "string",
+                                                                   "description": "e.g. (17 + 25) * 3"}},
+                   "required": ["expression"]}, calculate)
+
+
+def tool_table(tools: Sequence[Tool]) -> dict[str, Any]:
+  """{name: tool}; raises ValueError on two tools of one name."""
+  table = {t.name: t for t in tools}
+  if len(table) != len(tools):
+    raise ValueError(f"tool_table: tool names repeat: {[t.name for t in tools]}")
+  return table
