@@ -22,16 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import final_params, grpo_smoke, length_score, max_rel, max_rel_err, random_group, tiny_model
+from conftest import (experiment_config, final_params, grpo_smoke, length_score, max_rel, max_rel_err, random_group,
+                      tiny_model)
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms import ppo
 from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.models import tiny_config
 from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.algorithms import groups
 from branch_replay_jax.algorithms.groups import Group, dynamic_sampling, step_token_mean
 from branch_replay_jax.rollout import collect
+from branch_replay_jax.rollout.collect import Trajectories
 from branch_replay_jax.rollout.tasks import Task
 from experiments import grpo_tree_smollm2_arith
 from branch_replay_jax.gradients.heads import Policy
@@ -124,6 +128,39 @@ def test_trajectory_weights_leave_out_truncated_hand_case():
   np.testing.assert_array_equal(obj.trajectory_weights(lengths, mode="group_token_mean", in_loss=[False] * 3), 0.0)
   with pytest.raises(ValueError, match="in_loss shape"):
     obj.trajectory_weights(lengths, mode="group_token_mean", in_loss=[True])
+
+
+def _raw_group(task_rewards, lengths, truncated, budget=4):
+  """Raw trajectories as rollout.collect.rollout returns them (no model): prompt [1, 2, 3], token 5 repeated."""
+  lengths = np.asarray(lengths)
+  tokens = np.where(np.arange(budget)[None] < lengths[:, None], 5, 0)
+  return Trajectories([1, 2, 3], tokens, np.full(tokens.shape, -1.0, np.float32), lengths, np.asarray(truncated),
+                      np.asarray(task_rewards, np.float64), np.asarray(task_rewards) > 0, budget, None,
+                      {"data_pos": 0, "question": "q", "answer": "a", "completion": "c"}, 0.0, 0.0)
+
+
+def test_the_algorithm_layer_builds_rewards_advantages_and_weights_from_raw_trajectories(tmp_path):
+  # Lengths (3, 4, 1) of a budget of 4, the 4-token one truncated; task rewards (1, 1, 0).
+  # GRPO with overlong_buffer 2 (penalty 1): shaping (-(3 - 2) / 2, -1, 0) -> rewards (0.5, 0, 0);
+  # advantages (r - 1/6) / std(ddof 1) = (1/3, -1/6, -1/6) / sqrt(1/12) = (1.1547, -0.5774, -0.5774);
+  # mask_truncated leaves trajectory 1 out and group_token_mean weighs the other 3 + 1 tokens 1/4 each.
+  raw = _raw_group([1.0, 1.0, 0.0], [3, 4, 1], [False, True, False])
+  config = grpo_smoke(tmp_path, **{"loss.overlong_buffer": 2, "loss.mask_truncated": True,
+                                   "loss.weighting": "group_token_mean"})
+  g = groups.build(config, raw, tiny_config(), 0)
+  np.testing.assert_allclose(g.rewards, [0.5, 0.0, 0.0])
+  np.testing.assert_allclose(np.asarray(g.batch.branches.advantage), [1.1547005, -0.5773503, -0.5773503], rtol=1e-5)
+  w = np.asarray(g.batch.branches.weights)
+  np.testing.assert_array_equal(w[:, :4], [[0.25, 0.25, 0.25, 0], [0, 0, 0, 0], [0.25, 0, 0, 0]])
+  assert g.loss_tokens == 4 and g.sample["reward"] == 0.5 and g.kind == "group"
+  # PPO: the task's rewards unshaped, no group-relative advantage (GAE comes from the critic), every
+  # trajectory in the loss: 1 / (3 + 4 + 1) per token.
+  from experiments import ppo_smollm2_arith
+  config = experiment_config(ppo_smollm2_arith, "smoke", tmp_path)
+  g = groups.build(config, raw, tiny_config(), 0)
+  np.testing.assert_allclose(g.rewards, [1.0, 1.0, 0.0])
+  assert g.batch.branches.advantage is None and g.in_loss is None
+  np.testing.assert_allclose(np.asarray(g.batch.branches.weights)[1, :4], [1 / 8] * 4)
 
 
 def test_token_logprobs_at_a_temperature_hand_case():

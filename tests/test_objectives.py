@@ -1,4 +1,4 @@
-"""Advantages, loss normalisation and the GRPO token loss against hand-computed values."""
+"""Advantages, loss weightings and the GRPO token loss against hand-computed values."""
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ def test_group_advantages_unbiased_std():
     # Dr. GRPO with L_max = 50: 70.5 / (4 * 50) = 0.3525.
     ("constant", 70.5 / 200, -1.5 / 200, 0.5 / 200),
 ])
-def test_loss_normalisation_modes_give_the_hand_values(mode, loss, short_w, long_w):
+def test_loss_weightings_give_the_hand_values(mode, loss, short_w, long_w):
   # On-policy (ratio 1), beta = 0: the per-token loss is -A, its gradient w.r.t. logp is -A * w.
   lengths, adv = short_and_long_case()
   w = obj.token_weights(lengths, 50, mode=mode, max_length=50)

@@ -176,8 +176,8 @@ def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
   assert not rest.any() and not np.asarray(got[1]).any()   # padding log-probs are 0
 
 
-def test_loss_normalisation_modes_give_the_hand_values_on_a_tree():
-  # test_objectives.py's normalisation hand case with the three 50-token completions sharing their
+def test_loss_weightings_give_the_hand_values_on_a_tree():
+  # test_objectives.py's weighting hand case with the three 50-token completions sharing their
   # first 20 tokens (a tree: prompt -> shared 20 -> three 30-token tails; plus a 3-token completion). On-policy with beta = 0 the
   # per-(token, trajectory) loss is -A_g, so the tree loss must equal the hand values:
   # per-sequence mean 0, token mean 70.5/153, Dr. GRPO (L_max = 50) 70.5/200.
