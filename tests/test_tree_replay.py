@@ -141,7 +141,10 @@ def test_tree_replay_equals_naive_float32(tree):
     replay, (ln, _, gn) = _both(tree, graphdef, params, mode, np.float32)
     for schedule, (lt, _, gt) in replay.items():
       assert abs(float(lt) - float(ln)) <= 1e-5 * max(1.0, abs(float(ln))), (mode, schedule)
-      assert max_rel_err(gt, gn) <= 1e-4, (mode, schedule)
+      # A one-token prompt under a one-token completion: every scored position attends one key, so
+      # the q and k gradients are exactly 0 and both layouts hold float32 noise there (~1e-11, rel.
+      # error 1.0 against each other): leaves are measured against 1e-5 of the largest gradient entry.
+      assert max_rel_err(gt, gn, floor=1e-5) <= 1e-4, (mode, schedule)
 
 
 def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
