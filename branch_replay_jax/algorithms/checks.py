@@ -37,7 +37,7 @@ def validate_common(config) -> None:
   from branch_replay_jax.kernels import ATTENTION_IMPLS
   from branch_replay_jax.models.llama import REMAT_POLICIES
   from branch_replay_jax.models.loading import context_length
-  from branch_replay_jax.rollout.tasks import TASKS
+  from branch_replay_jax.rollout.tasks import TASKS, reasoning_gym_names
   m, t = config.model, config.train
   if m.dtype not in DTYPES:
     raise ValueError(f"model.dtype={m.dtype!r} is not one of {DTYPES} (float16 has no loss scaling here)")
@@ -61,8 +61,12 @@ def validate_common(config) -> None:
   check_run_dir_path(config.run_dir)
   if "task" in config:
     k = config.task
-    if k.name not in TASKS:
-      raise ValueError(f"task.name={k.name!r} is not one of {sorted(TASKS)}")
+    if not isinstance(k.name, str):
+      raise ValueError(f"task.name={k.name!r} must be a str")
+    # Without task.source the name is the reasoning-gym dataset (rollout/tasks/sources.py); with it, a label.
+    if k.get("source") is None and k.name not in TASKS and k.name not in reasoning_gym_names():
+      raise ValueError(f"task.name={k.name!r} is neither a preset {sorted(TASKS)} nor a reasoning-gym dataset "
+                       "(rollout.tasks.reasoning_gym_names()); or set task.source (a file, 'python:module:name')")
     for name, value in [("task.size", k.size), ("task.seed", k.seed), ("task.few_shot", k.few_shot),
                         ("task.few_shot_seed", k.few_shot_seed)]:
       if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "task.size" else 0):

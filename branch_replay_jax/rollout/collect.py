@@ -29,6 +29,7 @@ from branch_replay_jax.data.groups import bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.tasks.protocol import reward_terms, score_group
 from branch_replay_jax.rollout.tree_sampler import sample_tree
 
 
@@ -63,6 +64,7 @@ class Group:
   tree: RolloutTree | None = None
   naive_batch: GroupBatch | None = None
   in_loss: np.ndarray | None = None
+  reward_terms: dict | None = None   # {name: [G] float64} per reward function of task.rewards (NaN: None), or None
 
   @property
   def loss_tokens(self) -> int:
@@ -116,7 +118,7 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
     truncated = np.asarray(ro.truncated, bool)
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-  scores = [task.score(text, problem) for text in texts]
+  scores = score_group(task, texts, problem, index=data_pos)   # a failing reward function raises here
   lengths = np.array([len(c) for c in completions])
   # GRPO / RLOO (config.algorithm "grpo"): group-relative advantages and GRPO's options (overlong
   # shaping, truncation masking); PPO: neither (its schema has no such fields; GAE from the critic).
@@ -156,7 +158,7 @@ def rollout(config, model, tokenizer, task, data_pos: int, key) -> Group:
   kind = "tree" if r.tree_fanouts and not naive else "group"
   return Group(kind, arrays, rewards, np.array([s.correct for s in scores]), lengths, counts, sample, t1 - t0,
                t2 - t1, truncated, tree if r.tree_fanouts else None, naive_arrays if kind == "tree" else None,
-               in_loss)
+               in_loss, reward_terms(scores) or None)
 
 
 def dynamic_sampling(draw, key, data_pos: int, *, quota: int, max_draws: int) -> tuple[list[Group], int, dict]:
