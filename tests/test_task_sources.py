@@ -45,6 +45,17 @@ def file_section(tmp_path, **fields):
   return task_section(source=write_jsonl(tmp_path / "train.jsonl", ROWS), prompt_column="question", **fields)
 
 
+def test_reading_libraries_load_only_when_a_file_or_math_task_is_built():
+  # datasets (~1 s) and math_verify (sympy, antlr) load on demand: the config check and a
+  # reasoning-gym run never import them.
+  import subprocess
+  import sys
+  code = ("import sys, branch_replay_jax.rollout.tasks.sources, branch_replay_jax.algorithms.grpo; "
+          "print('datasets' in sys.modules, 'math_verify' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "False False"
+
+
 # ---- the default experiment's task is unchanged ---------------------------------------------------------
 
 @pytest.mark.parametrize("variant", ["", "learn"])
@@ -287,17 +298,40 @@ def test_eval_of_a_file_task_needs_an_eval_file_or_a_split(monkeypatch, tmp_path
     Evaluation(config, algorithm)
 
 
+# ---- Hugging Face model directories --------------------------------------------------------------------
+
+def test_bad_model_directory_is_refused_by_field_before_the_model_loads(monkeypatch, tmp_path):
+  # A directory without config.json, and one whose config.json names an architecture our decoder
+  # does not implement (gpt2), fail the config check with model.name and the value in the message.
+  no_model_load(monkeypatch)
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  gpt2 = tmp_path / "gpt2"
+  gpt2.mkdir()
+  (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+  for directory, message in [(empty, "directory has no config.json"), (gpt2, "model_type 'gpt2' is not supported")]:
+    config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{"model.name": str(directory)})
+    with pytest.raises(ValueError, match=f"model.name='{directory}': .*{message}"):
+      grpo.GRPO(config)
+
+
 # ---- end to end -----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_grpo_trains_on_a_jsonl_task_with_a_reward_by_import_path_and_stops_on_a_failing_one(tmp_path):
-  # One step of the tiny model on a JSONL task rewarded by `longer` (the completion's length: varied
+def test_grpo_trains_an_hf_directory_on_a_jsonl_task_with_a_reward_by_import_path_and_stops_on_a_failing_one(
+    tmp_path):
+  # One step of the tiny model (from its Hugging Face directory) on a JSONL task rewarded by `longer` (the completion's length: varied
   # rewards, so the update is not vacuous) logs rewards/longer = the step's mean reward (its weight is
   # 1 and it is the only function); a second step with a raising function stops before the update
   # with the function and the data position (2: prompts_per_step 2 per step) in the error, and leaves
   # checkpoint 1 as it was, from which a resume with a working function finishes step 2.
+  # The model: the tiny model exported as a Hugging Face directory (branch_replay_jax.export), the
+  # format a user's own model comes in.
+  from branch_replay_jax import export
+  model_dir = export.export_base(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "never"),
+                                 str(tmp_path / "hf"))
   path = rewards_file(tmp_path)
-  overrides = {"task.source": write_jsonl(tmp_path / "train.jsonl", ROWS), "task.prompt_column": "question",
+  overrides = {"model.name": model_dir, "task.source": write_jsonl(tmp_path / "train.jsonl", ROWS), "task.prompt_column": "question",
                "task.eval_split": 0.2, "task.format_bonus": 0.0, "task.rewards": (f"{path}:longer",),
                "train.steps": 1, "eval.size": 1}
   run_dir = tmp_path / "run"

@@ -36,7 +36,6 @@ def validate_common(config) -> None:
   models.loading.context_length)."""
   from branch_replay_jax.kernels import ATTENTION_IMPLS
   from branch_replay_jax.models.llama import REMAT_POLICIES
-  from branch_replay_jax.models.loading import context_length
   from branch_replay_jax.rollout.tasks import TASKS, reasoning_gym_names
   m, t = config.model, config.train
   if m.dtype not in DTYPES:
@@ -82,13 +81,28 @@ def validate_common(config) -> None:
     check_number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
     check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
-    context = TINY_MAX_POSITIONS if m.name == "tiny" else context_length(m.name)
+    context = TINY_MAX_POSITIONS if m.name == "tiny" else model_context(m.name)
     if isinstance(budget, int) and budget >= context:
       field = (f"rollout.segment_length={r.segment_length} x depth len(rollout.tree_fanouts)={len(r.tree_fanouts)}"
                f" = {budget} completion tokens" if r.get("tree_fanouts") else f"rollout.max_new_tokens={budget}")
       raise ValueError(f"{field} leaves no room for a prompt in model {m.name!r}'s context of {context} tokens; "
                        f"it must be < {context}")
   validate_lora(config)
+
+
+def model_context(name: str) -> int:
+  """The context length (tokens) of model.name from its metadata alone (models.loading.context_length:
+  the GGUF header, or a Hugging Face directory's config.json), no tensor read.
+
+  Raises:
+    ValueError: naming model.name and its value: an unknown name, a missing file, a directory
+      without config.json, or an architecture (model_type) or option the decoder does not support.
+  """
+  from branch_replay_jax.models.loading import context_length
+  try:
+    return context_length(name)
+  except ValueError as e:
+    raise ValueError(f"model.name={name!r}: {e}") from e
 
 
 def validate_eval(config) -> None:
