@@ -232,6 +232,17 @@ def test_a_failing_reward_names_the_function_the_position_and_the_value(tmp_path
     task.score_group(["a", "b"], task[7], index=7)
 
 
+def test_each_reward_function_is_its_own_metric_over_the_completions_it_scored():
+  # Two groups: "a" scored 1, None, 3, None -> mean 2 over the two it scored; "b" returned None
+  # everywhere -> no metric; a group without reward functions (None) adds nothing.
+  from types import SimpleNamespace
+  from branch_replay_jax.algorithms import loop
+  groups = [SimpleNamespace(reward_terms={"a": np.array([1.0, np.nan]), "b": np.array([np.nan, np.nan])}),
+            SimpleNamespace(reward_terms={"a": np.array([3.0, np.nan]), "b": np.array([np.nan, np.nan])})]
+  assert loop.reward_means(groups) == {"rewards/a": 2.0}
+  assert loop.reward_means([SimpleNamespace(reward_terms=None)]) == {}
+
+
 def test_math_verify_reward_compares_values_not_strings():
   # 1/2 = 0.5 = \frac{1}{2}; 0.4 is wrong; no answer at all scores 0.
   texts = ["<answer>\\frac{1}{2}</answer>", "<answer>1/2</answer>", "<answer>0.4</answer>", "no idea",
