@@ -13,6 +13,8 @@ import os
 
 import ml_collections
 
+from experiments import grpo_smollm2_arith
+
 VARIANTS = ("", "jsonl", "smoke", "jsonl_smoke")
 
 
@@ -48,6 +50,7 @@ def get_config(arg=None):
     #                                     # unclosed tag or the last number (rollout/tasks, "Answer extraction")
     c.task.few_shot = 0                   # solved examples shown before each question (chat turns; the same
     c.task.few_shot_seed = 2_000_000      # in training and evaluation), drawn from this generator seed
+    grpo_smollm2_arith.add_task_fields(c.task)   # data source, prompt and reward fields
     c.rollout = ml_collections.ConfigDict()  # sampling of the candidates
     c.rollout.prompts_per_step = 2 if smoke else 4   # prompts per step; each gives at most one pair
     c.rollout.group_size = 4 if smoke else 8         # G completions sampled per prompt (one shared prefill)

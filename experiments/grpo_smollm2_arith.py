@@ -11,6 +11,28 @@
 
 import ml_collections
 
+from branch_replay_jax.rollout.tasks.prompts import DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE
+
+
+def add_task_fields(task):
+  """The task's source, prompt and reward fields at their defaults (rollout/tasks/sources.py; README,
+  "Train on your own task"), so that each can be set from the command line."""
+  placeholder = ml_collections.config_dict.placeholder
+  task.source = placeholder(str)          # None: task.name; or "reasoning_gym:NAME", a .jsonl/.json/.parquet/.csv
+  #                                       # file or save_to_disk directory, "python:module:name" (a task or factory)
+  task.prompt_column = "prompt"           # file sources: the prompt's column (text, or a list of chat messages)
+  task.answer_column = "answer"           # file sources: the reference answer's column ("" for none)
+  task.messages_column = ""               # file sources: a column of chat messages used as the prompt ("" for none)
+  task.eval_source = placeholder(str)     # file sources: the evaluation's file; None: the held-out split below
+  task.eval_split = 0.0                   # file sources: fraction of the rows held out for eval (shuffled by task.seed)
+  task.system_prompt = placeholder(str)   # None: no system message, so SmolLM2's template writes its default
+  #                                       # "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+  task.instruction = DEFAULT_INSTRUCTION  # the answer instruction, {instruction} in the template
+  task.prompt_template = DEFAULT_TEMPLATE  # the user turn: {question}, {instruction} and a file row's columns
+  task.rewards = ()                       # reward functions "module:function" (TRL's batch signature) replacing the
+  #                                       # task's reward, e.g. ("branch_replay_jax.rollout.tasks.rewards:math_verify",)
+  task.reward_weights = ()                # a weight per function; (): all 1
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
@@ -33,6 +55,7 @@ def get_config(arg=None):
   #                                       # unclosed tag or the last number (rollout/tasks, "Answer extraction")
   c.task.few_shot = 0                     # solved examples shown before each question (chat turns; the same
   c.task.few_shot_seed = 2_000_000        # in training and evaluation), drawn from this generator seed
+  add_task_fields(c.task)                 # data source, prompt and reward fields (below)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 2          # groups per optimizer step

@@ -37,8 +37,7 @@ def validate_common(config) -> None:
   models.loading.context_length)."""
   from branch_replay_jax.kernels import ATTENTION_IMPLS
   from branch_replay_jax.models.llama import REMAT_POLICIES
-  from branch_replay_jax.models.loading import context_length
-  from branch_replay_jax.rollout.tasks import TASKS
+  from branch_replay_jax.rollout.tasks import TASKS, reasoning_gym_names
   m, t = config.model, config.train
   if m.dtype not in DTYPES:
     raise ValueError(f"model.dtype={m.dtype!r} is not one of {DTYPES} (float16 has no loss scaling here)")
@@ -59,8 +58,12 @@ def validate_common(config) -> None:
   check_run_dir_path(config.run_dir)
   if "task" in config:
     k = config.task
-    if k.name not in TASKS:
-      raise ValueError(f"task.name={k.name!r} is not one of {sorted(TASKS)}")
+    if not isinstance(k.name, str):
+      raise ValueError(f"task.name={k.name!r} must be a str")
+    # Without task.source the name is the reasoning-gym dataset (rollout/tasks/sources.py); with it, a label.
+    if k.get("source") is None and k.name not in TASKS and k.name not in reasoning_gym_names():
+      raise ValueError(f"task.name={k.name!r} is neither a preset {sorted(TASKS)} nor a reasoning-gym dataset "
+                       "(rollout.tasks.reasoning_gym_names()); or set task.source (a file, 'python:module:name')")
     for name, value in [("task.size", k.size), ("task.seed", k.seed), ("task.few_shot", k.few_shot),
                         ("task.few_shot_seed", k.few_shot_seed)]:
       if value < (1 if name == "task.size" else 0):
@@ -74,13 +77,28 @@ def validate_common(config) -> None:
     check_number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
     check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
-    context = TINY_MAX_POSITIONS if m.name == "tiny" else context_length(m.name)
+    context = TINY_MAX_POSITIONS if m.name == "tiny" else model_context(m.name)
     if isinstance(budget, int) and budget >= context:
       field = (f"rollout.segment_length={r.segment_length} x depth len(rollout.tree_fanouts)={len(r.tree_fanouts)}"
                f" = {budget} completion tokens" if r.get("tree_fanouts") else f"rollout.max_new_tokens={budget}")
       raise ValueError(f"{field} leaves no room for a prompt in model {m.name!r}'s context of {context} tokens; "
                        f"it must be < {context}")
   validate_lora(config)
+
+
+def model_context(name: str) -> int:
+  """The context length (tokens) of model.name from its metadata alone (models.loading.context_length:
+  the GGUF header, or a Hugging Face directory's config.json), no tensor read.
+
+  Raises:
+    ValueError: naming model.name and its value: an unknown name, a missing file, a directory
+      without config.json, or an architecture (model_type) or option the decoder does not support.
+  """
+  from branch_replay_jax.models.loading import context_length
+  try:
+    return context_length(name)
+  except ValueError as e:
+    raise ValueError(f"model.name={name!r}: {e}") from e
 
 
 def validate_eval(config) -> None:

@@ -95,7 +95,9 @@ def fingerprint(config) -> dict:
   """Fields that define a DPO experiment: a run dir's checkpoints must belong to the same ones."""
   d = config.data
   data = ({"path": os.path.abspath(d.path), "pairs_per_step": d.pairs_per_step} if d.source == "jsonl" else
-          {"task": config.task.name, "task_seed": config.task.seed, "group_size": config.rollout.group_size,
+          {"task": config.task.name,
+           **({} if config.task.get("source") is None else {"task_source": config.task.source}),   # as runs.fingerprint
+           "task_seed": config.task.seed, "group_size": config.rollout.group_size,
            "prompts_per_step": config.rollout.prompts_per_step})
   return {"algorithm": "dpo", "model": config.model.name, "source": d.source, **data, "seed": config.seed}
 

@@ -50,7 +50,7 @@ class Evaluation:
     e = config.eval
     self.config, self.every, self.pass_k = config, e.every, e.pass_k
     items = algorithm.training_items()
-    self.task = make_task_from(config, seed=e.task_seed, size=10 * e.size + items)
+    self.task = make_task_from(config, seed=e.task_seed, size=10 * e.size + items, split="eval")
     self.problems, self.dropped = held_out.heldout_problems(algorithm.task, self.task, size=e.size,
                                                             training_items=items)
 

@@ -50,6 +50,8 @@ class Group:
     step's layout) when kind is "tree", for the run-time exactness check (algorithms/exactness.py);
     None for a group, whose `batch` serves both. Its weights are the tree's (`step_token_mean`
     scales both).
+  reward_terms: {name: [G] float64} per reward function of task.rewards (`Trajectories.reward_terms`;
+    logged as rewards/NAME), or None.
   """
   kind: str
   batch: GroupBatch | TreeBatch
@@ -64,6 +66,7 @@ class Group:
   tree: RolloutTree | None = None
   naive_batch: GroupBatch | None = None
   in_loss: np.ndarray | None = None
+  reward_terms: dict | None = None
 
   @property
   def loss_tokens(self) -> int:
@@ -129,7 +132,8 @@ def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
               "padding_fraction": 1.0 - (group.prompt_len + group.lengths.sum()) / computed}
   kind = "tree" if tree is not None and not naive else "group"
   return Group(kind, arrays, rewards, raw.correct, lengths, counts, {**raw.sample, "reward": float(rewards[0])},
-               raw.sample_s, raw.score_s, truncated, tree, naive_arrays if kind == "tree" else None, in_loss)
+               raw.sample_s, raw.score_s, truncated, tree, naive_arrays if kind == "tree" else None, in_loss,
+               raw.reward_terms)
 
 
 def rollout_group(config, model, tokenizer, task, data_pos: int, key) -> Group:

@@ -238,4 +238,19 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
           "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),
           "sample_s": sum(g.sample_s for g in groups), "score_s": sum(g.score_s for g in groups),
-          "update_s": update_s, "step_s": rollout_s + update_s}
+          "update_s": update_s, "step_s": rollout_s + update_s, **reward_means(groups)}
+
+
+def reward_means(groups: list[Group]) -> dict:
+  """{"rewards/NAME": mean} of each reward function of task.rewards over the step's completions
+  (rollout/tasks/rewards.py; completions it returned None for left out; a function that returned
+  None for all of them is left out), {} without task.rewards."""
+  terms = [g.reward_terms for g in groups if g.reward_terms]
+  if not terms:
+    return {}
+  out = {}
+  for name in terms[0]:
+    values = np.concatenate([t[name] for t in terms])
+    if not np.isnan(values).all():
+      out[f"rewards/{name}"] = float(np.nanmean(values))
+  return out

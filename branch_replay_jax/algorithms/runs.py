@@ -24,7 +24,7 @@ from branch_replay_jax.models import Llama, lora, tiny_config
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import (RunCheckpoints, check_run_dir, config_changes, open_run_dir,
                                                   write_run_record)
-from branch_replay_jax.rollout.tasks import make_task
+from branch_replay_jax.rollout.tasks.sources import make_task_from_fields
 
 def build_model(config):
   """(model, tokenizer). "tiny" is a random 2-layer model over SmolLM2's real tokenizer. With
@@ -81,7 +81,9 @@ def fingerprint(config) -> dict:
            {"group_size": r.group_size})
   adapters = {} if config.get("lora") is None else {"lora": {"rank": config.lora.rank, "alpha": config.lora.alpha,
                                                              "targets": list(config.lora.targets)}}
-  return {"model": config.model.name, "task": config.task.name, "task_seed": config.task.seed, **shape,
+  source = config.task.get("source")   # only when set: run dirs of the reasoning-gym presets keep their fingerprint
+  task = {"task": config.task.name, **({} if source is None else {"task_source": source}), "task_seed": config.task.seed}
+  return {"model": config.model.name, **task, **shape,
           "prompts_per_step": r.prompts_per_step, "seed": config.seed, **adapters}
 
 
@@ -96,17 +98,14 @@ def make_update(optimizer: optax.GradientTransformation):
   return jax.jit(update, donate_argnums=(0, 1))
 
 
-def make_task_from(config, *, seed: int | None = None, size: int | None = None):
-  """The reasoning-gym task named in config.task (tasks.make_task); `seed` and `size` replace
-  task.seed and task.size when given (the held-out evaluation's task)."""
+def make_task_from(config, *, seed: int | None = None, size: int | None = None, split: str = "train"):
+  """The task config.task describes (rollout/tasks/sources.py, `make_task_from_fields`: a reasoning-gym
+  dataset, a local file, or a python task, with its prompt fields and reward functions); `seed` and
+  `size` replace task.seed and task.size when given, and split="eval" builds the held-out
+  evaluation's task (algorithms/evaluation.py). Raises ValueError naming the field and value."""
   t = config.task
-  seed, size = t.seed if seed is None else seed, t.size if size is None else size
-  try:
-    return make_task(t.name, seed=seed, size=size, format_bonus=t.format_bonus, strict_answer=t.strict_answer,
-                     few_shot=t.few_shot, few_shot_seed=t.few_shot_seed,
-                     **t.options.to_dict())
-  except ValueError as e:
-    raise ValueError(f"task (task.name={t.name!r}, task.options={t.options.to_dict()}): {e}") from e
+  return make_task_from_fields(t, seed=t.seed if seed is None else seed, size=t.size if size is None else size,
+                               split=split)
 
 
 def check_processes(config) -> None:

@@ -33,6 +33,7 @@ from typing import Optional
 import ml_collections
 
 from branch_replay_jax.losses import WEIGHTINGS
+from branch_replay_jax.rollout.tasks.prompts import DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE
 
 ALGORITHMS = ("grpo", "ppo", "dpo")
 MODULES = {"grpo": "algorithms/grpo.py", "ppo": "algorithms/ppo.py", "dpo": "algorithms/dpo.py"}
@@ -61,14 +62,34 @@ class ModelConfig:
 
 @_frozen
 class TaskConfig:
-  name: str = _f("a name in rollout.tasks.TASKS (basic_arithmetic, gsm_symbolic)")
-  size: int = _f("problems in the generated dataset (the data position wraps around)")
-  seed: int = _f("reasoning-gym generator seed")
-  options: dict = _f("generator options overriding the task's defaults (free-form, the generator checks them)")
-  format_bonus: float = _f("reward added when the answer is inside <answer></answer> tags")
+  """The task (rollout/tasks/sources.py; README, "Train on your own task")."""
+  name: str = _f("the task's name; without task.source also its data: a preset (basic_arithmetic, gsm_symbolic) "
+                 "or any reasoning-gym dataset")
+  size: int = _f("problems in the training task (a file: at most; the data position wraps around)")
+  seed: int = _f("reasoning-gym generator seed; a file: the seed of its row shuffle (and held-out split)")
+  options: dict = _f("generator options overriding the task's defaults (free-form, the generator checks them); "
+                     "command line: --config.task.options='{\"max_digits\": 3}'")
+  format_bonus: float = _f("reward added when the answer is inside <answer></answer> tags (0 with task.rewards)")
   strict_answer: bool = _f("True: only a closed <answer> tag counts; False: also an unclosed tag or the last number")
-  few_shot: int = _f("solved examples (chat turns) shown before each question, in training and evaluation")
+  few_shot: int = _f("solved examples (chat turns) shown before each question, in training and evaluation; "
+                     "reasoning-gym sources only")
   few_shot_seed: int = _f("generator seed of the few-shot examples")
+  source: Optional[str] = _f("None (task.name), 'reasoning_gym:NAME', a .jsonl/.json/.parquet/.csv file or a "
+                             "save_to_disk directory, or 'python:module:name' (a task object or factory)", None)
+  prompt_column: str = _f("file sources: the column of the prompt text (or of a message list)", "prompt")
+  answer_column: str = _f("file sources: the column of the reference answer ('' for none)", "answer")
+  messages_column: str = _f("file sources: a column of chat messages used as the prompt ('' for none)", "")
+  eval_source: Optional[str] = _f("file sources: the evaluation's file (same columns); None: task.eval_split", None)
+  eval_split: float = _f("file sources: the fraction of rows held out for the evaluation (shuffled by task.seed)",
+                         0.0)
+  system_prompt: Optional[str] = _f("the system message; None: none written, the chat template adds its default "
+                                    "(SmolLM2: 'You are a helpful AI assistant named SmolLM, ...')", None)
+  instruction: str = _f("the answer instruction, the prompt template's {instruction}",
+                        DEFAULT_INSTRUCTION)
+  prompt_template: str = _f("the user turn: {question}, {instruction} and a file row's columns", DEFAULT_TEMPLATE)
+  rewards: tuple[str, ...] = _f("reward functions 'module:function' (TRL's batch signature), replacing the task's "
+                                "reward (rollout/tasks/rewards.py)", ())
+  reward_weights: tuple[float, ...] = _f("a weight per task.rewards function; (): all 1", ())
 
 
 @_frozen

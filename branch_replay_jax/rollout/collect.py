@@ -19,6 +19,7 @@ import numpy as np
 from branch_replay_jax.data.trees import RolloutTree
 from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.tasks.protocol import reward_terms, score_group
 from branch_replay_jax.rollout.tree_sampler import sample_tree
 
 
@@ -40,6 +41,8 @@ class Trajectories:
   tree: the sampled `RolloutTree` (trees), else None.
   sample: {"data_pos", "question", "answer", "completion"}: the first trajectory, for samples.jsonl.
   sample_s, score_s: seconds spent sampling and scoring.
+  reward_terms: {name: [G] float64} per reward function of task.rewards (None where one returned
+    None), or None without task.rewards.
   """
   prompt_ids: list
   tokens: np.ndarray | None
@@ -53,6 +56,7 @@ class Trajectories:
   sample: dict
   sample_s: float
   score_s: float
+  reward_terms: dict | None = None   # {name: [G] float64} per reward function of task.rewards (NaN: None), or None
 
 
 def completion_budget(rollout_config) -> int:
@@ -92,9 +96,9 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Traje
     truncated = np.asarray(ro.truncated, bool)
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-  scores = [task.score(text, problem) for text in texts]
+  scores = score_group(task, texts, problem, index=data_pos)   # a failing reward function raises here
   t2 = time.perf_counter()
   sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer, "completion": texts[0]}
   return Trajectories(ids, tokens, logprobs, np.array([len(c) for c in completions]), truncated,
                       np.array([s.reward for s in scores], np.float64), np.array([s.correct for s in scores]),
-                      budget, tree, sample, t1 - t0, t2 - t1)
+                      budget, tree, sample, t1 - t0, t2 - t1, reward_terms(scores) or None)

@@ -1,16 +1,28 @@
-"""Prompts and verifiable rewards for GRPO on reasoning-gym tasks.
+"""Tasks: the problems a run trains on, their prompts and their rewards (README, "Train on your own task").
 
-Problems come from reasoning-gym (https://github.com/open-thought/reasoning-gym), which
+A task is data + prompt + reward, each replaceable (config section ``task``; `make_task_from_fields`
+in rollout/tasks/sources.py builds one from it):
+
+- data: a reasoning-gym dataset (this module, `make_task`: the presets of ``TASKS`` or any other of
+  its datasets by name), local files read with Hugging Face ``datasets`` (rollout/tasks/files.py),
+  or any object with the task protocol named by import path (rollout/tasks/protocol.py);
+- prompt: chat messages (rollout/tasks/prompts.py: system prompt, answer instruction, few-shot
+  examples, a template string for the user turn), rendered by the model tokenizer's chat template;
+- reward: the dataset's own scorer (below), or reward functions by import path with TRL's batch
+  signature (rollout/tasks/rewards.py).
+
+The rest of this docstring is the reasoning-gym tasks'. Problems come from reasoning-gym (https://github.com/open-thought/reasoning-gym), which
 generates them offline and deterministically from ``(seed, index)``. Rewards are rule-based
 as in DeepSeekMath (GRPO, arXiv 2402.03300) and DeepSeek-R1 (arXiv 2501.12948 §2.2.2): an
 accuracy reward from the dataset's own ``score_answer`` plus an optional format reward.
 
   task = make_task("basic_arithmetic", seed=0, size=10_000)   # strict_answer=False: forgiving
+  task = make_task("chain_sum", seed=0, size=10_000, max_digits=3)   # any reasoning-gym dataset, its options
   problem = task[i]                      # i is the data position the trainer checkpoints
   messages = task.messages(problem)      # chat messages (with the task's few-shot examples, if any)
   score = task.score(completion_text, problem)
 
-Answer extraction (``extract_answer``) has two modes, chosen by ``make_task(strict_answer=...)``
+Answer extraction (``extract_answer``, rollout/tasks/prompts.py) has two modes, chosen by ``make_task(strict_answer=...)``
 (config field ``task.strict_answer``, passed by ``algorithms.runs.make_task_from``):
 
 1. Tagged (both modes): the content of the LAST ``<answer>...</answer>`` pair (tags matched
@@ -55,17 +67,23 @@ an evaluation task must be at least the training size apart to keep the sets dis
 """
 
 import dataclasses
+import difflib
 import math
 import operator
-import re
 from collections.abc import Sequence
 from typing import Any
 
-DEFAULT_INSTRUCTION = "Give only the final answer, inside <answer></answer> tags."
+from branch_replay_jax.rollout.tasks.prompts import (DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE, Problem, Score,
+                                                     extract_answer, format_messages)
+from branch_replay_jax.rollout.tasks.protocol import TaskProtocol, score_group
 
-# Registry: task name -> (reasoning-gym dataset name, default generator options). Field names
+__all__ = ["DEFAULT_INSTRUCTION", "DEFAULT_TEMPLATE", "TASKS", "Problem", "Score", "Task", "TaskProtocol",
+           "extract_answer", "format_messages", "make_task", "reasoning_gym_names", "score_group"]
+
+# Presets: task name -> (reasoning-gym dataset name, default generator options). Field names
 # are those of the dataset's config dataclass (e.g. reasoning_gym.arithmetic.basic_arithmetic
-# .BasicArithmeticDatasetConfig); make_task's keyword options override them.
+# .BasicArithmeticDatasetConfig); make_task's keyword options override them. Any other dataset of
+# reasoning-gym (`reasoning_gym_names`) is a task too, with reasoning-gym's own default options.
 TASKS: dict[str, tuple[str, dict[str, Any]]] = {
   # Easy enough for a 135M model: "Calculate 5 - 33." Two non-negative terms of 1 or 2 digits
   # (the digit count is drawn per problem; reasoning-gym draws each term in [0, 10**digits]),
@@ -78,78 +96,39 @@ TASKS: dict[str, tuple[str, dict[str, Any]]] = {
   "gsm_symbolic": ("gsm_symbolic", dict()),
 }
 
-_ANSWER_TAG = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.IGNORECASE | re.DOTALL)
-_NUMBER = re.compile(r"(?<![A-Za-z0-9])-?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?")
 
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """One generated problem: ``question`` and ``answer`` text and reasoning-gym's ``entry`` dict."""
-  question: str
-  answer: str
-  entry: dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Score:
-  """Reward of one completion (see the module docstring for every field's rule)."""
-  reward: float
-  correct: bool
-  extracted: str | None
-  formatted: bool
-
-
-def extract_answer(text: str, strict: bool = False) -> tuple[str | None, bool]:
-  """Returns ``(extracted, formatted)`` by the rules in the module docstring; ``strict``: only a
-  closed, non-blank ``<answer>`` tag counts (no last-number fallback)."""
-  tagged = [m.strip() for m in _ANSWER_TAG.findall(text) if m.strip()]
-  if tagged:
-    return tagged[-1], True
-  if strict:
-    return None, False
-  numbers = _NUMBER.findall(text)
-  return (numbers[-1] if numbers else None), False
-
-
-def format_messages(problem: Problem, instruction: str = DEFAULT_INSTRUCTION,
-                    examples: Sequence[Problem] = ()) -> list[dict[str, str]]:
-  """Chat messages for one problem: one user turn, the question then the instruction, after
-  ``examples`` solved in the answer format (few-shot prompting, Brown et al. 2020, arXiv
-  2005.14165): per example a user turn as above and an assistant turn
-  ``<answer>{example.answer}</answer>``.
-
-  The instruction comes last, nearest to the generation, where a small model such as
-  SmolLM2-135M-Instruct is likeliest to follow it. No system message: the model's chat
-  template adds its default one.
-  """
-  messages = []
-  for ex in examples:
-    messages += [{"role": "user", "content": f"{ex.question}\n{instruction}"},
-                 {"role": "assistant", "content": f"<answer>{ex.answer}</answer>"}]
-  return messages + [{"role": "user", "content": f"{problem.question}\n{instruction}"}]
+def reasoning_gym_names() -> list[str]:
+  """Every reasoning-gym dataset name (106 in reasoning-gym 0.1.25), sorted; imports reasoning-gym (~1 s)."""
+  from reasoning_gym.factory import DATASETS
+  return sorted(DATASETS)
 
 
 class Task(Sequence):
-  """A fixed-size, deterministic sequence of problems and their scorer. Build with ``make_task``.
+  """A fixed-size, deterministic sequence of reasoning-gym problems and their scorer (the task
+  protocol, rollout/tasks/protocol.py). Build with ``make_task``.
 
-  Attributes: ``name`` (registry key), ``options`` (the generator options used, defaults
-  merged with overrides), ``format_bonus``, ``strict_answer`` (the extraction mode, see the
-  module docstring), ``dataset`` (the reasoning-gym dataset), ``examples`` (the few-shot
-  problems every prompt shows solved, ``format_messages``; empty by default).
+  Attributes: ``name`` (the preset or reasoning-gym dataset name), ``options`` (the generator
+  options used, defaults merged with overrides), ``format_bonus``, ``strict_answer`` (the
+  extraction mode, see the module docstring), ``dataset`` (the reasoning-gym dataset), ``examples``
+  (the few-shot problems every prompt shows solved, ``format_messages``; empty by default), and the
+  prompt's ``system_prompt``, ``instruction`` and ``template`` (rollout/tasks/prompts.py).
   """
 
   def __init__(self, name: str, dataset: Any, options: dict[str, Any], format_bonus: float,
-               strict_answer: bool = False, examples: Sequence[Problem] = ()):
+               strict_answer: bool = False, examples: Sequence[Problem] = (), *, system_prompt: str | None = None,
+               instruction: str = DEFAULT_INSTRUCTION, template: str = DEFAULT_TEMPLATE):
     self.name = name
     self.dataset = dataset
     self.options = options
     self.format_bonus = format_bonus
     self.strict_answer = strict_answer
     self.examples = tuple(examples)
+    self.system_prompt, self.instruction, self.template = system_prompt, instruction, template
 
   def messages(self, problem: Problem) -> list[dict[str, str]]:
-    """The chat messages of ``problem``'s prompt: ``format_messages`` with this task's examples."""
-    return format_messages(problem, examples=self.examples)
+    """The chat messages of ``problem``'s prompt: ``format_messages`` with this task's examples and prompt fields."""
+    return format_messages(problem, self.instruction, self.examples, system_prompt=self.system_prompt,
+                           template=self.template)
 
   def __len__(self) -> int:
     return self.dataset.size
@@ -172,11 +151,13 @@ class Task(Sequence):
 
 def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bonus: float = 0.0,
               strict_answer: bool = False, few_shot: int = 0, few_shot_seed: int = 2_000_000,
-              **options: Any) -> Task:
+              system_prompt: str | None = None, instruction: str = DEFAULT_INSTRUCTION,
+              template: str = DEFAULT_TEMPLATE, **options: Any) -> Task:
   """Builds the task ``name`` of ``size`` problems from ``seed``.
 
   Args:
-    name: a key of ``TASKS``.
+    name: a key of ``TASKS`` (a preset: its default options), or any reasoning-gym dataset name
+      (``reasoning_gym_names``; reasoning-gym's own default options).
     seed: non-negative int (Python's ``Random`` seeds by absolute value, so ``-s`` would
       silently equal ``s``). See the module docstring on overlap between nearby seeds.
     size: number of problems, ``len(task)``. Item ``i`` does not depend on ``size``.
@@ -188,15 +169,14 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
       its evaluation task (other seeds) show the same examples. 0: none.
     few_shot_seed: the examples' generator seed (non-negative; keep it at least ``size`` away
       from the training and evaluation seeds, module docstring "Seeds").
+    system_prompt, instruction, template: the prompt (rollout/tasks/prompts.py, `format_messages`).
     **options: overrides of the task's reasoning-gym generator options.
 
   Raises:
-    ValueError: unknown ``name`` (lists the known ones), an option the dataset's config does
+    ValueError: unknown ``name`` (lists the presets; reasoning_gym_names() lists every dataset), an option the dataset's config does
       not have (names it), a value the config rejects, or a bad seed, size, format_bonus or
       strict_answer (not a bool), few_shot (not an int >= 0) or few_shot_seed.
   """
-  if name not in TASKS:
-    raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
   if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
     raise ValueError(f"seed must be a non-negative int, got {seed!r}")
   if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -212,7 +192,11 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
 
   import reasoning_gym  # ~1 s to import (sympy, matplotlib): only when a task is built.
   from reasoning_gym.factory import DATASETS
-  dataset_name, defaults = TASKS[name]
+  if name not in TASKS and name not in DATASETS:
+    close = difflib.get_close_matches(name, list(DATASETS), n=3)
+    raise ValueError(f"unknown task {name!r}; presets: {sorted(TASKS)}; or any of reasoning-gym's {len(DATASETS)} "
+                     f"datasets (rollout.tasks.reasoning_gym_names()){f', e.g. {close}' if close else ''}")
+  dataset_name, defaults = TASKS.get(name, (name, {}))
   _, config_cls = DATASETS[dataset_name]
   allowed = {f.name for f in dataclasses.fields(config_cls)} - {"seed", "size"}
   for key in options:
@@ -227,4 +211,10 @@ def make_task(name: str = "basic_arithmetic", *, seed: int, size: int, format_bo
   if few_shot:
     shots = reasoning_gym.create_dataset(dataset_name, seed=few_shot_seed, size=few_shot, **merged)
     examples = tuple(Problem(question=e["question"], answer=e["answer"], entry=e) for e in shots)
-  return Task(name, dataset, merged, float(format_bonus), strict_answer, examples)
+  for field, value in [("system_prompt", system_prompt), ("instruction", instruction), ("template", template)]:
+    if not (isinstance(value, str) or (field == "system_prompt" and value is None)):
+      raise ValueError(f"{field} must be a str{' or None' if field == 'system_prompt' else ''}, got {value!r}")
+  task = Task(name, dataset, merged, float(format_bonus), strict_answer, examples, system_prompt=system_prompt,
+              instruction=instruction, template=template)
+  task.messages(task[0])   # a template naming a field the problems lack fails here (ValueError), not mid-run
+  return task

@@ -1,0 +1,165 @@
+"""Tasks from local files: JSON lines, JSON, Parquet or CSV files read with Hugging Face ``datasets``
+(``load_dataset("json" | "parquet" | "csv", data_files=...)``), or a directory written by
+``Dataset.save_to_disk`` (``load_from_disk``). Nothing is downloaded: the packaged readers work
+offline (``HF_DATASETS_OFFLINE=1`` changes nothing here).
+
+Columns (config ``task.prompt_column``, ``task.answer_column``, ``task.messages_column``):
+
+- the prompt: ``prompt_column``'s text fills the user turn's template ({question}, rollout/tasks/
+  prompts.py); a list of {"role", "content"} messages there (verl's parquet layout) is the chat
+  itself. Or ``messages_column``: a conversation in chat format, used as it is (the system prompt,
+  when set, replaces or precedes its first message); the problem's ``question`` is then the text
+  of its last user message.
+- the reference answer: ``answer_column`` (``""``: none; then only reward functions,
+  ``task.rewards``, can score).
+- every column is in the problem's ``entry``: reward functions receive each as a keyword argument
+  (rollout/tasks/rewards.py), and the template may name any of them.
+
+Default reward (without ``task.rewards``): 1 when the extracted answer (``extract_answer``, with
+``task.strict_answer``) equals the answer column's text stripped of surrounding whitespace, else 0;
+plus ``format_bonus`` for a non-blank ``<answer>`` tag. An exact string match: for math answers
+("1/2" against "0.5") use the math-verify reward (rewards.math_verify).
+
+Order and splits: the rows are shuffled once by a seed (`numpy.random.default_rng(seed)
+.permutation`); the training task is the first ``size`` of them (fewer when the file has fewer).
+The evaluation's rows come from their own file (``task.eval_source``), or from a held-out split
+(``task.eval_split``, a fraction of the rows): the last ``round(eval_split x rows)`` rows of the
+training seed's shuffle, which the training task then excludes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from branch_replay_jax.rollout.tasks.prompts import (DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE, Problem, Score,
+                                                     extract_answer, format_messages, with_system_prompt)
+
+# file name ending -> the `datasets` packaged reader
+READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def is_file_source(source: str) -> bool:
+  """Whether ``source`` names a local file by its ending (READERS) or an existing directory."""
+  return source.lower().endswith(tuple(READERS)) or os.path.isdir(source)
+
+
+def load_rows(path: str, field: str = "task.source"):
+  """The rows of ``path`` as a ``datasets.Dataset`` (module docstring), read offline.
+
+  Raises:
+    ValueError: naming ``field`` and the path: no such file or directory, an ending that is not one
+      of READERS, a file ``datasets`` cannot read, a saved DatasetDict without a "train" split, or
+      no rows.
+  """
+  import datasets   # ~1 s to import: only when a file task is built
+  if not os.path.exists(path):
+    raise ValueError(f"{field}={path!r}: no such file or directory")
+  try:
+    if os.path.isdir(path):
+      rows = datasets.load_from_disk(path)
+      if isinstance(rows, datasets.DatasetDict):
+        if "train" not in rows:
+          raise ValueError(f"{field}={path!r} holds the splits {sorted(rows)}: name one split's directory")
+        rows = rows["train"]
+    else:
+      ending = os.path.splitext(path)[1].lower()
+      if ending not in READERS:
+        raise ValueError(f"{field}={path!r}: a file ending in one of {sorted(READERS)} (or a directory written "
+                         "by Dataset.save_to_disk)")
+      if os.path.getsize(path) == 0:
+        raise ValueError(f"{field}={path!r} is empty: no rows")
+      rows = datasets.load_dataset(READERS[ending], data_files=path, split="train")
+  except ValueError:
+    raise
+  except Exception as e:   # the readers raise their own types (DatasetGenerationError, ArrowInvalid, ...)
+    raise ValueError(f"{field}={path!r} could not be read by datasets: {e!r}") from e
+  if len(rows) == 0:
+    raise ValueError(f"{field}={path!r} is empty: no rows")
+  return rows
+
+
+def check_columns(rows, path: str, *, prompt_column: str, answer_column: str, messages_column: str) -> None:
+  """ValueError naming the field (task.prompt_column, task.answer_column, task.messages_column) and
+  its value when the column is not in ``rows`` (lists the file's columns)."""
+  wanted = [("task.messages_column", messages_column)] if messages_column else [("task.prompt_column", prompt_column)]
+  if answer_column:
+    wanted.append(("task.answer_column", answer_column))
+  for field, column in wanted:
+    if column not in rows.column_names:
+      hint = " (set task.answer_column='' for a file without answers)" if field == "task.answer_column" else ""
+      raise ValueError(f"{field}={column!r}: no such column in {path!r}; its columns are {rows.column_names}{hint}")
+
+
+class RecordsTask(Sequence):
+  """A task over the rows of a file (module docstring; the task protocol, rollout/tasks/protocol.py).
+
+  Args:
+    rows: a ``datasets.Dataset`` (`load_rows`).
+    order: [n] int row indices, item i is row order[i].
+    name: the task's name in logs.
+    prompt_column, answer_column, messages_column: the columns (module docstring; "" for none).
+    format_bonus, strict_answer: the default reward's (module docstring).
+    system_prompt, instruction, template: the prompt (rollout/tasks/prompts.py).
+  """
+
+  examples: tuple[Problem, ...] = ()   # no few-shot examples (task.few_shot must be 0 for a file)
+
+  def __init__(self, rows, order: np.ndarray, *, name: str, prompt_column: str = "prompt",
+               answer_column: str = "answer", messages_column: str = "", format_bonus: float = 0.0,
+               strict_answer: bool = False, system_prompt: str | None = None,
+               instruction: str = DEFAULT_INSTRUCTION, template: str = DEFAULT_TEMPLATE):
+    self.rows, self.order, self.name = rows, np.asarray(order, np.int64), name
+    self.prompt_column, self.answer_column, self.messages_column = prompt_column, answer_column, messages_column
+    self.format_bonus, self.strict_answer = float(format_bonus), strict_answer
+    self.system_prompt, self.instruction, self.template = system_prompt, instruction, template
+
+  def __len__(self) -> int:
+    return len(self.order)
+
+  def __getitem__(self, i: int) -> Problem:
+    """Problem at data position ``i`` in ``[0, len)``; raises ``IndexError`` outside it."""
+    i = int(i)
+    if not 0 <= i < len(self):
+      raise IndexError(f"index {i} out of range for task {self.name!r} of size {len(self)}")
+    row: dict[str, Any] = dict(self.rows[int(self.order[i])])
+    chat = row[self.messages_column] if self.messages_column else row[self.prompt_column]
+    if isinstance(chat, list):
+      users = [m.get("content", "") for m in chat if isinstance(m, dict) and m.get("role") == "user"]
+      question = str(users[-1]) if users else ""
+    else:
+      question = str(chat)
+    answer = "" if not self.answer_column or row[self.answer_column] is None else str(row[self.answer_column])
+    return Problem(question=question, answer=answer, entry=row)
+
+  def messages(self, problem: Problem) -> list[dict[str, str]]:
+    """The prompt's chat messages: the row's conversation (module docstring) or `format_messages`."""
+    chat = problem.entry.get(self.messages_column or self.prompt_column)
+    if isinstance(chat, list):
+      return with_system_prompt(chat, self.system_prompt)
+    return format_messages(problem, self.instruction, system_prompt=self.system_prompt, template=self.template)
+
+  def score(self, completion_text: str, problem: Problem) -> Score:
+    """The default reward (module docstring); never raises on text."""
+    extracted, formatted = extract_answer(completion_text, strict=self.strict_answer)
+    correct = bool(self.answer_column) and extracted is not None and extracted == problem.answer.strip()
+    return Score(reward=float(correct) + (self.format_bonus if formatted else 0.0), correct=correct,
+                 extracted=extracted, formatted=formatted)
+
+
+def shuffled(n: int, seed: int) -> np.ndarray:
+  """[n] a permutation of the row indices by ``seed`` (numpy's default generator)."""
+  return np.random.default_rng(seed).permutation(n)
+
+
+def held_out_count(n: int, fraction: float) -> int:
+  """Rows the held-out split takes of ``n``: round(fraction x n), at least 1 and at most n - 1 when fraction > 0."""
+  return 0 if fraction <= 0 else min(max(int(round(fraction * n)), 1), n - 1)
+
+
+def source_is_same(a: str, b: str) -> bool:
+  """Whether two paths name the same file or directory."""
+  return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)

@@ -1,0 +1,365 @@
+"""Tasks from any source (rollout/tasks/sources.py): reasoning-gym datasets by name with their options,
+local JSONL / Parquet / CSV files and saved datasets, python task objects; the prompt fields; reward
+functions by import path (rollout/tasks/rewards.py); bad input refused by field and value before the
+model loads; one GRPO step of the tiny model on a JSONL task with a custom reward."""
+
+import json
+import os
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # nothing here may reach the hub
+
+import math
+
+import ml_collections
+import numpy as np
+import pytest
+
+from branch_replay_jax.algorithms import grpo, runs
+from branch_replay_jax.rollout.tasks import DEFAULT_INSTRUCTION, Problem, make_task
+from branch_replay_jax.rollout.tasks import rewards as builtin
+from branch_replay_jax.rollout.tasks.rewards import RewardError
+from branch_replay_jax.rollout.tasks.sources import make_task_from_fields
+from conftest import experiment_config, no_model_load
+from experiments import grpo_smollm2_arith
+
+ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b), "level": a % 3} for a, b in
+        [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12), (13, 14), (15, 16), (17, 18), (19, 20)]]
+
+
+def write_jsonl(path, rows):
+  with open(path, "w") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+  return str(path)
+
+
+def task_section(**fields):
+  """The default experiment's task section with `fields` set."""
+  t = grpo_smollm2_arith.get_config("smoke").task
+  for k, v in fields.items():
+    t[k] = v
+  return t
+
+
+def file_section(tmp_path, **fields):
+  return task_section(source=write_jsonl(tmp_path / "train.jsonl", ROWS), prompt_column="question", **fields)
+
+
+def test_reading_libraries_load_only_when_a_file_or_math_task_is_built():
+  # datasets (~1 s) and math_verify (sympy, antlr) load on demand: the config check and a
+  # reasoning-gym run never import them.
+  import subprocess
+  import sys
+  code = ("import sys, branch_replay_jax.rollout.tasks.sources, branch_replay_jax.algorithms.grpo; "
+          "print('datasets' in sys.modules, 'math_verify' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "False False"
+
+
+# ---- the default experiment's task is unchanged ---------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["", "learn"])
+def test_default_experiment_task_has_the_same_prompts_and_rewards(variant):
+  # The experiments' task built through the new sources equals make_task called as before the change
+  # (name, seed, size, format_bonus, strict_answer, few-shot, options): the first 20 items' messages,
+  # answers, and the scores of a right, a wrong and an untagged completion are the same. The message
+  # text is also spelled out: one user turn "{question}\n{instruction}" after the few-shot turns.
+  t = grpo_smollm2_arith.get_config(variant).task
+  new = make_task_from_fields(t, seed=t.seed, size=t.size)
+  old = make_task(t.name, seed=t.seed, size=t.size, format_bonus=t.format_bonus, strict_answer=t.strict_answer,
+                  few_shot=t.few_shot, few_shot_seed=t.few_shot_seed)
+  for i in range(20):
+    a, b = new[i], old[i]
+    assert (a.question, a.answer) == (b.question, b.answer)
+    assert new.messages(a) == old.messages(b)
+    assert new.messages(a)[-1] == {"role": "user", "content": f"{b.question}\n{DEFAULT_INSTRUCTION}"}
+    assert len(new.messages(a)) == 2 * t.few_shot + 1
+    for text in (f"<answer>{b.answer}</answer>", f"<answer>{b.answer}1</answer>", f"so {b.answer}"):
+      assert new.score(text, a) == old.score(text, b)
+
+
+# ---- reasoning-gym by name, options from the command line -----------------------------------------------
+
+def test_any_reasoning_gym_dataset_by_source_with_options_from_the_command_line():
+  # --config.task.options takes a dict literal (config_flags parses it): chain_sum with 1-digit terms,
+  # so every number in the question has one digit; the true answer in tags scores 1.0 (chain_sum's
+  # own score_answer, the default reward).
+  from absl import flags
+  from ml_collections import config_flags
+  argv = ["prog", "--config=experiments/grpo_smollm2_arith.py:smoke", "--config.task.source=reasoning_gym:chain_sum",
+          '--config.task.options={"min_digits": 1, "max_digits": 1, "min_terms": 2, "max_terms": 3}']
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)   # as main.py's flag, on argv
+  values(argv)
+  config = values.config
+  task = runs.make_task_from(config)
+  assert task.name == "chain_sum" and task.options["max_digits"] == 1
+  for i in range(10):
+    p = task[i]
+    numbers = [w for w in p.question.replace("=", " ").split() if w.isdigit()]
+    assert numbers and all(len(n) == 1 for n in numbers), p.question
+    assert task.score(f"<answer>{p.answer}</answer>", p).correct
+  assert runs.fingerprint(config)["task_source"] == "reasoning_gym:chain_sum"
+
+
+def test_task_name_may_be_any_reasoning_gym_dataset():
+  # Without task.source the name is the dataset (before: only the two presets were accepted).
+  task = make_task_from_fields(task_section(name="chain_sum", options={}), seed=0, size=5)
+  assert len(task) == 5 and task.dataset.__class__.__name__ == "ChainSumDataset"
+
+
+# ---- files ---------------------------------------------------------------------------------------------
+
+def test_jsonl_task_rows_columns_order_and_default_reward(tmp_path):
+  # 10 rows shuffled by task.seed, capped at task.size = 64 (all 10); the same seed gives the same
+  # order, another seed another; the default reward is the exact match of the extracted answer + bonus.
+  t = file_section(tmp_path, format_bonus=0.5)
+  a, b = make_task_from_fields(t, seed=0, size=64), make_task_from_fields(t, seed=0, size=64)
+  other = make_task_from_fields(t, seed=1, size=64)
+  assert len(a) == 10 and sorted(p.question for p in a) == sorted(r["question"] for r in ROWS)
+  assert [p.question for p in a] == [p.question for p in b] != [p.question for p in other]
+  p = a[0]
+  assert a.messages(p) == [{"role": "user", "content": f"{p.question}\n{DEFAULT_INSTRUCTION}"}]
+  assert a.score(f"<answer>{p.answer}</answer>", p).reward == 1.5
+  assert a.score(f"it is {p.answer}", p).reward == 1.0
+  assert a.score(f"<answer>{p.answer}0</answer>", p).reward == 0.5
+  assert len(make_task_from_fields(t, seed=0, size=3)) == 3
+
+
+def test_held_out_split_is_disjoint_and_eval_file_is_read(tmp_path):
+  # eval_split 0.3 of 10 rows: 3 held out, 7 train, no question in both; an eval file is read instead.
+  t = file_section(tmp_path, eval_split=0.3)
+  train, held = make_task_from_fields(t, seed=0, size=64), make_task_from_fields(t, seed=5, size=64, split="eval")
+  assert (len(train), len(held)) == (7, 3)
+  assert not {p.question for p in train} & {p.question for p in held}
+  extra = [{"question": "What is 100 + 1?", "answer": "101", "level": 0}]
+  t = file_section(tmp_path, eval_source=write_jsonl(tmp_path / "eval.jsonl", extra))
+  assert [p.question for p in make_task_from_fields(t, seed=5, size=64, split="eval")] == ["What is 100 + 1?"]
+  assert len(make_task_from_fields(t, seed=0, size=64)) == 10
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "disk"])
+def test_parquet_csv_and_saved_dataset_read_like_jsonl(tmp_path, kind):
+  import datasets
+  ds = datasets.Dataset.from_list(ROWS)
+  path = str(tmp_path / ("saved" if kind == "disk" else f"rows.{kind}"))
+  {"parquet": ds.to_parquet, "csv": ds.to_csv, "disk": ds.save_to_disk}[kind](path)
+  jsonl = make_task_from_fields(file_section(tmp_path), seed=0, size=64)
+  other = make_task_from_fields(task_section(source=path, prompt_column="question"), seed=0, size=64)
+  assert [(p.question, p.answer) for p in other] == [(p.question, p.answer) for p in jsonl]
+
+
+def test_prompt_fields_system_prompt_template_and_messages_column(tmp_path):
+  # A system prompt comes first; the template may name a column; "" is an empty system turn (the
+  # nearest to none SmolLM2's template allows: without one it writes its own default).
+  t = file_section(tmp_path, system_prompt="Be brief.", instruction="Answer:", prompt_template="[{level}] {question} {instruction}")
+  task = make_task_from_fields(t, seed=0, size=64)
+  p = task[0]
+  assert task.messages(p) == [{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": f"[{p.entry['level']}] {p.question} Answer:"}]
+  chats = [{"messages": [{"role": "system", "content": "old"}, {"role": "user", "content": r["question"]}],
+            "answer": r["answer"]} for r in ROWS]
+  t = task_section(source=write_jsonl(tmp_path / "chat.jsonl", chats), messages_column="messages", system_prompt="")
+  task = make_task_from_fields(t, seed=0, size=64)
+  p = task[0]
+  assert task.messages(p) == [{"role": "system", "content": ""}, {"role": "user", "content": p.question}]
+
+
+def test_python_task_by_import_path(tmp_path):
+  # A factory in a file, called with seed, size, split and task.options.
+  (tmp_path / "mytask.py").write_text(
+      "from branch_replay_jax.rollout.tasks import Problem, Score\n"
+      "class Squares:\n"
+      "  examples = ()\n"
+      "  def __init__(self, seed, size, split, offset=0):\n"
+      "    self.n, self.base = size, seed + offset\n"
+      "  def __len__(self): return self.n\n"
+      "  def __getitem__(self, i):\n"
+      "    if not 0 <= i < self.n: raise IndexError(i)\n"
+      "    k = self.base + i\n"
+      "    return Problem(question=f'{k}^2?', answer=str(k * k), entry={'k': k})\n"
+      "  def messages(self, p): return [{'role': 'user', 'content': p.question}]\n"
+      "  def score(self, text, p):\n"
+      "    ok = text.strip() == p.answer\n"
+      "    return Score(reward=float(ok), correct=ok, extracted=text, formatted=False)\n"
+      "def make(seed, size, split, **options): return Squares(seed, size, split, **options)\n")
+  t = task_section(source=f"python:{tmp_path / 'mytask.py'}:make", options={"offset": 10}, format_bonus=0.0)
+  task = make_task_from_fields(t, seed=2, size=4)
+  assert len(task) == 4 and task[1].question == "13^2?" and task.score("169", task[1]).correct
+
+
+# ---- rewards by import path ------------------------------------------------------------------------------
+
+def rewards_file(tmp_path):
+  (tmp_path / "my_rewards.py").write_text(
+      "import math\n"
+      "def longer(prompts, completions, **columns): return [float(len(c)) for c in completions]\n"
+      "def level_only(prompts, completions, level, **columns): return [None if l == 0 else 1.0 for l in level]\n"
+      "def boom(prompts, completions, **columns): raise RuntimeError('boom')\n"
+      "def nan(prompts, completions, **columns): return [math.nan] * len(completions)\n"
+      "def short(prompts, completions, **columns): return [1.0]\n"
+      "def two_args(prompts): return []\n"
+      "def needs_grade(prompts, completions, grade): return [0.0] * len(completions)\n")
+  return str(tmp_path / "my_rewards.py")
+
+
+def test_reward_functions_weighted_sum_terms_and_columns(tmp_path):
+  # reward = 2 x len(c) + 0.5 x level_only, level_only None (no contribution) where level == 0; the
+  # columns (answer, level) arrive as keyword lists of G equal values; correct stays the task's own.
+  path = rewards_file(tmp_path)
+  t = file_section(tmp_path, format_bonus=0.0, rewards=(f"{path}:longer", f"{path}:level_only"),
+                   reward_weights=(2.0, 0.5))
+  task = make_task_from_fields(t, seed=0, size=64)
+  for i in range(len(task)):
+    p = task[i]
+    texts = [f"<answer>{p.answer}</answer>", "no"]
+    scores = task.score_group(texts, p, index=i)
+    bonus = 0.0 if p.entry["level"] == 0 else 0.5
+    assert [s.reward for s in scores] == [2.0 * len(texts[0]) + bonus, 2.0 * 2 + bonus]
+    assert [s.correct for s in scores] == [True, False]
+    assert scores[0].terms == {"longer": float(len(texts[0])), "level_only": None if bonus == 0 else 1.0}
+
+
+@pytest.mark.parametrize("name,message", [
+    ("boom", r"task.rewards\[0\]='.*:boom' raised RuntimeError\('boom'\) on the completions of data position 7"),
+    ("nan", r"task.rewards\[0\]='.*:nan' returned nan for completion 0 of data position 7"),
+    ("short", r"task.rewards\[0\]='.*:short' returned 1 values on the 2 completions of data position 7: \[1.0\]"),
+])
+def test_a_failing_reward_names_the_function_the_position_and_the_value(tmp_path, name, message):
+  t = file_section(tmp_path, format_bonus=0.0, rewards=(f"{rewards_file(tmp_path)}:{name}",))
+  task = make_task_from_fields(t, seed=0, size=64)
+  with pytest.raises(RewardError, match=message):
+    task.score_group(["a", "b"], task[7], index=7)
+
+
+def test_each_reward_function_is_its_own_metric_over_the_completions_it_scored():
+  # Two groups: "a" scored 1, None, 3, None -> mean 2 over the two it scored; "b" returned None
+  # everywhere -> no metric; a group without reward functions (None) adds nothing.
+  from types import SimpleNamespace
+  from branch_replay_jax.algorithms import loop
+  groups = [SimpleNamespace(reward_terms={"a": np.array([1.0, np.nan]), "b": np.array([np.nan, np.nan])}),
+            SimpleNamespace(reward_terms={"a": np.array([3.0, np.nan]), "b": np.array([np.nan, np.nan])})]
+  assert loop.reward_means(groups) == {"rewards/a": 2.0}
+  assert loop.reward_means([SimpleNamespace(reward_terms=None)]) == {}
+
+
+def test_math_verify_reward_compares_values_not_strings():
+  # 1/2 = 0.5 = \frac{1}{2}; 0.4 is wrong; no answer at all scores 0.
+  texts = ["<answer>\\frac{1}{2}</answer>", "<answer>1/2</answer>", "<answer>0.4</answer>", "no idea",
+           "so the result is $\\boxed{0.5}$"]
+  assert builtin.math_verify([""] * 5, texts, answer=["0.5"] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
+  assert builtin.format_tags([""] * 2, ["<answer>3</answer>", "3"]) == [1.0, 0.0]
+  assert builtin.exact_match([""] * 2, ["<answer>3</answer>", "<answer>3.0</answer>"], answer=["3", "3"]) == [1.0, 0.0]
+
+
+# ---- bad input: a ValueError naming the field and the value, before the model loads -----------------------
+
+def bad_cases(tmp_path):
+  good = write_jsonl(tmp_path / "train.jsonl", ROWS)
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  path = rewards_file(tmp_path)
+  return [
+      (dict(source=good, prompt_column="prompt"), "task.prompt_column='prompt': no such column"),
+      (dict(source=good, prompt_column="question", answer_column="solution"), "task.answer_column='solution'"),
+      (dict(source=str(empty)), "task.source='.*empty.jsonl' is empty"),
+      (dict(source=str(tmp_path / "missing.jsonl")), "task.source='.*missing.jsonl': no such file"),
+      (dict(source="hub:gsm8k"), "task.source='hub:gsm8k' is not a source"),
+      (dict(source="reasoning_gym:chain_summ"), "chain_summ.*e.g. \\['chain_sum'"),
+      (dict(name="chess"), "task.name='chess' is neither a preset"),
+      (dict(source="python:no_such_module_xyz:make", format_bonus=0.0),
+       "task.source='python:no_such_module_xyz:make'.*cannot be imported"),
+      (dict(source="python:branch_replay_jax.rollout.tasks:make_task"), "task.format_bonus=0.1: a python task"),
+      (dict(source=good, prompt_column="question", format_bonus=0.0, rewards=("no_such_module_xyz:f",)),
+       r"task.rewards\[0\]='no_such_module_xyz:f': module 'no_such_module_xyz' cannot be imported"),
+      (dict(source=good, prompt_column="question", format_bonus=0.0, rewards=(f"{path}:missing",)),
+       r"task.rewards\[0\]='.*:missing': .* has no attribute 'missing'"),
+      (dict(source=good, prompt_column="question", format_bonus=0.0, rewards=("exact_match",)),
+       r"task.rewards\[0\]='exact_match' is not an import path"),
+      (dict(source=good, prompt_column="question", format_bonus=0.0, rewards=(f"{path}:two_args",)),
+       r"task.rewards\[0\]='.*:two_args': two_args\(prompts\) cannot be called"),
+      (dict(source=good, prompt_column="question", format_bonus=0.0, rewards=(f"{path}:needs_grade",)),
+       r"task.rewards\[0\]='.*:needs_grade'.*columns \['answer', 'level'\]"),
+      (dict(source=good, prompt_column="question", rewards=(f"{path}:longer",)), "task.format_bonus=0.1 with task.rewards"),
+      (dict(source=good, prompt_column="question", format_bonus=0.0, rewards=(f"{path}:longer",), reward_weights=(1.0, 2.0)),
+       r"task.reward_weights=\(1.0, 2.0\) has 2 weights for 1 task.rewards"),
+      (dict(source=good, prompt_column="question", few_shot=2), "task.few_shot=2"),
+      (dict(source=good, prompt_column="question", options={"max_digits": 3}), "task.options=\\{'max_digits': 3\\}"),
+      (dict(prompt_column="question"), "task.prompt_column='question' applies to a file source only"),
+      (dict(source=good, prompt_column="question", eval_split=1.5), "task.eval_split=1.5"),
+      (dict(source=good, prompt_column="question", prompt_template="{question} {grade}"), "task.prompt_template="),
+  ]
+
+
+def test_bad_task_input_is_refused_by_field_before_the_model_loads(monkeypatch, tmp_path):
+  no_model_load(monkeypatch)
+  for fields, message in bad_cases(tmp_path):
+    config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{f"task.{k}": v for k, v in fields.items()})
+    with pytest.raises(ValueError, match=message):
+      grpo.GRPO(config)
+
+
+def test_eval_of_a_file_task_needs_an_eval_file_or_a_split(monkeypatch, tmp_path):
+  no_model_load(monkeypatch)
+  config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
+      "task.source": write_jsonl(tmp_path / "train.jsonl", ROWS), "task.prompt_column": "question"})
+  algorithm = grpo.GRPO(config)
+  from branch_replay_jax.algorithms.evaluation import Evaluation
+  with pytest.raises(ValueError, match="needs task.eval_source .* or task.eval_split > 0"):
+    Evaluation(config, algorithm)
+
+
+# ---- Hugging Face model directories --------------------------------------------------------------------
+
+def test_bad_model_directory_is_refused_by_field_before_the_model_loads(monkeypatch, tmp_path):
+  # A directory without config.json, and one whose config.json names an architecture our decoder
+  # does not implement (gpt2), fail the config check with model.name and the value in the message.
+  no_model_load(monkeypatch)
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  gpt2 = tmp_path / "gpt2"
+  gpt2.mkdir()
+  (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+  for directory, message in [(empty, "directory has no config.json"), (gpt2, "model_type 'gpt2' is not supported")]:
+    config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{"model.name": str(directory)})
+    with pytest.raises(ValueError, match=f"model.name='{directory}': .*{message}"):
+      grpo.GRPO(config)
+
+
+# ---- end to end -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_grpo_trains_an_hf_directory_on_a_jsonl_task_with_a_reward_by_import_path_and_stops_on_a_failing_one(
+    tmp_path):
+  # One step of the tiny model (from its Hugging Face directory) on a JSONL task rewarded by `longer` (the completion's length: varied
+  # rewards, so the update is not vacuous) logs rewards/longer = the step's mean reward (its weight is
+  # 1 and it is the only function); a second step with a raising function stops before the update
+  # with the function and the data position (2: prompts_per_step 2 per step) in the error, and leaves
+  # checkpoint 1 as it was, from which a resume with a working function finishes step 2.
+  # The model: the tiny model exported as a Hugging Face directory (branch_replay_jax.export), the
+  # format a user's own model comes in.
+  from branch_replay_jax import export
+  model_dir = export.export_base(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "never"),
+                                 str(tmp_path / "hf"))
+  path = rewards_file(tmp_path)
+  overrides = {"model.name": model_dir, "task.source": write_jsonl(tmp_path / "train.jsonl", ROWS), "task.prompt_column": "question",
+               "task.eval_split": 0.2, "task.format_bonus": 0.0, "task.rewards": (f"{path}:longer",),
+               "train.steps": 1, "eval.size": 1}
+  run_dir = tmp_path / "run"
+  history = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", run_dir, **overrides))
+  record = history[0]
+  assert record["rewards/longer"] == pytest.approx(record["reward_mean"]) and record["reward_std"] > 0
+  from conftest import final_params
+  before, meta = final_params(run_dir)
+  assert meta == {"step": 1, "data_pos": 2}
+  overrides["eval.size"] = 0   # the resumed runs: no evaluation (its compile is the test's largest cost)
+  failing = experiment_config(grpo_smollm2_arith, "smoke", run_dir, **{**overrides, "train.steps": 2, "resume": True,
+                                                                       "task.rewards": (f"{path}:boom",)})
+  with pytest.raises(RewardError, match=r"task.rewards\[0\]='.*:boom' raised .* data position 2"):
+    grpo.train(failing)
+  after, meta = final_params(run_dir)
+  assert meta == {"step": 1, "data_pos": 2}
+  from conftest import max_rel
+  assert max_rel(after, before) == 0.0
+  fixed = experiment_config(grpo_smollm2_arith, "smoke", run_dir, **{**overrides, "train.steps": 2, "resume": True})
+  assert [r["step"] for r in grpo.train(fixed)] == [2]
