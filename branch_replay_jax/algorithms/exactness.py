@@ -6,10 +6,11 @@ gradient is taken at, and compares on one device:
   replay: the group's (or tree's) loss, KL and clip sums and gradient by replay;
   naive:  the same from the prompt repeated per completion (a tree's trajectories laid out as a
           group, `Group.naive_batch`), its reference and old log-probs from the naive forward too.
-On one device one side is the step's own: the step computes every group's loss and gradient
-separately (`grpo.update_on_batch`), so the check keeps the checked group's and computes only the
-other layout (`compute`): the naive one in a replay run, replay in a naive run. What is checked is
-then the gradient the optimizer applies, and the check costs one layout, not two. On a mesh the
+On one device one side is the step's own: the step's scan computes every group's loss and
+gradient and, on a check step, returns the checked group's too (`gradients.step.make_train_step`,
+keep; `grpo.update_on_batch`), so the check keeps it and computes only the other layout
+(`compute`): the naive one in a replay run, replay in a naive run. What is checked is then the
+gradient the optimizer applies, and the check costs one layout, not two. On a mesh the
 step's gradient is the step's groups' sum, sharded: the check computes both sides on one device
 (`__call__`; the sharded step is checked against replay by tests/test_mesh.py, tests/test_train.py).
 It logs, in the step's metrics record:
