@@ -110,9 +110,8 @@ def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> Seg
   n = jnp.sum(br.mask.astype(jnp.int32), axis=1)
   shifted, last = {}, {}
   for name, trunk in head.trunks(model).items():
-    h_prompt, h_rows = trunk.prompt_and_rows(batch.prompt_ids[None], prompt_valid, br.tokens, batch.prompt_len,
-                                             br.mask, attention=attention)
-    prompt_last = jax.lax.dynamic_index_in_dim(h_prompt[0], batch.prompt_len - 1, keepdims=False)
+    prompt_last, h_rows = trunk.prompt_and_rows(batch.prompt_ids[None], prompt_valid, batch.prompt_len - 1,
+                                                br.tokens, batch.prompt_len, br.mask, attention=attention)
     shifted[name], last[name] = _shift(prompt_last, h_rows, n)
   return head.outputs(model, shifted, br.tokens, br.mask, chunk, last)
 

@@ -305,8 +305,8 @@ class Llama(nnx.Module):
     hidden = rms_norm(x, _read("final_norm", self.final_norm[...]), cfg.norm_eps)
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
 
-  def prompt_and_rows(self, prompt_bt: jax.Array, prompt_valid_bt: jax.Array, rows_bt: jax.Array, rows_offset,
-                      rows_valid_bt: jax.Array, *, attention=None) -> tuple[jax.Array, jax.Array]:
+  def prompt_and_rows(self, prompt_bt: jax.Array, prompt_valid_bt: jax.Array, prompt_last, rows_bt: jax.Array,
+                      rows_offset, rows_valid_bt: jax.Array, *, attention=None) -> tuple[jax.Array, jax.Array]:
     """Forward of a prompt and B rows that continue it (a group's completions), in ONE layer scan.
 
     Layer l runs the prompt, then the rows on top of the prompt's layer-l K/V (the prompt shared as
@@ -315,11 +315,14 @@ class Llama(nnx.Module):
     one function, autodiff sums the B rows' cotangents of layer l's prompt K/V inside layer l's
     backward and pulls them back there, so no [L, P] K/V cotangent exists: the saved residuals are
     those of P + B·T positions under `remat` (docs/design.md, "Memory and remat"). No K/V is
-    returned: nothing attends to the rows afterwards.
+    returned: nothing attends to the rows afterwards, and of the prompt's final hidden states only
+    position prompt_last's (the one that predicts each row's first token) is normalised and returned,
+    so no [P, d] final-norm output or its cotangent exists either (RMSNorm is per position).
 
     Args:
       prompt_bt: [1, P] int token ids of the prompt (positions 0..P-1).
       prompt_valid_bt: [1, P] bool, False on padding (masked as keys).
+      prompt_last: int or [] int, the prompt position whose hidden state is returned (its last real one).
       rows_bt: [B, T] int token ids of the rows.
       rows_offset: int or [B] int, the absolute position of each row's first token (the prompt's length).
       rows_valid_bt: [B, T] bool, False on padding.
@@ -327,8 +330,8 @@ class Llama(nnx.Module):
         `attention_impl`).
 
     Returns:
-      (prompt hidden [1, P, d], rows hidden [B, T, d]): final hidden states (after the final RMSNorm),
-      compute dtype.
+      (prompt hidden at prompt_last [d], rows hidden [B, T, d]): final hidden states (after the final
+      RMSNorm), compute dtype.
     """
     cfg = self.config
     p_len = prompt_bt.shape[1]
@@ -351,7 +354,8 @@ class Llama(nnx.Module):
 
     (x_prompt, x_rows), _ = self._scan_layers(layer, x, None)
     norm = _read("final_norm", self.final_norm[...])
-    return rms_norm(x_prompt, norm, cfg.norm_eps), rms_norm(x_rows, norm, cfg.norm_eps)
+    x_last = jax.lax.dynamic_index_in_dim(x_prompt[0], prompt_last, keepdims=False)
+    return rms_norm(x_last, norm, cfg.norm_eps), rms_norm(x_rows, norm, cfg.norm_eps)
 
   def _scan_layers(self, layer, x, xs):
     """`jax.lax.scan` of layer(p, x, xs_l) -> (x, ys_l) over the L layers, p one layer's parameters (read
