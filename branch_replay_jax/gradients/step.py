@@ -6,8 +6,9 @@ over a rollout group or tree, and its forward-only twin.
 
   head    gradients/heads.py: Policy (log-probs) or ActorCritic (log-probs and values; PPO).
   layout  "replay": the batch's own shape, a `GroupBatch` (prompt once, `core.replay.replay_vjp`, a
-            micro-batch of completions as rows of one batch) or a `TreeBatch` (every node once,
-            `core.tree_replay.nested_replay_vjp`);
+            micro-batch of completions as rows of one batch; with all G in one batch on one device,
+            the fused replay: the prompt and the completions in one layer scan, `fused` below) or a
+            `TreeBatch` (every node once, `core.tree_replay.nested_replay_vjp`);
           "naive": each completion appended to a copy of the prompt (the "[B] -> [B*G]" of today's
             pipelines, the reference), a GroupBatch only (a tree's trajectories as a group:
             `rollout.collect.Group.naive_batch`).
