@@ -58,7 +58,8 @@ def _abstract_params(cfg, config):
   model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(config.dtype), remat=config.remat,
                                        attention_impl=config.attention_impl, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model)
-  return graphdef, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(config.param_dtype)), params)
+  dtype = jnp.dtype(config.param_dtype)
+  return graphdef, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
 
 
 def _group(cfg, p: int, t: int, g: int, seed: int):
