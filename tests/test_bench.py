@@ -201,3 +201,19 @@ def test_bench_episodes_smoke_prints_the_three_layouts_and_the_sampler():
   # Sampler, per episode: kept prefills the prompt once for the 4 branches (16 / 4) and per later turn the
   # last sampled id + the observation (7); re-prefilling runs the prompt, then prompt + turn + observation (26).
   assert (r["sampler_kept_prefilled_per_episode"], r["sampler_reprefill_prefilled_per_episode"]) == (11, 42)
+
+
+def test_replay_memory_modes_and_the_largest_p_it_extrapolates():
+  from branch_replay_jax.benchmarks import replay_memory
+  assert replay_memory.parse_mode("naive:2", 8) == {"layout": "naive", "micro_batch": 2}
+  assert replay_memory.parse_mode("replay:8", 8) == {"layout": "replay", "micro_batch": 8, "fused": False}
+  assert replay_memory.parse_mode("fused", 8) == {"fused": True}
+  for bad in ("replay:3", "naive", "fused:8", "tree:1"):   # 3 does not divide G = 8; the others are no mode
+    with pytest.raises(ValueError, match="is not 'naive:M'"):
+      replay_memory.parse_mode(bad, 8)
+  # 1 GiB per 1024 prompt tokens from zero: a 96 GiB budget holds 96 * 1024 tokens, 141 GiB 141 * 1024.
+  row = {"model": "m", "mode": "fused", "G": 8, "T": 128, "remat": "save_kv"}
+  rows = [{**row, "P": 2048, "total_bytes": 2 * 2 ** 30}, {**row, "P": 1024, "total_bytes": 2 ** 30}]
+  out = replay_memory.summary(rows, (96, 141))
+  assert out["bytes_per_token"] == 2 ** 20 and out["fit_P"] == [1024, 2048]
+  assert out["largest_P_by_budget_gib"] == {"96": 96 * 1024, "141": 141 * 1024}

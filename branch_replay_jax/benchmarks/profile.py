@@ -64,13 +64,15 @@ PART_RULES = (
     ("models/llama.py", "_matmul_2d", "projections"),   # _project's dots, named by its spec (a named_scope)
     ("models/llama.py", "_layer", "layer other (silu, residual)"),
     ("models/llama.py", "__call__", "model"),   # split by its source line (CALL_LINES)
+    ("models/llama.py", "prompt_and_rows", "model"),   # the fused replay's forward, likewise
+    ("models/llama.py", "_scan_layers", "model"),      # the layer scan both run
     ("losses.py", "", "objective"),
     ("gradients/step.py", "", "segment glue (concat, where)"),
     ("gradients/heads.py", "", "segment glue (concat, where)"),
     ("core/accumulate.py", "", "scan carry / accumulation"),
     ("core/replay.py", "", "scan carry / accumulation"),
 )
-# A Llama.__call__ instruction's part by a word of its source line (else "model glue").
+# A Llama.__call__ (prompt_and_rows, _scan_layers) instruction's part by a word of its source line (else "model glue").
 CALL_LINES = (("embed", "embedding"), ("scan", "layer scan (weight slices, stacking)"),
               ("rms_norm", "rmsnorm"))
 PROJECTIONS = {"btd,dhk->bthk": "qkv projections", "bthk,hkd->btd": "output projection",

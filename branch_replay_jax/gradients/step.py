@@ -6,8 +6,9 @@ over a rollout group or tree, and its forward-only twin.
 
   head    gradients/heads.py: Policy (log-probs) or ActorCritic (log-probs and values; PPO).
   layout  "replay": the batch's own shape, a `GroupBatch` (prompt once, `core.replay.replay_vjp`, a
-            micro-batch of completions as rows of one batch) or a `TreeBatch` (every node once,
-            `core.tree_replay.nested_replay_vjp`);
+            micro-batch of completions as rows of one batch; with all G in one batch on one device,
+            the fused replay: the prompt and the completions in one layer scan, `fused` below) or a
+            `TreeBatch` (every node once, `core.tree_replay.nested_replay_vjp`);
           "naive": each completion appended to a copy of the prompt (the "[B] -> [B*G]" of today's
             pipelines, the reference), a GroupBatch only (a tree's trajectories as a group:
             `algorithms.groups.Group.naive_batch`).
@@ -87,13 +88,42 @@ def _segment(head, model, ancestors, tokens_bt, mask_bt, chunk, attention=None):
   for name, trunk in head.trunks(model).items():
     out = trunk(tokens_bt, parent["end"], ancestors=[a["kv"][name] for a in ancestors], valid_bt=mask_bt,
                 attention=attention)
-    h = out.hidden_btd
-    first = jnp.broadcast_to(parent["last"][name].astype(h.dtype), (h.shape[0], 1, h.shape[2]))
-    shifted[name] = jnp.concatenate([first, h[:, :-1]], axis=1)
-    last[name] = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+    shifted[name], last[name] = _shift(parent["last"][name], out.hidden_btd, n)
     kv[name] = out.kv
   outputs = head.outputs(model, shifted, tokens_bt, mask_bt, chunk, last)
   return {"kv": kv, "last": last, "end": parent["end"] + n}, outputs
+
+
+def _shift(parent_last_d, h_btd, n_b):
+  """(the hidden states that predict each token [B, T, d]: the parent's last real one [d], then positions
+  0..T-2; each row's last real hidden state [B, d]) of B rows with n_b real tokens."""
+  first = jnp.broadcast_to(parent_last_d.astype(h_btd.dtype), (h_btd.shape[0], 1, h_btd.shape[2]))
+  last = jnp.take_along_axis(h_btd, jnp.maximum(n_b - 1, 0)[:, None, None], axis=1)[:, 0]
+  return jnp.concatenate([first, h_btd[:, :-1]], axis=1), last
+
+
+def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> SegmentOutputs:
+  """`SegmentOutputs` [G, ...] of a group's completions, the prompt and the completions in one layer scan
+  per trunk (`Llama.prompt_and_rows`): replay's values, with the prompt's K/V cotangent summed per layer."""
+  p_pad = batch.prompt_ids.shape[0]
+  br = batch.branches
+  prompt_valid = (jnp.arange(p_pad) < batch.prompt_len)[None]
+  n = jnp.sum(br.mask.astype(jnp.int32), axis=1)
+  shifted, last = {}, {}
+  for name, trunk in head.trunks(model).items():
+    prompt_last, h_rows = trunk.prompt_and_rows(batch.prompt_ids[None], prompt_valid, batch.prompt_len - 1,
+                                                br.tokens, batch.prompt_len, br.mask, attention=attention)
+    shifted[name], last[name] = _shift(prompt_last, h_rows, n)
+  return head.outputs(model, shifted, br.tokens, br.mask, chunk, last)
+
+
+def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | None = None,
+                  reduce_prefix_cotangent=None, prompt_fn=None) -> bool:
+  """Whether `value_and_grad` runs the fused replay (its `fused` argument): a GroupBatch in the replay
+  layout on one device, micro_batch covering all G completions, the prompt not split (no prompt_fn)
+  and its cotangent not reduced across devices (no reduce_prefix_cotangent)."""
+  return (layout == "replay" and mesh is None and isinstance(batch, GroupBatch) and prompt_fn is None
+          and reduce_prefix_cotangent is None and _micro_batch(micro_batch, batch) == num_branches(batch))
 
 
 def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
@@ -182,7 +212,7 @@ def _seq_split(head, graphdef, local, batch, mesh) -> dict:
 def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, objective: Objective, *,
                    layout: str = "replay", mesh=None, micro_batch: int | None = None,
                    schedule: str = "depth_first", logprob_chunk: int = 256, reduce_prefix_cotangent=None,
-                   prompt_fn=None, attention=None):
+                   prompt_fn=None, attention=None, fused: bool | None = None):
   """(loss, aux, grads) of Σ objective over a group's completions or a tree's nodes (module docstring).
 
   Args:
@@ -196,6 +226,12 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
     schedule: tree replay's "depth_first" (least memory) or "level" (batched levels), core/tree_replay.py.
     reduce_prefix_cotangent, prompt_fn, attention: one device only, as in `core.replay.replay_vjp` and
       `_prompt_state`; the mesh sets them (the prompt cotangent's all-reduce over `branch`, the seq split).
+    fused: a group's replay as ONE layer scan of the prompt and its completions (`Llama.prompt_and_rows`)
+      differentiated by `jax.value_and_grad`, so the prompt's K/V cotangent is summed and pulled back
+      layer by layer (no [L, P] K/V cotangent; docs/design.md, "Memory and remat"). None: wherever it
+      applies (`fused_applies`: a GroupBatch on one device, micro_batch covering G, no prompt_fn or
+      reduce_prefix_cotangent); True: required (ValueError where it does not apply); False: never
+      (`core.replay.replay_vjp`: the prompt's forward, the completions, then one pullback).
 
   Returns:
     loss: scalar, the sum over completions (nodes) and, with a mesh, groups (replicated).
@@ -205,9 +241,17 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
 
   Raises:
     ValueError: an unknown layout, naive on a tree or a mesh, a micro_batch that does not divide the
-      count, on a mesh B, G (F_1) or P_pad not divisible by the data, branch or seq size.
+      count, on a mesh B, G (F_1) or P_pad not divisible by the data, branch or seq size, fused=True
+      where the fused replay does not apply.
   """
   _check(layout, batch, mesh)
+  applies = fused_applies(batch, layout, mesh, micro_batch, reduce_prefix_cotangent, prompt_fn)
+  if fused and not applies:
+    raise ValueError(f"value_and_grad: fused=True needs layout='replay' (got {layout!r}), a GroupBatch (got "
+                     f"{type(batch).__name__}), no mesh, micro_batch covering every completion (got {micro_batch!r}), "
+                     "and no prompt_fn or reduce_prefix_cotangent")
+  if applies and fused is not False:
+    return _fused_value_and_grad(head, graphdef, params, batch, objective, logprob_chunk, attention)
   if mesh is not None:
     check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
 
@@ -233,6 +277,16 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
     return jax.vmap(lambda o, b: head.loss(objective, o, b))(out, branches)
   return replay_vjp(root_fn, branch_fn, params, batch.branches, micro_batch=m,
                     reduce_prefix_cotangent=reduce_prefix_cotangent, vectorized=True)
+
+
+def _fused_value_and_grad(head, graphdef, params, batch, objective, chunk, attention):
+  def total(p):
+    out = _fused_outputs(head, merge(graphdef, p), batch, chunk, attention)
+    losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, batch.branches)
+    return jnp.sum(losses), aux
+
+  (loss, aux), grads = jax.value_and_grad(total, has_aux=True)(params)
+  return loss, aux, grads
 
 
 def _naive_value_and_grad(head, graphdef, params, batch, objective, m, chunk):

@@ -115,6 +115,12 @@ class SegmentOutput(NamedTuple):
   hidden_btd: jax.Array
 
 
+def _positions(offset, b: int, t: int) -> jax.Array:
+  """[B, T] int32 absolute positions offset + i of a segment's tokens (offset an int or [B])."""
+  positions = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1)) + jnp.arange(t, dtype=jnp.int32)[None]
+  return jnp.broadcast_to(positions, (b, t))
+
+
 def rms_norm(x, weight, eps):
   """RMSNorm computed in float32 (float64 for float64 x), returned in x's dtype."""
   acc = accum_dtype(x.dtype)
@@ -309,11 +315,8 @@ class Llama(nnx.Module):
     b, t = tokens_bt.shape
     if valid_bt is None:
       valid_bt = jnp.ones((b, t), dtype=bool)
-    positions = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1)) + jnp.arange(t, dtype=jnp.int32)[None]
-    positions = jnp.broadcast_to(positions, (b, t))
+    positions = _positions(offset, b, t)
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
-    stacked, gathers = self.layers.stacked()
-    gathering = any(g is not None for g in gathers.values())
     x = param_value(self.embed)[tokens_bt].astype(self.dtype)
     anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
     anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
@@ -321,13 +324,82 @@ class Llama(nnx.Module):
     attention = attention_fn(self.attention_impl) if attention is None else attention
     lora_scale = 0.0 if self.lora is None else self.lora.scale
 
-    def body(x, xs):
-      p, ks, vs = xs
-      if gathering:   # FSDP: one layer's weights all-gathered here, just before use
-        p = {k: checkpoint_name(gathered(v, gathers[k], sliced=1), "gathered_weights") for k, v in p.items()}
-      x = checkpoint_name(x, "layer_input")  # every use below reads the named copy, so "offload_kv" can offload it
+    def layer(p, x, kv):
+      ks, vs = kv
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
       return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention, lora_scale)
+
+    x, (k, v) = self._scan_layers(layer, x, (anc_k, anc_v))
+    hidden = rms_norm(x, param_value(self.final_norm), cfg.norm_eps)
+    return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
+
+  def prompt_and_rows(self, prompt_bt: jax.Array, prompt_valid_bt: jax.Array, prompt_last, rows_bt: jax.Array,
+                      rows_offset, rows_valid_bt: jax.Array, *, attention=None) -> tuple[jax.Array, jax.Array]:
+    """Forward of a prompt and B rows that continue it (a group's completions), in ONE layer scan.
+
+    Layer l runs the prompt, then the rows on top of the prompt's layer-l K/V (the prompt shared as
+    one batch-1 ancestor block). The result equals `self(prompt)` followed by `self(rows, ancestors=
+    [the prompt's K/V])`; the difference is only in what the backward pass holds. Differentiated as
+    one function, autodiff sums the B rows' cotangents of layer l's prompt K/V inside layer l's
+    backward and pulls them back there, so no [L, P] K/V cotangent exists: the saved residuals are
+    those of P + B·T positions under `remat` (docs/design.md, "Memory and remat"). No K/V is
+    returned: nothing attends to the rows afterwards, and of the prompt's final hidden states only
+    position prompt_last's (the one that predicts each row's first token) is normalised and returned,
+    so no [P, d] final-norm output or its cotangent exists either (RMSNorm is per position).
+
+    Args:
+      prompt_bt: [1, P] int token ids of the prompt (positions 0..P-1).
+      prompt_valid_bt: [1, P] bool, False on padding (masked as keys).
+      prompt_last: int or [] int, the prompt position whose hidden state is returned (its last real one).
+      rows_bt: [B, T] int token ids of the rows.
+      rows_offset: int or [B] int, the absolute position of each row's first token (the prompt's length).
+      rows_valid_bt: [B, T] bool, False on padding.
+      attention: a `suffix_attention`-compatible function replacing the model's own (default:
+        `attention_impl`).
+
+    Returns:
+      (prompt hidden at prompt_last [d], rows hidden [B, T, d]): final hidden states (after the final
+      RMSNorm), compute dtype.
+    """
+    cfg = self.config
+    p_len = prompt_bt.shape[1]
+    b, t = rows_bt.shape
+    prompt_positions = _positions(0, 1, p_len)
+    rows_positions = _positions(rows_offset, b, t)
+    inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
+    embed = param_value(self.embed)
+    x = (embed[prompt_bt].astype(self.dtype), embed[rows_bt].astype(self.dtype))
+    attention = attention_fn(self.attention_impl) if attention is None else attention
+    lora_scale = 0.0 if self.lora is None else self.lora.scale
+
+    def layer(p, x, _):
+      x_prompt, x_rows = x
+      x_prompt, (k, v) = _layer(cfg, p, x_prompt, prompt_positions, inv_freq, (), prompt_valid_bt, attention,
+                                lora_scale)
+      x_rows, _ = _layer(cfg, p, x_rows, rows_positions, inv_freq, [KVBlock(k, v, prompt_valid_bt)], rows_valid_bt,
+                         attention, lora_scale)
+      return (x_prompt, x_rows), None
+
+    (x_prompt, x_rows), _ = self._scan_layers(layer, x, None)
+    norm = param_value(self.final_norm)
+    x_last = jax.lax.dynamic_index_in_dim(x_prompt[0], prompt_last, keepdims=False)
+    return rms_norm(x_last, norm, cfg.norm_eps), rms_norm(x_rows, norm, cfg.norm_eps)
+
+  def _scan_layers(self, layer, x, xs):
+    """`jax.lax.scan` of layer(p, x, xs_l) -> (x, ys_l) over the L layers, p one layer's parameters
+    (all-gathered just before use where the mesh step marked them with a `Gather`), x the carry (a
+    residual stream [B, T, d] or a tuple of them, each named "layer_input"), under this model's remat
+    policy. Returns (x, ys stacked [L, ...])."""
+    stacked, gathers = self.layers.stacked()
+    gathering = any(g is not None for g in gathers.values())
+
+    def body(x, layer_xs):
+      p, xs_l = layer_xs
+      if gathering:   # FSDP: one layer's weights all-gathered here, just before use
+        p = {k: checkpoint_name(gathered(v, gathers[k], sliced=1), "gathered_weights") for k, v in p.items()}
+      # every use below reads the named copy, so "offload_kv" can offload it
+      x = jax.tree_util.tree_map(lambda a: checkpoint_name(a, "layer_input"), x)
+      return layer(p, x, xs_l)
 
     if self.remat == "none" and gathering:   # keep every activation but not the gathered weights
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered_weights"))
@@ -339,9 +411,7 @@ class Llama(nnx.Module):
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
           names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input", "k", "v"),
           offload_src="device", offload_dst="pinned_host"))
-    x, (k, v) = jax.lax.scan(body, x, (stacked, anc_k, anc_v))
-    hidden = rms_norm(x, param_value(self.final_norm), cfg.norm_eps)
-    return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
+    return jax.lax.scan(body, x, (stacked, xs))
 
   def unembedding(self) -> jax.Array:
     """[d, V] output projection (the transposed embedding when tied)."""
