@@ -86,7 +86,7 @@ def test_float64_fused_replay_equals_naive_for_a_policy_and_a_separate_critic(x6
   group = random_group([3, 7, 1, 5])
   rng = np.random.default_rng(0)
   shape = group.completion_ids.shape
-  arrays = group_arrays(group, weights=obj.token_weights(group.lengths, shape[1], mode="token_mean"),
+  arrays = group_arrays(group, weights=obj.token_weights(group.lengths, shape[1], mode="group_token_mean"),
                         advantage=rng.normal(size=shape), returns=rng.normal(size=shape),
                         **_random_fields(rng, shape, np.float64))
   step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3),

@@ -168,7 +168,7 @@ def test_tree_mesh_step_with_pallas_equals_xla():
                                 [h + list(rng.integers(0, 64, 2 + (i + j) % 4)) for i, h in enumerate(heads) for j in range(2)])
   adv = rng.normal(size=len(tree.ends)).astype(np.float32)
   old = [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(np.float32) for s in tree.segments]
-  w = obj.trajectory_weights(tree.completion_lengths(), mode="token_mean", max_length=16)
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="group_token_mean", max_length=16)
   per_node = {"weights": [x.astype(np.float32) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": old}
   units = [tree_arrays(pad_tree(tree), per_node, advantage=adv)]
   objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
@@ -185,7 +185,7 @@ def test_actor_critic_mesh_step_with_pallas_equals_xla():
     rng = np.random.default_rng(seed)
     shape = g.completion_ids.shape
     normal = lambda: rng.normal(size=shape).astype(np.float32)
-    return group_arrays(g, weights=obj.token_weights(g.lengths, shape[1], mode="token_mean").astype(np.float32),
+    return group_arrays(g, weights=obj.token_weights(g.lengths, shape[1], mode="group_token_mean").astype(np.float32),
                         advantage=normal(), returns=normal(), old_values=normal(),
                         old_logp=(-4.0 + 0.3 * normal()).astype(np.float32))
   objective = functools.partial(obj.ppo_objective, clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
