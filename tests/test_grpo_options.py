@@ -328,7 +328,7 @@ def test_tree_options_replay_equals_naive_float64(x64):
   _check(*_tree_case(np.float64), 1e-10, 1e-12)
 
 
-@pytest.mark.slow   # two compiles: replay and naive
+@pytest.mark.heavy   # ~30 s; in CI: the same tree options in float64 (test_tree_options_replay_equals_naive_float64) and the group options in float32
 def test_tree_options_replay_equals_naive_float32():
   _check(*_tree_case(np.float32), 1e-4, 1e-5)
 
