@@ -5,6 +5,11 @@ replay because it is token-local: a token's term depends only on that token's lo
 on per-branch constants (advantage, weights). See docs/design.md, "Losses on trees".
 
 Shapes: G branches (completions) of a group, T padded completion length.
+
+Why one module of ~650 lines: every algorithm's objective rests on the same token-local contract
+(weights per (token, trajectory), 0 on padding and observations, per-branch constants), and the
+tests of each objective read the others' helpers; split by algorithm, that contract would be
+restated in each part.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ trajectories, float64 <= 1e-10 and float32 <= 1e-4 relative in the gradient, as 
 and tests/test_tree_replay.py hold the default loss; the logged metric sums (k3 KL, clipped count)
 agree too. The exactness cases turn every option on at once; each option's effect is pinned by its
 hand-computed case, so an option the loop silently ignored would fail there or in the loop tests below.
+
+One file of ~560 lines: each option has a hand case, a refusal and a replay-equals-naive case, and
+the cases share one set of builders.
 """
 
 import functools
