@@ -1,4 +1,4 @@
-"""Environments of other libraries behind our protocol (docs/design.md, "Episodes", "Bring an environment").
+"""Environments of other libraries behind our protocol (docs/design.md, "Episodes"; README, "Bring an environment").
 
 `TextArenaEnv` runs a single-player game of TextArena (https://github.com/LeonGuertler/TextArena,
 `pip install textarena`, the optional extra `envs`) as an `rollout.environments.Environment`:
