@@ -31,12 +31,13 @@ from branch_replay_jax.rollout.chat import ChatTokens
 from branch_replay_jax.rollout.tools import (CALCULATOR, Tool, ToolCallError, ToolError, call_tool, parse_tool_calls,
                                              tool_table, tools_system_prompt)
 
-# How an episode ended: "done" (the environment said so), "malformed_tool_call", "tool_error" (marked
-# by the environment, `EpisodeEnd`), or cut by a budget (truncated): "max_turns", "max_turn_tokens"
-# (a model turn reached its token budget without a stop id), "max_episode_tokens" (the episode's model
-# tokens reached theirs), "max_context" (the next turn has no room).
-STATUSES = ("done", "malformed_tool_call", "tool_error", "max_turns", "max_turn_tokens", "max_episode_tokens",
-            "max_context")
+# How an episode ended: "done" (the environment said so), "malformed_tool_call", "tool_error",
+# "invalid_action" (a game's move it refused and ended on, rollout/adapters.py) (marked by the
+# environment, `EpisodeEnd`), or cut by a budget (truncated): "max_turns", "max_turn_tokens" (a model
+# turn reached its token budget without a stop id), "max_episode_tokens" (the episode's model tokens
+# reached theirs), "max_context" (the next turn has no room).
+STATUSES = ("done", "malformed_tool_call", "tool_error", "invalid_action", "max_turns", "max_turn_tokens",
+            "max_episode_tokens", "max_context")
 TRUNCATED = ("max_turns", "max_turn_tokens", "max_episode_tokens", "max_context")
 
 
