@@ -14,15 +14,19 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl ml_collections==1.1.0 gguf==0.19.0
 #
-# then paste this `run` (carry [".whl"], timeout_s 600; the figures come back in $OUT):
+# then paste this `run` (carry [".whl"], timeout_s 600; the figures come back in $OUT). The device
+# tool sends the checkout its session was started in, not a helper's worktree: merge this script's
+# branch there first.
 #
 #   run(command="WHEELS=.whl bash scripts/gpu_bench.sh", carry=[".whl"], timeout_s=600)
 #
 # and write $OUT/summary.md (markdown tables) with the raw JSONL into docs/results/<study>/.
-# $OUT returns at most 8 files: env.txt, stages.jsonl, replay.jsonl, mesh.jsonl,
-# prompt_attention.jsonl, attention.jsonl, summary.md and logs.tar.gz (every process's log).
+# The device returns at most 8 files from $OUT; the default set writes exactly 8: env.txt,
+# stages.jsonl, replay.jsonl, mesh.jsonl, prompt_attention.jsonl, attention.jsonl, summary.md and
+# logs.tar.gz (every process's log).
 #
-# On the CPU, every stage with tiny shapes, in minutes (no install; cuDNN is skipped with its reason):
+# On the CPU, every stage with tiny shapes (no install; cuDNN skipped or refused with its reason;
+# 22 minutes on one shared core, docs/results/gpu-bench-ready):
 #
 #   SMOKE=1 PYTHON=.venv/bin/python taskset -c 0 bash scripts/gpu_bench.sh
 #
@@ -148,9 +152,9 @@ wait_all() {   # wait_all PID...: 0 when all exited 0, 124 when any ran past its
 }
 
 run_stage() {
-  local rc=0 pids=() t0 c
-  t0=$(date +%s)
-  echo "== $1 start $(date +%T) (time box $(box) s)"
+  local rc=0 pids=() t0 c box0
+  t0=$(date +%s) box0=$(box)
+  echo "== $1 start $(date +%T) (time box $box0 s)"
   case "$1" in
     install)
       if [[ "$SMOKE" != 1 ]]; then
@@ -222,7 +226,7 @@ run_stage() {
   local seconds=$(($(date +%s) - t0)) timed_out=false
   ((rc == 124 || rc == 137)) && timed_out=true
   printf '{"stage": "%s", "rc": %d, "seconds": %d, "timeout_s": %d, "timed_out": %s, "smoke": %s}\n' \
-    "$1" "$rc" "$seconds" "$STAGE_TIMEOUT" "$timed_out" "$([[ $SMOKE == 1 ]] && echo true || echo false)" \
+    "$1" "$rc" "$seconds" "$box0" "$timed_out" "$([[ $SMOKE == 1 ]] && echo true || echo false)" \
     >> "$OUT/stages.jsonl"
   echo "== $1 end $(date +%T) rc=$rc (${seconds} s)"
   return "$rc"

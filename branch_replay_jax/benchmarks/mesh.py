@@ -25,7 +25,7 @@ of `config.completion_len` tokens on a random `config.prompt_len`-token prompt:
 The model's compute dtype, remat policy and attention (`config.dtype`, `config.remat`,
 `config.attention_impl`: on a GPU "pallas" runs the Triton kernels inside the step's shard_map)
 are the config's. With `config.one_device` (grpo and ppo), the first row is the one-device step
-(`mesh` "none": `value_and_grad` without a mesh, the groups summed in one jitted call, the fused
+(`mesh` "one_device": `value_and_grad` without a mesh, the groups summed in one jitted call, the fused
 replay wherever it applies: `one_device_fused`) and every mesh row's `max_rel_grad_err` and
 `loss_rel_diff` are against it: the mesh code path on one GPU (mesh "1x1x1") against the step a
 single device runs. `config.output` also appends the lines to a file.
@@ -207,7 +207,7 @@ def main(argv):
   emit = emitter(args.output)
   for algorithm in algorithms:
     graphdef, params, batch = case(algorithm, config, args)
-    runs = [("none", None)] if args.one_device else []
+    runs = [("one_device", None)] if args.one_device else []
     runs += [(text, tuple(int(x) for x in text.split("x"))) for text in args.meshes.split(",")]
     base = None
     for text, shape in runs:

@@ -54,7 +54,9 @@ def replay_table(rows: list[dict]) -> str:
             "ideal_flop_ratio", "speedup / ideal", "replay TFLOP/s", "replay MFU", "naive MFU",
             "micro-batch naive / replay", "peak GB naive / replay", "max_rel_grad_err"]
   out = []
-  for r in rows:
+  order = lambda r: (r["P"], r["T"], r["G"], str(r.get("attention_impl")), r.get("fused") != "auto",
+                     r.get("prompt_attention") != "model", str(r.get("fused")), str(r.get("prompt_attention")))
+  for r in sorted(rows, key=order):   # each case's default replay (fused auto, the model's attention) first
     out.append([r["P"], r["T"], r["G"], r.get("remat"), r.get("attention_impl"), r.get("fused"),
                 r.get("prompt_attention"), r.get("naive_s"), r.get("replay_s"), fmt(r.get("speedup"), 3),
                 fmt(r.get("ideal_flop_ratio"), 3), fmt(r.get("speedup_over_ideal"), 2), r.get("replay_tflops"),
