@@ -16,6 +16,7 @@ def get_config(arg=None):
   c.head_dim = 128                          # D
   c.dtype = "bfloat16"                      # inputs' dtype
   c.impls = ""                              # comma-separated subset of the implementations ("": all)
+  c.output = ""                             # also append the JSON lines to this file when set
   if arg == "smoke":
     c.cases = "64:16"
     c.repeats = 1

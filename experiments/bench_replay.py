@@ -29,6 +29,12 @@ def get_config(arg=None):
   c.tree_schedule = "level"           # tree replay schedule: level (batched levels, fastest) or depth_first (least memory)
   c.remat = "none"                    # rematerialisation of both modes unless a case names one: none, full, save_kv
   c.logprob_chunk = 128               # positions per log-prob chunk (no [T, V] logits in either mode)
+  c.fused = "auto"                    # replay: auto (value_and_grad's default: fused wherever it applies), on, off (replay_vjp)
+  c.prompt_attention = "model"        # replay's blocks with no ancestors (the prompt): model (attention_impl), xla or
+                                      # cudnn (jax.nn.dot_product_attention, causal; benchmarks/prompt_attention.py)
+  # The card's peak for MFU, TFLOP/s: NVIDIA H200 SXM, BF16 Tensor Core 1,979 TFLOPS "with sparsity"
+  # (NVIDIA H200 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/h200), so 989 dense.
+  c.peak_tflops = 989.0
   c.seed = 0                          # token ids, old/ref log-probs and rewards are drawn from it
   c.output = ""                       # also append the JSON lines to this file when set
   if arg == "smoke":

@@ -217,3 +217,66 @@ def test_replay_memory_modes_and_the_largest_p_it_extrapolates():
   out = replay_memory.summary(rows, (96, 141))
   assert out["bytes_per_token"] == 2 ** 20 and out["fit_P"] == [1024, 2048]
   assert out["largest_P_by_budget_gib"] == {"96": 96 * 1024, "141": 141 * 1024}
+
+
+def test_gpu_bench_entry_points_give_finite_fields_and_a_markdown_table(tmp_path):
+  # scripts/gpu_bench.sh's new Python, in smoke shapes on the CPU: the prompt-attention row (cuDNN
+  # skipped with its reason off a GPU), the replay row's MFU fields, and summarize's tables of both.
+  import math
+
+  import jax.numpy as jnp
+  import ml_collections
+  from branch_replay_jax.benchmarks import prompt_attention, replay, summarize
+  from branch_replay_jax.data.counts import group_counts
+  from branch_replay_jax.models.config import tiny_config
+  row = prompt_attention.bench_prompt(32, b=1, hq=2, hkv=1, d=16, dtype=jnp.float32, repeats=1,
+                                      impls=("reference", "dpa_xla", "dpa_cudnn"))
+  for name in ("reference", "dpa_xla"):
+    e = row[name]
+    assert all(math.isfinite(e[k]) and e[k] > 0 for k in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops"))
+    # float32, the same softmax in another order of sums: rounding only
+    assert e["max_abs_diff"] <= 1e-5
+  if jax.default_backend() != "gpu":
+    assert row["dpa_cudnn"] == {"skipped": "cuDNN needs a GPU; the backend is cpu"}
+  # causal pairs of a 32-token block: 32 * 33 / 2 = 528, 4 D = 64 FLOPs each per head, 2 heads
+  assert row["fwd_gflop"] == round(2 * 64 * 528 / 1e9, 3)
+  # MFU: 3x the forward FLOPs of data.counts (the ideal ratio's model) per second, over the peak.
+  counts = group_counts(24, [6] * 4, tiny_config(vocab_size=256, max_positions=4096))
+  config = ml_collections.ConfigDict(dict(fused="auto", prompt_attention="model", peak_tflops=100.0))
+  record = {"P": 24, "T": 6, "G": 4, "naive_s": 2e-3, "replay_s": 1e-3, "speedup": 2.0, **counts}
+  mfu = replay.mfu_fields(config, record)
+  assert counts["naive_forward_flops"] / counts["replay_forward_flops"] == pytest.approx(counts["ideal_flop_ratio"])
+  assert mfu["replay_tflops"] == pytest.approx(3 * counts["replay_forward_flops"] / 1e-3 / 1e12)
+  assert mfu["replay_mfu"] == pytest.approx(mfu["replay_tflops"] / 100.0)
+  assert mfu["naive_mfu"] == pytest.approx(3 * counts["naive_forward_flops"] / 2e-3 / 1e12 / 100.0)
+  with open(tmp_path / "prompt_attention.jsonl", "w") as f:
+    f.write(json.dumps(row) + "\n")
+  with open(tmp_path / "replay.jsonl", "w") as f:
+    f.write(json.dumps({**record, **mfu, "speedup_over_ideal": 2.0 / counts["ideal_flop_ratio"]}) + "\n")
+  text = summarize.summarize(str(tmp_path))
+  assert "### Replay against naive, with MFU" in text and "| 24 | 6 | 4 |" in text
+  assert "| 32 | 2:1, 16 | dpa_xla |" in text
+  assert "dpa_cudnn: skipped" in text or jax.default_backend() == "gpu"
+
+
+def test_causal_block_attention_sends_the_prompt_to_dot_product_attention_and_the_rest_to_the_kernel():
+  # float32: the prompt's own causal block through jax.nn.dot_product_attention("xla") equals the
+  # jnp suffix attention on it (the same softmax, another order of sums: <= 1e-5); a block with
+  # ancestors goes to the given function unchanged (here the reference itself: equal bit for bit).
+  import numpy as np
+  import jax.numpy as jnp
+  from branch_replay_jax.benchmarks.prompt_attention import causal_block_attention
+  from branch_replay_jax.kernels import KVBlock, suffix_attention
+  rng = np.random.default_rng(0)
+  n = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  q, k, v = n(1, 12, 4, 8), n(1, 12, 2, 8), n(1, 12, 2, 8)
+  own = KVBlock(k, v, jnp.arange(12)[None] < 10)   # two padded keys at the end (right padding)
+  attention = causal_block_attention("xla", suffix_attention)
+  out, lse = attention(q, [], own)
+  want, want_lse = suffix_attention(q, [], own)
+  assert float(jnp.max(jnp.abs(out[:, :10] - want[:, :10]))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
+  assert float(jnp.max(jnp.abs(lse[:, :10] - want_lse[:, :10]))) <= 1e-5 * float(jnp.max(jnp.abs(want_lse)))
+  anc = [KVBlock(n(1, 5, 2, 8), n(1, 5, 2, 8), jnp.ones((1, 5), bool))]
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(attention(q, anc, own), suffix_attention(q, anc, own)))
+  with pytest.raises(ValueError, match="implementation='tpu'"):
+    causal_block_attention("tpu", suffix_attention)

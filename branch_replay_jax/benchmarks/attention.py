@@ -20,7 +20,6 @@ takes gradients w.r.t. q and every K/V), plus each one's max |out - reference ou
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -31,7 +30,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from branch_replay_jax.benchmarks.replay import timing_lock
+from branch_replay_jax.benchmarks.replay import emitter, timing_lock
 from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas, suffix_attention_splash
 
 
@@ -136,11 +135,12 @@ def main(argv):
   if impls is not None and (unknown := impls - set(make_impls())):
     raise ValueError(f"config.impls: unknown {sorted(unknown)}; choose from {list(make_impls())}")
   hq, hkv = map(int, a.heads.split(":"))
+  emit = emitter(a.output)
   for case in a.cases.split(","):
     s_anc, t = map(int, case.split(":"))
     row = bench_case(s_anc, t, b=a.batch, hq=hq, hkv=hkv, d=a.head_dim, dtype=jnp.dtype(a.dtype),
                      repeats=a.repeats, impls=impls)
-    print(json.dumps(row), flush=True)
+    emit(row)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,14 @@ of `config.completion_len` tokens on a random `config.prompt_len`-token prompt:
         jitted calls and host-side padding: its step includes host work).
 
 `token_positions_naive` = groups x G x (P + T).
+
+The model's compute dtype, remat policy and attention (`config.dtype`, `config.remat`,
+`config.attention_impl`: on a GPU "pallas" runs the Triton kernels inside the step's shard_map)
+are the config's. With `config.one_device` (grpo and ppo), the first row is the one-device step
+(`mesh` "one_device": `value_and_grad` without a mesh, the groups summed in one jitted call, the fused
+replay wherever it applies: `one_device_fused`) and every mesh row's `max_rel_grad_err` and
+`loss_rel_diff` are against it: the mesh code path on one GPU (mesh "1x1x1") against the step a
+single device runs. `config.output` also appends the lines to a file.
 """
 
 from __future__ import annotations
@@ -30,7 +38,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -40,13 +47,16 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
+
 from branch_replay_jax import losses as obj  # noqa: E402
+from branch_replay_jax.benchmarks.replay import emitter, timing_lock  # noqa: E402
 from branch_replay_jax.data.batches import GroupBatch, group_arrays  # noqa: E402
 from branch_replay_jax.data.groups import make_group  # noqa: E402
 from branch_replay_jax.distributed.mesh import make_mesh, shard_batch, shard_params, stack_groups  # noqa: E402
 from branch_replay_jax.gradients import preference as pref  # noqa: E402
 from branch_replay_jax.gradients.heads import ACTOR_CRITIC, POLICY  # noqa: E402
-from branch_replay_jax.gradients.step import value_and_grad  # noqa: E402
+from branch_replay_jax.gradients.step import fused_applies, value_and_grad  # noqa: E402
 from branch_replay_jax.models import Llama, ModelConfig, tiny_config  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape  # noqa: E402
 from branch_replay_jax.models.critic import ActorCritic  # noqa: E402
@@ -129,15 +139,28 @@ def mesh_step(algorithm: str, graphdef, params, batch, mesh, micro_batch: int):
   return grad_step
 
 
-def run_mesh(algorithm: str, graphdef, params, batch, shape, repeats: int, micro_batch: int):
-  """(compile_seconds, step_seconds, loss, grads) of one algorithm's step on one mesh shape."""
-  mesh = make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
-  with jax.set_mesh(mesh):
-    step = mesh_step(algorithm, graphdef, params, batch, mesh, micro_batch)
-    _compile_seconds[0] = 0.0
-    loss, grads = jax.block_until_ready(step())
-    compile_s = _compile_seconds[0]
-    times = []
+def one_device_step(algorithm: str, graphdef, params, batch: list[GroupBatch], micro_batch: int):
+  """A zero-argument call of the one-device step of `algorithm` (grpo or ppo) on the groups ->
+  (loss, grads): `value_and_grad` without a mesh per group, summed, in one jitted call (the mesh
+  step's loss and gradients are these sums)."""
+  head, objective = (ACTOR_CRITIC, PPO_OBJECTIVE) if algorithm == "ppo" else (POLICY, OBJECTIVE)
+
+  def total(p, groups):
+    out = [value_and_grad(head, graphdef, p, g, objective, micro_batch=micro_batch) for g in groups]
+    grads = jax.tree_util.tree_map(lambda *x: sum(x[1:], x[0]), *[o[2] for o in out])
+    return sum(o[0] for o in out[1:]) + out[0][0], grads
+  step = jax.jit(total)
+  placed = jax.device_put((params, batch), jax.devices()[0])
+  return lambda: step(*placed)
+
+
+def time_step(step, repeats: int):
+  """(compile_seconds, step_seconds, loss, grads) of a zero-argument step: the first call compiles."""
+  _compile_seconds[0] = 0.0
+  loss, grads = jax.block_until_ready(step())
+  compile_s = _compile_seconds[0]
+  times = []
+  with timing_lock(os.environ.get("BENCH_TIMING_LOCK", "")):   # processes sharing one device time one at a time
     for _ in range(repeats):
       t0 = time.perf_counter()
       jax.block_until_ready(step())
@@ -145,10 +168,18 @@ def run_mesh(algorithm: str, graphdef, params, batch, shape, repeats: int, micro
   return compile_s, statistics.median(times), float(loss), jax.device_get(grads)
 
 
+def run_mesh(algorithm: str, graphdef, params, batch, shape, repeats: int, micro_batch: int):
+  """(compile_seconds, step_seconds, loss, grads) of one algorithm's step on one mesh shape."""
+  mesh = make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+  with jax.set_mesh(mesh):
+    return time_step(mesh_step(algorithm, graphdef, params, batch, mesh, micro_batch), repeats)
+
+
 def case(algorithm: str, config: ModelConfig, args):
   """(graphdef, params, batch) of one algorithm: the model (an actor-critic with a random value
   head for PPO) and its step's groups (DPO: a PreferenceBatch)."""
-  model = Llama(config, rngs=nnx.Rngs(0))
+  model = Llama(config, dtype=jnp.dtype(args.dtype), remat=args.remat, attention_impl=args.attention_impl,
+                rngs=nnx.Rngs(0))
   shape = (args.groups, args.group_size, args.prompt_len, args.completion_len)
   if algorithm == "ppo":
     model = ActorCritic(model, critic="value_head")
@@ -169,25 +200,39 @@ def main(argv):
   algorithms = args.algorithms.split(",")
   if any(a not in ALGORITHMS for a in algorithms):
     raise ValueError(f"config.algorithms={args.algorithms!r}: each must be one of {ALGORITHMS}")
+  if args.one_device and "dpo" in algorithms:
+    raise ValueError(f"config.one_device=True with config.algorithms={args.algorithms!r}: the one-device baseline "
+                     "is grpo's and ppo's (value_and_grad); leave dpo out")
   config = tiny_config() if args.model == "tiny" else SMOLLM2_135M_SHAPE
+  emit = emitter(args.output)
   for algorithm in algorithms:
     graphdef, params, batch = case(algorithm, config, args)
+    runs = [("one_device", None)] if args.one_device else []
+    runs += [(text, tuple(int(x) for x in text.split("x"))) for text in args.meshes.split(",")]
     base = None
-    for text in args.meshes.split(","):
-      shape = tuple(int(x) for x in text.split("x"))
-      compile_s, step_s, loss, grads = run_mesh(algorithm, graphdef, params, batch, shape, args.repeats,
-                                                args.micro_batch)
-      base = grads if base is None else base
-      err = max(float(np.abs(g - b).max() / max(np.abs(b).max(), 1e-30))
-                for g, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(base)))
-      print(json.dumps({"algorithm": algorithm, "mesh": text, "data": shape[0], "branch": shape[1], "seq": shape[2],
-                        "model": args.model, "groups": args.groups, "group_size": args.group_size,
-                        "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-                        "micro_batch": args.micro_batch,
-                        "token_positions_naive": args.groups * args.group_size * (args.prompt_len + args.completion_len),
-                        "compile_seconds": round(compile_s, 2), "step_seconds": round(step_s, 4), "loss": loss,
-                        "max_rel_grad_err": err, "devices": jax.device_count(), "backend": jax.default_backend()}),
-            flush=True)
+    for text, shape in runs:
+      if shape is None:
+        compile_s, step_s, loss, grads = time_step(
+            one_device_step(algorithm, graphdef, params, batch, args.micro_batch), args.repeats)
+      else:
+        compile_s, step_s, loss, grads = run_mesh(algorithm, graphdef, params, batch, shape, args.repeats,
+                                                  args.micro_batch)
+      base = (text, loss, grads) if base is None else base
+      err = max(float(np.abs(np.asarray(g, np.float64) - b).max() / max(np.abs(np.asarray(b, np.float64)).max(), 1e-30))
+                for g, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(base[2])))
+      row = {"kind": "mesh", "algorithm": algorithm, "mesh": text, "data": shape and shape[0],
+             "branch": shape and shape[1], "seq": shape and shape[2],
+             "model": args.model, "dtype": args.dtype, "remat": args.remat, "attention_impl": args.attention_impl,
+             "groups": args.groups, "group_size": args.group_size,
+             "prompt_len": args.prompt_len, "completion_len": args.completion_len, "micro_batch": args.micro_batch,
+             "token_positions_naive": args.groups * args.group_size * (args.prompt_len + args.completion_len),
+             "compile_seconds": round(compile_s, 2), "step_seconds": step_s, "loss": loss,
+             "baseline": base[0], "max_rel_grad_err": err,
+             "loss_rel_diff": abs(loss - base[1]) / max(abs(base[1]), 1e-30),
+             "devices": jax.device_count(), "backend": jax.default_backend()}
+      if shape is None:
+        row["one_device_fused"] = fused_applies(batch[0], micro_batch=args.micro_batch)
+      emit(row)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,14 @@ Method:
 - PPO cases (config.ppo_cases): the PPO step of gradients/step.py with the ActorCritic head, policy + critic (a value head,
   config.ppo_critic), instead of GRPO's; same columns.
 - max_rel_grad_err: max over parameter leaves of max|g_replay - g_naive| / max|g_naive|.
+- Replay variants: config.fused ("auto": `value_and_grad`'s default, the fused replay wherever it
+  applies; "on"; "off": `core.replay.replay_vjp`) and config.prompt_attention ("model": the model's
+  attention_impl; "xla" / "cudnn": blocks with no ancestors, the prompt's own causal block, through
+  `jax.nn.dot_product_attention`, `prompt_attention.causal_block_attention`; the naive step keeps the model's).
+- MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM, arXiv 2204.02311, appendix B): model
+  FLOPs of a step = 3 x its forward FLOPs by `data.counts.forward_flops` (the same model as
+  ideal_flop_ratio; rematerialisation not counted), over its median seconds, over config.peak_tflops:
+  replay_mfu, naive_mfu, with replay_tflops / naive_tflops the achieved TFLOP/s.
 """
 
 from __future__ import annotations
@@ -149,7 +157,7 @@ def case_inputs(config, case: dict, model_config) -> tuple[GroupBatch, GroupBatc
   return naive, replay, {**tree_counts(tree, model_config), "padding_fraction": padded.padding_fraction}
 
 
-def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str):
+def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str, options: dict):
   """(graphdef, params, fn, objective, arrays) of a PPO step (gradients/step.py, the ActorCritic head) on a group.
 
   The model is wrapped in an ActorCritic (critic config.ppo_critic) whose value head is random
@@ -166,8 +174,42 @@ def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str):
       params, arrays)
   random = lambda: jnp.asarray(rng.normal(size=branches.tokens.shape), jnp.float32) * branches.mask
   branches = branches.replace(old_logp=old.logp, old_values=old.values, advantage=random(), returns=random())
-  fn = functools.partial(value_and_grad, ACTOR_CRITIC, layout="naive") if mode == "naive" else functools.partial(value_and_grad, ACTOR_CRITIC)
+  fn = (functools.partial(value_and_grad, ACTOR_CRITIC, layout="naive") if mode == "naive"
+        else functools.partial(value_and_grad, ACTOR_CRITIC, **options))   # options: `replay_options`
   return graphdef, params, fn, PPO_OBJECTIVE, arrays.replace(branches=branches)
+
+
+FUSED = {"auto": None, "on": True, "off": False}   # config.fused -> value_and_grad(fused=...)
+PROMPT_ATTENTION = ("model", "xla", "cudnn")        # config.prompt_attention
+
+
+def model_flops_utilisation(forward_flops: int, seconds: float, peak_tflops: float) -> tuple[float, float]:
+  """(achieved TFLOP/s, MFU) of a training step of `forward_flops` forward FLOPs (`data.counts.forward_flops`)
+  taking `seconds`: model FLOPs are 3x the forward's (forward + a backward of twice its cost; PaLM,
+  arXiv 2204.02311, appendix B), MFU = model FLOPs / seconds / (peak_tflops 1e12)."""
+  tflops = 3 * forward_flops / seconds / 1e12
+  return tflops, tflops / peak_tflops
+
+
+def replay_options(config, case: dict, attention_impl: str) -> dict:
+  """value_and_grad keywords of the replay step for config.fused and config.prompt_attention
+  (`attention_impl`: the model's resolved one, for the blocks with ancestors). Configs without
+  these fields (the workers of benchmarks/backend.py and peer.py) get "auto" and "model".
+
+  Raises:
+    ValueError: an unknown config.fused or config.prompt_attention, before any compute.
+  """
+  fused, prompt = config.get("fused", "auto"), config.get("prompt_attention", "model")   # other benchmarks' workers
+  if fused not in FUSED:
+    raise ValueError(f"config.fused={fused!r}; expected one of {tuple(FUSED)}")
+  if prompt not in PROMPT_ATTENTION:
+    raise ValueError(f"config.prompt_attention={prompt!r}; expected one of {PROMPT_ATTENTION}")
+  options = {} if case["kind"] == "tree" else {"fused": FUSED[fused]}
+  if prompt != "model":
+    from branch_replay_jax.benchmarks.prompt_attention import causal_block_attention   # it imports this module
+    from branch_replay_jax.kernels import attention_fn
+    options["attention"] = causal_block_attention(prompt, attention_fn(attention_impl))
+  return options
 
 
 def peak_bytes() -> tuple[int, str]:
@@ -189,19 +231,22 @@ def _worker(job: dict) -> dict:
   config = ml_collections.ConfigDict(job["config"])
   case = parse_case(config, job["case"])
   model = load_model(config, remat=case["remat"])   # both modes of a case use the same remat policy
-  model_config = model.config
+  model_config, attention_impl = model.config, model.attention_impl
   graphdef, params = nnx.split(model)
   del model
   naive_arrays, replay_arrays, _ = case_inputs(config, case, model_config)
   if case["kind"] == "ppo":
-    graphdef, params, fn, objective, arrays = _ppo_step(config, graphdef, params, naive_arrays, job["mode"])
+    graphdef, params, fn, objective, arrays = _ppo_step(config, graphdef, params, naive_arrays, job["mode"],
+                                                           replay_options(config, case, attention_impl))
   elif job["mode"] == "naive":
     fn, objective, arrays = functools.partial(value_and_grad, POLICY, layout="naive"), GRPO_OBJECTIVE, naive_arrays
   elif case["kind"] == "tree":
-    fn, objective, arrays = (functools.partial(functools.partial(value_and_grad, POLICY), schedule=config.tree_schedule),
+    fn, objective, arrays = (functools.partial(value_and_grad, POLICY, schedule=config.tree_schedule,
+                                               **replay_options(config, case, attention_impl)),
                              TREE_OBJECTIVE, replay_arrays)
   else:
-    fn, objective, arrays = functools.partial(value_and_grad, POLICY), GRPO_OBJECTIVE, replay_arrays
+    fn, objective, arrays = (functools.partial(value_and_grad, POLICY, **replay_options(config, case, attention_impl)),
+                             GRPO_OBJECTIVE, replay_arrays)
   step = jax.jit(lambda p, a: fn(graphdef, p, a, objective, micro_batch=job["micro_batch"],
                                  logprob_chunk=config.logprob_chunk))
   t0 = time.perf_counter()
@@ -323,6 +368,8 @@ def run_case(config, index: int, emit) -> dict:
                 **{k: replay.get(k) for k in ("seconds", "times", "compile_s", "peak_bytes", "memory_measure",
                                               "error")},
                 **case_inputs(config, case, architecture_of(config))[2]}
+      record["replay_s"] = replay.get("seconds")
+      record.update(mfu_fields(config, record))
       emit(record)
       return record
     best_m = min(ok, key=lambda m: ok[m]["seconds"])
@@ -336,6 +383,8 @@ def run_case(config, index: int, emit) -> dict:
                           "repeats": config.repeats, "compare_grads": grads})
   for name, r in (("naive", naive), ("replay", replay)):
     if "error" in r:
+      emit({**shape, "mode": name, "error": r["error"], "stderr_tail": r["stderr_tail"][-600:],
+            "attention_impl": config.attention_impl, "fused": config.fused, "prompt_attention": config.prompt_attention})
       raise RuntimeError(f"bench: the {name} step failed for case {(p, t, g)}: {r['error']}\n{r['stderr_tail']}")
   naive["times"] = ok[best_m]["times"] + naive["times"]
   naive["cpu_times"] = ok[best_m]["cpu_times"] + naive["cpu_times"]
@@ -359,8 +408,21 @@ def run_case(config, index: int, emit) -> dict:
   if case["kind"] == "tree":
     record["tree_schedule"] = config.tree_schedule
   record["speedup_over_ideal"] = record["speedup"] / record["ideal_flop_ratio"]
+  record.update(mfu_fields(config, record))
   emit(record)
   return record
+
+
+def mfu_fields(config, record: dict) -> dict:
+  """The record's replay variant (fused, prompt_attention), the peak it is judged against and the
+  achieved TFLOP/s and MFU of each step present (`model_flops_utilisation`; a None step time gives None)."""
+  out = {"fused": config.fused, "prompt_attention": config.prompt_attention, "peak_tflops": config.peak_tflops}
+  for mode in ("naive", "replay"):
+    seconds = record.get(f"{mode}_s")
+    tflops, mfu = (model_flops_utilisation(record[f"{mode}_forward_flops"], seconds, config.peak_tflops)
+                   if seconds else (None, None))
+    out[f"{mode}_tflops"], out[f"{mode}_mfu"] = tflops, mfu
+  return out
 
 
 def emitter(output: str):
