@@ -57,6 +57,8 @@ def get_config(arg=None):
     c.rollout.max_new_tokens = 8 if smoke else 32    # tokens generated per completion at most
     c.rollout.temperature = 1.0           # sampling temperature
     c.rollout.top_p = 1.0                 # nucleus mass (1 disables the filter)
+    c.rollout.stop_strings = ()           # text that ends a completion besides the model's stop ids, matched on the
+    #                                     # decoded text as tokens arrive, e.g. ("</answer>",)
 
   c.dpo = ml_collections.ConfigDict()
   c.dpo.loss = "sigmoid"                  # sigmoid (DPO, arXiv 2305.18290 eq. 7); ipo (arXiv 2310.12036 eq. 17 on

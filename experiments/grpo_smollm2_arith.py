@@ -63,6 +63,8 @@ def get_config(arg=None):
   c.rollout.max_new_tokens = 32           # tokens generated per completion at most; groups only
   c.rollout.temperature = 1.0             # sampling temperature
   c.rollout.top_p = 1.0                   # nucleus mass (1 disables the filter)
+  c.rollout.stop_strings = ()             # text that ends a completion besides the model's stop ids, matched on the
+  #                                       # decoded text as tokens arrive, e.g. ("</answer>",) or a tool tag ("</calc>",)
   c.rollout.tree_fanouts = ()             # e.g. (4, 2, 2): sample a tree (TreePO) instead of G independent samples;
   #                                       # a tree config removes group_size and max_new_tokens (see grpo_tree_*)
   c.rollout.segment_length = 0            # tokens per tree segment with tree_fanouts; must be 0 without

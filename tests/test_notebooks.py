@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "objectives.ipynb"])
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "objectives.ipynb", "your_task.ipynb"])
 def test_notebook_executes(name):
   nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
   # Run from the repository root so `experiments` imports like in the README's commands.

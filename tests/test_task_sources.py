@@ -363,3 +363,31 @@ def test_grpo_trains_an_hf_directory_on_a_jsonl_task_with_a_reward_by_import_pat
   assert max_rel(after, before) == 0.0
   fixed = experiment_config(grpo_smollm2_arith, "smoke", run_dir, **{**overrides, "train.steps": 2, "resume": True})
   assert [r["step"] for r in grpo.train(fixed)] == [2]
+
+
+def test_dpo_scores_its_sampled_candidates_with_each_reward_function_and_logs_each(tmp_path):
+  # DPO with data.source = "task" samples G candidates per prompt and pairs them by the task's reward:
+  # with task.rewards that is the weighted sum of the functions, each returned per prompt (NaN where a
+  # function returned None) and logged as rewards/NAME over the step (`loop.reward_term_means`).
+  # longer = the completion's length in characters; level_only = None on level 0, else 1.
+  import jax
+  from flax import nnx
+  from branch_replay_jax.algorithms import dpo, loop
+  from branch_replay_jax.models import Llama, tiny_config
+  from branch_replay_jax.models.loading import load_tokenizer
+  from experiments import dpo_smollm2_arith
+  path = rewards_file(tmp_path)
+  config = experiment_config(dpo_smollm2_arith, "smoke", tmp_path / "run", **{
+      "task.source": write_jsonl(tmp_path / "train.jsonl", ROWS), "task.prompt_column": "question",
+      "task.format_bonus": 0.0, "task.rewards": (f"{path}:longer", f"{path}:level_only")})
+  task = runs.make_task_from(config)
+  tokenizer = load_tokenizer("smollm2-135m-instruct")
+  model = Llama(tiny_config(vocab_size=len(tokenizer), max_positions=256), rngs=nnx.Rngs(0))
+  out = dpo.sample_prompt(config, model, tokenizer, task, jax.random.key(0), 0)
+  terms = out["reward_terms"]
+  assert set(terms) == {"longer", "level_only"} and len(out["stop_reasons"]) == config.rollout.group_size
+  np.testing.assert_allclose(out["rewards"], terms["longer"] + np.nan_to_num(terms["level_only"]), rtol=1e-6)
+  assert (terms["longer"] > 0).all()
+  assert loop.reward_term_means([terms, {"longer": np.array([1.0]), "level_only": np.array([np.nan])}]) == {
+      "rewards/longer": pytest.approx((terms["longer"].sum() + 1) / (len(terms["longer"]) + 1)),
+      **({} if np.isnan(terms["level_only"]).all() else {"rewards/level_only": 1.0})}

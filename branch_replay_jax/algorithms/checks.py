@@ -33,10 +33,11 @@ def validate_common(config) -> None:
   anything loads: model (dtype, remat, attention), optimizer (learning rate, warmup, decay,
   clipping), seed, the run directory (resume, overwrite: not both; a run_dir that is a file or cannot
   be created or written, outputs.checkpoints.check_run_dir_path), task, sampling (temperature,
-  top_p) and a completion budget longer than the model's context (read from the model's metadata,
+  top_p, stop_strings) and a completion budget longer than the model's context (read from the model's metadata,
   models.loading.context_length)."""
   from branch_replay_jax.kernels import ATTENTION_IMPLS
   from branch_replay_jax.models.llama import REMAT_POLICIES
+  from branch_replay_jax.rollout.stop_strings import check_stop_strings
   from branch_replay_jax.rollout.tasks import TASKS, reasoning_gym_names
   m, t = config.model, config.train
   if m.dtype not in DTYPES:
@@ -76,6 +77,7 @@ def validate_common(config) -> None:
     # 0 would be greedy decoding: G identical completions, equal rewards, no advantage.
     check_number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
     check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+    check_stop_strings(r.get("stop_strings", ()))
     budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
     context = TINY_MAX_POSITIONS if m.name == "tiny" else model_context(m.name)
     if isinstance(budget, int) and budget >= context:

@@ -40,6 +40,8 @@ from branch_replay_jax.gradients import preference as pref
 from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.stop_strings import stop_table
+from branch_replay_jax.rollout.tasks.protocol import reward_terms, score_group
 
 SOURCES = ("task", "jsonl")
 FIELDS = ("prompt", "chosen", "rejected")
@@ -157,22 +159,27 @@ def sample_prompt(config, policy, tokenizer, task, key, data_pos: int) -> dict:
   """One task prompt's G completions sampled (one shared prefill) and scored, and its pair: {"pair":
   the best-reward completion (chosen) with the worst (rejected), None when the G rewards are all
   equal; "rewards", "correct", "truncated" [G] (cut by the budget without one of the model's stop
-  ids, `models.loading.stop_ids`); "sample_s", "score_s"; "sample": the texts logged for the pair}.
-  Host values only (numpy), so that a prompt sampled on another process can be sent here."""
+  ids, `models.loading.stop_ids`, or a stop string of rollout.stop_strings), "stop_reasons" [G] str
+  ("eos", "stop_string", "length"); "reward_terms": {name: [G] float64} per function of
+  task.rewards (NaN where one returned None; {} without task.rewards); "sample_s", "score_s";
+  "sample": the texts logged for the pair}. Host values only (numpy), so that a prompt sampled on
+  another process can be sent here. The completions are scored as a batch (`score_group`, TRL's
+  batch signature for task.rewards); a failing reward function raises naming it and `data_pos`."""
   r = config.rollout
   problem = task[data_pos % len(task)]
   ids = encode_chat(tokenizer, task.messages(problem))
   t0 = time.perf_counter()
   ro = sample_group(policy, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
                     temperature=r.temperature, top_p=r.top_p, eos_ids=stop_ids(tokenizer),
-                    pad_id=tokenizer.pad_token_id or 0)
+                    pad_id=tokenizer.pad_token_id or 0, stop_table=stop_table(tokenizer, tuple(r.get("stop_strings", ()))))
   comps = [row[:n] for row, n in zip(np.asarray(ro.tokens), np.asarray(ro.lengths))]
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode(comps, skip_special_tokens=True)
-  scores = [task.score(text, problem) for text in texts]
+  scores = score_group(task, texts, problem, index=data_pos)
   rew = np.array([s.reward for s in scores], np.float32)
   out = {"pair": None, "rewards": rew, "correct": np.array([s.correct for s in scores]),
-         "truncated": np.asarray(ro.truncated, bool), "sample_s": t1 - t0,
+         "truncated": np.asarray(ro.truncated, bool), "stop_reasons": ro.stop_reasons(),
+         "reward_terms": reward_terms(scores), "sample_s": t1 - t0,
          "score_s": time.perf_counter() - t1, "sample": None}
   if not bool(obj.constant_groups(rew)):
     best, worst = int(np.argmax(rew)), int(np.argmin(rew))
@@ -186,8 +193,9 @@ def sample_prompt(config, policy, tokenizer, task, key, data_pos: int) -> dict:
 def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int, *, devices=None) -> tuple[list, dict]:
   """(pairs, info) from `rollout.prompts_per_step` task prompts (`sample_prompt`), prompt i from
   task item data_pos + i with the key (seed, step, i) folded, as loop.sample_groups; info: the
-  sampled completions' rewards and correctness [prompts * G], skipped_prompts, sample_s, score_s
-  and one logged sample (the first pair's).
+  sampled completions' rewards, correctness, truncated flags and stop reasons [prompts * G],
+  reward_terms (each prompt's, logged as rewards/NAME: `loop.reward_term_means`), skipped_prompts,
+  sample_s, score_s and one logged sample (the first pair's).
 
   Args:
     policy: the model, or with `devices` {device: the model on it} for this process's devices.
@@ -209,6 +217,8 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int,
   info = {"rewards": np.concatenate([p["rewards"] for p in prompts]),
           "correct": np.concatenate([p["correct"] for p in prompts]),
           "truncated": np.concatenate([p["truncated"] for p in prompts]),
+          "stop_reasons": np.concatenate([p["stop_reasons"] for p in prompts]),
+          "reward_terms": [p["reward_terms"] for p in prompts],
           "skipped_prompts": sum(p["pair"] is None for p in prompts),
           "sample_s": sum(p["sample_s"] for p in prompts), "score_s": sum(p["score_s"] for p in prompts),
           "sample": next((p["sample"] for p in prompts if p["sample"] is not None), None)}
@@ -337,5 +347,8 @@ def _record(step: int, num_pairs: int, info: dict, stats: dict, counts: dict, *,
   if "rewards" in info:   # sampled pairs: the task reward of every sampled completion
     record.update(reward_mean=float(info["rewards"].mean()), accuracy=float(info["correct"].mean()),
                   truncated_frac=float(info["truncated"].mean()),
+                  stop_eos_frac=float(np.mean(info["stop_reasons"] == "eos")),
+                  stop_string_frac=float(np.mean(info["stop_reasons"] == "stop_string")),
+                  **loop.reward_term_means(info["reward_terms"]),
                   sample_s=info["sample_s"], score_s=info["score_s"])
   return {**record, "update_s": update_s, "step_s": rollout_s + update_s}

@@ -29,7 +29,7 @@ class Evaluation:
   """A run's held-out evaluation (config.eval; rollout/evaluate.py): eval.size problems of the task
   at seed eval.task_seed, none of whose questions a training item asks (`heldout_problems` against
   the algorithm's `training_items()`), chosen once when the run starts. `run` answers every one
-  greedily and with eval.pass_k samples (the run's temperature, top-p and completion budget) and
+  greedily and with eval.pass_k samples (the run's temperature, top-p, stop strings and completion budget) and
   appends a row to RUN_DIR/eval.jsonl:
 
     {"step", "wall_s", "eval_s", "problems", "dropped_overlaps", "accuracy", "accuracy_lo",
@@ -66,7 +66,8 @@ class Evaluation:
     policy, devices = algorithm.eval_policy(run, params, len(self.problems))
     results = held_out.evaluate(policy, run.tokenizer, self.task, self.problems,
                                 jax.random.fold_in(run.key, EVAL_STREAM), max_new_tokens=completion_budget(self.config.rollout),
-                                temperature=r.temperature, top_p=r.top_p, pass_k=self.pass_k, devices=devices)
+                                temperature=r.temperature, top_p=r.top_p, pass_k=self.pass_k,
+                                stop_strings=tuple(r.get("stop_strings", ())), devices=devices)
     summary = held_out.summarize([results[j] for j in range(len(self.problems))], pass_k=self.pass_k)
     row = {"step": step, "wall_s": wall_s, "eval_s": time.perf_counter() - t0, **summary,
            "dropped_overlaps": self.dropped}

@@ -40,8 +40,8 @@ class Group:
   kind: "group" (batch: a `GroupBatch` from `group_arrays`, also a tree's trajectories laid out
     naive) or "tree" (a `TreeBatch` from `tree_arrays`).
   truncated: [G] bool per trajectory (tree: in `tree.ends` order), the sampler's stop reason: True
-    where the token budget cut it without EOS (`Rollouts.truncated`, `TreeRollout.truncated`), False
-    where it ended with EOS (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
+    where the token budget cut it without EOS or a stop string (`Rollouts.truncated`,
+    `TreeRollout.truncated`), False where it ended with one (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
   rewards: [G] float32, the task's rewards plus the overlong penalty (`loss.overlong_buffer`): what
     the advantages are computed from.
   in_loss: [G] bool, the trajectories the loss weighs (all but the truncated ones with
@@ -52,6 +52,8 @@ class Group:
     scales both).
   reward_terms: {name: [G] float64} per reward function of task.rewards (`Trajectories.reward_terms`;
     logged as rewards/NAME), or None.
+  stop_reasons: [G] str "eos", "stop_string" or "length" (`Trajectories.stop_reasons`; logged as
+    stop_eos_frac, stop_string_frac and truncated_frac), or None.
   """
   kind: str
   batch: GroupBatch | TreeBatch
@@ -67,6 +69,7 @@ class Group:
   naive_batch: GroupBatch | None = None
   in_loss: np.ndarray | None = None
   reward_terms: dict | None = None
+  stop_reasons: np.ndarray | None = None
 
   @property
   def loss_tokens(self) -> int:
@@ -133,7 +136,7 @@ def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
   kind = "tree" if tree is not None and not naive else "group"
   return Group(kind, arrays, rewards, raw.correct, lengths, counts, {**raw.sample, "reward": float(rewards[0])},
                raw.sample_s, raw.score_s, truncated, tree, naive_arrays if kind == "tree" else None, in_loss,
-               raw.reward_terms)
+               raw.reward_terms, raw.stop_reasons)
 
 
 def rollout_group(config, model, tokenizer, task, data_pos: int, key) -> Group:

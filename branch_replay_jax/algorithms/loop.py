@@ -233,7 +233,7 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
   return {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
           "accuracy": float(np.concatenate([g.correct for g in groups]).mean()), **stats,
           "completion_len_mean": float(lengths.mean()),
-          "truncated_frac": float(np.concatenate([g.truncated for g in groups]).mean()),
+          "truncated_frac": float(np.concatenate([g.truncated for g in groups]).mean()), **stop_fracs(groups),
           "zero_variance_groups": int(sum(bool(obj.constant_groups(g.rewards)) for g in groups)), **counts,
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
           "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),
@@ -241,11 +241,28 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
           "update_s": update_s, "step_s": rollout_s + update_s, **reward_means(groups)}
 
 
+def stop_fracs(groups: list[Group]) -> dict:
+  """{"stop_eos_frac", "stop_string_frac"}: the fractions of the step's completions that a stop id
+  and a stop string (rollout.stop_strings) ended (with truncated_frac, cut by the budget, they sum to
+  1); {} when a group carries no stop reasons."""
+  if any(g.stop_reasons is None for g in groups):
+    return {}
+  reasons = np.concatenate([g.stop_reasons for g in groups])
+  return {"stop_eos_frac": float(np.mean(reasons == "eos")), "stop_string_frac": float(np.mean(reasons == "stop_string"))}
+
+
 def reward_means(groups: list[Group]) -> dict:
   """{"rewards/NAME": mean} of each reward function of task.rewards over the step's completions
   (rollout/tasks/rewards.py; completions it returned None for left out; a function that returned
   None for all of them is left out), {} without task.rewards."""
-  terms = [g.reward_terms for g in groups if g.reward_terms]
+  return reward_term_means([g.reward_terms for g in groups])
+
+
+def reward_term_means(terms: list[dict | None]) -> dict:
+  """{"rewards/NAME": mean} over the {name: [G] float64} reward terms of a step's prompts
+  (`rollout.tasks.protocol.reward_terms`; NaN, a function's None, left out; a function that returned
+  None for all of them is left out; None or {} entries: prompts without task.rewards)."""
+  terms = [t for t in terms if t]
   if not terms:
     return {}
   out = {}

@@ -100,6 +100,8 @@ class SamplingConfig:
   max_new_tokens: int = _f("tokens generated per completion at most")
   temperature: float = _f("sampling temperature (> 0)")
   top_p: float = _f("nucleus mass in (0, 1] (1 disables the filter)")
+  stop_strings: tuple[str, ...] = _f("non-empty strings that end a completion when its decoded text contains one, "
+                                     "e.g. ('</answer>',); () none (rollout/stop_strings.py)", ())
 
 
 @_frozen

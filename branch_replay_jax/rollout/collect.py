@@ -19,6 +19,7 @@ import numpy as np
 from branch_replay_jax.data.trees import RolloutTree
 from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.stop_strings import stop_table
 from branch_replay_jax.rollout.tasks.protocol import reward_terms, score_group
 from branch_replay_jax.rollout.tree_sampler import sample_tree
 
@@ -34,7 +35,7 @@ class Trajectories:
     group, or a tree's per-node list ([L_n] each, root empty; `TreeRollout.logprobs`).
   lengths: [G] int completion lengths (tokens, the stop token included); a tree's in `tree.ends` order.
   truncated: [G] bool, the sampler's stop reason: True where the token budget cut the trajectory
-    without a stop id, False where it ended with one (also on the budget's last token).
+    without a stop id or stop string, False where it ended with one (also on the budget's last token).
   task_rewards: [G] float64, the task's rewards (no shaping).
   correct: [G] bool, the task's verdicts.
   budget: the most tokens one trajectory could generate (`completion_budget`).
@@ -43,6 +44,8 @@ class Trajectories:
   sample_s, score_s: seconds spent sampling and scoring.
   reward_terms: {name: [G] float64} per reward function of task.rewards (None where one returned
     None), or None without task.rewards.
+  stop_reasons: [G] str, "eos" (a stop id), "stop_string" (rollout.stop_strings) or "length" (the
+    token budget: truncated), `sampler.stop_reasons`; None from code that builds Trajectories without.
   """
   prompt_ids: list
   tokens: np.ndarray | None
@@ -57,6 +60,7 @@ class Trajectories:
   sample_s: float
   score_s: float
   reward_terms: dict | None = None   # {name: [G] float64} per reward function of task.rewards (NaN: None), or None
+  stop_reasons: np.ndarray | None = None
 
 
 def completion_budget(rollout_config) -> int:
@@ -68,10 +72,13 @@ def completion_budget(rollout_config) -> int:
 
 def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Trajectories:
   """Sample and score one prompt (task item `data_pos`, wrapping around the task) with the rollout
-  settings `rollout_config` (the config's rollout section).
+  settings `rollout_config` (the config's rollout section). Completions end at one of the model's
+  stop ids (`stop_ids`), at a stop string of rollout.stop_strings (rollout/stop_strings.py: matched
+  on the decoded text as tokens arrive), or at the token budget.
 
   Raises:
-    ValueError: the prompt and the completion budget exceed the model's max_positions.
+    ValueError: the prompt and the completion budget exceed the model's max_positions; stop strings
+      with a tokenizer that is not byte-level (`stop_strings.token_bytes`).
   """
   problem = task[data_pos % len(task)]
   ids = encode_chat(tokenizer, task.messages(problem))
@@ -81,19 +88,21 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Traje
     raise ValueError(f"task item {data_pos}: prompt of {len(ids)} tokens + {budget} completion tokens "
                      f"exceeds the model's max_positions={cfg.max_positions}")
   pad, stops = tokenizer.pad_token_id or 0, stop_ids(tokenizer)
+  table = stop_table(tokenizer, tuple(r.get("stop_strings", ())))
   t0 = time.perf_counter()
   if r.tree_fanouts:
     sampled = sample_tree(model, ids, fanouts=list(r.tree_fanouts), segment_length=r.segment_length, key=key,
-                          temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad)
+                          temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad,
+                          stop_table=table)
     tree, tokens, logprobs = sampled.tree, None, sampled.logprobs
     completions = [tree.completion(g) for g in range(len(tree.ends))]
-    truncated = np.asarray(sampled.truncated, bool)
+    truncated, reasons = np.asarray(sampled.truncated, bool), sampled.stop_reasons()
   else:
     ro = sample_group(model, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
-                      temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad)
+                      temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad, stop_table=table)
     tree, tokens, lengths, logprobs = None, np.asarray(ro.tokens), np.asarray(ro.lengths), np.asarray(ro.logprobs)
     completions = [row[:n] for row, n in zip(tokens, lengths)]
-    truncated = np.asarray(ro.truncated, bool)
+    truncated, reasons = np.asarray(ro.truncated, bool), ro.stop_reasons()
   t1 = time.perf_counter()
   texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
   scores = score_group(task, texts, problem, index=data_pos)   # a failing reward function raises here
@@ -101,4 +110,4 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Traje
   sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer, "completion": texts[0]}
   return Trajectories(ids, tokens, logprobs, np.array([len(c) for c in completions]), truncated,
                       np.array([s.reward for s in scores], np.float64), np.array([s.correct for s in scores]),
-                      budget, tree, sample, t1 - t0, t2 - t1, reward_terms(scores) or None)
+                      budget, tree, sample, t1 - t0, t2 - t1, reward_terms(scores) or None, reasons)

@@ -35,6 +35,7 @@ import numpy as np
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.models.loading import encode_chat, stop_ids
 from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.stop_strings import stop_table
 from branch_replay_jax.rollout.tasks import Problem, Task
 
 # The standard normal's 0.975 quantile: the z of a two-sided 95% interval.
@@ -123,20 +124,25 @@ def heldout_problems(train_task: Task, eval_task: Task, *, size: int,
 
 
 def evaluate_problem(model, tokenizer, task: Task, problem: Problem, key, *, max_new_tokens: int,
-                     temperature: float, top_p: float, pass_k: int) -> dict[str, Any]:
-  """One problem's greedy answer and `pass_k` samples (none when 0), scored by the task.
+                     temperature: float, top_p: float, pass_k: int,
+                     stop_strings: tuple[str, ...] = ()) -> dict[str, Any]:
+  """One problem's greedy answer and `pass_k` samples (none when 0), scored by the task. A completion
+  ends at one of the model's stop ids, at one of `stop_strings` (rollout.stop_strings, matched on the
+  decoded text: rollout/stop_strings.py) or at max_new_tokens.
 
   Returns:
     {"correct": bool, "reward": float, "formatted": bool, "length": int, "truncated": bool} of the
     greedy completion (length in tokens, counting its stop id; truncated: cut by max_new_tokens
-    without one of the model's stop ids, `models.loading.stop_ids`), and "sampled_correct": int, how many of the pass_k samples
+    without one of the model's stop ids, `models.loading.stop_ids`, or a stop string), and
+    "sampled_correct": int, how many of the pass_k samples
     are correct (0 when pass_k is 0).
 
   Raises:
     ValueError: prompt + max_new_tokens longer than the model's context (`sample_group`).
   """
   ids = encode_chat(tokenizer, task.messages(problem))
-  common = dict(max_new_tokens=max_new_tokens, eos_ids=stop_ids(tokenizer), pad_id=tokenizer.pad_token_id or 0)
+  common = dict(max_new_tokens=max_new_tokens, eos_ids=stop_ids(tokenizer), pad_id=tokenizer.pad_token_id or 0,
+                stop_table=stop_table(tokenizer, tuple(stop_strings)))
   greedy = sample_group(model, ids, num_samples=1, key=key, temperature=0.0, **common)
   length = int(np.asarray(greedy.lengths)[0])
   text = tokenizer.decode(np.asarray(greedy.tokens)[0, :length], skip_special_tokens=True)
@@ -152,7 +158,8 @@ def evaluate_problem(model, tokenizer, task: Task, problem: Problem, key, *, max
 
 
 def evaluate(policy, tokenizer, task: Task, problems: Sequence[int], key, *, max_new_tokens: int,
-             temperature: float, top_p: float, pass_k: int, devices=None) -> dict[int, dict]:
+             temperature: float, top_p: float, pass_k: int, stop_strings: tuple[str, ...] = (),
+             devices=None) -> dict[int, dict]:
   """{j: evaluate_problem(...)} for every j < len(problems) (task item problems[j]), on every process.
 
   Problem j draws its samples with fold_in(key, j), whatever device answers it, so the results
@@ -165,7 +172,8 @@ def evaluate(policy, tokenizer, task: Task, problems: Sequence[int], key, *, max
       (`hosts.run_on_devices`) and every process's results are gathered (`hosts.gather_items`, a
       collective every process joins).
   """
-  settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, pass_k=pass_k)
+  settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, pass_k=pass_k,
+                  stop_strings=tuple(stop_strings))
   keys = [jax.random.fold_in(key, j) for j in range(len(problems))]
   if devices is None:
     return {j: evaluate_problem(policy, tokenizer, task, task[p], keys[j], **settings) for j, p in enumerate(problems)}

@@ -42,9 +42,12 @@ class Rollouts(NamedTuple):
     prompt, tokens_<t) under the UNTEMPERED, untruncated model distribution log_softmax(logits):
     the "old policy" log-probs of PPO/GRPO, whatever temperature/top-p drew the token (the
     trainer's `token_logprobs` computes the same). 0.0 at positions >= lengths[g].
-  lengths: [G] int32 generated tokens, counting the EOS/stop token when one was hit.
-  finished: [G] bool, True when the sample hit an EOS/stop id (False: cut at N tokens); the
-    stop reason, also as `truncated` = ~finished.
+  lengths: [G] int32 generated tokens, counting the EOS/stop token when one was hit (for a stop
+    string, the token that completed it).
+  finished: [G] bool, True when the sample hit an EOS/stop id or a stop string (False: cut at N
+    tokens); the stop reason, also as `truncated` = ~finished.
+  stop_string: [G] bool, True when a stop string (not an EOS id) ended the sample
+    (rollout/stop_strings.py); None from code that builds Rollouts without it (read as all False).
   """
 
   prompt_ids: jax.Array
@@ -52,17 +55,31 @@ class Rollouts(NamedTuple):
   logprobs: jax.Array
   lengths: jax.Array
   finished: jax.Array
+  stop_string: jax.Array | None = None
 
   @property
   def truncated(self) -> jax.Array:
     """[G] bool, the stop reason: True where the sample was cut by the token budget N without an
-    EOS/stop id, False where it ended with one (also when that id is its N-th token). GAE
-    bootstraps the truncated ones (`objectives.gae`'s truncated_b)."""
+    EOS/stop id or stop string, False where it ended with one (also when that token is its N-th).
+    GAE bootstraps the truncated ones (`objectives.gae`'s truncated_b)."""
     return ~self.finished
+
+  def stop_reasons(self) -> np.ndarray:
+    """[G] str, per sample "eos", "stop_string" or "length" (`stop_reasons`)."""
+    return stop_reasons(self.finished, self.stop_string)
 
   def completion_mask(self) -> jax.Array:
     """[G, N] bool, True on generated (non-padding) positions."""
     return jnp.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
+
+
+def stop_reasons(finished, stop_string=None) -> np.ndarray:
+  """[G] str from [G] bool `finished` (an EOS id or a stop string ended the sample) and [G] bool
+  `stop_string` (a stop string did; None: none did): "stop_string", else "eos" where finished, else
+  "length" (cut by the token budget)."""
+  finished = np.asarray(finished, bool)
+  by_string = np.zeros_like(finished) if stop_string is None else np.asarray(stop_string, bool)
+  return np.where(by_string, "stop_string", np.where(finished, "eos", "length"))
 
 
 def init_cache(model: Llama, batch: int, length: int) -> KVBlock:
@@ -183,7 +200,7 @@ def _picked_logprob(logits_bv, tokens_b):
 
 def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array, offset, keys_g: jax.Array, *,
                 temperature, top_p, eos_ids: jax.Array, pad_id, max_new_tokens: int,
-                greedy: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, KVBlock]:
+                greedy: bool, stop_next: jax.Array | None = None, stop_state: jax.Array | None = None):
   """Samples G continuations of one context whose K/V are `ancestors` and next-token logits `logits_1v`.
 
   Token 0 is drawn from `logits_1v`; token t + 1 from the decode step that feeds token t. The loop
@@ -200,11 +217,17 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     eos_ids: [S] int32 ids that end a sample (-1 never matches).
     pad_id: int32 id written after a sample's end.
     max_new_tokens: N, static.
+    stop_next: [Q, V] int32 `StopTable.next_state` of the stop strings (rollout/stop_strings.py), or
+      None for none: a sample ends on the token whose entry from its state is MATCHED (-1).
+    stop_state: [G] int32 each sample's automaton state before token 0 (a tree child's: its
+      parent's final state); None: 0 (no text yet).
 
   Returns:
     tokens [G, N] int32, logprobs [G, N] in the logits' dtype (float32; float64 for a float64
     model; untempered, 0 after the end), lengths [G] int32,
-    finished [G] bool (hit a stop id), and the cache (k, v [L, G, N, Hkv, D]) of the fed tokens.
+    finished [G] bool (hit a stop id or a stop string), the cache (k, v [L, G, N, Hkv, D]) of the
+    fed tokens, by_string [G] bool (a stop string, not a stop id, ended it) and the final
+    automaton states [G] int32 (0 without stop strings).
   """
   g, n = keys_g.shape[0], max_new_tokens
   sample = functools.partial(sample_token, keys_b=keys_g, temperature=temperature, top_p=top_p, greedy=greedy)
@@ -212,15 +235,28 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   tok = sample(logits_gv, step=0)
   tokens = jnp.full((g, n), pad_id, jnp.int32).at[:, 0].set(tok)
   logprobs = jnp.zeros((g, n), logits_1v.dtype).at[:, 0].set(_picked_logprob(logits_gv, tok))
-  done = jnp.isin(tok, eos_ids)
-  carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n), tokens, logprobs)
+
+  def advance(state, tok, done):
+    """(hit a stop id, completed a stop string, next state) of the fed tokens of unfinished samples."""
+    eos = jnp.isin(tok, eos_ids) & ~done
+    if stop_next is None:
+      return eos, jnp.zeros_like(eos), state
+    nxt = stop_next[state, tok]
+    hit = (nxt < 0) & ~done & ~eos
+    return eos, hit, jnp.where(done, state, jnp.maximum(nxt, 0))
+
+  state0 = jnp.zeros((g,), jnp.int32) if stop_state is None else jnp.asarray(stop_state, jnp.int32)
+  eos, by_string, state = advance(state0, tok, jnp.zeros((g,), bool))
+  done = eos | by_string
+  carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n), tokens, logprobs, by_string,
+           state)
 
   def cond(c):
     t, _, done, *_ = c
     return (t < n - 1) & ~jnp.all(done)
 
   def body(c):
-    t, tok, done, lengths, cache, tokens, logprobs = c
+    t, tok, done, lengths, cache, tokens, logprobs, by_string, state = c
     logits, cache = decode_step(model, tok, offset + t, ancestors, cache, t)
     new = sample(logits, step=t + 1)
     lp = _picked_logprob(logits, new)
@@ -231,21 +267,22 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], start)
     logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], start)
     lengths = lengths + (~done).astype(jnp.int32)
-    return t + 1, new, done | jnp.isin(new, eos_ids), lengths, cache, tokens, logprobs
+    eos, hit, state = advance(state, new, done)
+    return t + 1, new, done | eos | hit, lengths, cache, tokens, logprobs, by_string | hit, state
 
-  _, _, done, lengths, cache, tokens, logprobs = jax.lax.while_loop(cond, body, carry)
-  return tokens, logprobs, lengths, done, cache
+  _, _, done, lengths, cache, tokens, logprobs, by_string, state = jax.lax.while_loop(cond, body, carry)
+  return tokens, logprobs, lengths, done, cache, by_string, state
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
-def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, *,
+def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, stop_next=None, *,
               max_new_tokens, greedy, use_top_p):
   model = nnx.merge(graphdef, state)
   prompt_kv, logits_1v = prefill(model, prompt_1t, prompt_len)
-  tokens, logprobs, lengths, done, _ = decode_from(
+  tokens, logprobs, lengths, done, _, by_string, _ = decode_from(
       model, [prompt_kv], logits_1v, prompt_len, keys_g, temperature=temperature, top_p=top_p if use_top_p else None,
-      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy)
-  return tokens, logprobs, lengths, done
+      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy, stop_next=stop_next)
+  return tokens, logprobs, lengths, done, by_string
 
 
 def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, eos: np.ndarray, *, temperature, top_p,
@@ -276,6 +313,25 @@ def bucketed_prompt_and_eos(caller: str, prompt: np.ndarray, prompt_bucket: int 
   return padded, np.pad(eos, (0, max(8, -(-eos.size // 8) * 8) - eos.size), constant_values=-1)
 
 
+def stop_next_for(caller: str, cfg, stop_table) -> jax.Array | None:
+  """`stop_table.next_state` [Q, V] as a device array whose V is the model's vocabulary: ids beyond
+  the tokenizer's (a vocabulary padded for the matmul) add no text, so they keep the state; None for
+  no table.
+
+  Raises:
+    ValueError: the table covers more ids than the model's vocabulary.
+  """
+  if stop_table is None:
+    return None
+  table = np.asarray(stop_table.next_state, np.int32)
+  if table.shape[1] > cfg.vocab_size:
+    raise ValueError(f"{caller}: stop_table covers {table.shape[1]} token ids but the model's vocab_size is "
+                     f"{cfg.vocab_size}")
+  extra = np.broadcast_to(np.arange(table.shape[0], dtype=np.int32)[:, None], (table.shape[0], cfg.vocab_size -
+                                                                               table.shape[1]))
+  return jnp.asarray(np.concatenate([table, extra], axis=1))
+
+
 def _validate(cfg, prompt, eos, *, num_samples, max_new_tokens, temperature, top_p, pad_id):
   if num_samples < 1:
     raise ValueError(f"sample_group: num_samples must be >= 1, got {num_samples}")
@@ -289,11 +345,12 @@ def _validate(cfg, prompt, eos, *, num_samples, max_new_tokens, temperature, top
 
 def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: int, key: jax.Array,
                  temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
-                 prompt_bucket: int | None = None) -> Rollouts:
+                 prompt_bucket: int | None = None, stop_table=None) -> Rollouts:
   """Samples G = num_samples completions of one prompt with one shared prefill and a KV cache.
 
-  Compiles once per (prompt bucket, G, N, temperature == 0, top_p < 1, model structure); temperature,
-  top_p's value, up to 8 EOS ids, the key and the prompt within its bucket do not recompile.
+  Compiles once per (prompt bucket, G, N, temperature == 0, top_p < 1, stop table rows, model
+  structure); temperature, top_p's value, up to 8 EOS ids, the stop strings (within a table's row
+  count), the key and the prompt within its bucket do not recompile.
 
   Args:
     model: the decoder (any compute dtype).
@@ -306,24 +363,30 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
     eos_ids: ids that end a sample (kept as its last token).
     pad_id: id written after a sample's end, in [0, V).
     prompt_bucket: padded prompt length (>= P); default `data.groups.bucket_length(P)` (a power of two >= 16).
+    stop_table: a `rollout.stop_strings.StopTable` (`stop_table(tokenizer, strings)`), or None: a
+      sample ends on the token that completes one of its stop strings in the decoded text (kept as
+      its last token; `Rollouts.stop_string` True).
 
   Returns:
     Rollouts (see its docstring for shapes and the padding/log-prob conventions).
 
   Raises:
     ValueError: num_samples < 1, max_new_tokens < 1, temperature < 0, top_p outside (0, 1], empty
-      or non-1-D prompt, any id outside [0, V), P + max_new_tokens > max_positions, prompt_bucket < P.
+      or non-1-D prompt, any id outside [0, V), P + max_new_tokens > max_positions, prompt_bucket < P,
+      a stop table wider than the vocabulary.
   """
   prompt = np.asarray(prompt_ids)
   eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
   _validate(model.config, prompt, eos, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, pad_id=pad_id)
+  stop_next = stop_next_for("sample_group", model.config, stop_table)
   p = prompt.size
   padded, eos = bucketed_prompt_and_eos("sample_group", prompt, prompt_bucket, eos)
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
-  tokens, logprobs, lengths, finished = _generate(
+  tokens, logprobs, lengths, finished, by_string = _generate(
       graphdef, state, jnp.asarray(padded), jnp.int32(p), jax.random.split(key, num_samples),
       jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.asarray(eos, jnp.int32),
-      jnp.int32(pad_id), max_new_tokens=max_new_tokens, greedy=greedy, use_top_p=top_p < 1 and not greedy)
-  return Rollouts(jnp.asarray(prompt, jnp.int32), tokens, logprobs, lengths, finished)
+      jnp.int32(pad_id), stop_next, max_new_tokens=max_new_tokens, greedy=greedy,
+      use_top_p=top_p < 1 and not greedy)
+  return Rollouts(jnp.asarray(prompt, jnp.int32), tokens, logprobs, lengths, finished, by_string)

@@ -3,7 +3,9 @@
 With fanouts [F_1, ..., F_D] and segment length S, the prompt is run once (batch 1); F_1 child
 segments of S tokens are sampled on top of it; each child that did not hit EOS gets F_2 children
 sampled on top of [prompt ; child], and so on. A segment that hits EOS ends there (it keeps the
-EOS token) and is a leaf: its descendants are never sampled.
+EOS token) and is a leaf: its descendants are never sampled. So does one that completes a stop
+string (rollout/stop_strings.py; each child starts from its parent's automaton state, so the
+string may span segments).
 
     fanouts [2, 2], S = 3, no EOS (node ids in preorder, `.` = bucket padding):
 
@@ -27,7 +29,8 @@ block, exactly the K/V a full-sequence forward would compute (up to float roundi
 
 Compiles: one prefill per prompt bucket, and one decode program per depth (its ancestors' shapes
 are fixed per depth: prompt bucket, then d - 1 blocks of S tokens). Temperature, top-p's value,
-the key, the EOS ids (up to 8) and the prompt within its bucket do not recompile.
+the key, the EOS ids (up to 8), the stop strings (within a table's row count) and the prompt within
+its bucket do not recompile.
 
 Host work: one jitted call per internal node (depth-first), each followed by a device-to-host copy
 of its children's tokens and EOS flags, which decides which children are expanded next.
@@ -46,7 +49,7 @@ from flax import nnx
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
 from branch_replay_jax.rollout.sampler import (bucketed_prompt_and_eos, check_sampling_inputs, decode_from, decode_step,
-                                        prefill)
+                                        prefill, stop_next_for, stop_reasons)
 from branch_replay_jax.data.trees import RolloutTree
 
 class TreeRollout(NamedTuple):
@@ -60,18 +63,25 @@ class TreeRollout(NamedTuple):
   logprobs: per node, [L_n] float32 (float64 for a float64 model under jax_enable_x64) log π(token |
     context) under the UNTEMPERED, untruncated model distribution, as in `sampling.Rollouts`; an
     empty array for the prompt (node 0).
-  finished: [G] bool: trajectory g hit an EOS id (False: it reached full depth without one); the
-    stop reason, also as `truncated` = ~finished.
+  finished: [G] bool: trajectory g hit an EOS id or a stop string (False: it reached full depth
+    without one); the stop reason, also as `truncated` = ~finished.
+  stop_string: [G] bool, True where a stop string (not an EOS id) ended trajectory g; None from code
+    that builds a TreeRollout without it (read as all False).
   """
 
   tree: RolloutTree
   logprobs: list
   finished: np.ndarray
+  stop_string: np.ndarray | None = None
+
+  def stop_reasons(self) -> np.ndarray:
+    """[G] str, per trajectory "eos", "stop_string" or "length" (`sampler.stop_reasons`)."""
+    return stop_reasons(self.finished, self.stop_string)
 
   @property
   def truncated(self) -> np.ndarray:
-    """[G] bool, the stop reason: True where trajectory g reached full depth without an EOS id
-    (cut by the token budget (D - 1) S + S_last), False where it ended with one (also on the
+    """[G] bool, the stop reason: True where trajectory g reached full depth without an EOS id or
+    a stop string (cut by the token budget (D - 1) S + S_last), False where it ended with one (also on the
     budget's last token). GAE bootstraps the truncated ones (`objectives.gae`'s truncated_b)."""
     return ~self.finished
 
@@ -87,24 +97,28 @@ def _prefill(graphdef, state, prompt_1t, prompt_len):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_children", "segment_length", "greedy", "use_top_p",
                                              "feed_last"))
-def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature, top_p, eos_ids, pad_id, *,
-            num_children, segment_length, greedy, use_top_p, feed_last):
+def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature, top_p, eos_ids, pad_id, stop_next=None,
+            stop_state=0, *, num_children, segment_length, greedy, use_top_p, feed_last):
   """Samples the children of one node. Child i's key is fold_in(fold_in(node_key, 1), i); its tokens are
   drawn with fold_in(child_key, 0) (then the step is folded in), so token draws and the keys handed to
   grandchildren never share a key. With `feed_last`, also returns the children's K/V [L, F, S, Hkv, D]
-  with every slot written, and their next-token logits [F, V]."""
+  with every slot written, and their next-token logits [F, V]. Every child starts from the node's stop-string
+  automaton state `stop_state` (int32 scalar) and returns its own [F] (with the tokens, lengths,
+  done and by_string flags)."""
   model = nnx.merge(graphdef, state)
   child_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(node_key, 1), i))(jnp.arange(num_children))
   draw_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(child_keys)
-  tokens, logprobs, lengths, done, cache = decode_from(
+  tokens, logprobs, lengths, done, cache, by_string, stop_states = decode_from(
       model, ancestors, logits_1v, offset, draw_keys, temperature=temperature, top_p=top_p if use_top_p else None,
-      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy)
+      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy, stop_next=stop_next,
+      stop_state=jnp.broadcast_to(stop_state, (num_children,)))
+  flags = (done, by_string, stop_states)
   if not feed_last:
-    return tokens, logprobs, lengths, done, child_keys, None, None
+    return tokens, logprobs, lengths, flags, child_keys, None, None
   # Rows that stopped early are leaves: their slot and logits here are garbage and never used.
   last = segment_length - 1
   logits, cache = decode_step(model, tokens[:, last], offset + last, ancestors, cache, last)
-  return tokens, logprobs, lengths, done, child_keys, cache, logits
+  return tokens, logprobs, lengths, flags, child_keys, cache, logits
 
 
 def _row(kv: KVBlock, i: int) -> KVBlock:
@@ -133,7 +147,7 @@ def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length,
 def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_length: int, key: jax.Array,
                 temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
                 last_segment_length: int | None = None,
-                prompt_bucket: int | None = None) -> TreeRollout:
+                prompt_bucket: int | None = None, stop_table=None) -> TreeRollout:
   """Samples a tree of fixed-length segments on one shared prompt prefill (see the module docstring).
 
   Without EOS the tree has prod(fanouts) trajectories, each of (D - 1) * S + S_last tokens, and
@@ -154,6 +168,9 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
     pad_id: id in [0, V) used for padding inside the sampler (never in the returned segments).
     last_segment_length: S_last >= 1, tokens of the depth-D segments; default S.
     prompt_bucket: padded prompt length (>= P); default `data.groups.bucket_length(P)`.
+    stop_table: a `rollout.stop_strings.StopTable`, or None: a path ends on the token that completes
+      one of its stop strings in its decoded text, also one that spans segments (each child starts
+      from its parent's automaton state); the segment keeps that token as its last and is a leaf.
 
   Returns:
     TreeRollout (see its docstring for the node order and log-prob convention).
@@ -161,7 +178,8 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
   Raises:
     ValueError: empty fanouts, a fanout < 1, segment_length or
       last_segment_length < 1, temperature < 0, top_p outside (0, 1], an empty or non-1-D prompt, an id
-      outside [0, V), P + (D - 1) S + S_last > max_positions, prompt_bucket < P.
+      outside [0, V), P + (D - 1) S + S_last > max_positions, prompt_bucket < P, a stop table wider
+      than the vocabulary.
   """
   prompt = np.asarray(prompt_ids)
   eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
@@ -169,6 +187,7 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
   s_last = segment_length if last_segment_length is None else last_segment_length
   _validate(model.config, prompt, eos, fanouts=fanouts, segment_length=segment_length, last_segment_length=s_last,
             temperature=temperature, top_p=top_p, pad_id=pad_id)
+  stop_next = stop_next_for("sample_tree", model.config, stop_table)
   fanouts = [int(f) for f in fanouts]
   p = prompt.size
   padded, eos = bucketed_prompt_and_eos("sample_tree", prompt, prompt_bucket, eos)
@@ -176,19 +195,20 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
   scalars = dict(temperature=jnp.float32(1.0 if greedy else temperature), top_p=jnp.float32(top_p), eos_ids=eos,
-                 pad_id=jnp.int32(pad_id))
+                 pad_id=jnp.int32(pad_id), stop_next=stop_next)
   static = dict(greedy=greedy, use_top_p=top_p < 1 and not greedy)
 
-  segments, parents, logprobs, ends, finished = [prompt.astype(np.int32)], [-1], [np.zeros((0,), np.float32)], [], []
+  segments, parents, logprobs = [prompt.astype(np.int32)], [-1], [np.zeros((0,), np.float32)]
+  ends, finished, by_strings = [], [], []
   prompt_kv, logits_1v = _prefill(graphdef, state, jnp.asarray(padded), jnp.int32(p))
 
-  def visit(node, depth, ancestors, logits_1v, node_key, offset):
+  def visit(node, depth, ancestors, logits_1v, node_key, offset, stop_state):
     last_level = depth + 1 == len(fanouts)
     seg_len = s_last if last_level else segment_length
-    tokens, lps, lengths, done, child_keys, kv, next_logits = _expand(
-        graphdef, state, ancestors, logits_1v, jnp.int32(offset), node_key, **scalars, **static,
-        num_children=fanouts[depth], segment_length=seg_len, feed_last=not last_level)
-    tokens, lps, lengths, done = (np.asarray(x) for x in (tokens, lps, lengths, done))
+    tokens, lps, lengths, flags, child_keys, kv, next_logits = _expand(
+        graphdef, state, ancestors, logits_1v, jnp.int32(offset), node_key, **scalars, stop_state=stop_state,
+        **static, num_children=fanouts[depth], segment_length=seg_len, feed_last=not last_level)
+    tokens, lps, lengths, done, by_string = (np.asarray(x) for x in (tokens, lps, lengths, *flags[:2]))
     for i in range(fanouts[depth]):
       child = len(segments)
       segments.append(tokens[i, :lengths[i]])
@@ -197,9 +217,11 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
       if done[i] or last_level:
         ends.append(child)
         finished.append(bool(done[i]))
+        by_strings.append(bool(by_string[i]))
       else:
-        visit(child, depth + 1, [*ancestors, _row(kv, i)], next_logits[i:i + 1], child_keys[i], offset + seg_len)
+        visit(child, depth + 1, [*ancestors, _row(kv, i)], next_logits[i:i + 1], child_keys[i], offset + seg_len,
+              flags[2][i])
 
-  visit(0, 0, [prompt_kv], logits_1v, key, p)
+  visit(0, 0, [prompt_kv], logits_1v, key, p, jnp.int32(0))
   tree = RolloutTree(tuple(segments), tuple(parents), tuple(ends))
-  return TreeRollout(tree, logprobs, np.asarray(finished, bool))
+  return TreeRollout(tree, logprobs, np.asarray(finished, bool), np.asarray(by_strings, bool))
