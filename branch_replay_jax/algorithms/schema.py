@@ -443,6 +443,11 @@ def _raw(node: ml_collections.ConfigDict) -> dict:
   return out
 
 
+def _plain(node: ml_collections.ConfigDict) -> dict:
+  """A free-form section (task.options) as a dict, read like `_raw` (not through `__getitem__`)."""
+  return {k: _plain(v) if isinstance(v, ml_collections.ConfigDict) else v for k, v in _raw(node).items()}
+
+
 def _refuse_unknown(cls, node, prefix: str, algorithm: str) -> None:
   hints = _hints(cls)
   for key, value in _raw(node).items():
@@ -508,7 +513,7 @@ def _value(tp, value, dotted: str, algorithm: str, optional: bool = False):
   if origin is tuple:
     return tuple(_value(typing.get_args(tp)[0], v, f"{dotted}[{i}]", algorithm) for i, v in enumerate(value))
   if tp is dict:
-    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
+    return _plain(value) if isinstance(value, ml_collections.ConfigDict) else dict(value)
   return float(value) if tp is float else value
 
 
