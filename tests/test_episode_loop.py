@@ -207,3 +207,29 @@ def test_the_calculator_examples_call_the_tool_and_answer_in_the_format_turn_for
   assert [turn_format(m["content"], tools) for m in messages if m["role"] == "assistant"] == ["tool_call", "answer"]
   assert turn_format("the answer is 12", tools) == "no_format"
   assert turn_format('<tool_call>{"name": 3}</tool_call>', tools) == "malformed_tool_call"
+
+
+def test_limit_depth_stops_sharing_below_the_deepest_level_and_keeps_every_episode():
+  # Three episodes whose trie is 3 levels deep: a shared call prefix [1, 2] (all three), then
+  # [3, 5] (e0, e1: a model token and an observation in one node) or [4] (e2), then [6] / [7]. At
+  # max_depth 2 nothing below level 1 is shared: e0 and e1 each continue from [1, 2] as their own
+  # leaf [3, 5, 6] / [3, 5, 7], so the tree has depth 2 and 5 nodes, and every episode's tokens,
+  # roles and model-token count are unchanged.
+  from branch_replay_jax.data.episodes import MODEL, OBSERVATION, Episode, episode_tree, limit_depth
+  p = np.array([9, 9], np.int32)
+  seg = lambda *ids: np.array(ids, np.int32)
+  episodes = [Episode(p, (seg(1, 2, 3), seg(5), seg(6)), (MODEL, OBSERVATION, MODEL)),
+              Episode(p, (seg(1, 2, 3), seg(5), seg(7)), (MODEL, OBSERVATION, MODEL)),
+              Episode(p, (seg(1, 2, 4),), (MODEL,))]
+  full = episode_tree(episodes)
+  assert max(full.tree.depth(n) for n in range(full.tree.num_nodes)) == 3
+  cut = limit_depth(full, 2)
+  assert [s.tolist() for s in cut.tree.segments] == [[9, 9], [1, 2], [3, 5, 6], [3, 5, 7], [4]]
+  assert max(cut.tree.depth(n) for n in range(cut.tree.num_nodes)) == 2
+  for g, e in enumerate(episodes):
+    back = cut.episode(g)
+    assert back.roles == e.roles and all(np.array_equal(a, b) for a, b in zip(back.segments, e.segments))
+  assert cut.model_lengths().tolist() == full.model_lengths().tolist() == [4, 4, 3]
+  assert limit_depth(full, 3) is full
+  with pytest.raises(ValueError, match="max_depth=0"):
+    limit_depth(full, 0)

@@ -30,6 +30,10 @@ one device. The loop also runs as several processes (distributed.num_processes;
 distributed/hosts.py): each process samples and places the groups of its own devices; trees are
 first shared with every process (their padded shape is the step's largest over all processes),
 then each places its own rows.
+Episodes (rollout.episodes; docs/design.md, "Episodes"): step 1 runs G multi-turn episodes per
+problem in the run's environment (rollout.collect.rollout_episodes), 2 is the environment's outcome
+reward, 3 is per episode (groups.build_episodes), and 4-5 train the episode tree with the tree
+objective (or its rows with train.gradient = "naive"), on one device.
 """
 
 from __future__ import annotations
