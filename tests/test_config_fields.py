@@ -27,6 +27,7 @@ VARIANTS = {
     "rloo_smollm2_arith": {"": "smoke", "smoke": "smoke"},
     "ppo_smollm2_arith": {"": "smoke", "smoke": "smoke", "tree": "tree_smoke", "tree_smoke": "tree_smoke"},
     "dpo_smollm2_arith": {"": "smoke", "smoke": "smoke", "jsonl": "jsonl_smoke", "jsonl_smoke": "jsonl_smoke"},
+    "grpo_smollm2_calc": {"": "smoke", "smoke": "smoke"},
 }
 # Fields whose value selects a code path: a variant and the smoke variant covering it must agree.
 PATH_SELECTORS = ("algorithm", "rollout.tree_fanouts", "data.source", "loss.advantage", "train.gradient")

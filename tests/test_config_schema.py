@@ -16,7 +16,7 @@ from conftest import experiment_config, no_model_load
 from experiments import dpo_smollm2_arith, grpo_smollm2_arith, ppo_smollm2_arith
 
 EXPERIMENTS = ("grpo_smollm2_arith", "grpo_tree_smollm2_arith", "rloo_smollm2_arith", "ppo_smollm2_arith",
-               "dpo_smollm2_arith")
+               "dpo_smollm2_arith", "grpo_smollm2_calc")
 
 
 def documented_variants(name: str) -> list[str]:
@@ -33,6 +33,7 @@ def test_the_docstrings_list_every_variant():
       "rloo_smollm2_arith": ["", "smoke"],
       "ppo_smollm2_arith": ["", "tree", "smoke", "tree_smoke"],
       "dpo_smollm2_arith": ["", "jsonl", "smoke", "jsonl_smoke"],
+      "grpo_smollm2_calc": ["", "smoke"],
   }
 
 
@@ -263,13 +264,23 @@ def test_a_step_token_mean_ppo_config_is_refused(monkeypatch):
     ppo.validate(config)
 
 
-def test_the_schema_says_which_fields_apply_to_groups_or_trees_only():
-  # Each field applies to groups and trees unless the schema says otherwise: the group's size and budget
-  # (a tree config removes them), the tree's segment length and replay order.
-  group_only, tree_only = {"rollout.group_size", "rollout.max_new_tokens"}, {"rollout.segment_length",
-                                                                            "train.tree_schedule"}
+def test_the_schema_says_which_fields_apply_to_groups_trees_or_episodes_only():
+  # Each field applies to every layout unless the schema says otherwise: the group's size and budget
+  # (a tree config removes them; GRPO's episodes take G from rollout.group_size), the tree's segment
+  # length, its replay order (trees and GRPO's episode trees), tree_fanouts (it picks group or tree),
+  # GRPO's dynamic sampling and overlong shaping (groups and trees), and GRPO's rollout.episodes.
+  episodes = {f"rollout.episodes.{n}" for n in ("environment", "max_turns", "max_turn_tokens", "max_episode_tokens",
+                                                "max_context", "max_tool_calls", "few_shot", "max_tree_depth")}
+  want = {"grpo": {("group",): {"rollout.max_new_tokens"}, ("group", "episode"): {"rollout.group_size"},
+                   ("tree",): {"rollout.segment_length"}, ("tree", "episode"): {"train.tree_schedule"},
+                   ("group", "tree"): {"rollout.tree_fanouts", "rollout.dynamic_sampling", "rollout.max_prompt_draws",
+                                       "loss.overlong_buffer"},
+                   ("episode",): episodes},
+          "ppo": {("group",): {"rollout.group_size", "rollout.max_new_tokens"}, ("tree",): {"rollout.segment_length"},
+                  ("tree", "episode"): {"train.tree_schedule"}, ("group", "tree"): {"rollout.tree_fanouts"}}}
   for algorithm in ("grpo", "ppo"):
-    layouts = schema.layouts(algorithm)
-    assert {n for n, l in layouts.items() if l == ("group",)} == group_only, algorithm
-    assert {n for n, l in layouts.items() if l == ("tree",)} == tree_only, algorithm
+    got = {}
+    for name, layouts in schema.layouts(algorithm).items():
+      got.setdefault(layouts, set()).add(name)
+    assert got == want[algorithm], algorithm
   assert set(schema.layouts("dpo")) == set()

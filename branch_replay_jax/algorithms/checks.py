@@ -78,8 +78,15 @@ def validate_common(config) -> None:
     check_number("rollout.temperature", r.temperature, lambda v: 0 < v < float("inf"), "a finite number > 0")
     check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     check_stop_strings(r.get("stop_strings", ()))
-    budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
     context = TINY_MAX_POSITIONS if m.name == "tiny" else model_context(m.name)
+    episodes = r.get("episodes")
+    if episodes is not None:   # an episode's budget is its whole context, prompt and observations included
+      if isinstance(episodes.max_context, int) and episodes.max_context > context:
+        raise ValueError(f"rollout.episodes.max_context={episodes.max_context} is longer than model {m.name!r}'s "
+                         f"context of {context} tokens; it must be <= {context}")
+      budget = None
+    else:
+      budget = r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
     if isinstance(budget, int) and budget >= context:
       field = (f"rollout.segment_length={r.segment_length} x depth len(rollout.tree_fanouts)={len(r.tree_fanouts)}"
                f" = {budget} completion tokens" if r.get("tree_fanouts") else f"rollout.max_new_tokens={budget}")
@@ -133,7 +140,9 @@ def validate(config) -> None:
                       ("checkpoint_every", config.checkpoint_every)]:
     if value < 1:
       raise ValueError(f"{name}={value!r} must be a positive int")
-  if r.tree_fanouts:
+  if r.get("episodes") is not None:
+    validate_episode_rollout(config)
+  elif r.tree_fanouts:
     validate_tree_rollout(config)
   else:
     if r.segment_length:
@@ -176,12 +185,71 @@ def validate_tree_rollout(config) -> None:
                      f"{r.tree_fanouts[-1]} (leaf siblings per scan step)")
 
 
+def _lookup(config, dotted: str):
+  """(present, value) of a dotted field of `config` (absent: a section or the field is missing)."""
+  node = config
+  for part in dotted.split("."):
+    if node is None or part not in node:
+      return False, None
+    node = node[part]
+  return True, node
+
+
+def validate_episode_rollout(config) -> None:
+  """Episode rollouts (rollout.episodes set; docs/design.md, "Episodes"): its budgets and environment,
+  and no field that does not apply to episodes (`schema.layouts`): such a field is refused unless it
+  holds its inert value (`schema.INERT`: segment_length 0, tree_fanouts (), dynamic_sampling False,
+  max_prompt_draws None, overlong_buffer 0, stop_strings ()), and one without an inert value (rollout.max_new_tokens:
+  an episode's turns have rollout.episodes.max_turn_tokens) must be absent. Also refused: task.few_shot
+  (its examples answer without tools; rollout.episodes.few_shot shows tool calls), a mesh (episodes
+  train on one device) and G < 2."""
+  from branch_replay_jax.algorithms import schema
+  r, e = config.rollout, config.rollout.episodes
+  for dotted, layouts in schema.layouts(config.algorithm).items():
+    if "episode" in layouts:
+      continue
+    present, value = _lookup(config, dotted)
+    value = tuple(value) if isinstance(value, list) else value
+    if not present or (dotted in schema.INERT and value == schema.INERT[dotted]):
+      continue
+    fix = (f"set it to {schema.INERT[dotted]!r}" if dotted in schema.INERT else "remove the field")
+    raise ValueError(f"{dotted}={value!r} does not apply to episodes (rollout.episodes is set; it applies to "
+                     f"{' and '.join(layouts)} rollouts); {fix}")
+  if e.environment not in schema.ENVIRONMENTS:
+    raise ValueError(f"rollout.episodes.environment={e.environment!r} is not one of {schema.ENVIRONMENTS}")
+  for name in ("max_turns", "max_turn_tokens", "max_context", "max_tool_calls"):
+    if e[name] < 1:
+      raise ValueError(f"rollout.episodes.{name}={e[name]!r} must be an int >= 1")
+  if e.get("max_episode_tokens") is not None and e.max_episode_tokens < 1:
+    raise ValueError(f"rollout.episodes.max_episode_tokens={e.max_episode_tokens!r} must be an int >= 1 or None")
+  if e.get("max_tree_depth", 4) < 1:
+    raise ValueError(f"rollout.episodes.max_tree_depth={e.max_tree_depth!r} must be an int >= 1")
+  if e.few_shot < 0:
+    raise ValueError(f"rollout.episodes.few_shot={e.few_shot!r} must be an int >= 0")
+  if e.max_context <= e.max_turn_tokens:
+    raise ValueError(f"rollout.episodes.max_context={e.max_context} leaves no room for a prompt beside one turn of "
+                     f"rollout.episodes.max_turn_tokens={e.max_turn_tokens}; it must be larger")
+  if config.task.few_shot:
+    raise ValueError(f"task.few_shot={config.task.few_shot!r}: its examples answer without tools; with episodes set "
+                     "task.few_shot=0 and rollout.episodes.few_shot (tool-using examples)")
+  if r.group_size is None or r.group_size < 2:
+    raise ValueError(f"rollout.group_size={r.group_size!r}: a group-relative advantage or baseline needs G >= 2 "
+                     "episodes per problem")
+  if config.get("eval") is not None and config.eval.size and config.eval.pass_k:
+    raise ValueError(f"eval.pass_k={config.eval.pass_k!r} with rollout.episodes: the held-out evaluation runs one "
+                     "greedy episode per problem; set eval.pass_k=0")
+  m = config.mesh
+  if m.data * m.branch * m.seq != 1:
+    raise ValueError(f"mesh {m.data} x {m.branch} x {m.seq} with rollout.episodes: episodes train on one device; "
+                     "set mesh.data = mesh.branch = mesh.seq = 1")
+
+
 def validate_mesh(config) -> None:
   """Raise ValueError for a config.mesh the loop cannot run: `validate_mesh_shape`'s (sizes, device
   count, naive updates or splash attention on a mesh), and groups (trees), completions (first-level
   subtrees) or micro-batches that do not split evenly."""
   m, r, t = config.mesh, config.rollout, config.train
-  if not validate_mesh_shape(config):
+  if not validate_mesh_shape(config) or r.get("episodes") is not None:   # episodes: one device (above)
     return
   if r.prompts_per_step % m.data:
     raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")

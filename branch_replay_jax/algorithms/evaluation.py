@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import jax
 from tqdm import tqdm
 
-from branch_replay_jax.algorithms.runs import Run, make_task_from
+from branch_replay_jax.algorithms.runs import Run, make_episode_environment, make_task_from
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout import evaluate as held_out
@@ -30,7 +30,8 @@ class Evaluation:
   at seed eval.task_seed, none of whose questions a training item asks (`heldout_problems` against
   the algorithm's `training_items()`), chosen once when the run starts. `run` answers every one
   greedily and with eval.pass_k samples (the run's temperature, top-p, stop strings and completion budget) and
-  appends a row to RUN_DIR/eval.jsonl:
+  appends a row to RUN_DIR/eval.jsonl (with rollout.episodes: one greedy episode per problem in the
+  environment over the held-out task, `rollout.evaluate.evaluate_episodes`, on one device):
 
     {"step", "wall_s", "eval_s", "problems", "dropped_overlaps", "accuracy", "accuracy_lo",
      "accuracy_hi", "reward_mean", "format_rate", "completion_len_mean"
@@ -53,6 +54,8 @@ class Evaluation:
     self.task = make_task_from(config, seed=e.task_seed, size=10 * e.size + items, split="eval")
     self.problems, self.dropped = held_out.heldout_problems(algorithm.task, self.task, size=e.size,
                                                             training_items=items)
+    # Episodes (rollout.episodes): the environment over the held-out task, greedy episodes only.
+    self.env = make_episode_environment(config, self.task)
 
   def due(self, step: int) -> bool:
     """True at step 0, every eval.every steps and at train.steps (steps counted as in metrics.jsonl)."""
@@ -64,10 +67,15 @@ class Evaluation:
     t0 = time.perf_counter()
     r = self.config.rollout
     policy, devices = algorithm.eval_policy(run, params, len(self.problems))
-    results = held_out.evaluate(policy, run.tokenizer, self.task, self.problems,
-                                jax.random.fold_in(run.key, EVAL_STREAM), max_new_tokens=completion_budget(self.config.rollout),
-                                temperature=r.temperature, top_p=r.top_p, pass_k=self.pass_k,
-                                stop_strings=tuple(r.get("stop_strings", ())), devices=devices)
+    if self.env is not None:
+      results = held_out.evaluate_episodes(policy, run.tokenizer, self.task, self.env, self.problems,
+                                           jax.random.fold_in(run.key, EVAL_STREAM), episodes=r.episodes)
+    else:
+      results = held_out.evaluate(policy, run.tokenizer, self.task, self.problems,
+                                  jax.random.fold_in(run.key, EVAL_STREAM),
+                                  max_new_tokens=completion_budget(self.config.rollout),
+                                  temperature=r.temperature, top_p=r.top_p, pass_k=self.pass_k,
+                                  stop_strings=tuple(r.get("stop_strings", ())), devices=devices)
     summary = held_out.summarize([results[j] for j in range(len(self.problems))], pass_k=self.pass_k)
     row = {"step": step, "wall_s": wall_s, "eval_s": time.perf_counter() - t0, **summary,
            "dropped_overlaps": self.dropped}

@@ -15,6 +15,12 @@ everything the loss needs is built here, from the algorithm's fields (algorithms
   - GRPO / RLOO's step: dynamic sampling (rollout.dynamic_sampling) and, with loss.weighting =
     "step_token_mean", the step's scale B / N on every weight (losses.step_token_scale).
 PPO's advantages are GAE from its critic (algorithms/ppo.py, `prepare`), not built here.
+
+Episodes (rollout.episodes; `build_episodes`, docs/design.md, "Episodes"): the G episodes of one
+problem get GRPO / RLOO advantages from their outcome rewards (one per episode), loss.weighting's
+weights over each episode's model tokens, and the episode tree's replay layout
+(`data.episodes.episode_tree_arrays`, a TreeBatch) or, with train.gradient = "naive", one row per
+episode (`episode_group_arrays`); observation tokens have weight 0 and advantage 0 in both.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import numpy as np
 from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
+from branch_replay_jax.data.episodes import episode_group_arrays, episode_tree, episode_tree_arrays, limit_depth
 from branch_replay_jax.data.groups import bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
-from branch_replay_jax.rollout.collect import Trajectories, rollout
+from branch_replay_jax.rollout.collect import EpisodeTrajectories, Trajectories, rollout, rollout_episodes
 
 
 @dataclasses.dataclass
@@ -54,6 +61,10 @@ class Group:
     logged as rewards/NAME), or None.
   stop_reasons: [G] str "eos", "stop_string" or "length" (`Trajectories.stop_reasons`; logged as
     stop_eos_frac, stop_string_frac and truncated_frac), or None.
+  episode_stats: episodes only (`build_episodes`), else None: {"status": [G] str (one of
+    `rollout.environments.STATUSES`), "tool_calls": [G] int, "turns": [G] int, "formatted_turns":
+    [G] int (turns that are a parseable tool call or a tagged answer, `rollout.tools.turn_format`)}.
+    An episode's `lengths` entry is its model tokens (the loss's |o_g|), observations left out.
   """
   kind: str
   batch: GroupBatch | TreeBatch
@@ -70,6 +81,7 @@ class Group:
   in_loss: np.ndarray | None = None
   reward_terms: dict | None = None
   stop_reasons: np.ndarray | None = None
+  episode_stats: dict | None = None
 
   @property
   def loss_tokens(self) -> int:
@@ -139,8 +151,52 @@ def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
                raw.reward_terms, raw.stop_reasons)
 
 
-def rollout_group(config, model, tokenizer, task, data_pos: int, key) -> Group:
-  """`build` of `rollout.collect.rollout` (config.rollout's sampling) for task item `data_pos`."""
+def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) -> Group:
+  """The update arrays of one problem's G episodes `raw` (GRPO / RLOO; docs/design.md, "Episodes"):
+  advantages from the episodes' outcome rewards (`trajectory_advantages`: loss.advantage), the
+  truncated episodes (cut by a budget) left out with loss.mask_truncated, loss.weighting's weights
+  over each episode's model tokens (`losses.trajectory_weights` of `EpisodeTree.model_lengths`, the
+  "constant" weighting over the episode's model-token budget), laid out as the episode tree
+  (`episode_tree_arrays` of `limit_depth(..., rollout.episodes.max_tree_depth)`, kind "tree", with its one-row-per-episode layout as `naive_batch` for the
+  run-time exactness check) or, with train.gradient = "naive", one row per episode
+  (`episode_group_arrays`, kind "group"). No old log-probs: on-policy the objective never reads them,
+  and with train.inner_epochs > 1 the step computes them (`grpo.update_on_batch`).
+
+  Args:
+    model_config: the policy's `ModelConfig` (vocab_size, max_positions, the counts' sizes).
+    pad_id: the tokenizer's pad id (padding of the tree's segments and of the rows).
+  """
+  episodes = [r.episode for r in raw.results]
+  rewards = np.array([r.reward for r in raw.results], np.float32)
+  truncated = np.array([r.truncated for r in raw.results], bool)
+  advantages = trajectory_advantages(config.loss, rewards, group_relative=True)
+  in_loss = ~truncated if config.loss.mask_truncated else None
+  etree = limit_depth(episode_tree(episodes), config.rollout.episodes.get("max_tree_depth", 4))
+  lengths = etree.model_lengths()
+  w = obj.trajectory_weights(lengths, mode=config.loss.weighting, max_length=raw.budget,
+                             in_loss=in_loss).astype(np.float32)
+  cfg = model_config
+  longest = max(len(e.tokens()) for e in episodes)
+  naive_arrays = episode_group_arrays(episodes, advantages, w, vocab_size=cfg.vocab_size,
+                                      max_positions=cfg.max_positions, pad_id=pad_id,
+                                      completion_bucket=bucket_length(longest, minimum=8))
+  naive = config.train.gradient == "naive"
+  arrays = naive_arrays if naive else episode_tree_arrays(etree, advantages, w, pad_id=pad_id)
+  counts = {**tree_counts(etree.tree, cfg), "padding_fraction": pad_tree(etree.tree, pad_id=pad_id).padding_fraction}
+  stats = {"status": [r.status for r in raw.results], "tool_calls": np.array([r.tool_calls for r in raw.results]),
+           "turns": np.array([r.turns for r in raw.results]),
+           "formatted_turns": np.array([sum(f in ("tool_call", "answer") for f in turns) for turns in raw.turn_formats])}
+  return Group("group" if naive else "tree", arrays, rewards, raw.correct, lengths, counts,
+               {**raw.sample, "reward": float(rewards[0])}, raw.sample_s, raw.score_s, truncated, None,
+               None if naive else naive_arrays, in_loss, None, episode_stats=stats)
+
+
+def rollout_group(config, model, tokenizer, task, data_pos: int, key, env=None) -> Group:
+  """`build` of `rollout.collect.rollout` (config.rollout's sampling) for task item `data_pos`; with
+  `env` (rollout.episodes set: the run's environment), `build_episodes` of `rollout_episodes`."""
+  if env is not None:
+    raw = rollout_episodes(config.rollout, model, tokenizer, task, env, data_pos, key)
+    return build_episodes(config, raw, model.config, tokenizer.pad_token_id or 0)
   raw = rollout(config.rollout, model, tokenizer, task, data_pos, key)
   return build(config, raw, model.config, tokenizer.pad_token_id or 0)
 

@@ -30,6 +30,10 @@ one device. The loop also runs as several processes (distributed.num_processes;
 distributed/hosts.py): each process samples and places the groups of its own devices; trees are
 first shared with every process (their padded shape is the step's largest over all processes),
 then each places its own rows.
+Episodes (rollout.episodes; docs/design.md, "Episodes"): step 1 runs G multi-turn episodes per
+problem in the run's environment (rollout.collect.rollout_episodes), 2 is the environment's outcome
+reward, 3 is per episode (groups.build_episodes), and 4-5 train the episode tree with the tree
+objective (or its rows with train.gradient = "naive"), on one device.
 """
 
 from __future__ import annotations
@@ -92,6 +96,10 @@ def validate_options(config) -> None:
   clip_range(l)
   if l.importance_ratio not in obj.IMPORTANCE_RATIOS:
     raise ValueError(f"loss.importance_ratio={l.importance_ratio!r} is not one of {obj.IMPORTANCE_RATIOS}")
+  if l.importance_ratio == "sequence" and r.get("episodes") is not None and t.inner_epochs > 1:
+    raise ValueError(f"loss.importance_ratio='sequence' with rollout.episodes and train.inner_epochs={t.inner_epochs}: "
+                     "episodes train as a tree, whose node loss does not see GSPO's per-episode ratio off-policy; "
+                     "use train.inner_epochs=1 or loss.importance_ratio='token'")
   if l.importance_ratio == "sequence" and r.tree_fanouts and t.inner_epochs > 1:
     raise ValueError(f"loss.importance_ratio='sequence' with rollout.tree_fanouts={tuple(r.tree_fanouts)} and "
                      f"train.inner_epochs={t.inner_epochs}: GSPO's ratio is a mean over a whole trajectory, which a "
@@ -175,7 +183,8 @@ class GRPOFunctions:
   def __init__(self, config, graphdef, frozen=None, optimizer=None):
     t = config.train
     naive = t.gradient == "naive"
-    tree = bool(config.rollout.tree_fanouts) and not naive
+    # Trees and episodes (an episode tree, data/episodes.py) replay with the tree objective.
+    tree = (bool(config.rollout.tree_fanouts) or config.rollout.get("episodes") is not None) and not naive
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = objective(config, tree)
     tau = logprob_temperature(config)
@@ -272,6 +281,7 @@ class GRPO(loop.Algorithm):
     validate(config)
     super().__init__(config)
     self.task = runs.make_task_from(config)
+    self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes
 
   def setup(self, run):
     self.run = run
@@ -290,7 +300,7 @@ class GRPO(loop.Algorithm):
     policy = self.fns.for_sampling(run.graphdef, params, devices)
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
-                                               devices=devices, whole=whole)
+                                               devices=devices, whole=whole, env=self.env)
     groups, data_pos, self.draw_metrics = step_groups(self.config, draw, run.key, data_pos)
     return groups, data_pos
 

@@ -44,6 +44,7 @@ from branch_replay_jax.distributed import hosts
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from branch_replay_jax.outputs.tensorboard import ScalarWriter
+from branch_replay_jax.rollout.environments import STATUSES
 
 
 class Algorithm:
@@ -173,7 +174,7 @@ def resumed_wall_s(run_dir: str, start: int) -> float:
 
 
 def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int, *,
-                  devices=None, whole: bool = False) -> tuple[list[Group], int]:
+                  devices=None, whole: bool = False, env=None) -> tuple[list[Group], int]:
   """The step's rollouts, one per prompt: group i from task item data_pos + i with the key
   (seed, step, i) folded, so a resumed run, and a run on a mesh, sample the same.
 
@@ -188,13 +189,15 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
       (`Group.batch` on the host, numpy), so that every process holds the whole step in the same
       order (PPO's minibatch shuffle and whitening, the padded shape of GRPO's trees see every
       group). One process: no effect.
+    env: the run's environment with rollout.episodes (`groups.rollout_group`: G episodes per
+      problem, one device), else None.
 
   Returns: ([prompts_per_step] groups in order, the next data position).
   """
   n = config.rollout.prompts_per_step
   keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
   if devices is None:
-    return [rollout_group(config, policy, tokenizer, task, data_pos + i, keys[i]) for i in range(n)], data_pos + n
+    return [rollout_group(config, policy, tokenizer, task, data_pos + i, keys[i], env=env) for i in range(n)], data_pos + n
   local = hosts.run_on_devices(lambda i, device: rollout_group(config, policy[device], tokenizer, task, data_pos + i,
                                                                jax.device_put(keys[i], device)), devices)
   shared = lambda g: dataclasses.replace(g, batch=jax.device_get(g.batch) if whole else None,
@@ -238,7 +241,24 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
           "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),
           "sample_s": sum(g.sample_s for g in groups), "score_s": sum(g.score_s for g in groups),
-          "update_s": update_s, "step_s": rollout_s + update_s, **reward_means(groups)}
+          "update_s": update_s, "step_s": rollout_s + update_s, **reward_means(groups), **episode_means(groups)}
+
+
+def episode_means(groups: list[Group]) -> dict:
+  """The step's episode metrics (rollout.episodes; `Group.episode_stats`), {} for groups and trees:
+  tool_calls_per_episode and turns_per_episode (means over the step's episodes), format_rate (the
+  share of model turns that are a parseable tool call or a tagged answer) and episodes_STATUS, the
+  count of episodes that ended with each status of `rollout.environments.STATUSES` (done, cut by a
+  budget, a malformed tool call, a tool error)."""
+  stats = [g.episode_stats for g in groups if g.episode_stats is not None]
+  if not stats:
+    return {}
+  status = [s for st in stats for s in st["status"]]
+  cat = lambda k: np.concatenate([st[k] for st in stats])
+  turns = cat("turns")
+  return {"tool_calls_per_episode": float(cat("tool_calls").mean()), "turns_per_episode": float(turns.mean()),
+          "format_rate": float(cat("formatted_turns").sum() / max(int(turns.sum()), 1)),
+          **{f"episodes_{name}": int(sum(s == name for s in status)) for name in STATUSES}}
 
 
 def stop_fracs(groups: list[Group]) -> dict:

@@ -24,6 +24,7 @@ from branch_replay_jax.models import Llama, lora, tiny_config
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import (RunCheckpoints, check_run_dir, config_changes, open_run_dir,
                                                   write_run_record)
+from branch_replay_jax.rollout.environments import calculator_examples, make_environment
 from branch_replay_jax.rollout.tasks.sources import make_task_from_fields
 
 def build_model(config):
@@ -79,6 +80,8 @@ def fingerprint(config) -> dict:
   r = config.rollout
   shape = ({"tree_fanouts": list(r.tree_fanouts), "segment_length": r.segment_length} if r.tree_fanouts else
            {"group_size": r.group_size})
+  if r.get("episodes") is not None:
+    shape["environment"] = r.episodes.environment
   adapters = {} if config.get("lora") is None else {"lora": {"rank": config.lora.rank, "alpha": config.lora.alpha,
                                                              "targets": list(config.lora.targets)}}
   source = config.task.get("source")   # only when set: run dirs of the reasoning-gym presets keep their fingerprint
@@ -106,6 +109,24 @@ def make_task_from(config, *, seed: int | None = None, size: int | None = None, 
   t = config.task
   return make_task_from_fields(t, seed=t.seed if seed is None else seed, size=t.size if size is None else size,
                                split=split)
+
+
+def make_episode_environment(config, task):
+  """The run's environment with rollout.episodes (rollout/environments.py, `make_environment`: the
+  environment over `task`, rollout.episodes.few_shot solved examples from items 0.. of the task at
+  task.few_shot_seed, `calculator_examples`), else None.
+
+  Raises:
+    ValueError: an example problem the calculator cannot show a call for (naming its question).
+  """
+  e = config.rollout.get("episodes") if config.get("rollout") is not None else None
+  if e is None:
+    return None
+  examples = []
+  if e.few_shot:
+    source = make_task_from(config, seed=config.task.few_shot_seed, size=e.few_shot)
+    examples = calculator_examples(source, [source[i] for i in range(e.few_shot)])
+  return make_environment(e.environment, task, max_tool_calls=e.max_tool_calls, examples=examples)
 
 
 def check_processes(config) -> None:

@@ -12,15 +12,21 @@ combinations stay in the algorithms' `validate` (checks.py, grpo.py, ppo.py, dpo
 `parse` first and keep reading the ConfigDict. A field renamed or merged (loss.normalisation and
 loss.aggregation into loss.weighting) is refused with the value to write instead (`RENAMED`).
 
-Each field says which rollout layouts it applies to (`layouts`): groups, trees, or both (the
-default); episodes of several turns come later. A group-only field in a tree config is refused
-(checks.validate_tree_rollout), and so is a tree-only one set to act on groups
-(rollout.segment_length > 0); train.tree_schedule, which every shipped experiment sets, is read
-by trees only and inert on groups.
+Each field says which rollout layouts it applies to (`layouts`): groups, trees, episodes (GRPO's
+rollout.episodes: multi-turn episodes with an environment, docs/design.md, "Episodes"), or all
+three (the default). A group-only field in a tree config is refused (checks.validate_tree_rollout),
+and so is a tree-only one set to act on groups (rollout.segment_length > 0); train.tree_schedule,
+which every shipped experiment sets, is read by trees and episodes and inert on groups. An episode
+config refuses every field that does not apply to episodes unless it holds its inert value
+(`INERT`: e.g. rollout.dynamic_sampling=False), and refuses fields without one
+(rollout.max_new_tokens) outright (checks.validate_episode_rollout).
 
 `parse` reads the config's storage (`ConfigDict.items(preserve_field_references=True)`), not its
 `__getitem__`, so tests/test_config_fields.py's record of the fields a run reads still shows the
 fields the code reads; only `algorithm` is read the ordinary way (it decides the schema).
+
+Why one file of over 500 lines: most of it is declarations, one dataclass per section of three
+algorithms, each field with its doc; one place for every field's type and meaning.
 """
 
 from __future__ import annotations
@@ -39,12 +45,18 @@ ALGORITHMS = ("grpo", "ppo", "dpo")
 MODULES = {"grpo": "algorithms/grpo.py", "ppo": "algorithms/ppo.py", "dpo": "algorithms/dpo.py"}
 
 
-LAYOUTS = ("group", "tree")   # the rollout layouts a field can apply to (episodes: later)
+LAYOUTS = ("group", "tree", "episode")   # the rollout layouts a field can apply to
+GROUPS_AND_TREES = ("group", "tree")
+# Fields that do not apply to every layout, at the value that leaves them inert: an episode config
+# may hold them at that value (the shipped experiments list every field); any other is refused.
+INERT = {"rollout.segment_length": 0, "rollout.tree_fanouts": (), "rollout.dynamic_sampling": False,
+         "rollout.max_prompt_draws": None, "loss.overlong_buffer": 0, "rollout.stop_strings": ()}
+ENVIRONMENTS = ("calculator",)   # rollout.episodes.environment (rollout/environments.py, make_environment)
 
 
 def _f(doc: str, default=dataclasses.MISSING, *, layouts: tuple[str, ...] = LAYOUTS):
   """A schema field: its one-line doc (meaning, unit), the rollout layouts it applies to (groups,
-  trees or both; `layouts`); a default makes it optional."""
+  trees, episodes, or all; `layouts`); a default makes it optional."""
   return dataclasses.field(default=default, metadata={"doc": doc, "layouts": layouts})
 
 
@@ -72,7 +84,7 @@ class TaskConfig:
   format_bonus: float = _f("reward added when the answer is inside <answer></answer> tags (0 with task.rewards)")
   strict_answer: bool = _f("True: only a closed <answer> tag counts; False: also an unclosed tag or the last number")
   few_shot: int = _f("solved examples (chat turns) shown before each question, in training and evaluation; "
-                     "reasoning-gym sources only")
+                     "reasoning-gym sources only; must be 0 with episodes (rollout.episodes.few_shot)")
   few_shot_seed: int = _f("generator seed of the few-shot examples")
   source: Optional[str] = _f("None (task.name), 'reasoning_gym:NAME', a .jsonl/.json/.parquet/.csv file or a "
                              "save_to_disk directory, or 'python:module:name' (a task object or factory)", None)
@@ -110,15 +122,41 @@ class PPORolloutConfig(SamplingConfig):
                        layouts=("group",))
   max_new_tokens: int = _f("tokens generated per completion at most; groups only (a tree config removes it)", None,
                            layouts=("group",))
-  tree_fanouts: tuple[int, ...] = _f("fan-out per tree level, e.g. (4, 2, 2); () samples groups (it picks the layout)")
+  tree_fanouts: tuple[int, ...] = _f("fan-out per tree level, e.g. (4, 2, 2); () samples groups (it picks the layout; "
+                                     "() with episodes)", layouts=GROUPS_AND_TREES)
   segment_length: int = _f("tokens per tree segment; trees only (must be 0 with groups)", layouts=("tree",))
+  stop_strings: tuple[str, ...] = _f("non-empty strings that end a completion when its decoded text contains one, "
+                                     "e.g. ('</answer>',); () none (rollout/stop_strings.py); groups and trees (an "
+                                     "episode's turns end at the model's stop ids)", (), layouts=GROUPS_AND_TREES)
+
+
+@_frozen
+class EpisodesConfig:
+  """GRPO's rollout.episodes: multi-turn episodes in an environment (docs/design.md, "Episodes")."""
+  environment: str = _f("the environment over the task's problems: calculator (JSON tool calls to a restricted-ast "
+                        "calculator, answer scored by the task)", layouts=("episode",))
+  max_turns: int = _f("model turns per episode at most", layouts=("episode",))
+  max_turn_tokens: int = _f("tokens one model turn generates at most", layouts=("episode",))
+  max_episode_tokens: Optional[int] = _f("model tokens of a whole episode at most (its turns summed); None: "
+                                         "max_turns x max_turn_tokens", None, layouts=("episode",))
+  max_context: int = _f("tokens of a whole episode at most, prompt and observations included", layouts=("episode",))
+  max_tool_calls: int = _f("tool calls per episode at most (more end it as max_turns)", layouts=("episode",))
+  few_shot: int = _f("solved tool-using conversations shown before each question (task.few_shot_seed's problems)",
+                     layouts=("episode",))
+  max_tree_depth: int = _f("levels of a problem's episode tree at most; deeper nodes are not shared "
+                           "(data.episodes.limit_depth: XLA:CPU's dots take rank < 8; depth 6 aborts)", 4, layouts=("episode",))
 
 
 @_frozen
 class GRPORolloutConfig(PPORolloutConfig):
-  dynamic_sampling: bool = _f("DAPO: drop groups of equal rewards, draw more prompts; groups and trees")
+  group_size: int = _f("G: completions (episodes: branching at the first turn) sampled per prompt; groups and "
+                       "episodes (a tree config removes it)", None, layouts=("group", "episode"))
+  dynamic_sampling: bool = _f("DAPO: drop groups of equal rewards, draw more prompts; groups and trees",
+                              layouts=GROUPS_AND_TREES)
   max_prompt_draws: Optional[int] = _f("prompts drawn per step at most, a multiple of prompts_per_step; "
-                                       "only with dynamic_sampling (None without)")
+                                       "only with dynamic_sampling (None without)", layouts=GROUPS_AND_TREES)
+  episodes: Optional[EpisodesConfig] = _f("multi-turn episodes in an environment (the episode layout); absent: "
+                                          "groups or trees", None, layouts=("episode",))
 
 
 @_frozen
@@ -131,7 +169,8 @@ class GRPOLossConfig:
   weighting: str = _f("per-(token, trajectory) loss weights: sequence_mean (GRPO), group_token_mean (DAPO's token "
                       "mean per group), step_token_mean (DAPO's token mean over the step) or constant (Dr. GRPO)")
   mask_truncated: bool = _f("True: completions cut by the token budget get weight 0; groups and trees")
-  overlong_buffer: int = _f("DAPO's soft overlong penalty over the budget's last N tokens (tokens; 0 disables)")
+  overlong_buffer: int = _f("DAPO's soft overlong penalty over the budget's last N tokens (tokens; 0 disables)",
+                            layouts=GROUPS_AND_TREES)
   overlong_penalty: float = _f("reward the overlong penalty costs at most (with overlong_buffer > 0)")
   kl_coef: float = _f("beta of the k3 KL penalty to the initial policy (0: no reference forward)")
   advantage: str = _f("grpo (group-normalised) or rloo (leave-one-out baseline)")
@@ -163,8 +202,8 @@ class TrainConfig:
 @_frozen
 class PolicyTrainConfig(TrainConfig):
   inner_epochs: int = _f("updates per sampled batch; > 1 replays old log-probs first (PPO: must be 1)")
-  tree_schedule: str = _f("tree replay order: depth_first (least memory) or level (faster); trees only (inert on "
-                          "groups)", layouts=("tree",))
+  tree_schedule: str = _f("tree replay order: depth_first (least memory) or level (faster); trees and episodes "
+                          "(inert on groups)", layouts=("tree", "episode"))
   exactness_check_every: int = _f("steps between run-time replay vs naive checks (0: off); GRPO / RLOO only")
 
 
@@ -359,8 +398,8 @@ def fields(algorithm: str) -> list[tuple[str, str, str]]:
 
 
 def layouts(algorithm: str) -> dict[str, tuple[str, ...]]:
-  """{dotted name: the rollout layouts it applies to ("group", "tree")} of every leaf field of
-  `algorithm`'s schema that does not apply to every layout."""
+  """{dotted name: the rollout layouts it applies to ("group", "tree", "episode")} of every leaf field
+  of `algorithm`'s schema that does not apply to every layout."""
   def walk(cls, prefix):
     for f in dataclasses.fields(cls):
       tp = _hints(cls)[f.name]
@@ -410,6 +449,11 @@ def _raw(node: ml_collections.ConfigDict) -> dict:
   for key, value in node.items(preserve_field_references=True):
     out[key] = value.get() if isinstance(value, ml_collections.FieldReference) else value
   return out
+
+
+def _plain(node: ml_collections.ConfigDict) -> dict:
+  """A free-form section (task.options) as a dict, read like `_raw` (not through `__getitem__`)."""
+  return {k: _plain(v) if isinstance(v, ml_collections.ConfigDict) else v for k, v in _raw(node).items()}
 
 
 def _refuse_unknown(cls, node, prefix: str, algorithm: str) -> None:
@@ -477,7 +521,7 @@ def _value(tp, value, dotted: str, algorithm: str, optional: bool = False):
   if origin is tuple:
     return tuple(_value(typing.get_args(tp)[0], v, f"{dotted}[{i}]", algorithm) for i, v in enumerate(value))
   if tp is dict:
-    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
+    return _plain(value) if isinstance(value, ml_collections.ConfigDict) else dict(value)
   return float(value) if tp is float else value
 
 

@@ -13,6 +13,7 @@ to the loss, its KL term, its clip count or a value target (`losses.grpo_objecti
 `losses.grpo_tree_objective` weigh every per-token term and count only tokens with weight > 0).
 
     episode_tree(episodes)                                   -> EpisodeTree (the trie of the episodes)
+    limit_depth(tree, max_depth)                             -> EpisodeTree (sharing below max_depth dropped)
     episode_tree_arrays(tree, advantage_g, weights_g, ...)   -> TreeBatch   (replay: every node once)
     episode_group_arrays(episodes, advantage_g, weights_g, ...) -> GroupBatch (naive: one row per episode,
                                                                 the layout verl and TRL train)
@@ -164,6 +165,46 @@ def episode_tree(episodes: Sequence[Episode]) -> EpisodeTree:
   segments = tuple((np.asarray(s) // 2).astype(np.int32) for s in merged.segments)
   model = tuple((np.asarray(s) % 2).astype(bool) for s in merged.segments)
   return EpisodeTree(RolloutTree(segments, merged.parents, merged.ends), model)
+
+
+def limit_depth(tree: EpisodeTree, max_depth: int) -> EpisodeTree:
+  """The episode tree with at most `max_depth` levels below the prompt: nodes deeper than that are
+  not shared; each episode through a node at depth max_depth continues from it as its own leaf (the
+  rest of its path concatenated, roles kept). Sharing less computes more tokens, never other values
+  (every (token, episode) term is the same), so replay stays exact.
+
+  Why: the token-level trie of a problem's episodes can be deep (tool-call boilerplate shared token
+  for token, then divergent arguments, then shared answer tags), and a level d of the padded tree
+  holds arrays [F_1..F_d, T_d, ...]: XLA:CPU's YNNPACK dots take operands of rank < 8 (in jaxlib
+  0.10.2 the GRPO step of a stack of depth-6 episode trees aborts with "b_rank < YNN_MAX_TENSOR_RANK";
+  depth 5 runs), and every level is compiled code.
+
+  Raises:
+    ValueError: max_depth < 1.
+  """
+  if max_depth < 1:
+    raise ValueError(f"limit_depth: max_depth={max_depth!r} must be >= 1")
+  t = tree.tree
+  depth = [t.depth(n) for n in range(t.num_nodes)]
+  if max(depth) <= max_depth:
+    return tree
+  keep = [n for n in range(t.num_nodes) if depth[n] <= max_depth - 1]
+  index = {n: i for i, n in enumerate(keep)}
+  segments = [t.segments[n] for n in keep]
+  parents = [-1 if t.parents[n] < 0 else index[t.parents[n]] for n in keep]
+  model = [tree.model_mask[n] for n in keep]
+  ends = []
+  for end in t.ends:
+    path = t.path(end)   # root first
+    if depth[end] <= max_depth - 1:
+      ends.append(index[end])
+      continue
+    rest = path[max_depth:]   # the nodes at depth >= max_depth
+    segments.append(np.concatenate([np.asarray(t.segments[n]) for n in rest]).astype(np.int32))
+    model.append(np.concatenate([np.asarray(tree.model_mask[n]) for n in rest]))
+    parents.append(index[path[max_depth - 1]])
+    ends.append(len(segments) - 1)
+  return EpisodeTree(RolloutTree(tuple(segments), tuple(parents), tuple(ends)), tuple(model))
 
 
 def _per_episode(name, values, g):

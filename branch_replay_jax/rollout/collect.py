@@ -1,10 +1,14 @@
-"""One prompt's rollouts: sample (a group or a tree) and score; raw trajectories, no loss arrays.
+"""One prompt's rollouts: sample (a group, a tree or G episodes) and score; raw trajectories, no loss arrays.
 
 `rollout` samples G completions sharing one prefill (rollout.sampler.sample_group), or with
 `rollout.tree_fanouts` set a tree (TreePO-style fixed-length segments, rollout.tree_sampler.sample_tree)
 whose trajectories are the completions, scores them with the task and returns them raw
 (`Trajectories`: prompt, tokens, lengths, stop reasons, sampler log-probs, the task's rewards). It
-reads only the rollout section of the config. What an algorithm trains on (reward shaping,
+reads only the rollout section of the config. With `rollout.episodes` set, `rollout_episodes` runs G
+multi-turn episodes of one problem in an environment instead (rollout/environments.py, `run_episode`;
+docs/design.md, "Episodes"): one `EpisodeSampler` per episode, the prompt's K/V prefilled once and
+shared, each episode's K/V kept across its turns; it returns them raw (`EpisodeTrajectories`). What
+an algorithm trains on (reward shaping,
 advantages, loss weights, the replay or naive layout) is built from them above this layer
 (algorithms/groups.py), so sampling knows no loss.
 """
@@ -18,6 +22,9 @@ import numpy as np
 
 from branch_replay_jax.data.trees import RolloutTree
 from branch_replay_jax.models.loading import encode_chat, stop_ids
+from branch_replay_jax.rollout.environments import EpisodeResult, run_episode
+from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
+from branch_replay_jax.rollout.tools import turn_format
 from branch_replay_jax.rollout.sampler import sample_group
 from branch_replay_jax.rollout.stop_strings import stop_table
 from branch_replay_jax.rollout.tasks.protocol import reward_terms, score_group
@@ -65,8 +72,12 @@ class Trajectories:
 
 def completion_budget(rollout_config) -> int:
   """Most tokens one trajectory can generate (tokens): rollout.max_new_tokens, or a tree's
-  rollout.segment_length x depth."""
+  rollout.segment_length x depth, or an episode's model tokens (rollout.episodes.max_episode_tokens,
+  else max_turns x max_turn_tokens; its observations are not generated)."""
   r = rollout_config
+  e = r.get("episodes")
+  if e is not None:
+    return e.max_episode_tokens if e.get("max_episode_tokens") is not None else e.max_turns * e.max_turn_tokens
   return r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
 
 
@@ -111,3 +122,78 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Traje
   return Trajectories(ids, tokens, logprobs, np.array([len(c) for c in completions]), truncated,
                       np.array([s.reward for s in scores], np.float64), np.array([s.correct for s in scores]),
                       budget, tree, sample, t1 - t0, t2 - t1, reward_terms(scores) or None, reasons)
+
+
+@dataclasses.dataclass
+class EpisodeTrajectories:
+  """One problem's G episodes, run in the environment and scored by it (`rollout_episodes`).
+
+  prompt_ids: [P] int, the environment's first messages chat-formatted (every episode's prompt).
+  results: [G] `rollout.environments.EpisodeResult` (episode tokens, reward, status, turns, tool calls).
+  correct: [G] bool, the environment's verdict on each episode's final answer (its `correct`
+    attribute after the episode, `ToolEnv.correct`; an environment without one: reward > 0).
+  turn_formats: [G] lists, per model turn, of `rollout.tools.turn_format` of its text (decoded
+    without its stop id: what the environment read) against the environment's `tools` (an
+    environment without a `tools` table: none, so any call counts as malformed).
+  budget: the most model tokens one episode can generate (`completion_budget`).
+  sample: {"data_pos", "question", "answer", "completion", "status"}: episode 0 (its model turns and
+    observations decoded, special tokens kept), for samples.jsonl.
+  sample_s: seconds of sampling and stepping the environment (the two interleave; score_s is 0).
+  """
+  prompt_ids: list
+  results: list
+  correct: np.ndarray
+  turn_formats: list
+  budget: int
+  sample: dict
+  sample_s: float
+  score_s: float = 0.0
+
+
+def turn_formats(result: EpisodeResult, tokenizer, tools) -> list[str]:
+  """`rollout.tools.turn_format` of each model turn of `result`'s episode, its text decoded without its
+  stop id (special tokens kept: what the environment read), against the `tools` table."""
+  stops = set(stop_ids(tokenizer))
+  return [turn_format(tokenizer.decode([int(i) for i in (seg[:-1] if int(seg[-1]) in stops else seg)],
+                                       skip_special_tokens=False), tools)
+          for seg, role in zip(result.episode.segments, result.episode.roles) if role == "model"]
+
+
+def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int, key) -> EpisodeTrajectories:
+  """Run G = rollout.group_size episodes of task item `data_pos` (wrapping around) in `env`
+  (rollout/environments.py protocol) with rollout.episodes' budgets, one after another; they branch
+  at the first turn (`EpisodeSampler.branches`: the prompt prefilled once, branch g's key
+  fold_in(key, g)) at rollout.temperature and top_p.
+
+  Raises:
+    ValueError: rollout.episodes.max_context longer than the model's max_positions; `run_episode`'s
+      (naming the problem's index); RuntimeError: the environment raised (`run_episode`).
+  """
+  r, e = rollout_config, rollout_config.episodes
+  if e.max_context > model.config.max_positions:
+    raise ValueError(f"rollout.episodes.max_context={e.max_context} exceeds the model's max_positions="
+                     f"{model.config.max_positions}")
+  problem = task[data_pos % len(task)]
+  t0 = time.perf_counter()
+  ids = encode_chat(tokenizer, env.reset(problem))   # the prompt run_episode's reset renders (ChatTokens)
+  stops = stop_ids(tokenizer)
+  samplers = EpisodeSampler.branches(model, ids, r.group_size, key=key, temperature=r.temperature, top_p=r.top_p,
+                                     eos_ids=stops, pad_id=tokenizer.pad_token_id or 0)
+  results, correct, formats = [], [], []
+  tools = getattr(env, "tools", {})
+  for sampler in samplers:
+    result: EpisodeResult = run_episode(env, problem, data_pos, tokenizer, sampler, max_turns=e.max_turns,
+                                        max_turn_tokens=e.max_turn_tokens, max_context=e.max_context,
+                                        max_episode_tokens=e.get("max_episode_tokens"))
+    if list(result.episode.prompt) != list(ids):
+      raise ValueError(f"problem {data_pos}: the environment's reset gave another prompt on a second call; an "
+                       "environment's reset must be a function of the problem")
+    results.append(result)
+    correct.append(bool(getattr(env, "correct", result.reward > 0)))
+    formats.append(turn_formats(result, tokenizer, tools))
+  first = results[0]
+  sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer,
+            "completion": tokenizer.decode(first.episode.tokens().tolist(), skip_special_tokens=False),
+            "status": first.status}
+  return EpisodeTrajectories(list(ids), results, np.array(correct, bool), formats, completion_budget(r), sample,
+                             time.perf_counter() - t0)

@@ -12,6 +12,7 @@ a template that rewrites earlier turns stops the run with an error naming the pr
 loss mask is never silently wrong.
 
     env = CalculatorEnv(task)                    # reasoning-gym task + the calculator tool
+    env = make_environment("calculator", task, max_tool_calls=2, examples=calculator_examples(task, problems))
     result = run_episode(env, problem, index, tokenizer, sample_turn, max_turns=4, max_turn_tokens=64,
                          max_context=1024)
     result.episode, result.reward, result.status, result.tool_calls
@@ -21,6 +22,7 @@ loss mask is never silently wrong.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -64,19 +66,29 @@ class ToolEnv:
 
   A call that does not parse ends the episode as "malformed_tool_call", a tool that errors as
   "tool_error", more than `max_tool_calls` calls as "max_turns" (`EpisodeEnd`); reward 0 then.
-  `tool_calls` counts the calls of the current episode.
+  `tool_calls` counts the calls of the current episode; `correct` is the task's verdict on its
+  final answer (False until one is scored).
+
+  examples: messages shown after the system prompt and before the problem's (few-shot
+  conversations that use the tools, e.g. `calculator_examples`). A system message the task writes
+  (task.system_prompt) is appended to the tools' system prompt: one system message.
   """
 
-  def __init__(self, task, tools: Sequence[Tool], *, max_tool_calls: int = 4):
+  def __init__(self, task, tools: Sequence[Tool], *, max_tool_calls: int = 4,
+               examples: Sequence[dict[str, str]] = ()):
     if max_tool_calls < 1:
       raise ValueError(f"ToolEnv: max_tool_calls={max_tool_calls!r} must be >= 1")
     self.task, self.tools, self.max_tool_calls = task, tool_table(tools), max_tool_calls
     self.system = tools_system_prompt(list(tools))
-    self.problem, self.tool_calls = None, 0
+    self.examples = [dict(m) for m in examples]
+    self.problem, self.tool_calls, self.correct = None, 0, False
 
   def reset(self, problem) -> list[dict[str, str]]:
-    self.problem, self.tool_calls = problem, 0
-    return [{"role": "system", "content": self.system}] + list(self.task.messages(problem))
+    self.problem, self.tool_calls, self.correct = problem, 0, False
+    messages, system = list(self.task.messages(problem)), self.system
+    if messages and messages[0].get("role") == "system":
+      system, messages = f"{system}\n\n{messages[0]['content']}", messages[1:]
+    return [{"role": "system", "content": system}] + self.examples + messages
 
   def step(self, assistant_message: str):
     try:
@@ -84,7 +96,9 @@ class ToolEnv:
     except ToolCallError as e:
       raise EpisodeEnd("malformed_tool_call", str(e)) from None
     if not calls:
-      return None, float(self.task.score(assistant_message, self.problem).reward), True
+      score = self.task.score(assistant_message, self.problem)
+      self.correct = bool(score.correct)
+      return None, float(score.reward), True
     if self.tool_calls + len(calls) > self.max_tool_calls:
       raise EpisodeEnd("max_turns", f"{self.tool_calls + len(calls)} tool calls, more than {self.max_tool_calls}")
     out = []
@@ -99,9 +113,50 @@ class ToolEnv:
     return out, 0.0, False
 
 
-def CalculatorEnv(task, *, max_tool_calls: int = 4) -> ToolEnv:
+def CalculatorEnv(task, *, max_tool_calls: int = 4, examples: Sequence[dict[str, str]] = ()) -> ToolEnv:
   """A `ToolEnv` with the calculator (`rollout.tools.calculate`, a restricted ast evaluator)."""
-  return ToolEnv(task, [CALCULATOR], max_tool_calls=max_tool_calls)
+  return ToolEnv(task, [CALCULATOR], max_tool_calls=max_tool_calls, examples=examples)
+
+
+def calculator_examples(task, problems: Sequence) -> list[dict[str, str]]:
+  """Few-shot conversations that teach the calculator's call format (Brown et al. 2020, arXiv
+  2005.14165): per problem the task's user turn, an assistant turn calling the calculator on the
+  problem's expression, the tool's result, and an assistant turn with the answer in <answer> tags.
+
+  Args:
+    task: the task whose messages render each problem (its system message, if any, is left out).
+    problems: `rollout.tasks.Problem`s whose entry has metadata["expression"] (reasoning-gym's
+      arithmetic datasets: basic_arithmetic, chain_sum, ...).
+
+  Raises:
+    ValueError: a problem without metadata["expression"] (naming its question).
+  """
+  out = []
+  for p in problems:
+    expression = (p.entry.get("metadata") or {}).get("expression") if isinstance(p.entry, dict) else None
+    if not isinstance(expression, str):
+      raise ValueError(f"calculator_examples: the problem {p.question!r} has no metadata['expression'] to show a "
+                       "calculator call with; use an arithmetic task of reasoning-gym or no examples")
+    call = json.dumps({"name": CALCULATOR.name, "arguments": {"expression": expression}})
+    out += [m for m in task.messages(p) if m["role"] != "system"]
+    out += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "content": CALCULATOR.fn(expression)},
+            {"role": "assistant", "content": f"<answer>{p.answer}</answer>"}]
+  return out
+
+
+ENVIRONMENTS = {"calculator": CalculatorEnv}
+
+
+def make_environment(name: str, task, *, max_tool_calls: int, examples: Sequence[dict[str, str]] = ()):
+  """The environment `name` (one of ENVIRONMENTS; config rollout.episodes.environment) over `task`.
+
+  Raises:
+    ValueError: an unknown name (naming the field), max_tool_calls < 1.
+  """
+  if name not in ENVIRONMENTS:
+    raise ValueError(f"rollout.episodes.environment={name!r} is not one of {sorted(ENVIRONMENTS)}")
+  return ENVIRONMENTS[name](task, max_tool_calls=max_tool_calls, examples=examples)
 
 
 @dataclasses.dataclass

@@ -34,6 +34,9 @@ import numpy as np
 
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.models.loading import encode_chat, stop_ids
+from branch_replay_jax.rollout.collect import turn_formats
+from branch_replay_jax.rollout.environments import run_episode
+from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
 from branch_replay_jax.rollout.sampler import sample_group
 from branch_replay_jax.rollout.stop_strings import stop_table
 from branch_replay_jax.rollout.tasks import Problem, Task
@@ -182,13 +185,40 @@ def evaluate(policy, tokenizer, task: Task, problems: Sequence[int], key, *, max
   return hosts.gather_items(local)
 
 
+def evaluate_episodes(model, tokenizer, task, env, problems: Sequence[int], key, *, episodes) -> dict[int, dict]:
+  """{j: result} of one greedy episode (temperature 0, `EpisodeSampler`) per problem, task item
+  problems[j], in `env` (rollout/environments.py) with the budgets of `episodes` (config
+  rollout.episodes), one after another on this process's device; problem j's key is fold_in(key, j).
+
+  Each result has `summarize`'s keys (pass_k 0): "correct" (the environment's verdict, `ToolEnv.correct`;
+  an environment without one: reward > 0), "reward", "formatted" (the share of the episode's model
+  turns that are a parseable tool call or a tagged answer, `rollout.tools.turn_format`), "length"
+  (model tokens), "truncated" (cut by a budget), and the episode's "tool_calls" and "turns".
+  """
+  out, stops = {}, stop_ids(tokenizer)
+  for j, p in enumerate(problems):
+    sampler = EpisodeSampler(model, key=jax.random.fold_in(key, j), temperature=0.0, eos_ids=stops,
+                             pad_id=tokenizer.pad_token_id or 0)
+    result = run_episode(env, task[p], p, tokenizer, sampler, max_turns=episodes.max_turns,
+                         max_turn_tokens=episodes.max_turn_tokens, max_context=episodes.max_context,
+                         max_episode_tokens=episodes.get("max_episode_tokens"))
+    formats = turn_formats(result, tokenizer, getattr(env, "tools", {}))
+    out[j] = {"correct": bool(getattr(env, "correct", result.reward > 0)), "reward": float(result.reward),
+              "formatted": sum(f in ("tool_call", "answer") for f in formats) / len(formats),
+              "length": result.episode.num_model_tokens, "truncated": result.truncated,
+              "tool_calls": result.tool_calls, "turns": result.turns}
+  return out
+
+
 def summarize(results: Sequence[dict], *, pass_k: int) -> dict[str, float | int]:
   """The evaluation's figures from `evaluate_problem` results (one per problem, any order).
 
   Returns:
     problems (n), accuracy (greedy, correct / n) with accuracy_lo / accuracy_hi (its 95% Wilson
     interval), reward_mean, format_rate, completion_len_mean (tokens) and truncated_frac (the
-    fraction cut by the token budget without a stop id) of the greedy completions;
+    fraction cut by the token budget without a stop id) of the greedy completions; for episodes
+    (`evaluate_episodes`) format_rate is the mean of each episode's share of well-formatted turns,
+    and tool_calls_per_episode and turns_per_episode are added;
     with pass_k >= 1 also pass_k, pass_at_k (the mean over problems of `pass_at_k(pass_k, c, pass_k)`)
     and sampled_accuracy (correct samples / (n pass_k)).
 
@@ -205,6 +235,9 @@ def summarize(results: Sequence[dict], *, pass_k: int) -> dict[str, float | int]
          "format_rate": float(np.mean([r["formatted"] for r in results])),
          "completion_len_mean": float(np.mean([r["length"] for r in results])),
          "truncated_frac": float(np.mean([r["truncated"] for r in results]))}
+  if "tool_calls" in results[0]:   # episodes (`evaluate_episodes`)
+    row.update(tool_calls_per_episode=float(np.mean([r["tool_calls"] for r in results])),
+               turns_per_episode=float(np.mean([r["turns"] for r in results])))
   if pass_k:
     row.update(pass_k=pass_k, pass_at_k=float(np.mean([pass_at_k(pass_k, r["sampled_correct"], pass_k)
                                                          for r in results])),

@@ -18,6 +18,8 @@ import operator
 import re
 from typing import Any, Callable, Mapping, Sequence
 
+from branch_replay_jax.rollout.tasks.prompts import extract_answer
+
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -173,6 +175,23 @@ CALCULATOR = Tool("calculator", "Evaluates an arithmetic expression with + - * /
                   {"type": "object", "properties": {"expression": {"type": "string",
                                                                    "description": "e.g. (17 + 25) * 3"}},
                    "required": ["expression"]}, calculate)
+
+
+TURN_FORMATS = ("tool_call", "answer", "malformed_tool_call", "no_format")
+
+
+def turn_format(text: str, tools: Mapping[str, Tool]) -> str:
+  """What a model turn's text is: "tool_call" (>= 1 call that parses, `parse_tool_calls`), "answer"
+  (no call and a closed, non-blank <answer> tag, `rollout.tasks.prompts.extract_answer` strict),
+  "malformed_tool_call" (a call that does not parse) or "no_format" (neither). The first two are the
+  formats the tools' system prompt asks for: a step's format rate is their share of its turns."""
+  try:
+    calls = parse_tool_calls(text, tools)
+  except ToolCallError:
+    return "malformed_tool_call"
+  if calls:
+    return "tool_call"
+  return "answer" if extract_answer(text, strict=True)[0] is not None else "no_format"
 
 
 def tool_table(tools: Sequence[Tool]) -> dict[str, Any]:

@@ -1,0 +1,53 @@
+"""GRPO on multi-turn calculator episodes: SmolLM2-135M-Instruct calls a calculator tool (JSON tool
+calls, rollout/tools.py) on reasoning-gym's basic_arithmetic with 3- and 4-digit numbers, then
+answers; the episodes of a problem share their prefix in training (docs/design.md, "Episodes").
+
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py:smoke   # tiny model, 2 steps
+
+RLOO: --config.loss.advantage=rloo (and remove loss.advantage_eps: `del` it in a variant).
+"""
+
+import ml_collections
+
+from experiments import grpo_smollm2_arith
+
+
+def get_config(arg=None):
+  c = grpo_smollm2_arith.get_config("smoke" if arg == "smoke" else None)
+  c.algorithm = "grpo"                    # the GRPO loop (RLOO: loss.advantage = "rloo")
+  del c.rollout.max_new_tokens            # an episode's turns have rollout.episodes.max_turn_tokens
+  c.task.name = "basic_arithmetic"
+  c.task.options = ml_collections.ConfigDict({"min_digits": 3, "max_digits": 4})   # worth a calculator
+  c.task.strict_answer = True             # the examples teach the tags: only a tagged answer counts
+  c.task.format_bonus = 0.1
+  c.task.instruction = ("Use the calculator tool, then give only the final answer, inside <answer></answer> "
+                        "tags.")
+  c.rollout.group_size = 8                # G: episodes per problem, branching at the first turn
+  c.rollout.episodes = ml_collections.ConfigDict()
+  c.rollout.episodes.environment = "calculator"   # rollout/environments.py: ToolEnv with the calculator
+  c.rollout.episodes.max_turns = 3        # model turns per episode: call, (call,) answer
+  c.rollout.episodes.max_turn_tokens = 48  # tokens per model turn
+  c.rollout.episodes.max_episode_tokens = ml_collections.config_dict.placeholder(int)  # None: 3 x 48
+  c.rollout.episodes.max_context = 1024   # tokens of a whole episode, prompt and observations included
+  c.rollout.episodes.max_tool_calls = 2   # calls per episode; more end it as max_turns
+  c.rollout.episodes.few_shot = 2         # tool-using solved examples before each question (task.few_shot_seed)
+  c.rollout.episodes.max_tree_depth = 4   # levels of an episode tree; deeper nodes are not shared (XLA:CPU dot rank)
+  c.train.micro_batch = 8                 # leaf siblings (episode branches) per scan step
+  c.train.exactness_check_every = 5
+  c.eval.pass_k = 0                       # greedy episodes only
+  c.run_dir = "runs/grpo_smollm2_calc"
+  if arg == "smoke":
+    c.rollout.group_size = 4
+    c.rollout.episodes.max_turns = 2
+    c.rollout.episodes.max_turn_tokens = 6
+    c.rollout.episodes.max_context = 512
+    c.rollout.episodes.few_shot = 1
+    c.train.micro_batch = 2
+    c.train.exactness_check_every = 0     # tests/test_episode_loop.py turns it on
+    c.eval.size = 2
+    c.eval.every = 2                      # step 0 and the end
+    c.run_dir = "runs/grpo_calc_smoke"
+  elif arg not in (None, ""):
+    raise ValueError(f"experiments/grpo_smollm2_calc.py: unknown variant {arg!r}; use '' or 'smoke'")
+  return c
