@@ -178,6 +178,7 @@ def test_the_run_time_exactness_check_compares_an_episode_tree_with_its_rows(scr
     ("rollout.dynamic_sampling", True, "rollout.dynamic_sampling=True does not apply to episodes"),
     ("rollout.tree_fanouts", (2, 2), "rollout.tree_fanouts=(2, 2) does not apply to episodes"),
     ("loss.overlong_buffer", 2, "loss.overlong_buffer=2 does not apply to episodes"),
+    ("rollout.stop_strings", ("</answer>",), "rollout.stop_strings=('</answer>',) does not apply to episodes"),
     ("task.few_shot", 2, "task.few_shot=2: its examples answer without tools"),
     ("rollout.episodes.environment", "chess", "rollout.episodes.environment='chess' is not one of"),
     ("rollout.episodes.max_turns", 0, "rollout.episodes.max_turns=0 must be an int >= 1"),

@@ -56,9 +56,11 @@ def _extend(graphdef, state, blocks, new_1t, new_len, offset):
 def _decode(graphdef, state, blocks, logits_1v, offset, key, temperature, top_p, eos_ids, pad_id, *, max_new_tokens,
             greedy, use_top_p):
   model = nnx.merge(graphdef, state)
+  # No stop strings in an episode's turns (its turns end at the model's stop ids): the last two
+  # outputs, the stop-string flags and automaton states, are all False / 0.
   return decode_from(model, blocks, logits_1v, offset, key[None], temperature=temperature,
                      top_p=top_p if use_top_p else None, eos_ids=eos_ids, pad_id=pad_id,
-                     max_new_tokens=max_new_tokens, greedy=greedy)
+                     max_new_tokens=max_new_tokens, greedy=greedy)[:5]
 
 
 class EpisodeSampler:
