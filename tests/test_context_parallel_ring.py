@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax.distributed.mesh import make_mesh
 from branch_replay_jax.kernels import reference
-from branch_replay_jax.kernels.context_parallel import prompt_chunk_attention, ring_prompt_attention
+from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention, ring_prompt_attention
 from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -103,6 +103,44 @@ def test_ring_attention_equals_unsharded_attention_float32(monkeypatch):
   monkeypatch.setattr(reference, "KEY_BLOCK", 3)
   inputs = _inputs(jnp.float32, 40, 3, 33, seed=1)
   assert _compare(_sharded(ring_prompt_attention(), 4, inputs), _unsharded(inputs)) <= 1e-5
+
+
+def test_branches_over_the_sharded_prompt_equal_unsharded_attention_float64(x64, monkeypatch):
+  # Two 13-token branches (2 query chunks of 7) over a 40-token prompt split 10 keys per device over
+  # seq = 4 (3 key tiles of 3 + 1; keys 0..2 and 33..39 padding, so the last device's chunk is all
+  # padding): each device attends to its chunk by the tiled attention (over_sharded_prompt's partial
+  # softmax), merged across seq by log-sum-exp; the prompt is the whole model's (ring). Expected: the
+  # one-device attention, loss Σ prompt out·w + Σ branch (out·w + lse·w'), gradients w.r.t. the
+  # prompt's q, k, v and the branches' q, k, v, to rounding (<= 1e-10). Each device holds its
+  # chunk's prompt term and 1/4 of the (replicated) branch term.
+  monkeypatch.setattr(reference, "QUERY_CHUNK", 8)
+  monkeypatch.setattr(reference, "KEY_BLOCK", 3)
+  qp, kp, vp, pvalid, wp, _ = _inputs(jnp.float64, 40, 3, 33, seed=2)
+  rng = np.random.default_rng(3)
+  n = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float64)
+  qb, kb, vb, wb, wl = n(2, 13, 4, 8), n(2, 13, 2, 8), n(2, 13, 2, 8), n(2, 13, 4, 8), n(2, 13, 4)
+  bvalid = jnp.arange(13)[None] < jnp.array([[13], [9]])
+
+  def loss(attn_prompt, attn_branch, share, qp, kp, vp, pvalid, wp, qb, kb, vb):
+    out_p, _ = attn_prompt(qp, [], KVBlock(kp, vp, pvalid))
+    out_b, lse_b = attn_branch(qb, [KVBlock(kp, vp, pvalid)], KVBlock(kb, vb, bvalid))
+    return jnp.sum(out_p * wp) + share * (jnp.sum(out_b * wb) + jnp.sum(lse_b * wl))
+  want, want_grads = jax.value_and_grad(functools.partial(loss, suffix_attention, suffix_attention, 1.0),
+                                        argnums=(0, 1, 2, 5, 6, 7))(qp, kp, vp, pvalid, wp, qb, kb, vb)
+
+  def per_device(qp, kp, vp, pvalid, wp, qb, kb, vb):
+    f = functools.partial(loss, ring_prompt_attention(), over_sharded_prompt(suffix_attention), 1 / 4)
+    val, grads = jax.value_and_grad(f, argnums=(0, 1, 2, 5, 6, 7))(qp, kp, vp, pvalid, wp, qb, kb, vb)
+    return jax.lax.psum(val, "seq"), grads      # qb, kb, vb enter invariant: their grads come back summed
+
+  mesh, spec = make_mesh(2, 1, 4), P(None, "seq")
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (qp, kp, vp, pvalid, wp)]
+    args += [jax.device_put(x, NamedSharding(mesh, P())) for x in (qb, kb, vb)]
+    val, grads = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5 + (P(),) * 3,
+                                       out_specs=(P(), (spec,) * 3 + (P(),) * 3), check_vma=True))(*args)
+  assert abs(float(val) - float(want)) <= 1e-10 * abs(float(want))
+  assert max_rel_err(grads, want_grads) <= 1e-10
 
 
 def _collectives(attention):
