@@ -59,7 +59,7 @@ from jax import lax
 
 from branch_replay_jax.kernels import reference
 from branch_replay_jax.kernels.reference import KVBlock
-from branch_replay_jax.kernels.tiled_attention import query_chunks, tiled_backward, tiled_forward
+from branch_replay_jax.kernels.tiled_attention import query_chunks, tiled_backward, tiled_forward, while_range
 from branch_replay_jax.kernels.vma import to_common_varying
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
@@ -167,7 +167,7 @@ def _ring_fwd(q, own, axis, chunk, key_block):
     out, lse = lax.cond(s <= i, visit, lambda: (out, lse))  # (i - s) mod n < i iff s <= i
     return kv, out, lse
 
-  _, out, lse = lax.fori_loop(1, n, step, (own, out, lse))
+  _, out, lse = while_range(1, n, step, (own, out, lse))
   return (out, lse), (q, own, out, lse)
 
 
@@ -188,7 +188,7 @@ def _ring_bwd(axis, chunk, key_block, residuals, cotangents):
     return kv, d_kv, d_q
 
   d_kv = (jnp.zeros_like(d_own[0]), jnp.zeros_like(d_own[1]))
-  _, d_kv, d_q = lax.fori_loop(1, n, step, (own, d_kv, d_q))
+  _, d_kv, d_q = while_range(1, n, step, (own, d_kv, d_q))
   d_kv = lax.ppermute(d_kv, axis, perm)                     # device i held chunk (i + 1) mod n's: home
   k, v, valid = own
   d_k, d_v = (d_own[0] + d_kv[0]).astype(k.dtype), (d_own[1] + d_kv[1]).astype(v.dtype)
@@ -243,7 +243,7 @@ def over_sharded_prompt(base: AttentionFn, axis: str = "seq") -> AttentionFn:
   The returned function takes q [B, T, Hq, D], ancestors (ancestors[0]: this device's prompt
   chunk, k, v [B or 1, C, Hkv, D], valid [B or 1, C]; the rest unsharded) and own [B, T, ...];
   returns (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq] accumulation dtype), equal on every
-  device of `axis`. The prompt chunk uses dense attention; the rest uses `base`.
+  device of `axis`. The prompt chunk uses the tiled jnp attention (`_partial_attention`); the rest uses `base`.
 
   Raises:
     ValueError: if there are no ancestors.

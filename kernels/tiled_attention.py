@@ -169,6 +169,17 @@ def _reduce_like(ct, primal):
   return lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
+def while_range(start, stop, body, init):
+  """body(i, carry) for i = start .. stop - 1, as a `lax.while_loop` even for static bounds.
+
+  `lax.fori_loop` with static bounds is a `scan`, and inside `jax.checkpoint` (the layer scan's
+  remat policy) JAX's partial evaluation splits a scan into a forward and a recomputed part joined
+  by per-iteration residuals stacked over the iterations ([steps, ...] score tiles and masks),
+  even inside a `custom_vjp`'s forward; a while loop is never split, so it keeps no more than its
+  carry. The loops here are never differentiated (their functions have custom backward passes)."""
+  return lax.while_loop(lambda c: c[0] < stop, lambda c: (c[0] + 1, body(c[0], c[1])), (start, init))[1]
+
+
 def _loop(n, body, init):
   """lax.fori_loop(0, n, body, init), without a loop for a static n of 0 or 1."""
   if isinstance(n, int) and n <= 1:
