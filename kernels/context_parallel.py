@@ -58,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from branch_replay_jax.kernels import reference
-from branch_replay_jax.kernels.reference import KVBlock
+from branch_replay_jax.kernels.reference import KVBlock, accum_dtype
 from branch_replay_jax.kernels.tiled_attention import query_chunks, tiled_backward, tiled_forward, while_range
 from branch_replay_jax.kernels.vma import to_common_varying
 
@@ -201,12 +201,16 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _partial_attention(q_bthd, block: KVBlock, scale: float):
   """Softmax attention over one block, no causal mask: (out [B, T, Hq, D] accum dtype, lse [B, T, Hq]).
 
-  The tiled jnp attention over the block as an ancestor (`tiled_forward` with no own block; its
-  backward `tiled_backward`), so that at most one tile of scores [Hkv, B, QUERY_CHUNK, G, KEY_BLOCK]
-  is live and none is kept for the backward pass: a completion's T queries against a prompt
-  chunk of C keys never form [T, C] scores. A row with no valid key gets out 0 and lse -inf."""
+  As `reference.suffix_attention` does: T <= QUERY_CHUNK queries over C <= KEY_BLOCK keys take one
+  dense step (`_dense_partial`, the same program as before tiling); longer ones the tiled jnp
+  attention over the block as an ancestor (`tiled_forward` with no own block; its backward
+  `tiled_backward`), so that at most one tile of scores [Hkv, B, QUERY_CHUNK, G, KEY_BLOCK] is live
+  and none is kept for the backward pass: a completion's T queries against a prompt chunk of C
+  keys never form [T, C] scores. A row with no valid key gets out 0 and lse -inf."""
   b, t, hq, d = q_bthd.shape
   hkv = block.k.shape[-2]
+  if t <= reference.QUERY_CHUNK and block.k.shape[1] <= reference.KEY_BLOCK:
+    return _dense_partial(q_bthd, block, scale)
   chunk, pad = query_chunks(t, reference.QUERY_CHUNK)
   q = jnp.pad((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), [(0, 0), (0, pad), (0, 0), (0, 0), (0, 0)])
   kv_t = lambda x: jnp.transpose(x, (2, 0, 1, 3))              # [Hkv, B or 1, C, D]
@@ -214,6 +218,24 @@ def _partial_attention(q_bthd, block: KVBlock, scale: float):
   out, lse = _tiled_partial(q, blk, chunk, reference.KEY_BLOCK)
   out = jnp.transpose(out[:, :, :t], (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
   return out, jnp.transpose(lse[:, :, :t], (1, 2, 0, 3)).reshape(b, t, hq)
+
+
+def _dense_partial(q_bthd, block: KVBlock, scale: float):
+  """`_partial_attention` in one step over the whole block (short segments), by autodiff."""
+  b, t, hq, d = q_bthd.shape
+  hkv = block.k.shape[-2]
+  acc = accum_dtype(q_bthd.dtype)
+  q = (q_bthd * scale).reshape(b, t, hkv, hq // hkv, d)
+  kb = jnp.broadcast_to(block.k, (b,) + block.k.shape[1:])
+  vb = jnp.broadcast_to(block.v, (b,) + block.v.shape[1:])
+  mask = jnp.broadcast_to(block.valid, (b, block.valid.shape[1]))[:, None, None, None, :]
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, kb, preferred_element_type=acc)
+  scores = jnp.where(mask, scores, jnp.finfo(acc).min)     # finite fill: a NaN-free backward
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  probs = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(vb.dtype), vb, preferred_element_type=acc)
+  lse = jnp.where(mask.any(axis=-1), lse, -jnp.inf)
+  return out.reshape(b, t, hq, d), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
