@@ -169,6 +169,17 @@ def _reduce_like(ct, primal):
   return lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
+def while_range(start, stop, body, init):
+  """body(i, carry) for i = start .. stop - 1, as a `lax.while_loop` even for static bounds.
+
+  `lax.fori_loop` with static bounds is a `scan`, and inside `jax.checkpoint` (the layer scan's
+  remat policy) JAX's partial evaluation splits a scan into a forward and a recomputed part joined
+  by per-iteration residuals stacked over the iterations ([steps, ...] score tiles and masks),
+  even inside a `custom_vjp`'s forward; a while loop is never split, so it keeps no more than its
+  carry. The loops here are never differentiated (their functions have custom backward passes)."""
+  return lax.while_loop(lambda c: c[0] < stop, lambda c: (c[0] + 1, body(c[0], c[1])), (start, init))[1]
+
+
 def _loop(n, body, init):
   """lax.fori_loop(0, n, body, init), without a loop for a static n of 0 or 1."""
   if isinstance(n, int) and n <= 1:
@@ -176,13 +187,14 @@ def _loop(n, body, init):
   return lax.fori_loop(0, n, body, init)
 
 
-def _tiles(c, sizes: Sequence[int], chunk: int, key_block: int):
+def _tiles(c, sizes: Sequence[int], chunk: int, key_block: int, own: bool = True):
   """Key tiles seen by query chunk c: (looped [(block, start, size, count)], single [(block, start, size, causal)]).
 
   `sizes` are the ancestor blocks' key counts; block index len(sizes) is the own block. Looped
   entries are `count` tiles of `size` keys from `start`: an ancestor's full KEY_BLOCK tiles, and
   own tiles 0..c-1 (all before the chunk's first query). Single tiles: an ancestor's remainder (or
-  the whole of a short one) and own tile c, the causal diagonal."""
+  the whole of a short one) and own tile c, the causal diagonal. Without an own block (own False)
+  only the ancestors' tiles."""
   looped, single = [], []
   for i, s in enumerate(sizes):
     n = s // key_block if s > key_block else 0
@@ -190,8 +202,9 @@ def _tiles(c, sizes: Sequence[int], chunk: int, key_block: int):
       looped.append((i, 0, key_block, n))
     if s > n * key_block:
       single.append((i, n * key_block, s - n * key_block, False))
-  looped.append((len(sizes), 0, chunk, c))
-  single.append((len(sizes), c * chunk, chunk, True))
+  if own:
+    looped.append((len(sizes), 0, chunk, c))
+    single.append((len(sizes), c * chunk, chunk, True))
   return looped, single
 
 
@@ -202,6 +215,14 @@ def _tile(blocks, block: int, start, size: int, causal: bool):
   if causal:   # the diagonal tile: query i of the chunk sees its keys 0..i
     mask = mask & jnp.tril(jnp.ones((size, size), bool))[None, None, :, None, :]
   return _take(k, start, size, 2), _take(v, start, size, 2), mask
+
+
+def query_chunks(t: int, chunk: int) -> tuple[int, int]:
+  """(queries per chunk, padded queries) for T = t queries in chunks of at most `chunk`: n =
+  ceil(t / chunk) equal chunks of ceil(t / n), the last padded by fewer than n queries."""
+  n_chunks = -(-t // chunk)
+  size = -(-t // n_chunks)
+  return size, n_chunks * size - t
 
 
 def tiled_attention(q, ancestors: Sequence, own, chunk: int, key_block: int):
@@ -215,9 +236,7 @@ def tiled_attention(q, ancestors: Sequence, own, chunk: int, key_block: int):
   own-key work). Padded queries see valid keys and are sliced off, their zero cotangents add
   nothing; padded own keys are invalid. K/V are transposed to [Hkv, B, S, D] once."""
   t = q.shape[2]
-  n_chunks = -(-t // chunk)
-  chunk = -(-t // n_chunks)
-  pad = n_chunks * chunk - t
+  chunk, pad = query_chunks(t, chunk)
   q = jnp.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0), (0, 0)])
   pad_kv = lambda x: jnp.pad(_kv_t(x), [(0, 0), (0, 0), (0, pad), (0, 0)])
   own_t = (pad_kv(own.k), pad_kv(own.v), jnp.pad(own.valid, [(0, 0), (0, pad)]))
@@ -234,35 +253,62 @@ def _attend_tiled(q, ancestors, own, chunk: int, key_block: int):
 
 
 def _attend_tiled_fwd(q, ancestors, own, chunk, key_block):
+  out, lse = tiled_forward(q, ancestors, own, chunk, key_block)
+  return (out, lse), (q, ancestors, own, out, lse)
+
+
+def tiled_forward(q, ancestors: tuple, own, chunk: int, key_block: int):
+  """(out [Hkv, B, T, G, D], lse [Hkv, B, T, G]), accumulation dtype, of pre-scaled q [Hkv, B, T, G, D]
+  over ancestors ((k, v [Hkv, B or 1, S_i, D], valid [B or 1, S_i]), ...) and own (k, v [Hkv, B, T,
+  D], valid [B, T], bottom-right causal; or None: ancestors only), T a multiple of `chunk`.
+
+  The forward of `tiled_attention` without its custom_vjp (Dao et al. 2022, Algorithm 1), for a caller
+  that defines its own backward (ring attention, kernels/context_parallel.py) with `tiled_backward`."""
   acc = accum_dtype(q.dtype)
-  blocks = ancestors + (own,)
+  blocks = ancestors + ((own,) if own is not None else ())
   sizes = [k.shape[2] for k, _, _ in ancestors]
   vary = _varying_like(q, blocks)
 
   def chunk_body(c, outs):
     q_c = _take(q, c * chunk, chunk, 2)
-    looped, single = _tiles(c, sizes, chunk, key_block)
+    looped, single = _tiles(c, sizes, chunk, key_block, own is not None)
     state = SoftmaxState(vary(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc)), vary(jnp.zeros(q_c.shape[:-1], acc)),
                    vary(jnp.zeros(q_c.shape, acc)))
     for block, start, size, count in looped:
       step = lambda j, st, block=block, start=start, size=size: _online_step(
           q_c, [_tile(blocks, block, start + j * size, size, False)], st)
       state = _loop(count, step, state)
-    out_c, lse_c = finish_softmax(_online_step(q_c, [_tile(blocks, *tile) for tile in single], state))
+    if single:
+      state = _online_step(q_c, [_tile(blocks, *tile) for tile in single], state)
+    out_c, lse_c = finish_softmax(state)
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 2)
     return put(outs[0], out_c), put(outs[1], lse_c)
 
-  out, lse = _loop(q.shape[2] // chunk, chunk_body, (vary(jnp.zeros(q.shape, acc)), vary(jnp.zeros(q.shape[:-1], acc))))
-  return (out, lse), (q, ancestors, own, out, lse)
+  return _loop(q.shape[2] // chunk, chunk_body, (vary(jnp.zeros(q.shape, acc)), vary(jnp.zeros(q.shape[:-1], acc))))
 
 
 def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
   q, ancestors, own, out, lse = residuals
-  d_out, d_lse = cotangents
+  d_q, d_ancestors, d_own = tiled_backward(q, ancestors, own, out, lse, *cotangents, chunk, key_block)
+  cast = lambda ct, x: _reduce_like(ct, x).astype(x.dtype)
+  d_kvs = [(cast(dk, k), cast(dv, v), np.zeros(valid.shape, jax.dtypes.float0))
+           for (dk, dv), (k, v, valid) in zip(d_ancestors + (d_own,), ancestors + (own,))]
+  return cast(d_q, q), tuple(d_kvs[:-1]), d_kvs[-1]
+
+
+def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int, key_block: int):
+  """(dq, ((dk, dv) per ancestor), (dk, dv) of own or None), accumulation dtype, not summed over mesh axes.
+
+  The backward of `tiled_forward` (Dao 2023, Algorithm 2) over the blocks given, with out [Hkv, B, T,
+  G, D] and lse [Hkv, B, T, G] those of the whole softmax, which may span more keys than these
+  blocks: the probabilities exp(S - lse) and dS = P (dP - rowsum(dO * O) + d lse) of these keys are
+  then their share of the whole softmax's, so summing the results over a partition of the keys
+  gives the whole gradient (ring attention's backward, kernels/context_parallel.py). Arguments as
+  in `tiled_forward`; d_out like out, d_lse like lse."""
   acc = out.dtype
-  blocks = ancestors + (own,)
+  blocks = ancestors + ((own,) if own is not None else ())
   sizes = [k.shape[2] for k, _, _ in ancestors]
-  vary = _varying_like(residuals, cotangents)
+  vary = _varying_like((q, blocks, out, lse), (d_out, d_lse))
   d_out = d_out.astype(acc)
   # dS = P (dP - rowsum(dO * O)) + P d lse (as d lse / dS = P) = P (dP - delta)
   delta = (jnp.sum(d_out * out, axis=-1) - jnp.where(jnp.isfinite(lse), d_lse, 0.0))[..., None]
@@ -272,7 +318,7 @@ def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
     d_q, d_blocks = carry
     rows = lambda x: _take(x, c * chunk, chunk, 2)
     q_c, d_out_c, lse_c, delta_c = rows(q), rows(d_out), rows(lse), rows(delta)
-    looped, single = _tiles(c, sizes, chunk, key_block)
+    looped, single = _tiles(c, sizes, chunk, key_block, own is not None)
 
     def visit(tile, carry):
       dq_c, d_blocks = carry
@@ -293,10 +339,9 @@ def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
 
   zeros = tuple((vary(jnp.zeros(k.shape, acc)), vary(jnp.zeros(v.shape, acc))) for k, v, _ in blocks)
   d_q, d_blocks = _loop(q.shape[2] // chunk, chunk_body, (vary(jnp.zeros(q.shape, acc)), zeros))
-  cast = lambda ct, x: _reduce_like(ct, x).astype(x.dtype)
-  d_kvs = [(cast(dk, k), cast(dv, v), np.zeros(valid.shape, jax.dtypes.float0))
-           for (dk, dv), (k, v, valid) in zip(d_blocks, blocks)]
-  return cast(d_q, q), tuple(d_kvs[:-1]), d_kvs[-1]
+  if own is None:
+    return d_q, tuple(d_blocks), None
+  return d_q, tuple(d_blocks[:-1]), d_blocks[-1]
 
 
 _attend_tiled.defvjp(_attend_tiled_fwd, _attend_tiled_bwd)

@@ -2,8 +2,9 @@
 
     prompt_ids [P_pad]  ──split over "seq"──►  device i: positions [i*C, (i+1)*C),  C = P_pad / S
 
-    prefix forward : chunk i runs on device i; each layer all-gathers K/V over "seq" and the chunk's
-                     queries see the valid keys before them (kernels/context_parallel.py);
+    prefix forward : chunk i runs on device i; each layer passes the K/V chunks around the "seq" ring
+                     (the xla attention; the Pallas kernels all-gather them) and the chunk's queries
+                     see the valid keys before them (kernels/context_parallel.py);
     prefix output  : the local chunk's per-layer K/V [L, 1, C, Hkv, D] (stays sharded) and the
                      prompt's last hidden state [d] (psum over "seq" from its owner: every device);
     branches       : replicated over "seq"; their queries attend to the local chunk and the partial
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from branch_replay_jax.data.batches import GroupBatch
 from branch_replay_jax.kernels import attention_fn
-from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention
+from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention, ring_prompt_attention
 
 
 def check_prompt_split(p_pad: int, seq: int) -> int:
@@ -35,6 +36,16 @@ def check_prompt_split(p_pad: int, seq: int) -> int:
   return p_pad // seq
 
 
+def prompt_attention(attention_impl: str, axis: str = "seq"):
+  """The prompt chunk's own attention over `axis` for a resolved `attention_impl` (docs/design.md,
+  "Context parallelism"): "xla", the tiled jnp attention, passes the K/V chunks around the ring
+  (`ring_prompt_attention`: no layer holds the whole prompt's K/V); the Pallas kernels ("pallas",
+  "splash") all-gather them (`prompt_chunk_attention`), whose kernels take whole blocks."""
+  if attention_impl == "xla":
+    return ring_prompt_attention(axis)
+  return prompt_chunk_attention(attention_fn(attention_impl), axis)
+
+
 def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq"):
   """(the local chunk's KVBlock, last hidden [d] of the prompt, on every device of `axis`): one
   model's (a Llama's) forward of this device's prompt chunk batch.prompt_ids [C]."""
@@ -42,7 +53,7 @@ def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq"):
   c = chunk.shape[0]
   start = jax.lax.axis_index(axis) * c
   valid = start + jnp.arange(c) < batch.prompt_len
-  attention = prompt_chunk_attention(attention_fn(model.attention_impl), axis)
+  attention = prompt_attention(model.attention_impl, axis)
   out = model(chunk[None], start, valid_bt=valid[None], attention=attention)
   local = batch.prompt_len - 1 - start          # the last prompt token's index in this chunk
   owner = (local >= 0) & (local < c)
