@@ -98,10 +98,14 @@ def scripted(tmp_path_factory):
   groups = {}
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(collect, "EpisodeSampler", ScriptedTurns)
-    for layout in ("replay", "naive"):
+    # (train.gradient, rollout.episodes.share): "replay" and "naive" share the tree (the experiment's
+    # default), "prompt" and "naive_prompt" the prompt only.
+    for layout, (gradient, share) in {"replay": ("replay", "tree"), "naive": ("naive", "tree"),
+                                      "prompt": ("replay", "prompt"), "naive_prompt": ("naive", "prompt")}.items():
       cfg = calc_smoke(run_dir, **{"rollout.group_size": 6, "rollout.episodes.max_turn_tokens": 40,
                                    "rollout.episodes.max_context": 1024, "rollout.episodes.few_shot": 0,
-                                   "loss.weighting": "group_token_mean", "train.gradient": layout})
+                                   "loss.weighting": "group_token_mean", "train.gradient": gradient,
+                                   "rollout.episodes.share": share})
       groups[layout] = []
       for pos in range(2):
         problem = algorithm.task[pos]
@@ -130,26 +134,34 @@ def test_scripted_episodes_are_scored_and_counted_by_status(scripted):
   assert record["turns_per_episode"] == pytest.approx(18 / 12)
   assert (record["episodes_done"], record["episodes_malformed_tool_call"], record["episodes_tool_error"],
           record["episodes_max_turns"]) == (6, 2, 2, 2)
-  # Branches 0, 1 and 5 share the first turn and its observation: computed once in the tree.
-  assert g.counts["token_positions_computed"] < g.counts["token_positions_naive"]
+  # Branches 0, 1 and 5 share the first turn and its observation: computed once in the tree; with
+  # rollout.episodes.share = "prompt" only the prompt is (the rows by the group replay step).
+  prompt_only = groups["prompt"][0]
+  assert prompt_only.kind == "group" and prompt_only.naive_batch is None
+  assert g.counts["token_positions_computed"] < prompt_only.counts["token_positions_computed"] < \
+         g.counts["token_positions_naive"] == prompt_only.counts["token_positions_naive"]
 
 
-def test_the_episode_step_logs_the_same_metrics_in_the_replay_and_naive_layouts(scripted):
+@pytest.mark.parametrize("share", ["tree", "prompt"])
+def test_the_episode_step_logs_the_same_metrics_in_the_replay_and_naive_layouts(scripted, share):
   # Same episodes, same parameters: loss, gradient norm and KL per (token, episode) pair agree to
   # float32 rounding (<= 1e-4 relative, the project's float32 bound); the KL is positive (reference
   # = another random model) and nothing is clipped on-policy (clip_frac exactly 0 in both). Every
-  # other logged figure of the step (rewards, episode metrics, token counts) is equal exactly.
+  # other logged figure of the step (rewards, episode metrics, token counts) is equal exactly. Replay
+  # over the episode tree (share tree) and the rows by the group replay step (share prompt).
   config, model, groups = scripted
   graphdef, params = nnx.split(model)
   _, ref_params = nnx.split(runs.build_model(calc_smoke("/tmp/unused", seed=1))[0])
   stats = {}
-  for layout in ("replay", "naive"):
-    cfg = calc_smoke(config.run_dir, **{"train.gradient": layout, "rollout.group_size": 6})
+  layouts = {"replay": "replay" if share == "tree" else "prompt", "naive": "naive" if share == "tree" else "naive_prompt"}
+  for layout, key in layouts.items():
+    cfg = calc_smoke(config.run_dir, **{"train.gradient": layout, "rollout.group_size": 6,
+                                        "rollout.episodes.share": share})
     optimizer = runs.make_optimizer(cfg)
     fns = grpo.GRPOFunctions(cfg, graphdef, None, optimizer)
     p = jax.tree_util.tree_map(lambda x: x.copy(), params)
-    _, _, out, _ = grpo.update_on_batch(cfg, fns, p, ref_params, optimizer.init(p), groups[layout])
-    record = loop.step_record(0, groups[layout], out, rollout_s=0.0, update_s=0.0)
+    _, _, out, _ = grpo.update_on_batch(cfg, fns, p, ref_params, optimizer.init(p), groups[key])
+    record = loop.step_record(0, groups[key], out, rollout_s=0.0, update_s=0.0)
     stats[layout] = {k: v for k, v in record.items() if not k.endswith("_s")}
   replay, naive = stats["replay"], stats["naive"]
   assert naive["kl"] > 0 and abs(naive["loss"]) > 0 and naive["grad_norm"] > 0
@@ -182,6 +194,7 @@ def test_the_run_time_exactness_check_compares_an_episode_tree_with_its_rows(scr
     ("task.few_shot", 2, "task.few_shot=2: its examples answer without tools"),
     ("rollout.episodes.environment", "chess", "rollout.episodes.environment='chess' is not one of"),
     ("rollout.episodes.max_turns", 0, "rollout.episodes.max_turns=0 must be an int >= 1"),
+    ("rollout.episodes.share", "turns", "rollout.episodes.share='turns' is not one of ('tree', 'prompt')"),
     ("rollout.episodes.max_context", 6, "rollout.episodes.max_context=6 leaves no room"),
     ("rollout.episodes.max_context", 4096, "rollout.episodes.max_context=4096 is longer than model 'tiny'"),
     ("rollout.group_size", 1, "rollout.group_size=1: a group-relative advantage"),

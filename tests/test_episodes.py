@@ -16,7 +16,7 @@ from branch_replay_jax.core.tree_replay import SCHEDULES
 from branch_replay_jax.data.batches import TreeBatch, segments
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
-                                             episode_tree_arrays)
+                                             episode_tree_arrays, prompt_only_tree)
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
 
@@ -100,6 +100,7 @@ def test_bad_episodes_are_refused():
 _tree_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
                      static_argnames=("micro_batch", "schedule"))
 _naive_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))
+_group_replay_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="replay"), static_argnums=(0, 3))
 _tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 _group_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 
@@ -175,6 +176,29 @@ def test_episode_replay_equals_naive_rows_float64_with_every_logged_metric(x64, 
       for k in ("loss", "grad_norm", "kl", "clip_frac"):
         assert abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])), (mode, schedule, k, got[k], want[k])
       assert max_rel_err(out[2], naive[2]) <= 1e-10, (mode, schedule)
+
+
+def test_episode_rows_by_the_group_replay_step_equal_naive_rows_float64(x64):
+  # rollout.episodes.share = "prompt": the naive rows through the group replay step (the prompt
+  # computed once, each episode one row with its observations at weight 0) are the same function of
+  # the parameters: float64 rounding only, and every logged figure equal. It computes the prompt once
+  # and every episode's turns and observations: 6 + 65 positions (prompt_only_tree: 18 + 14 + 18 + 13
+  # + 2), against 6 x 5 + 65 naive and the episode tree's 6 + 44 (a x shared by e0..e2, b by e0, e2).
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  episodes = _episodes()
+  only = prompt_only_tree(episodes)
+  assert [len(s) for s in only.tree.segments] == [6] + [len(e.tokens()) for e in episodes]
+  assert sum(len(s) for s in only.tree.segments) == 6 + 65 and only.model_lengths().tolist() == \
+         episode_tree(episodes).model_lengths().tolist()
+  assert sum(len(s) for s in episode_tree(episodes).tree.segments) == 6 + 44
+  _, _, naive_arrays = _layouts("group_token_mean", np.float64)
+  want_out = _naive_step(graphdef, params, naive_arrays, _group_objective)
+  got_out = _group_replay_step(graphdef, params, naive_arrays, _group_objective)
+  want, got = _logged(want_out, naive_arrays), _logged(got_out, naive_arrays)
+  assert want["pairs"] == 39 and want["clipped"] == got["clipped"] > 0
+  for k in ("loss", "grad_norm", "kl", "clip_frac"):
+    assert abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])), (k, got[k], want[k])
+  assert max_rel_err(got_out[2], want_out[2]) <= 1e-10
 
 
 def test_episode_replay_equals_naive_rows_float32():

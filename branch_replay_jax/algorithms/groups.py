@@ -34,7 +34,8 @@ import numpy as np
 from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
-from branch_replay_jax.data.episodes import episode_group_arrays, episode_tree, episode_tree_arrays, limit_depth
+from branch_replay_jax.data.episodes import (episode_group_arrays, episode_tree, episode_tree_arrays, limit_depth,
+                                             prompt_only_tree)
 from branch_replay_jax.data.groups import bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.rollout.collect import EpisodeTrajectories, Trajectories, rollout, rollout_episodes
@@ -157,9 +158,10 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
   truncated episodes (cut by a budget) left out with loss.mask_truncated, loss.weighting's weights
   over each episode's model tokens (`losses.trajectory_weights` of `EpisodeTree.model_lengths`, the
   "constant" weighting over the episode's model-token budget), laid out as the episode tree
-  (`episode_tree_arrays` of `limit_depth(..., rollout.episodes.max_tree_depth)`, kind "tree", with its one-row-per-episode layout as `naive_batch` for the
-  run-time exactness check) or, with train.gradient = "naive", one row per episode
-  (`episode_group_arrays`, kind "group"). No old log-probs: on-policy the objective never reads them,
+  (`episode_tree_arrays` of `limit_depth(..., rollout.episodes.max_tree_depth)`, kind "tree", with its
+  one-row-per-episode layout as `naive_batch` for the run-time exactness check) or one row per
+  episode (`episode_group_arrays`, kind "group"), trained naive (train.gradient = "naive") or, with
+  rollout.episodes.share = "prompt", by the group replay step (the prompt computed once). No old log-probs: on-policy the objective never reads them,
   and with train.inner_epochs > 1 the step computes them (`grpo.update_on_batch`).
 
   Args:
@@ -171,7 +173,9 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
   truncated = np.array([r.truncated for r in raw.results], bool)
   advantages = trajectory_advantages(config.loss, rewards, group_relative=True)
   in_loss = ~truncated if config.loss.mask_truncated else None
-  etree = limit_depth(episode_tree(episodes), config.rollout.episodes.get("max_tree_depth", 4))
+  share = config.rollout.episodes.get("share", "tree")
+  etree = (prompt_only_tree(episodes) if share == "prompt" else
+           limit_depth(episode_tree(episodes), config.rollout.episodes.get("max_tree_depth", 4)))
   lengths = etree.model_lengths()
   w = obj.trajectory_weights(lengths, mode=config.loss.weighting, max_length=raw.budget,
                              in_loss=in_loss).astype(np.float32)
@@ -181,14 +185,20 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
                                       max_positions=cfg.max_positions, pad_id=pad_id,
                                       completion_bucket=bucket_length(longest, minimum=8))
   naive = config.train.gradient == "naive"
-  arrays = naive_arrays if naive else episode_tree_arrays(etree, advantages, w, pad_id=pad_id)
-  counts = {**tree_counts(etree.tree, cfg), "padding_fraction": pad_tree(etree.tree, pad_id=pad_id).padding_fraction}
+  rows = naive or share == "prompt"   # the rows: trained naive, or by the group replay step (prompt once)
+  arrays = naive_arrays if rows else episode_tree_arrays(etree, advantages, w, pad_id=pad_id)
+  if share == "prompt":   # the counts are those of the replay layout `share` selects, trained naive or not
+    real = episodes[0].prompt.size + sum(e.tokens().size for e in episodes)
+    padding = 1.0 - real / (naive_arrays.prompt_ids.size + naive_arrays.branches.tokens.size)
+  else:
+    padding = pad_tree(etree.tree, pad_id=pad_id).padding_fraction
+  counts = {**tree_counts(etree.tree, cfg), "padding_fraction": padding}
   stats = {"status": [r.status for r in raw.results], "tool_calls": np.array([r.tool_calls for r in raw.results]),
            "turns": np.array([r.turns for r in raw.results]),
            "formatted_turns": np.array([sum(f in ("tool_call", "answer") for f in turns) for turns in raw.turn_formats])}
-  return Group("group" if naive else "tree", arrays, rewards, raw.correct, lengths, counts,
+  return Group("group" if rows else "tree", arrays, rewards, raw.correct, lengths, counts,
                {**raw.sample, "reward": float(rewards[0])}, raw.sample_s, raw.score_s, truncated, None,
-               None if naive else naive_arrays, in_loss, None, episode_stats=stats)
+               None if rows else naive_arrays, in_loss, None, episode_stats=stats)
 
 
 def rollout_group(config, model, tokenizer, task, data_pos: int, key, env=None) -> Group:

@@ -183,8 +183,11 @@ class GRPOFunctions:
   def __init__(self, config, graphdef, frozen=None, optimizer=None):
     t = config.train
     naive = t.gradient == "naive"
-    # Trees and episodes (an episode tree, data/episodes.py) replay with the tree objective.
-    tree = (bool(config.rollout.tree_fanouts) or config.rollout.get("episodes") is not None) and not naive
+    # Trees and episode trees (data/episodes.py; rollout.episodes.share = "tree") replay with the tree
+    # objective; episodes sharing the prompt only are rows, a group's objective.
+    episodes = config.rollout.get("episodes")
+    tree = (bool(config.rollout.tree_fanouts) or (episodes is not None and episodes.get("share", "tree") == "tree")
+            ) and not naive
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = objective(config, tree)
     tau = logprob_temperature(config)

@@ -51,6 +51,7 @@ GROUPS_AND_TREES = ("group", "tree")
 # may hold them at that value (the shipped experiments list every field); any other is refused.
 INERT = {"rollout.segment_length": 0, "rollout.tree_fanouts": (), "rollout.dynamic_sampling": False,
          "rollout.max_prompt_draws": None, "loss.overlong_buffer": 0, "rollout.stop_strings": ()}
+SHARES = ("tree", "prompt")     # rollout.episodes.share: what a replay step computes once (docs/design.md, "Episodes")
 ENVIRONMENTS = ("calculator",)   # rollout.episodes.environment (rollout/environments.py, make_environment)
 
 
@@ -145,6 +146,9 @@ class EpisodesConfig:
                      layouts=("episode",))
   max_tree_depth: int = _f("levels of a problem's episode tree at most; deeper nodes are not shared "
                            "(data.episodes.limit_depth: XLA:CPU's dots take rank < 8; depth 6 aborts)", 4, layouts=("episode",))
+  share: str = _f("what train.gradient=replay computes once: tree (the episode tree: the prompt and every common "
+                  "turn and observation) or prompt (the prompt only, each episode one row: the group replay step)",
+                  "tree", layouts=("episode",))
 
 
 @_frozen

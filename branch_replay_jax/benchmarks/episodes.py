@@ -25,8 +25,10 @@ Prints one JSON object per case with:
 
 Layouts: naive = every episode its own row with a loss mask (`episode_group_arrays`, how verl and
 TRL train); replay = the episode tree (`episode_tree_arrays` of `episode_tree`): every shared turn
-and observation computed once; prompt-only = the prompt shared and each episode's turns and
-observations one leaf (what prompt-only stacks such as PrefixGrouper compute). All three use the
+and observation computed once (the tree step, rollout.episodes.share = "tree"); prompt-only = the
+naive rows through the group replay step, the prompt computed once and each episode's turns and
+observations one row (rollout.episodes.share = "prompt"; what prompt-only stacks such as
+PrefixGrouper compute; its positions are `data.episodes.prompt_only_tree`'s). All three use the
 same objective terms (GRPO on-policy, as benchmarks/replay.py) and the same jitted step builder
 (`gradients.step.value_and_grad`); each is compiled, run once untimed, then timed `repeats` times in
 this process, one mode after another.
@@ -48,9 +50,8 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.benchmarks.replay import (GRPO_OBJECTIVE, TREE_OBJECTIVE, architecture_of, cpu_seconds, emitter,
                                                  load_model)
 from branch_replay_jax.data.counts import tree_counts
-from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, EpisodeTree, episode_group_arrays,
-                                             episode_tree, episode_tree_arrays)
-from branch_replay_jax.data.trees import RolloutTree
+from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
+                                             episode_tree_arrays, prompt_only_tree)
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
@@ -90,14 +91,6 @@ def case_episodes(case: dict, vocab: int, seed: int) -> list[Episode]:
 
   grow([], [], 0)
   return episodes
-
-
-def prompt_only_tree(episodes) -> EpisodeTree:
-  """The prompt as the root and each episode's turns and observations as one leaf."""
-  prompt = np.asarray(episodes[0].prompt, np.int32)
-  g = len(episodes)
-  tree = RolloutTree((prompt, *[e.tokens() for e in episodes]), (-1,) + (0,) * g, tuple(range(1, g + 1)))
-  return EpisodeTree(tree, (np.zeros(prompt.size, bool), *[e.model_mask() for e in episodes]))
 
 
 def _time_step(step, params, arrays, repeats: int) -> dict:
@@ -155,11 +148,16 @@ def run_case(config, index: int, model, emit) -> dict:
   naive = _time_step(naive_step, params, naive_arrays, config.repeats)
   record = {"case": index, **{k: case[k] for k in ("P", "T", "O", "fanouts", "turns", "G")}}
   for name, etree in (("replay", replay_tree), ("prompt_only", prompt_tree)):
-    arrays = episode_tree_arrays(etree, adv, w, prompt_bucket=case["P"])
-    leaf_siblings = arrays.levels[-1].tokens.shape[-2]
-    m = leaf_siblings if config.tree_micro_batch == 0 else config.tree_micro_batch
-    step = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, TREE_OBJECTIVE, schedule=config.tree_schedule,
-                                               micro_batch=m, logprob_chunk=config.logprob_chunk))
+    if name == "replay":
+      arrays = episode_tree_arrays(etree, adv, w, prompt_bucket=case["P"])
+      leaf_siblings = arrays.levels[-1].tokens.shape[-2]
+      m = leaf_siblings if config.tree_micro_batch == 0 else config.tree_micro_batch
+      step = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, TREE_OBJECTIVE, schedule=config.tree_schedule,
+                                                 micro_batch=m, logprob_chunk=config.logprob_chunk))
+    else:   # the naive rows through the group replay step: the prompt once (rollout.episodes.share = "prompt")
+      arrays = naive_arrays
+      step = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, GRPO_OBJECTIVE, layout="replay",
+                                                 micro_batch=naive_m, logprob_chunk=config.logprob_chunk))
     r = _time_step(step, params, arrays, config.repeats)
     counts = tree_counts(etree.tree, cfg)
     suffix = "" if name == "replay" else "_prompt_only"

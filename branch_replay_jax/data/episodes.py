@@ -13,6 +13,7 @@ to the loss, its KL term, its clip count or a value target (`losses.grpo_objecti
 `losses.grpo_tree_objective` weigh every per-token term and count only tokens with weight > 0).
 
     episode_tree(episodes)                                   -> EpisodeTree (the trie of the episodes)
+    prompt_only_tree(episodes)                               -> EpisodeTree (the prompt shared, nothing else)
     limit_depth(tree, max_depth)                             -> EpisodeTree (sharing below max_depth dropped)
     episode_tree_arrays(tree, advantage_g, weights_g, ...)   -> TreeBatch   (replay: every node once)
     episode_group_arrays(episodes, advantage_g, weights_g, ...) -> GroupBatch (naive: one row per episode,
@@ -165,6 +166,27 @@ def episode_tree(episodes: Sequence[Episode]) -> EpisodeTree:
   segments = tuple((np.asarray(s) // 2).astype(np.int32) for s in merged.segments)
   model = tuple((np.asarray(s) % 2).astype(bool) for s in merged.segments)
   return EpisodeTree(RolloutTree(segments, merged.parents, merged.ends), model)
+
+
+def prompt_only_tree(episodes: Sequence[Episode]) -> EpisodeTree:
+  """The episodes sharing their prompt only: the prompt as the root and each episode's segments (turns
+  and observations, roles kept) as one leaf, in the order of `episodes`. What a group replay step
+  computes (`episode_group_arrays` with the replay layout) and what prompt-only stacks such as
+  PrefixGrouper share; `tree_counts` of it counts the positions that step computes.
+
+  Raises:
+    ValueError: as `episode_tree` (no episodes, or prompts that differ).
+  """
+  if not episodes:
+    raise ValueError("prompt_only_tree: needs at least one episode")
+  prompt = np.asarray(episodes[0].prompt, np.int32)
+  for g, e in enumerate(episodes):
+    if not np.array_equal(np.asarray(e.prompt, np.int64), prompt.astype(np.int64)):
+      raise ValueError(f"prompt_only_tree: episodes[{g}].prompt differs from episodes[0].prompt; the episodes of one "
+                       "problem start from the same reset (one prompt)")
+  g = len(episodes)
+  tree = RolloutTree((prompt, *[e.tokens() for e in episodes]), (-1,) + (0,) * g, tuple(range(1, g + 1)))
+  return EpisodeTree(tree, (np.zeros(prompt.size, bool), *[e.model_mask() for e in episodes]))
 
 
 def limit_depth(tree: EpisodeTree, max_depth: int) -> EpisodeTree:
