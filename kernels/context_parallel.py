@@ -113,21 +113,14 @@ def ring_prompt_attention(axis: str = "seq") -> AttentionFn:
   def attention(q_bthd, ancestors: Sequence[KVBlock], own: KVBlock, *, scale: float | None = None):
     if ancestors:
       raise ValueError(f"ring_prompt_attention: got {len(ancestors)} ancestor blocks; a sharded prompt has none")
-    b, t, hq, d = q_bthd.shape
-    hkv = own.k.shape[-2]
-    if hq % hkv or own.k.shape[-1] != d:
-      raise ValueError(f"ring_prompt_attention: q has {hq} heads of dim {d}, own K has {hkv} heads of dim "
-                       f"{own.k.shape[-1]}; need Hq % Hkv == 0 and equal head dims")
-    scale = d ** -0.5 if scale is None else scale
+    t = q_bthd.shape[1]
     chunk, pad = query_chunks(t, reference.QUERY_CHUNK)     # read at call time (tests shrink them)
+    q, _ = reference.grouped_queries(q_bthd, own.k, scale, "ring_prompt_attention", pad)
     rows = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     kv_t = lambda x: jnp.transpose(rows(x), (2, 0, 1, 3))  # [Hkv, B, C_pad, D]
-    q = jnp.transpose(rows((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d)), (2, 0, 1, 3, 4))
     # one varying type for every input (kernels/vma.py): the ring's loops carry them together
     (q, own_t), _ = to_common_varying(q, (kv_t(own.k), kv_t(own.v), rows(own.valid)))
-    out, lse = _ring(q, own_t, axis, chunk, reference.KEY_BLOCK)
-    lse_bth = jnp.transpose(lse[:, :, :t], (1, 2, 0, 3)).reshape(b, t, hq)
-    out_bthd = jnp.transpose(out[:, :, :t], (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
+    out_bthd, lse_bth = reference.ungrouped(*_ring(q, own_t, axis, chunk, reference.KEY_BLOCK), t)
     return out_bthd.astype(q_bthd.dtype), lse_bth
   return attention
 
@@ -207,17 +200,14 @@ def _partial_attention(q_bthd, block: KVBlock, scale: float):
   `tiled_backward`), so that at most one tile of scores [Hkv, B, QUERY_CHUNK, G, KEY_BLOCK] is live
   and none is kept for the backward pass: a completion's T queries against a prompt chunk of C
   keys never form [T, C] scores. A row with no valid key gets out 0 and lse -inf."""
-  b, t, hq, d = q_bthd.shape
-  hkv = block.k.shape[-2]
+  t = q_bthd.shape[1]
   if t <= reference.QUERY_CHUNK and block.k.shape[1] <= reference.KEY_BLOCK:
     return _dense_partial(q_bthd, block, scale)
   chunk, pad = query_chunks(t, reference.QUERY_CHUNK)
-  q = jnp.pad((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), [(0, 0), (0, pad), (0, 0), (0, 0), (0, 0)])
+  q, _ = reference.grouped_queries(q_bthd, block.k, scale, "over_sharded_prompt", pad)
   kv_t = lambda x: jnp.transpose(x, (2, 0, 1, 3))              # [Hkv, B or 1, C, D]
-  (q, blk), _ = to_common_varying(jnp.transpose(q, (2, 0, 1, 3, 4)), (kv_t(block.k), kv_t(block.v), block.valid))
-  out, lse = _tiled_partial(q, blk, chunk, reference.KEY_BLOCK)
-  out = jnp.transpose(out[:, :, :t], (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
-  return out, jnp.transpose(lse[:, :, :t], (1, 2, 0, 3)).reshape(b, t, hq)
+  (q, blk), _ = to_common_varying(q, (kv_t(block.k), kv_t(block.v), block.valid))
+  return reference.ungrouped(*_tiled_partial(q, blk, chunk, reference.KEY_BLOCK), t)
 
 
 def _dense_partial(q_bthd, block: KVBlock, scale: float):

@@ -100,6 +100,32 @@ def _mix(p_kbtgs, v_bskd):
   return out.reshape(hkv, b, t, g, d)
 
 
+def grouped_queries(q_bthd: jax.Array, own_k: jax.Array, scale: float | None, name: str, pad: int = 0):
+  """(q [Hkv, B, T + pad, G, D] scaled, the scale) of queries q_bthd [B, T, Hq, D] against K with Hkv
+  heads (own_k [..., Hkv, D]): the layout every jnp attention path scores in (query head h = kv head x
+  G + g), the last `pad` query rows zeros; scale None: 1/sqrt(D).
+
+  Raises:
+    ValueError: naming `name`, if Hq is not a multiple of Hkv or the head dims differ.
+  """
+  b, t, hq, d = q_bthd.shape
+  hkv = own_k.shape[-2]
+  if hq % hkv or own_k.shape[-1] != d:
+    raise ValueError(f"{name}: q has {hq} heads of dim {d}, own K has {hkv} heads of dim "
+                     f"{own_k.shape[-1]}; need Hq % Hkv == 0 and equal head dims")
+  scale = d ** -0.5 if scale is None else scale
+  q = jnp.pad((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), [(0, 0), (0, pad), (0, 0), (0, 0), (0, 0)])
+  return jnp.transpose(q, (2, 0, 1, 3, 4)), scale
+
+
+def ungrouped(out, lse, t: int) -> tuple[jax.Array, jax.Array]:
+  """`grouped_queries`' layout back: out [Hkv, B, T', G, D] and lse [Hkv, B, T', G] (T' >= t) to
+  out [B, t, Hq, D] and lse [B, t, Hq], the first t query rows."""
+  hkv, b, _, g, d = out.shape
+  return (jnp.transpose(out[:, :, :t], (1, 2, 0, 3, 4)).reshape(b, t, hkv * g, d),
+          jnp.transpose(lse[:, :, :t], (1, 2, 0, 3)).reshape(b, t, hkv * g))
+
+
 def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlock,
                      *, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
   """Softmax attention of a segment's queries over [ancestors ; own], own bottom-right causal.
@@ -133,15 +159,10 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
   Raises:
     ValueError: if Hq is not a multiple of Hkv or head dims differ.
   """
-  b, t, hq, d = q_bthd.shape
-  hkv = own.k.shape[-2]
-  if hq % hkv or own.k.shape[-1] != d:
-    raise ValueError(f"suffix_attention: q has {hq} heads of dim {d}, own K has {hkv} heads of dim "
-                     f"{own.k.shape[-1]}; need Hq % Hkv == 0 and equal head dims")
-  scale = d ** -0.5 if scale is None else scale
+  b, t, hq, _ = q_bthd.shape
+  q, scale = grouped_queries(q_bthd, own.k, scale, "suffix_attention")   # [Hkv, B, T, G, D]
   if t == 0:
     return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), accum_dtype(q_bthd.dtype))
-  q = jnp.transpose((q_bthd * scale).reshape(b, t, hkv, hq // hkv, d), (2, 0, 1, 3, 4))   # [Hkv, B, T, G, D]
   ancestors = [blk for blk in ancestors if blk.k.shape[1]]   # an empty block adds no key (and max() needs one)
   # Read at call time, so that tests can shrink them (monkeypatch) to exercise the tiling.
   chunk, key_block = QUERY_CHUNK, KEY_BLOCK
@@ -150,8 +171,7 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
     out, lse = _attend(q, kvs, _masks(ancestors, own.valid, 0))
   else:
     out, lse = tiled_attention(q, ancestors, own, chunk, key_block)
-  lse_bth = jnp.transpose(lse, (1, 2, 0, 3)).reshape(b, t, hq)
-  out_bthd = jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(b, t, hq, d)
+  out_bthd, lse_bth = ungrouped(out, lse, t)
   return out_bthd.astype(q_bthd.dtype), lse_bth
 
 
