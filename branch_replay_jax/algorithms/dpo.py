@@ -347,8 +347,7 @@ def _record(step: int, num_pairs: int, info: dict, stats: dict, counts: dict, *,
   if "rewards" in info:   # sampled pairs: the task reward of every sampled completion
     record.update(reward_mean=float(info["rewards"].mean()), accuracy=float(info["correct"].mean()),
                   truncated_frac=float(info["truncated"].mean()),
-                  stop_eos_frac=float(np.mean(info["stop_reasons"] == "eos")),
-                  stop_string_frac=float(np.mean(info["stop_reasons"] == "stop_string")),
+                  **loop.stop_reason_fracs(info["stop_reasons"]),
                   **loop.reward_term_means(info["reward_terms"]),
                   sample_s=info["sample_s"], score_s=info["score_s"])
   return {**record, "update_s": update_s, "step_s": rollout_s + update_s}

@@ -267,7 +267,11 @@ def stop_fracs(groups: list[Group]) -> dict:
   1); {} when a group carries no stop reasons."""
   if any(g.stop_reasons is None for g in groups):
     return {}
-  reasons = np.concatenate([g.stop_reasons for g in groups])
+  return stop_reason_fracs(np.concatenate([g.stop_reasons for g in groups]))
+
+
+def stop_reason_fracs(reasons: np.ndarray) -> dict:
+  """{"stop_eos_frac", "stop_string_frac"} of a step's [N] stop reasons ("eos", "stop_string" or "length")."""
   return {"stop_eos_frac": float(np.mean(reasons == "eos")), "stop_string_frac": float(np.mean(reasons == "stop_string"))}
 
 
