@@ -32,6 +32,7 @@ def get_config(arg=None):
   c.rollout.episodes.max_context = 1024   # tokens of a whole episode, prompt and observations included
   c.rollout.episodes.max_tool_calls = 2   # calls per episode; more end it as max_turns
   c.rollout.episodes.few_shot = 2         # tool-using solved examples before each question (task.few_shot_seed)
+  c.rollout.episodes.min_shared_tokens = 32   # a shared node shorter than this is not shared (fewer, fuller levels)
   c.rollout.episodes.max_tree_depth = 4   # levels of an episode tree; deeper nodes are not shared (XLA:CPU dot rank)
   c.rollout.episodes.share = "tree"       # replay computes once: tree (every common turn) or prompt (the prompt only,
   #                                       # one row per episode; faster on CPU: docs/results/episodes-cpu)

@@ -15,10 +15,12 @@ REQUIRED = {"case", "P", "T", "G", "naive_s", "replay_s", "speedup", "ideal_flop
             "padding_fraction", "naive_compile_s", "replay_compile_s"}
 
 
-# CI runs the group case (~1 min: each mode and micro-batch candidate is a fresh process that
-# compiles); all three kinds take ~3 min on 2 cores: heavy.
+# Each mode and micro-batch candidate is a fresh process that compiles: the group case ~1 min, all three
+# kinds ~3 min on 2 cores: both heavy. In CI the benchmarks' shared pieces (load_model, the JSON emitter,
+# the step builder's replay and naive layouts, the objectives) run through
+# test_bench_episodes_smoke_prints_the_three_layouts_and_the_sampler.
 @pytest.mark.slow
-@pytest.mark.parametrize("kinds", [pytest.param(("group",), id="group"),
+@pytest.mark.parametrize("kinds", [pytest.param(("group",), id="group", marks=pytest.mark.heavy),
                                    pytest.param(("group", "tree", "ppo"), id="all", marks=pytest.mark.heavy)])
 def test_bench_smoke_prints_one_json_row_per_case(kinds):
   only_group = ["--config.tree_cases=()", "--config.ppo_cases=()"] if kinds == ("group",) else []

@@ -16,7 +16,7 @@ from branch_replay_jax.core.tree_replay import SCHEDULES
 from branch_replay_jax.data.batches import TreeBatch, segments
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
-                                             episode_tree_arrays, prompt_only_tree)
+                                             episode_tree_arrays, merge_short, prompt_only_tree)
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
 
@@ -105,13 +105,14 @@ _tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_co
 _group_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 
 
-def _layouts(mode, dtype, advantage="grpo", seed=0):
+def _layouts(mode, dtype, advantage="grpo", seed=0, shape=lambda etree: etree):
   """(EpisodeTree, replay TreeBatch, naive GroupBatch) of `_episodes()` with outcome rewards -> GRPO or
   RLOO advantages [G], `mode`'s weights over each episode's model tokens, and old / reference log-probs
-  per node (near a random model's -ln 64; the naive rows read the same values along each path)."""
+  per node (near a random model's -ln 64; the naive rows read the same values along each path).
+  shape: applied to the episode tree first (e.g. `merge_short`)."""
   rng = np.random.default_rng(seed)
   episodes = _episodes()
-  etree = episode_tree(episodes)
+  etree = shape(episode_tree(episodes))
   rewards = jnp.asarray(rng.normal(size=len(episodes)), jnp.float64 if dtype == np.float64 else jnp.float32)
   adv = np.asarray(obj.group_advantages(rewards) if advantage == "grpo" else obj.rloo_advantages(rewards)).astype(dtype)
   w = obj.trajectory_weights(etree.model_lengths(), mode=mode, max_length=L_MAX).astype(dtype)
@@ -176,6 +177,33 @@ def test_episode_replay_equals_naive_rows_float64_with_every_logged_metric(x64, 
       for k in ("loss", "grad_norm", "kl", "clip_frac"):
         assert abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])), (mode, schedule, k, got[k], want[k])
       assert max_rel_err(out[2], naive[2]) <= 1e-10, (mode, schedule)
+
+
+def test_unsharing_short_nodes_keeps_every_episode_and_the_gradient_float64(x64):
+  # min_tokens 8: turn 2's b (3 tokens, shared by e0 and e2) is unshared, its tokens open y+c and y'+c'
+  # (9 tokens each); a+x (9 tokens, e0..e2) stays shared. 7 nodes of depth 2 instead of 8 of depth 3,
+  # 6 more positions computed (b twice), every episode's tokens and roles as they were.
+  episodes = _episodes()
+  merged = merge_short(episode_tree(episodes), 8)
+  tree = merged.tree
+  assert tree.num_nodes == 7 and max(tree.depth(n) for n in range(7)) == 2
+  assert sorted(len(s) for s in tree.segments[1:]) == sorted([9, 9, 9, 5, 13, 2])
+  assert sum(len(s) for s in tree.segments) == 50 + 3
+  for g, e in enumerate(episodes):
+    back = merged.episode(g)
+    assert back.roles == e.roles and all(np.array_equal(s, t) for s, t in zip(back.segments, e.segments))
+  assert merge_short(episode_tree(episodes), 1).tree.num_nodes == 8   # 1: every common token stays shared
+  with pytest.raises(ValueError, match="min_tokens=0"):
+    merge_short(merged, 0)
+  # Sharing less changes no (token, episode) term: float64 rounding only against the naive rows.
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  _, replay, naive = _layouts("sequence_mean", np.float64, shape=lambda etree: merge_short(etree, 8))
+  out, want = _replay_step(graphdef, params, replay), _naive_step(graphdef, params, naive, _group_objective)
+  got, expected = _logged(out, replay), _logged(want, naive)
+  assert got["pairs"] == expected["pairs"] == 39 and got["clipped"] == expected["clipped"]
+  for k in ("loss", "grad_norm", "kl", "clip_frac"):
+    assert abs(got[k] - expected[k]) <= 1e-12 * max(1.0, abs(expected[k])), (k, got[k], expected[k])
+  assert max_rel_err(out[2], want[2]) <= 1e-10
 
 
 def test_episode_rows_by_the_group_replay_step_equal_naive_rows_float64(x64):

@@ -35,7 +35,9 @@ def records(run_dir):
     pytest.param(grpo_smollm2_arith, {}, marks=pytest.mark.heavy),
     # reference and old log-probs from each layout; heavy (~1 min): test_grpo_options checks with inner epochs
     pytest.param(grpo_smollm2_arith, {"train.inner_epochs": 2}, marks=pytest.mark.heavy),
-    (grpo_tree_smollm2_arith, {}),
+    # heavy (~45 s): the check on a tree-kind group runs in CI through
+    # tests/test_episode_loop.py::test_the_run_time_exactness_check_compares_an_episode_tree_with_its_rows.
+    pytest.param(grpo_tree_smollm2_arith, {}, marks=pytest.mark.heavy),
     # heavy (~1.5 min): the mesh step equals one device in CI (test_train, test_mesh), the check runs the same code
     pytest.param(grpo_smollm2_arith, {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp"},
                  marks=pytest.mark.heavy),

@@ -120,8 +120,10 @@ def _sharded(graphdef, params, groups, mesh, mode="replicated", micro_batch=1):
   return float(loss) / scale, aux, jax.tree_util.tree_map(lambda g: g / scale, grads)
 
 
-# 1x8x1 and 4x2x1 are heavy (~40 s each on loaded cores): CI keeps one mesh per axis and 2x2x2.
-@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.heavy) if s in ((1, 8, 1), (4, 2, 1)) else s
+# 1x8x1, 4x2x1 and 8x1x1 are heavy (~40-70 s each on one core): CI keeps 1x1x8 (seq) and 2x2x2 (every
+# axis, data included).
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.heavy) if s in ((1, 8, 1), (4, 2, 1), (8, 1, 1))
+                                   else s
                                    for s in MESHES], ids=["x".join(map(str, s)) for s in MESHES])
 def test_sharded_replay_equals_single_device_and_naive(reference, shape):
   graphdef, params, groups, naive_loss, naive_grads, replay_grads, naive_aux = reference
@@ -347,7 +349,11 @@ def _cut_tree(seed):
   return tree_from_trajectories(list(rng.integers(0, 64, 20)), comps)
 
 
-@pytest.mark.slow   # four compiles: naive, tree replay, the sharded step and log-probs
+# heavy (~75 s on one core, four compiles): trees on the mesh stay in CI through
+# tests/test_mesh_algorithms.py::test_sharded_actor_critic_trees_equal_single_device (the tree step sharded)
+# and tests/test_train.py::test_mesh_tree_run_trains_to_the_same_parameters[2x2x2-fsdp] (the loop).
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_sharded_tree_replay_equals_naive():
   # Two trees of different shapes, a full one (fan-outs 4 x 2, T = (8, 8), G = 8, P_pad = 16) and
   # one cut short by EOS (fan-outs 3 x 2, T = (8, 16), G = 4, P_pad = 32), padded to one layout

@@ -173,7 +173,10 @@ def ppo_reference(tmp_path_factory):
 
 
 @needs_8
-@pytest.mark.parametrize("shape,params,micro_batch", MESHES)
+# heavy (~65 s on one core): PPO's sharded step stays in CI (test_sharded_actor_critic_equals_single_device and
+# its trees), and the mesh loop through GRPO's runs (tests/test_train.py); `make test-all` runs PPO's.
+@pytest.mark.parametrize("shape,params,micro_batch", [pytest.param(*p.values, marks=pytest.mark.heavy, id=p.id)
+                                                      for p in MESHES])
 def test_ppo_mesh_run_trains_to_the_same_parameters(ppo_reference, tmp_path, shape, params, micro_batch):
   # The PPO smoke run (2 groups x G = 4, value head, 2 epochs) on 8 fake devices: old log-probs and
   # values, then each epoch's minibatch, as one stacked batch on the mesh, for policy and critic.

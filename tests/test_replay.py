@@ -234,6 +234,9 @@ def test_replay_rejects_bad_micro_batch_and_ragged_branches():
     replay_vjp(prefix_fn, lambda p, h, b: (b["x"].sum(), None), params, {"x": jnp.ones(3), "y": jnp.ones(4)})
 
 
+# heavy (~30 s on one core): remat in CI through tests/test_fused_replay.py (save_kv, float64) and
+# tests/test_mesh.py::test_every_remat_policy_on_a_sequence_sharded_mesh (full, save_kv).
+@pytest.mark.heavy
 def test_every_remat_policy_gives_the_same_gradient(x64):
   # Rematerialisation recomputes (or moves to host and back) the same float64 values: same gradient.
   arrays = grpo_arrays(random_group(LENGTHS[2]), jnp.float64)

@@ -17,7 +17,7 @@ from test_replay import grpo_arrays
 from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms.placement import stack_on_device
 from branch_replay_jax.gradients.heads import POLICY
-from branch_replay_jax.gradients.step import make_train_step, value_and_grad
+from branch_replay_jax.gradients.step import compiled_programs, make_train_step, value_and_grad
 
 LENGTHS = [1, 5, 9, 3]
 # Off-policy (old_logp != logp), so the clip and the KL both act: the losses' GRPO objective.
@@ -59,7 +59,8 @@ def test_one_device_step_equals_the_sum_of_per_group_gradients(x64):
 def test_one_program_per_stacked_shape(x64):
   # The step's program depends on the stacked shape only: groups bucketed (16, 16) and (16, 16)
   # again with other tokens and another group count share one program; (16, 32) and (32, 16)
-  # both stack to prompts of 32 and share a second. Four steps, two programs (the jit's cache).
+  # both stack to prompts of 32 and share a second. Four steps, two programs (the jit's cache, which
+  # the loop logs as step_compiles).
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
   tx = optax.sgd(0.1)
   step = make_train_step(POLICY, graphdef, tx, OBJECTIVE, reduce_aux=obj.grpo_aux_sums)
@@ -67,4 +68,4 @@ def test_one_program_per_stacked_shape(x64):
   for prompts, num_groups in [([(11, 16), (9, 16)], 2), ([(5, 16), (13, 16)], 3),
                               ([(11, 16), (21, 32)], 2), ([(30, 32), (7, 16)], 2)]:
     params, state, _ = step(params, state, stack_on_device(groups64(prompts)), num_groups)
-  assert step._cache_size() == 2
+  assert compiled_programs(step) == 2

@@ -51,6 +51,15 @@ def test_bucket_length_is_a_power_of_two_at_least_the_length():
   assert [bucket_length(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
 
 
+def test_segment_buckets_step_by_an_eighth_of_the_octave_and_at_least_8_tokens():
+  # Between 512 and 1024 the buckets are multiples of 64 (704 is one, 705 pads to 768: < 1/8
+  # padding against 1024's 31%); below 64 the step is 8 tokens (9 -> 16, 17 -> 24), so there are
+  # at most 8 buckets per doubling; powers of two stay buckets.
+  got = [bucket_length(n, minimum=8, per_octave=8) for n in (1, 8, 9, 17, 64, 65, 100, 704, 705, 1024, 1025)]
+  assert got == [8, 8, 16, 24, 64, 72, 104, 704, 768, 1024, 1152]
+  assert len({bucket_length(n, minimum=8, per_octave=8) for n in range(513, 1025)}) == 8
+
+
 def test_counts_against_brute_force():
   cfg = tiny_config()
   p, lengths = 7, [1, 4, 2]

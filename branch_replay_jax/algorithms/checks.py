@@ -224,6 +224,8 @@ def validate_episode_rollout(config) -> None:
     raise ValueError(f"rollout.episodes.max_episode_tokens={e.max_episode_tokens!r} must be an int >= 1 or None")
   if e.get("share", "tree") not in schema.SHARES:
     raise ValueError(f"rollout.episodes.share={e.share!r} is not one of {schema.SHARES}")
+  if e.get("min_shared_tokens", 32) < 1:
+    raise ValueError(f"rollout.episodes.min_shared_tokens={e.min_shared_tokens!r} must be an int >= 1")
   if e.get("max_tree_depth", 4) < 1:
     raise ValueError(f"rollout.episodes.max_tree_depth={e.max_tree_depth!r} must be an int >= 1")
   if e.few_shot < 0:

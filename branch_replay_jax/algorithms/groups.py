@@ -35,8 +35,8 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.episodes import (episode_group_arrays, episode_tree, episode_tree_arrays, limit_depth,
-                                             prompt_only_tree)
-from branch_replay_jax.data.groups import bucket_length, group_from_padded
+                                             merge_short, prompt_only_tree)
+from branch_replay_jax.data.groups import SEGMENT_BUCKETS_PER_OCTAVE, bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.rollout.collect import EpisodeTrajectories, Trajectories, rollout, rollout_episodes
 
@@ -158,7 +158,8 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
   truncated episodes (cut by a budget) left out with loss.mask_truncated, loss.weighting's weights
   over each episode's model tokens (`losses.trajectory_weights` of `EpisodeTree.model_lengths`, the
   "constant" weighting over the episode's model-token budget), laid out as the episode tree
-  (`episode_tree_arrays` of `limit_depth(..., rollout.episodes.max_tree_depth)`, kind "tree", with its
+  (`episode_tree_arrays` of `limit_depth(merge_short(..., rollout.episodes.min_shared_tokens),
+  rollout.episodes.max_tree_depth)`, kind "tree", with its
   one-row-per-episode layout as `naive_batch` for the run-time exactness check) or one row per
   episode (`episode_group_arrays`, kind "group"), trained naive (train.gradient = "naive") or, with
   rollout.episodes.share = "prompt", by the group replay step (the prompt computed once). No old log-probs: on-policy the objective never reads them,
@@ -175,7 +176,8 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
   in_loss = ~truncated if config.loss.mask_truncated else None
   share = config.rollout.episodes.get("share", "tree")
   etree = (prompt_only_tree(episodes) if share == "prompt" else
-           limit_depth(episode_tree(episodes), config.rollout.episodes.get("max_tree_depth", 4)))
+           limit_depth(merge_short(episode_tree(episodes), config.rollout.episodes.get("min_shared_tokens", 32)),
+                       config.rollout.episodes.get("max_tree_depth", 4)))
   lengths = etree.model_lengths()
   w = obj.trajectory_weights(lengths, mode=config.loss.weighting, max_length=raw.budget,
                              in_loss=in_loss).astype(np.float32)
@@ -183,7 +185,8 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
   longest = max(len(e.tokens()) for e in episodes)
   naive_arrays = episode_group_arrays(episodes, advantages, w, vocab_size=cfg.vocab_size,
                                       max_positions=cfg.max_positions, pad_id=pad_id,
-                                      completion_bucket=bucket_length(longest, minimum=8))
+                                      completion_bucket=bucket_length(longest, minimum=8,
+                                                                        per_octave=SEGMENT_BUCKETS_PER_OCTAVE))
   naive = config.train.gradient == "naive"
   rows = naive or share == "prompt"   # the rows: trained naive, or by the group replay step (prompt once)
   arrays = naive_arrays if rows else episode_tree_arrays(etree, advantages, w, pad_id=pad_id)

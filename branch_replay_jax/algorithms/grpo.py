@@ -55,7 +55,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees, wit
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_groups
 from branch_replay_jax.gradients.heads import Policy
-from branch_replay_jax.gradients.step import batch_forward, leaf_siblings, make_train_step
+from branch_replay_jax.gradients.step import batch_forward, compiled_programs, leaf_siblings, make_train_step
 from branch_replay_jax.models.lora import WithBase, adapters_off
 from branch_replay_jax.algorithms.groups import Group, step_groups
 from branch_replay_jax.rollout.collect import completion_budget
@@ -269,7 +269,8 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
   if kept is not None:
     kept = (own[0][keep], own[1][0][keep], kept)
   pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
-  stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs}
+  stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs,
+           "step_compiles": compiled_programs(fns.train_step)}
   return params, opt_state, stats, kept
 
 

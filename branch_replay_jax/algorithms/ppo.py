@@ -45,7 +45,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
 from branch_replay_jax.gradients.step import forward as step_forward
-from branch_replay_jax.gradients.step import leaf_siblings, make_train_step
+from branch_replay_jax.gradients.step import compiled_programs, leaf_siblings, make_train_step
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 
 
@@ -300,7 +300,7 @@ def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[G
   pairs = sum(int(g.lengths.sum()) for g in groups)   # (token, trajectory) pairs
   stats = {"loss": loss_sum / len(groups), "policy_loss": sums["policy"] / len(groups),
            "value_loss": sums["value"] / len(groups), "grad_norm": float(grad_norm),
-           "kl": sums["kl"] / pairs, "clip_frac": sums["clipped"] / pairs}
+           "kl": sums["kl"] / pairs, "clip_frac": sums["clipped"] / pairs, "step_compiles": compiled_programs(fns.train_step)}
   return params, opt_state, stats
 
 

@@ -146,6 +146,9 @@ class EpisodesConfig:
                      layouts=("episode",))
   max_tree_depth: int = _f("levels of a problem's episode tree at most; deeper nodes are not shared "
                            "(data.episodes.limit_depth: XLA:CPU's dots take rank < 8; depth 6 aborts)", 4, layouts=("episode",))
+  min_shared_tokens: int = _f("a node the episodes share (the prompt aside) shorter than this is not shared: "
+                              "its tokens open each child instead (data.episodes.merge_short: fewer, fuller tree "
+                              "levels); 1 shares every common token", 32, layouts=("episode",))
   share: str = _f("what train.gradient=replay computes once: tree (the episode tree: the prompt and every common "
                   "turn and observation) or prompt (the prompt only, each episode one row: the group replay step)",
                   "tree", layouts=("episode",))

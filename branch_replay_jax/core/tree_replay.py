@@ -21,11 +21,13 @@ and each node pulls back once with the cotangents of all its descendants summed 
       scans' carries) and one ancestor-cotangent accumulator. Many small matmuls (one segment
       of T_d tokens per step): slow where the hardware wants big batches.
 
-  "level": level-synchronous. Level d's nodes run forward together (nested `vmap` over the slot
-      axes [F_1..F_{d+1}]; an ancestor's K/V is broadcast to its descendants by the vmap, never
-      tiled) under one `jax.vjp`; the last level runs value_and_grad in micro-batches of its
-      last slot axis; then the levels pull back from the deepest up. vmap's transpose sums the
-      children's cotangents into their parent (the segment-sum over the parent index).
+  "level": level-synchronous. Level d's nodes run forward together (nested `vmap` over the parent
+      slot axes [F_1..F_d], the siblings of one parent as rows of one batch; an ancestor's K/V is
+      broadcast to its descendants by the vmap, never tiled) under one `jax.vjp`; the last level
+      runs value_and_grad in micro-batches of its last slot axis; then the levels pull back from
+      the deepest up. vmap's transpose sums the children's cotangents into their parent (the
+      segment-sum over the parent index). A one-level tree (a group) runs no vmap at all: its
+      leaves are the rows of `core.replay.replay_vjp`.
 
         root ─vjp─► level 0 (F_1 nodes) ─vjp─► level 1 (F_1 F_2 nodes) ─► ... ─grad─► leaves
              ◄─pullback─           ◄─pullback─                 ◄──────────────────
@@ -103,9 +105,11 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
   Args:
     prefix_fn: params -> root output pytree (for a decoder: the prompt's K/V and last hidden state).
     node_fns: one per level d = 0..D-1 (level 0 = children of the root):
-      node_fns[d](params, ancestors, node) -> (out, loss, aux) where ancestors is the tuple of
-      outputs from the root down to the parent, node a slot of levels[d] without its leading axes,
-      out the node's output pytree (ignored at the last level), loss a float scalar.
+      node_fns[d](params, ancestors, nodes) -> (out, loss, aux) for m siblings of one parent as rows
+      of one batch: ancestors is the tuple of outputs from the root down to the parent, nodes
+      levels[d] at one parent's slot with leading axis [m] (all F_{d+1} siblings, a micro-batch of
+      them, or one), out the nodes' output pytree with leading axis [m] (ignored at the last
+      level), loss [m] float, aux leading [m].
     params: the differentiated pytree.
     levels: levels[d] is a pytree whose leaves have leading axes [F_1, ..., F_{d+1}] (fan-outs).
     micro_batch: leaf slots per sibling group run together per `lax.scan` step at the last level
@@ -140,7 +144,7 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
 
 
 def _loss_dtype(fn, params, ancestors, level, d):
-  node = jax.tree_util.tree_map(lambda x: x[(0,) * (d + 1)], level)
+  node = jax.tree_util.tree_map(lambda x: x[(0,) * d], level)
   anc = tuple(rb(f) for f, rb in ancestors)
   return jax.eval_shape(lambda p: fn(p, anc, node)[1], params).dtype
 
@@ -161,7 +165,7 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
   if len(levels) == 1:   # leaves: value_and_grad of a vmapped micro-batch, as in replay_vjp
     def step_loss(primals, mb):
       p, floats = primals
-      _, losses, aux = jax.vmap(fn, in_axes=(None, None, 0))(p, rebuild(floats), mb)
+      _, losses, aux = fn(p, rebuild(floats), mb)
       return jnp.sum(losses), aux
     f = jax.tree_util.tree_leaves(levels[0])[0].shape[0]
     (loss, (d_params, d_anc)), aux = scan_value_and_grad(step_loss, (params, anc_floats),
@@ -173,8 +177,8 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
     loss_acc, d_params, d_anc = carry
     spec = {}
 
-    def node(p, floats):
-      out, loss, aux = fn(p, rebuild(floats), child[0])
+    def node(p, floats):   # one node: a batch of one row
+      out, loss, aux = jax.tree_util.tree_map(lambda x: x[0], fn(p, rebuild(floats), _first_row(child[0])))
       out_floats, spec["rebuild"] = _partition(out)
       return (out_floats, loss), aux
     (out_floats, loss), pullback, aux = jax.vjp(node, params, anc_floats, has_aux=True)
@@ -188,12 +192,18 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
   return loss, aux, d_params, d_anc
 
 
+def _first_row(node):
+  """A slot's fields [T, ...] as a batch of one row [1, T, ...]."""
+  return jax.tree_util.tree_map(lambda x: x[None], node)
+
+
 def _vmapped(fn, d):
-  """fn over the slots [F_1..F_{d+1}] of level d. Its ancestors are (root, level 0, ..., level d-1);
-  level e's outputs carry slot axes [F_1..F_{e+1}], consumed by the outer e + 1 vmaps and broadcast by
-  the inner ones (so an ancestor's K/V is shared by its descendants, not copied)."""
+  """fn over the slots [F_1..F_{d+1}] of level d: vmapped over the parent axes [F_1..F_d], the
+  siblings F_{d+1} of each parent rows of fn's own batch. Its ancestors are (root, level 0, ...,
+  level d-1); level e's outputs carry slot axes [F_1..F_{e+1}], consumed by the outer e + 1 vmaps and
+  broadcast by the inner ones (so an ancestor's K/V is shared by its descendants, not copied)."""
   g = fn
-  for k in reversed(range(d + 1)):
+  for k in reversed(range(d)):
     g = jax.vmap(g, in_axes=(None, (None,) + tuple(0 if e >= k else None for e in range(d)), 0))
   return g
 
@@ -260,8 +270,9 @@ def nested_replay_map(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
 
   Args:
     prefix_fn: params -> root output pytree.
-    node_fns: one per level: node_fns[d](params, ancestors, node) -> (out, value), as in
-      `nested_replay_vjp` but with any pytree of arrays `value` in place of (loss, aux).
+    node_fns: one per level: node_fns[d](params, ancestors, nodes) -> (out, value), as in
+      `nested_replay_vjp` (m sibling rows) but with any pytree of arrays `value` (leading [m]) in
+      place of (loss, aux).
     params, levels: as in `nested_replay_vjp`.
     micro_batch: leaf siblings (of every parent) per `lax.scan` step at the last level; must
       divide F_D. Nothing is kept for a backward pass, so memory is the outputs of all

@@ -14,6 +14,7 @@ to the loss, its KL term, its clip count or a value target (`losses.grpo_objecti
 
     episode_tree(episodes)                                   -> EpisodeTree (the trie of the episodes)
     prompt_only_tree(episodes)                               -> EpisodeTree (the prompt shared, nothing else)
+    merge_short(tree, min_tokens)                            -> EpisodeTree (shared nodes < min_tokens unshared)
     limit_depth(tree, max_depth)                             -> EpisodeTree (sharing below max_depth dropped)
     episode_tree_arrays(tree, advantage_g, weights_g, ...)   -> TreeBatch   (replay: every node once)
     episode_group_arrays(episodes, advantage_g, weights_g, ...) -> GroupBatch (naive: one row per episode,
@@ -227,6 +228,49 @@ def limit_depth(tree: EpisodeTree, max_depth: int) -> EpisodeTree:
     parents.append(index[path[max_depth - 1]])
     ends.append(len(segments) - 1)
   return EpisodeTree(RolloutTree(tuple(segments), tuple(parents), tuple(ends)), tuple(model))
+
+
+def merge_short(tree: EpisodeTree, min_tokens: int) -> EpisodeTree:
+  """The episode tree with every shared node shorter than `min_tokens` unshared: such a node (not the
+  prompt, not where an episode ends) is removed and its tokens (roles kept) open each of its children
+  instead, which hang from its parent. Runs of short nodes merge until they reach min_tokens. Like
+  `limit_depth`, sharing less computes more tokens, never other values, so replay stays exact.
+
+  Why: the token trie of sampled episodes is cut wherever two episodes diverge, so a few tokens of
+  tool-call boilerplate common to some episodes become a node, and each such node a level of the
+  padded tree (`data.trees.pad_tree`: a level's slots are the product of the fan-outs above it, its
+  length that of its longest node). Sharing a node of L tokens by k episodes saves (k - 1) L
+  positions; a level costs the padding of its slots and a program shape. Unsharing the short
+  nodes keeps what pays (the prompt, long common turns and observations) in fewer, fuller levels.
+
+  Example (min_tokens 32): prompt -> "<tool_call>" (3 tokens, 5 episodes) -> 5 different calls
+  becomes prompt -> 5 leaves each starting with the 3 tokens: one level instead of two.
+
+  Raises:
+    ValueError: min_tokens < 1.
+  """
+  if min_tokens < 1:
+    raise ValueError(f"merge_short: min_tokens={min_tokens!r} must be >= 1")
+  t = tree.tree
+  parents_with_children, ends = {p for p in t.parents if p >= 0}, set(t.ends)
+  index, carried = {0: 0}, {}   # old id -> new id (kept nodes); removed node -> (tokens, model mask) it hands down
+  segments, parents, model = [np.asarray(t.segments[0])], [-1], [tree.model_mask[0]]
+  for n in range(1, t.num_nodes):   # parents precede children
+    p = t.parents[n]
+    head_tokens, head_mask = carried.get(p, (np.zeros(0, np.int32), np.zeros(0, bool)))
+    tokens = np.concatenate([head_tokens, np.asarray(t.segments[n], np.int32)])
+    mask = np.concatenate([head_mask, np.asarray(tree.model_mask[n], bool)])
+    if n in parents_with_children and n not in ends and len(tokens) < min_tokens:
+      carried[n] = (tokens, mask)
+      continue
+    kept = p
+    while kept not in index:
+      kept = t.parents[kept]
+    index[n] = len(segments)
+    segments.append(tokens)
+    parents.append(index[kept])
+    model.append(mask)
+  return EpisodeTree(RolloutTree(tuple(segments), tuple(parents), tuple(index[e] for e in t.ends)), tuple(model))
 
 
 def _per_episode(name, values, g):

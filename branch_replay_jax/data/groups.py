@@ -19,12 +19,27 @@ from typing import Sequence
 import numpy as np
 
 
-def bucket_length(n: int, *, minimum: int = 16) -> int:
-  """Smallest power of two >= max(n, minimum): few distinct shapes, so few XLA compiles."""
+SEGMENT_BUCKETS_PER_OCTAVE = 8
+"""Buckets per doubling of a tree level's (and an episode row's) length: at most 1/8 of a segment's
+positions are padding, against up to 1/2 with powers of two, for at most 8 programs per doubling."""
+
+
+def bucket_length(n: int, *, minimum: int = 16, per_octave: int = 1) -> int:
+  """The smallest bucket >= max(n, minimum): few distinct shapes, so few XLA compiles.
+
+  per_octave = 1: powers of two (minimum times 2^k). per_octave = k > 1: between two consecutive
+  powers of two b/2 < n <= b, the multiples of max((b/2) / k, 8) as well (at most k buckets per
+  doubling, steps of at least 8 tokens), so the padding is below 1/k of the bucket or 8 tokens (`SEGMENT_BUCKETS_PER_OCTAVE` for tree levels and episode rows).
+  Example: n = 704, minimum 8: 1024 with per_octave 1, 704 with per_octave 8.
+  """
   b = minimum
   while b < n:
     b *= 2
-  return b
+  low = b // 2
+  if per_octave == 1 or low < minimum:
+    return b
+  step = max(8, low // per_octave)
+  return min(b, low + -(-(n - low) // step) * step)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from branch_replay_jax.data.groups import bucket_length
+from branch_replay_jax.data.groups import SEGMENT_BUCKETS_PER_OCTAVE, bucket_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,8 @@ class PaddedTree:
 
 
 def pad_tree(tree: RolloutTree, *, pad_id: int = 0, prompt_bucket: int | None = None) -> PaddedTree:
-  """Lay `tree` out level by level (see `PaddedTree`); segment lengths bucket to powers of two >= 8."""
+  """Lay `tree` out level by level (see `PaddedTree`); a level's length T_d buckets its longest segment
+  (`bucket_length` with SEGMENT_BUCKETS_PER_OCTAVE buckets per doubling, >= 8), the prompt to a power of two."""
   depth = max(tree.depth(n) for n in range(tree.num_nodes))
   slots = {0: ()}
   for n in range(1, tree.num_nodes):   # parents precede children
@@ -175,7 +176,7 @@ def pad_tree(tree: RolloutTree, *, pad_id: int = 0, prompt_bucket: int | None = 
   tokens, mask, node_ids = [], [], []
   for d in range(1, depth + 1):
     members = [n for n in slots if len(slots[n]) == d]
-    t = bucket_length(max(len(tree.segments[n]) for n in members), minimum=8)
+    t = bucket_length(max(len(tree.segments[n]) for n in members), minimum=8, per_octave=SEGMENT_BUCKETS_PER_OCTAVE)
     ids = np.full(tuple(fanouts[:d]), -1, np.int32)
     tok = np.full(tuple(fanouts[:d]) + (t,), pad_id, np.int32)
     for n in members:

@@ -47,6 +47,7 @@ from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
 from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.heads import SegmentOutputs
+from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.lora import WithBase, merge
 
 LAYOUTS = ("replay", "naive")
@@ -127,17 +128,18 @@ def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | N
 
 
 def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
-  """(params, ancestors, node [T_d]) -> (state, loss, NodeOutputs), or forward only (no objective)
-  -> (state, the head's forward result): one tree node as a batch of one row."""
-  def node_fn(params, ancestors, node):
-    state, out = _segment(head, merge(graphdef, params), ancestors, node.tokens[None], node.mask[None], chunk,
-                          attention)
-    state = {"kv": state["kv"], "last": {k: v[0] for k, v in state["last"].items()}, "end": state["end"][0]}
-    out = jax.tree_util.tree_map(lambda x: x[0], out)
+  """(params, ancestors, nodes [m, T_d]) -> (states, losses [m], NodeOutputs [m, ...]), or forward only
+  (no objective) -> (states, the head's forward result [m, ...]): m sibling nodes of one parent as rows
+  of one batch (`_segment`), the parent's K/V one batch-1 block they share. Each node's state for its
+  children is laid out per node (leading [m]: K/V [m, L, 1, T_d, ...], last [m, d], end [m])."""
+  def node_fn(params, ancestors, nodes):
+    state, out = _segment(head, merge(graphdef, params), ancestors, nodes.tokens, nodes.mask, chunk, attention)
+    per_node = lambda x: jnp.expand_dims(jnp.moveaxis(x, 1, 0), 2)   # [L, m, ...] -> [m, L, 1, ...]
+    state["kv"] = {name: KVBlock(per_node(b.k), per_node(b.v), b.valid[:, None]) for name, b in state["kv"].items()}
     if objective is None:
       return state, head.forward_result(out)
-    loss, aux = head.loss(objective, out, node)
-    return state, loss, NodeOutputs(out.logp, aux, out.values)
+    losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, nodes)
+    return state, losses, NodeOutputs(out.logp, aux, out.values)
   return node_fn
 
 
@@ -453,3 +455,12 @@ def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, layo
       metrics["kept_grads"] = kept
     return optax.apply_updates(params, updates), opt_state, metrics
   return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def compiled_programs(train_step) -> int:
+  """How many programs `train_step` (a `make_train_step` result, a `jax.jit` function) has compiled so
+  far in this process: one per stacked batch shape (and `keep`-ness) it met. The loop logs it as
+  `step_compiles`, so a run whose batch shapes keep changing shows it (tree levels bucket their
+  lengths, `data.groups.bucket_length`, to bound it)."""
+  return train_step._cache_size()
+
