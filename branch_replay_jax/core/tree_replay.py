@@ -21,13 +21,13 @@ and each node pulls back once with the cotangents of all its descendants summed 
       scans' carries) and one ancestor-cotangent accumulator. Many small matmuls (one segment
       of T_d tokens per step): slow where the hardware wants big batches.
 
-  "level": level-synchronous. Level d's nodes run forward together (nested `vmap` over the parent
-      slot axes [F_1..F_d], the siblings of one parent as rows of one batch; an ancestor's K/V is
-      broadcast to its descendants by the vmap, never tiled) under one `jax.vjp`; the last level
-      runs value_and_grad in micro-batches of its last slot axis; then the levels pull back from
-      the deepest up. vmap's transpose sums the children's cotangents into their parent (the
-      segment-sum over the parent index). A one-level tree (a group) runs no vmap at all: its
-      leaves are the rows of `core.replay.replay_vjp`.
+  "level": level-synchronous. Level d's nodes run forward together as one batch of rows (the slots
+      [F_1..F_{d+1}] flattened; an ancestor's output repeated to its descendants' rows, the root's
+      shared) under one `jax.vjp`; the last level runs value_and_grad in micro-batches of its last
+      slot axis (m siblings of every parent per step); then the levels pull back from the deepest
+      up. The repeat's transpose sums the children's cotangents into their parent (the segment-sum
+      over the parent index). A one-level tree (a group) is exactly the rows of
+      `core.replay.replay_vjp`.
 
         root ─vjp─► level 0 (F_1 nodes) ─vjp─► level 1 (F_1 F_2 nodes) ─► ... ─grad─► leaves
              ◄─pullback─           ◄─pullback─                 ◄──────────────────
@@ -105,11 +105,13 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
   Args:
     prefix_fn: params -> root output pytree (for a decoder: the prompt's K/V and last hidden state).
     node_fns: one per level d = 0..D-1 (level 0 = children of the root):
-      node_fns[d](params, ancestors, nodes) -> (out, loss, aux) for m siblings of one parent as rows
-      of one batch: ancestors is the tuple of outputs from the root down to the parent, nodes
-      levels[d] at one parent's slot with leading axis [m] (all F_{d+1} siblings, a micro-batch of
-      them, or one), out the nodes' output pytree with leading axis [m] (ignored at the last
-      level), loss [m] float, aux leading [m].
+      node_fns[d](params, ancestors, nodes) -> (out, loss, aux) for m nodes as rows of one batch:
+      nodes has leading axis [m]; ancestors is the tuple of outputs from the root down to the
+      parents. The root's output is always shared by the m rows; a deeper ancestor's is either one
+      node's, shared by the m rows (depth_first: m siblings of one parent, or one node) or carries
+      a leading row axis [m] (level: every row its own parent's; its leaves gained that axis in
+      front of the node's own). out: the nodes' output pytree with leading axis [m] (ignored at
+      the last level), loss [m] float, aux leading [m].
     params: the differentiated pytree.
     levels: levels[d] is a pytree whose leaves have leading axes [F_1, ..., F_{d+1}] (fan-outs).
     micro_batch: leaf slots per sibling group run together per `lax.scan` step at the last level
@@ -162,7 +164,7 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
   rebuild = lambda floats: tuple(rb(f) for f, (_, rb) in zip(floats, ancestors))
   fn = node_fns[d]
 
-  if len(levels) == 1:   # leaves: value_and_grad of a vmapped micro-batch, as in replay_vjp
+  if len(levels) == 1:   # leaves: value_and_grad of a micro-batch of sibling rows, as in replay_vjp
     def step_loss(primals, mb):
       p, floats = primals
       _, losses, aux = fn(p, rebuild(floats), mb)
@@ -197,15 +199,26 @@ def _first_row(node):
   return jax.tree_util.tree_map(lambda x: x[None], node)
 
 
-def _vmapped(fn, d):
-  """fn over the slots [F_1..F_{d+1}] of level d: vmapped over the parent axes [F_1..F_d], the
-  siblings F_{d+1} of each parent rows of fn's own batch. Its ancestors are (root, level 0, ...,
-  level d-1); level e's outputs carry slot axes [F_1..F_{e+1}], consumed by the outer e + 1 vmaps and
-  broadcast by the inner ones (so an ancestor's K/V is shared by its descendants, not copied)."""
-  g = fn
-  for k in reversed(range(d)):
-    g = jax.vmap(g, in_axes=(None, (None,) + tuple(0 if e >= k else None for e in range(d)), 0))
-  return g
+def _as_rows(fn, d):
+  """fn over the slots [F_1..F_{d+1}] of level d as ONE batch of N = F_1...F_{d+1} rows: the slots
+  flattened, and each ancestor output of level e < d (slot axes [F_1..F_{e+1}]) repeated to its
+  descendants' rows (a broadcast, whose transpose sums the rows' cotangents back into the ancestor:
+  the segment-sum over the parent index). The root's output is shared, not repeated. fn's outputs
+  [N, ...] come back on the slot axes [F_1..F_{d+1}, ...]. One batch for the whole level keeps every
+  weight-gradient dot contracting one (row·position) axis, which a vmap over the parent slots does
+  not (docs/design.md, "Step profile (CPU)")."""
+  def rows(params, ancestors, level):
+    slots = jax.tree_util.tree_leaves(level)[0].shape[:d + 1]
+    n = int(np.prod(slots))
+    flat = lambda x, k: x.reshape((n,) + x.shape[k:])
+
+    def repeat(x, e):   # [F_1..F_{e+1}, ...] -> [N, ...]
+      x = x.reshape(x.shape[:e + 1] + (1,) * (d - e) + x.shape[e + 1:])
+      return flat(jnp.broadcast_to(x, slots + x.shape[d + 1:]), d + 1)
+    repeated = tuple(jax.tree_util.tree_map(lambda x, e=e: repeat(x, e), a) for e, a in enumerate(ancestors[1:]))
+    out = fn(params, (ancestors[0],) + repeated, jax.tree_util.tree_map(lambda x: flat(x, d + 1), level))
+    return jax.tree_util.tree_map(lambda x: x.reshape(slots + x.shape[1:]), out)
+  return rows
 
 
 def _split_last(level, d, m):
@@ -230,7 +243,7 @@ def _level_schedule(node_fns, params, root, levels, micro_batch):
   depth = len(levels)
   ancestors, pullbacks, losses, auxes = [root], [], [], []
   for d in range(depth - 1):
-    fn, spec = _vmapped(node_fns[d], d), {}
+    fn, spec = _as_rows(node_fns[d], d), {}
 
     def level_fn(p, floats, fn=fn, spec=spec, anc=tuple(ancestors), level=levels[d]):
       out, loss, aux = fn(p, tuple(rb(f) for f, (_, rb) in zip(floats, anc)), level)
@@ -243,7 +256,7 @@ def _level_schedule(node_fns, params, root, levels, micro_batch):
     auxes.append(aux)
 
   last = depth - 1
-  fn = _vmapped(node_fns[last], last)
+  fn = _as_rows(node_fns[last], last)
   anc_floats = [f for f, _ in ancestors]
 
   def step_loss(primals, mb):
@@ -287,11 +300,11 @@ def nested_replay_map(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
   _check("nested_replay_map", node_fns, levels, micro_batch)
   ancestors, values = [prefix_fn(params)], []
   for d in range(len(levels) - 1):
-    out, value = _vmapped(node_fns[d], d)(params, tuple(ancestors), levels[d])
+    out, value = _as_rows(node_fns[d], d)(params, tuple(ancestors), levels[d])
     ancestors.append(out)
     values.append(value)
   last = len(levels) - 1
-  fn = _vmapped(node_fns[last], last)
+  fn = _as_rows(node_fns[last], last)
 
   def step(_, mb):
     return None, fn(params, tuple(ancestors), mb)[1]

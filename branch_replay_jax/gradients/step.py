@@ -95,10 +95,12 @@ def _segment(head, model, ancestors, tokens_bt, mask_bt, chunk, attention=None):
   return {"kv": kv, "last": last, "end": parent["end"] + n}, outputs
 
 
-def _shift(parent_last_d, h_btd, n_b):
-  """(the hidden states that predict each token [B, T, d]: the parent's last real one [d], then positions
-  0..T-2; each row's last real hidden state [B, d]) of B rows with n_b real tokens."""
-  first = jnp.broadcast_to(parent_last_d.astype(h_btd.dtype), (h_btd.shape[0], 1, h_btd.shape[2]))
+def _shift(parent_last, h_btd, n_b):
+  """(the hidden states that predict each token [B, T, d]: the parent's last real one ([d] shared, or
+  [B, d] one per row), then positions 0..T-2; each row's last real hidden state [B, d]) of B rows with
+  n_b real tokens."""
+  b, _, d = h_btd.shape
+  first = jnp.broadcast_to(parent_last.astype(h_btd.dtype).reshape(-1, 1, d), (b, 1, d))
   last = jnp.take_along_axis(h_btd, jnp.maximum(n_b - 1, 0)[:, None, None], axis=1)[:, 0]
   return jnp.concatenate([first, h_btd[:, :-1]], axis=1), last
 
@@ -133,6 +135,7 @@ def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
   of one batch (`_segment`), the parent's K/V one batch-1 block they share. Each node's state for its
   children is laid out per node (leading [m]: K/V [m, L, 1, T_d, ...], last [m, d], end [m])."""
   def node_fn(params, ancestors, nodes):
+    ancestors = [ancestors[0]] + [_row_ancestor(a) for a in ancestors[1:]]
     state, out = _segment(head, merge(graphdef, params), ancestors, nodes.tokens, nodes.mask, chunk, attention)
     per_node = lambda x: jnp.expand_dims(jnp.moveaxis(x, 1, 0), 2)   # [L, m, ...] -> [m, L, 1, ...]
     state["kv"] = {name: KVBlock(per_node(b.k), per_node(b.v), b.valid[:, None]) for name, b in state["kv"].items()}
@@ -141,6 +144,17 @@ def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
     losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, nodes)
     return state, losses, NodeOutputs(out.logp, aux, out.values)
   return node_fn
+
+
+def _row_ancestor(state: dict) -> dict:
+  """A tree node's state for its descendants as `_segment`'s ancestor: one node's (K/V [L, 1, T, ...],
+  shared by the rows) as it is, or with a leading row axis [m] (the level schedule's rows, each its own
+  parent's: K/V [m, L, 1, T, ...]) as a batch-m block, K/V [L, m, T, ...], last [m, d], end [m]."""
+  if jnp.ndim(state["end"]) == 0:
+    return state
+  rows = lambda x: jnp.moveaxis(x[:, :, 0], 0, 1)   # [m, L, 1, T, ...] -> [L, m, T, ...]
+  kv = {name: KVBlock(rows(b.k), rows(b.v), b.valid[:, 0]) for name, b in state["kv"].items()}
+  return {**state, "kv": kv}
 
 
 def naive_batch(batch: GroupBatch):
