@@ -35,7 +35,7 @@ def get_config(arg=None):
   c.rollout.episodes.min_shared_tokens = 32   # a shared node shorter than this is not shared (fewer, fuller levels)
   c.rollout.episodes.max_tree_depth = 4   # levels of an episode tree; deeper nodes are not shared (XLA:CPU dot rank)
   c.rollout.episodes.share = "tree"       # replay computes once: tree (every common turn) or prompt (the prompt only,
-  #                                       # one row per episode; faster on CPU: docs/results/episodes-cpu)
+  #                                       # one row per episode: docs/results/episodes-cpu)
   c.train.micro_batch = 8                 # leaf siblings (episode branches) per scan step
   c.train.exactness_check_every = 5
   c.eval.pass_k = 0                       # greedy episodes only
