@@ -131,9 +131,10 @@ def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | N
 
 def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
   """(params, ancestors, nodes [m, T_d]) -> (states, losses [m], NodeOutputs [m, ...]), or forward only
-  (no objective) -> (states, the head's forward result [m, ...]): m sibling nodes of one parent as rows
-  of one batch (`_segment`), the parent's K/V one batch-1 block they share. Each node's state for its
-  children is laid out per node (leading [m]: K/V [m, L, 1, T_d, ...], last [m, d], end [m])."""
+  (no objective) -> (states, the head's forward result [m, ...]): m tree nodes as rows of one batch
+  (`_segment`) on their ancestors' states, each shared by the rows or one per row (`_row_ancestor`).
+  Each node's state for its children is laid out per node (leading [m]: K/V [m, L, 1, T_d, ...],
+  last [m, d], end [m]), the slot layout `core.tree_replay` stores."""
   def node_fn(params, ancestors, nodes):
     ancestors = [ancestors[0]] + [_row_ancestor(a) for a in ancestors[1:]]
     state, out = _segment(head, merge(graphdef, params), ancestors, nodes.tokens, nodes.mask, chunk, attention)
