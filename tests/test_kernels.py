@@ -303,9 +303,11 @@ def test_attention_impl_resolution(caplog):
 
 # splash: ~30 s on 2 cores (the interpreter runs its kernels in both layers, forward and backward).
 # pallas: ~35 s on one core, heavy too: the kernel's forward and backward bounds against the reference
-# stay in CI (test_kernel_error_at_most_twice_reference_error[pallas-*], test_fully_masked_rows_give_zeros_and_no_nan).
-@pytest.mark.parametrize("impl, head_dim", [pytest.param("pallas", 16, marks=pytest.mark.heavy), pytest.param("splash", 64, marks=[pytest.mark.slow, pytest.mark.heavy,
-                                                                                            NOT_ON_GPU])])
+# stay in CI (test_kernel_error_at_most_twice_reference_error[pallas-*],
+# test_fully_masked_rows_give_zeros_and_no_nan).
+@pytest.mark.parametrize("impl, head_dim", [pytest.param("pallas", 16, marks=pytest.mark.heavy),
+                                            pytest.param("splash", 64, marks=[pytest.mark.slow, pytest.mark.heavy,
+                                                                              NOT_ON_GPU])])
 def test_replay_with_pallas_equals_replay_with_xla(impl, head_dim):
   # Same parameters, only the attention implementation differs: float32 rounding, <= 1e-4.
   config = tiny_config(head_dim=head_dim)

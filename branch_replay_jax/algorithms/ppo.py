@@ -300,7 +300,8 @@ def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[G
   pairs = sum(int(g.lengths.sum()) for g in groups)   # (token, trajectory) pairs
   stats = {"loss": loss_sum / len(groups), "policy_loss": sums["policy"] / len(groups),
            "value_loss": sums["value"] / len(groups), "grad_norm": float(grad_norm),
-           "kl": sums["kl"] / pairs, "clip_frac": sums["clipped"] / pairs, "step_compiles": compiled_programs(fns.train_step)}
+           "kl": sums["kl"] / pairs, "clip_frac": sums["clipped"] / pairs,
+           "step_compiles": compiled_programs(fns.train_step)}
   return params, opt_state, stats
 
 

@@ -20,8 +20,9 @@ import numpy as np
 
 
 SEGMENT_BUCKETS_PER_OCTAVE = 8
-"""Buckets per doubling of a tree level's (and an episode row's) length: at most 1/8 of a segment's
-positions are padding, against up to 1/2 with powers of two, for at most 8 programs per doubling."""
+"""Buckets per doubling of a tree level's (and an episode row's) length: less than 1/8 of a segment's
+positions (or 8 tokens) are padding, against up to 1/2 with powers of two, for at most 8 lengths per
+doubling."""
 
 
 def bucket_length(n: int, *, minimum: int = 16, per_octave: int = 1) -> int:
@@ -29,7 +30,8 @@ def bucket_length(n: int, *, minimum: int = 16, per_octave: int = 1) -> int:
 
   per_octave = 1: powers of two (minimum times 2^k). per_octave = k > 1: between two consecutive
   powers of two b/2 < n <= b, the multiples of max((b/2) / k, 8) as well (at most k buckets per
-  doubling, steps of at least 8 tokens), so the padding is below 1/k of the bucket or 8 tokens (`SEGMENT_BUCKETS_PER_OCTAVE` for tree levels and episode rows).
+  doubling, steps of at least 8 tokens), so the padding is below 1/k of the bucket or 8 tokens
+  (`SEGMENT_BUCKETS_PER_OCTAVE` for tree levels and episode rows).
   Example: n = 704, minimum 8: 1024 with per_octave 1, 704 with per_octave 8.
   """
   b = minimum

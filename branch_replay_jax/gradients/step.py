@@ -476,6 +476,5 @@ def compiled_programs(train_step) -> int:
   """How many programs `train_step` (a `make_train_step` result, a `jax.jit` function) has compiled so
   far in this process: one per stacked batch shape (and `keep`-ness) it met. The loop logs it as
   `step_compiles`, so a run whose batch shapes keep changing shows it (tree levels bucket their
-  lengths, `data.groups.bucket_length`, to bound it)."""
+  lengths, `data.groups.bucket_length`, but a tree's level layout is part of the shape too)."""
   return train_step._cache_size()
-
