@@ -19,7 +19,7 @@ run: $(STAMP)
 
 # Two pytest workers (pytest-xdist), one test file per worker at a time, so module fixtures run once.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not heavy" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "not heavy" -n 2 --dist loadfile --durations=30
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile

@@ -23,13 +23,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go through --config.FIELD=VALUE")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint phase at INFO
   config = _CONFIG.value
-  algorithm = schema.parse(config).algorithm   # fields and types of its algorithm's schema, before anything starts
+  experiment = schema.parse(config)   # fields and types of its algorithm's schema, before anything starts
   hosts.initialize(config)   # several processes: join them before anything touches a device
   primary = hosts.is_primary()
   run_dir = os.path.abspath(config.run_dir)
   if primary:
     print(f"run dir: {run_dir}", flush=True)
-  history = importlib.import_module(TRAINERS[algorithm]).train(config)
+  history = importlib.import_module(TRAINERS[config.algorithm]).train(config, experiment)   # parsed once
   if not primary:
     return
   if history:

@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay_jax.data.batches import (GroupBatch, Segments, TreeBatch, group_arrays, num_branches,
-                                            pad_trees, tree_arrays)
+from branch_replay_jax.data.batches import (GroupBatch, Segments, TreeBatch, TreeLayouts, group_arrays,
+                                            num_branches, pad_trees, tree_arrays)
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
 from conftest import random_group
 
@@ -62,7 +62,7 @@ def _tree_batch(tree, ppo=False):
 
 
 @pytest.mark.parametrize("ppo", [False, True], ids=["grpo", "ppo"])
-def test_pad_trees_pads_every_level_to_the_largest_shape(ppo):
+def test_pad_trees_pads_every_level_to_the_power_of_two_bucket_of_the_largest_shape(ppo):
   # Small: prompt -> [1, 2] (leaves [3], [4, 5]) and [7]: depth 2, F = (2, 2), T = (8, 8), G = 3.
   # Big: a 3-level tree with 3 first-level children, a 10-token segment (T_2 = 16) and G = 5.
   small = tree_from_trajectories([9, 9, 9], [[1, 2, 3], [1, 2, 4, 5], [7]])
@@ -70,30 +70,82 @@ def test_pad_trees_pads_every_level_to_the_largest_shape(ppo):
   a, b = _tree_batch(small, ppo=ppo), _tree_batch(big, ppo=ppo)
   assert [x.tokens.shape for x in b.levels] == [(3, 8), (3, 2, 16), (3, 2, 2, 8)]
   pa, pb = pad_trees([a, b])
-  want = {"tokens": [(3, 8), (3, 2, 16), (3, 2, 2, 8)]}
+  # Fan-outs round up to powers of two (3 -> 4), lengths to powers of two >= 8 (8, 16 stay): the
+  # step's layouts come from a bounded set (docs/design.md, "Trees: slots and levels").
+  want = {"tokens": [(4, 8), (4, 2, 16), (4, 2, 2, 8)]}
   want["weights"] = [s + (5,) for s in want["tokens"]]
   want["advantage"] = want["weights"] if ppo else [s[:-1] + (5,) for s in want["tokens"]]
   for padded in (pa, pb):
     for name, shapes in want.items():
       assert [getattr(x, name).shape for x in padded.levels] == shapes, name
     np.testing.assert_array_equal(padded.prompt_ids, a.prompt_ids if padded is pa else b.prompt_ids)
-  # The big tree already had the largest shape: unchanged. The small one keeps its values in the
-  # leading corner; everything added is padding: mask False, token 0, weights / advantage / old_logp 0.
-  for x, y in zip(jax.tree_util.tree_leaves(pb), jax.tree_util.tree_leaves(b)):
-    np.testing.assert_array_equal(x, y)
-  for d in range(3):
-    got = pa.levels[d]
-    for name in ("tokens", "mask", "old_logp", "weights", "advantage") + (("returns",) if ppo else ()):
-      x = np.asarray(getattr(got, name))
-      if d < 2:
-        orig = np.asarray(getattr(a.levels[d], name))
-        corner = tuple(slice(0, n) for n in orig.shape)
-        np.testing.assert_array_equal(x[corner], orig)
-        x = x.copy()
-        x[corner] = 0
-      assert not x.any(), (d, name)   # all padding beyond the original (the whole third level)
+  # Each tree keeps its values in the leading corner; everything added is padding: mask False,
+  # token 0, weights / advantage / old_logp 0 (the small tree's whole third level).
+  for (padded, orig_tree) in ((pa, a), (pb, b)):
+    for d in range(3):
+      got = padded.levels[d]
+      for name in ("tokens", "mask", "old_logp", "weights", "advantage") + (("returns",) if ppo else ()):
+        x = np.asarray(getattr(got, name))
+        if d < len(orig_tree.levels):
+          orig = np.asarray(getattr(orig_tree.levels[d], name))
+          corner = tuple(slice(0, n) for n in orig.shape)
+          np.testing.assert_array_equal(x[corner], orig)
+          x = x.copy()
+          x[corner] = 0
+        assert not x.any(), (d, name)   # all padding beyond the original
   assert pa.levels[2].tokens.dtype == np.int32 and pa.levels[2].mask.dtype == bool
   with pytest.raises(ValueError, match="one or more TreeBatches"):
     pad_trees([])
   with pytest.raises(ValueError, match="different Segments fields"):
     pad_trees([a, b.replace(levels=tuple(x.replace(old_logp=None) for x in b.levels))])
+
+
+def test_sampled_trees_of_different_shapes_share_one_padded_layout():
+  # Episode trees of a calculator run differ in fan-out (6, 7 or 8 distinct first turns of G = 8)
+  # and longest turn (41..64 tokens): pad_trees gives them all the layout F_1 = 8, T_1 = 64, so
+  # the step compiles one program for them (a compile per layout: docs/design.md).
+  rng = np.random.default_rng(0)
+  layouts = set()
+  for fanout, longest in ((6, 41), (7, 56), (8, 64), (5, 50)):
+    comps = [[int(b)] + [7] * int(rng.integers(10, longest)) for b in range(fanout)]
+    comps[0] = [0] + [7] * (longest - 1)
+    (padded,) = pad_trees([_tree_batch(tree_from_trajectories([9] * 5, comps), ppo=False)])
+    layouts.add(tuple(x.tokens.shape for x in padded.levels))
+  assert layouts == {((8, 64),)}
+
+
+def test_a_step_pads_onto_a_layout_compiled_before_when_it_costs_at_most_twice_its_own():
+  # Layouts ((F_1, ..), (T_1, ..), G) and their cost Σ_d F_1..F_d T_d: ((8, 2), (64, 32)) = 512 + 512 = 1024.
+  layouts = TreeLayouts()
+  big = ((8, 2), (64, 32), 8)
+  assert TreeLayouts.cost(big) == 1024 and layouts.choose(big) == big
+  # A one-level tree (cost 512) fits under it at 2x: the same program. A shallower level-2 length too.
+  assert layouts.choose(((8,), (64,), 8)) == big and layouts.choose(((8, 2), (64, 16), 8)) == big
+  # A tree of 4 branches of 64 (cost 256) would pay 4x: its own layout, remembered from then on.
+  assert layouts.choose(((4,), (64,), 8)) == ((4,), (64,), 8) and layouts.choose(((2,), (64,), 8)) == ((4,), (64,), 8)
+  # Longer than anything met: its own.
+  assert layouts.choose(((8,), (128,), 8)) == ((8,), (128,), 8)
+  assert layouts.seen == [big, ((4,), (64,), 8), ((8,), (128,), 8)]
+  # More trajectories than any layout met (G = 16: tree sampling's EOS changes G): its own.
+  assert layouts.choose(((8,), (64,), 16)) == ((8,), (64,), 16)
+  with pytest.raises(ValueError, match="max_cost"):
+    TreeLayouts(0.5)
+
+
+def test_pad_trees_onto_a_deeper_remembered_layout_adds_only_padding():
+  # A 2-level tree first (its layout remembered), then a 1-level tree of the same fan-out: the second
+  # goes onto the first's layout (cost 8*8 + 8*2*8 = 192 against its own 64: max_cost 4 allows it),
+  # G = 16 as the first's: a whole empty second level and 8 empty trajectories, its own values in
+  # the leading corner.
+  layouts = TreeLayouts(max_cost=4.0)
+  deep = tree_from_trajectories([9, 9], [[b, 5, 6] for b in range(8)] + [[b, 5, 7] for b in range(8)])
+  flat = tree_from_trajectories([9, 9], [[b, 1] for b in range(8)])
+  (a,) = pad_trees([_tree_batch(deep)], layouts)
+  (b,) = pad_trees([_tree_batch(flat)], layouts)
+  assert [x.tokens.shape for x in a.levels] == [x.tokens.shape for x in b.levels] == [(8, 8), (8, 2, 8)]
+  own = _tree_batch(flat)
+  np.testing.assert_array_equal(b.levels[0].tokens, own.levels[0].tokens)
+  np.testing.assert_array_equal(b.levels[0].weights[..., :len(flat.ends)], own.levels[0].weights)
+  for name in ("tokens", "mask", "old_logp", "weights", "advantage"):
+    assert not np.asarray(getattr(b.levels[1], name)).any(), name
+  assert b.levels[1].weights.shape == (8, 2, 8, 16) and b.levels[1].advantage.shape == (8, 2, 16)

@@ -36,6 +36,7 @@ from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.models import tiny_config
 from branch_replay_jax.models.llama import token_logprobs
 from branch_replay_jax.algorithms import groups
+from branch_replay_jax.algorithms.schema import layout_of, parse
 from branch_replay_jax.algorithms.groups import Group, dynamic_sampling, step_token_mean
 from branch_replay_jax.rollout import collect
 from branch_replay_jax.rollout.collect import Trajectories
@@ -150,7 +151,7 @@ def test_the_algorithm_layer_builds_rewards_advantages_and_weights_from_raw_traj
   raw = _raw_group([1.0, 1.0, 0.0], [3, 4, 1], [False, True, False])
   config = grpo_smoke(tmp_path, **{"loss.overlong_buffer": 2, "loss.mask_truncated": True,
                                    "loss.weighting": "group_token_mean"})
-  g = groups.build(config, raw, tiny_config(), 0)
+  g = groups.build(config, raw, tiny_config(), 0, layout_of(parse(config)))
   np.testing.assert_allclose(g.rewards, [0.5, 0.0, 0.0])
   np.testing.assert_allclose(np.asarray(g.batch.branches.advantage), [1.1547005, -0.5773503, -0.5773503], rtol=1e-5)
   w = np.asarray(g.batch.branches.weights)
@@ -160,7 +161,7 @@ def test_the_algorithm_layer_builds_rewards_advantages_and_weights_from_raw_traj
   # trajectory in the loss: 1 / (3 + 4 + 1) per token.
   from experiments import ppo_smollm2_arith
   config = experiment_config(ppo_smollm2_arith, "smoke", tmp_path)
-  g = groups.build(config, raw, tiny_config(), 0)
+  g = groups.build(config, raw, tiny_config(), 0, layout_of(parse(config)))
   np.testing.assert_allclose(g.rewards, [1.0, 1.0, 0.0])
   assert g.batch.branches.advantage is None and g.in_loss is None
   np.testing.assert_allclose(np.asarray(g.batch.branches.weights)[1, :4], [1 / 8] * 4)

@@ -12,6 +12,7 @@ from conftest import grpo_smoke
 
 from branch_replay_jax.algorithms import groups, schema
 from branch_replay_jax.algorithms.checks import validate_common
+from branch_replay_jax.algorithms.schema import layout_of, parse
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.rollout.collect import Trajectories
 from branch_replay_jax.rollout.sampler import sample_group
@@ -140,7 +141,7 @@ def test_a_stop_string_stop_is_not_truncated_for_mask_truncated(tmp_path, model)
                      np.arange(4, dtype=np.float64), np.zeros(4, bool), n, None,
                      {"data_pos": 0, "question": "q", "answer": "a", "completion": "c"}, 0.0, 0.0, None, reasons)
   config = grpo_smoke(tmp_path, **{"loss.mask_truncated": True, "rollout.max_new_tokens": n})
-  g = groups.build(config, raw, tiny_config(), 0)
+  g = groups.build(config, raw, tiny_config(), 0, layout_of(parse(config)))
   np.testing.assert_array_equal(g.in_loss, reasons != "length")
   w = np.asarray(g.batch.branches.weights)
   assert (w[0, :lengths[0]] > 0).all() and (w[~g.in_loss] == 0).all()

@@ -150,7 +150,7 @@ def test_tree_replay_equals_naive_float32(tree):
 def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
   # The mesh step pads a step's sampled trees to one layout (data.batches.pad_trees). A one-level
   # tree (fan-out 2, T = 8, G = 2: both completions stopped at depth 1, as with EOS) padded to a
-  # bigger one's layout (fan-outs (3, 2), T = (16, 16), G = 4) gains an empty slot, positions, a
+  # bigger one's layout (fan-outs (3, 2), rounded up to (4, 2), T = (16, 16), G = 4) gains empty slots, positions, a
   # whole level under its leaves and 2 empty trajectories, which must add exact zeros: its loss,
   # KL and clip counts, gradient and per-node log-probs stay those of the unpadded tree up to the
   # order of float64 sums (<= 1e-10 relative; a padded term that leaked, e.g. a weight not zeroed,
@@ -160,7 +160,7 @@ def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
   arrays = _grpo_tree_arrays(small, "group_token_mean", np.float64, seed=5)   # seed 5: 2 of its 4 pairs clip
   padded = pad_trees([arrays, _grpo_tree_arrays(big, "group_token_mean", np.float64, seed=1)])[0]
-  assert [x.tokens.shape for x in padded.levels] == [(3, 16), (3, 2, 16)]
+  assert [x.tokens.shape for x in padded.levels] == [(4, 16), (4, 2, 16)]
   assert [x.weights.shape[-1] for x in padded.levels] == [4, 4]
   want_loss, want_aux, want_grads = _tree_step(graphdef, params, arrays, _tree_objective)
   got_loss, got_aux, got_grads = _tree_step(graphdef, params, padded, _tree_objective)

@@ -47,11 +47,13 @@ SOURCES = ("task", "jsonl")
 FIELDS = ("prompt", "chosen", "rejected")
 
 
-def validate(config) -> None:
+def validate(config, experiment=None) -> None:
   """Raise ValueError (naming the field and value) for settings that cannot run, before any compute,
   and for the fields of the other data source (task and rollout with jsonl; data.path and
-  data.pairs_per_step with task), which would be ignored. `schema.parse` first: DPO's fields and types."""
-  schema.parse(config, expect="dpo")
+  data.pairs_per_step with task), which would be ignored. `schema.parse` first: DPO's fields and types
+  (unless `experiment` is its result already)."""
+  if experiment is None:
+    schema.parse(config, expect="dpo")
   d, t, p = config.data, config.train, config.dpo
   if d.source not in SOURCES:
     raise ValueError(f"data.source={d.source!r} is not one of {SOURCES}")
@@ -265,8 +267,8 @@ class DPO(loop.Algorithm):
   name = "dpo"
   keep_initial = True
 
-  def __init__(self, config):
-    validate(config)
+  def __init__(self, config, experiment=None):
+    validate(config, experiment)
     super().__init__(config)
     self.records = read_pairs_jsonl(config.data.path) if config.data.source == "jsonl" else None
     self.task = None if self.records else runs.make_task_from(config)
@@ -329,9 +331,9 @@ class DPO(loop.Algorithm):
     plots.write_preference_plots(self.config.run_dir)
 
 
-def train(config) -> list[dict]:
+def train(config, experiment=None) -> list[dict]:
   """Run the DPO experiment in `config` (see experiments/dpo_smollm2_arith.py); returns this run's metrics."""
-  return loop.train(config, DPO(config))
+  return loop.train(config, DPO(config, experiment))
 
 
 def _text_sample(records: list[dict], data_pos: int) -> dict:

@@ -38,6 +38,7 @@ from branch_replay_jax.data.episodes import (episode_group_arrays, episode_tree,
                                              merge_short, prompt_only_tree)
 from branch_replay_jax.data.groups import SEGMENT_BUCKETS_PER_OCTAVE, bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.algorithms.schema import Layout, layout_of, parse
 from branch_replay_jax.rollout.collect import EpisodeTrajectories, Trajectories, rollout, rollout_episodes
 
 
@@ -105,7 +106,7 @@ def trajectory_advantages(loss_config, rewards: np.ndarray, *, group_relative: b
   return np.asarray(obj.group_advantages(jnp.asarray(rewards), eps=loss_config.advantage_eps), np.float32)
 
 
-def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
+def build(config, raw: Trajectories, model_config, pad_id: int, layout: Layout) -> Group:
   """The update arrays of one prompt's raw rollouts `raw` for config.algorithm ("grpo": shaped
   rewards, group-relative advantages, truncation masking; "ppo": neither, GAE comes later) with
   loss.weighting's weights, laid out for replay (group or tree) or, with train.gradient = "naive",
@@ -114,6 +115,7 @@ def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
   Args:
     model_config: the policy's `ModelConfig` (vocab_size, max_positions, and the counts' sizes).
     pad_id: the tokenizer's pad id (the padding of a tree's segments).
+    layout: the run's `schema.Layout` (its gradient: replay or naive).
   """
   grpo = config.algorithm == "grpo"
   budget, lengths, truncated = raw.budget, raw.lengths, raw.truncated
@@ -127,7 +129,7 @@ def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
   w = obj.trajectory_weights(lengths, mode=config.loss.weighting, max_length=budget,
                              in_loss=in_loss).astype(np.float32)
   bucket = bucket_length(budget, minimum=8)
-  naive = config.train.gradient == "naive"
+  naive = layout.gradient == "naive"
   cfg, tree = model_config, raw.tree
   if tree is not None:
     per_node = {"old_logp": raw.logprobs}
@@ -152,7 +154,7 @@ def build(config, raw: Trajectories, model_config, pad_id: int) -> Group:
                raw.reward_terms, raw.stop_reasons)
 
 
-def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) -> Group:
+def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, layout: Layout) -> Group:
   """The update arrays of one problem's G episodes `raw` (GRPO / RLOO; docs/design.md, "Episodes"):
   advantages from the episodes' outcome rewards (`trajectory_advantages`: loss.advantage), the
   truncated episodes (cut by a budget) left out with loss.mask_truncated, loss.weighting's weights
@@ -168,16 +170,16 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
   Args:
     model_config: the policy's `ModelConfig` (vocab_size, max_positions, the counts' sizes).
     pad_id: the tokenizer's pad id (padding of the tree's segments and of the rows).
+    layout: the run's `schema.Layout` (an "episode" one: share, min_shared_tokens, max_tree_depth, gradient).
   """
   episodes = [r.episode for r in raw.results]
   rewards = np.array([r.reward for r in raw.results], np.float32)
   truncated = np.array([r.truncated for r in raw.results], bool)
   advantages = trajectory_advantages(config.loss, rewards, group_relative=True)
   in_loss = ~truncated if config.loss.mask_truncated else None
-  share = config.rollout.episodes.get("share", "tree")
+  share = layout.share
   etree = (prompt_only_tree(episodes) if share == "prompt" else
-           limit_depth(merge_short(episode_tree(episodes), config.rollout.episodes.get("min_shared_tokens", 32)),
-                       config.rollout.episodes.get("max_tree_depth", 4)))
+           limit_depth(merge_short(episode_tree(episodes), layout.min_shared_tokens), layout.max_tree_depth))
   lengths = etree.model_lengths()
   w = obj.trajectory_weights(lengths, mode=config.loss.weighting, max_length=raw.budget,
                              in_loss=in_loss).astype(np.float32)
@@ -187,8 +189,7 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
                                       max_positions=cfg.max_positions, pad_id=pad_id,
                                       completion_bucket=bucket_length(longest, minimum=8,
                                                                         per_octave=SEGMENT_BUCKETS_PER_OCTAVE))
-  naive = config.train.gradient == "naive"
-  rows = naive or share == "prompt"   # the rows: trained naive, or by the group replay step (prompt once)
+  rows = not layout.tree   # the rows: trained naive, or by the group replay step (prompt once)   # the rows: trained naive, or by the group replay step (prompt once)
   arrays = naive_arrays if rows else episode_tree_arrays(etree, advantages, w, pad_id=pad_id)
   if share == "prompt":   # the counts are those of the replay layout `share` selects, trained naive or not
     real = episodes[0].prompt.size + sum(e.tokens().size for e in episodes)
@@ -204,14 +205,16 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int) 
                None if rows else naive_arrays, in_loss, None, episode_stats=stats)
 
 
-def rollout_group(config, model, tokenizer, task, data_pos: int, key, env=None) -> Group:
+def rollout_group(config, model, tokenizer, task, data_pos: int, key, env=None, layout: Layout | None = None) -> Group:
   """`build` of `rollout.collect.rollout` (config.rollout's sampling) for task item `data_pos`; with
-  `env` (rollout.episodes set: the run's environment), `build_episodes` of `rollout_episodes`."""
+  `env` (rollout.episodes set: the run's environment), `build_episodes` of `rollout_episodes`.
+  layout: the run's `schema.Layout`; default: resolved from config (`schema.layout_of`)."""
+  layout = layout or layout_of(parse(config))
   if env is not None:
     raw = rollout_episodes(config.rollout, model, tokenizer, task, env, data_pos, key)
-    return build_episodes(config, raw, model.config, tokenizer.pad_token_id or 0)
+    return build_episodes(config, raw, model.config, tokenizer.pad_token_id or 0, layout)
   raw = rollout(config.rollout, model, tokenizer, task, data_pos, key)
-  return build(config, raw, model.config, tokenizer.pad_token_id or 0)
+  return build(config, raw, model.config, tokenizer.pad_token_id or 0, layout)
 
 
 def dynamic_sampling(draw, key, data_pos: int, *, quota: int, max_draws: int) -> tuple[list[Group], int, dict]:

@@ -51,7 +51,7 @@ from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.placement import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees, with_logprobs
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, TreeLayouts, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_groups
 from branch_replay_jax.gradients.heads import Policy
@@ -131,11 +131,12 @@ def validate_options(config) -> None:
                      "other processes than their data rows; use one process")
 
 
-def validate(config) -> None:
+def validate(config, experiment=None):
   """Raise ValueError (naming the field and value) for GRPO / RLOO settings that cannot run or would
-  be ignored: the schema's fields and types (`schema.parse`), the advantage estimator's fields and
-  the KL coefficient, `checks.validate`, then `validate_options`."""
-  schema.parse(config, expect="grpo")
+  be ignored: the schema's fields and types (`schema.parse`, unless `experiment` is its result
+  already), the advantage estimator's fields and the KL coefficient, `checks.validate`, then
+  `validate_options`. Returns the parsed experiment (`schema.GRPOExperiment`)."""
+  experiment = experiment or schema.parse(config, expect="grpo")
   l = config.loss
   if l.advantage not in obj.ADVANTAGES:
     raise ValueError(f"loss.advantage={l.advantage!r} is not one of {obj.ADVANTAGES}")
@@ -151,6 +152,7 @@ def validate(config) -> None:
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   checks.validate(config)
   validate_options(config)
+  return experiment
 
 
 def objective(config, tree: bool):
@@ -180,16 +182,16 @@ class GRPOFunctions:
   differentiated; the reference is logprobs(models.lora.adapters_off(adapters), unit).
   """
 
-  def __init__(self, config, graphdef, frozen=None, optimizer=None):
+  def __init__(self, config, graphdef, frozen=None, optimizer=None, layout: schema.Layout | None = None):
     t = config.train
-    naive = t.gradient == "naive"
     # Trees and episode trees (data/episodes.py; rollout.episodes.share = "tree") replay with the tree
-    # objective; episodes sharing the prompt only are rows, a group's objective.
-    episodes = config.rollout.get("episodes")
-    tree = (bool(config.rollout.tree_fanouts) or (episodes is not None and episodes.get("share", "tree") == "tree")
-            ) and not naive
+    # objective; groups, and every layout's rows, with the group one (`schema.Layout.tree`).
+    layout = layout or schema.layout_of(schema.parse(config, expect="grpo"))
+    naive = layout.gradient == "naive"
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
-    self.objective = objective(config, tree)
+    self.objective = objective(config, layout.tree)
+    # The level layouts the step compiled: a later step's trees pad onto one that holds them.
+    self.tree_layouts = TreeLayouts()
     tau = logprob_temperature(config)
     cast, upcast = runs.param_casts(config)
     # LoRA's base on the mesh: placed like the parameters (mesh.params: FSDP or replicated) and
@@ -221,11 +223,11 @@ class GRPOFunctions:
     part of it, and for trees, which every process holds, the whole batch."""
     kind, local = groups[0].kind, [g.batch for g in groups if g.batch is not None]
     if self.mesh is None:
-      return [(kind, placement.stack_on_device(local))]
+      return [(kind, placement.stack_on_device(local, self.tree_layouts))]
     if kind == "tree":
       # Every process holds every tree (`collect`: whole), so all pad them to one shape, the
       # step's largest, and each places its own rows of the whole batch.
-      return [(kind, placement.on_mesh(pad_trees(local), self.mesh))]
+      return [(kind, placement.on_mesh(pad_trees(local, self.tree_layouts), self.mesh))]
     longest = hosts.global_max(max(b.prompt_ids.shape[0] for b in local))
     batch = stack_groups(pad_prompts(local, self.mesh.shape["seq"], longest=longest))
     return [(kind, shard_batch(batch, self.mesh, num_groups=len(groups)))]
@@ -281,15 +283,15 @@ class GRPO(loop.Algorithm):
   name = "grpo"
   keep_initial = True
 
-  def __init__(self, config):
-    validate(config)
+  def __init__(self, config, experiment=None):
+    self.layout = schema.layout_of(validate(config, experiment))   # resolved once, passed on
     super().__init__(config)
     self.task = runs.make_task_from(config)
     self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes
 
   def setup(self, run):
     self.run = run
-    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer)
+    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer, layout=self.layout)
     self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
                        self.fns.place(adapters_off(run.params)))   # LoRA: the base model, no second copy of it
     return self.fns.place(run.params), self.fns.place(run.opt_state)
@@ -304,7 +306,7 @@ class GRPO(loop.Algorithm):
     policy = self.fns.for_sampling(run.graphdef, params, devices)
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
-                                               devices=devices, whole=whole, env=self.env)
+                                               devices=devices, whole=whole, env=self.env, layout=self.layout)
     groups, data_pos, self.draw_metrics = step_groups(self.config, draw, run.key, data_pos)
     return groups, data_pos
 
@@ -320,7 +322,7 @@ class GRPO(loop.Algorithm):
       index = fns.check.pick(groups)
       fns.check.pending = index is None   # no group with unequal rewards: check at the next step
       if index is not None:
-        layout = "replay" if self.config.train.gradient == "naive" else "naive"
+        layout = "replay" if self.layout.gradient == "naive" else "naive"
         other = jax.block_until_ready(fns.check.compute(layout, params, self.ref_params, groups[index]))
         seconds = time.perf_counter() - t0
     with placement.mesh_context(fns.mesh):
@@ -354,6 +356,6 @@ class GRPO(loop.Algorithm):
                          update_s=update_s, wall_s=wall_s)
 
 
-def train(config) -> list[dict]:
+def train(config, experiment=None) -> list[dict]:
   """Run the experiment in `config` (see experiments/grpo_smollm2_arith.py); returns the metrics of this run."""
-  return loop.train(config, GRPO(config))
+  return loop.train(config, GRPO(config, experiment))

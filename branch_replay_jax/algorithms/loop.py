@@ -174,7 +174,7 @@ def resumed_wall_s(run_dir: str, start: int) -> float:
 
 
 def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int, *,
-                  devices=None, whole: bool = False, env=None) -> tuple[list[Group], int]:
+                  devices=None, whole: bool = False, env=None, layout=None) -> tuple[list[Group], int]:
   """The step's rollouts, one per prompt: group i from task item data_pos + i with the key
   (seed, step, i) folded, so a resumed run, and a run on a mesh, sample the same.
 
@@ -191,15 +191,17 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
       group). One process: no effect.
     env: the run's environment with rollout.episodes (`groups.rollout_group`: G episodes per
       problem, one device), else None.
+    layout: the run's `schema.Layout` (default: resolved from config by `groups.rollout_group`).
 
   Returns: ([prompts_per_step] groups in order, the next data position).
   """
   n = config.rollout.prompts_per_step
   keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
   if devices is None:
-    return [rollout_group(config, policy, tokenizer, task, data_pos + i, keys[i], env=env) for i in range(n)], data_pos + n
+    return [rollout_group(config, policy, tokenizer, task, data_pos + i, keys[i], env=env, layout=layout)
+            for i in range(n)], data_pos + n
   local = hosts.run_on_devices(lambda i, device: rollout_group(config, policy[device], tokenizer, task, data_pos + i,
-                                                               jax.device_put(keys[i], device)), devices)
+                                                               jax.device_put(keys[i], device), layout=layout), devices)
   shared = lambda g: dataclasses.replace(g, batch=jax.device_get(g.batch) if whole else None,
                                          naive_batch=jax.device_get(g.naive_batch))
   summaries = hosts.gather_items({i: shared(g) for i, g in local.items()}) if jax.process_count() > 1 else local

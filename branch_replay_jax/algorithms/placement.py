@@ -76,15 +76,16 @@ def on_mesh(batches: list, mesh):
   return shard_batch(stack_groups(pad_prompts(batches, mesh.shape["seq"])), mesh)
 
 
-def stack_on_device(batches: list) -> GroupBatch | TreeBatch:
+def stack_on_device(batches: list, layouts=None) -> GroupBatch | TreeBatch:
   """The step's group (or tree) batches as one batch stacked [B, ...] for the one-device step
   (`gradients.step.make_train_step`): trees padded to one level layout (data.batches.pad_trees), groups
   to the largest G and T (distributed.mesh.pad_groups: a no-op when they share them, as a step's
   sampled groups do), prompts to the longest P_pad (pad_prompts). Every padding adds exact zeros to
   loss, gradient and metric sums. Prompt buckets are powers of two (data.groups.bucket_length), so
-  a step compiles one program per largest prompt bucket."""
+  a step compiles one program per largest prompt bucket. layouts: the run's `data.batches.TreeLayouts`
+  (trees go onto a layout compiled before when one holds them), or None."""
   if isinstance(batches[0], TreeBatch):
-    return stack_groups(pad_prompts(pad_trees(batches)))
+    return stack_groups(pad_prompts(pad_trees(batches, layouts)))
   return stack_groups(pad_groups(batches)[0])
 
 

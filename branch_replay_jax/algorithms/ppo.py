@@ -49,11 +49,12 @@ from branch_replay_jax.gradients.step import compiled_programs, leaf_siblings, m
 from branch_replay_jax.models.critic import CRITICS, ActorCritic
 
 
-def validate(config) -> None:
+def validate(config, experiment=None):
   """Raise ValueError (naming the field and value) for PPO settings that cannot run, then `checks.validate`.
   `schema.parse` first: the fields and types of PPO's schema; the GRPO experiment's fields that PPO
-  configs derived from it delete (GRPO's options, loss.advantage) are refused there, naming GRPO."""
-  schema.parse(config, expect="ppo")
+  configs derived from it delete (GRPO's options, loss.advantage) are refused there, naming GRPO.
+  Returns the parsed experiment (`schema.PPOExperiment`; `experiment` when given, parsed already)."""
+  experiment = experiment or schema.parse(config, expect="ppo")
   p = config.ppo
   if p.critic not in CRITICS:
     raise ValueError(f"ppo.critic={p.critic!r} is not one of {CRITICS}")
@@ -92,6 +93,7 @@ def validate(config) -> None:
       raise ValueError(f"mesh.data={m.data} must divide the groups per minibatch, rollout.prompts_per_step / "
                        f"ppo.minibatches = {config.rollout.prompts_per_step} / {p.minibatches} = {per_minibatch} "
                        "(each minibatch is one batch on the mesh)")
+  return experiment
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
@@ -122,12 +124,13 @@ class PPOFunctions:
   returns the `gradients.heads.LogprobsValues` laid out like its tokens.
   """
 
-  def __init__(self, config, graphdef, optimizer=None):
+  def __init__(self, config, graphdef, optimizer=None, layout: schema.Layout | None = None):
     t, p = config.train, config.ppo
-    self.naive = t.gradient == "naive"
+    layout = layout or schema.layout_of(schema.parse(config, expect="ppo"))
+    self.naive = layout.gradient == "naive"
     self.mesh, self.param_mode = placement.mesh_from(config), config.mesh.params
-    tree = bool(config.rollout.tree_fanouts) and not self.naive
-    objective = functools.partial(obj.ppo_tree_objective if tree else obj.ppo_objective, clip_eps=config.loss.clip_eps,
+    objective = functools.partial(obj.ppo_tree_objective if layout.tree else obj.ppo_objective,
+                                  clip_eps=config.loss.clip_eps,
                                   vf_coef=p.vf_coef, value_clip=p.value_clip)
     cast, upcast = runs.param_casts(config)
     mesh, layout = self.mesh, "naive" if self.naive else "replay"
@@ -310,8 +313,8 @@ class PPO(loop.Algorithm):
 
   name = "ppo"
 
-  def __init__(self, config):
-    validate(config)
+  def __init__(self, config, experiment=None):
+    self.layout = schema.layout_of(validate(config, experiment))   # resolved once, passed on
     super().__init__(config)
     self.task = runs.make_task_from(config)
 
@@ -325,7 +328,7 @@ class PPO(loop.Algorithm):
     return ActorCritic(model, critic=self.config.ppo.critic)
 
   def setup(self, run):
-    self.run, self.fns = run, PPOFunctions(self.config, run.graphdef, run.optimizer)
+    self.run, self.fns = run, PPOFunctions(self.config, run.graphdef, run.optimizer, layout=self.layout)
     return (placement.place(run.params, self.fns.mesh, self.fns.param_mode),
             placement.place(run.opt_state, self.fns.mesh, self.fns.param_mode))
 
@@ -341,7 +344,7 @@ class PPO(loop.Algorithm):
     shuffle, whitening and GAE see the whole step, the same on every process."""
     devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
     return loop.sample_groups(self.config, self.policy(run, params, devices), run.tokenizer, self.task, run.key, step,
-                              data_pos, devices=devices, whole=True)
+                              data_pos, devices=devices, whole=True, layout=self.layout)
 
   def eval_policy(self, run, params, num_problems):
     devices = placement.spread_devices(self.fns.mesh, num_problems)
@@ -357,6 +360,6 @@ class PPO(loop.Algorithm):
     return loop.log_step(self.config, bar, step, groups, stats, rollout_s=rollout_s, update_s=update_s, wall_s=wall_s)
 
 
-def train(config) -> list[dict]:
+def train(config, experiment=None) -> list[dict]:
   """Run the PPO experiment in `config` (see experiments/ppo_smollm2_arith.py); returns this run's metrics."""
-  return loop.train(config, PPO(config))
+  return loop.train(config, PPO(config, experiment))

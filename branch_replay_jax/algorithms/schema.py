@@ -328,6 +328,40 @@ class DPOExperiment(RunConfig):
 
 SCHEMAS = {"grpo": GRPOExperiment, "ppo": PPOExperiment, "dpo": DPOExperiment}
 
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A run's layout, resolved once from its typed config (`layout_of`) and passed on to everything
+  that lays out a step: what a step's rollouts are and how its update computes them.
+
+  rollout: one of LAYOUTS: "group" (G completions of a prompt), "tree" (rollout.tree_fanouts: a
+    sampled tree) or "episode" (rollout.episodes: G multi-turn episodes of a problem).
+  gradient: "replay" or "naive" (train.gradient), `gradients.step`'s layout.
+  share: episodes only, rollout.episodes.share (`SHARES`): what replay computes once; "tree" for a
+    sampled tree, "prompt" for a group (what their replay computes once).
+  min_shared_tokens, max_tree_depth: episodes only, rollout.episodes' (0 otherwise).
+  """
+  rollout: str
+  gradient: str
+  share: str
+  min_shared_tokens: int = 0
+  max_tree_depth: int = 0
+
+  @property
+  def tree(self) -> bool:
+    """Whether a step trains TreeBatches with its algorithm's tree objective (replay of a sampled tree
+    or of an episode tree); otherwise GroupBatches (a group, or any rollout's rows) with the group one."""
+    return self.gradient == "replay" and self.share == "tree"
+
+
+def layout_of(experiment) -> Layout:
+  """The `Layout` of a parsed experiment (`parse`'s GRPOExperiment or PPOExperiment)."""
+  r, gradient = experiment.rollout, experiment.train.gradient
+  episodes = getattr(r, "episodes", None)
+  if episodes is not None:
+    return Layout("episode", gradient, episodes.share, episodes.min_shared_tokens, episodes.max_tree_depth)
+  return Layout("tree", gradient, "tree") if r.tree_fanouts else Layout("group", gradient, "prompt")
+
 # Another algorithm's field in this algorithm's config: messages that say more than "remove it".
 _FOREIGN = {
     ("grpo", "loss.clip_eps"): "loss.clip_eps={value}: GRPO's clip range is loss.clip_eps_low and loss.clip_eps_high "

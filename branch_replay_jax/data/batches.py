@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from branch_replay_jax.data.groups import RolloutGroup, make_group
+from branch_replay_jax.data.groups import RolloutGroup, bucket_length, make_group
 from branch_replay_jax.data.trees import PaddedTree, RolloutTree
 
 
@@ -193,7 +193,51 @@ def _node_layout(name: str, ndim: int, depth: int) -> tuple[bool, bool]:
   return ndim == depth + 2, True   # [L, T, G] (weights, PPO's advantage, returns) or [L, G] (GRPO's advantage)
 
 
-def pad_trees(trees: Sequence[TreeBatch]) -> list[TreeBatch]:
+def _power_of_two(n: int) -> int:
+  return 1 << (n - 1).bit_length()
+
+
+class TreeLayouts:
+  """The level layouts a run's step has compiled, so that a step whose trees fit one of them pads
+  onto it instead of compiling another program (`pad_trees`' `layouts`).
+
+  A layout is (fan-outs (F_1..F_D), lengths (T_1..T_D), trajectories G); its cost is the token
+  positions its levels compute, Σ_d F_1···F_d · T_d. `choose(layout)` returns the cheapest layout met
+  before that holds it (depth, every fan-out, every length and G at least as large) if that costs at most `max_cost`
+  times the layout's own, else the layout itself, which is remembered. So a run compiles at most one
+  program per bucketed layout it meets, and fewer: once a large tree has been met, the smaller
+  trees of later steps reuse its program (a compile of the SmolLM2 tree step takes longer than the
+  step computes). Padding onto a larger layout adds exact zeros (`pad_trees`).
+
+  Raises:
+    ValueError: max_cost < 1.
+  """
+
+  def __init__(self, max_cost: float = 2.0):
+    if not max_cost >= 1:
+      raise ValueError(f"TreeLayouts: max_cost={max_cost!r} must be >= 1")
+    self.max_cost, self.seen = max_cost, []
+
+  @staticmethod
+  def cost(layout) -> int:
+    fanouts, lengths = layout[:2]
+    return int(sum(np.prod(fanouts[:d + 1]) * t for d, t in enumerate(lengths)))
+
+  @staticmethod
+  def holds(big, small) -> bool:
+    pairs = list(zip(big[0], small[0])) + list(zip(big[1], small[1]))   # zip stops at the shallower's depth
+    return len(big[0]) >= len(small[0]) and big[2] >= small[2] and all(b >= s for b, s in pairs)
+
+  def choose(self, layout):
+    fits = [s for s in self.seen if self.holds(s, layout)]
+    best = min(fits, key=self.cost, default=None)
+    if best is not None and self.cost(best) <= self.max_cost * self.cost(layout):
+      return best
+    self.seen.append(layout)
+    return layout
+
+
+def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None) -> list[TreeBatch]:
   """Pad rollout trees to one level layout, so that `distributed.mesh.stack_groups` can stack them.
 
   Trees sampled with one config differ in shape (`rollout.tree_sampler.sample_tree`, `data.trees.pad_tree`):
@@ -201,9 +245,13 @@ def pad_trees(trees: Sequence[TreeBatch]) -> list[TreeBatch]:
   (every path stopped early) and fewer trajectories G than their product; a level's T_d is the
   bucket of its longest segment, so EOS can shrink it too; F_d is the largest fan-out into level d.
   (Prompts differ in P_pad as well: `distributed.mesh.pad_prompts` pads those.) Every tree is
-  padded to the largest D, each level's largest F_1..F_d and T_d, and the largest G: new slots,
-  token positions and whole levels are empty (token 0, mask False, every other field 0) and new
-  trajectories get weights, advantage and returns 0.
+  padded to the largest D, each level's largest F_1..F_d rounded up to a power of two, its largest
+  T_d rounded up to a power of two (>= 8), and the largest G: new slots, token positions and whole
+  levels are empty (token 0, mask False, every other field 0) and new trajectories get weights,
+  advantage and returns 0. The powers of two bound the step's programs: the step compiles once per
+  layout (`gradients.step.compiled_programs`), and a run whose trees change every step meets few
+  layouts (a level's T_d takes log2 values, not `SEGMENT_BUCKETS_PER_OCTAVE` per doubling; the
+  price is at most 2x the positions of a level; docs/design.md, "Trees: slots and levels").
 
   The padding contributes exactly zero to the loss, its gradient and every metric sum, for any
   objective that weighs its (token, trajectory) terms by `weights` (`losses.grpo_tree_objective`,
@@ -219,6 +267,8 @@ def pad_trees(trees: Sequence[TreeBatch]) -> list[TreeBatch]:
     trees: TreeBatches (`tree_arrays`, unstacked: prompt_ids [P_pad], levels [F_1..F_d, T_d, ...]),
       each with the same Segments fields set. Per-trajectory fields (`TRAJECTORY_FIELDS`) carry
       their trailing axis G: weights [.., T_d, G], advantage [.., G] or [.., T_d, G], returns [.., T_d, G].
+    layouts: the run's `TreeLayouts`: the trees then go onto the layout it chooses (one compiled
+      before, when one holds them at most max_cost times their own cost); None: their own.
 
   Returns:
     The trees in order, each with levels of one shape (prompt_ids unchanged); for PPO's trees as
@@ -233,12 +283,16 @@ def pad_trees(trees: Sequence[TreeBatch]) -> list[TreeBatch]:
   if len(names) != 1:
     raise ValueError(f"pad_trees: the trees' levels set different Segments fields: {sorted(names)}")
   names = names.pop()
-  depth = max(len(t.levels) for t in trees)
+  own = max(len(t.levels) for t in trees)
   present = lambda d: [t.levels[d] for t in trees if len(t.levels) > d]   # level d + 1 of the trees that have it
-  fanouts = [max(level.tokens.shape[d] for level in present(d)) for d in range(depth)]
-  lengths = [max(level.tokens.shape[-1] for level in present(d)) for d in range(depth)]
+  fanouts = tuple(_power_of_two(max(level.tokens.shape[d] for level in present(d))) for d in range(own))
+  lengths = tuple(bucket_length(max(level.tokens.shape[-1] for level in present(d)), minimum=8) for d in range(own))
   g = max((getattr(level, f).shape[-1] for t in trees for level in t.levels for f in names if f in TRAJECTORY_FIELDS),
           default=0)
+  if layouts is not None:
+    fanouts, lengths, g = layouts.choose((fanouts, lengths, g))
+  depth = len(fanouts)
+  ref = next(t for t in trees if len(t.levels) == own).levels[-1]   # dtypes of the levels no tree has
 
   def target(name, ndim, d):   # level d + 1's shape of field `name`
     has_t, has_g = _node_layout(name, ndim, d + 1)
@@ -250,9 +304,9 @@ def pad_trees(trees: Sequence[TreeBatch]) -> list[TreeBatch]:
       if d < len(t.levels):
         fields = {f: jnp.pad(x, [(0, n - s) for s, n in zip(x.shape, target(f, x.ndim, d))])
                   for f in names for x in [getattr(t.levels[d], f)]}
-      else:   # a level this tree lacks: all padding, dtypes and layout from a tree that has it
-        ref = present(d)[0]
-        fields = {f: jnp.zeros(target(f, getattr(ref, f).ndim, d), getattr(ref, f).dtype) for f in names}
+      else:   # a level this tree lacks: all padding, dtypes and field ranks from a tree's deepest level
+        fields = {f: jnp.zeros(target(f, getattr(ref, f).ndim - own + d + 1, d), getattr(ref, f).dtype)
+                  for f in names}
       levels.append(Segments(**fields))
     return t.replace(levels=tuple(levels))
   return [pad(t) for t in trees]
