@@ -123,11 +123,19 @@ def test_a_step_pads_onto_a_layout_compiled_before_when_it_costs_at_most_twice_i
   assert layouts.choose(((8,), (64,), 8)) == big and layouts.choose(((8, 2), (64, 16), 8)) == big
   # A tree of 4 branches of 64 (cost 256) would pay 4x: its own layout, remembered from then on.
   assert layouts.choose(((4,), (64,), 8)) == ((4,), (64,), 8) and layouts.choose(((2,), (64,), 8)) == ((4,), (64,), 8)
-  # Longer than anything met: its own.
-  assert layouts.choose(((8,), (128,), 8)) == ((8,), (128,), 8)
-  assert layouts.seen == [big, ((4,), (64,), 8), ((8,), (128,), 8)]
-  # More trajectories than any layout met (G = 16: tree sampling's EOS changes G): its own.
-  assert layouts.choose(((8,), (64,), 16)) == ((8,), (64,), 16)
+  # Longer than anything met (cost 1024): the largest union within 2x, with big: ((8, 2), (128, 32))
+  # at 1536 <= 2048, so that later trees shaped like either fit it.
+  union = ((8, 2), (128, 32), 8)
+  assert layouts.choose(((8,), (128,), 8)) == union and layouts.choose(((8, 1), (128, 32), 8)) == union
+  # A much larger level (cost 8192): the largest union within 2x, with big (8192 + 512).
+  assert layouts.choose(((8,), (1024,), 8)) == ((8, 2), (1024, 32), 8)
+  # Deeper and longer than everything (cost 2^20): no union within 2x of it: its own.
+  deep = ((8, 8, 8), (1024, 1024, 1024), 8)
+  assert layouts.choose(deep) == deep
+  assert layouts.seen == [big, ((4,), (64,), 8), union, ((8, 2), (1024, 32), 8), deep]
+  # More trajectories than any layout met (G = 16: tree sampling's EOS changes G): none holds it;
+  # the largest union within 2x is big's with G = 16.
+  assert layouts.choose(((8,), (64,), 16)) == ((8, 2), (64, 32), 16)
   with pytest.raises(ValueError, match="max_cost"):
     TreeLayouts(0.5)
 

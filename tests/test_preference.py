@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import experiment_config, length_score, max_rel_err, tiny_model
 
@@ -85,6 +86,31 @@ def test_float32_two_pass_replay_equals_naive(loss_type):
   assert max_rel_err(gr, gn) <= 1e-4
   assert abs(float(lr) - float(ln)) <= 1e-5 * max(1.0, abs(float(ln)))
   assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-3
+
+
+def test_one_program_dpo_step_updates_as_the_two_pass_gradient_and_the_naive_step(x64):
+  # make_preference_step runs the reference sums, the gradient and the update in ONE program. With
+  # plain SGD (lr 0.5) the new parameters are params - 0.5 dL/dθ, so the replay step's and the naive
+  # step's must equal params - 0.5 x the two-pass gradient of `_both` to float64 rounding (<= 1e-10
+  # relative on the change), with the same loss; two steps of one shape compile one program.
+  from branch_replay_jax.gradients.step import compiled_programs
+  graphdef, params, batch, steps, ref, _ = _setup(jnp.float64)
+  _, ref_params = tiny_model(jnp.float64, jnp.float64, seed=1)
+  (want_loss, _, grads), _ = _both(jnp.float64, "sigmoid")
+  want = jax.tree_util.tree_map(lambda p, g: p - 0.5 * g, params, grads)
+  tx = optax.sgd(0.5)
+  copy = lambda t: jax.tree_util.tree_map(jnp.array, t)   # the step donates params and opt_state
+  for layout in ("replay", "naive"):
+    step = pref.make_preference_step(graphdef, tx, beta=0.1, layout=layout, micro_batch=2)
+    new, state, out = step(copy(params), ref_params, tx.init(params), batch)
+    change = jax.tree_util.tree_map(jnp.subtract, new, params)
+    assert max_rel_err(change, jax.tree_util.tree_map(jnp.subtract, want, params)) <= 1e-10, layout
+    assert float(out["loss"]) == pytest.approx(float(want_loss), rel=1e-12), layout
+    assert float(out["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-10), layout
+    step(new, ref_params, state, batch)
+    assert compiled_programs(step.program) == 1, layout
+  with pytest.raises(ValueError, match="layout='naive' runs on one device"):
+    pref.make_preference_step(graphdef, tx, beta=0.1, layout="naive", mesh=object())
 
 
 # ---- IPO on means and conservative DPO: exact under the two-pass replay -------------------------------
@@ -257,8 +283,9 @@ def test_dpo_label_smoothing_reaches_the_replay_and_the_naive_step(tmp_path):
                                **{"dpo.label_smoothing": 0.1, "dpo.beta": 50.0, "train.gradient": gradient,
                                   "train.micro_batch": 1})
     dpo.validate(config)
-    fns = dpo.DPOFunctions(config, graphdef, lambda p, o, g: (p, o, 0.0))
-    _, _, stats = fns.step(params, ref_params, None, batch)
+    tx = optax.sgd(0.0)
+    fns = dpo.DPOFunctions(config, graphdef, tx)
+    _, _, stats = fns.step(jax.tree_util.tree_map(jnp.array, params), ref_params, tx.init(params), batch)
     m = stats["reward_margin"]
     assert abs(m) > 0.02
     want = -(0.9 * np.log(jax.nn.sigmoid(m)) + 0.1 * np.log(jax.nn.sigmoid(-m)))

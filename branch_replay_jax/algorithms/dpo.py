@@ -9,9 +9,12 @@ One step:
   2. layout: one group per distinct prompt, its distinct completions as branches (gradients/preference.py);
   3. reference log-prob sums of the frozen initial policy (forward-only replay);
   4. the DPO (or IPO) gradient by two-pass replay (or naive), clipped by global norm, AdamW.
+Steps 3-4 and the update are one jitted program per optimizer step
+(`gradients.preference.make_preference_step`, on `gradients.step`'s forward, gradient and optax tail),
+and step 1 samples and scores through the loop's (`loop.sample_each`, `rollout.collect.rollout`).
 A step without pairs makes no update. With a device mesh (config.mesh: data x branch x seq > 1,
 distributed/mesh.py; replay gradients), each pass of 3-4 runs on the step's groups padded to one
-shape (`gradients.preference.ReplaySteps` with a mesh, `pad_groups`: padding completions and filler groups
+shape (`gradients.preference.replay_layout` with a mesh, `pad_groups`: padding completions and filler groups
 carry zero weight) and stacked into one batch under `shard_map`: groups over `data`, completions
 over `branch`, prompt tokens over `seq`; parameters and optimizer state replicated or
 FSDP-sharded (mesh.params). Sampling (data.source = "task") is data-parallel on the mesh: the
@@ -27,9 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
-import jax
 import numpy as np
 
 from branch_replay_jax import losses as obj
@@ -37,11 +38,10 @@ from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.checks import GRADIENTS, SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.gradients import preference as pref
-from branch_replay_jax.models.loading import encode_chat, stop_ids
+from branch_replay_jax.gradients.step import compiled_programs
+from branch_replay_jax.models.loading import encode_chat
 from branch_replay_jax.outputs import plots
-from branch_replay_jax.rollout.sampler import sample_group
-from branch_replay_jax.rollout.stop_strings import stop_table
-from branch_replay_jax.rollout.tasks.protocol import reward_terms, score_group
+from branch_replay_jax.rollout.collect import rollout
 
 SOURCES = ("task", "jsonl")
 FIELDS = ("prompt", "chosen", "rejected")
@@ -165,29 +165,21 @@ def sample_prompt(config, policy, tokenizer, task, key, data_pos: int) -> dict:
   ("eos", "stop_string", "length"); "reward_terms": {name: [G] float64} per function of
   task.rewards (NaN where one returned None; {} without task.rewards); "sample_s", "score_s";
   "sample": the texts logged for the pair}. Host values only (numpy), so that a prompt sampled on
-  another process can be sent here. The completions are scored as a batch (`score_group`, TRL's
-  batch signature for task.rewards); a failing reward function raises naming it and `data_pos`."""
-  r = config.rollout
-  problem = task[data_pos % len(task)]
-  ids = encode_chat(tokenizer, task.messages(problem))
-  t0 = time.perf_counter()
-  ro = sample_group(policy, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
-                    temperature=r.temperature, top_p=r.top_p, eos_ids=stop_ids(tokenizer),
-                    pad_id=tokenizer.pad_token_id or 0, stop_table=stop_table(tokenizer, tuple(r.get("stop_strings", ()))))
-  comps = [row[:n] for row, n in zip(np.asarray(ro.tokens), np.asarray(ro.lengths))]
-  t1 = time.perf_counter()
-  texts = tokenizer.batch_decode(comps, skip_special_tokens=True)
-  scores = score_group(task, texts, problem, index=data_pos)
-  rew = np.array([s.reward for s in scores], np.float32)
-  out = {"pair": None, "rewards": rew, "correct": np.array([s.correct for s in scores]),
-         "truncated": np.asarray(ro.truncated, bool), "stop_reasons": ro.stop_reasons(),
-         "reward_terms": reward_terms(scores), "sample_s": t1 - t0,
-         "score_s": time.perf_counter() - t1, "sample": None}
+  another process can be sent here. The sampling and scoring are the loop's (`rollout.collect.rollout`:
+  the completions scored as a batch, `score_group`, TRL's batch signature for task.rewards); a
+  failing reward function raises naming it and `data_pos`."""
+  raw = rollout(config.rollout, policy, tokenizer, task, data_pos, key)
+  comps = [row[:n] for row, n in zip(raw.tokens, raw.lengths)]
+  rew = raw.task_rewards.astype(np.float32)
+  out = {"pair": None, "rewards": rew, "correct": raw.correct, "truncated": raw.truncated,
+         "stop_reasons": raw.stop_reasons, "reward_terms": raw.reward_terms or {}, "sample_s": raw.sample_s,
+         "score_s": raw.score_s, "sample": None}
   if not bool(obj.constant_groups(rew)):
     best, worst = int(np.argmax(rew)), int(np.argmin(rew))
-    out["pair"] = pref.PreferencePair(np.asarray(ids), comps[best], comps[worst])
-    out["sample"] = {"data_pos": data_pos, "prompt": problem.question, "answer": problem.answer,
-                     "chosen": texts[best], "rejected": texts[worst], "chosen_reward": float(rew[best]),
+    out["pair"] = pref.PreferencePair(np.asarray(raw.prompt_ids), comps[best], comps[worst])
+    chosen, rejected = tokenizer.batch_decode([comps[best], comps[worst]], skip_special_tokens=True)
+    out["sample"] = {"data_pos": data_pos, "prompt": raw.sample["question"], "answer": raw.sample["answer"],
+                     "chosen": chosen, "rejected": rejected, "chosen_reward": float(rew[best]),
                      "rejected_reward": float(rew[worst])}
   return out
 
@@ -206,15 +198,9 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int,
       thread, all at once, and every process receives every prompt's pair and figures
       (`hosts.gather_items`, a collective), so all hold the step's pairs in the same order.
   """
-  n = config.rollout.prompts_per_step
-  keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
-  if devices is None:
-    prompts = [sample_prompt(config, policy, tokenizer, task, keys[i], data_pos + i) for i in range(n)]
-  else:
-    local = hosts.run_on_devices(lambda i, device: sample_prompt(config, policy[device], tokenizer, task,
-                                                                 jax.device_put(keys[i], device), data_pos + i), devices)
-    merged = hosts.gather_items(local)
-    prompts = [merged[i] for i in range(n)]
+  one = lambda device, pos, k: sample_prompt(config, policy if device is None else policy[device], tokenizer, task,
+                                             k, pos)
+  prompts = loop.sample_each(config.rollout.prompts_per_step, key, step, data_pos, one, devices=devices)
   pairs = [p["pair"] for p in prompts if p["pair"] is not None]
   info = {"rewards": np.concatenate([p["rewards"] for p in prompts]),
           "correct": np.concatenate([p["correct"] for p in prompts]),
@@ -228,35 +214,27 @@ def sample_pairs(config, policy, tokenizer, task, key, step: int, data_pos: int,
 
 
 class DPOFunctions:
-  """Jitted pieces of a DPO step (compiled per group / batch shape), on one device or, with
-  config.mesh, on the device mesh (`gradients.preference.ReplaySteps` with a mesh)."""
+  """A DPO step as one jitted program per optimizer step (`gradients.preference.make_preference_step`:
+  reference sums, the loss gradient and the update; compiled per group / batch shape), on one device
+  or, with config.mesh, on the device mesh."""
 
-  def __init__(self, config, graphdef, update):
+  def __init__(self, config, graphdef, optimizer):
     t, p = config.train, config.dpo
-    self.naive = t.gradient == "naive"
     self.mesh, self.param_mode = placement.mesh_from(config), config.mesh.params
-    self.replay = pref.ReplaySteps(graphdef, mesh=self.mesh, micro_batch=t.micro_batch)
-    self.naive_ref = jax.jit(lambda prm, n: pref.naive_ref_sums(graphdef, prm, n, micro_batch=t.micro_batch))
-    self.naive_grad = jax.jit(lambda prm, n, ref: pref.naive_value_and_grad(
-        graphdef, prm, n, ref, beta=p.beta, loss_type=p.loss, label_smoothing=p.label_smoothing,
-        micro_batch=t.micro_batch))
-    self.beta, self.loss_type, self.label_smoothing = p.beta, p.loss, p.label_smoothing
-    self.update = update   # runs.make_update
+    self.train_step = pref.make_preference_step(graphdef, optimizer, beta=p.beta, loss_type=p.loss,
+                                                label_smoothing=p.label_smoothing, layout=t.gradient, mesh=self.mesh,
+                                                micro_batch=t.micro_batch)
 
   def step(self, params, ref_params, opt_state, batch: pref.PreferenceBatch):
-    """Reference sums, the loss gradient and one optimizer update; returns (params, opt_state, stats)."""
-    if self.naive:
-      loss, metrics, grads = self.naive_grad(params, batch.naive, self.naive_ref(ref_params, batch.naive))
-    else:
-      layout = self.replay.layout(batch)
-      ref = self.replay.flat_sums(ref_params, layout)
-      loss, metrics, grads = self.replay.value_and_grad(params, layout, ref, beta=self.beta, loss_type=self.loss_type,
-                                                        label_smoothing=self.label_smoothing)
-    params, opt_state, grad_norm = self.update(params, opt_state, grads)
+    """Reference sums, the loss gradient and one optimizer update, one program; returns (params,
+    opt_state, stats)."""
+    params, opt_state, out = self.train_step(params, ref_params, opt_state, batch)
+    loss, metrics, grad_norm = out["loss"], out["metrics"], out["grad_norm"]
     stats = {"loss": float(loss), "chosen_reward": float(np.mean(metrics["chosen_reward"])),
              "rejected_reward": float(np.mean(metrics["rejected_reward"])),
              "reward_margin": float(np.mean(metrics["margin"])),
-             "reward_accuracy": float(np.mean(metrics["correct"])), "grad_norm": float(grad_norm)}
+             "reward_accuracy": float(np.mean(metrics["correct"])), "grad_norm": float(grad_norm),
+             "step_compiles": compiled_programs(self.train_step.program)}
     return params, opt_state, stats
 
 
@@ -280,7 +258,7 @@ class DPO(loop.Algorithm):
     self.run = run
     cfg = run.model_config
     self.data = encode_pairs(self.records, run.tokenizer, cfg.max_positions) if self.records else None
-    self.fns = DPOFunctions(self.config, run.graphdef, runs.make_update(run.optimizer))
+    self.fns = DPOFunctions(self.config, run.graphdef, run.optimizer)
     mesh, mode = self.fns.mesh, self.fns.param_mode
     self.ref_params = placement.place(run.initial_params, mesh, mode)
     return placement.place(run.params, mesh, mode), placement.place(run.opt_state, mesh, mode)
@@ -343,7 +321,8 @@ def _text_sample(records: list[dict], data_pos: int) -> dict:
 def _record(step: int, num_pairs: int, info: dict, stats: dict, counts: dict, *, rollout_s: float,
             update_s: float) -> dict:
   """One metrics.jsonl line; the loss fields are null for a step without pairs (no update)."""
-  loss_fields = ("loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "grad_norm")
+  loss_fields = ("loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "grad_norm",
+                 "step_compiles")
   record = {"step": step + 1, "pairs": num_pairs, "skipped_prompts": info["skipped_prompts"],
             **{k: stats.get(k) for k in loss_fields}, **counts}
   if "rewards" in info:   # sampled pairs: the task reward of every sampled completion

@@ -4,8 +4,8 @@
                                                                                               ─► plots
 
 An algorithm plugs in as an `Algorithm` (algorithms/grpo.py, ppo.py, dpo.py): it supplies its
-batch (`collect`), its update (`update`: GRPO's and PPO's one jitted program per optimizer step,
-`gradients.step.make_train_step`; DPO's passes, then `runs.make_update`)
+batch (`collect`), its update (`update`: one jitted program per optimizer step,
+`gradients.step.make_train_step` for GRPO and PPO, `gradients.preference.make_preference_step` for DPO)
 and its metrics record (`log`); the loop owns the order of the steps, timing (`Stopwatch`), the
 step's rollouts (`sample_groups`), its records (`log_step`, `step_record`), checkpoints
 (`save_if_due`) and plots, and drives run setup and resume (algorithms/runs.py, `start_run`) and
@@ -196,16 +196,32 @@ def sample_groups(config, policy, tokenizer, task, key, step: int, data_pos: int
   Returns: ([prompts_per_step] groups in order, the next data position).
   """
   n = config.rollout.prompts_per_step
-  keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
-  if devices is None:
-    return [rollout_group(config, policy, tokenizer, task, data_pos + i, keys[i], env=env, layout=layout)
-            for i in range(n)], data_pos + n
-  local = hosts.run_on_devices(lambda i, device: rollout_group(config, policy[device], tokenizer, task, data_pos + i,
-                                                               jax.device_put(keys[i], device), layout=layout), devices)
+  one = lambda device, pos, k: rollout_group(config, policy if device is None else policy[device], tokenizer, task,
+                                             pos, k, env=env, layout=layout)
   shared = lambda g: dataclasses.replace(g, batch=jax.device_get(g.batch) if whole else None,
                                          naive_batch=jax.device_get(g.naive_batch))
-  summaries = hosts.gather_items({i: shared(g) for i, g in local.items()}) if jax.process_count() > 1 else local
-  return [local.get(i, summaries[i]) for i in range(n)], data_pos + n
+  return sample_each(n, key, step, data_pos, one, devices=devices, summary=shared), data_pos + n
+
+
+def sample_each(n: int, key, step: int, data_pos: int, sample, *, devices=None, summary=None) -> list:
+  """The step's n prompts, prompt i from task item data_pos + i with the key (seed, step, i) folded, so
+  a resumed run, and a run on a mesh, sample the same: [sample(device, data_pos + i, key_i)], every
+  algorithm's sampling (`sample_groups`; DPO's `dpo.sample_pairs`).
+
+  devices: None (device None passed: every prompt here, one after another), or [n] the device of each
+    prompt: each of this process's devices samples its prompts in its own thread, all at once, and
+    with several processes the others' items come back as summary(item) (`hosts.gather_items`, a
+    collective every process joins; summary None: the items themselves).
+  """
+  keys = [jax.random.fold_in(jax.random.fold_in(key, step), i) for i in range(n)]
+  if devices is None:
+    return [sample(None, data_pos + i, keys[i]) for i in range(n)]
+  local = hosts.run_on_devices(lambda i, device: sample(device, data_pos + i, jax.device_put(keys[i], device)), devices)
+  if jax.process_count() > 1:
+    summaries = hosts.gather_items({i: item if summary is None else summary(item) for i, item in local.items()})
+  else:
+    summaries = local
+  return [local.get(i, summaries[i]) for i in range(n)]
 
 
 def log_step(config, bar, step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float,

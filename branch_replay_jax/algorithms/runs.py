@@ -1,6 +1,7 @@
 """A run's setup and resume (what `loop.train` starts from): the model (`build_model`), its parameter
-dtype casts (`param_casts`), the optimizer (`make_optimizer`) and a jitted optimizer update on
-given gradients (`make_update`, DPO's; GRPO and PPO fold theirs into `gradients.step.make_train_step`), the fields that define an experiment (`fingerprint`), the task
+dtype casts (`param_casts`), the optimizer (`make_optimizer`; every algorithm folds its update into
+its one-program step: `gradients.step.make_train_step`, DPO's `gradients.preference.make_preference_step`),
+the fields that define an experiment (`fingerprint`), the task
 (`make_task_from`), the process count check (`check_processes`), and `start_run`: RUN_DIR opened
 and checked (`prepare_run_dir`), the latest checkpoint restored when config.resume, the logs cut
 back to the step the run continues from (`Run`)."""
@@ -90,17 +91,6 @@ def fingerprint(config) -> dict:
           "prompts_per_step": r.prompts_per_step, "seed": config.seed, **adapters}
 
 
-def make_update(optimizer: optax.GradientTransformation):
-  """An optimizer step on given gradients (DPO's update): jitted (params, opt_state, grads) -> (params,
-  opt_state, global gradient norm). It donates params and opt_state (their buffers are reused
-  for the new ones): the caller must not read the arrays it passed in afterwards; grads are not
-  donated (the caller may still hold them)."""
-  def update(params, opt_state, grads):
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-  return jax.jit(update, donate_argnums=(0, 1))
-
-
 def make_task_from(config, *, seed: int | None = None, size: int | None = None, split: str = "train"):
   """The task config.task describes (rollout/tasks/sources.py, `make_task_from_fields`: a reasoning-gym
   dataset, a local file, or a python task, with its prompt fields and reward functions); `seed` and
@@ -144,7 +134,7 @@ class Run:
   """What a training loop starts from (start_run). `start` and `data_pos` are the step and data
   position to continue from; `initial_params` is a copy of the parameters before any update (the
   frozen reference policy; also after a resume), or None. `params` and `opt_state` belong to the
-  loop: the first `make_update` step donates them (read the loop's returned state, not these).
+  loop: the first step donates them (read the loop's returned state, not these).
   With config.lora, `params` are the LoRA adapters alone (what is differentiated, optimised and
   checkpointed), `frozen` the base model's parameters (cast to model.param_dtype) and graphdef
   merges both (`nnx.merge(graphdef, params, frozen)`); `frozen` is None otherwise."""

@@ -16,7 +16,7 @@ loop holds and runs one GRPO update on one group, lowered and compiled, never ru
 
 The step: reference log-probs by forward-only replay (`replay_logprobs`), the GRPO gradient by
 replay (`replay_value_and_grad`) and the clipped AdamW update of the trained parameters (donated,
-as `algorithms.runs.make_update` does). One JSON line per compile:
+as `gradients.step.make_train_step` does). One JSON line per compile:
 
     trained_bytes, frozen_bytes, reference_bytes, opt_state_bytes   from the shapes (exact);
     state_bytes        their sum: what the loop holds between steps;

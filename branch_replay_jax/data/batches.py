@@ -203,11 +203,12 @@ class TreeLayouts:
 
   A layout is (fan-outs (F_1..F_D), lengths (T_1..T_D), trajectories G); its cost is the token
   positions its levels compute, Σ_d F_1···F_d · T_d. `choose(layout)` returns the cheapest layout met
-  before that holds it (depth, every fan-out, every length and G at least as large) if that costs at most `max_cost`
-  times the layout's own, else the layout itself, which is remembered. So a run compiles at most one
-  program per bucketed layout it meets, and fewer: once a large tree has been met, the smaller
-  trees of later steps reuse its program (a compile of the SmolLM2 tree step takes longer than the
-  step computes). Padding onto a larger layout adds exact zeros (`pad_trees`).
+  before that holds it (depth, every fan-out, every length and G at least as large) if that costs at
+  most `max_cost` times the layout's own; else the largest union (elementwise largest) of the layout
+  with one met before that costs at most `max_cost` times its own, remembered, so that later steps
+  shaped like either fit it; else the layout itself, remembered. So a run compiles at most one
+  program per layout it meets, and fewer: once the trees' shapes have been met, later steps reuse
+  the programs. Padding onto a larger layout adds exact zeros (`pad_trees`).
 
   Raises:
     ValueError: max_cost < 1.
@@ -228,13 +229,22 @@ class TreeLayouts:
     pairs = list(zip(big[0], small[0])) + list(zip(big[1], small[1]))   # zip stops at the shallower's depth
     return len(big[0]) >= len(small[0]) and big[2] >= small[2] and all(b >= s for b, s in pairs)
 
+  @staticmethod
+  def union(a, b):
+    """The smallest layout that holds both a and b."""
+    deeper, other = (a, b) if len(a[0]) >= len(b[0]) else (b, a)
+    grow = lambda xs, ys: tuple(max(x, y) for x, y in zip(xs, ys)) + tuple(xs[len(ys):])
+    return grow(deeper[0], other[0]), grow(deeper[1], other[1]), max(a[2], b[2])
+
   def choose(self, layout):
-    fits = [s for s in self.seen if self.holds(s, layout)]
-    best = min(fits, key=self.cost, default=None)
-    if best is not None and self.cost(best) <= self.max_cost * self.cost(layout):
-      return best
-    self.seen.append(layout)
-    return layout
+    budget = self.max_cost * self.cost(layout)
+    fits = [s for s in self.seen if self.holds(s, layout) and self.cost(s) <= budget]
+    if fits:
+      return min(fits, key=self.cost)
+    unions = [u for u in (self.union(s, layout) for s in self.seen) if self.cost(u) <= budget]
+    chosen = max(unions, key=self.cost, default=layout)   # the most headroom within the budget
+    self.seen.append(chosen)
+    return chosen
 
 
 def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None) -> list[TreeBatch]:

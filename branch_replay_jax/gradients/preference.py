@@ -44,7 +44,7 @@ from branch_replay_jax.data.counts import group_counts
 from branch_replay_jax.data.groups import bucket_length, make_group
 from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.gradients.heads import Policy
-from branch_replay_jax.gradients.step import forward, value_and_grad
+from branch_replay_jax.gradients.step import apply_update, forward, value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,32 +153,19 @@ class ReplaySteps:
 
   def __init__(self, graphdef, *, mesh=None, micro_batch: int = 1, logprob_chunk: int = 256):
     self.mesh = mesh
-    branch = 1 if mesh is None else mesh.shape["branch"]
-    mb = lambda a: fit_micro_batch(micro_batch, a.branches.tokens.shape[-2] // branch)
-    sums = lambda p, a: forward(POLICY, graphdef, p, a, mesh=mesh, micro_batch=mb(a),
-                                logprob_chunk=logprob_chunk).sum(-1)
-    grad = lambda p, a: value_and_grad(POLICY, graphdef, p, a, surrogate_objective, mesh=mesh, micro_batch=mb(a),
-                                       logprob_chunk=logprob_chunk)[2]
+    sums, grad = _passes(graphdef, mesh, micro_batch, logprob_chunk)
     if mesh is None:
       self.sums, self.surrogate_grad = jax.jit(sums), jax.jit(grad)
       return
-    # Pass 1's sums [B, G'] come back replicated: the loss gathers the pairs' sums from them. Both
-    # passes take the stacked batch on the host and place it (shard_batch: with several processes,
-    # each places its rows of the whole batch every process holds; the weights are computed off the
-    # mesh, replicated).
-    sums_jit = jax.jit(lambda p, b: jax.sharding.reshard(sums(p, b), P()))
-    grad_jit = jax.jit(grad)
+    # Both passes take the stacked batch on the host and place it (shard_batch: with several
+    # processes, each places its rows of the whole batch every process holds).
+    sums_jit, grad_jit = jax.jit(sums), jax.jit(grad)
     self.sums = lambda p, b: sums_jit(p, meshes.shard_batch(b, mesh))
     self.surrogate_grad = lambda p, b: grad_jit(p, meshes.shard_batch(b, mesh))
 
   def layout(self, batch: PreferenceBatch) -> tuple[list[GroupBatch], np.ndarray, np.ndarray]:
-    """(units, chosen [K], rejected [K]): the groups to run, each pair's completions as indices into
-    the units' completions flattened in order (`two_pass_value_and_grad`). On a mesh, one unit: the
-    padded groups stacked [B', G', ...] on the host."""
-    if self.mesh is None:
-      return list(batch.groups), np.asarray(batch.chosen), np.asarray(batch.rejected)
-    padded, index = meshes.pad_groups(batch.groups, self.mesh)
-    return [jax.device_get(meshes.stack_groups(padded))], index[batch.chosen], index[batch.rejected]
+    """`replay_layout` on this mesh."""
+    return replay_layout(batch, self.mesh)
 
   def flat_sums(self, params, layout) -> jax.Array:
     """[N] log-prob sums of the layout's completions (0 for a mesh's padding), in its indexing."""
@@ -196,9 +183,90 @@ class ReplaySteps:
                                    beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
 
 
+def replay_layout(batch: PreferenceBatch, mesh=None) -> tuple[list[GroupBatch], np.ndarray, np.ndarray]:
+  """(units, chosen [K], rejected [K]): the groups to run, each pair's completions as indices into
+  the units' completions flattened in order (`two_pass_value_and_grad`). On a mesh, one unit: the
+  padded groups stacked [B', G', ...] on the host."""
+  if mesh is None:
+    return list(batch.groups), np.asarray(batch.chosen), np.asarray(batch.rejected)
+  padded, index = meshes.pad_groups(batch.groups, mesh)
+  return [jax.device_get(meshes.stack_groups(padded))], index[batch.chosen], index[batch.rejected]
+
+
+def _passes(graphdef, mesh, micro_batch: int, logprob_chunk: int):
+  """(sums(params, unit), surrogate_grad(params, unit)): the two passes on one unit, untraced. On a mesh
+  the sums [B, G'] come back replicated (the loss gathers the pairs' sums from them; the weights are
+  computed off the mesh, replicated)."""
+  branch = 1 if mesh is None else mesh.shape["branch"]
+  mb = lambda a: fit_micro_batch(micro_batch, a.branches.tokens.shape[-2] // branch)
+  def sums(p, a):
+    s = forward(POLICY, graphdef, p, a, mesh=mesh, micro_batch=mb(a), logprob_chunk=logprob_chunk).sum(-1)
+    return s if mesh is None else jax.sharding.reshard(s, P())
+  grad = lambda p, a: value_and_grad(POLICY, graphdef, p, a, surrogate_objective, mesh=mesh, micro_batch=mb(a),
+                                     logprob_chunk=logprob_chunk)[2]
+  return sums, grad
+
+
+def make_preference_step(graphdef, tx, *, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                         layout: str = "replay", mesh=None, micro_batch: int = 1, logprob_chunk: int = 256):
+  """One jitted DPO / IPO optimizer step: the reference's log-prob sums, the loss gradient and the
+  optax update `tx` in ONE program (`gradients.step.apply_update`, the tail of every train step).
+
+      step = make_preference_step(graphdef, tx, beta=0.1)
+      params, opt_state, out = step(params, ref_params, opt_state, batch)   # batch: a PreferenceBatch
+
+  layout "replay": the two-pass replay of the module docstring on `ReplaySteps.layout`'s units (one
+  group per distinct prompt on one device; on a mesh, the groups padded and stacked, placed by
+  `shard_batch`); "naive": every pair's two full sequences (`naive_value_and_grad`, one device).
+  out: {"loss": L (the DPO loss, not the surrogate's value), "metrics": `losses.dpo_loss`'s per pair
+  [K], "grad_norm": ||dL/dθ||_2}. params and opt_state are donated (the caller must not read the
+  arrays it passed in); ref_params are not. Each set of unit shapes (and pair count K) is one program;
+  `gradients.step.compiled_programs(step.program)` counts them.
+
+  Raises:
+    ValueError: layout not "replay" or "naive", or "naive" with a mesh.
+  """
+  if layout not in ("replay", "naive"):
+    raise ValueError(f"make_preference_step: layout={layout!r} is not one of ('replay', 'naive')")
+  if layout == "naive" and mesh is not None:
+    raise ValueError("make_preference_step: layout='naive' runs on one device; the mesh step is replay's")
+  options = dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
+  if layout == "naive":
+    def naive_step(params, ref_params, opt_state, naive):
+      ref = naive_ref_sums(graphdef, ref_params, naive, micro_batch=micro_batch, logprob_chunk=logprob_chunk)
+      loss, metrics, grads = naive_value_and_grad(graphdef, params, naive, ref, micro_batch=micro_batch,
+                                                  logprob_chunk=logprob_chunk, **options)
+      params, opt_state, grad_norm = apply_update(tx, params, opt_state, grads)
+      return params, opt_state, {"loss": loss, "metrics": metrics, "grad_norm": grad_norm}
+    program = jax.jit(naive_step, donate_argnums=(0, 2))
+    step = lambda params, ref_params, opt_state, batch: program(params, ref_params, opt_state, batch.naive)
+    step.program = program
+    return step
+
+  sums, grad = _passes(graphdef, mesh, micro_batch, logprob_chunk)
+
+  def replay_step(params, ref_params, opt_state, units, chosen, rejected, lengths):
+    ref = jnp.concatenate([sums(ref_params, u).reshape(-1) for u in units])
+    loss, metrics, grads = two_pass_value_and_grad(sums, grad, params, units, chosen, rejected, ref, lengths=lengths,
+                                                   **options)
+    params, opt_state, grad_norm = apply_update(tx, params, opt_state, grads)
+    return params, opt_state, {"loss": loss, "metrics": metrics, "grad_norm": grad_norm}
+  program = jax.jit(replay_step, donate_argnums=(0, 2))
+
+  def step(params, ref_params, opt_state, batch: PreferenceBatch):
+    units, chosen, rejected = replay_layout(batch, mesh)
+    lengths = np.concatenate([np.asarray(u.branches.mask).sum(-1).reshape(-1) for u in units])   # on the host
+    if mesh is not None:
+      units = [meshes.shard_batch(u, mesh) for u in units]
+    return program(params, ref_params, opt_state, list(units), jnp.asarray(chosen), jnp.asarray(rejected),
+                   jnp.asarray(lengths))
+  step.program = program
+  return step
+
+
 def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[GroupBatch], chosen, rejected,
                             ref_sums: jax.Array, *, beta: float, loss_type: str = "sigmoid",
-                            label_smoothing: float = 0.0):
+                            label_smoothing: float = 0.0, lengths=None):
   """(loss, metrics [K], grads) of mean_k ℓ_k by the two-pass scheme of the module docstring, on any
   layout of the completions.
 
@@ -213,11 +281,15 @@ def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[
     chosen, rejected: [K] int, each pair's completions on that flat axis.
     ref_sums: [N] the reference's sums on the same axis (frozen; compute once per batch).
     loss_type, label_smoothing: as `objectives.dpo_loss` (completion lengths from the masks).
+    lengths: [N] the completions' lengths on the flat axis (None: from the units' masks; a mesh's
+      caller passes them from its host arrays, unsharded).
 
   A completion no pair names (a mesh's padding) gets c_i = 0: zero weight, no gradient.
   """
   sums = jnp.concatenate([sums_fn(params, u).reshape(-1) for u in units])
-  lengths = jnp.asarray(np.concatenate([np.asarray(u.branches.mask).sum(-1).reshape(-1) for u in units]))
+  if lengths is None:
+    lengths = jnp.concatenate([jnp.sum(u.branches.mask, axis=-1).reshape(-1) for u in units])
+  lengths = jnp.asarray(lengths)
   c, r = jnp.asarray(chosen), jnp.asarray(rejected)
   (loss, metrics), (d_chosen, d_rejected) = jax.value_and_grad(_mean_loss, argnums=(0, 1), has_aux=True)(
       sums[c], sums[r], ref_sums[c], ref_sums[r], beta=beta, loss_type=loss_type,

@@ -120,13 +120,12 @@ def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> Seg
   return head.outputs(model, shifted, br.tokens, br.mask, chunk, last)
 
 
-def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | None = None,
-                  reduce_prefix_cotangent=None, prompt_fn=None) -> bool:
+def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | None = None) -> bool:
   """Whether `value_and_grad` runs the fused replay (its `fused` argument): a GroupBatch in the replay
-  layout on one device, micro_batch covering all G completions, the prompt not split (no prompt_fn)
-  and its cotangent not reduced across devices (no reduce_prefix_cotangent)."""
-  return (layout == "replay" and mesh is None and isinstance(batch, GroupBatch) and prompt_fn is None
-          and reduce_prefix_cotangent is None and _micro_batch(micro_batch, batch) == num_branches(batch))
+  layout on one device (on a mesh the prompt may be split over `seq` and its cotangent is reduced
+  across devices), micro_batch covering all G completions."""
+  return (layout == "replay" and mesh is None and isinstance(batch, GroupBatch)
+          and _micro_batch(micro_batch, batch) == num_branches(batch))
 
 
 def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
@@ -228,8 +227,8 @@ def _seq_split(head, graphdef, local, batch, mesh) -> dict:
 
 def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, objective: Objective, *,
                    layout: str = "replay", mesh=None, micro_batch: int | None = None,
-                   schedule: str = "depth_first", logprob_chunk: int = 256, reduce_prefix_cotangent=None,
-                   prompt_fn=None, attention=None, fused: bool | None = None):
+                   schedule: str = "depth_first", logprob_chunk: int = 256, attention=None,
+                   fused: bool | None = None):
   """(loss, aux, grads) of Σ objective over a group's completions or a tree's nodes (module docstring).
 
   Args:
@@ -241,14 +240,15 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
     micro_batch: completions (a tree's leaf siblings; naive: sequences) per scan step, a divisor of
       their count on this device; None: all of them in one step (no scan; the fastest).
     schedule: tree replay's "depth_first" (least memory) or "level" (batched levels), core/tree_replay.py.
-    reduce_prefix_cotangent, prompt_fn, attention: one device only, as in `core.replay.replay_vjp` and
-      `_prompt_state`; the mesh sets them (the prompt cotangent's all-reduce over `branch`, the seq split).
+    attention: one device only, a `suffix_attention`-compatible function replacing the model's own
+      (the mesh passes its own per device: the prompt's all-reduced cotangent over `branch` and the seq
+      split go through `_replay_value_and_grad` inside the mesh wrapper, never through this signature).
     fused: a group's replay as ONE layer scan of the prompt and its completions (`Llama.prompt_and_rows`)
       differentiated by `jax.value_and_grad`, so the prompt's K/V cotangent is summed and pulled back
       layer by layer (no [L, P] K/V cotangent; docs/design.md, "Memory and remat"). None: wherever it
-      applies (`fused_applies`: a GroupBatch on one device, micro_batch covering G, no prompt_fn or
-      reduce_prefix_cotangent); True: required (ValueError where it does not apply); False: never
-      (`core.replay.replay_vjp`: the prompt's forward, the completions, then one pullback).
+      applies (`fused_applies`: a GroupBatch on one device, micro_batch covering G); True: required
+      (ValueError where it does not apply); False: never (`core.replay.replay_vjp`: the prompt's
+      forward, the completions, then one pullback).
 
   Returns:
     loss: scalar, the sum over completions (nodes) and, with a mesh, groups (replicated).
@@ -262,38 +262,46 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
       where the fused replay does not apply.
   """
   _check(layout, batch, mesh)
-  applies = fused_applies(batch, layout, mesh, micro_batch, reduce_prefix_cotangent, prompt_fn)
+  applies = fused_applies(batch, layout, mesh, micro_batch)
   if fused and not applies:
     raise ValueError(f"value_and_grad: fused=True needs layout='replay' (got {layout!r}), a GroupBatch (got "
-                     f"{type(batch).__name__}), no mesh, micro_batch covering every completion (got {micro_batch!r}), "
-                     "and no prompt_fn or reduce_prefix_cotangent")
+                     f"{type(batch).__name__}), no mesh, and micro_batch covering every completion (got "
+                     f"{micro_batch!r})")
   if applies and fused is not False:
     return _fused_value_and_grad(head, graphdef, params, batch, objective, logprob_chunk, attention)
   if mesh is not None:
     check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
-
     graph, frozen = _unbind(graphdef)
 
-    def per_group(local, one, reduce, frozen=None):
+    def per_group(local, one, reduce, frozen=None):   # one group on this device's shard (mesh.py)
       g = graph if frozen is None else WithBase(graph, frozen)
-      return value_and_grad(head, g, local, one, objective, micro_batch=micro_batch, schedule=schedule,
-                            logprob_chunk=logprob_chunk, reduce_prefix_cotangent=reduce,
-                            **_seq_split(head, g, local, one, mesh))
+      return _replay_value_and_grad(head, g, local, one, objective, _micro_batch(micro_batch, one), schedule,
+                                    logprob_chunk, reduce=reduce, **_seq_split(head, g, local, one, mesh))
     return meshes.mesh_value_and_grad(per_group, params, batch, mesh, frozen=frozen)
   m = _micro_batch(micro_batch, batch)
   if layout == "naive":
     return _naive_value_and_grad(head, graphdef, params, batch, objective, m, logprob_chunk)
+  return _replay_value_and_grad(head, graphdef, params, batch, objective, m, schedule, logprob_chunk,
+                                attention=attention)
+
+
+def _replay_value_and_grad(head, graphdef, params, batch, objective, m, schedule, chunk, *, attention=None,
+                           reduce=None, prompt_fn=None):
+  """Replay's (loss, aux, grads) of one group or tree on one device (`value_and_grad`'s unfused path);
+  in the mesh wrapper, of one device's shard: `reduce` all-reduces the prompt's summed cotangent over
+  `branch` (`core.replay.replay_vjp`'s reduce_prefix_cotangent), `prompt_fn` is the seq split's
+  prompt forward (`_prompt_state`)."""
   root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
   if isinstance(batch, TreeBatch):
-    node_fn = _tree_node_fn(head, graphdef, logprob_chunk, objective, attention)
+    node_fn = _tree_node_fn(head, graphdef, chunk, objective, attention)
     return nested_replay_vjp(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m,
-                             schedule=schedule, reduce_prefix_cotangent=reduce_prefix_cotangent)
+                             schedule=schedule, reduce_prefix_cotangent=reduce)
 
   def branch_fn(p, root, branches):
-    _, out = _segment(head, merge(graphdef, p), [root], branches.tokens, branches.mask, logprob_chunk, attention)
+    _, out = _segment(head, merge(graphdef, p), [root], branches.tokens, branches.mask, chunk, attention)
     return jax.vmap(lambda o, b: head.loss(objective, o, b))(out, branches)
   return replay_vjp(root_fn, branch_fn, params, batch.branches, micro_batch=m,
-                    reduce_prefix_cotangent=reduce_prefix_cotangent, vectorized=True)
+                    reduce_prefix_cotangent=reduce, vectorized=True)
 
 
 def _fused_value_and_grad(head, graphdef, params, batch, objective, chunk, attention):
@@ -323,7 +331,7 @@ def _naive_value_and_grad(head, graphdef, params, batch, objective, m, chunk):
 
 
 def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: str = "replay", mesh=None,
-            micro_batch: int | None = None, logprob_chunk: int = 256, prompt_fn=None, attention=None):
+            micro_batch: int | None = None, logprob_chunk: int = 256, attention=None):
   """The head's per-token outputs by a forward-only pass (reference and old log-probs, old values).
 
   Policy: log-probs [G, T] float32 (0 on padding) of a group's completions, or per level d a tree's
@@ -338,15 +346,21 @@ def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: st
 
     def per_group(local, one, frozen=None):
       g = graph if frozen is None else WithBase(graph, frozen)
-      return forward(head, g, local, one, micro_batch=micro_batch, logprob_chunk=logprob_chunk,
-                     **_seq_split(head, g, local, one, mesh))
+      return _replay_forward(head, g, local, one, _micro_batch(micro_batch, one), logprob_chunk,
+                             **_seq_split(head, g, local, one, mesh))
     return meshes.mesh_map(per_group, params, batch, mesh, frozen=frozen)
   if layout == "naive":
     tokens, valid, offset = naive_batch(batch)
     return head.forward_result(_naive_outputs(head, merge(graphdef, params), tokens, valid, offset,
                                               batch.prompt_ids.shape[0], logprob_chunk))
+  return _replay_forward(head, graphdef, params, batch, _micro_batch(micro_batch, batch), logprob_chunk,
+                         attention=attention)
+
+
+def _replay_forward(head, graphdef, params, batch, m, logprob_chunk, *, attention=None, prompt_fn=None):
+  """Replay's forward-only outputs of one group or tree on one device (or one device's shard in the
+  mesh wrapper, `prompt_fn` the seq split's prompt forward)."""
   root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
-  m = _micro_batch(micro_batch, batch)
   if isinstance(batch, TreeBatch):
     node_fn = _tree_node_fn(head, graphdef, logprob_chunk, attention=attention)
     return nested_replay_map(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m)
@@ -464,17 +478,25 @@ def make_train_step(head, graphdef, tx, objective: Objective, *, mesh=None, layo
                                                   logprob_chunk=logprob_chunk, reduce_aux=reduce_aux, upcast=upcast,
                                                   keep=keep)
     grads = jax.tree_util.tree_map(lambda g: g / num_groups, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    metrics = {"loss": loss, "aux": aux, "grad_norm": optax.tree.norm(grads)}
+    params, opt_state, grad_norm = apply_update(tx, params, opt_state, grads)
+    metrics = {"loss": loss, "aux": aux, "grad_norm": grad_norm}
     if kept is not None:
       metrics["kept_grads"] = kept
-    return optax.apply_updates(params, updates), opt_state, metrics
+    return params, opt_state, metrics
   return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def apply_update(tx, params, opt_state, grads):
+  """(params, opt_state, ||grads||_2) after the optax update `tx` on grads (clipping, if any, is part
+  of tx): the tail of every train step (`make_train_step`, and DPO's
+  `gradients.preference.make_preference_step`), traced inside the caller's one program."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
 def compiled_programs(train_step) -> int:
   """How many programs `train_step` (a `make_train_step` result, a `jax.jit` function) has compiled so
   far in this process: one per stacked batch shape (and `keep`-ness) it met. The loop logs it as
-  `step_compiles`, so a run whose batch shapes keep changing shows it (tree levels bucket their
-  lengths, `data.groups.bucket_length`, but a tree's level layout is part of the shape too)."""
+  `step_compiles`; a step's trees pad onto bucketed level layouts (`data.batches.pad_trees`,
+  `TreeLayouts`), so a run whose trees change every step meets few shapes."""
   return train_step._cache_size()

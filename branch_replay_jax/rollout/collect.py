@@ -101,7 +101,7 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Traje
   pad, stops = tokenizer.pad_token_id or 0, stop_ids(tokenizer)
   table = stop_table(tokenizer, tuple(r.get("stop_strings", ())))
   t0 = time.perf_counter()
-  if r.tree_fanouts:
+  if r.get("tree_fanouts"):   # DPO's rollout section has none: groups
     sampled = sample_tree(model, ids, fanouts=list(r.tree_fanouts), segment_length=r.segment_length, key=key,
                           temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad,
                           stop_table=table)
