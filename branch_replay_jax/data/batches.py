@@ -208,7 +208,9 @@ class TreeLayouts:
   with one met before that costs at most `max_cost` times its own, remembered, so that later steps
   shaped like either fit it; else the layout itself, remembered. So a run compiles at most one
   program per layout it meets, and fewer: once the trees' shapes have been met, later steps reuse
-  the programs. Padding onto a larger layout adds exact zeros (`pad_trees`).
+  the programs. Padding onto a larger layout adds exact zeros (`pad_trees`). The set lives in the
+  process: a resumed run starts empty, so its steps may run on other layouts than the uninterrupted
+  run's, with the same values up to the float rounding order of the padded sums.
 
   Raises:
     ValueError: max_cost < 1.
