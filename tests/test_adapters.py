@@ -189,9 +189,9 @@ class Raising:
 
 
 def test_bad_games_and_problems_stop_naming_the_problem(tokenizer, monkeypatch):
-  with pytest.raises(RuntimeError, match=r"problem 5: the environment's step 0 raised KeyError"):
+  with pytest.raises(RuntimeError, match=r"problem 5: the environment TextArenaEnv's step at turn 1 raised KeyError"):
     _run(TextArenaEnv(Raising()), tokenizer, ["hello"], index=5)
-  with pytest.raises(RuntimeError, match=r"problem 2: the environment's reset raised ValueError\('TextArenaEnv: "
+  with pytest.raises(RuntimeError, match=r"problem 2: the environment TextArenaEnv's reset raised ValueError\('TextArenaEnv: "
                      r"TicTacToe-v0 did not start with one player"):
     _run(TextArenaEnv("TicTacToe-v0"), tokenizer, ["[4]"], index=2)
   with pytest.raises(RuntimeError, match=r"problem 1: .*problem='seed 0' must be an int"):

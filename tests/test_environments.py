@@ -162,7 +162,7 @@ class Malformed(Raising):
 
 @needs_smollm2
 def test_an_environment_that_raises_or_returns_malformed_messages_stops_naming_the_problem(tokenizer):
-  with pytest.raises(RuntimeError, match=r"problem 3: the environment's step 0 raised KeyError"):
+  with pytest.raises(RuntimeError, match=r"problem 3: the environment Raising's step at turn 1 raised KeyError"):
     _run(Raising(), None, tokenizer, ["hello"], index=3)
   with pytest.raises(ValueError, match=r"problem 3: the environment's step 0 returned '42'"):
     _run(Malformed(), None, tokenizer, ["hello"], index=3)

@@ -247,3 +247,81 @@ def test_limit_depth_stops_sharing_below_the_deepest_level_and_keeps_every_episo
   assert limit_depth(full, 3) is full
   with pytest.raises(ValueError, match="max_depth=0"):
     limit_depth(full, 0)
+
+
+# ---- your environment by import path (rollout.episodes.environment, env_options) -------------------
+
+ECHO_ENV = '''
+class EchoEnv:
+  """Asks the task's question; any answer ends the episode with reward `bonus` (env_options)."""
+  def __init__(self, task, bonus=0.0):
+    self.task, self.bonus, self.resets = task, bonus, 0
+  def reset(self, problem):
+    self.resets += 1
+    return list(self.task.messages(problem))
+  def step(self, assistant_message):
+    return None, self.bonus, True
+
+class NoStep:
+  def reset(self, problem):
+    return [{"role": "user", "content": "hi"}]
+
+class TwoArgStep(NoStep):
+  def step(self, message, extra):
+    return None, 0.0, True
+
+def broken(**options):
+  raise KeyError("no such level")
+'''
+
+
+def _env_config(tmp_path, environment, options=None):
+  path = tmp_path / "my_env.py"
+  path.write_text(ECHO_ENV)
+  overrides = {"rollout.episodes.environment": environment.replace("FILE", str(path)), "rollout.episodes.few_shot": 0}
+  config = calc_smoke(tmp_path / "run", **overrides)
+  if options is not None:
+    config.rollout.episodes.env_options = options
+  return config
+
+
+def test_an_environment_by_file_path_trains_with_its_options(tmp_path):
+  # FILE.py:EchoEnv built with the task (it takes `task`) and env_options {"bonus": 0.25}: the run
+  # trains 2 steps in it, every episode of every step starts with its reset (2 steps x 2 problems x 4
+  # episodes at least), and an episode it ends pays 0.25 (the tiny model's turns are mostly cut at
+  # max_turn_tokens first, status max_turn_tokens, reward 0): reward_mean = 0.25 x the done share.
+  config = _env_config(tmp_path, "FILE:EchoEnv", {"bonus": 0.25})
+  algorithm = grpo.GRPO(config)
+  assert type(algorithm.env).__name__ == "EchoEnv" and algorithm.env.bonus == 0.25
+  history = loop.train(config, algorithm)
+  assert [r["step"] for r in history] == [1, 2]
+  r = config.rollout
+  assert algorithm.env.resets >= config.train.steps * r.prompts_per_step * r.group_size
+  for record in history:
+    ended = sum(record[f"episodes_{s}"] for s in STATUSES)
+    assert record["reward_mean"] == pytest.approx(0.25 * record["episodes_done"] / ended)
+
+
+@pytest.mark.parametrize("environment, options, message", [
+    ("FILE:NoStep", None, "NoStep has no step() method"),
+    ("FILE:TwoArgStep", None, "TwoArgStep.step cannot be called with one argument"),
+    ("FILE:broken", {"level": 3}, "env_options={'level': 3} raised KeyError('no such level')"),
+    ("FILE:Missing", None, "has no attribute 'Missing'"),
+    ("nowhere.py:EchoEnv", None, "cannot be imported"),
+    ("python:no_such_package.envs:Env", None, "cannot be imported"),
+    ("calculator", {"bonus": 1}, "rollout.episodes.env_options={'bonus': 1}: rollout.episodes.environment="
+                                 "'calculator' takes none"),
+])
+def test_an_environment_that_does_not_resolve_or_follow_the_protocol_is_refused_before_the_model_loads(
+    tmp_path, environment, options, message):
+  config = _env_config(tmp_path, environment, options)
+  grpo.validate(config)   # the form is fine; building the algorithm resolves it (no model loaded yet)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    grpo.GRPO(config)
+
+
+def test_few_shot_calculator_conversations_are_refused_with_another_environment(tmp_path):
+  config = _env_config(tmp_path, "FILE:EchoEnv")
+  config.rollout.episodes.few_shot = 1
+  with pytest.raises(ValueError, match=re.escape("rollout.episodes.few_shot=1 shows calculator conversations")):
+    grpo.validate(config)

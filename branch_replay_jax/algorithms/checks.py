@@ -15,6 +15,7 @@ from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
 from branch_replay_jax.distributed.mesh import PARAM_MODES
 from branch_replay_jax.models import lora, tiny_config
 from branch_replay_jax.outputs.checkpoints import check_run_dir_path
+from branch_replay_jax.rollout.environments import environment_kind
 
 GRADIENTS = ("replay", "naive")
 SCHEDULES = ("constant", "cosine")
@@ -215,8 +216,10 @@ def validate_episode_rollout(config) -> None:
     fix = (f"set it to {schema.INERT[dotted]!r}" if dotted in schema.INERT else "remove the field")
     raise ValueError(f"{dotted}={value!r} does not apply to episodes (rollout.episodes is set; it applies to "
                      f"{' and '.join(layouts)} rollouts); {fix}")
-  if e.environment not in schema.ENVIRONMENTS:
-    raise ValueError(f"rollout.episodes.environment={e.environment!r} is not one of {schema.ENVIRONMENTS}")
+  kind = environment_kind(e.environment)   # its form; the path resolves when the run builds it
+  if kind != "builtin" and e.few_shot:
+    raise ValueError(f"rollout.episodes.few_shot={e.few_shot!r} shows calculator conversations; with "
+                     f"rollout.episodes.environment={e.environment!r} set it to 0")
   for name in ("max_turns", "max_turn_tokens", "max_context", "max_tool_calls"):
     if e[name] < 1:
       raise ValueError(f"rollout.episodes.{name}={e[name]!r} must be an int >= 1")

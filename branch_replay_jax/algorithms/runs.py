@@ -103,11 +103,15 @@ def make_task_from(config, *, seed: int | None = None, size: int | None = None, 
 
 def make_episode_environment(config, task):
   """The run's environment with rollout.episodes (rollout/environments.py, `make_environment`: the
-  environment over `task`, rollout.episodes.few_shot solved examples from items 0.. of the task at
-  task.few_shot_seed, `calculator_examples`), else None.
+  environment rollout.episodes.environment names over `task`, with rollout.episodes.env_options; the
+  calculator with rollout.episodes.few_shot solved examples from items 0.. of the task at
+  task.few_shot_seed, `calculator_examples`), else None. Called when the algorithm is built, before
+  the model loads.
 
   Raises:
-    ValueError: an example problem the calculator cannot show a call for (naming its question).
+    ValueError: an example problem the calculator cannot show a call for (naming its question), and
+      `make_environment`'s (an environment path that does not resolve, a factory that raises, an
+      object without the protocol's reset / step), naming the field.
   """
   e = config.rollout.get("episodes") if config.get("rollout") is not None else None
   if e is None:
@@ -116,7 +120,9 @@ def make_episode_environment(config, task):
   if e.few_shot:
     source = make_task_from(config, seed=config.task.few_shot_seed, size=e.few_shot)
     examples = calculator_examples(source, [source[i] for i in range(e.few_shot)])
-  return make_environment(e.environment, task, max_tool_calls=e.max_tool_calls, examples=examples)
+  options = e.get("env_options")
+  options = options.to_dict() if hasattr(options, "to_dict") else options   # a ConfigDict section
+  return make_environment(e.environment, task, max_tool_calls=e.max_tool_calls, examples=examples, options=options)
 
 
 def check_processes(config) -> None:

@@ -52,7 +52,6 @@ GROUPS_AND_TREES = ("group", "tree")
 INERT = {"rollout.segment_length": 0, "rollout.tree_fanouts": (), "rollout.dynamic_sampling": False,
          "rollout.max_prompt_draws": None, "loss.overlong_buffer": 0, "rollout.stop_strings": ()}
 SHARES = ("tree", "prompt")     # rollout.episodes.share: what a replay step computes once (docs/design.md, "Episodes")
-ENVIRONMENTS = ("calculator",)   # rollout.episodes.environment (rollout/environments.py, make_environment)
 
 
 def _f(doc: str, default=dataclasses.MISSING, *, layouts: tuple[str, ...] = LAYOUTS):
@@ -135,7 +134,13 @@ class PPORolloutConfig(SamplingConfig):
 class EpisodesConfig:
   """GRPO's rollout.episodes: multi-turn episodes in an environment (docs/design.md, "Episodes")."""
   environment: str = _f("the environment over the task's problems: calculator (JSON tool calls to a restricted-ast "
-                        "calculator, answer scored by the task)", layouts=("episode",))
+                        "calculator, answer scored by the task), textarena:GAME-ID (a TextArena game), or your "
+                        "own class or factory by import path, FILE.py:NAME or python:package.module:NAME "
+                        "(rollout/environments.py's protocol)", layouts=("episode",))
+  env_options: Optional[dict] = _f("keyword arguments of the environment's class or factory (textarena:, FILE.py:, "
+                                   "python: environments; None or {} for the calculator); command line: "
+                                   "--config.rollout.episodes.env_options='{\"size\": 4}'", None,
+                                   layouts=("episode",))
   max_turns: int = _f("model turns per episode at most", layouts=("episode",))
   max_turn_tokens: int = _f("tokens one model turn generates at most", layouts=("episode",))
   max_episode_tokens: Optional[int] = _f("model tokens of a whole episode at most (its turns summed); None: "

@@ -22,6 +22,7 @@ loss mask is never silently wrong.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from typing import Any, Callable, Protocol, Sequence
 
@@ -146,17 +147,96 @@ def calculator_examples(task, problems: Sequence) -> list[dict[str, str]]:
 
 
 ENVIRONMENTS = {"calculator": CalculatorEnv}
+FIELD = "rollout.episodes.environment"
+# rollout.episodes.environment's forms besides a name of ENVIRONMENTS (`make_environment`).
+TEXTARENA, PYTHON = "textarena:", "python:"
 
 
-def make_environment(name: str, task, *, max_tool_calls: int, examples: Sequence[dict[str, str]] = ()):
-  """The environment `name` (one of ENVIRONMENTS; config rollout.episodes.environment) over `task`.
+def environment_kind(spec) -> str:
+  """"builtin" (a name of ENVIRONMENTS), "textarena" ("textarena:GAME-ID") or "import" ("FILE.py:NAME",
+  "python:MODULE:NAME"): the form of rollout.episodes.environment, checked without importing anything.
 
   Raises:
-    ValueError: an unknown name (naming the field), max_tool_calls < 1.
+    ValueError: naming the field and the value, for anything else.
   """
-  if name not in ENVIRONMENTS:
-    raise ValueError(f"rollout.episodes.environment={name!r} is not one of {sorted(ENVIRONMENTS)}")
-  return ENVIRONMENTS[name](task, max_tool_calls=max_tool_calls, examples=examples)
+  if spec in ENVIRONMENTS:
+    return "builtin"
+  if isinstance(spec, str) and spec.startswith(TEXTARENA) and len(spec) > len(TEXTARENA):
+    return "textarena"
+  path = spec[len(PYTHON):] if isinstance(spec, str) and spec.startswith(PYTHON) else spec
+  if isinstance(path, str) and path.count(":") == 1 and all(path.split(":")) and (
+      spec.startswith(PYTHON) or path.split(":")[0].endswith(".py")):
+    return "import"
+  raise ValueError(f"{FIELD}={spec!r} is not one of {sorted(ENVIRONMENTS)}, 'textarena:GAME-ID', 'FILE.py:NAME' or "
+                   "'python:package.module:NAME' (a class or factory of the protocol in rollout/environments.py)")
+
+
+def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence[dict[str, str]] = (),
+                     options: dict | None = None):
+  """The environment rollout.episodes.environment = `spec` names, over `task`:
+
+    "calculator"           `CalculatorEnv(task, max_tool_calls=, examples=)` (options must be empty);
+    "textarena:GAME-ID"    `rollout.adapters.TextArenaEnv(GAME-ID, **options)` (textarena installed);
+    "FILE.py:NAME", "python:package.module:NAME"
+                           NAME(**options), NAME a class or factory (`rollout.tasks.rewards.resolve`'s
+                           import rules), given `task=task` too when it takes a parameter named task.
+
+  options: rollout.episodes.env_options (keyword arguments), or None. The result must follow the
+  protocol (module docstring): callable reset(problem) and step(assistant_message).
+
+  Raises:
+    ValueError: naming the field and the value, before any model loads: a spec of no known form, a
+      path that does not resolve, a factory that raises, a result without callable reset / step or
+      whose reset / step does not take one positional argument, options for the calculator;
+      max_tool_calls < 1.
+  """
+  kind, options = environment_kind(spec), dict(options or {})
+  if kind == "builtin":
+    if options:
+      raise ValueError(f"rollout.episodes.env_options={options!r}: {FIELD}={spec!r} takes none (max_tool_calls and "
+                       "few_shot configure it)")
+    return ENVIRONMENTS[spec](task, max_tool_calls=max_tool_calls, examples=examples)
+  if kind == "textarena":
+    from branch_replay_jax.rollout.adapters import TextArenaEnv   # adapters imports this module
+    factory, name = TextArenaEnv, spec[len(TEXTARENA):]
+    make = lambda: TextArenaEnv(name, **options)
+  else:
+    from branch_replay_jax.rollout.tasks.rewards import resolve
+    factory = resolve(spec[len(PYTHON):] if spec.startswith(PYTHON) else spec, FIELD)
+    takes_task = "task" in _parameters(factory)
+    make = lambda: factory(**options, **({"task": task} if takes_task else {}))
+  try:
+    env = make()
+  except (ImportError, ValueError) as e:
+    raise ValueError(f"{FIELD}={spec!r}: {e}") from e
+  except Exception as e:   # whatever the user's factory raises, with env_options named
+    raise ValueError(f"{FIELD}={spec!r} with rollout.episodes.env_options={options!r} raised {e!r}") from e
+  check_environment(env, spec)
+  return env
+
+
+def _parameters(fn) -> tuple[str, ...]:
+  try:
+    return tuple(inspect.signature(fn).parameters)
+  except (TypeError, ValueError):   # a builtin without a signature
+    return ()
+
+
+def check_environment(env, spec: str = "") -> None:
+  """Raise ValueError (naming rollout.episodes.environment) unless `env` has callable reset and step
+  that each take one positional argument (the problem; the assistant message)."""
+  for method in ("reset", "step"):
+    fn = getattr(env, method, None)
+    if not callable(fn):
+      raise ValueError(f"{FIELD}={spec!r}: {type(env).__name__} has no {method}() method; an environment follows "
+                       "reset(problem) -> messages and step(assistant_message) -> (observation, reward, done)")
+    try:
+      inspect.signature(fn).bind(None)
+    except TypeError as e:
+      raise ValueError(f"{FIELD}={spec!r}: {type(env).__name__}.{method} cannot be called with one argument "
+                       f"({e}); the protocol is reset(problem) and step(assistant_message)") from None
+    except ValueError:   # no signature to check (a builtin)
+      pass
 
 
 @dataclasses.dataclass
@@ -221,7 +301,7 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
   try:
     messages = env.reset(problem)
   except Exception as e:
-    raise RuntimeError(f"problem {index}: the environment's reset raised {e!r}") from e
+    raise RuntimeError(f"problem {index}: the environment {type(env).__name__}'s reset raised {e!r}") from e
   _check_messages(messages, index, "reset")
   chat = ChatTokens(tokenizer, messages, chat_template=chat_template)
   if len(chat.ids) >= max_context:
@@ -255,7 +335,8 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
       reward, status = 0.0, e.status
       break
     except Exception as e:
-      raise RuntimeError(f"problem {index}: the environment's step {turns - 1} raised {e!r}") from e
+      raise RuntimeError(f"problem {index}: the environment {type(env).__name__}'s step at turn {turns} raised "
+                         f"{e!r}") from e
     reward += float(r)
     if done:
       status = "done"
