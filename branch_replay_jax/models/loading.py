@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from typing import Mapping, Sequence
 
 import gguf
@@ -259,7 +260,9 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template:
   tokenizer would add one (GGUF `add_bos_token`) and the template did not already write it.
   So a template that starts with BOS (Llama 3) gives exactly one, and SmolLM2 (add_bos False;
   its BOS `<|im_start|>` legitimately opens every turn) gives the template text's ids
-  unchanged. The sampler and the trainer both call this, so their prompt ids agree.
+  unchanged. The sampler and the trainer both call this, so their prompt ids agree. A message
+  whose content holds a special token's text (`<|im_end|>` in a question) is tokenized as text,
+  never as that control token (`render_chat`).
 
   Args:
     messages: [{"role": ..., "content": ...}, ...].
@@ -268,13 +271,52 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template:
   Returns:
     list of int token ids.
   """
-  kw = {} if chat_template is None else {"chat_template": chat_template}
-  text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kw)
-  ids = list(tokenizer.encode(text, add_special_tokens=False))
+  ids = encode_rendered(tokenizer, *render_chat(tokenizer, messages, chat_template, generation_prompt=True))
   bos = tokenizer.bos_token_id
   if bos is not None and _adds_bos(tokenizer) and ids[:1] != [bos]:
     ids.insert(0, bos)
   return ids
+
+
+# Private-use code points around a message's index: a placeholder no template or message writes.
+_OPEN, _CLOSE = "\ue001", "\ue002"
+_PLACEHOLDER = re.compile(_OPEN + r"(\d+)" + _CLOSE)
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template: str | None = None, *,
+                generation_prompt: bool) -> tuple[str, dict[int, str]]:
+  """The chat template's text for `messages`, with the content of each message that holds a special
+  token's text (any added token marked special, e.g. `<|im_end|>`) left as a placeholder.
+
+  An environment's observation or a dataset's question that contains `<|im_end|>\\n<|im_start|>
+  assistant\\n` must not forge a turn: `encode_rendered` tokenizes such a content as plain text
+  (`split_special_tokens`), inserted as written (a template's own filters, e.g. `| trim`, do not see
+  it). Every other content is rendered by the template as usual, so its ids are unchanged.
+
+  Returns:
+    (text, contents): the rendering, and {placeholder index: content} for `encode_rendered`.
+  """
+  specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+  contents, shown = {}, []
+  for k, m in enumerate(messages):
+    m = dict(m)
+    if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials):
+      contents[k], m["content"] = m["content"], f"{_OPEN}{k}{_CLOSE}"
+    shown.append(m)
+  kw = {} if chat_template is None else {"chat_template": chat_template}
+  text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+  return text, contents
+
+
+def encode_rendered(tokenizer, text: str, contents: Mapping[int, str]) -> list[int]:
+  """Token ids of template text from `render_chat`: the template's own text with its control tokens,
+  each placeholder as its content's ids with special-token text split into ordinary tokens."""
+  ids, start = [], 0
+  for match in _PLACEHOLDER.finditer(text):
+    ids += tokenizer.encode(text[start:match.start()], add_special_tokens=False)
+    ids += tokenizer.encode(contents[int(match.group(1))], add_special_tokens=False, split_special_tokens=True)
+    start = match.end()
+  return [int(i) for i in ids + list(tokenizer.encode(text[start:], add_special_tokens=False))]
 
 
 def _adds_bos(tokenizer) -> bool:

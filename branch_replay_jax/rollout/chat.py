@@ -8,13 +8,14 @@
     episode = chat.episode()                               # data.episodes.Episode for the layouts
 
 A turn's prompt is the episode's ids so far plus the tokenized observation. The observation's ids
-are the tokens of the text the chat template adds for the new messages (with the next turn's
-generation prompt, and the glue the template puts after the model's turn, e.g. SmolLM2's "\\n"
-after <|im_end|>): the template renders the whole conversation, and the text it has already
-rendered, the ids so far, must be a prefix of the new rendering. A template that rewrites earlier
-turns (e.g. one that drops an earlier assistant message's reasoning) breaks that prefix: it is
-refused with a ValueError naming the template and the first message it renders differently,
-because re-tokenizing the history would train the model on tokens it did not see when sampling.
+are the tokens of the text the chat template writes after the model's turn: its close of the
+assistant message (SmolLM2's `<|im_end|>\n`), the new messages and the next generation prompt.
+That text is read off a rendering of the conversation in which the last assistant message's
+content is a placeholder, so the template's treatment of the sampled text (Llama 3's `| trim`,
+Qwen3 dropping an earlier turn's `<think>`) never matters: the history is never re-rendered into
+the ids, and no template stops an episode. A turn that ended on a stop id whose text opens the
+template's close (`<|im_end|>`) stands for it; a turn that ended on another stop id (Qwen2.5's
+`<|endoftext|>`) gets the template's whole close after it, as the template would have closed the turn.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION, Episode
-from branch_replay_jax.models.loading import encode_chat, stop_ids
+from branch_replay_jax.models.loading import encode_chat, encode_rendered, render_chat, stop_ids
+
+# A private-use code point as the last model turn's content when the observation is rendered.
+_TURN = "\ue000"
 
 
 class ChatTokens:
@@ -56,13 +60,7 @@ class ChatTokens:
     self.ids = list(encode_chat(tokenizer, self.messages, chat_template))
     self.prompt_len = len(self.ids)
     self.segments, self.roles = [], []
-    self._text = self._render(self.messages, True)   # the text the ids so far spell
-    self._stops = set(stop_ids(tokenizer))
-
-  def _render(self, messages, generation_prompt: bool) -> str:
-    kw = {} if self.chat_template is None else {"chat_template": self.chat_template}
-    return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
-                                              **kw)
+    self._stops = {i: tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids(tokenizer)}
 
   def add_model_turn(self, sampled_ids: Sequence[int]) -> str:
     """Append the model's sampled ids verbatim (a model segment) and its message to the history.
@@ -84,7 +82,6 @@ class ChatTokens:
     self.ids += sampled
     self.segments.append(np.asarray(sampled, np.int32))
     self.roles.append(MODEL)
-    self._text += self.tokenizer.decode(sampled, skip_special_tokens=False)
     self.messages.append({"role": "assistant", "content": content})
     return content
 
@@ -92,43 +89,35 @@ class ChatTokens:
     """Append the environment's messages: only the text the template adds for them is tokenized.
 
     Returns:
-      The observation's ids (the template's glue after the model's turn, the messages, the next
+      The observation's ids (the template's close of the model's turn, the messages, the next
       generation prompt): the next turn's prompt is `ids` after this call.
 
     Raises:
-      ValueError: no messages; an observation not after a model turn; the template renders an earlier
-        message differently once these are added (naming the template and that message's index), or
-        adds no text.
+      ValueError: no messages; an observation not after a model turn; a template that does not
+        write an assistant message's content exactly once (naming the template).
     """
     if not messages:
       raise ValueError("ChatTokens.add_observation: messages is empty")
     if not self.roles or self.roles[-1] != MODEL:
       raise ValueError("ChatTokens.add_observation: an observation follows a model turn")
-    new = self.messages + [dict(m) for m in messages]
-    text = self._render(new, True)
-    if not text.startswith(self._text):
-      index = self._first_rewritten(new, text)
-      raise ValueError(f"ChatTokens: {self.template_name} rewrites message {index} "
-                       f"(role {new[index]['role']!r}) once messages {len(self.messages)}.. are added: the "
-                       "history would be re-tokenized, so the tokens trained would not be the tokens sampled. "
-                       "Use a template that renders earlier messages unchanged")
-    delta = text[len(self._text):]
-    ids = list(self.tokenizer.encode(delta, add_special_tokens=False))
+    new = [dict(m) for m in messages]
+    text, contents = render_chat(self.tokenizer, self.messages[:-1] + [{"role": "assistant", "content": _TURN}] + new,
+                                 self.chat_template, generation_prompt=True)
+    if text.count(_TURN) != 1:
+      raise ValueError(f"ChatTokens: {self.template_name} writes an assistant message's content {text.count(_TURN)} "
+                       "times, not once: the text it adds after a model turn cannot be told apart")
+    tail = text[text.index(_TURN) + len(_TURN):]
+    stop = self._stops.get(int(self.segments[-1][-1]))
+    if stop and tail.startswith(stop):   # the sampled stop token is the template's close
+      tail = tail[len(stop):]
+    ids = encode_rendered(self.tokenizer, tail, contents)
     if not ids:
       raise ValueError(f"ChatTokens: {self.template_name} adds no text for messages {len(self.messages)}..")
     self.ids += ids
     self.segments.append(np.asarray(ids, np.int32))
     self.roles.append(OBSERVATION)
-    self.messages, self._text = new, text
+    self.messages += new
     return ids
-
-  def _first_rewritten(self, new, text) -> int:
-    """Index of the first message whose rendering (conversation up to it) is not a prefix of `text`,
-    the new rendering; the model's turns are checked against what the episode holds."""
-    for k in range(1, len(self.messages) + 1):
-      if not text.startswith(self._render(new[:k], False)):
-        return k - 1
-    return len(self.messages) - 1   # the last model turn: its text plus the glue differ from the sampled ids
 
   def episode(self) -> Episode:
     """The episode as a `data.episodes.Episode` (prompt ids, model and observation segments). A last

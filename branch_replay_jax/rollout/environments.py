@@ -7,9 +7,8 @@ The protocol (ours; duck-typed):
 
 An environment ends an episode early, marked, by raising `EpisodeEnd(status, detail)` from step
 (a tool call that does not parse, a tool that errors); `run_episode` records the status and the
-episode keeps the tokens it has. Anything else an environment raises, a malformed observation or
-a template that rewrites earlier turns stops the run with an error naming the problem's index: the
-loss mask is never silently wrong.
+episode keeps the tokens it has. Anything else an environment raises, or a malformed observation,
+stops the run with an error naming the problem's index: the loss mask is never silently wrong.
 
     env = CalculatorEnv(task)                    # reasoning-gym task + the calculator tool
     env = make_environment("calculator", task, max_tool_calls=2, examples=calculator_examples(task, problems))
@@ -290,7 +289,7 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
   Raises:
     ValueError: a budget < 1; a prompt with no room for a turn; sample_turn returned no ids, more than
       the budget, or fewer without a stop id; the environment's reset or step returned malformed
-      messages; the template rewrites earlier turns (each naming the problem's index).
+      messages (each naming the problem's index).
     RuntimeError: the environment raised something other than `EpisodeEnd` (naming the problem's index).
   """
   budgets = (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens), ("max_context", max_context)) + (

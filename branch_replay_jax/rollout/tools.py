@@ -3,7 +3,9 @@
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 3"}}</tool_call>
 
 A call is a JSON object (or a JSON list of them, SmolLM2's function-calling format) between
-<tool_call> tags in the model's turn; the tools' JSON schemas are listed in the system prompt
+<tool_call> tags in the model's turn, read as JSON from the opening tag, so a string inside it may
+hold the text "</tool_call>" (the Hermes parser's fault, vLLM #45167); "arguments" is an object, an
+object encoded as a JSON string (OpenAI's format), or "" for none. The tools' JSON schemas are listed in the system prompt
 (`tools_system_prompt`). `calculate` evaluates arithmetic with a restricted `ast` walk: numbers,
 + - * / // % ** and parentheses only; never `eval`.
 """
@@ -15,12 +17,12 @@ import dataclasses
 import json
 import math
 import operator
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 from branch_replay_jax.rollout.tasks.prompts import extract_answer
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+_JSON = json.JSONDecoder()
 
 
 class ToolCallError(ValueError):
@@ -56,33 +58,68 @@ class ToolCall:
   arguments: dict
 
 
+def _skip_space(text: str, pos: int) -> int:
+  while pos < len(text) and text[pos].isspace():
+    pos += 1
+  return pos
+
+
+def _call_values(text: str) -> list:
+  """The JSON value of each <tool_call>, in order: decoded from just after the opening tag to the end
+  of its value, which must be followed (whitespace aside) by the closing tag."""
+  values, pos = [], 0
+  while (start := text.find(OPEN_TAG, pos)) >= 0:
+    i, body = len(values), _skip_space(text, start + len(OPEN_TAG))
+    close = text.find(CLOSE_TAG, body)
+    if close < 0:
+      raise ToolCallError(f"tool call {i}: a <tool_call> is not closed by </tool_call>")
+    try:
+      value, end = _JSON.raw_decode(text, body)
+    except json.JSONDecodeError as e:
+      raise ToolCallError(f"tool call {i} is not JSON ({e.msg} at character {e.pos - body}): "
+                          f"{text[body:close].strip()[:80]!r}") from e
+    end = _skip_space(text, end)
+    if not text.startswith(CLOSE_TAG, end):
+      after = text.find(CLOSE_TAG, end)
+      raise ToolCallError(f"tool call {i}: {text[end:after][:40]!r} follows its JSON instead of </tool_call>"
+                          if after >= 0 else f"tool call {i}: a <tool_call> is not closed by </tool_call>")
+    values.append(value)
+    pos = end + len(CLOSE_TAG)
+  return values
+
+
+def _arguments(i: int, arguments) -> dict:
+  """A call's arguments: an object; an object encoded as a JSON string (OpenAI's `function.arguments`);
+  "" (or only whitespace) for none."""
+  if isinstance(arguments, str):
+    if not arguments.strip():
+      return {}
+    try:
+      arguments = json.loads(arguments)
+    except json.JSONDecodeError:
+      raise ToolCallError(f"tool call {i}: the string \"arguments\" is not JSON: {arguments[:80]!r}") from None
+  if not isinstance(arguments, dict):
+    raise ToolCallError(f"tool call {i}: \"arguments\" must be a JSON object, got {json.dumps(arguments)[:80]}")
+  return arguments
+
+
 def parse_tool_calls(text: str, tools: Mapping[str, Tool]) -> list[ToolCall]:
   """The tool calls in a model turn, in order; [] when it has none (a final answer).
 
   Raises:
-    ToolCallError: an unclosed <tool_call>, a call that is not JSON, not an object (or a list of
-      objects) with a string "name" of one of `tools` and an object "arguments"; the message names
-      the call's index and what is wrong.
+    ToolCallError: an unclosed <tool_call>, a call that is not JSON (or text between its JSON and
+      </tool_call>), not an object (or a list of objects) with a string "name" of one of `tools`,
+      arguments that are neither an object nor a string encoding one; the message names the call's
+      index and what is wrong.
   """
-  bodies = _TOOL_CALL.findall(text)
-  if text.count("<tool_call>") != len(bodies):
-    raise ToolCallError(f"a <tool_call> is not closed by </tool_call> ({text.count('<tool_call>')} opened, "
-                        f"{len(bodies)} closed)")
   calls = []
-  for i, body in enumerate(bodies):
-    try:
-      value = json.loads(body)
-    except json.JSONDecodeError as e:
-      raise ToolCallError(f"tool call {i} is not JSON ({e.msg} at character {e.pos}): {body.strip()[:80]!r}") from e
+  for i, value in enumerate(_call_values(text)):
     for item in value if isinstance(value, list) else [value]:
       if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise ToolCallError(f"tool call {i} must be an object with a string \"name\", got {json.dumps(item)[:80]}")
       if item["name"] not in tools:
         raise ToolCallError(f"tool call {i} names tool {item['name']!r}; the tools are {sorted(tools)}")
-      arguments = item.get("arguments", {})
-      if not isinstance(arguments, dict):
-        raise ToolCallError(f"tool call {i}: \"arguments\" must be a JSON object, got {json.dumps(arguments)[:80]}")
-      calls.append(ToolCall(item["name"], arguments))
+      calls.append(ToolCall(item["name"], _arguments(i, item.get("arguments", {}))))
   return calls
 
 
