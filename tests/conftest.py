@@ -181,3 +181,27 @@ def no_model_load(monkeypatch):
   monkeypatch.setattr(runs, "build_model", refuse)
   monkeypatch.setattr(loading, "load", refuse)
   monkeypatch.setattr(loading, "load_tokenizer", refuse)
+
+
+def chain_model(tokenizer, pieces):
+  """A 2-layer model (the tokenizer's vocabulary) whose next token depends only on the current one,
+  writing the chain of `pieces` (texts of one distinct token each) and then <|im_end|>: attention
+  and MLP outputs are zeroed (wo, w_down = 0), so the last hidden state is the current token's
+  embedding; the embeddings of the pieces are the basis vectors e_0.. and the unembedding maps e_i
+  to the next piece (or <|im_end|>) with logit 50 (all others 0). After the first piece ("\\n",
+  ending a generation prompt) it writes the rest at temperature 1 with probability at least
+  1 - V e^-50 per token: a deterministic policy."""
+  chain = [tokenizer.encode(t, add_special_tokens=False) for t in pieces]
+  if any(len(ids) != 1 for ids in chain) or len({i[0] for i in chain}) != len(chain):
+    raise ValueError(f"chain_model: each of {pieces} must be one distinct token")
+  chain = [ids[0] for ids in chain] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+  m = Llama(tiny_config(vocab_size=len(tokenizer), max_positions=1024, tie_embeddings=False), rngs=nnx.Rngs(0))
+  m.layers.wo[...] = np.zeros(m.layers.wo[...].shape, np.float32)
+  m.layers.w_down[...] = np.zeros(m.layers.w_down[...].shape, np.float32)
+  embed = np.asarray(m.embed[...]).copy()
+  head = np.zeros(m.lm_head[...].shape, np.float32)
+  for i, (token, after) in enumerate(zip(chain, chain[1:])):
+    embed[token] = np.eye(embed.shape[1])[i]
+    head[i, after] = 50.0
+  m.embed[...], m.lm_head[...] = embed, head
+  return m

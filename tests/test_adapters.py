@@ -9,10 +9,9 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from conftest import chain_model
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
-from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.loading import stop_ids
 from branch_replay_jax.rollout.adapters import TextArenaEnv
 from branch_replay_jax.rollout.chat import ChatTokens
@@ -112,24 +111,9 @@ def test_an_invalid_move_gets_one_retry_then_ends_the_episode_marked(tokenizer, 
 
 
 def bigram_down_model(tokenizer):
-  """A 2-layer model (SmolLM2's vocabulary) whose next token depends only on the current one:
-  attention and MLP outputs are zeroed (wo, w_down = 0), so the last hidden state is the current
-  token's embedding; the embeddings of "\\n", "[", "down", "]" are the basis vectors e_0..e_3 and
-  the unembedding maps e_i to the next of "[", "down", "]", <|im_end|> with logit ~280 (all others
-  0). After a generation prompt ("...assistant\\n") it writes "[down]<|im_end|>" at temperature 1
-  with probability 1 - 49151 e^-280: a policy that always moves down."""
-  chain = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("\n", "[", "down", "]")]
-  chain.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-  m = Llama(tiny_config(vocab_size=len(tokenizer), max_positions=1024, tie_embeddings=False), rngs=nnx.Rngs(0))
-  m.layers.wo[...] = np.zeros(m.layers.wo[...].shape, np.float32)
-  m.layers.w_down[...] = np.zeros(m.layers.w_down[...].shape, np.float32)
-  embed = np.asarray(m.embed[...]).copy()
-  head = np.zeros(m.lm_head[...].shape, np.float32)
-  for i, (token, after) in enumerate(zip(chain, chain[1:])):
-    embed[token] = np.eye(embed.shape[1])[i]
-    head[i, after] = 50.0
-  m.embed[...], m.lm_head[...] = embed, head
-  return m
+  """A policy that always moves down: after a generation prompt ("...assistant\\n") it writes
+  "[down]<|im_end|>" (`conftest.chain_model`)."""
+  return chain_model(tokenizer, ("\n", "[", "down", "]"))
 
 
 def test_a_model_plays_frozen_lake_through_the_episode_sampler(tokenizer):
@@ -201,3 +185,16 @@ def test_bad_games_and_problems_stop_naming_the_problem(tokenizer, monkeypatch):
   monkeypatch.setitem(sys.modules, "textarena", None)   # as if not installed: import raises ImportError
   with pytest.raises(ImportError, match=r"needs the `textarena` package: pip install 'branch_replay_jax\[envs\]'"):
     TextArenaEnv("FrozenLake-v0")
+
+
+def test_textarena_by_name_plays_a_task_problem_as_a_seeded_game():
+  # In the loop (rollout.episodes.environment = "textarena:FrozenLake-v0") a problem is a task's
+  # Problem: the game's seed is the CRC-32 of its question (adapters.game_seed), so a Problem and
+  # its seed start the same game.
+  import zlib
+
+  from branch_replay_jax.rollout.environments import make_environment
+  from branch_replay_jax.rollout.tasks.prompts import Problem
+  env = make_environment("textarena:FrozenLake-v0", None, max_tool_calls=1)
+  problem = Problem("What is 2 + 2?", "4", {})
+  assert isinstance(env, TextArenaEnv) and env.reset(problem) == env.reset(zlib.crc32(b"What is 2 + 2?"))

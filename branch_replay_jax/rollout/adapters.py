@@ -1,13 +1,21 @@
 """Environments of other libraries behind our protocol (docs/design.md, "Episodes"; README, "Bring an environment").
 
 `TextArenaEnv` runs a single-player game of TextArena (https://github.com/LeonGuertler/TextArena,
-`pip install textarena`, the optional extra `envs`) as an `rollout.environments.Environment`:
+`pip install textarena`, the optional extra `envs`), `GemEnv` an environment of GEM
+(https://github.com/axon-rl/gem, `pip install --no-deps gem-llm==0.1.0`, see `GemEnv`), each as an
+`rollout.environments.Environment`:
 
     env = TextArenaEnv("FrozenLake-v0")          # a registered id, or a textarena.Env you built
+    env = GemEnv("game:GuessTheNumber-v0-easy")  # a registered id, or a gem.Env you built
     results = [run_episode(env, seed, i, tokenizer, sampler, max_turns=8, max_turn_tokens=32, max_context=2048)
                for i, seed in enumerate(range(16))]   # a problem is the game's seed
 
-What maps to what:
+In the training loop (`rollout.episodes.environment = "textarena:GAME-ID"` or `"gem:ENV-ID"`) a
+problem is one of the task's `Problem`s: its game's seed is `game_seed(problem)` (the entry's
+"seed" when it has one, else a CRC-32 of its question), so each problem of the task is one seeded
+game, a resumed run replays the same games, and the held-out problems are other games.
+
+What maps to what in TextArena (GEM: `GemEnv`):
 
     reset(seed)    -> env.reset(num_players=1, seed=seed); the game's first messages (its prompt,
                       its board) as one "user" message, after `system` when given
@@ -27,31 +35,71 @@ The messages of one observation are joined by a newline, each as the game wrote 
 observation wrappers (which put the whole history into every observation, for a stateless LLM
 call) are removed: the episode holds the history itself, token-in, token-out.
 
-TextArena draws from Python's global `random` (seeded by `reset`); the adapter keeps a generator
-state of its own per environment and swaps it in around each call into the game, so a game's draws
-depend only on its seed and its actions, and other code's use of `random` neither moves nor is
-moved by them.
+TextArena and GEM draw from Python's global `random` (GEM from NumPy's global generator too), seeded
+by `reset`; each adapter keeps the generators' state of its own and swaps it in around each call into
+the game, so a game's draws depend only on its seed and its actions, and other code's use of the
+global generators neither moves nor is moved by them.
 """
 
 from __future__ import annotations
 
 import importlib
 import random
+import zlib
 from typing import Any
+
+import numpy as np
 
 from branch_replay_jax.rollout.environments import EpisodeEnd
 
 
-def import_optional(package: str, extra: str = "envs"):
-  """The module `package`, or an ImportError naming it and the extra that installs it."""
+def import_optional(package: str, install: str = "pip install 'branch_replay_jax[envs]'"):
+  """The module `package`, or an ImportError naming it and the command that installs it."""
   try:
     return importlib.import_module(package)
   except ImportError as e:
-    raise ImportError(f"this environment needs the `{package}` package: pip install 'branch_replay_jax[{extra}]' "
-                      f"(or pip install {package})") from e
+    raise ImportError(f"this environment needs the `{package}` package: {install}") from e
 
 
-class TextArenaEnv:
+def game_seed(problem: Any) -> int:
+  """A game's seed from a problem: an int as itself; a `rollout.tasks.Problem` (the loop's) by its
+  entry's int "seed" when it has one, else the CRC-32 of its question (stable across processes,
+  unlike `hash`).
+
+  Raises:
+    ValueError: a negative int, a bool, or anything else (naming the value).
+  """
+  if isinstance(problem, int) and not isinstance(problem, bool) and problem >= 0:
+    return problem
+  entry, question = getattr(problem, "entry", None), getattr(problem, "question", None)
+  seed = entry.get("seed") if isinstance(entry, dict) else None
+  if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
+    return seed
+  if isinstance(question, str):
+    return zlib.crc32(question.encode())
+  raise ValueError(f"problem={problem!r} must be an int >= 0 (the game's seed) or a task's Problem")
+
+
+class _OwnRandom:
+  """Calls into a library that draws from the global `random` and `numpy.random`, with generator
+  states of this object's own swapped in around each call."""
+
+  def __init__(self):
+    self._random, self._numpy = random.Random(0).getstate(), np.random.RandomState(0).get_state()
+
+  def _call(self, fn, *args, **kwargs):
+    outer, outer_numpy = random.getstate(), np.random.get_state()
+    random.setstate(self._random)
+    np.random.set_state(self._numpy)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      self._random, self._numpy = random.getstate(), np.random.get_state()
+      random.setstate(outer)
+      np.random.set_state(outer_numpy)
+
+
+class TextArenaEnv(_OwnRandom):
   """A single-player TextArena game as an `Environment` (see the module docstring for the mapping).
 
   Args:
@@ -85,19 +133,9 @@ class TextArenaEnv:
       raise ValueError(f"TextArenaEnv: game={game!r} must be a textarena id or a textarena.Env")
     while isinstance(env, ta.Wrapper):
       env = env.env
+    super().__init__()
     self.env, self.system, self.game_info = env, system, None
     self._player_action = ta.ObservationType.PLAYER_ACTION
-    self._random = random.Random(0).getstate()
-
-  def _call(self, fn, *args, **kwargs):
-    """fn(...) with this environment's `random` state swapped into the global generator."""
-    outer = random.getstate()
-    random.setstate(self._random)
-    try:
-      return fn(*args, **kwargs)
-    finally:
-      self._random = random.getstate()
-      random.setstate(outer)
 
   def _observation(self) -> str:
     player, messages = self._call(self.env.get_observation)
@@ -109,12 +147,14 @@ class TextArenaEnv:
     return "\n".join(texts)
 
   def reset(self, problem: Any) -> list[dict[str, str]]:
-    """Start the game with seed `problem` (an int); returns [system?, user: the game's first messages]."""
-    if isinstance(problem, bool) or not isinstance(problem, int):
-      raise ValueError(f"TextArenaEnv: problem={problem!r} must be an int, the game's seed")
+    """Start the game with seed `game_seed(problem)`; returns [system?, user: the game's first messages]."""
+    try:
+      seed = game_seed(problem)
+    except ValueError as e:
+      raise ValueError(f"TextArenaEnv: {e}") from None
     self.game_info = None
     try:
-      self._call(self.env.reset, num_players=1, seed=problem)
+      self._call(self.env.reset, num_players=1, seed=seed)
     except AssertionError as e:   # textarena's states assert their number of players
       raise ValueError(f"TextArenaEnv: {self.game_id} did not start with one player: {e}") from e
     system = [{"role": "system", "content": self.system}] if self.system is not None else []
@@ -130,3 +170,74 @@ class TextArenaEnv:
     if self.game_info.get("invalid_move"):
       raise EpisodeEnd("invalid_action", str(self.game_info.get("reason", "")))
     return None, float(rewards[0]), True
+
+
+class GemEnv(_OwnRandom):
+  """An environment of GEM (gem-llm, https://github.com/axon-rl/gem) as an `Environment`.
+
+  GEM pins older nltk and reasoning-gym than this package uses; its games import neither, so install
+  it without its requirements: `pip install --no-deps gem-llm==0.1.0` (what `make install` does).
+
+    reset(problem) -> env.reset(seed=game_seed(problem)); [system?, user: the first observation and
+                      the info's "suffix" (e.g. "Enter your next guess.") on a line of its own]
+    step(message)  -> env.step(message) = (observation, reward, terminated, truncated, info);
+                      not ended: (user: observation + suffix, reward, False); ended (terminated or
+                      truncated): (None, reward, True). The episode's reward is the sum of GEM's step
+                      rewards (run_episode), GEM's own values: success 1, a malformed action -0.1
+                      (`gem.utils.constants.LanguageGameReward`), its end status "done".
+
+  Args:
+    env: a registered GEM id (e.g. "game:GuessTheNumber-v0-easy", "game:Mastermind-v0-easy";
+      `gem.envs.registration.ENV_REGISTRY`), or a `gem.Env` instance.
+    system: a system message before the first observation, or None.
+    make_kwargs: keyword arguments of `gem.make` (with an id only).
+
+  Raises:
+    ImportError: gem is not installed (naming the package). ValueError: an id GEM does not know, or
+    `env` neither a str nor a gem.Env; (on reset) a problem with no seed (`game_seed`).
+  """
+
+  def __init__(self, env, *, system: str | None = None, **make_kwargs):
+    gem = import_optional("gem", "pip install --no-deps gem-llm==0.1.0 (make install does)")
+    from gem.envs.registration import ENV_REGISTRY
+    if isinstance(env, str):
+      if env not in ENV_REGISTRY:
+        raise ValueError(f"GemEnv: env={env!r} is not a registered GEM id (e.g. 'game:GuessTheNumber-v0-easy')")
+      self.env_id = env
+      super().__init__()
+      env = self._call(gem.make, env, **make_kwargs)   # GEM's games reset (and draw) when built
+    elif isinstance(env, gem.Env):
+      if make_kwargs:
+        raise ValueError(f"GemEnv: make_kwargs {sorted(make_kwargs)} are for a GEM id, not an instance")
+      self.env_id = type(env).__name__
+      super().__init__()
+    else:
+      raise ValueError(f"GemEnv: env={env!r} must be a GEM id or a gem.Env")
+    self.env, self.system = env, system
+
+  @staticmethod
+  def _text(observation, info) -> str:
+    if not isinstance(observation, str):
+      raise ValueError(f"GemEnv: the observation is a {type(observation).__name__}, not text; only text "
+                       "environments run")
+    suffix = info.get("suffix") if isinstance(info, dict) else None
+    if not suffix:
+      return observation
+    return observation + ("" if observation.endswith("\n") else "\n") + suffix
+
+  def reset(self, problem: Any) -> list[dict[str, str]]:
+    """Start the environment with seed `game_seed(problem)`; see the class docstring."""
+    try:
+      seed = game_seed(problem)
+    except ValueError as e:
+      raise ValueError(f"GemEnv: {e}") from None
+    observation, info = self._call(self.env.reset, seed=seed)
+    system = [{"role": "system", "content": self.system}] if self.system is not None else []
+    return system + [{"role": "user", "content": self._text(observation, info)}]
+
+  def step(self, assistant_message: str):
+    """Play the model's message as the action; see the class docstring for what comes back."""
+    observation, reward, terminated, truncated, info = self._call(self.env.step, assistant_message)
+    if terminated or truncated:
+      return None, float(reward), True
+    return [{"role": "user", "content": self._text(observation, info)}], float(reward), False

@@ -147,27 +147,31 @@ def calculator_examples(task, problems: Sequence) -> list[dict[str, str]]:
 
 ENVIRONMENTS = {"calculator": CalculatorEnv}
 FIELD = "rollout.episodes.environment"
-# rollout.episodes.environment's forms besides a name of ENVIRONMENTS (`make_environment`).
-TEXTARENA, PYTHON = "textarena:", "python:"
+# rollout.episodes.environment's forms besides a name of ENVIRONMENTS (`make_environment`): a library's
+# id after its prefix (the adapter's class in rollout/adapters.py), or an import path.
+ADAPTERS = {"textarena:": "TextArenaEnv", "gem:": "GemEnv"}
+PYTHON = "python:"
 
 
 def environment_kind(spec) -> str:
-  """"builtin" (a name of ENVIRONMENTS), "textarena" ("textarena:GAME-ID") or "import" ("FILE.py:NAME",
-  "python:MODULE:NAME"): the form of rollout.episodes.environment, checked without importing anything.
+  """"builtin" (a name of ENVIRONMENTS), "adapter" ("textarena:GAME-ID", "gem:ENV-ID") or "import"
+  ("FILE.py:NAME", "python:MODULE:NAME"): the form of rollout.episodes.environment, checked without
+  importing anything.
 
   Raises:
     ValueError: naming the field and the value, for anything else.
   """
   if spec in ENVIRONMENTS:
     return "builtin"
-  if isinstance(spec, str) and spec.startswith(TEXTARENA) and len(spec) > len(TEXTARENA):
-    return "textarena"
+  if isinstance(spec, str) and any(spec.startswith(p) and len(spec) > len(p) for p in ADAPTERS):
+    return "adapter"
   path = spec[len(PYTHON):] if isinstance(spec, str) and spec.startswith(PYTHON) else spec
   if isinstance(path, str) and path.count(":") == 1 and all(path.split(":")) and (
       spec.startswith(PYTHON) or path.split(":")[0].endswith(".py")):
     return "import"
-  raise ValueError(f"{FIELD}={spec!r} is not one of {sorted(ENVIRONMENTS)}, 'textarena:GAME-ID', 'FILE.py:NAME' or "
-                   "'python:package.module:NAME' (a class or factory of the protocol in rollout/environments.py)")
+  raise ValueError(f"{FIELD}={spec!r} is not one of {sorted(ENVIRONMENTS)}, 'textarena:GAME-ID', 'gem:ENV-ID', "
+                   "'FILE.py:NAME' or 'python:package.module:NAME' (a class or factory of the protocol in "
+                   "rollout/environments.py)")
 
 
 def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence[dict[str, str]] = (),
@@ -176,6 +180,8 @@ def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence
 
     "calculator"           `CalculatorEnv(task, max_tool_calls=, examples=)` (options must be empty);
     "textarena:GAME-ID"    `rollout.adapters.TextArenaEnv(GAME-ID, **options)` (textarena installed);
+    "gem:ENV-ID"           `rollout.adapters.GemEnv(ENV-ID, **options)` (gem-llm installed); with
+                           either, a problem of `task` is one seeded game (`adapters.game_seed`);
     "FILE.py:NAME", "python:package.module:NAME"
                            NAME(**options), NAME a class or factory (`rollout.tasks.rewards.resolve`'s
                            import rules), given `task=task` too when it takes a parameter named task.
@@ -195,10 +201,11 @@ def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence
       raise ValueError(f"rollout.episodes.env_options={options!r}: {FIELD}={spec!r} takes none (max_tool_calls and "
                        "few_shot configure it)")
     return ENVIRONMENTS[spec](task, max_tool_calls=max_tool_calls, examples=examples)
-  if kind == "textarena":
-    from branch_replay_jax.rollout.adapters import TextArenaEnv   # adapters imports this module
-    factory, name = TextArenaEnv, spec[len(TEXTARENA):]
-    make = lambda: TextArenaEnv(name, **options)
+  if kind == "adapter":
+    from branch_replay_jax.rollout import adapters   # adapters imports this module
+    prefix = next(p for p in ADAPTERS if spec.startswith(p))
+    factory, name = getattr(adapters, ADAPTERS[prefix]), spec[len(prefix):]
+    make = lambda: factory(name, **options)
   else:
     from branch_replay_jax.rollout.tasks.rewards import resolve
     factory = resolve(spec[len(PYTHON):] if spec.startswith(PYTHON) else spec, FIELD)
