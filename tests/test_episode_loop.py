@@ -198,7 +198,6 @@ def test_the_run_time_exactness_check_compares_an_episode_tree_with_its_rows(scr
     ("rollout.episodes.max_context", 6, "rollout.episodes.max_context=6 leaves no room"),
     ("rollout.episodes.max_context", 4096, "rollout.episodes.max_context=4096 is longer than model 'tiny'"),
     ("rollout.group_size", 1, "rollout.group_size=1: a group-relative advantage"),
-    ("mesh.data", 2, "episodes train on one device"),
     ("eval.pass_k", 4, "eval.pass_k=4 with rollout.episodes"),
 ])
 def test_a_field_that_does_not_apply_to_episodes_or_a_bad_budget_is_refused(tmp_path, field, value, message):
@@ -325,3 +324,64 @@ def test_few_shot_calculator_conversations_are_refused_with_another_environment(
   config.rollout.episodes.few_shot = 1
   with pytest.raises(ValueError, match=re.escape("rollout.episodes.few_shot=1 shows calculator conversations")):
     grpo.validate(config)
+
+
+# ---- episodes on the mesh ----------------------------------------------------------------------------
+
+class SharedFirstTurn:
+  """A stand-in for `EpisodeSampler`: every branch calls the calculator on "2 + 3" first (so the G
+  episodes of a problem share their first turn and its observation: the tree's first fan-out is 1),
+  then branch 0 answers 5, branch 1 answers 7, branch 2 calls again (cut by max_turns) and branch 3
+  writes no format: unequal rewards, so the step has a gradient."""
+
+  tokenizer = None
+
+  def __init__(self, g):
+    self.g, self.turn = g, 0
+
+  @classmethod
+  def branches(cls, model, ids, n, *, key, **kwargs):
+    return [cls(g) for g in range(n)]
+
+  def __call__(self, ids, budget):
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+    text = call if self.turn == 0 else ["<answer>5</answer>", "<answer>7</answer>", call, "no"][self.g % 4]
+    self.turn += 1
+    return self.tokenizer.encode(text, add_special_tokens=False)[:budget - 1] + [stop_ids(self.tokenizer)[0]]
+
+
+def _scripted_calc_run(run_dir, monkeypatch, **overrides):
+  from branch_replay_jax.models.loading import load_tokenizer
+  SharedFirstTurn.tokenizer = load_tokenizer("smollm2-135m-instruct")
+  monkeypatch.setattr(collect, "EpisodeSampler", SharedFirstTurn)
+  config = calc_smoke(run_dir, **{"rollout.episodes.few_shot": 0, "rollout.episodes.max_turns": 2,
+                                  "rollout.episodes.max_turn_tokens": 40, "rollout.episodes.max_context": 1024,
+                                  "train.exactness_check_every": 1, **overrides})
+  return grpo.train(config)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_episodes_on_a_mesh_train_as_on_one_device(tmp_path, monkeypatch):
+  # The same scripted episodes (2 problems x 4 episodes a step, 2 steps) on one device and on a
+  # 2x2x2 FSDP mesh: problems over data, first-level subtrees over branch, the prompt over seq.
+  # Every episode tree has first fan-out 1 (all 4 share the first call), padded to 2 for the
+  # branch axis (data.batches.pad_trees(branch=)) with exact zeros. The sharded step sums the same
+  # terms in another order: parameters equal to Adam's rounding bound (1e-5, as the tree mesh test),
+  # the logged metrics to float32 rounding, the episode counts exactly; the run-time exactness check
+  # runs on the mesh at every step and passes.
+  from conftest import final_params, max_rel
+  one = _scripted_calc_run(tmp_path / "one", monkeypatch)
+  mesh = _scripted_calc_run(tmp_path / "mesh", monkeypatch, **{"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2,
+                                                                "mesh.params": "fsdp"})
+  assert max_rel(final_params(tmp_path / "mesh")[0], final_params(tmp_path / "one")[0]) <= 1e-5
+  for got, want in zip(mesh, one):
+    for name in ("reward_mean", "token_positions_naive", "token_positions_computed", "tool_calls_per_episode",
+                 *(f"episodes_{s}" for s in STATUSES)):
+      assert got[name] == want[name], name
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert got["exactness_ok"] and want["exactness_ok"]
+  # Not vacuous: per problem branches 0, 1 and 3 end "done" (3 x 2 problems), branch 2 at max_turns;
+  # 0.1 format bonus for the two tagged answers (neither is the problem's answer): reward_mean 0.05.
+  assert (one[0]["episodes_done"], one[0]["episodes_max_turns"]) == (6, 2)
+  assert one[0]["reward_mean"] == pytest.approx(0.05) and min(r["grad_norm"] for r in one) > 0.01

@@ -12,6 +12,7 @@ import jax
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
+from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import PARAM_MODES
 from branch_replay_jax.models import lora, tiny_config
 from branch_replay_jax.outputs.checkpoints import check_run_dir_path
@@ -245,10 +246,10 @@ def validate_episode_rollout(config) -> None:
   if config.get("eval") is not None and config.eval.size and config.eval.pass_k:
     raise ValueError(f"eval.pass_k={config.eval.pass_k!r} with rollout.episodes: the held-out evaluation runs one "
                      "greedy episode per problem; set eval.pass_k=0")
-  m = config.mesh
-  if m.data * m.branch * m.seq != 1:
-    raise ValueError(f"mesh {m.data} x {m.branch} x {m.seq} with rollout.episodes: episodes train on one device; "
-                     "set mesh.data = mesh.branch = mesh.seq = 1")
+  processes = hosts.settings(config)["num_processes"]
+  if processes != 1:
+    raise ValueError(f"distributed.num_processes={processes!r} with rollout.episodes: episodes sample in one "
+                     "process (one environment object); use one process, on a mesh of its devices if need be")
 
 
 def validate_mesh(config) -> None:
@@ -256,10 +257,12 @@ def validate_mesh(config) -> None:
   count, naive updates or splash attention on a mesh), and groups (trees), completions (first-level
   subtrees) or micro-batches that do not split evenly."""
   m, r, t = config.mesh, config.rollout, config.train
-  if not validate_mesh_shape(config) or r.get("episodes") is not None:   # episodes: one device (above)
+  if not validate_mesh_shape(config):
     return
   if r.prompts_per_step % m.data:
     raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")
+  if r.get("episodes") is not None and r.episodes.share == "tree":
+    return   # episode trees: the step pads each first fan-out to a multiple of mesh.branch (`pad_trees`)
   if r.tree_fanouts:   # trees: first-level subtrees over `branch` (the step pads the sampled trees to one shape)
     f = tuple(r.tree_fanouts)
     if f[0] % m.branch:

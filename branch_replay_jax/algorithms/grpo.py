@@ -227,7 +227,8 @@ class GRPOFunctions:
     if kind == "tree":
       # Every process holds every tree (`collect`: whole), so all pad them to one shape, the
       # step's largest, and each places its own rows of the whole batch.
-      return [(kind, placement.on_mesh(pad_trees(local, self.tree_layouts), self.mesh))]
+      branch = self.mesh.shape["branch"]   # an episode tree's first fan-out is padded to a multiple of it
+      return [(kind, placement.on_mesh(pad_trees(local, self.tree_layouts, branch=branch), self.mesh))]
     longest = hosts.global_max(max(b.prompt_ids.shape[0] for b in local))
     batch = stack_groups(pad_prompts(local, self.mesh.shape["seq"], longest=longest))
     return [(kind, shard_batch(batch, self.mesh, num_groups=len(groups)))]
@@ -304,6 +305,8 @@ class GRPO(loop.Algorithm):
     that of the largest over all processes."""
     devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
     policy = self.fns.for_sampling(run.graphdef, params, devices)
+    if self.env is not None and devices is not None:   # episodes on a mesh: one environment, one sampler
+      policy, devices = self.one_device_policy(run, params), None
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
                                                devices=devices, whole=whole, env=self.env, layout=self.layout)
@@ -347,9 +350,20 @@ class GRPO(loop.Algorithm):
     return out or {}
 
   def eval_policy(self, run, params, num_problems):
-    """The policy `collect` samples with; on a mesh the problems spread over every device."""
+    """The policy `collect` samples with; on a mesh the problems spread over every device (episodes:
+    `one_device_policy`)."""
+    if self.env is not None and self.fns.mesh is not None:
+      return self.one_device_policy(run, params), None
     devices = placement.spread_devices(self.fns.mesh, num_problems)
     return self.fns.for_sampling(run.graphdef, params, devices), devices
+
+  def one_device_policy(self, run, params):
+    """Episodes on a mesh sample one after another on this process's first device, from a full copy of
+    the parameters: the run has one environment object, which an episode's reset and steps change
+    (and TextArena and GEM swap the global `random` state around each call), so the threads that
+    sample groups on every device at once would interleave its episodes. Same keys as one device."""
+    device = jax.local_devices()[0]
+    return self.fns.for_sampling(run.graphdef, params, [device])[device]
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):
     return loop.log_step(self.config, bar, step, groups, {**stats, **self.draw_metrics}, rollout_s=rollout_s,

@@ -249,7 +249,7 @@ class TreeLayouts:
     return chosen
 
 
-def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None) -> list[TreeBatch]:
+def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *, branch: int = 1) -> list[TreeBatch]:
   """Pad rollout trees to one level layout, so that `distributed.mesh.stack_groups` can stack them.
 
   Trees sampled with one config differ in shape (`rollout.tree_sampler.sample_tree`, `data.trees.pad_tree`):
@@ -281,6 +281,8 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None) ->
       their trailing axis G: weights [.., T_d, G], advantage [.., G] or [.., T_d, G], returns [.., T_d, G].
     layouts: the run's `TreeLayouts`: the trees then go onto the layout it chooses (one compiled
       before, when one holds them at most max_cost times their own cost); None: their own.
+    branch: the mesh's branch size: F_1 is rounded up to a multiple of it (first-level subtrees are
+      split over `branch`; an episode tree whose G episodes share their first turn has F_1 = 1).
 
   Returns:
     The trees in order, each with levels of one shape (prompt_ids unchanged); for PPO's trees as
@@ -298,6 +300,7 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None) ->
   own = max(len(t.levels) for t in trees)
   present = lambda d: [t.levels[d] for t in trees if len(t.levels) > d]   # level d + 1 of the trees that have it
   fanouts = tuple(_power_of_two(max(level.tokens.shape[d] for level in present(d))) for d in range(own))
+  fanouts = (-(-fanouts[0] // branch) * branch,) + fanouts[1:]
   lengths = tuple(bucket_length(max(level.tokens.shape[-1] for level in present(d)), minimum=8) for d in range(own))
   g = max((getattr(level, f).shape[-1] for t in trees for level in t.levels for f in names if f in TRAJECTORY_FIELDS),
           default=0)
