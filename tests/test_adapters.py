@@ -132,7 +132,7 @@ def test_a_model_plays_frozen_lake_through_the_episode_sampler(tokenizer):
   _, observations = game_observations(["[down]"] * 2)
   assert "You moved down to position (1, 0)." in observations[0]
   for result, sampler in zip(results, samplers):
-    assert (result.status, result.reward, result.turns, result.truncated) == ("max_turns", 0.0, 2, True)
+    assert (result.status, result.reward, result.turns, result.truncated) == ("max_turns", 0.0, 2, False)
     episode = result.episode
     assert episode.roles == (MODEL, OBSERVATION, MODEL)
     assert [tokenizer.decode(list(episode.segments[i])) for i in (0, 2)] == ["[down]<|im_end|>"] * 2

@@ -16,7 +16,7 @@ from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, episode_group_a
                                              episode_tree_arrays)
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
-from branch_replay_jax.rollout.environments import (CalculatorEnv, EpisodeEnd, episode_counts, run_episode)
+from branch_replay_jax.rollout.environments import (CalculatorEnv, EpisodeEnd, ToolEnv, episode_counts, run_episode)
 from branch_replay_jax.rollout.tools import (CALCULATOR, Tool, ToolCallError, ToolError, calculate, parse_tool_calls,
                                             turn_format)
 
@@ -137,6 +137,20 @@ def test_calculator_episode_runs_end_to_end_and_lays_out_for_training(tokenizer,
 
 
 @needs_smollm2
+def test_over_calling_the_tool_ends_marked_and_stays_in_the_loss(tokenizer, task):
+  # TRL PR #4976: only what a token budget cut is truncated. Three calls with max_tool_calls=2 end the
+  # episode "max_tool_calls" (reward 0), and it is not truncated, so loss.mask_truncated keeps it and
+  # over-calling is penalised; a turn cut by its token budget is truncated.
+  env = ToolEnv(task, [CALCULATOR], max_tool_calls=2)
+  over = _run(env, task[0], tokenizer, [call("1 + 1")] * 3, max_turns=4)
+  assert (over.status, over.reward, over.turns, over.truncated) == ("max_tool_calls", 0.0, 3, False)
+  cut = _run(env, task[0], tokenizer, ["a long answer " * 20], max_turn_tokens=16)
+  assert (cut.status, cut.truncated) == ("max_turn_tokens", True)
+  counts = episode_counts([over, cut])
+  assert (counts["episodes_max_tool_calls"], counts["truncated"]) == (1, 1)
+
+
+@needs_smollm2
 def test_episodes_that_end_marked_are_counted(tokenizer, task):
   # A call that is not JSON, a tool that errors (1 / 0) and a turn cut by its token budget each end
   # the episode with reward 0 and their own status; episode_counts counts each once.
@@ -155,7 +169,7 @@ def test_episodes_that_end_marked_are_counted(tokenizer, task):
                                  "episodes_max_turn_tokens", "episodes_max_turns", "episodes_max_context",
                                  "truncated")} == {"episodes": 5, "episodes_done": 1, "episodes_malformed_tool_call": 1,
                                                    "episodes_tool_error": 1, "episodes_max_turn_tokens": 1,
-                                                   "episodes_max_turns": 1, "episodes_max_context": 0, "truncated": 2}
+                                                   "episodes_max_turns": 1, "episodes_max_context": 0, "truncated": 1}
   assert counts["tool_calls_per_episode"] == (1 + 0 + 0 + 0 + 2) / 5 and counts["reward"] == 0.2
 
 
@@ -214,7 +228,7 @@ def test_calculator_episodes_train_by_replay_as_by_naive_rows(tokenizer, task):
   adv = np.asarray(obj.group_advantages(jnp.asarray([r.reward for r in results], jnp.float32)))
   w = obj.trajectory_weights(etree.model_lengths(), mode="group_token_mean").astype(np.float32)
   vocab, context = len(tokenizer), 1024
-  replay = episode_tree_arrays(etree, adv, w)
+  replay = episode_tree_arrays(etree, adv, w, vocab_size=vocab, max_positions=context)
   naive = episode_group_arrays(episodes, adv, w, vocab_size=vocab, max_positions=context)
   graphdef, params = tiny_model(vocab_size=vocab, max_positions=context)
   tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)

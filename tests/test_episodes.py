@@ -94,7 +94,23 @@ def test_bad_episodes_are_refused():
     episode_tree([Episode(p, (np.array([3]),), (M,)), Episode(p + 1, (np.array([3]),), (M,))])
   etree = episode_tree([Episode(p, (np.array([3]),), (M,)), Episode(p, (np.array([4]),), (M,))])
   with pytest.raises(ValueError, match=r"advantage_g has shape \(3,\)"):
-    episode_tree_arrays(etree, np.zeros(3), np.ones(2))
+    episode_tree_arrays(etree, np.zeros(3), np.ones(2), vocab_size=64, max_positions=256)
+
+
+@pytest.mark.parametrize("ids,vocab,positions,message", [
+    ([3, 64], 64, 256, r"episodes\[0\] holds token id 64 outside \[0, 64\)"),
+    ([3, 4, 6], 64, 4, r"prompt \(2 tokens\) \+ episodes\[0\] \(3 tokens\) exceeds the model's max_positions=4")])
+def test_every_layout_refuses_an_id_past_the_vocabulary_or_an_episode_past_the_context(ids, vocab, positions, message):
+  # The naive rows refused both (make_group); the replay layout returned a NaN loss (an embedding
+  # lookup past the table). Now both raise the same ValueError before any compute.
+  M = MODEL
+  p = np.array([1, 2], np.int32)
+  episodes = [Episode(p, (np.array(ids, np.int32),), (M,)), Episode(p, (np.array([5], np.int32),), (M,))]
+  etree = episode_tree(episodes)
+  with pytest.raises(ValueError, match=message.replace("episodes", "(episodes|completions)")):
+    episode_group_arrays(episodes, np.zeros(2), np.ones(2), vocab_size=vocab, max_positions=positions)
+  with pytest.raises(ValueError, match=message):
+    episode_tree_arrays(etree, np.zeros(2), np.ones(2), vocab_size=vocab, max_positions=positions)
 
 
 _tree_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
@@ -118,7 +134,7 @@ def _layouts(mode, dtype, advantage="grpo", seed=0, shape=lambda etree: etree):
   w = obj.trajectory_weights(etree.model_lengths(), mode=mode, max_length=L_MAX).astype(dtype)
   per_node = {k: [(-4.0 + 0.3 * rng.normal(size=len(s))).astype(dtype) for s in etree.tree.segments]
               for k in ("old_logp", "ref_logp")}
-  replay = episode_tree_arrays(etree, adv, w, per_node=per_node)
+  replay = episode_tree_arrays(etree, adv, w, per_node=per_node, vocab_size=64, max_positions=256)
   naive = episode_group_arrays(episodes, adv, w, per_episode={k: etree.along(v) for k, v in per_node.items()},
                                vocab_size=64, max_positions=256, completion_bucket=32)
   return etree, replay, naive

@@ -14,6 +14,7 @@ from branch_replay_jax.algorithms.evaluation import EVAL_STREAM, Evaluation
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout import evaluate as held_out
 from branch_replay_jax.rollout.tasks import Task, make_task
+from branch_replay_jax.rollout.tasks.prompts import Problem
 from conftest import grpo_smoke, length_score
 
 # The fields every eval.jsonl row has (rollout.evaluate.summarize with pass_k, and algorithms.evaluation.Evaluation).
@@ -116,6 +117,18 @@ def test_heldout_problems_never_repeat_a_training_question():
     held_out.heldout_problems(make_task("basic_arithmetic", seed=0, size=3000, **tiny),
                               make_task("basic_arithmetic", seed=5000, size=300, **tiny), size=20,
                               training_items=3000)
+
+
+def test_heldout_problems_drop_spacing_and_case_variants_of_training_questions():
+  # OpenRLHF #1089: exact matching kept "what is  2+2 ?" beside the training "What is 2+2 ?". Both
+  # variants (double space, capitals, a trailing newline) are dropped and counted; a question that
+  # differs in a character is kept.
+  class Questions(list):
+    examples = ()
+  ask = lambda qs: Questions(Problem(q, "", {}) for q in qs)
+  train = ask(["What is 2+2 ?", "Name  the capital."])
+  evaluation = ask(["what is  2+2 ?", "NAME THE CAPITAL.\n", "What is 2+3 ?"])
+  assert held_out.heldout_problems(train, evaluation, size=1, training_items=2) == ([2], 2)
 
 
 def test_heldout_problems_drop_the_few_shot_examples():

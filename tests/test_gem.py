@@ -105,8 +105,8 @@ def test_gem_by_name_is_made_or_refused_naming_the_field():
 
 def test_a_model_plays_guess_the_number_through_the_episode_sampler(tokenizer):
   # A chain model that always writes "\boxed{5}": seed 0 hides 7, so turn 1 gets "higher", turn 2
-  # "already guessed" (GEM's invalid action, reward 0), and max_turns=2 cuts the episode (truncated,
-  # reward 0). Both branches' model segments are the sampled ids, their observations GEM's text, and
+  # "already guessed" (GEM's invalid action, reward 0), and max_turns=2 ends the episode (reward 0;
+  # not truncated: only token budgets truncate). Both branches' model segments are the sampled ids, their observations GEM's text, and
   # the sampler continued exactly the episode's ids.
   env = GemEnv(GAME)
   prompt = ChatTokens(tokenizer, env.reset(0)).ids
@@ -115,7 +115,7 @@ def test_a_model_plays_guess_the_number_through_the_episode_sampler(tokenizer):
   results = [run_episode(env, 0, g, tokenizer, s, max_turns=2, max_turn_tokens=12, max_context=1024)
              for g, s in enumerate(samplers)]
   for result, sampler in zip(results, samplers):
-    assert (result.status, result.reward, result.turns, result.truncated) == ("max_turns", 0.0, 2, True)
+    assert (result.status, result.reward, result.turns, result.truncated) == ("max_turns", 0.0, 2, False)
     episode = result.episode
     assert [tokenizer.decode(list(episode.segments[i])) for i in (0, 2)] == [r"\boxed{5}<|im_end|>"] * 2
     assert "the target number is higher than 5" in tokenizer.decode(list(episode.segments[1]))

@@ -189,8 +189,9 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
                                       max_positions=cfg.max_positions, pad_id=pad_id,
                                       completion_bucket=bucket_length(longest, minimum=8,
                                                                         per_octave=SEGMENT_BUCKETS_PER_OCTAVE))
-  rows = not layout.tree   # the rows: trained naive, or by the group replay step (prompt once)   # the rows: trained naive, or by the group replay step (prompt once)
-  arrays = naive_arrays if rows else episode_tree_arrays(etree, advantages, w, pad_id=pad_id)
+  rows = not layout.tree   # the rows: trained naive, or by the group replay step (prompt once)
+  arrays = naive_arrays if rows else episode_tree_arrays(etree, advantages, w, vocab_size=cfg.vocab_size,
+                                                         max_positions=cfg.max_positions, pad_id=pad_id)
   if share == "prompt":   # the counts are those of the replay layout `share` selects, trained naive or not
     real = episodes[0].prompt.size + sum(e.tokens().size for e in episodes)
     padding = 1.0 - real / (naive_arrays.prompt_ids.size + naive_arrays.branches.tokens.size)

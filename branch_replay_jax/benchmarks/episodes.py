@@ -149,7 +149,8 @@ def run_case(config, index: int, model, emit) -> dict:
   record = {"case": index, **{k: case[k] for k in ("P", "T", "O", "fanouts", "turns", "G")}}
   for name, etree in (("replay", replay_tree), ("prompt_only", prompt_tree)):
     if name == "replay":
-      arrays = episode_tree_arrays(etree, adv, w, prompt_bucket=case["P"])
+      arrays = episode_tree_arrays(etree, adv, w, prompt_bucket=case["P"], vocab_size=cfg.vocab_size,
+                                   max_positions=cfg.max_positions)
       leaf_siblings = arrays.levels[-1].tokens.shape[-2]
       m = leaf_siblings if config.tree_micro_batch == 0 else config.tree_micro_batch
       step = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, TREE_OBJECTIVE, schedule=config.tree_schedule,

@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, tree_arrays
-from branch_replay_jax.data.groups import make_group
+from branch_replay_jax.data.groups import check_token_ids, make_group
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
 
 MODEL, OBSERVATION = "model", "observation"
@@ -280,8 +280,8 @@ def _per_episode(name, values, g):
   return values
 
 
-def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, per_node: dict | None = None,
-                        prompt_bucket: int | None = None, pad_id: int = 0) -> TreeBatch:
+def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, vocab_size: int, max_positions: int,
+                        per_node: dict | None = None, prompt_bucket: int | None = None, pad_id: int = 0) -> TreeBatch:
   """The replay layout: the episode tree's padded levels (`data.trees.pad_tree`) as a TreeBatch.
 
   Args:
@@ -289,13 +289,19 @@ def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, per_node: 
       (A_g on model tokens of the episodes through a node, 0 elsewhere, `EpisodeTree.per_token`).
     weights_g: [G] per-episode token weights (`losses.trajectory_weights` of `model_lengths()`), laid
       out the same way as weights [.., T_d, G].
+    vocab_size, max_positions: the model's; every episode's ids are checked as the naive layout's
+      (`data.groups.check_token_ids`).
     per_node: other per-token fields, name -> per node [L_n] (e.g. "old_logp", "ref_logp").
     prompt_bucket, pad_id: as `pad_tree`.
 
   Raises:
-    ValueError: advantage_g or weights_g not of shape [G]; a field Segments lacks.
+    ValueError: advantage_g or weights_g not of shape [G]; a field Segments lacks; an id outside
+      [0, vocab_size) or an episode longer than max_positions (naming the episode), as the naive layout.
   """
   g = tree.num_episodes
+  episodes = [tree.episode(k) for k in range(g)]
+  check_token_ids(np.asarray(episodes[0].prompt), [np.asarray(e.tokens()) for e in episodes], vocab_size=vocab_size,
+                  max_positions=max_positions, where="episode_tree_arrays", name="episodes")
   fields = {"weights": tree.per_token(_per_episode("weights_g", weights_g, g)),
             "advantage": tree.per_token(_per_episode("advantage_g", advantage_g, g)), **(per_node or {})}
   return tree_arrays(pad_tree(tree.tree, pad_id=pad_id, prompt_bucket=prompt_bucket), fields)

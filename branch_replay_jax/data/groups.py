@@ -70,6 +70,25 @@ class RolloutGroup:
     return np.arange(self.prompt_ids.shape[0]) < self.prompt_len
 
 
+def check_token_ids(prompt: np.ndarray, completions: Sequence[np.ndarray], *, vocab_size: int, max_positions: int,
+                    where: str, name: str = "completions") -> None:
+  """ValueError (naming `where` and the sequence) unless every id of the prompt and completions is an
+  integer in [0, vocab_size) and the prompt plus each completion fits max_positions: what every
+  layout checks before an id reaches the embedding (an id past the table, or a position past the
+  model's, gives NaN or garbage instead of an error)."""
+  for label, arr in [("prompt_ids", prompt)] + [(f"{name}[{i}]", c) for i, c in enumerate(completions)]:
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"{where}: {label} must hold integer token ids, got dtype {arr.dtype}")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+      raise ValueError(f"{where}: {label} holds token id {int(bad[0])} outside [0, {vocab_size})")
+  lengths = [c.size for c in completions]
+  if prompt.size + max(lengths) > max_positions:
+    i = int(np.argmax(lengths))
+    raise ValueError(f"{where}: prompt ({prompt.size} tokens) + {name}[{i}] ({lengths[i]} tokens) exceeds the "
+                     f"model's max_positions={max_positions}")
+
+
 def make_group(prompt_ids: Sequence[int], completions: Sequence[Sequence[int]], *, vocab_size: int,
                max_positions: int, pad_id: int = 0, prompt_bucket: int | None = None,
                completion_bucket: int | None = None) -> RolloutGroup:
@@ -95,18 +114,9 @@ def make_group(prompt_ids: Sequence[int], completions: Sequence[Sequence[int]], 
   for i, c in enumerate(comps):
     if c.ndim != 1 or c.size == 0:
       raise ValueError(f"make_group: completions[{i}] must be a non-empty 1-D sequence, got shape {c.shape}")
-  for name, arr in [("prompt_ids", prompt)] + [(f"completions[{i}]", c) for i, c in enumerate(comps)]:
-    if not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"make_group: {name} must hold integer token ids, got dtype {arr.dtype}")
-    bad = arr[(arr < 0) | (arr >= vocab_size)]
-    if bad.size:
-      raise ValueError(f"make_group: {name} holds token id {int(bad[0])} outside [0, {vocab_size})")
+  check_token_ids(prompt, comps, vocab_size=vocab_size, max_positions=max_positions, where="make_group")
   lengths = np.array([c.size for c in comps], dtype=np.int32)
   p = prompt.size
-  if p + lengths.max() > max_positions:
-    i = int(lengths.argmax())
-    raise ValueError(f"make_group: prompt ({p} tokens) + completions[{i}] ({lengths[i]} tokens) exceeds the "
-                     f"model's max_positions={max_positions}")
   p_pad = prompt_bucket if prompt_bucket is not None else bucket_length(p)
   t_pad = completion_bucket if completion_bucket is not None else bucket_length(int(lengths.max()), minimum=8)
   if p_pad < p:

@@ -34,13 +34,17 @@ from branch_replay_jax.rollout.tools import (CALCULATOR, Tool, ToolCallError, To
                                              tool_table, tools_system_prompt)
 
 # How an episode ended: "done" (the environment said so), "malformed_tool_call", "tool_error",
-# "invalid_action" (a game's move it refused and ended on, rollout/adapters.py) (marked by the
-# environment, `EpisodeEnd`), or cut by a budget (truncated): "max_turns", "max_turn_tokens" (a model
-# turn reached its token budget without a stop id), "max_episode_tokens" (the episode's model tokens
-# reached theirs), "max_context" (the next turn has no room).
-STATUSES = ("done", "malformed_tool_call", "tool_error", "invalid_action", "max_turns", "max_turn_tokens",
-            "max_episode_tokens", "max_context")
-TRUNCATED = ("max_turns", "max_turn_tokens", "max_episode_tokens", "max_context")
+# "max_tool_calls" (more calls than the environment allows), "invalid_action" (a game's move it
+# refused and ended on, rollout/adapters.py) (marked by the environment, `EpisodeEnd`), "max_turns"
+# (the model used every turn without finishing), or cut by a token budget (truncated):
+# "max_turn_tokens" (a model turn reached its token budget without a stop id), "max_episode_tokens"
+# (the episode's model tokens reached theirs), "max_context" (the next turn has no room). Only the
+# token cuts are truncated (`loss.mask_truncated` drops them, as TRL PR #4976 masks only what the
+# token budget cut): an episode the policy ended by its own actions (too many calls or turns) stays
+# in the loss with reward 0, so over-calling is penalised.
+STATUSES = ("done", "malformed_tool_call", "tool_error", "max_tool_calls", "invalid_action", "max_turns",
+            "max_turn_tokens", "max_episode_tokens", "max_context")
+TRUNCATED = ("max_turn_tokens", "max_episode_tokens", "max_context")
 
 
 class Environment(Protocol):
@@ -65,7 +69,7 @@ class ToolEnv:
   one "tool" message per call (reward 0); a turn without one is the final answer, scored by the task.
 
   A call that does not parse ends the episode as "malformed_tool_call", a tool that errors as
-  "tool_error", more than `max_tool_calls` calls as "max_turns" (`EpisodeEnd`); reward 0 then.
+  "tool_error", more than `max_tool_calls` calls as "max_tool_calls" (`EpisodeEnd`); reward 0 then.
   `tool_calls` counts the calls of the current episode; `correct` is the task's verdict on its
   final answer (False until one is scored).
 
@@ -100,7 +104,7 @@ class ToolEnv:
       self.correct = bool(score.correct)
       return None, float(score.reward), True
     if self.tool_calls + len(calls) > self.max_tool_calls:
-      raise EpisodeEnd("max_turns", f"{self.tool_calls + len(calls)} tool calls, more than {self.max_tool_calls}")
+      raise EpisodeEnd("max_tool_calls", f"{self.tool_calls + len(calls)} tool calls, more than {self.max_tool_calls}")
     out = []
     for call in calls:
       try:

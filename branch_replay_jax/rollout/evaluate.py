@@ -96,12 +96,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def normalized_question(question: str) -> str:
+  """`question` with every run of whitespace one space, no surrounding whitespace, and Unicode case
+  folding: the key two questions are the same by in the held-out split."""
+  return " ".join(question.split()).casefold()
+
+
 def heldout_problems(train_task: Task, eval_task: Task, *, size: int,
                      training_items: int) -> tuple[list[int], int]:
   """([size] indices into `eval_task` of problems no training item equals, how many were dropped).
 
   Walks eval_task's items 0, 1, ... and keeps the first `size` whose question differs from the
-  question of every training item the run can draw: train_task items 0 .. min(training_items,
+  question of every training item the run can draw, compared after whitespace and letter-case
+  normalisation (`normalized_question`: a spacing or case variant of a training question is the same
+  question, OpenRLHF #1089): train_task items 0 .. min(training_items,
   len(train_task)) - 1 (data position p draws item p mod len(train_task)), and from the question of
   every few-shot example (`eval_task.examples`: each prompt shows those solved).
 
@@ -109,13 +117,13 @@ def heldout_problems(train_task: Task, eval_task: Task, *, size: int,
     ValueError: eval_task runs out of items before `size` are kept (its seed's problems repeat the
       training questions, or the task's question space is too small for both sets).
   """
-  seen = {train_task[i].question for i in range(min(training_items, len(train_task)))}
-  seen |= {ex.question for ex in eval_task.examples}  # a few-shot example's question shows its answer
+  seen = {normalized_question(train_task[i].question) for i in range(min(training_items, len(train_task)))}
+  seen |= {normalized_question(ex.question) for ex in eval_task.examples}  # an example shows its answer
   kept, dropped = [], 0
   for j in range(len(eval_task)):
     if len(kept) == size:
       break
-    if eval_task[j].question in seen:
+    if normalized_question(eval_task[j].question) in seen:
       dropped += 1
     else:
       kept.append(j)
