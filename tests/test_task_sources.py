@@ -149,6 +149,67 @@ def test_parquet_csv_and_saved_dataset_read_like_jsonl(tmp_path, kind):
   assert [(p.question, p.answer) for p in other] == [(p.question, p.answer) for p in jsonl]
 
 
+def test_blank_cells_are_empty_and_answers_are_read_as_written(tmp_path):
+  # unsloth #10813, pandas #28335: a CSV integer column with one blank cell read as float made the
+  # answer "4" the text "4.0" (a correct "<answer>4</answer>" scored 0), and "007" became 7; a blank
+  # cell reached the prompt as "None", and a row without an answer paid exact_match 1.0 for "None".
+  # Read as text: "4" and "007" as written, blank cells "", a missing answer never scores.
+  (tmp_path / "rows.csv").write_text("question,answer,hint\nWhat is 2+2?,4,\nSeven?,007,x\nNo answer?,,\n")
+  task = make_task_from_fields(task_section(source=str(tmp_path / "rows.csv"), prompt_column="question",
+                                            prompt_template="{question} {hint}"), seed=0, size=64)
+  by_question = {p.question: p for p in task}
+  assert {q: p.answer for q, p in by_question.items()} == {"What is 2+2?": "4", "Seven?": "007", "No answer?": ""}
+  four, blank = by_question["What is 2+2?"], by_question["No answer?"]
+  assert task.score("<answer>4</answer>", four).correct and not task.score("<answer></answer>", blank).correct
+  assert task.messages(four)[-1]["content"] == "What is 2+2? "   # the blank hint is "", not "None"
+  assert builtin.exact_match(["q"] * 3, ["<answer>None</answer>", "None", "<answer></answer>"],
+                             [None, None, ""]) == [0.0, 0.0, 0.0]
+  # A JSONL null answer is no answer too, and a null in a column the template names is "".
+  rows = [{"question": "Q?", "answer": None, "hint": None}]
+  task = make_task_from_fields(task_section(source=write_jsonl(tmp_path / "n.jsonl", rows), prompt_column="question",
+                                            prompt_template="{question}{hint}"), seed=0, size=64)
+  assert (task[0].answer, task.messages(task[0])[-1]["content"]) == ("", "Q?")
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_a_blank_question_is_refused_naming_the_rows(tmp_path, kind):
+  # A blank question used to become the question "None" (JSONL null) or "" (CSV): refused when the
+  # task is built, naming the column and the rows (0-based, file order), before any model loads.
+  if kind == "csv":
+    (tmp_path / "rows.csv").write_text("question,answer\nWhat is 2+2?,4\n,5\n  ,6\n")
+    source = str(tmp_path / "rows.csv")
+  else:
+    source = write_jsonl(tmp_path / "rows.jsonl", [{"question": "Q?", "answer": "1"}, {"question": None, "answer": "2"},
+                                                   {"question": " ", "answer": "3"}])
+  with pytest.raises(ValueError, match=r"task.prompt_column='question': 2 rows of .* are blank there \(rows \[1, 2\]"):
+    make_task_from_fields(task_section(source=source, prompt_column="question"), seed=0, size=64)
+
+
+def test_verl_struct_answer_column_by_dotted_path(tmp_path):
+  # verl #758: the answer sits in reward_model = {"ground_truth", "style"} and the prompt is a chat.
+  # Naming the struct made its dict text the answer (every reward 0, silently): refused, naming its
+  # fields; the dotted path reads the field, and reward functions get it as `answer`.
+  import datasets
+  rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}], "data_source": "arith",
+           "reward_model": {"ground_truth": str(2 * a), "style": "rule"}} for a in range(1, 5)]
+  path = str(tmp_path / "verl.parquet")
+  datasets.Dataset.from_list(rows).to_parquet(path)
+  with pytest.raises(ValueError, match=r"task.answer_column='reward_model' .* is a struct with the fields "
+                                       r"\['ground_truth', 'style'\], not text; .*'reward_model.ground_truth'"):
+    make_task_from_fields(task_section(source=path, prompt_column="prompt", answer_column="reward_model"),
+                          seed=0, size=64)
+  with pytest.raises(ValueError, match=r"task.answer_column='reward_model.truth': no such column"):
+    make_task_from_fields(task_section(source=path, prompt_column="prompt", answer_column="reward_model.truth"),
+                          seed=0, size=64)
+  task = make_task_from_fields(task_section(source=path, prompt_column="prompt", answer_column="reward_model.ground_truth",
+                                            rewards=("branch_replay_jax.rollout.tasks.rewards:exact_match",),
+                                            format_bonus=0.0), seed=0, size=64)
+  p = task[0]
+  assert p.answer == str(2 * int(p.question.split()[2]))
+  assert task.messages(p) == [{"role": "user", "content": p.question}]
+  assert task.score(f"<answer>{p.answer}</answer>", p).reward == 1.0
+
+
 def test_prompt_fields_system_prompt_template_and_messages_column(tmp_path):
   # A system prompt comes first; the template may name a column; "" is an empty system turn (the
   # nearest to none SmolLM2's template allows: without one it writes its own default).

@@ -12,8 +12,20 @@ Columns (config ``task.prompt_column``, ``task.answer_column``, ``task.messages_
   of its last user message.
 - the reference answer: ``answer_column`` (``""``: none; then only reward functions,
   ``task.rewards``, can score).
+- a column may be a field of a struct column, by a dotted path: verl's parquet keeps the answer in
+  ``reward_model = {"ground_truth": ..., "style": "rule"}``, so ``task.answer_column =
+  "reward_model.ground_truth"`` (verl #758). A struct named as a text column (the prompt or the
+  answer) is refused, naming its fields: its dict's text would be the answer, silently.
 - every column is in the problem's ``entry``: reward functions receive each as a keyword argument
-  (rollout/tasks/rewards.py), and the template may name any of them.
+  (rollout/tasks/rewards.py), and the template may name any of them. With a dotted answer column the
+  entry's ``answer`` is that field's text (when the file has no ``answer`` column of its own).
+
+Blank cells: a CSV is read with every column as text, exactly as written ("007" stays "007"; an
+integer column with one blank cell does not turn "4" into "4.0"), and a blank cell is "" (not
+NaN, not "None"); a JSON null is None. A row whose prompt (or messages) is blank is refused when
+the task is built, naming the column and the rows: a blank question would train on a prompt with
+nothing to answer. A blank or missing answer is "", and the default reward, like
+``rewards.exact_match``, never scores a completion against it.
 
 Default reward (without ``task.rewards``): 1 when the extracted answer (``extract_answer``, with
 ``task.strict_answer``) equals the answer column's text stripped of surrounding whitespace, else 0;
@@ -29,6 +41,7 @@ training seed's shuffle, which the training task then excludes.
 
 from __future__ import annotations
 
+import csv
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -72,7 +85,13 @@ def load_rows(path: str, field: str = "task.source"):
                          "by Dataset.save_to_disk)")
       if os.path.getsize(path) == 0:
         raise ValueError(f"{field}={path!r} is empty: no rows")
-      rows = datasets.load_dataset(READERS[ending], data_files=path, split="train")
+      text = {}
+      if ending == ".csv":   # every column as the text written, a blank cell "" (module docstring)
+        with open(path, newline="", encoding="utf-8") as f:
+          header = next(csv.reader(f), [])
+        text = {"features": datasets.Features({c: datasets.Value("string") for c in header}),
+                "keep_default_na": False}
+      rows = datasets.load_dataset(READERS[ending], data_files=path, split="train", **text)
   except ValueError:
     raise
   except Exception as e:   # the readers raise their own types (DatasetGenerationError, ArrowInvalid, ...)
@@ -82,16 +101,53 @@ def load_rows(path: str, field: str = "task.source"):
   return rows
 
 
+def column_value(row: dict, column: str):
+  """``row``'s value of ``column``: a column name, or a dotted path into struct columns
+  ("reward_model.ground_truth"); None where a struct lacks the field or holds null."""
+  value = row
+  for part in column.split("."):
+    value = value.get(part) if isinstance(value, dict) else None
+  return value
+
+
+def _feature(rows, column: str):
+  """The `datasets` feature at ``column`` (dotted paths into structs), or None when there is none."""
+  feature = rows.features
+  for part in column.split("."):
+    if not isinstance(feature, dict) or part not in feature:
+      return None
+    feature = feature[part]
+  return feature
+
+
+def _blank(value) -> bool:
+  return value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, list) and not value)
+
+
 def check_columns(rows, path: str, *, prompt_column: str, answer_column: str, messages_column: str) -> None:
   """ValueError naming the field (task.prompt_column, task.answer_column, task.messages_column) and
-  its value when the column is not in ``rows`` (lists the file's columns)."""
+  its value: a column (or dotted path into a struct) not in ``rows`` (lists the file's columns); a
+  struct named as the prompt or the answer (lists its fields); a prompt (or messages) cell that is
+  blank in some row (names the rows, 0-based, in file order)."""
   wanted = [("task.messages_column", messages_column)] if messages_column else [("task.prompt_column", prompt_column)]
   if answer_column:
     wanted.append(("task.answer_column", answer_column))
   for field, column in wanted:
-    if column not in rows.column_names:
+    feature = _feature(rows, column)
+    if feature is None:
       hint = " (set task.answer_column='' for a file without answers)" if field == "task.answer_column" else ""
       raise ValueError(f"{field}={column!r}: no such column in {path!r}; its columns are {rows.column_names}{hint}")
+    if isinstance(feature, dict) and field != "task.messages_column":
+      example = f"{column}.{next(iter(feature))}" if feature else column
+      raise ValueError(f"{field}={column!r} in {path!r} is a struct with the fields {sorted(feature)}, not text; "
+                       f"name one field with a dotted path, e.g. {field}={example!r}")
+  column = messages_column or prompt_column
+  top = column.split(".")[0]
+  blank = [i for i, cell in enumerate(rows[top]) if _blank(column_value({top: cell}, column))]
+  if blank:
+    field = "task.messages_column" if messages_column else "task.prompt_column"
+    raise ValueError(f"{field}={column!r}: {len(blank)} rows of {path!r} are blank there (rows {blank[:10]}"
+                     f"{' ...' if len(blank) > 10 else ''}, 0-based); a problem needs a prompt: remove or fill them")
 
 
 class RecordsTask(Sequence):
@@ -126,18 +182,21 @@ class RecordsTask(Sequence):
     if not 0 <= i < len(self):
       raise IndexError(f"index {i} out of range for task {self.name!r} of size {len(self)}")
     row: dict[str, Any] = dict(self.rows[int(self.order[i])])
-    chat = row[self.messages_column] if self.messages_column else row[self.prompt_column]
+    chat = column_value(row, self.messages_column or self.prompt_column)
     if isinstance(chat, list):
       users = [m.get("content", "") for m in chat if isinstance(m, dict) and m.get("role") == "user"]
       question = str(users[-1]) if users else ""
     else:
       question = str(chat)
-    answer = "" if not self.answer_column or row[self.answer_column] is None else str(row[self.answer_column])
+    value = column_value(row, self.answer_column) if self.answer_column else None
+    answer = "" if value is None else str(value)
+    if "." in self.answer_column and "answer" not in row:
+      row["answer"] = answer   # reward functions' `answer` (module docstring)
     return Problem(question=question, answer=answer, entry=row)
 
   def messages(self, problem: Problem) -> list[dict[str, str]]:
     """The prompt's chat messages: the row's conversation (module docstring) or `format_messages`."""
-    chat = problem.entry.get(self.messages_column or self.prompt_column)
+    chat = column_value(problem.entry, self.messages_column or self.prompt_column)
     if isinstance(chat, list):
       return with_system_prompt(chat, self.system_prompt)
     return format_messages(problem, self.instruction, system_prompt=self.system_prompt, template=self.template)
@@ -145,7 +204,8 @@ class RecordsTask(Sequence):
   def score(self, completion_text: str, problem: Problem) -> Score:
     """The default reward (module docstring); never raises on text."""
     extracted, formatted = extract_answer(completion_text, strict=self.strict_answer)
-    correct = bool(self.answer_column) and extracted is not None and extracted == problem.answer.strip()
+    answer = problem.answer.strip()   # a blank answer never scores (module docstring)
+    correct = bool(answer) and extracted is not None and extracted == answer
     return Score(reward=float(correct) + (self.format_bonus if formatted else 0.0), correct=correct,
                  extracted=extracted, formatted=formatted)
 

@@ -55,12 +55,13 @@ def extract_answer(text: str, strict: bool = False) -> tuple[str | None, bool]:
 
 def user_turn(problem: Problem, instruction: str = DEFAULT_INSTRUCTION, template: str = DEFAULT_TEMPLATE) -> str:
   """The user turn's text: ``template`` with {question}, {instruction} and the problem's other
-  entry fields (a file row's columns) filled in.
+  entry fields (a file row's columns) filled in; a null field (a blank JSON cell) is "", never "None".
 
   Raises:
     ValueError: the template names a field the problem does not have (names it and the fields).
   """
-  fields = {**{k: v for k, v in problem.entry.items() if isinstance(k, str)}, "question": problem.question,
+  fields = {**{k: "" if v is None else v for k, v in problem.entry.items() if isinstance(k, str)},
+            "question": problem.question,
             "instruction": instruction}
   try:
     return template.format_map(fields)

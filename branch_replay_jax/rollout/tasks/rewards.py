@@ -199,8 +199,10 @@ def format_tags(prompts, completions, **columns) -> list[float]:
 
 def exact_match(prompts, completions, answer, **columns) -> list[float]:
   """1.0 when the extracted answer (rollout/tasks/__init__.py, "Answer extraction", forgiving mode:
-  the last ``<answer>`` tag, else the last number) equals ``answer`` stripped, else 0.0."""
-  return [float(extract_answer(c)[0] == str(a).strip()) for c, a in zip(completions, answer)]
+  the last ``<answer>`` tag, else the last number) equals ``answer`` stripped, else 0.0; 0.0 where
+  the answer is missing or blank (None is no answer, never the text "None")."""
+  gold = ["" if a is None else str(a).strip() for a in answer]
+  return [float(bool(a) and extract_answer(c)[0] == a) for c, a in zip(completions, gold)]
 
 
 def math_verify(prompts, completions, answer, **columns) -> list[float]:

@@ -159,7 +159,7 @@ def file_task(t, get, source: str, *, seed: int, size: int, split: str, **prompt
   task = files.RecordsTask(rows, order[:size], name=name, format_bonus=get("format_bonus", 0.0),
                            strict_answer=get("strict_answer", False), **columns, **prompt)
   task.messages(task[0])   # a template naming a missing column fails here
-  return task, (columns["messages_column"] or columns["prompt_column"],)
+  return task, ((columns["messages_column"] or columns["prompt_column"]).split(".")[0],)
 
 
 def python_task(source: str, *, seed: int, size: int, split: str, options: Mapping[str, Any]):
