@@ -260,7 +260,24 @@ def rewards_file(tmp_path):
       "def nan(prompts, completions, **columns): return [math.nan] * len(completions)\n"
       "def short(prompts, completions, **columns): return [1.0]\n"
       "def two_args(prompts): return []\n"
-      "def needs_grade(prompts, completions, grade): return [0.0] * len(completions)\n")
+      "def needs_grade(prompts, completions, grade): return [0.0] * len(completions)\n"
+      "import asyncio, sys, types\n"   # each reward path loads its own copy of this file: share the set
+      "running = sys.modules.setdefault('judges_running', types.SimpleNamespace(names=set())).names\n"
+      "async def both_running(name):\n"   # returns once the other judge runs too; raises after 5 s
+      "  running.add(name)\n"
+      "  for _ in range(500):\n"
+      "    if len(running) == 2: return\n"
+      "    await asyncio.sleep(0.01)\n"
+      "  raise TimeoutError(f'{name} ran alone: the judges were not awaited concurrently')\n"
+      "async def judged(prompts, completions, **columns):\n"
+      "  await both_running('judged')\n"
+      "  return [float(len(c)) for c in completions]\n"
+      "class Judge:\n"
+      "  async def __call__(self, prompts, completions, **columns):\n"
+      "    await both_running('judge')\n"
+      "    return [1.0 for c in completions]\n"
+      "judge = Judge()\n"
+      "async def async_boom(prompts, completions, **columns): raise RuntimeError('async boom')\n")
   return str(tmp_path / "my_rewards.py")
 
 
@@ -281,8 +298,22 @@ def test_reward_functions_weighted_sum_terms_and_columns(tmp_path):
     assert scores[0].terms == {"longer": float(len(texts[0])), "level_only": None if bonus == 0 else 1.0}
 
 
+def test_async_reward_functions_are_awaited_together(tmp_path):
+  # TRL PR #4567: an async def reward, or an object whose __call__ is async (an LLM judge), returned
+  # a coroutine and stopped the step. Both are awaited, concurrently: each judge returns only once
+  # the other has started (awaited one after the other, the first would raise after 5 s), and their
+  # sum is the reward: len(c) + 1.
+  path = rewards_file(tmp_path)
+  task = make_task_from_fields(file_section(tmp_path, format_bonus=0.0, rewards=(f"{path}:judged", f"{path}:judge")),
+                               seed=0, size=64)
+  scores = task.score_group(["abc", "de"], task[0], index=0)
+  assert [s.reward for s in scores] == [4.0, 3.0] and scores[0].terms == {"judged": 3.0, "Judge": 1.0}
+
+
 @pytest.mark.parametrize("name,message", [
     ("boom", r"task.rewards\[0\]='.*:boom' raised RuntimeError\('boom'\) on the completions of data position 7"),
+    ("async_boom", r"task.rewards\[0\]='.*:async_boom' raised RuntimeError\('async boom'\) on the completions of "
+                   r"data position 7"),
     ("nan", r"task.rewards\[0\]='.*:nan' returned nan for completion 0 of data position 7"),
     ("short", r"task.rewards\[0\]='.*:short' returned 1 values on the 2 completions of data position 7: \[1.0\]"),
 ])
@@ -311,6 +342,32 @@ def test_math_verify_reward_compares_values_not_strings():
   assert builtin.math_verify([""] * 5, texts, answer=["0.5"] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
   assert builtin.format_tags([""] * 2, ["<answer>3</answer>", "3"]) == [1.0, 0.0]
   assert builtin.exact_match([""] * 2, ["<answer>3</answer>", "<answer>3.0</answer>"], answer=["3", "3"]) == [1.0, 0.0]
+
+
+def test_math_verify_reads_bare_latex_gold_answers():
+  # open-r1 #628: a gold answer written as bare LaTeX did not parse, so correct completions scored 0.
+  # "\dfrac{3}{4}" against <answer>3/4</answer> and "\sqrt{2}" against \boxed{\sqrt{2}} score 1;
+  # a wrong value 0; a missing gold answer never scores.
+  texts = ["<answer>3/4</answer>", "so it is $\\boxed{\\sqrt{2}}$", "<answer>2/3</answer>", "<answer>1</answer>"]
+  assert builtin.math_verify([""] * 4, texts, answer=["\\dfrac{3}{4}", "\\sqrt{2}", "\\dfrac{3}{4}", None]) == [
+      1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_math_verify_call_that_hangs_is_bounded_off_the_main_thread(monkeypatch):
+  # Math-Verify #65: "\boxed{9^{9^{9^{9}}}}" hangs sympy, and off the main thread math-verify's signal
+  # timeouts do nothing (the step hung for good). Called from a worker thread with a 3 s bound, the
+  # hanging comparison scores 0 and is counted once; the worker is replaced, so the next completion
+  # of the same call is still verified (1.0).
+  import threading
+  monkeypatch.setattr(builtin, "MATH_VERIFY_SECONDS", 3.0)
+  builtin.take_math_verify_timeouts()
+  out = []
+  worker = threading.Thread(target=lambda: out.append(builtin.math_verify(
+      [""] * 2, ["<answer>\\boxed{9^{9^{9^{9}}}}</answer>", "<answer>1</answer>"], answer=["1", "1"])))
+  worker.start()
+  worker.join(60)
+  assert not worker.is_alive() and out == [[0.0, 1.0]]
+  assert builtin.take_math_verify_timeouts() == 1 and builtin.take_math_verify_timeouts() == 0
 
 
 # ---- bad input: a ValueError naming the field and the value, before the model loads -----------------------

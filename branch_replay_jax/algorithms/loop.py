@@ -45,6 +45,7 @@ from branch_replay_jax.outputs import plots
 from branch_replay_jax.outputs.checkpoints import RunCheckpoints
 from branch_replay_jax.outputs.tensorboard import ScalarWriter
 from branch_replay_jax.rollout.environments import STATUSES
+from branch_replay_jax.rollout.tasks.rewards import take_math_verify_timeouts
 
 
 class Algorithm:
@@ -303,7 +304,9 @@ def reward_means(groups: list[Group]) -> dict:
 def reward_term_means(terms: list[dict | None]) -> dict:
   """{"rewards/NAME": mean} over the {name: [G] float64} reward terms of a step's prompts
   (`rollout.tasks.protocol.reward_terms`; NaN, a function's None, left out; a function that returned
-  None for all of them is left out; None or {} entries: prompts without task.rewards)."""
+  None for all of them is left out; None or {} entries: prompts without task.rewards), and with the
+  math-verify reward among them "math_verify_timeouts": its comparisons that ran out of time since
+  the last step (scored 0, `rollout.tasks.rewards.math_verify`)."""
   terms = [t for t in terms if t]
   if not terms:
     return {}
@@ -312,4 +315,6 @@ def reward_term_means(terms: list[dict | None]) -> dict:
     values = np.concatenate([t[name] for t in terms])
     if not np.isnan(values).all():
       out[f"rewards/{name}"] = float(np.nanmean(values))
+  if any(name.startswith("math_verify") for name in terms[0]):
+    out["math_verify_timeouts"] = take_math_verify_timeouts()
   return out

@@ -10,7 +10,10 @@ repeated, ``completions`` [G] the generated texts (prompt excluded, special toke
 each other field of the problem's entry (a file row's columns other than the prompt's; a
 reasoning-gym entry's ``answer`` and ``metadata``) as a keyword argument, a list of G equal values.
 It returns G rewards: a finite float each, or None where the reward does not apply (it then adds
-nothing and is left out of its metric's mean, as TRL does).
+nothing and is left out of its metric's mean, as TRL does). An ``async def`` function, or an object
+whose ``__call__`` is async (an LLM judge), is awaited: the async functions of one prompt run
+concurrently in one event loop (TRL PR #4567), in a thread of their own when the caller already runs
+one.
 
 The training reward of a completion is the weighted sum sum_k w_k r_k over the functions that
 returned a number (weights ``task.reward_weights``; empty: all 1). Each function is logged as its
@@ -29,6 +32,8 @@ Import paths: ``"package.module:function"`` (also ``"module:Class.method"``), or
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 import importlib.util
 import inspect
@@ -147,13 +152,21 @@ class RewardTask:
     n, where = len(completions), (f"data position {index}" if index is not None else f"problem {problem.question!r}")
     base = score_group(self.task, completions, problem)
     columns = {c: [problem.entry[c]] * n for c in columns_of(problem, self.prompt_columns)}
-    values = []
-    for k, (fn, path) in enumerate(zip(self.functions, self.paths)):
-      name = f"task.rewards[{k}]={path!r}"
+    outs, pending = [], {}
+    for k, fn in enumerate(self.functions):
       try:
-        out = fn([problem.question] * n, completions, **columns)
+        outs.append(fn([problem.question] * n, completions, **columns))
       except Exception as e:
-        raise RewardError(f"{name} raised {e!r} on the completions of {where}") from e
+        raise RewardError(f"task.rewards[{k}]={self.paths[k]!r} raised {e!r} on the completions of {where}") from e
+      if inspect.isawaitable(outs[-1]):
+        pending[k] = outs[-1]
+    for k, out in zip(pending, _await_all(list(pending.values()))):
+      outs[k] = out
+    values = []
+    for k, (out, path) in enumerate(zip(outs, self.paths)):
+      name = f"task.rewards[{k}]={path!r}"
+      if isinstance(out, BaseException):
+        raise RewardError(f"{name} raised {out!r} on the completions of {where}") from out
       try:
         out = list(out)
       except TypeError:
@@ -172,6 +185,22 @@ class RewardTask:
       scores.append(Score(reward=float(reward), correct=s.correct, extracted=s.extracted, formatted=s.formatted,
                           terms=terms))
     return scores
+
+
+def _await_all(awaitables: list) -> list:
+  """The results of `awaitables`, run concurrently in one event loop (an exception is returned in its
+  place); in a worker thread when this thread already runs a loop (asyncio.run cannot nest)."""
+  if not awaitables:
+    return []
+
+  async def gather():
+    return await asyncio.gather(*awaitables, return_exceptions=True)
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(gather())
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, gather()).result()
 
 
 def metric_names(functions: Sequence[Callable]) -> tuple[str, ...]:
@@ -205,21 +234,77 @@ def exact_match(prompts, completions, answer, **columns) -> list[float]:
   return [float(bool(a) and extract_answer(c)[0] == a) for c, a in zip(completions, gold)]
 
 
+# math-verify's own timeouts are signal alarms: off the main thread (a mesh samples in threads) they
+# do nothing, and a pathological completion ("\\boxed{9^{9^{9^{9}}}}") then hangs sympy for good
+# (Math-Verify #65, verl PR #5839, TRL PR #5281). Every call therefore runs in a worker process of
+# its own (spawned, so JAX's threads are not forked), whose main thread keeps math-verify's alarms;
+# the caller waits MATH_VERIFY_SECONDS per completion and, past that, kills the worker (a new one
+# starts for the next call), scores the completion 0 and counts a timeout.
+MATH_VERIFY_SECONDS = 10.0
+_math_worker = {"process": None, "conn": None, "timeouts": 0}
+_math_lock = threading.Lock()
+
+
+def _math_verify_server(conn) -> None:
+  """The worker process: (gold, text) in, 1.0 or 0.0 out, until the pipe closes."""
+  from math_verify import parse, verify
+  while True:
+    try:
+      gold, text = conn.recv()
+    except EOFError:
+      return
+    try:
+      # A gold answer written as bare LaTeX ("\\dfrac{3}{4}", "\\sqrt{2}") parses only inside $...$
+      # (open-r1 #628, PR #566); plain ones ("3/4", "42") parse either way.
+      g = parse(gold) or parse(f"${gold}$")
+      t = parse(text)
+      conn.send(float(bool(g) and bool(t) and verify(g, t)))
+    except Exception:   # math-verify's own timeout, or a parse it raises on: no match
+      conn.send(0.0)
+
+
+def _math_verify_call(gold: str, text: str) -> float | None:
+  """One comparison in the worker process; None when it took longer than MATH_VERIFY_SECONDS (the
+  worker is killed). Callers hold _math_lock."""
+  import multiprocessing
+  w = _math_worker
+  if w["process"] is None or not w["process"].is_alive():
+    ctx = multiprocessing.get_context("spawn")
+    w["conn"], child = ctx.Pipe()
+    w["process"] = ctx.Process(target=_math_verify_server, args=(child,), daemon=True)
+    w["process"].start()
+    child.close()
+  w["conn"].send((gold, text))
+  if w["conn"].poll(MATH_VERIFY_SECONDS):
+    return w["conn"].recv()
+  w["process"].kill()
+  w["process"].join()
+  w["process"] = None
+  w["timeouts"] += 1
+  return None
+
+
+def take_math_verify_timeouts() -> int:
+  """The math-verify calls of this process that timed out since the last call (and reset): the
+  step's `math_verify_timeouts` metric (algorithms/loop.py)."""
+  with _math_lock:
+    n, _math_worker["timeouts"] = _math_worker["timeouts"], 0
+  return n
+
+
 def math_verify(prompts, completions, answer, **columns) -> list[float]:
   """1.0 when the completion's answer is mathematically equal to ``answer``, by Hugging Face's
   math-verify (https://github.com/huggingface/Math-Verify: LaTeX and plain expressions parsed to
   sympy and compared, e.g. "\\frac{1}{2}" = "0.5" = "1/2"), else 0.0. The completion's answer is the
   content of its last ``<answer>`` tag when it has one, else the whole text (math-verify then finds
-  a \\boxed{} or the last expression). Off the main thread (a mesh samples in threads) math-verify's
-  signal-based timeouts cannot run and are switched off."""
-  from math_verify import parse, verify
-  main = threading.current_thread() is threading.main_thread()
-  timeout = {} if main else {"parsing_timeout": None}
+  a \\boxed{} or the last expression). A gold answer in bare LaTeX ("\\dfrac{3}{4}") is read as
+  math-verify reads $...$. Each comparison is bounded by MATH_VERIFY_SECONDS wherever it runs (a
+  worker process, above); one that runs out scores 0.0 and is counted (`take_math_verify_timeouts`).
+  A missing or blank answer scores 0.0."""
   out = []
-  for c, a in zip(completions, answer):
-    tagged, formatted = extract_answer(c, strict=True)
-    gold = parse(str(a), **timeout)
-    guess = parse(tagged if formatted else c, **timeout)
-    ok = bool(gold) and bool(guess) and verify(gold, guess, **({} if main else {"timeout_seconds": None}))
-    out.append(float(ok))
+  with _math_lock:
+    for c, a in zip(completions, answer):
+      gold = "" if a is None else str(a).strip()
+      tagged, formatted = extract_answer(c, strict=True)
+      out.append(0.0 if not gold else _math_verify_call(gold, tagged if formatted else c) or 0.0)
   return out
