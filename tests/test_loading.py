@@ -563,6 +563,58 @@ def test_safetensors_cut_inside_its_header(tmp_path):
     hf_loader.read_tensors(str(tmp_path))
 
 
+def _shards(tmp_path):
+  """A directory of two shards and their index (transformers' layout): a, b in shard 1, c in shard 2."""
+  from safetensors.numpy import save_file
+  save_file({"a": np.zeros((4, 4), np.float32), "b": np.ones((8,), np.float32)},
+            str(tmp_path / "model-00001-of-00002.safetensors"))
+  save_file({"c": np.full((2,), 3.0, np.float32)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+  index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                          "b": "model-00001-of-00002.safetensors",
+                                          "c": "model-00002-of-00002.safetensors"}}
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  return tmp_path
+
+
+def test_the_index_decides_which_file_holds_each_tensor(tmp_path, caplog):
+  # vLLM PR #54230 / #30537, sglang PR #35107: with an index the loader still read every
+  # *.safetensors, so a stray consolidated file, a PEFT adapter beside the shards, or a stale copy
+  # of a tensor inside another shard refused a directory transformers reads. The index decides: the
+  # stale "c" in shard 1 and both extra files are not read (the extra files named in a warning).
+  from safetensors.numpy import save_file
+  _shards(tmp_path)
+  save_file({"a": np.zeros((4, 4), np.float32), "b": np.ones((8,), np.float32), "c": np.zeros((2,), np.float32)},
+            str(tmp_path / "consolidated.safetensors"))
+  save_file({"base_model.lora_A": np.ones((2, 2), np.float32)}, str(tmp_path / "adapter_model.safetensors"))
+  save_file({"a": np.zeros((4, 4), np.float32), "b": np.ones((8,), np.float32), "c": np.full((2,), 9.0, np.float32)},
+            str(tmp_path / "model-00001-of-00002.safetensors"))   # shard 1 with a stale copy of c
+  with caplog.at_level("WARNING"):
+    tensors = hf_loader.read_tensors(str(tmp_path))
+  assert sorted(tensors) == ["a", "b", "c"] and tensors["c"].tolist() == [3.0, 3.0]   # shard 2's c, per the index
+  assert "['adapter_model.safetensors', 'consolidated.safetensors']" in caplog.text
+  # Without an index, model.safetensors is the checkpoint and an adapter beside it is ignored.
+  single = tmp_path / "single"
+  single.mkdir()
+  save_file({"a": np.ones((2,), np.float32)}, str(single / "model.safetensors"))
+  save_file({"lora_A": np.ones((2,), np.float32)}, str(single / "adapter_model.safetensors"))
+  assert sorted(hf_loader.read_tensors(str(single))) == ["a"]
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
+  # It used to surface as a shape error of some tensor; now the missing shard and a tensor it holds.
+  os.remove(_shards(tmp_path) / "model-00002-of-00002.safetensors")
+  with pytest.raises(ValueError, match=r"model.safetensors.index.json puts 1 tensors \(e.g. 'c'\) in the shard "
+                                       r"'model-00002-of-00002.safetensors', which is not in the directory"):
+    hf_loader.read_tensors(str(tmp_path))
+  # A tensor the index puts in a shard that does not hold it is named with the shard.
+  index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+  index["weight_map"]["c"] = "model-00001-of-00002.safetensors"
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match=r"model-00001-of-00002.safetensors: model.safetensors.index.json puts tensor "
+                                       r"'c' in this shard, but it is not there"):
+    hf_loader.read_tensors(str(tmp_path))
+
+
 def test_context_length_reads_only_metadata():
   from branch_replay_jax.models.loading import context_length
   assert context_length("smollm2-135m-instruct") == 8192   # llama.context_length in the GGUF header

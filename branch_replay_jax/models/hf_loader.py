@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 
 import numpy as np
@@ -132,21 +133,68 @@ def check_safetensors(file: str) -> None:
                      f"{end - begin} bytes at offset {8 + n + begin}, found {max(0, size - 8 - n - begin)}{more}")
 
 
-def read_tensors(directory: str) -> dict[str, np.ndarray]:
-  """Every tensor of `directory/*.safetensors` as float32 numpy arrays (bf16/f16 upcast exactly).
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def weight_files(directory: str) -> dict[str, list[str] | None]:
+  """{file: the tensor names to read from it (None: all)}, the files transformers' loader reads:
+  with `model.safetensors.index.json`, the shards its weight_map names, each for the tensors the
+  index puts in it; else `model.safetensors`; else every `*.safetensors`. Other safetensors files
+  (a stray consolidated file beside shards, a PEFT adapter, vLLM PR #54230) are ignored, with a
+  warning naming them.
 
   Raises:
-    ValueError: no safetensors file, a truncated or corrupt one (`check_safetensors`: the file,
-      the tensor and the bytes expected and found), or a tensor name present in two files.
+    ValueError: no safetensors file; an index that is not JSON or has no weight_map of
+      {tensor: file}; a shard the index names that is not in the directory (naming it and one of
+      its tensors).
   """
-  files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-  if not files:
+  every = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+  index = os.path.join(directory, INDEX)
+  if os.path.isfile(index):
+    try:
+      with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as e:
+      raise ValueError(f"{index}: not a safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+      raise ValueError(f"{index}: no weight_map of {{tensor: file}}")
+    plan: dict[str, list[str] | None] = {}
+    for name, file in weight_map.items():
+      plan.setdefault(os.path.join(directory, file), []).append(name)
+    for file, names in plan.items():
+      if not os.path.isfile(file):
+        raise ValueError(f"{directory}: {INDEX} puts {len(names)} tensors (e.g. {names[0]!r}) in the shard "
+                         f"{os.path.basename(file)!r}, which is not in the directory")
+  elif os.path.isfile(os.path.join(directory, SINGLE)):
+    plan = {os.path.join(directory, SINGLE): None}
+  elif every:
+    plan = {file: None for file in every}
+  else:
     raise ValueError(f"{directory}: no *.safetensors file")
+  ignored = [os.path.basename(f) for f in every if f not in plan]
+  if ignored:
+    logging.getLogger(__name__).warning("%s: ignoring %s: not named by %s", directory, ignored,
+                                        INDEX if os.path.isfile(index) else SINGLE)
+  return plan
+
+
+def read_tensors(directory: str) -> dict[str, np.ndarray]:
+  """The checkpoint's tensors (`weight_files`: what the index, or model.safetensors, names) as
+  float32 numpy arrays (bf16/f16 upcast exactly).
+
+  Raises:
+    ValueError: `weight_files`'; a truncated or corrupt file (`check_safetensors`: the file, the
+      tensor and the bytes expected and found); a tensor the index puts in a shard that lacks it; a
+      tensor name in two files (without an index).
+  """
   tensors = {}
-  for file in files:
+  for file, names in weight_files(directory).items():
     check_safetensors(file)
     with safe_open(file, framework="np") as f:
-      for name in f.keys():
+      keys = set(f.keys())
+      for name in names if names is not None else sorted(keys):
+        if name not in keys:
+          raise ValueError(f"{file}: {INDEX} puts tensor {name!r} in this shard, but it is not there")
         if name in tensors:
           raise ValueError(f"{file}: tensor {name!r} also appears in another safetensors file")
         tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
