@@ -205,3 +205,28 @@ def chain_model(tokenizer, pieces):
     head[i, after] = 50.0
   m.embed[...], m.lm_head[...] = embed, head
   return m
+
+
+class ScriptedSampler:
+  """A stand-in for `rollout.episode_sampler.EpisodeSampler` (monkeypatched into rollout/collect.py):
+  branch g of a problem plays `text()` turn by turn (self.g, self.turn: 0, 1, ...), each the text's
+  ids (cut to the budget) and the tokenizer's first stop id, so episodes have real tool calls,
+  observations and statuses without a model. Subclasses set `tokenizer` and define `text`."""
+
+  tokenizer = None
+
+  def __init__(self, g):
+    self.g, self.turn = g, 0
+
+  @classmethod
+  def branches(cls, model, ids, n, *, key, **kwargs):
+    return [cls(g) for g in range(n)]
+
+  def text(self) -> str:
+    raise NotImplementedError
+
+  def __call__(self, ids, budget):
+    from branch_replay_jax.models.loading import stop_ids
+    text = self.text()
+    self.turn += 1
+    return self.tokenizer.encode(text, add_special_tokens=False)[:budget - 1] + [stop_ids(self.tokenizer)[0]]

@@ -8,7 +8,7 @@ import zlib
 import jax
 import numpy as np
 import pytest
-from conftest import chain_model
+from conftest import ScriptedSampler, chain_model
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
 from branch_replay_jax.models.loading import load_tokenizer, stop_ids
@@ -123,25 +123,15 @@ def test_a_model_plays_guess_the_number_through_the_episode_sampler(tokenizer):
     assert sampler.seen == ids[:-1]
 
 
-class GuessingTurns:
-  """A stand-in for `EpisodeSampler` (monkeypatched into rollout/collect.py): branch 0 guesses the
-  game's number (read off the environment, reset for this branch), branch 1 writes no guess, the
-  others guess 1 and then 2 .. until max_turns."""
+class GuessingTurns(ScriptedSampler):
+  """Branch 0 guesses the game's number (read off the environment, reset for this branch), branch 1
+  writes no guess, the others guess 1 and then 2 .. (never the number) until max_turns."""
 
-  tokenizer = env = None
+  env = None
 
-  def __init__(self, g):
-    self.g, self.turn = g, 0
-
-  @classmethod
-  def branches(cls, model, ids, n, *, key, **kwargs):
-    return [cls(g) for g in range(n)]
-
-  def __call__(self, ids, budget):
-    self.turn += 1
-    number = self.env.env.game_number
-    text = {0: rf"\boxed{{{number}}}", 1: "no idea"}.get(self.g, rf"\boxed{{{self.turn if self.turn < number else 10}}}")
-    return self.tokenizer.encode(text, add_special_tokens=False) + [stop_ids(self.tokenizer)[0]]
+  def text(self):
+    number, guess = self.env.env.game_number, self.turn + 1
+    return {0: rf"\boxed{{{number}}}", 1: "no idea"}.get(self.g, rf"\boxed{{{guess if guess < number else 10}}}")
 
 
 def test_gem_trains_in_the_loop_by_name(tmp_path, monkeypatch):
