@@ -4,6 +4,7 @@ answers; the episodes of a problem share their prefix in training (docs/design.m
 
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py:smoke   # tiny model, 2 steps
+  python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py:guess   # GEM's GuessTheNumber
 
 RLOO: --config.loss.advantage=rloo (and remove loss.advantage_eps: `del` it in a variant).
 """
@@ -32,7 +33,7 @@ def get_config(arg=None):
   c.rollout.episodes.max_turn_tokens = 48  # tokens per model turn
   c.rollout.episodes.max_episode_tokens = ml_collections.config_dict.placeholder(int)  # None: 3 x 48
   c.rollout.episodes.max_context = 1024   # tokens of a whole episode, prompt and observations included
-  c.rollout.episodes.max_tool_calls = 2   # calls per episode; more end it as max_turns
+  c.rollout.episodes.max_tool_calls = 2   # calls per episode; more end it as max_tool_calls
   c.rollout.episodes.few_shot = 2         # tool-using solved examples before each question (task.few_shot_seed)
   c.rollout.episodes.min_shared_tokens = 32   # a shared node shorter than this is not shared (fewer, fuller levels)
   c.rollout.episodes.max_tree_depth = 4   # levels of an episode tree; deeper nodes are not shared (XLA:CPU dot rank)
@@ -53,6 +54,12 @@ def get_config(arg=None):
     c.eval.size = 2
     c.eval.every = 2                      # step 0 and the end
     c.run_dir = "runs/grpo_calc_smoke"
+  elif arg == "guess":   # an environment that is not ours: GEM's GuessTheNumber (1..10, 4 guesses, hints)
+    c.rollout.episodes.environment = "gem:game:GuessTheNumber-v0-easy"   # a task problem is a seeded game
+    c.rollout.episodes.few_shot = 0       # the calculator's examples do not apply
+    c.rollout.episodes.max_turns = 4      # the game's own limit
+    c.rollout.episodes.max_turn_tokens = 32
+    c.run_dir = "runs/grpo_smollm2_guess"
   elif arg not in (None, ""):
-    raise ValueError(f"experiments/grpo_smollm2_calc.py: unknown variant {arg!r}; use '' or 'smoke'")
+    raise ValueError(f"experiments/grpo_smollm2_calc.py: unknown variant {arg!r}; use '', 'smoke' or 'guess'")
   return c
