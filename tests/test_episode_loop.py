@@ -251,14 +251,20 @@ def test_limit_depth_stops_sharing_below_the_deepest_level_and_keeps_every_episo
 # ---- your environment by import path (rollout.episodes.environment, env_options) -------------------
 
 ECHO_ENV = '''
+import os
+
 class EchoEnv:
-  """Asks the task's question; any answer ends the episode with reward `bonus` (env_options)."""
-  def __init__(self, task, bonus=0.0):
-    self.task, self.bonus, self.resets = task, bonus, 0
+  """Asks the task's question; any answer ends the episode with reward `bonus` (env_options). While
+  the file `fail_flag` exists, every step after the first 8 raises (a bug in the environment)."""
+  def __init__(self, task, bonus=0.0, fail_flag=None):
+    self.task, self.bonus, self.fail_flag, self.resets, self.steps = task, bonus, fail_flag, 0, 0
   def reset(self, problem):
     self.resets += 1
     return list(self.task.messages(problem))
   def step(self, assistant_message):
+    self.steps += 1
+    if self.fail_flag and os.path.exists(self.fail_flag) and self.steps > 8:
+      raise ValueError("broken")
     return None, self.bonus, True
 
 class NoStep:
@@ -284,21 +290,44 @@ def _env_config(tmp_path, environment, options=None):
   return config
 
 
-def test_an_environment_by_file_path_trains_with_its_options(tmp_path):
-  # FILE.py:EchoEnv built with the task (it takes `task`) and env_options {"bonus": 0.25}: the run
-  # trains 2 steps in it, every episode of every step starts with its reset (2 steps x 2 problems x 4
-  # episodes at least), and an episode it ends pays 0.25 (the tiny model's turns are mostly cut at
-  # max_turn_tokens first, status max_turn_tokens, reward 0): reward_mean = 0.25 x the done share.
-  config = _env_config(tmp_path, "FILE:EchoEnv", {"bonus": 0.25})
+class Answers(ScriptedSampler):
+  """Every turn answers, so every episode reaches the environment's step."""
+
+  def text(self):
+    return "<answer>1</answer>"
+
+
+def test_an_environment_by_file_path_trains_with_its_options_and_resumes_once_fixed(tmp_path, monkeypatch):
+  # FILE.py:EchoEnv built with the task (it takes `task`) and env_options {"bonus": 0.25, "fail_flag"}.
+  # Step 1 trains: its 2 problems x 4 episodes each start with a reset and end at their first step,
+  # paying 0.25 (reward_mean 0.25). At step 2 the environment raises: the run stops before the
+  # update, naming the class, the problem and the turn, with step 1's checkpoint and log intact.
+  # Once the environment is fixed (the flag removed), resume=True trains step 2 and the log holds
+  # each step once.
+  from branch_replay_jax.models.loading import load_tokenizer
+  Answers.tokenizer = load_tokenizer("smollm2-135m-instruct")
+  monkeypatch.setattr(collect, "EpisodeSampler", Answers)
+  flag = tmp_path / "broken"
+  flag.write_text("")
+  config = _env_config(tmp_path, "FILE:EchoEnv", {"bonus": 0.25, "fail_flag": str(flag)})
+  config.checkpoint_every, config.eval.size = 1, 0
   algorithm = grpo.GRPO(config)
   assert type(algorithm.env).__name__ == "EchoEnv" and algorithm.env.bonus == 0.25
-  history = loop.train(config, algorithm)
-  assert [r["step"] for r in history] == [1, 2]
+  with pytest.raises(RuntimeError, match=r"problem 2: the environment EchoEnv's step at turn 1 raised "
+                                         r"ValueError\('broken'\)"):
+    loop.train(config, algorithm)
   r = config.rollout
-  assert algorithm.env.resets >= config.train.steps * r.prompts_per_step * r.group_size
-  for record in history:
-    ended = sum(record[f"episodes_{s}"] for s in STATUSES)
-    assert record["reward_mean"] == pytest.approx(0.25 * record["episodes_done"] / ended)
+  assert algorithm.env.resets >= r.prompts_per_step * r.group_size
+  with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
+    assert [json.loads(line)["step"] for line in f] == [1]
+  flag.unlink()
+  config.resume = True
+  history = loop.train(config, grpo.GRPO(config))
+  assert [rec["step"] for rec in history] == [2]
+  with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert [rec["step"] for rec in records] == [1, 2]
+  assert all(rec["reward_mean"] == pytest.approx(0.25) and rec["episodes_done"] == 8 for rec in records)
 
 
 @pytest.mark.parametrize("environment, options, message", [
