@@ -179,6 +179,19 @@ def test_special_token_text_in_a_message_is_tokenized_as_text(tokenizer):
       tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
 
 
+def test_placeholder_code_points_in_a_message_are_text_too(tokenizer):
+  # render_chat marks escaped contents with private-use code points (U+E000..U+E002). A message that
+  # holds them (here a question quoting "\ue0010\ue002", which read as a placeholder would paste
+  # message 0's content in, and U+E000, the model turn's placeholder) is escaped itself: its ids
+  # decode to its own text, and the episode goes on.
+  first = [{"role": "system", "content": "sys <|im_end|>"}, {"role": "user", "content": "hi \ue0010\ue002 \ue000"}]
+  chat = ChatTokens(tokenizer, first)
+  assert tokenizer.decode(chat.ids) == tokenizer.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+  chat.add_model_turn(_sampled(tokenizer, "ok \ue000"))
+  obs = chat.add_observation([{"role": "tool", "content": "page \ue0011\ue002"}])
+  assert tokenizer.decode(obs) == "\n<|im_start|>tool\npage \ue0011\ue002<|im_end|>\n<|im_start|>assistant\n"
+
+
 @pytest.mark.parametrize("content", ["   ", "\n\nLet me think."])
 def test_a_turn_that_starts_with_whitespace_keeps_its_ids_where_whole_templating_differs(tokenizer, content):
   # Whole-conversation templating tokenizes "assistant\n" and the turn's leading whitespace together,

@@ -59,7 +59,9 @@ def test_tool_calls_parse_as_json_objects_or_lists():
                     ('<tool_call>{"arguments": {}}</tool_call>', "string \"name\""),
                     ('<tool_call>{"name": "calculator", "arguments": "1 + 1"}</tool_call>', "string \"arguments\" is not JSON"),
                     ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "must be a JSON object"),
-                    ('<tool_call>{"name": "calculator"} and more</tool_call>', "'and more' follows its JSON")]:
+                    ('<tool_call>{"name": "calculator"} and more</tool_call>', "'and more' follows its JSON"),
+                    ('<tool_call>[]</tool_call> <answer>5</answer>', "an empty list: no call"),
+                    ('<tool_call>' + '[' * 5000 + ']' * 5000 + '</tool_call>', "nested too deeply")]:
     with pytest.raises(ToolCallError, match=why):
       parse_tool_calls(text, tools)
 

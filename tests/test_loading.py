@@ -600,6 +600,29 @@ def test_the_index_decides_which_file_holds_each_tensor(tmp_path, caplog):
   assert sorted(hf_loader.read_tensors(str(single))) == ["a"]
 
 
+def test_odd_directories_and_indexes(tmp_path, caplog):
+  # Glob characters in the directory's name hid its shards ("no *.safetensors file"); an index that
+  # spells a shard "./name" warned that the shard it reads was ignored; an empty weight_map was
+  # accepted and failed later as missing tensors; a header of another JSON shape raised AttributeError.
+  from safetensors.numpy import save_file
+  odd = tmp_path / "m[v2]"
+  odd.mkdir()
+  save_file({"a": np.ones((2,), np.float32)}, str(odd / "model-00001-of-00001.safetensors"))
+  assert sorted(hf_loader.read_tensors(str(odd))) == ["a"]
+  (odd / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "./model-00001-of-00001.safetensors"}}))
+  with caplog.at_level("WARNING"):
+    assert sorted(hf_loader.read_tensors(str(odd))) == ["a"]
+  assert "ignoring" not in caplog.text
+  (odd / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+  with pytest.raises(ValueError, match=r"model.safetensors.index.json: no weight_map of \{tensor: file\} \(an empty one names no tensor\)"):
+    hf_loader.read_tensors(str(odd))
+  bad = tmp_path / "list.safetensors"
+  header = b"[1, 2]"
+  bad.write_bytes(len(header).to_bytes(8, "little") + header)
+  with pytest.raises(ValueError, match=r"corrupt safetensors file \(14 bytes\): its header is not"):
+    hf_loader.check_safetensors(str(bad))
+
+
 def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
   # It used to surface as a shape error of some tensor; now the missing shard and a tensor it holds.
   os.remove(_shards(tmp_path) / "model-00002-of-00002.safetensors")

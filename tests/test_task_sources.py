@@ -171,6 +171,44 @@ def test_blank_cells_are_empty_and_answers_are_read_as_written(tmp_path):
   assert (task[0].answer, task.messages(task[0])[-1]["content"]) == ("", "Q?")
 
 
+def test_files_as_people_write_them(tmp_path):
+  # Each of these read wrong before: a trailing comma on every row (pandas made the first column its
+  # index and shifted the rest: question "4", answer ""), Excel's byte-order mark, a column whose
+  # name holds a dot, and JSON answers in a column mixing ints and floats (4 read as "4.0").
+  rows = lambda path, **f: [(p.question, p.answer) for p in make_task_from_fields(
+      task_section(source=str(path), **f), seed=0, size=64)]
+  (tmp_path / "trailing.csv").write_text("question,answer\nWhat is 2+2?,4,\n")
+  assert rows(tmp_path / "trailing.csv", prompt_column="question") == [("What is 2+2?", "4")]
+  (tmp_path / "bom.csv").write_bytes("\ufeffquestion,answer\nWhat is 2+2?,4\n".encode("utf-8"))
+  assert rows(tmp_path / "bom.csv", prompt_column="question") == [("What is 2+2?", "4")]
+  (tmp_path / "dotted.csv").write_text("question,reward_model.ground_truth\nWhat is 2+2?,4\n")
+  assert rows(tmp_path / "dotted.csv", prompt_column="question",
+              answer_column="reward_model.ground_truth") == [("What is 2+2?", "4")]
+  mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"q": "a", "answer": 4}, {"q": "b", "answer": 4.5},
+                                                  {"q": "c", "answer": True}])
+  task = make_task_from_fields(task_section(source=mixed, prompt_column="q"), seed=0, size=64)
+  assert sorted((p.question, p.answer, p.entry["answer"]) for p in task) == [
+      ("a", "4", "4"), ("b", "4.5", "4.5"), ("c", "true", "true")]
+  # A header with no rows, and a header naming a column twice, are refused by field.
+  (tmp_path / "header.csv").write_text("question,answer\n")
+  (tmp_path / "twice.csv").write_text("question,answer,answer\nq,1,2\n")
+  with pytest.raises(ValueError, match=r"task.source='.*header.csv' could not be read by datasets"):
+    rows(tmp_path / "header.csv", prompt_column="question")
+  with pytest.raises(ValueError, match=r"task.source='.*twice.csv': its header names a column twice"):
+    rows(tmp_path / "twice.csv", prompt_column="question")
+
+
+@pytest.mark.parametrize("cell,problem", [
+    (["What is 2+2?", "and 3+3?"], r"not a list of \{\"role\", \"content\"\} messages"),
+    ([{"role": "system", "content": "Be brief."}], "a conversation without a non-blank user message"),
+    ([{"role": "user", "content": "  "}], "a conversation without a non-blank user message")])
+def test_a_prompt_that_is_not_a_question_or_a_chat_is_refused_naming_the_rows(tmp_path, cell, problem):
+  source = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": [{"role": "user", "content": "Q?"}], "answer": "1"},
+                                                 {"prompt": cell, "answer": "2"}])
+  with pytest.raises(ValueError, match=rf"task.prompt_column='prompt': 1 rows of .* are {problem} there \(rows \[1\]"):
+    make_task_from_fields(task_section(source=source, prompt_column="prompt"), seed=0, size=64)
+
+
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
 def test_a_blank_question_is_refused_naming_the_rows(tmp_path, kind):
   # A blank question used to become the question "None" (JSONL null) or "" (CSV): refused when the
@@ -368,6 +406,19 @@ def test_a_math_verify_call_that_hangs_is_bounded_off_the_main_thread(monkeypatc
   worker.join(60)
   assert not worker.is_alive() and out == [[0.0, 1.0]]
   assert builtin.take_math_verify_timeouts() == 1 and builtin.take_math_verify_timeouts() == 0
+
+
+def test_a_math_verify_worker_that_dies_mid_call_scores_0_and_is_replaced():
+  # An out-of-memory kill of the worker during a comparison raised EOFError and stopped the step. It
+  # now scores 0, is counted with the timeouts, and the next comparison runs in a new worker.
+  import threading
+  builtin.math_verify([""], ["<answer>1</answer>"], answer=["1"])   # the worker is up
+  builtin.take_math_verify_timeouts()
+  killer = threading.Timer(1.0, lambda: builtin._math_worker["process"].kill())
+  killer.start()
+  assert builtin.math_verify([""] * 2, ["<answer>\\boxed{9^{9^{9^{9}}}}</answer>", "<answer>1/2</answer>"],
+                             answer=["1", "0.5"]) == [0.0, 1.0]
+  assert builtin.take_math_verify_timeouts() == 1
 
 
 # ---- bad input: a ValueError naming the field and the value, before the model loads -----------------------

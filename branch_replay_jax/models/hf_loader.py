@@ -123,8 +123,12 @@ def check_safetensors(file: str) -> None:
       header = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
       raise ValueError(f"{file}: corrupt safetensors file ({size} bytes): its {n}-byte header is not JSON ({e})") from e
-  spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), name) for name, v in header.items()
-                 if name != "__metadata__" and isinstance(v, dict) and "data_offsets" in v)
+  try:
+    spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), name) for name, v in header.items()
+                   if name != "__metadata__" and isinstance(v, dict) and "data_offsets" in v)
+  except (AttributeError, IndexError, TypeError, ValueError) as e:   # a header of another shape
+    raise ValueError(f"{file}: corrupt safetensors file ({size} bytes): its header is not "
+                     f"{{name: {{dtype, shape, data_offsets: [begin, end]}}}} ({e!r})") from None
   short = [(b, e, name) for b, e, name in spans if 8 + n + e > size]
   if short:
     begin, end, name = short[0]
@@ -148,25 +152,25 @@ def weight_files(directory: str) -> dict[str, list[str] | None]:
       {tensor: file}; a shard the index names that is not in the directory (naming it and one of
       its tensors).
   """
-  every = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+  every = sorted(os.path.normpath(f) for f in glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
   index = os.path.join(directory, INDEX)
   if os.path.isfile(index):
     try:
-      with open(index) as f:
+      with open(index, encoding="utf-8") as f:
         weight_map = json.load(f).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
       raise ValueError(f"{index}: not a safetensors index ({e})") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-      raise ValueError(f"{index}: no weight_map of {{tensor: file}}")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+      raise ValueError(f"{index}: no weight_map of {{tensor: file}} (an empty one names no tensor)")
     plan: dict[str, list[str] | None] = {}
     for name, file in weight_map.items():
-      plan.setdefault(os.path.join(directory, file), []).append(name)
+      plan.setdefault(os.path.normpath(os.path.join(directory, file)), []).append(name)
     for file, names in plan.items():
       if not os.path.isfile(file):
         raise ValueError(f"{directory}: {INDEX} puts {len(names)} tensors (e.g. {names[0]!r}) in the shard "
                          f"{os.path.basename(file)!r}, which is not in the directory")
   elif os.path.isfile(os.path.join(directory, SINGLE)):
-    plan = {os.path.join(directory, SINGLE): None}
+    plan = {os.path.normpath(os.path.join(directory, SINGLE)): None}
   elif every:
     plan = {file: None for file in every}
   else:

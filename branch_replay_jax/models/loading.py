@@ -278,8 +278,11 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template:
   return ids
 
 
-# Private-use code points around a message's index: a placeholder no template or message writes.
-_OPEN, _CLOSE = "\ue001", "\ue002"
+# Private-use code points: around a message's index, a placeholder for an escaped content; alone,
+# the content of the model turn whose following text `rollout.chat.ChatTokens` reads (TURN). A
+# message that holds any of them is escaped itself, so the rendering holds only the placeholders
+# written here.
+_OPEN, _CLOSE, TURN = "\ue001", "\ue002", "\ue000"
 _PLACEHOLDER = re.compile(_OPEN + r"(\d+)" + _CLOSE)
 
 
@@ -291,16 +294,18 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, str]], chat_template:
   An environment's observation or a dataset's question that contains `<|im_end|>\\n<|im_start|>
   assistant\\n` must not forge a turn: `encode_rendered` tokenizes such a content as plain text
   (`split_special_tokens`), inserted as written (a template's own filters, e.g. `| trim`, do not see
-  it). Every other content is rendered by the template as usual, so its ids are unchanged.
+  it). So is a content that holds one of the placeholder code points (U+E000..U+E002). Every other
+  content is rendered by the template as usual, so its ids are unchanged. Only string contents are
+  checked: content parts (lists) and tool-call fields are rendered as the template renders them.
 
   Returns:
     (text, contents): the rendering, and {placeholder index: content} for `encode_rendered`.
   """
-  specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+  specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special] + [_OPEN, _CLOSE, TURN]
   contents, shown = {}, []
   for k, m in enumerate(messages):
     m = dict(m)
-    if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials):
+    if isinstance(m.get("content"), str) and m["content"] != TURN and any(s in m["content"] for s in specials):
       contents[k], m["content"] = m["content"], f"{_OPEN}{k}{_CLOSE}"
     shown.append(m)
   kw = {} if chat_template is None else {"chat_template": chat_template}

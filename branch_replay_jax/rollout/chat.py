@@ -25,10 +25,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION, Episode
+from branch_replay_jax.models.loading import TURN as _TURN
 from branch_replay_jax.models.loading import encode_chat, encode_rendered, render_chat, stop_ids
-
-# A private-use code point as the last model turn's content when the observation is rendered.
-_TURN = "\ue000"
 
 
 class ChatTokens:

@@ -78,6 +78,8 @@ def _call_values(text: str) -> list:
     except json.JSONDecodeError as e:
       raise ToolCallError(f"tool call {i} is not JSON ({e.msg} at character {e.pos - body}): "
                           f"{text[body:close].strip()[:80]!r}") from e
+    except RecursionError:   # a degenerate turn: "[[[[..." nested past Python's recursion limit
+      raise ToolCallError(f"tool call {i}: its JSON is nested too deeply to read") from None
     end = _skip_space(text, end)
     if not text.startswith(CLOSE_TAG, end):
       after = text.find(CLOSE_TAG, end)
@@ -114,6 +116,8 @@ def parse_tool_calls(text: str, tools: Mapping[str, Tool]) -> list[ToolCall]:
   """
   calls = []
   for i, value in enumerate(_call_values(text)):
+    if value == []:
+      raise ToolCallError(f"tool call {i} is an empty list: no call")
     for item in value if isinstance(value, list) else [value]:
       if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise ToolCallError(f"tool call {i} must be an object with a string \"name\", got {json.dumps(item)[:80]}")

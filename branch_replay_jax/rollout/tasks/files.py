@@ -22,9 +22,12 @@ Columns (config ``task.prompt_column``, ``task.answer_column``, ``task.messages_
 
 Blank cells: a CSV is read with every column as text, exactly as written ("007" stays "007"; an
 integer column with one blank cell does not turn "4" into "4.0"), and a blank cell is "" (not
-NaN, not "None"); a JSON null is None. A row whose prompt (or messages) is blank is refused when
-the task is built, naming the column and the rows: a blank question would train on a prompt with
-nothing to answer. A blank or missing answer is "", and the default reward, like
+NaN, not "None"); a JSON null is None. A JSON answer is read as written too where the reader keeps
+it (`answer_text`: 4 in a column mixing 4 and 4.5 is "4", true is "true"; an integer past 2^53 in
+such a column has lost its digits to the float already). A row whose prompt (or messages) is
+blank, a list that is not chat messages, or a conversation without a non-blank user message is
+refused when the task is built, naming the column and the rows: a blank question would train on a
+prompt with nothing to answer. A blank or missing answer is "", and the default reward, like
 ``rewards.exact_match``, never scores a completion against it.
 
 Default reward (without ``task.rewards``): 1 when the extracted answer (``extract_answer``, with
@@ -87,13 +90,19 @@ def load_rows(path: str, field: str = "task.source"):
         raise ValueError(f"{field}={path!r} is empty: no rows")
       text = {}
       if ending == ".csv":   # every column as the text written, a blank cell "" (module docstring)
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:   # -sig: Excel's byte-order mark
           header = next(csv.reader(f), [])
+        if len(set(header)) != len(header):
+          raise ValueError(f"{field}={path!r}: its header names a column twice: {header}")
+        # index_col=False: a row with a cell more than the header (a trailing comma) must not turn
+        # the first column into pandas' index and shift every other one.
         text = {"features": datasets.Features({c: datasets.Value("string") for c in header}),
-                "keep_default_na": False}
+                "keep_default_na": False, "index_col": False, "encoding": "utf-8-sig"}
       rows = datasets.load_dataset(READERS[ending], data_files=path, split="train", **text)
-  except ValueError:
-    raise
+  except ValueError as e:
+    if str(e).startswith(field):   # ours, naming the field
+      raise
+    raise ValueError(f"{field}={path!r} could not be read by datasets: {e!r}") from e
   except Exception as e:   # the readers raise their own types (DatasetGenerationError, ArrowInvalid, ...)
     raise ValueError(f"{field}={path!r} could not be read by datasets: {e!r}") from e
   if len(rows) == 0:
@@ -102,16 +111,32 @@ def load_rows(path: str, field: str = "task.source"):
 
 
 def column_value(row: dict, column: str):
-  """``row``'s value of ``column``: a column name, or a dotted path into struct columns
-  ("reward_model.ground_truth"); None where a struct lacks the field or holds null."""
+  """``row``'s value of ``column``: a column name (also one with a dot in it), or a dotted path into
+  struct columns ("reward_model.ground_truth"); None where a struct lacks the field or holds null."""
+  if column in row:
+    return row[column]
   value = row
   for part in column.split("."):
     value = value.get(part) if isinstance(value, dict) else None
   return value
 
 
+def answer_text(value) -> str:
+  """A reference answer as the file wrote it: "" for none (None); JSON's true / false; an integral
+  float as an integer ("4", not "4.0": a JSON column mixing 4 and 4.5 reads as floats); else str."""
+  if value is None:
+    return ""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, float) and value.is_integer():
+    return str(int(value))
+  return str(value)
+
+
 def _feature(rows, column: str):
-  """The `datasets` feature at ``column`` (dotted paths into structs), or None when there is none."""
+  """The `datasets` feature at ``column`` (a column name, or a dotted path into structs), or None."""
+  if column in rows.features:
+    return rows.features[column]
   feature = rows.features
   for part in column.split("."):
     if not isinstance(feature, dict) or part not in feature:
@@ -120,8 +145,17 @@ def _feature(rows, column: str):
   return feature
 
 
-def _blank(value) -> bool:
-  return value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, list) and not value)
+def _prompt_problem(value) -> str | None:
+  """What is wrong with a prompt (or messages) cell, or None: blank text; a list that is not
+  {"role", "content"} messages; a conversation without a non-blank user message."""
+  if value is None or (isinstance(value, str) and not value.strip()):
+    return "blank"
+  if isinstance(value, list):
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
+      return "not a list of {\"role\", \"content\"} messages"
+    if not any(m["role"] == "user" and isinstance(m.get("content"), str) and m["content"].strip() for m in value):
+      return "a conversation without a non-blank user message"
+  return None
 
 
 def check_columns(rows, path: str, *, prompt_column: str, answer_column: str, messages_column: str) -> None:
@@ -142,12 +176,16 @@ def check_columns(rows, path: str, *, prompt_column: str, answer_column: str, me
       raise ValueError(f"{field}={column!r} in {path!r} is a struct with the fields {sorted(feature)}, not text; "
                        f"name one field with a dotted path, e.g. {field}={example!r}")
   column = messages_column or prompt_column
-  top = column.split(".")[0]
-  blank = [i for i, cell in enumerate(rows[top]) if _blank(column_value({top: cell}, column))]
-  if blank:
+  top = column if column in rows.column_names else column.split(".")[0]
+  problems = {}
+  for i, cell in enumerate(rows[top]):
+    problem = _prompt_problem(column_value({top: cell}, column))
+    if problem:
+      problems.setdefault(problem, []).append(i)
+  for problem, where in problems.items():
     field = "task.messages_column" if messages_column else "task.prompt_column"
-    raise ValueError(f"{field}={column!r}: {len(blank)} rows of {path!r} are blank there (rows {blank[:10]}"
-                     f"{' ...' if len(blank) > 10 else ''}, 0-based); a problem needs a prompt: remove or fill them")
+    raise ValueError(f"{field}={column!r}: {len(where)} rows of {path!r} are {problem} there (rows {where[:10]}"
+                     f"{' ...' if len(where) > 10 else ''}, 0-based); a problem needs a prompt: remove or fix them")
 
 
 class RecordsTask(Sequence):
@@ -188,10 +226,11 @@ class RecordsTask(Sequence):
       question = str(users[-1]) if users else ""
     else:
       question = str(chat)
-    value = column_value(row, self.answer_column) if self.answer_column else None
-    answer = "" if value is None else str(value)
-    if "." in self.answer_column and "answer" not in row:
-      row["answer"] = answer   # reward functions' `answer` (module docstring)
+    answer = answer_text(column_value(row, self.answer_column) if self.answer_column else None)
+    if self.answer_column in row:
+      row[self.answer_column] = answer   # reward functions see the answer as written too
+    elif self.answer_column and "answer" not in row:
+      row["answer"] = answer   # a dotted path: reward functions' `answer` (module docstring)
     return Problem(question=question, answer=answer, entry=row)
 
   def messages(self, problem: Problem) -> list[dict[str, str]]:

@@ -157,6 +157,8 @@ class RewardTask:
       try:
         outs.append(fn([problem.question] * n, completions, **columns))
       except Exception as e:
+        for pending_call in pending.values():   # the async rewards called before it: never awaited
+          getattr(pending_call, "close", lambda: None)()
         raise RewardError(f"task.rewards[{k}]={self.paths[k]!r} raised {e!r} on the completions of {where}") from e
       if inspect.isawaitable(outs[-1]):
         pending[k] = outs[-1]
@@ -238,16 +240,21 @@ def exact_match(prompts, completions, answer, **columns) -> list[float]:
 # do nothing, and a pathological completion ("\\boxed{9^{9^{9^{9}}}}") then hangs sympy for good
 # (Math-Verify #65, verl PR #5839, TRL PR #5281). Every call therefore runs in a worker process of
 # its own (spawned, so JAX's threads are not forked), whose main thread keeps math-verify's alarms;
-# the caller waits MATH_VERIFY_SECONDS per completion and, past that, kills the worker (a new one
-# starts for the next call), scores the completion 0 and counts a timeout.
+# the caller waits MATH_VERIFY_SECONDS per completion (the clock starts once the worker has
+# imported math-verify, within WORKER_START_SECONDS) and, past that, kills the worker (a new one
+# starts for the next call), scores the completion 0 and counts a timeout; a worker that dies
+# mid-call (killed, out of memory) is counted and replaced alike.
 MATH_VERIFY_SECONDS = 10.0
+WORKER_START_SECONDS = 300.0
 _math_worker = {"process": None, "conn": None, "timeouts": 0}
 _math_lock = threading.Lock()
 
 
 def _math_verify_server(conn) -> None:
-  """The worker process: (gold, text) in, 1.0 or 0.0 out, until the pipe closes."""
+  """The worker process: "ready" once math-verify is imported, then (gold, text) in, 1.0 or 0.0 out,
+  until the pipe closes."""
   from math_verify import parse, verify
+  conn.send("ready")
   while True:
     try:
       gold, text = conn.recv()
@@ -264,29 +271,46 @@ def _math_verify_server(conn) -> None:
 
 
 def _math_verify_call(gold: str, text: str) -> float | None:
-  """One comparison in the worker process; None when it took longer than MATH_VERIFY_SECONDS (the
-  worker is killed). Callers hold _math_lock."""
+  """One comparison in the worker process; None when it took longer than MATH_VERIFY_SECONDS or the
+  worker died (it is killed and counted; the next call starts another). Callers hold _math_lock.
+
+  Raises:
+    RuntimeError: a new worker did not start within WORKER_START_SECONDS.
+  """
   import multiprocessing
   w = _math_worker
-  if w["process"] is None or not w["process"].is_alive():
+  if w["process"] is not None and not w["process"].is_alive():   # died while idle: start another
+    _stop_math_worker()
+  if w["process"] is None:
     ctx = multiprocessing.get_context("spawn")
     w["conn"], child = ctx.Pipe()
     w["process"] = ctx.Process(target=_math_verify_server, args=(child,), daemon=True)
     w["process"].start()
     child.close()
-  w["conn"].send((gold, text))
-  if w["conn"].poll(MATH_VERIFY_SECONDS):
-    return w["conn"].recv()
-  w["process"].kill()
-  w["process"].join()
-  w["process"] = None
+    if not w["conn"].poll(WORKER_START_SECONDS) or w["conn"].recv() != "ready":
+      _stop_math_worker()
+      raise RuntimeError(f"the math-verify worker did not start within {WORKER_START_SECONDS:g} s")
+  try:
+    w["conn"].send((gold, text))
+    if w["conn"].poll(MATH_VERIFY_SECONDS):
+      return w["conn"].recv()
+  except (EOFError, OSError):   # the worker died mid-call (killed, out of memory): as a timeout
+    pass
+  _stop_math_worker()
   w["timeouts"] += 1
   return None
 
 
+def _stop_math_worker() -> None:
+  w = _math_worker
+  w["process"].kill()
+  w["process"].join()
+  w["process"] = None
+
+
 def take_math_verify_timeouts() -> int:
-  """The math-verify calls of this process that timed out since the last call (and reset): the
-  step's `math_verify_timeouts` metric (algorithms/loop.py)."""
+  """The math-verify comparisons of this process that timed out (or whose worker died) since the last
+  call (and reset): the step's `math_verify_timeouts` metric (algorithms/loop.py)."""
   with _math_lock:
     n, _math_worker["timeouts"] = _math_worker["timeouts"], 0
   return n
