@@ -303,10 +303,11 @@ class GRPO(loop.Algorithm):
     of dynamic sampling samples data-parallel on the same devices. Trees: with several processes
     every process receives every tree's arrays (`whole`), as the padded shape of the step's trees is
     that of the largest over all processes."""
-    devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
-    policy = self.fns.for_sampling(run.graphdef, params, devices)
-    if self.env is not None and devices is not None:   # episodes on a mesh: one environment, one sampler
+    if self.env is not None and self.fns.mesh is not None:   # episodes on a mesh: one environment, one sampler
       policy, devices = self.one_device_policy(run, params), None
+    else:
+      devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
+      policy = self.fns.for_sampling(run.graphdef, params, devices)
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
                                                devices=devices, whole=whole, env=self.env, layout=self.layout)

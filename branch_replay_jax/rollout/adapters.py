@@ -61,13 +61,13 @@ def import_optional(package: str, install: str = "pip install 'branch_replay_jax
     raise ImportError(f"this environment needs the `{package}` package: {install}") from e
 
 
-def game_seed(problem: Any) -> int:
+def game_seed(problem: Any, where: str = "game_seed") -> int:
   """A game's seed from a problem: an int as itself; a `rollout.tasks.Problem` (the loop's) by its
   entry's int "seed" when it has one, else the CRC-32 of its question (stable across processes,
   unlike `hash`).
 
   Raises:
-    ValueError: a negative int, a bool, or anything else (naming the value).
+    ValueError: a negative int, a bool, or anything else (naming `where` and the value).
   """
   if isinstance(problem, int) and not isinstance(problem, bool) and problem >= 0:
     return problem
@@ -77,7 +77,7 @@ def game_seed(problem: Any) -> int:
     return seed
   if isinstance(question, str):
     return zlib.crc32(question.encode())
-  raise ValueError(f"problem={problem!r} must be an int >= 0 (the game's seed) or a task's Problem")
+  raise ValueError(f"{where}: problem={problem!r} must be an int >= 0 (the game's seed) or a task's Problem")
 
 
 class _OwnRandom:
@@ -148,10 +148,7 @@ class TextArenaEnv(_OwnRandom):
 
   def reset(self, problem: Any) -> list[dict[str, str]]:
     """Start the game with seed `game_seed(problem)`; returns [system?, user: the game's first messages]."""
-    try:
-      seed = game_seed(problem)
-    except ValueError as e:
-      raise ValueError(f"TextArenaEnv: {e}") from None
+    seed = game_seed(problem, "TextArenaEnv")
     self.game_info = None
     try:
       self._call(self.env.reset, num_players=1, seed=seed)
@@ -227,10 +224,7 @@ class GemEnv(_OwnRandom):
 
   def reset(self, problem: Any) -> list[dict[str, str]]:
     """Start the environment with seed `game_seed(problem)`; see the class docstring."""
-    try:
-      seed = game_seed(problem)
-    except ValueError as e:
-      raise ValueError(f"GemEnv: {e}") from None
+    seed = game_seed(problem, "GemEnv")
     observation, info = self._call(self.env.reset, seed=seed)
     system = [{"role": "system", "content": self.system}] if self.system is not None else []
     return system + [{"role": "user", "content": self._text(observation, info)}]
