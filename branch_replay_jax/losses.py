@@ -325,71 +325,54 @@ def weighted_logprob_loss(logp: jax.Array, weights: jax.Array) -> jax.Array:
   return -jnp.sum(weights * logp)
 
 
-def grpo_objective(logp: jax.Array, branch: Segments, *, clip_eps: float, kl_coef: float, on_policy: bool,
+def grpo_objective(logp: jax.Array, segment: Segments, *, clip_eps: float, kl_coef: float, on_policy: bool,
                    clip_eps_high: float | None = None, importance_ratio: str = "token") -> tuple[jax.Array, dict]:
-  """One completion's GRPO loss Σ_t w_t ℓ_t (see `grpo_token_loss`) and its metric sums.
+  """GRPO loss of one segment's tokens, Σ_t Σ_g w[t, g] ℓ(logp_t, A_g) (`grpo_token_loss`), and its metric sums:
+  a group's completion and a tree node alike (docs/design.md, "Losses on trees").
+
+  A completion is a node with one trajectory. A tree node's token is shared by every trajectory g
+  below it: it has one log-prob but one term per trajectory, so the surrogate is evaluated per
+  (token, trajectory) pair, which keeps PPO-clip exact although it is non-linear in the advantage.
 
   Args:
-    logp: [T] log-probs of the completion's tokens under the current parameters (0 on padding).
-    branch: that completion's row of `data.batches.Segments`: mask [T] bool, weights [T]
-      (`token_weights`, 0 on padding; an episode's also 0 on observation tokens, `data.episodes`),
-      advantage [] or [T] (an episode's: A_g on model tokens, 0 on observations), old_logp [T] (read
-      unless on_policy), ref_logp [T] (read when kl_coef > 0).
+    logp: [T] log-probs of the segment's tokens under the current parameters (0 on padding).
+    segment: its `data.batches.Segments` row or slot: mask [T] bool; weights [T] (a completion:
+      `token_weights`, 0 on padding) or [T, G] (a tree node: `trajectory_weights`[g] where trajectory g
+      passes the token, else 0), an episode's also 0 on observation tokens (`data.episodes`);
+      advantage [] or [T] (a completion; an episode's: A_g on model tokens, 0 on observations), [G] or
+      [T, G] (a node); old_logp [T] (read unless on_policy); ref_logp [T] (read when kl_coef > 0).
     on_policy: the sampling policy is the current one (one update per batch): old_logp is
       stop_gradient(logp), so the ratio is exactly 1 and its gradient is ∇logp.
     clip_eps, clip_eps_high: ε_low, ε_high (`grpo_token_loss`).
-    importance_ratio: "token" (PPO/GRPO's r_t) or "sequence" (GSPO's s_i, `sequence_log_ratio`).
+    importance_ratio: "token" (PPO/GRPO's r_t) or "sequence" (GSPO's s_i, `sequence_log_ratio`; a
+      completion's only: a tree node sees a segment of its trajectories).
 
   Returns:
-    (loss, {"clipped": clipped token count, "kl": Σ_t k3}), both over the tokens the loss weighs
-    (real tokens with weight > 0: a trajectory left out of the loss, `loss.mask_truncated`, adds
-    to neither, as in `grpo_tree_objective`).
+    (loss, {"clipped": clipped (token, trajectory) pairs, "kl": Σ k3 over them}), both over the pairs
+    the loss weighs (real tokens with weight > 0: a trajectory left out of the loss,
+    `loss.mask_truncated`, adds to neither). A shared token counts once per trajectory through it, as
+    the same trajectories laid out naive (prompt repeated) count it, so a tree step's metrics equal the
+    naive step's; the loop divides both by the (token, trajectory) pairs.
 
   Raises:
-    ValueError: an unknown importance_ratio.
+    ValueError: an unknown importance_ratio, or "sequence" for a tree node.
   """
   if importance_ratio not in IMPORTANCE_RATIOS:
     raise ValueError(f"grpo_objective: importance_ratio={importance_ratio!r} is not one of {IMPORTANCE_RATIOS}")
-  old = jax.lax.stop_gradient(logp) if on_policy else branch.old_logp
-  ref = branch.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
+  node = segment.weights.ndim == 2
+  if node and importance_ratio == "sequence":
+    raise ValueError("grpo_objective: importance_ratio='sequence' needs whole completions (weights [T]); a tree "
+                     "node's weights [T, G] cover a segment of its trajectories")
+  old = jax.lax.stop_gradient(logp) if on_policy else segment.old_logp
+  ref = segment.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
+  w = segment.weights if node else segment.weights[:, None]                    # [T, G] or [T, 1]
+  adv = segment.advantage
+  adv = adv if adv.ndim == 2 else adv[None, :] if node else jnp.reshape(adv, (-1, 1))   # [T or 1, G or 1]
+  on = (w > 0) & segment.mask[:, None]   # (token, trajectory) pairs: trajectory g passes real token t
   # GSPO's |y_i| and mean run over the tokens the loss weighs (an episode's model tokens, not its observations).
-  on = branch.mask & (branch.weights > 0)
-  log_ratio = sequence_log_ratio(logp, old, on) if importance_ratio == "sequence" else None
-  loss, metrics = grpo_token_loss(logp, old, ref, branch.advantage, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                                  kl_coef=kl_coef, log_ratio=log_ratio)
-  return jnp.sum(branch.weights * loss), {"clipped": jnp.sum(metrics["clipped"] & on),
-                                             "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
-
-
-def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_coef: float,
-                        on_policy: bool, clip_eps_high: float | None = None) -> tuple[jax.Array, dict]:
-  """GRPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, A_g) (docs/design.md, "Losses on trees").
-
-  A token shared by several trajectories has one log-prob but one term per trajectory g below it:
-  the surrogate is evaluated per (token, trajectory) pair, which keeps PPO-clip exact although it
-  is non-linear in the advantage.
-
-  Args:
-    logp: [T] log-probs of the node's tokens (0 on padding).
-    node: the node's `data.batches.Segments` slot: weights [T, G] (`trajectory_weights`[g] where
-      trajectory g passes the token, else 0), advantage [G], or [T, G] per (token, trajectory) (an
-      episode's: A_g on model tokens, 0 on observations, `data.episodes`), mask [T], old_logp [T]
-      (unless on_policy), ref_logp [T] (if kl_coef).
-    clip_eps, clip_eps_high: ε_low, ε_high (`grpo_token_loss`).
-
-  Returns:
-    (loss, {"clipped": clipped (token, trajectory) pairs, "kl": Σ k3 over (token, trajectory)
-    pairs}). Both count a shared token once per trajectory through it, as the loss weighs it and
-    as `grpo_objective` counts the same trajectories laid out naive (prompt repeated), so a tree
-    step's metrics equal the naive step's; the loop divides both by the (token, trajectory) pairs.
-  """
-  old = jax.lax.stop_gradient(logp) if on_policy else node.old_logp
-  ref = node.ref_logp if kl_coef else jax.lax.stop_gradient(logp)
-  adv = node.advantage if node.advantage.ndim == 2 else node.advantage[None, :]   # [T, G] (an episode's) or [G]
-  loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], adv,
-                                  clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef)
-  w = node.weights
-  on = (w > 0) & node.mask[:, None]   # (token, trajectory) pairs: trajectory g passes real token t
+  log_ratio = sequence_log_ratio(logp, old, on[:, 0])[:, None] if importance_ratio == "sequence" else None
+  loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], adv, clip_eps=clip_eps,
+                                  clip_eps_high=clip_eps_high, kl_coef=kl_coef, log_ratio=log_ratio)
   return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & on),
                              "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 
@@ -397,7 +380,7 @@ def grpo_tree_objective(logp: jax.Array, node: Segments, *, clip_eps: float, kl_
 def grpo_aux_sums(aux) -> tuple[jax.Array, jax.Array]:
   """(Σ k3 KL, Σ clipped) scalars (float32, float64 under x64) of a GRPO gradient's aux: a group's {"kl", "clipped"}
   from `grpo_objective` (also a stacked batch's), or a tree's per-level outputs whose `.aux` are
-  `grpo_tree_objective`'s (gradients.step.NodeOutputs). Traceable: the training step reduces
+  `grpo_objective`'s (gradients.step.NodeOutputs). Traceable: the training step reduces
   inside its jit, so a multi-process run reads replicated scalars."""
   parts = [aux] if isinstance(aux, dict) else [level.aux for level in aux]
   total = lambda x: jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))   # float64 stays float64
@@ -624,34 +607,32 @@ def ppo_token_loss(logp, old_logp, values, old_values, advantages, returns, *, c
                                     "kl": k3_kl(old_logp, logp)}
 
 
-def ppo_tree_objective(logp: jax.Array, values: jax.Array, node: Segments, *, clip_eps: float, vf_coef: float,
-                       value_clip: float) -> tuple[jax.Array, dict]:
-  """PPO loss of one tree node's tokens: Σ_t Σ_g w[t, g] ℓ(logp_t, V_t, A[t, g], R[t, g]) (`ppo_token_loss`).
+def ppo_objective(logp: jax.Array, values: jax.Array, segment: Segments, *, clip_eps: float, vf_coef: float,
+                  value_clip: float) -> tuple[jax.Array, dict]:
+  """PPO loss of one segment's tokens, Σ_t Σ_g w[t, g] ℓ(logp_t, V_t, A[t, g], R[t, g]) (`ppo_token_loss`): a
+  group's completion and a tree node alike.
 
-  A shared token has one log-prob and one value (one context) but, below it, one advantage and
-  one return per trajectory g (GAE runs along each trajectory): the loss sums per (token,
-  trajectory) pair (docs/design.md, "Losses on trees"), which is exact although ℓ is non-linear in A, R.
+  A completion is a node with one trajectory. A shared tree token has one log-prob and one value (one
+  context) but, below it, one advantage and one return per trajectory g (GAE runs along each
+  trajectory): the loss sums per (token, trajectory) pair (docs/design.md, "Losses on trees"), which
+  is exact although ℓ is non-linear in A, R.
 
   Args:
-    logp, values: [T] current log-probs and values of the node's tokens (0 on padding).
-    node: the node's `data.batches.Segments` slot: mask [T], weights [T, G] (`trajectory_weights`[g]
-      where trajectory g passes, else 0), advantage [T, G], returns [T, G], old_logp [T], old_values [T].
+    logp, values: [T] current log-probs and values of the segment's tokens (0 on padding).
+    segment: its `data.batches.Segments` row or slot: mask [T], old_logp [T], old_values [T]; weights,
+      advantage, returns [T] (a completion) or [T, G] (a node: `trajectory_weights`[g] where
+      trajectory g passes, else 0).
 
   Returns:
     (loss, sums over pairs with w > 0: {"policy": Σ w ℓ_clip, "value": Σ w ℓ_V, "clipped": count,
     "kl": Σ k3(old || new)}).
   """
-  loss, m = ppo_token_loss(logp[:, None], node.old_logp[:, None], values[:, None], node.old_values[:, None],
-                           node.advantage, node.returns, clip_eps=clip_eps, vf_coef=vf_coef,
+  if segment.weights.ndim == 1:   # a completion: one trajectory
+    segment = segment.replace(**{k: getattr(segment, k)[:, None] for k in ("weights", "advantage", "returns")})
+  loss, m = ppo_token_loss(logp[:, None], segment.old_logp[:, None], values[:, None], segment.old_values[:, None],
+                           segment.advantage, segment.returns, clip_eps=clip_eps, vf_coef=vf_coef,
                            value_clip=value_clip)
-  w = node.weights
-  on = (w > 0) & node.mask[:, None]
+  w = segment.weights
+  on = (w > 0) & segment.mask[:, None]
   return jnp.sum(w * loss), {"policy": jnp.sum(w * m["policy"]), "value": jnp.sum(w * m["value"]),
                              "clipped": jnp.sum(m["clipped"] & on), "kl": jnp.sum(jnp.where(on, m["kl"], 0.0))}
-
-
-def ppo_objective(logp: jax.Array, values: jax.Array, branch: Segments, *, clip_eps: float, vf_coef: float,
-                  value_clip: float) -> tuple[jax.Array, dict]:
-  """`ppo_tree_objective` of one completion: branch.weights, .advantage, .returns are [T]."""
-  node = branch.replace(**{k: getattr(branch, k)[:, None] for k in ("weights", "advantage", "returns")})
-  return ppo_tree_objective(logp, values, node, clip_eps=clip_eps, vf_coef=vf_coef, value_clip=value_clip)

@@ -108,7 +108,7 @@ def get_config(arg=None):
   #                                       # batch, no scan: the fastest; smaller lowers peak memory). Trees: leaf
   #                                       # siblings per step, must divide the last fan-out (levels EOS cut short and
   #                                       # naive trajectories use the largest divisor of their count not above it)
-  c.train.tree_schedule = "depth_first"   # tree replay: depth_first (least memory) or level (batched levels, faster)
+  c.train.tree_schedule = "depth_first"   # trees: depth_first (least memory), level (batched levels) or packed (one row)
   c.train.exactness_check_every = 25      # every k steps one group's gradient by replay and naive, compared and
   #                                       # logged (exactness_* in metrics.jsonl; a loud warning above the bound); 0: off
 

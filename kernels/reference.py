@@ -42,7 +42,9 @@ class KVBlock(NamedTuple):
   """Keys/values of one segment for one layer (or, stacked, for all layers).
 
   k, v: [B or 1, S, Hkv, D] (with a leading layer axis [L, ...] when stacked).
-  valid: [B or 1, S] bool: False marks padded keys.
+  valid: [B or 1, S] bool: False marks padded keys. A segment's own block may instead carry int32
+    key ends (a packed tree, `data.batches.PackedBatch`): own key j is visible to the queries i with
+    j <= i < valid[j] (0 for a padded key); only `suffix_attention` (the jnp paths) reads them.
   """
 
   k: jax.Array
@@ -179,14 +181,25 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
 # The dense step: one chunk of queries against whole blocks.
 
 
+def own_key_mask(own_valid, rows):
+  """Visibility of a segment's own keys (their valid [B, S]) to its query rows `rows` [C], broadcastable to
+  scores [Hkv, B, C, G, S], causal not included: bool valid, or int32 key ends (`KVBlock`: query i
+  sees key j while i < ends[j], the packed tree's subtree end)."""
+  if jnp.issubdtype(own_valid.dtype, jnp.integer):
+    return (rows[None, :, None] < own_valid[:, None, :])[None, :, :, None, :]
+  return own_valid[None, :, None, None, :]
+
+
 def _masks(ancestors: Sequence[KVBlock], own_valid, start: int) -> list:
   """Visibility of each block's keys to the queries start..start+C-1 of the segment, broadcastable to
   their scores [Hkv, B, C, G, S]: ancestor keys by their valid mask; own keys 0..E-1 (own_valid
-  [B, E], E = start + C) bottom-right causal (query start + i sees own keys <= start + i) and valid."""
+  [B, E], E = start + C) bottom-right causal (query start + i sees own keys <= start + i) and valid
+  (`own_key_mask`)."""
   end = own_valid.shape[1]
-  causal = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]   # [C, E]
+  rows = jnp.arange(start, end)
+  causal = jnp.arange(end)[None, :] <= rows[:, None]   # [C, E]
   masks = [blk.valid[None, :, None, None, :] for blk in ancestors]
-  return masks + [causal[None, None, :, None, :] & own_valid[None, :, None, None, :]]
+  return masks + [causal[None, None, :, None, :] & own_key_mask(own_valid, rows)]
 
 
 def _block_probs(q, k, mask, lse):

@@ -208,13 +208,28 @@ def _tiles(c, sizes: Sequence[int], chunk: int, key_block: int, own: bool = True
   return looped, single
 
 
-def _tile(blocks, block: int, start, size: int, causal: bool):
-  """(k, v [Hkv, B or 1, size, D], mask broadcastable to [Hkv, B, C, G, size]) of one tile."""
+def _tile(blocks, block: int, start, size: int, causal: bool, rows=None):
+  """(k, v [Hkv, B or 1, size, D], mask broadcastable to [Hkv, B, C, G, size]) of one tile; rows [C]:
+  the chunk's query indices, read by an own block's int32 key ends (`reference.KVBlock`)."""
   k, v, valid = blocks[block]
-  mask = _take(valid, start, size, 1)[None, :, None, None, :]
+  valid = _take(valid, start, size, 1)
+  if jnp.issubdtype(valid.dtype, jnp.integer):   # key ends: query i sees key j while i < ends[j]
+    mask = (rows[None, :, None] < valid[:, None, :])[None, :, :, None, :]
+  else:
+    mask = valid[None, :, None, None, :]
   if causal:   # the diagonal tile: query i of the chunk sees its keys 0..i
     mask = mask & jnp.tril(jnp.ones((size, size), bool))[None, None, :, None, :]
   return _take(k, start, size, 2), _take(v, start, size, 2), mask
+
+
+def _unless_masked(block: int, blocks, mask, fn, carry):
+  """fn(carry), skipped (carry unchanged) where an own tile of int32 key ends (a packed tree's row,
+  `reference.KVBlock`) hides every key from every query of the chunk: the keys of a sibling subtree
+  that ended before the chunk. Such a tile adds exactly nothing (its probabilities are 0), so the
+  skip changes no value; it saves the tile's score and gradient work. Other tiles always run."""
+  if block != len(blocks) - 1 or not jnp.issubdtype(blocks[block][2].dtype, jnp.integer):
+    return fn(carry)
+  return lax.cond(jnp.any(mask), fn, lambda c: c, carry)
 
 
 def query_chunks(t: int, chunk: int) -> tuple[int, int]:
@@ -274,12 +289,14 @@ def tiled_forward(q, ancestors: tuple, own, chunk: int, key_block: int):
     looped, single = _tiles(c, sizes, chunk, key_block, own is not None)
     state = SoftmaxState(vary(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc)), vary(jnp.zeros(q_c.shape[:-1], acc)),
                    vary(jnp.zeros(q_c.shape, acc)))
+    rows = c * chunk + jnp.arange(chunk)
     for block, start, size, count in looped:
-      step = lambda j, st, block=block, start=start, size=size: _online_step(
-          q_c, [_tile(blocks, block, start + j * size, size, False)], st)
+      def step(j, st, block=block, start=start, size=size):
+        tile = _tile(blocks, block, start + j * size, size, False, rows)
+        return _unless_masked(block, blocks, tile[2], lambda s: _online_step(q_c, [tile], s), st)
       state = _loop(count, step, state)
     if single:
-      state = _online_step(q_c, [_tile(blocks, *tile) for tile in single], state)
+      state = _online_step(q_c, [_tile(blocks, *tile, rows) for tile in single], state)
     out_c, lse_c = finish_softmax(state)
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 2)
     return put(outs[0], out_c), put(outs[1], lse_c)
@@ -319,14 +336,19 @@ def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int,
     rows = lambda x: _take(x, c * chunk, chunk, 2)
     q_c, d_out_c, lse_c, delta_c = rows(q), rows(d_out), rows(lse), rows(delta)
     looped, single = _tiles(c, sizes, chunk, key_block, own is not None)
+    rows_c = c * chunk + jnp.arange(chunk)
 
     def visit(tile, carry):
-      dq_c, d_blocks = carry
       block, start, size, _ = tile
-      dq_tile, dk_tile, dv_tile = _grad_tile(q_c, d_out_c, lse_c, delta_c, *_tile(blocks, *tile))
-      dk, dv = d_blocks[block]
-      d_kv = (_add_at(dk, dk_tile, start, 2), _add_at(dv, dv_tile, start, 2))
-      return dq_c + dq_tile, d_blocks[:block] + (d_kv,) + d_blocks[block + 1:]
+      k, v, mask = _tile(blocks, *tile, rows_c)
+
+      def add(carry):
+        dq_c, d_blocks = carry
+        dq_tile, dk_tile, dv_tile = _grad_tile(q_c, d_out_c, lse_c, delta_c, k, v, mask)
+        dk, dv = d_blocks[block]
+        d_kv = (_add_at(dk, dk_tile, start, 2), _add_at(dv, dv_tile, start, 2))
+        return dq_c + dq_tile, d_blocks[:block] + (d_kv,) + d_blocks[block + 1:]
+      return _unless_masked(block, blocks, mask, add, carry)
 
     carry = (vary(jnp.zeros(q_c.shape, acc)), d_blocks)
     for block, start, size, count in looped:

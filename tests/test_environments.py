@@ -233,7 +233,7 @@ def test_calculator_episodes_train_by_replay_as_by_naive_rows(tokenizer, task):
   replay = episode_tree_arrays(etree, adv, w, vocab_size=vocab, max_positions=context)
   naive = episode_group_arrays(episodes, adv, w, vocab_size=vocab, max_positions=context)
   graphdef, params = tiny_model(vocab_size=vocab, max_positions=context)
-  tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
+  tree_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
   group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
   f = replay.levels[-1].tokens.shape[-2]
   lt, _, gt = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, tree_obj, schedule="level",

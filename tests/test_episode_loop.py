@@ -142,13 +142,14 @@ def test_scripted_episodes_are_scored_and_counted_by_status(scripted):
          g.counts["token_positions_naive"] == prompt_only.counts["token_positions_naive"]
 
 
-@pytest.mark.parametrize("share", ["tree", "prompt"])
-def test_the_episode_step_logs_the_same_metrics_in_the_replay_and_naive_layouts(scripted, share):
+@pytest.mark.parametrize("share, schedule", [("tree", "depth_first"), ("tree", "packed"), ("prompt", "depth_first")])
+def test_the_episode_step_logs_the_same_metrics_in_the_replay_and_naive_layouts(scripted, share, schedule):
   # Same episodes, same parameters: loss, gradient norm and KL per (token, episode) pair agree to
   # float32 rounding (<= 1e-4 relative, the project's float32 bound); the KL is positive (reference
   # = another random model) and nothing is clipped on-policy (clip_frac exactly 0 in both). Every
   # other logged figure of the step (rewards, episode metrics, token counts) is equal exactly. Replay
-  # over the episode tree (share tree) and the rows by the group replay step (share prompt).
+  # over the episode tree (share tree; nested replay, or each tree packed into one row) and the rows by
+  # the group replay step (share prompt).
   config, model, groups = scripted
   graphdef, params = nnx.split(model)
   _, ref_params = nnx.split(runs.build_model(calc_smoke("/tmp/unused", seed=1))[0])
@@ -156,7 +157,7 @@ def test_the_episode_step_logs_the_same_metrics_in_the_replay_and_naive_layouts(
   layouts = {"replay": "replay" if share == "tree" else "prompt", "naive": "naive" if share == "tree" else "naive_prompt"}
   for layout, key in layouts.items():
     cfg = calc_smoke(config.run_dir, **{"train.gradient": layout, "rollout.group_size": 6,
-                                        "rollout.episodes.share": share})
+                                        "rollout.episodes.share": share, "train.tree_schedule": schedule})
     optimizer = runs.make_optimizer(cfg)
     fns = grpo.GRPOFunctions(cfg, graphdef, None, optimizer)
     p = jax.tree_util.tree_map(lambda x: x.copy(), params)
@@ -172,13 +173,15 @@ def test_the_episode_step_logs_the_same_metrics_in_the_replay_and_naive_layouts(
          {k: v for k, v in naive.items() if k not in ("loss", "grad_norm", "kl")}
 
 
-def test_the_run_time_exactness_check_compares_an_episode_tree_with_its_rows(scripted):
+@pytest.mark.parametrize("schedule", ["depth_first", "packed"])
+def test_the_run_time_exactness_check_compares_an_episode_tree_with_its_rows(scripted, schedule):
   # The check (algorithms/exactness.py) takes the first group with unequal rewards, the episode tree
-  # by replay against its one-row-per-episode layout (Group.naive_batch): within float32's bound.
+  # by replay (as the step computes it: nested, or packed into one row) against its one-row-per-episode
+  # layout (Group.naive_batch): within float32's bound.
   config, model, groups = scripted
   graphdef, params = nnx.split(model)
   _, ref_params = nnx.split(runs.build_model(calc_smoke("/tmp/unused", seed=1))[0])
-  cfg = calc_smoke(config.run_dir, **{"train.exactness_check_every": 1})
+  cfg = calc_smoke(config.run_dir, **{"train.exactness_check_every": 1, "train.tree_schedule": schedule})
   fns = grpo.GRPOFunctions(cfg, graphdef)
   out = fns.check(params, ref_params, groups["replay"])
   assert out["exactness_ok"] and out["exactness_grad_rel_err"] <= 1e-4, out

@@ -117,8 +117,8 @@ _tree_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(
                      static_argnames=("micro_batch", "schedule"))
 _naive_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))
 _group_replay_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="replay"), static_argnums=(0, 3))
-_tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
-_group_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+# One objective for a tree node and for a completion of the naive layout (losses.*_objective take both).
+_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 
 
 def _layouts(mode, dtype, advantage="grpo", seed=0, shape=lambda etree: etree):
@@ -162,7 +162,7 @@ def _replay_step(graphdef, params, batch, schedule="level"):
   """Tree replay of an episode TreeBatch: the level schedule with all leaf siblings in one step, or
   depth-first one leaf at a time."""
   f = batch.levels[-1].tokens.shape[-2]
-  return _tree_step(graphdef, params, batch, _tree_objective, schedule=schedule,
+  return _tree_step(graphdef, params, batch, _objective, schedule=schedule,
                     micro_batch=f if schedule == "level" else 1)
 
 
@@ -170,7 +170,7 @@ def _both(graphdef, params, mode, dtype, advantage="grpo", schedules=SCHEDULES):
   """({schedule: replay's (loss, aux, grads)}, naive's, replay TreeBatch, naive GroupBatch)."""
   _, replay, naive = _layouts(mode, dtype, advantage)
   tree = {s: _replay_step(graphdef, params, replay, s) for s in schedules}
-  return tree, _naive_step(graphdef, params, naive, _group_objective), replay, naive
+  return tree, _naive_step(graphdef, params, naive, _objective), replay, naive
 
 
 # rloo is heavy: grpo runs the same layouts, weights and logged figures in CI; only the per-episode
@@ -214,7 +214,7 @@ def test_unsharing_short_nodes_keeps_every_episode_and_the_gradient_float64(x64)
   # Sharing less changes no (token, episode) term: float64 rounding only against the naive rows.
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
   _, replay, naive = _layouts("sequence_mean", np.float64, shape=lambda etree: merge_short(etree, 8))
-  out, want = _replay_step(graphdef, params, replay), _naive_step(graphdef, params, naive, _group_objective)
+  out, want = _replay_step(graphdef, params, replay), _naive_step(graphdef, params, naive, _objective)
   got, expected = _logged(out, replay), _logged(want, naive)
   assert got["pairs"] == expected["pairs"] == 39 and got["clipped"] == expected["clipped"]
   for k in ("loss", "grad_norm", "kl", "clip_frac"):
@@ -236,8 +236,8 @@ def test_episode_rows_by_the_group_replay_step_equal_naive_rows_float64(x64):
          episode_tree(episodes).model_lengths().tolist()
   assert sum(len(s) for s in episode_tree(episodes).tree.segments) == 6 + 44
   _, _, naive_arrays = _layouts("group_token_mean", np.float64)
-  want_out = _naive_step(graphdef, params, naive_arrays, _group_objective)
-  got_out = _group_replay_step(graphdef, params, naive_arrays, _group_objective)
+  want_out = _naive_step(graphdef, params, naive_arrays, _objective)
+  got_out = _group_replay_step(graphdef, params, naive_arrays, _objective)
   want, got = _logged(want_out, naive_arrays), _logged(got_out, naive_arrays)
   assert want["pairs"] == 39 and want["clipped"] == got["clipped"] > 0
   for k in ("loss", "grad_norm", "kl", "clip_frac"):
@@ -311,7 +311,7 @@ def test_an_observation_token_has_weight_zero_and_its_advantage_and_ref_logp_do_
   cases = [(replay, lambda b, leak=False: b.replace(levels=tuple(perturb(s, o, leak) for s, o in zip(b.levels, obs_levels))),
             lambda b: _replay_step(graphdef, params, b)),
            (naive, lambda b, leak=False: b.replace(branches=perturb(b.branches, obs_naive, leak)),
-            lambda b: _naive_step(graphdef, params, b, _group_objective))]
+            lambda b: _naive_step(graphdef, params, b, _objective))]
   for batch, change, step in cases:
     loss, aux, grads = step(batch)
     loss2, aux2, grads2 = step(change(batch))

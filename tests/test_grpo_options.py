@@ -241,10 +241,9 @@ LENGTHS = [1, 5, 9, 3, 7, 1, 8]    # G = 7, ragged; budget 16 (the bucket); "tru
 TAU = 0.7
 GROUP_OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.05, clip_eps_high=0.08, kl_coef=0.05,
                                     on_policy=False, importance_ratio="sequence")
-TREE_OBJECTIVE = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05,
+# One objective for a tree's nodes and for its trajectories laid out naive (losses.grpo_objective takes both).
+TREE_OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05,
                                    on_policy=False)
-NAIVE_TREE_OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05,
-                                         on_policy=False)
 _HEAD = Policy(temperature=TAU)   # log-probs at the sampling temperature
 _replay = jax.jit(functools.partial(value_and_grad, _HEAD), static_argnums=(0, 3), static_argnames=("micro_batch",))
 _naive = jax.jit(functools.partial(value_and_grad, _HEAD, layout="naive"), static_argnums=(0, 3))
@@ -324,7 +323,7 @@ def _tree_case(dtype):
   naive_arrs = trajectory_group_arrays(TREE, {"old_logp": old, "ref_logp": ref}, w, vocab_size=64, max_positions=256,
                                        completion_bucket=16, advantage=adv)
   return (_tree(graphdef, params, tree_arrs, TREE_OBJECTIVE),
-          _naive(graphdef, params, naive_arrs, NAIVE_TREE_OBJECTIVE))
+          _naive(graphdef, params, naive_arrs, TREE_OBJECTIVE))
 
 
 @pytest.mark.slow   # two compiles: replay and naive

@@ -150,7 +150,7 @@ def _tree_and_naive(graphdef, adapters, base, dtype, schedule):
   padded = pad_tree(TREE)
   arrays = tree_arrays(padded, {"weights": [x.astype(dtype) for x in TREE.node_weights(w)], "old_logp": old,
                                 "ref_logp": ref}, advantage=adv)
-  tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+  tree_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   micro = padded.node_ids[-1].shape[-1] if schedule == "level" else 1
   tree_step = jax.jit(lambda a, b, x: value_and_grad(POLICY, lora.WithBase(graphdef, b), a, x, tree_obj,

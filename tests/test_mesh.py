@@ -364,7 +364,7 @@ def test_sharded_tree_replay_equals_naive():
   # tree function passes down (τ = 1 skips the division: the loop's tree runs, tests/test_train.py).
   graphdef, params = tiny_model()
   tau = 0.7
-  tree_obj = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+  tree_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   group_obj = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   trees, naive_loss, naive_grads, replay_grads = [], 0.0, None, None
   add = lambda a, b: b if a is None else jax.tree_util.tree_map(jnp.add, a, b)

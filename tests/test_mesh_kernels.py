@@ -171,7 +171,7 @@ def test_tree_mesh_step_with_pallas_equals_xla():
   w = obj.trajectory_weights(tree.completion_lengths(), mode="group_token_mean", max_length=16)
   per_node = {"weights": [x.astype(np.float32) for x in tree.node_weights(w)], "old_logp": old, "ref_logp": old}
   units = [tree_arrays(pad_tree(tree), per_node, advantage=adv)]
-  objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+  objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
   want, got = _both(_policy, POLICY, units, objective, (1, 2, 2), "replicated")
   _assert_equal(got, want)
 

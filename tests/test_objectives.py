@@ -261,3 +261,41 @@ def test_preference_loss_refuses_bad_arguments():
     obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo")
   with pytest.raises(ValueError, match="rejected_lengths"):
     obj.dpo_loss(**PAIR, beta=0.1, loss_type="ipo", chosen_lengths=jnp.array([4]), rejected_lengths=jnp.array([0]))
+
+
+def test_a_completion_is_a_tree_node_with_one_trajectory(x64):
+  """One objective per algorithm (P21): grpo_objective / ppo_objective take a completion (weights [T])
+  and a tree node (weights [T, G]). A completion's loss, metric sums and gradient must equal those of
+  the same tokens as a node with G = 1, and a node's must be the sum over its trajectories of each
+  one's completion loss (the loss is a sum of (token, trajectory) terms). Hand data, float64, clipped
+  and unclipped tokens both present (ratios 0.5..1.8 against the clip 0.8..1.28)."""
+  from branch_replay_jax.data.batches import Segments
+  logp = jnp.log(jnp.array([0.5, 0.2, 0.9, 0.3]))
+  old = jnp.log(jnp.array([0.3, 0.4, 0.5, 0.3]))
+  ref = jnp.log(jnp.array([0.4, 0.2, 0.8, 0.5]))
+  mask = jnp.array([True, True, True, False])
+  w = jnp.array([[0.25, 0.1], [0.25, 0.1], [0.0, 0.1], [0.0, 0.0]])   # trajectory 0 leaves the loss at token 2
+  adv = jnp.array([1.0, -0.5])
+  kw = dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, on_policy=False)
+  node = Segments(jnp.zeros(4, jnp.int32), mask, weights=w, advantage=adv, old_logp=old, ref_logp=ref)
+  rows = [Segments(jnp.zeros(4, jnp.int32), mask, weights=w[:, g], advantage=adv[g], old_logp=old, ref_logp=ref)
+          for g in range(2)]
+  grad = lambda seg: jax.grad(lambda lp: obj.grpo_objective(lp, seg, **kw)[0])(logp)
+  node_loss, node_aux = obj.grpo_objective(logp, node, **kw)
+  row_out = [obj.grpo_objective(logp, r, **kw) for r in rows]
+  np.testing.assert_allclose(node_loss, sum(l for l, _ in row_out), rtol=1e-14)
+  for k in ("kl", "clipped"):
+    np.testing.assert_allclose(node_aux[k], sum(a[k] for _, a in row_out), rtol=1e-14)
+  np.testing.assert_allclose(grad(node), grad(rows[0]) + grad(rows[1]), rtol=1e-13)
+  assert float(node_aux["clipped"]) > 0 and float(node_aux["clipped"]) < 4   # both cases exercised
+  one = rows[0].replace(weights=rows[0].weights[:, None], advantage=rows[0].advantage[None])
+  np.testing.assert_array_equal(obj.grpo_objective(logp, one, **kw)[0], row_out[0][0])
+  with pytest.raises(ValueError, match="importance_ratio='sequence' needs whole completions"):
+    obj.grpo_objective(logp, node, **kw, importance_ratio="sequence")
+  ppo_kw = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
+  values, old_values = jnp.array([0.1, 0.4, -0.2, 0.0]), jnp.array([0.0, 0.5, 0.1, 0.0])
+  ppo_node = node.replace(advantage=jnp.stack([adv] * 4), returns=jnp.full((4, 2), 0.3), old_values=old_values)
+  ppo_rows = [ppo_node.replace(weights=w[:, g], advantage=ppo_node.advantage[:, g], returns=ppo_node.returns[:, g])
+              for g in range(2)]
+  np.testing.assert_allclose(obj.ppo_objective(logp, values, ppo_node, **ppo_kw)[0],
+                             sum(obj.ppo_objective(logp, values, r, **ppo_kw)[0] for r in ppo_rows), rtol=1e-14)

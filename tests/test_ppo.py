@@ -89,8 +89,8 @@ def _assert_nonzero_grads(grads, critic):
 
 _group_step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3), static_argnames=("micro_batch",))
 _naive_step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC, layout="naive"), static_argnums=(0, 3))
-_group_objective = functools.partial(obj.ppo_objective, **KW)
-_tree_objective = functools.partial(obj.ppo_tree_objective, **KW)
+# One objective for a tree node and for a completion of the naive layout (losses.*_objective take both).
+_objective = functools.partial(obj.ppo_objective, **KW)
 
 
 # CI runs float64 with the value head and float32 with the separate critic; the other two are heavy
@@ -107,8 +107,8 @@ def test_group_replay_equals_naive_for_policy_and_critic(critic, dtype, tol):
     w = obj.token_weights(group.lengths, shape[1], mode="group_token_mean").astype(dtype)
     arrays = group_arrays(group, weights=w, advantage=rng.normal(size=shape).astype(dtype),
                           returns=rng.normal(size=shape).astype(dtype), **_random_fields(rng, shape, dtype))
-    lr, aux_r, gr = _group_step(graphdef, params, arrays, _group_objective, micro_batch=2)
-    ln, aux_n, gn = _naive_step(graphdef, params, arrays, _group_objective)
+    lr, aux_r, gr = _group_step(graphdef, params, arrays, _objective, micro_batch=2)
+    ln, aux_n, gn = _naive_step(graphdef, params, arrays, _objective)
     assert abs(float(lr) - float(ln)) <= tol * max(1.0, abs(float(ln)))
     assert max_rel_err(gr, gn) <= tol
     assert max_rel_err(aux_r["value"], aux_n["value"]) <= tol
@@ -146,8 +146,8 @@ _naive_fwd = jax.jit(functools.partial(forward, ACTOR_CRITIC, layout="naive"), s
 def _check_tree(tree, critic, dtype, tol):
   graphdef, params = actor_critic(critic, dtype)
   padded, tree_arr, naive_arr = _tree_case(tree, graphdef, params, dtype)
-  lt, _, gt = _tree_step(graphdef, params, tree_arr, _tree_objective)
-  ln, _, gn = _naive_step(graphdef, params, naive_arr, _group_objective)
+  lt, _, gt = _tree_step(graphdef, params, tree_arr, _objective)
+  ln, _, gn = _naive_step(graphdef, params, naive_arr, _objective)
   assert abs(float(lt) - float(ln)) <= tol * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= tol
   _assert_nonzero_grads(gn, critic)

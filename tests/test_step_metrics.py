@@ -51,7 +51,7 @@ def _check_grpo(tree):
                          advantage=adv)
   naive_arr = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=64, max_positions=256,
                                       completion_bucket=T_MAX, advantage=adv)
-  _, aux_t, _ = _grpo_tree(graphdef, params, tree_arr, functools.partial(obj.grpo_tree_objective, **GRPO_KW))
+  _, aux_t, _ = _grpo_tree(graphdef, params, tree_arr, functools.partial(obj.grpo_objective, **GRPO_KW))
   _, aux_n, _ = _grpo_naive(graphdef, params, naive_arr, functools.partial(obj.grpo_objective, **GRPO_KW))
   kl_t, clip_t = (float(x) for x in obj.grpo_aux_sums(aux_t))
   kl_n, clip_n = (float(x) for x in obj.grpo_aux_sums(aux_n))
@@ -72,7 +72,7 @@ def _check_ppo(tree):
   tree_arr = tree_arrays(pad_tree(tree), nodes)
   naive_arr = trajectory_group_arrays(tree, per_node, w, vocab_size=64, max_positions=256, completion_bucket=T_MAX,
                                       **rows)
-  _, aux_t, _ = _ppo_tree(graphdef, params, tree_arr, functools.partial(obj.ppo_tree_objective, **PPO_KW))
+  _, aux_t, _ = _ppo_tree(graphdef, params, tree_arr, functools.partial(obj.ppo_objective, **PPO_KW))
   _, aux_n, _ = _ppo_naive(graphdef, params, naive_arr, functools.partial(obj.ppo_objective, **PPO_KW))
   sums_t, sums_n = ppo._aux_sums("tree", aux_t), ppo._aux_sums("group", aux_n)
   for k in ("policy", "value", "kl"):

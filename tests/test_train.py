@@ -233,6 +233,26 @@ def test_tree_rollouts_replay_equals_naive(tree_run, tmp_path, monkeypatch):
   assert max_rel(final_params(run_dir)[0], final_params(tmp_path)[0]) <= 1e-5
 
 
+def test_a_packed_tree_run_trains_as_the_nested_one_in_one_program(tree_run, tmp_path, monkeypatch):
+  # train.tree_schedule = "packed": each step's trees as rows of one length (data.batches.pack_trees).
+  # The same trees (full and cut by EOS) must train to the nested replay run's parameters (<= 1e-5,
+  # the Adam rounding bound of the replay-vs-naive test) with the same logged figures (float32
+  # rounding for loss, KL and gradient norm), in one program (tests/test_packed.py: trees of three
+  # level layouts, one packed program).
+  from branch_replay_jax.rollout import collect
+  run_dir, history, shapes = tree_run
+  monkeypatch.setattr(collect, "sample_tree", cut_by_eos([]))
+  got = train.train(tree_smoke(tmp_path, **{"train.tree_schedule": "packed"}))
+  assert max_rel(final_params(tmp_path)[0], final_params(run_dir)[0]) <= 1e-5
+  for got_r, want_r in zip(got, history):
+    for name in ("reward_mean", "clip_frac", "token_positions_naive", "token_positions_computed", "completion_len_mean"):
+      assert got_r[name] == want_r[name], name
+    assert got_r["loss"] == pytest.approx(want_r["loss"], rel=1e-4, abs=1e-7)   # on-policy: ~0 (float32 noise)
+    for name in ("kl", "grad_norm"):
+      assert got_r[name] == pytest.approx(want_r[name], rel=1e-4, abs=1e-9), name
+  assert [r["step_compiles"] for r in got] == [1] * len(got)   # both steps' rows: one 64-row bucket
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 @pytest.mark.parametrize("mesh,params,schedule", [
     pytest.param((2, 2, 2), "fsdp", "depth_first", id="2x2x2-fsdp"),

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.core.tree_replay import SCHEDULES
 from branch_replay_jax.data.batches import pad_trees, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
@@ -83,8 +82,8 @@ def random_trees(draw):
 
 _tree_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3), static_argnames=("micro_batch", "schedule"))
 _naive_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))
-_tree_objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
-_group_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+# One objective for a tree node and for a completion of the naive layout (losses.*_objective take both).
+_objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on_policy=False)
 
 
 def _grpo_inputs(tree, mode, dtype, seed=0):
@@ -106,16 +105,20 @@ def _grpo_tree_arrays(tree, mode, dtype, seed=0):
 def _both(tree, graphdef, params, mode, dtype, seed=0):
   """Tree replay under each schedule and the naive group of the tree's trajectories, with the same
   per-token values: ({schedule: (loss, aux, grads)}, naive (loss, aux, grads)). The level schedule
-  runs all leaf siblings in one step (micro_batch = last fan-out), depth-first one at a time."""
+  runs all leaf siblings in one step (micro_batch = last fan-out: the one-pass value_and_grad) and,
+  as "level/1", one leaf sibling per scan step (its per-level pullbacks); depth-first one at a time."""
   adv, old, ref, w = _grpo_inputs(tree, mode, dtype, seed)
   tree_arrs = _grpo_tree_arrays(tree, mode, dtype, seed)
   last_fanout = tree_arrs.levels[-1].tokens.shape[-2]
-  tree_out = {s: _tree_step(graphdef, params, tree_arrs, _tree_objective, schedule=s,
-                            micro_batch=last_fanout if s == "level" else 1) for s in SCHEDULES}
+  runs = {"depth_first": ("depth_first", 1), "level": ("level", last_fanout)}
+  if last_fanout > 1:
+    runs["level/1"] = ("level", 1)
+  tree_out = {name: _tree_step(graphdef, params, tree_arrs, _objective, schedule=s, micro_batch=m)
+              for name, (s, m) in runs.items()}
 
   arrays = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w.astype(dtype), vocab_size=64,
                                    max_positions=256, completion_bucket=L_MAX, advantage=adv)
-  return tree_out, _naive_step(graphdef, params, arrays, _group_objective)
+  return tree_out, _naive_step(graphdef, params, arrays, _objective)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -162,8 +165,8 @@ def test_pad_trees_leaves_replay_loss_gradient_and_logprobs_unchanged(x64):
   padded = pad_trees([arrays, _grpo_tree_arrays(big, "group_token_mean", np.float64, seed=1)])[0]
   assert [x.tokens.shape for x in padded.levels] == [(4, 16), (4, 2, 16)]
   assert [x.weights.shape[-1] for x in padded.levels] == [4, 4]
-  want_loss, want_aux, want_grads = _tree_step(graphdef, params, arrays, _tree_objective)
-  got_loss, got_aux, got_grads = _tree_step(graphdef, params, padded, _tree_objective)
+  want_loss, want_aux, want_grads = _tree_step(graphdef, params, arrays, _objective)
+  got_loss, got_aux, got_grads = _tree_step(graphdef, params, padded, _objective)
   sums = lambda aux: [sum(float(np.sum(level.aux[k])) for level in aux) for k in ("kl", "clipped")]
   (want_kl, want_clipped), (got_kl, got_clipped) = sums(want_aux), sums(got_aux)
   assert want_kl > 0 and want_clipped > 0 and abs(float(want_loss)) > 1e-3   # not vacuous
@@ -191,7 +194,7 @@ def test_loss_weightings_give_the_hand_values_on_a_tree():
   assert len(tree.segments) == 6 and tree_counts(tree)["token_positions_computed"] == 3 + 3 + 20 + 90
   adv = np.array([1.5, -0.5, -0.5, -0.5])
   graphdef, params = tiny_model()
-  objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
+  objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
   for mode, want in [("sequence_mean", 0.0), ("group_token_mean", 70.5 / 153), ("constant", 70.5 / 200)]:
     w = obj.trajectory_weights(tree.completion_lengths(), mode=mode, max_length=50)
     arrays = tree_arrays(pad_tree(tree), {"weights": tree.node_weights(w)}, advantage=adv)
@@ -230,6 +233,6 @@ def test_bad_schedule_and_micro_batch_raise():
   graphdef, params = tiny_model()
   arrays = tree_arrays(pad_tree(tree), {"weights": tree.node_weights(np.ones(3))}, advantage=np.zeros(3))
   with pytest.raises(ValueError, match="schedule='breadth'"):
-    value_and_grad(POLICY, graphdef, params, arrays, _tree_objective, schedule="breadth")
+    value_and_grad(POLICY, graphdef, params, arrays, _objective, schedule="breadth")
   with pytest.raises(ValueError, match="micro_batch=3"):   # the last fan-out is 2
-    value_and_grad(POLICY, graphdef, params, arrays, _tree_objective, micro_batch=3)
+    value_and_grad(POLICY, graphdef, params, arrays, _objective, micro_batch=3)

@@ -200,7 +200,7 @@ def test_sampled_tree_replays(model):
   adv = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
   w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean")
   per_node = {"weights": [x.astype(np.float32) for x in tree.node_weights(w)], "old_logp": r.logprobs}
-  objective = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=False)
+  objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=False)
   graphdef, params = nnx.split(model)
   loss, aux, grads = _tree_step(graphdef, params, tree_arrays(padded, per_node, advantage=adv), objective)
   assert float(loss) == pytest.approx(-2.5, abs=1e-5)

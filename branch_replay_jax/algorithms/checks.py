@@ -8,12 +8,14 @@ combinations."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.core.tree_replay import SCHEDULES as TREE_SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import PARAM_MODES
+from branch_replay_jax.gradients.step import PACKED, TREE_SCHEDULES
 from branch_replay_jax.models import lora, tiny_config
 from branch_replay_jax.outputs.checkpoints import check_run_dir_path
 from branch_replay_jax.rollout.environments import environment_kind
@@ -165,6 +167,14 @@ def validate(config) -> None:
     raise ValueError(f"loss.weighting={l.weighting!r} is not one of {obj.WEIGHTINGS}")
   if t.tree_schedule not in TREE_SCHEDULES:
     raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
+  if t.tree_schedule == PACKED:   # each tree one row with the tree as its attention mask (data.batches.pack_trees)
+    impl = config.model.attention_impl   # "auto" is the jnp attention on a CPU, kernels elsewhere
+    why = ("PPO's critic needs a value per tree node" if config.algorithm == "ppo" else
+           f"model.attention_impl={impl!r}: its kernels take no tree mask; use 'xla'"
+           if impl not in ("xla", "auto") or (impl == "auto" and jax.default_backend() != "cpu") else
+           "a mesh: packed rows run on one device" if validate_mesh_shape(config) else None)
+    if why:
+      raise ValueError(f"train.tree_schedule='packed' does not run here ({why}); use 'depth_first' or 'level'")
   validate_mesh(config)
 
 
@@ -226,12 +236,14 @@ def validate_episode_rollout(config) -> None:
       raise ValueError(f"rollout.episodes.{name}={e[name]!r} must be an int >= 1")
   if e.get("max_episode_tokens") is not None and e.max_episode_tokens < 1:
     raise ValueError(f"rollout.episodes.max_episode_tokens={e.max_episode_tokens!r} must be an int >= 1 or None")
-  if e.get("share", "tree") not in schema.SHARES:
-    raise ValueError(f"rollout.episodes.share={e.share!r} is not one of {schema.SHARES}")
-  if e.get("min_shared_tokens", 32) < 1:
-    raise ValueError(f"rollout.episodes.min_shared_tokens={e.min_shared_tokens!r} must be an int >= 1")
-  if e.get("max_tree_depth", 4) < 1:
-    raise ValueError(f"rollout.episodes.max_tree_depth={e.max_tree_depth!r} must be an int >= 1")
+  defaults = {f.name: f.default for f in dataclasses.fields(schema.EpisodesConfig)}   # the schema's, not again here
+  share, min_shared, depth = (e.get(name, defaults[name]) for name in ("share", "min_shared_tokens", "max_tree_depth"))
+  if share not in schema.SHARES:
+    raise ValueError(f"rollout.episodes.share={share!r} is not one of {schema.SHARES}")
+  if min_shared < 1:
+    raise ValueError(f"rollout.episodes.min_shared_tokens={min_shared!r} must be an int >= 1")
+  if depth < 1:
+    raise ValueError(f"rollout.episodes.max_tree_depth={depth!r} must be an int >= 1")
   if e.few_shot < 0:
     raise ValueError(f"rollout.episodes.few_shot={e.few_shot!r} must be an int >= 0")
   if e.max_context <= e.max_turn_tokens:

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import TreeBatch, num_branches, with_logprobs
+from branch_replay_jax.data.batches import PackedBatch, TreeBatch, num_branches, pack_trees, with_logprobs
 from branch_replay_jax.gradients.heads import Policy
-from branch_replay_jax.gradients.step import forward, value_and_grad
+from branch_replay_jax.gradients.step import PACKED, forward, value_and_grad
 from branch_replay_jax.models.lora import WithBase
 
 # Relative error allowed between replay and naive, by the step's lowest precision: the exactness
@@ -92,11 +92,12 @@ class ExactnessCheck:
           b = with_logprobs(b, "ref_logp", forward(head, graph, ref, b, **kw))
         if self.old:
           b = with_logprobs(b, "old_logp", forward(head, graph, p, b, **kw))
-        objective = objectives["tree" if isinstance(b, TreeBatch) else "group"]
+        objective = objectives["tree" if isinstance(b, (TreeBatch, PackedBatch)) else "group"]
         loss, aux, g = value_and_grad(head, graph, p, b, objective, schedule=t.tree_schedule, **kw)
         return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
       return jax.jit(fn)
     self.replay, self.naive = side("replay"), side("naive")
+    self.packed = t.tree_schedule == PACKED   # a tree's replay side runs as the step runs it: one packed row
     self.pending = False   # a check came due and found no group with unequal rewards yet
 
   def due(self, step: int) -> bool:
@@ -114,7 +115,8 @@ class ExactnessCheck:
     """(loss, Σ k3 KL, gradient) of `group` in `layout` ("replay": `group.batch`; "naive": its naive
     layout), at `params` on one device, reference and old log-probs from the same layout."""
     if layout == "replay":
-      return self.replay(params, self.frozen, ref_params, group.batch)
+      batch = pack_trees([group.batch])[0] if self.packed and isinstance(group.batch, TreeBatch) else group.batch
+      return self.replay(params, self.frozen, ref_params, batch)
     naive_batch = group.naive_batch if group.naive_batch is not None else group.batch
     return self.naive(params, self.frozen, ref_params, naive_batch)
 

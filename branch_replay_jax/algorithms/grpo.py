@@ -51,11 +51,11 @@ from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.placement import mesh_from
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, TreeLayouts, pad_trees, with_logprobs
+from branch_replay_jax.data.batches import GroupBatch, TreeBatch, TreeLayouts, pack_trees, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_groups
 from branch_replay_jax.gradients.heads import Policy
-from branch_replay_jax.gradients.step import batch_forward, compiled_programs, leaf_siblings, make_train_step
+from branch_replay_jax.gradients.step import PACKED, batch_forward, compiled_programs, leaf_siblings, make_train_step
 from branch_replay_jax.models.lora import WithBase, adapters_off
 from branch_replay_jax.algorithms.groups import Group, step_groups
 from branch_replay_jax.rollout.collect import completion_budget
@@ -156,15 +156,14 @@ def validate(config, experiment=None):
 
 
 def objective(config, tree: bool):
-  """The step's objective (losses.grpo_objective, or grpo_tree_objective for a tree) with the
-  config's clip range (`clip_range`), importance ratio, KL coefficient and on-policy setting. A tree
-  takes the token ratio: `validate_options` allows GSPO's sequence ratio on trees only on-policy,
-  where it equals the token ratio in value and gradient."""
+  """The step's objective (losses.grpo_objective, for a group's completions and a tree's nodes alike)
+  with the config's clip range (`clip_range`), importance ratio, KL coefficient and on-policy setting.
+  A tree takes the token ratio: `validate_options` allows GSPO's sequence ratio on trees only
+  on-policy, where it equals the token ratio in value and gradient."""
   l, t = config.loss, config.train
   low, high = clip_range(l)
-  ratio = {} if tree else {"importance_ratio": l.importance_ratio}
-  return functools.partial(obj.grpo_tree_objective if tree else obj.grpo_objective, clip_eps=low,
-                           clip_eps_high=high, kl_coef=l.kl_coef, on_policy=t.inner_epochs == 1, **ratio)
+  return functools.partial(obj.grpo_objective, clip_eps=low, clip_eps_high=high, kl_coef=l.kl_coef,
+                           on_policy=t.inner_epochs == 1, importance_ratio="token" if tree else l.importance_ratio)
 
 
 class GRPOFunctions:
@@ -190,8 +189,10 @@ class GRPOFunctions:
     naive = layout.gradient == "naive"
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = objective(config, layout.tree)
-    # The level layouts the step compiled: a later step's trees pad onto one that holds them.
+    # The level layouts the step compiled: a later step's trees pad onto one that holds them. With
+    # train.tree_schedule = "packed" each tree is one row instead (data.batches.pack_trees, one device).
     self.tree_layouts = TreeLayouts()
+    self.packed = layout.tree and t.tree_schedule == PACKED
     tau = logprob_temperature(config)
     cast, upcast = runs.param_casts(config)
     # LoRA's base on the mesh: placed like the parameters (mesh.params: FSDP or replicated) and
@@ -217,11 +218,14 @@ class GRPOFunctions:
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
     """[(kind, arrays)]: the step's one update unit, its groups (trees) as one stacked batch. One
-    device: `placement.stack_on_device`. A mesh: trees padded to one level layout by `pad_trees`,
+    device: `placement.stack_on_device`, or with train.tree_schedule = "packed" each tree one row
+    (`pack_trees`: one row length and trajectory count for the step). A mesh: trees padded to one level layout by `pad_trees`,
     whose padding adds exact zeros to loss, gradient and metrics; prompts to one length by
     `pad_prompts`; with several processes, each passes its own groups, those with a batch, as its
     part of it, and for trees, which every process holds, the whole batch."""
     kind, local = groups[0].kind, [g.batch for g in groups if g.batch is not None]
+    if self.packed and kind == "tree":
+      return [(kind, stack_groups(pack_trees(local)))]
     if self.mesh is None:
       return [(kind, placement.stack_on_device(local, self.tree_layouts))]
     if kind == "tree":

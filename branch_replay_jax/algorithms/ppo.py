@@ -10,7 +10,7 @@ One step, for `prompts_per_step` prompts of a reasoning-gym task:
      optionally whitened over the step's (token, trajectory) pairs;
   4. `ppo.epochs` passes over the step's groups/trees, shuffled and split into `ppo.minibatches`
      minibatches; each minibatch's mean gradient of the clipped policy loss plus the value loss
-     (losses.ppo_objective / ppo_tree_objective; policy and critic) is applied with AdamW
+     (losses.ppo_objective; policy and critic) is applied with AdamW
      (runs.make_optimizer; the critic's parameters at `ppo.critic_lr_scale` times the rate).
 Runs in the training loop (algorithms/loop.py), which writes RUN_DIR/metrics.jsonl, samples.jsonl, plots, checkpoints.
 With a device mesh (config.mesh: data x branch x seq > 1, distributed/mesh.py; group rollouts,
@@ -129,9 +129,8 @@ class PPOFunctions:
     layout = layout or schema.layout_of(schema.parse(config, expect="ppo"))
     self.naive = layout.gradient == "naive"
     self.mesh, self.param_mode = placement.mesh_from(config), config.mesh.params
-    objective = functools.partial(obj.ppo_tree_objective if layout.tree else obj.ppo_objective,
-                                  clip_eps=config.loss.clip_eps,
-                                  vf_coef=p.vf_coef, value_clip=p.value_clip)
+    objective = functools.partial(obj.ppo_objective, clip_eps=config.loss.clip_eps, vf_coef=p.vf_coef,
+                                  value_clip=p.value_clip)
     cast, upcast = runs.param_casts(config)
     mesh, layout = self.mesh, "naive" if self.naive else "replay"
     # Every compiled shape (a step's trees may stop early: EOS) uses the largest divisor of its leaf

@@ -214,8 +214,10 @@ class TrainConfig:
 @_frozen
 class PolicyTrainConfig(TrainConfig):
   inner_epochs: int = _f("updates per sampled batch; > 1 replays old log-probs first (PPO: must be 1)")
-  tree_schedule: str = _f("tree replay order: depth_first (least memory) or level (faster); trees and episodes "
-                          "(inert on groups)", layouts=("tree", "episode"))
+  tree_schedule: str = _f("how a tree step computes its trees: depth_first (nested replay, least memory), level "
+                          "(nested replay, batched levels) or packed (each tree one row with the tree as its "
+                          "attention mask: one program per row-length bucket; GRPO / RLOO, one device, jnp "
+                          "attention); trees and episodes (inert on groups)", layouts=("tree", "episode"))
   exactness_check_every: int = _f("steps between run-time replay vs naive checks (0: off); GRPO / RLOO only")
 
 

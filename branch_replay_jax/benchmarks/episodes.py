@@ -13,11 +13,12 @@ not depend on them); sibling turns differ in their first token, so the tree is e
 Prints one JSON object per case with:
 - ideal_flop_ratio (naive / replay) and ideal_flop_ratio_prompt_only (naive / prompt-only), both by
   `data.counts.ideal_flop_ratio`, and the token positions each layout computes;
-- naive_s, replay_s, prompt_only_s (median wall seconds of one jitted GRPO gradient step) and their
+- naive_s, replay_s, packed_s, prompt_only_s (median wall seconds of one jitted GRPO gradient step) and their
   CPU seconds (user + system of this process: robust to other jobs on the cores), speedup /
   cpu_speedup of replay and prompt_only_speedup / prompt_only_cpu_speedup against naive, and
   speedup_over_ideal = speedup / ideal_flop_ratio;
-- max_rel_grad_err of replay and of prompt-only against naive;
+- max_rel_grad_err of replay, packed and prompt-only against naive; packed_speedup (and over the ideal,
+  the tree's) and packed_row_length;
 - with config.sampler: the sampler's seconds (wall, CPU) per episode with the KV cache kept across
   turns (`rollout.episode_sampler.EpisodeSampler`, the prompt's K/V shared by the G branches) and
   with the whole history re-prefilled every turn, and the tokens each prefills per episode. The
@@ -28,7 +29,9 @@ TRL train); replay = the episode tree (`episode_tree_arrays` of `episode_tree`):
 and observation computed once (the tree step, rollout.episodes.share = "tree"); prompt-only = the
 naive rows through the group replay step, the prompt computed once and each episode's turns and
 observations one row (rollout.episodes.share = "prompt"; what prompt-only stacks such as
-PrefixGrouper compute; its positions are `data.episodes.prompt_only_tree`'s). All three use the
+PrefixGrouper compute; its positions are `data.episodes.prompt_only_tree`'s); packed = the episode
+tree as one row whose attention mask is the tree (`data.batches.pack_trees`, train.tree_layout =
+"packed"; the tree's positions, each attention pair of the causal triangle computed). All four use the
 same objective terms (GRPO on-policy, as benchmarks/replay.py) and the same jitted step builder
 (`gradients.step.value_and_grad`); each is compiled, run once untimed, then timed `repeats` times in
 this process, one mode after another.
@@ -47,8 +50,9 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.benchmarks.replay import (GRPO_OBJECTIVE, TREE_OBJECTIVE, architecture_of, cpu_seconds, emitter,
+from branch_replay_jax.benchmarks.replay import (GRPO_OBJECTIVE, architecture_of, cpu_seconds, emitter,
                                                  load_model)
+from branch_replay_jax.data.batches import pack_trees
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
                                              episode_tree_arrays, prompt_only_tree)
@@ -147,13 +151,16 @@ def run_case(config, index: int, model, emit) -> dict:
                                                    micro_batch=naive_m, logprob_chunk=config.logprob_chunk))
   naive = _time_step(naive_step, params, naive_arrays, config.repeats)
   record = {"case": index, **{k: case[k] for k in ("P", "T", "O", "fanouts", "turns", "G")}}
-  for name, etree in (("replay", replay_tree), ("prompt_only", prompt_tree)):
-    if name == "replay":
+  for name, etree in (("replay", replay_tree), ("packed", replay_tree), ("prompt_only", prompt_tree)):
+    if name in ("replay", "packed"):
       arrays = episode_tree_arrays(etree, adv, w, prompt_bucket=case["P"], vocab_size=cfg.vocab_size,
                                    max_positions=cfg.max_positions)
       leaf_siblings = arrays.levels[-1].tokens.shape[-2]
       m = leaf_siblings if config.tree_micro_batch == 0 else config.tree_micro_batch
-      step = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, TREE_OBJECTIVE, schedule=config.tree_schedule,
+      if name == "packed":   # the same tree as one row (train.tree_layout = "packed")
+        (arrays,) = pack_trees([arrays])
+        record["packed_row_length"] = int(arrays.row.tokens.shape[0])
+      step = jax.jit(lambda p, a: value_and_grad(POLICY, graphdef, p, a, GRPO_OBJECTIVE, schedule=config.tree_schedule,
                                                  micro_batch=m, logprob_chunk=config.logprob_chunk))
     else:   # the naive rows through the group replay step: the prompt once (rollout.episodes.share = "prompt")
       arrays = naive_arrays
@@ -161,7 +168,7 @@ def run_case(config, index: int, model, emit) -> dict:
                                                  micro_batch=naive_m, logprob_chunk=config.logprob_chunk))
     r = _time_step(step, params, arrays, config.repeats)
     counts = tree_counts(etree.tree, cfg)
-    suffix = "" if name == "replay" else "_prompt_only"
+    suffix = "" if name == "replay" else f"_{name}"
     record.update({f"{name}_s": r["s"], f"{name}_cpu_s": r["cpu_s"], f"{name}_compile_s": r["compile_s"],
                    f"{name}_times": r["times"], f"max_rel_grad_err{suffix}": _rel_err(r["grads"], naive["grads"]),
                    f"ideal_flop_ratio{suffix}": counts["ideal_flop_ratio"],
@@ -172,7 +179,9 @@ def run_case(config, index: int, model, emit) -> dict:
                  "cpu_speedup": naive["cpu_s"] / record["replay_cpu_s"],
                  "prompt_only_speedup": naive["s"] / record["prompt_only_s"],
                  "prompt_only_cpu_speedup": naive["cpu_s"] / record["prompt_only_cpu_s"],
-                 "replay_over_prompt_only": record["prompt_only_s"] / record["replay_s"]})
+                 "replay_over_prompt_only": record["prompt_only_s"] / record["replay_s"],
+                 "packed_speedup": naive["s"] / record["packed_s"], "packed_cpu_speedup": naive["cpu_s"] / record["packed_cpu_s"]})
+  record["packed_speedup_over_ideal"] = record["packed_speedup"] / record["ideal_flop_ratio"]
   record["speedup_over_ideal"] = record["speedup"] / record["ideal_flop_ratio"]
   record["cpu_speedup_over_ideal"] = record["cpu_speedup"] / record["ideal_flop_ratio"]
   if config.sampler:

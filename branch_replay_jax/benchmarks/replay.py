@@ -73,7 +73,6 @@ from branch_replay_jax.gradients.step import forward, value_and_grad
 # The on-policy GRPO step (ratio 1, beta 0, as in Dr. GRPO / DAPO): random old/ref log-probs far
 # from the model's own would make the clipped and KL terms meaningless (exp of large gaps).
 GRPO_OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
-TREE_OBJECTIVE = functools.partial(obj.grpo_tree_objective, clip_eps=0.2, kl_coef=0.0, on_policy=True)
 PPO_OBJECTIVE = functools.partial(obj.ppo_objective, clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
 
 
@@ -243,7 +242,7 @@ def _worker(job: dict) -> dict:
   elif case["kind"] == "tree":
     fn, objective, arrays = (functools.partial(value_and_grad, POLICY, schedule=config.tree_schedule,
                                                **replay_options(config, case, attention_impl)),
-                             TREE_OBJECTIVE, replay_arrays)
+                             GRPO_OBJECTIVE, replay_arrays)
   else:
     fn, objective, arrays = (functools.partial(value_and_grad, POLICY, **replay_options(config, case, attention_impl)),
                              GRPO_OBJECTIVE, replay_arrays)

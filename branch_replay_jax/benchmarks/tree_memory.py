@@ -27,7 +27,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from branch_replay_jax.benchmarks.replay import case_inputs, load_model, GRPO_OBJECTIVE, TREE_OBJECTIVE
+from branch_replay_jax.benchmarks.replay import case_inputs, load_model, GRPO_OBJECTIVE
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
 
@@ -59,9 +59,9 @@ def main(argv):
     steps = {
         "naive_G": (functools.partial(functools.partial(value_and_grad, POLICY, layout="naive"), micro_batch=g), GRPO_OBJECTIVE, naive_arrays),
         "naive_1": (functools.partial(functools.partial(value_and_grad, POLICY, layout="naive"), micro_batch=1), GRPO_OBJECTIVE, naive_arrays),
-        "depth_first": (functools.partial(functools.partial(value_and_grad, POLICY), schedule="depth_first"), TREE_OBJECTIVE,
+        "depth_first": (functools.partial(functools.partial(value_and_grad, POLICY), schedule="depth_first"), GRPO_OBJECTIVE,
                         replay_arrays),
-        "level": (functools.partial(functools.partial(value_and_grad, POLICY), schedule="level"), TREE_OBJECTIVE, replay_arrays),
+        "level": (functools.partial(functools.partial(value_and_grad, POLICY), schedule="level"), GRPO_OBJECTIVE, replay_arrays),
     }
     for mode in c.modes.split(","):
       fn, objective, arrays = steps[mode]

@@ -72,7 +72,7 @@ def _float_leaves(tree: PyTree):
   return [x for x, f in zip(leaves, is_float) if f], rebuild
 
 
-def _reduce_in_backward(reduce: Callable[[list], list], prefix_out: PyTree) -> PyTree:
+def reduce_in_backward(reduce: Callable[[list], list], prefix_out: PyTree) -> PyTree:
   """prefix_out unchanged, except that in the backward pass the cotangent of its float leaves (a list)
   passes through `reduce` (replay_vjp's reduce_prefix_cotangent) on its way to the prefix."""
   floats, rebuild = _float_leaves(prefix_out)
@@ -94,7 +94,7 @@ def _one_micro_batch(prefix_fn, batched_fn, params, branches, reduce_prefix_cota
   def total(p):
     prefix_out = prefix_fn(p)
     if reduce_prefix_cotangent is not None:
-      prefix_out = _reduce_in_backward(reduce_prefix_cotangent, prefix_out)
+      prefix_out = reduce_in_backward(reduce_prefix_cotangent, prefix_out)
     losses, aux = batched_fn(p, prefix_out, branches)
     return jnp.sum(losses), aux
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
+from branch_replay_jax.core.replay import reduce_in_backward
 
 PyTree = Any
 SCHEDULES = ("depth_first", "level")
@@ -131,6 +132,9 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
       does not divide the last fan-out.
   """
   _check("nested_replay_vjp", node_fns, levels, micro_batch, schedule)
+  last_fanout = jax.tree_util.tree_leaves(levels[-1])[0].shape[len(levels) - 1]
+  if schedule == "level" and micro_batch == last_fanout:
+    return _one_pass(prefix_fn, node_fns, params, levels, reduce_prefix_cotangent)
   root_out, root_pullback = jax.vjp(prefix_fn, params)
   root = _partition(root_out)
   if schedule == "depth_first":
@@ -143,6 +147,29 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
   d_root_floats = d_anc[0] if reduce_prefix_cotangent is None else reduce_prefix_cotangent(d_anc[0])
   (d_root,) = root_pullback(_with_float0(root_out, d_root_floats))
   return loss, aux, _add(d_params, d_root)
+
+
+def _one_pass(prefix_fn, node_fns, params, levels, reduce_prefix_cotangent):
+  """The level schedule when the leaves fit one micro-batch: its leaf scan would have one step, so the
+  whole tree is one `jax.value_and_grad` of Σ_n node losses, the root and every level forward as rows
+  (`_as_rows`), as `core.replay.replay_vjp` does for a group at micro_batch = G. Autodiff sums each
+  ancestor's cotangents over its descendants (the transpose of the repeat) and the parameter
+  gradients of all levels, with no zero-initialised accumulator, no scan carry and no pullback per
+  level adding a parameter-sized gradient to another. Same residuals as the level schedule."""
+  def total(p):
+    root = prefix_fn(p)
+    if reduce_prefix_cotangent is not None:
+      root = reduce_in_backward(reduce_prefix_cotangent, root)
+    ancestors, loss, auxes = [root], 0.0, []
+    for d, fn in enumerate(node_fns):
+      out, node_loss, aux = _as_rows(fn, d)(p, tuple(ancestors), levels[d])
+      ancestors.append(out)
+      loss = loss + jnp.sum(node_loss)
+      auxes.append(aux)
+    return loss, auxes
+
+  (loss, aux), grads = jax.value_and_grad(total, has_aux=True)(params)
+  return loss, aux, grads
 
 
 def _loss_dtype(fn, params, ancestors, level, d):

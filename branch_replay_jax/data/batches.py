@@ -14,6 +14,8 @@ field left `None` is no leaf. Builders:
     tree_arrays(padded, per_node, **shared)    -> TreeBatch
     trajectory_group_arrays(tree, ...)         -> GroupBatch of the tree's trajectories (the naive layout)
     pad_trees(trees)                           -> TreeBatches of one shape (a mesh step stacks them)
+    pack_trees(trees)                          -> PackedBatches of one shape: each tree as one row
+                                                  (train.tree_layout = "packed")
 
 One name per quantity: "advantage" is GRPO/RLOO's per-trajectory advantage and PPO's per-token
 GAE advantage alike; its shape (below) says which.
@@ -99,6 +101,30 @@ class TreeBatch:
   levels: tuple
 
 
+@struct.dataclass
+class PackedBatch:
+  """A rollout tree packed into one row: every node once, depth-first (a node, then its subtrees), the
+  prompt first (what AReaL's tree training and TRL #7328 pack). The row's shape is its length alone,
+  not the tree's fan-outs, depths and level lengths, so a run whose trees change every step compiles
+  one program per length bucket it meets (`pack_trees`).
+
+  row: Segments with L = [] (one row) and T the row's padded length: tokens [T] int32; mask [T] bool,
+    True on the tokens the loss scores (every real token but the prompt's); weights [T, G]; advantage
+    [G] (per trajectory) or [T, G] (per token and trajectory: episodes); old_logp, ref_logp [T]: a
+    tree node's fields (`TreeBatch`), its tokens' rows.
+  positions: [T] int32 each token's position in its trajectories (its node's offset + i).
+  key_ends: [T] int32 the row after the last of the token's node's subtree: token j is a key of the
+    tokens i with j <= i < key_ends[j] (its node's later tokens and its descendants'); 0 on padding.
+    Exactly the visibility of the naive rows, where a token sees the tokens of its trajectory's path.
+  predictor: [T] int32 the row whose hidden state predicts the token: the row before it, or for a
+    node's first token the last row of its parent (0 for the prompt and padding, which score nothing).
+  """
+  row: Segments
+  positions: jax.Array
+  key_ends: jax.Array
+  predictor: jax.Array
+
+
 def segments(tokens, mask, **fields) -> Segments:
   """`Segments(tokens, mask, **fields)` as device arrays.
 
@@ -111,16 +137,20 @@ def segments(tokens, mask, **fields) -> Segments:
   return Segments(jnp.asarray(tokens), jnp.asarray(mask), **{k: jnp.asarray(v) for k, v in fields.items()})
 
 
-def num_branches(batch: GroupBatch | TreeBatch) -> int:
-  """Siblings of the last level: G for a group, F_D (the last fan-out) for a tree."""
+def num_branches(batch: GroupBatch | TreeBatch | PackedBatch) -> int:
+  """Siblings of the last level: G for a group, F_D (the last fan-out) for a tree, 1 for a packed row."""
   if isinstance(batch, GroupBatch):
     return batch.branches.tokens.shape[-2]
+  if isinstance(batch, PackedBatch):
+    return 1
   return batch.levels[-1].tokens.shape[-2]
 
 
-def with_logprobs(batch: GroupBatch | TreeBatch, name: str, logp) -> GroupBatch | TreeBatch:
+def with_logprobs(batch: GroupBatch | TreeBatch | PackedBatch, name: str, logp) -> GroupBatch | TreeBatch | PackedBatch:
   """The batch with per-token log-probs in field `name` ("ref_logp" or "old_logp"): logp [(B,) G, T]
-  for a group's branches, or a tree's per-level list [F_1..F_d, T_d]."""
+  for a group's branches, a tree's per-level list [F_1..F_d, T_d], or a packed row's [(B,) T]."""
+  if isinstance(batch, PackedBatch):
+    return batch.replace(row=batch.row.replace(**{name: logp}))
   if isinstance(batch, TreeBatch):
     return batch.replace(levels=tuple(level.replace(**{name: lp}) for level, lp in zip(batch.levels, logp)))
   return batch.replace(branches=batch.branches.replace(**{name: logp}))
@@ -266,8 +296,8 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
   price is at most 2x the positions of a level; docs/design.md, "Trees: slots and levels").
 
   The padding contributes exactly zero to the loss, its gradient and every metric sum, for any
-  objective that weighs its (token, trajectory) terms by `weights` (`losses.grpo_tree_objective`,
-  `losses.ppo_tree_objective`): a masked token is never a visible key (no real token's
+  objective that weighs its (token, trajectory) terms by `weights` (`losses.grpo_objective`,
+  `losses.ppo_objective`): a masked token is never a visible key (no real token's
   activations change), its log-prob is 0 (`jnp.where(mask, ...)`, whose gradient there is 0),
   its terms are multiplied by weights 0 (0 times a finite value, whose gradient is 0 too), and the
   metric sums (KL, clipped) count only pairs with weights > 0 on real tokens. An empty slot's
@@ -325,3 +355,106 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
       levels.append(Segments(**fields))
     return t.replace(levels=tuple(levels))
   return [pad(t) for t in trees]
+
+
+PACKED_BUCKETS_PER_OCTAVE = 2
+"""Lengths per doubling of a packed row (`pack_trees`): at most 2 programs per doubling of the trees'
+size, at most 1/sqrt(2) - 1 = 41% padding."""
+
+
+def _pack_one(tree: TreeBatch):
+  """(per-row lists: tokens, positions, key_ends, predictor, scored; per-row field values {name: [rows]};
+  the per-trajectory advantage [G] or None) of one unstacked TreeBatch, depth-first over its slots."""
+  t = jax.tree_util.tree_map(np.asarray, tree)
+  p = int(t.prompt_len)
+  names = [f for f in LOSS_FIELDS if getattr(t.levels[0], f) is not None]
+  per_trajectory = {f for f in names if f == "advantage" and getattr(t.levels[0], f).ndim == 2}   # [F_1, G]
+  tokens, positions, predictor = list(t.prompt_ids[:p]), list(range(p)), [0] * p
+  key_ends, scored = [0] * p, [False] * p
+  fields = {f: [] for f in names if f not in per_trajectory}
+  shared = [None]
+
+  def visit(d, slot, parent_last, offset):
+    level = t.levels[d]
+    n = int(level.mask[slot].sum())
+    if n == 0:   # an empty slot: no node here, nor below
+      return
+    first = len(tokens)
+    tokens.extend(level.tokens[slot][:n])
+    positions.extend(range(offset, offset + n))
+    predictor.extend([parent_last] + list(range(first, first + n - 1)))
+    scored.extend([True] * n)
+    key_ends.extend([0] * n)
+    for f in fields:   # per-token fields: [T_d] or [T_d, G] in a slot
+      fields[f].extend(getattr(level, f)[slot][:n])
+    if per_trajectory and shared[0] is None:
+      shared[0] = level.advantage[slot]
+    if d + 1 < len(t.levels):
+      for i in range(t.levels[d + 1].tokens.shape[d + 1]):
+        visit(d + 1, slot + (i,), first + n - 1, offset + n)
+    key_ends[first:first + n] = [len(tokens)] * n
+
+  for i in range(t.levels[0].tokens.shape[0]):
+    visit(0, (i,), p - 1, p)
+  key_ends[:p] = [len(tokens)] * p
+  return tokens, positions, key_ends, predictor, scored, fields, shared[0]
+
+
+def pack_trees(trees: Sequence[TreeBatch], *, length: int | None = None) -> list[PackedBatch]:
+  """Each rollout tree as one row (`PackedBatch`), all padded to one length and one trajectory count.
+
+  The row holds the prompt's real tokens (not its bucket's padding), then every node's real tokens
+  depth-first, each node's fields (weights, advantage, old_logp, ref_logp) on its tokens' rows. The
+  rows are padded to `length` or, by default, the longest row's bucket (`bucket_length` with
+  PACKED_BUCKETS_PER_OCTAVE lengths per doubling, >= 64), and the trailing trajectory axis G to the
+  trees' largest; padding rows and trajectories have token 0, mask False, key end 0 and fields 0.
+
+  Exact: a token sees the keys its naive row sees (its trajectory's earlier tokens, at the same
+  positions) and is scored from the same hidden state, so the loss and gradient equal the naive
+  layout's and the level layout's up to float summation order (tests/test_packed.py). The padding adds
+  exact zeros (never a key; weights 0).
+
+  Args:
+    trees: unstacked TreeBatches (`tree_arrays`, `data.episodes.episode_tree_arrays`), each with the
+      same Segments fields set.
+    length: the rows' padded length, or None (the bucket of the longest).
+
+  Returns:
+    The PackedBatches in order, of one shape.
+
+  Raises:
+    ValueError: no trees, something other than a TreeBatch, trees that set different fields, or a
+      length shorter than a tree's row.
+  """
+  if not trees or not all(isinstance(t, TreeBatch) for t in trees):
+    raise ValueError(f"pack_trees: needs one or more TreeBatches, got {[type(t).__name__ for t in trees]}")
+  names = {tuple(f for f in FIELDS if getattr(level, f) is not None) for t in trees for level in t.levels}
+  if len(names) != 1:
+    raise ValueError(f"pack_trees: the trees' levels set different Segments fields: {sorted(names)}")
+  packed = [_pack_one(t) for t in trees]
+  longest = max(len(p[0]) for p in packed)
+  if length is None:
+    length = bucket_length(longest, minimum=64, per_octave=PACKED_BUCKETS_PER_OCTAVE)
+  if length < longest:
+    raise ValueError(f"pack_trees: length={length} is shorter than a packed tree ({longest} tokens)")
+  g = max(np.shape(t.levels[0].weights)[-1] for t in trees) if trees[0].levels[0].weights is not None else 0
+  ref = trees[0].levels[0]
+
+  def pad(values, dtype, trailing=(), start=0):   # values on rows start.., the rest 0
+    out = np.zeros((length,) + trailing, dtype)
+    if len(values):
+      v = np.asarray(values, dtype)
+      out[start:start + len(v)][(slice(None),) + tuple(slice(0, n) for n in v.shape[1:])] = v
+    return out
+
+  out = []
+  for tokens, positions, key_ends, predictor, scored, fields, shared in packed:
+    row, prompt = {}, len(tokens) - sum(scored)   # node fields start after the prompt's rows
+    for f, values in fields.items():
+      has_g = f in TRAJECTORY_FIELDS
+      row[f] = jnp.asarray(pad(values, getattr(ref, f).dtype, (g,) if has_g else (), start=prompt))
+    if shared is not None:
+      row["advantage"] = jnp.asarray(np.pad(shared, (0, g - len(shared))))
+    out.append(PackedBatch(segments(pad(tokens, np.int32), pad(scored, bool), **row), jnp.asarray(pad(positions, np.int32)),
+                           jnp.asarray(pad(key_ends, np.int32)), jnp.asarray(pad(predictor, np.int32))))
+  return out

@@ -9,8 +9,8 @@ episodes of one problem as a tree, and their two layouts (docs/design.md, "Episo
 Every token is attended (it is in the K/V of the tokens after it); only the tokens the model sampled
 carry loss. An observation token (everything the environment or the chat template inserted, up to
 and including the next turn's generation prompt) has weight 0 and advantage 0, so it adds nothing
-to the loss, its KL term, its clip count or a value target (`losses.grpo_objective`,
-`losses.grpo_tree_objective` weigh every per-token term and count only tokens with weight > 0).
+to the loss, its KL term, its clip count or a value target (`losses.grpo_objective`, `losses.ppo_objective`
+weighs every per-token term and counts only tokens with weight > 0).
 
     episode_tree(episodes)                                   -> EpisodeTree (the trie of the episodes)
     prompt_only_tree(episodes)                               -> EpisodeTree (the prompt shared, nothing else)

@@ -87,7 +87,7 @@ class ActorCritic:
   trunk (whose K/V and hidden states are carried beside the policy's).
 
   The objective is `objective(logp [T], values [T], branch) -> (loss, aux)` (losses.ppo_objective,
-  ppo_tree_objective); forward-only passes return `LogprobsValues`.
+  a completion's or a tree node's); forward-only passes return `LogprobsValues`.
   """
   temperature: float = 1.0
 

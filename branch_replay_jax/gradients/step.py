@@ -42,15 +42,19 @@ from flax import struct
 from branch_replay_jax.core.accumulate import (fit_micro_batch, merge_micro_batches, scan_value_and_grad,
                                               split_micro_batches)
 from branch_replay_jax.core.replay import replay_map, replay_vjp
-from branch_replay_jax.core.tree_replay import nested_replay_map, nested_replay_vjp
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, num_branches
+from branch_replay_jax.core.tree_replay import SCHEDULES, nested_replay_map, nested_replay_vjp
+from branch_replay_jax.data.batches import GroupBatch, PackedBatch, TreeBatch, num_branches
 from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
-from branch_replay_jax.gradients.heads import SegmentOutputs
+from branch_replay_jax.gradients.heads import Policy, SegmentOutputs
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.lora import WithBase, merge
 
 LAYOUTS = ("replay", "naive")
+# How a tree step computes its tree (train.tree_schedule): core.tree_replay's schedules over a TreeBatch,
+# or "packed": each tree one row (`data.batches.pack_trees`, packed on the host before the step).
+TREE_SCHEDULES = SCHEDULES + ("packed",)
+PACKED = "packed"
 Objective = Callable[..., tuple[jax.Array, Any]]
 
 
@@ -157,6 +161,33 @@ def _row_ancestor(state: dict) -> dict:
   return {**state, "kv": kv}
 
 
+def _packed_outputs(head, model, batch: PackedBatch, chunk) -> SegmentOutputs:
+  """`SegmentOutputs` [1, T, ...] of a packed tree's row (`data.batches.PackedBatch`): one forward of the
+  row with each token's position and its node's key end (a token sees exactly its trajectory's earlier
+  tokens), each token scored from its predictor's hidden state. A Policy head only: an ActorCritic's
+  next value is a node's, which one row does not have."""
+  if not isinstance(head, Policy):
+    raise ValueError("value_and_grad: a PackedBatch trains a Policy head (GRPO / RLOO); PPO's critic takes the "
+                     "level layout (train.tree_layout = 'levels')")
+  row = batch.row
+  h = model(row.tokens[None], batch.positions[None], valid_bt=batch.key_ends[None]).hidden_btd
+  shifted = jnp.take(h, batch.predictor, axis=1)
+  return head.outputs(model, {"policy": shifted}, row.tokens[None], row.mask[None], chunk, {"policy": h[:, -1]})
+
+
+def _packed_value_and_grad(head, graphdef, params, batch: PackedBatch, objective, chunk):
+  """(loss, aux, grads) of a packed tree: one `jax.value_and_grad` of the objective over its one row, a
+  tree node of T tokens and G trajectories (`losses.grpo_objective`); aux as a tree's, one level of one
+  slot ([NodeOutputs [1, ...]])."""
+  def total(p):
+    out = _packed_outputs(head, merge(graphdef, p), batch, chunk)
+    loss, aux = head.loss(objective, jax.tree_util.tree_map(lambda x: x[0], out), batch.row)
+    return loss, [NodeOutputs(out.logp, jax.tree_util.tree_map(lambda x: x[None], aux), out.values)]
+
+  (loss, aux), grads = jax.value_and_grad(total, has_aux=True)(params)
+  return loss, aux, grads
+
+
 def naive_batch(batch: GroupBatch):
   """(tokens [G, P_pad + T], valid [G, P_pad + T], offset): full sequences, LEFT-padded so every
   completion starts at column P_pad; offset -(P_pad - prompt_len) puts the first real prompt token
@@ -189,6 +220,9 @@ def _naive_outputs(head, model, tokens, valid, offset, p_pad, chunk) -> SegmentO
 def _check(layout, batch, mesh):
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+  if isinstance(batch, PackedBatch) and (layout != "replay" or mesh is not None):
+    raise ValueError(f"a PackedBatch runs in layout='replay' on one device (got layout={layout!r}, "
+                     f"mesh={'set' if mesh is not None else None})")
   if layout == "naive" and not isinstance(batch, GroupBatch):
     raise ValueError("layout='naive' takes a GroupBatch (a tree's trajectories as a group: Group.naive_batch), "
                      f"got {type(batch).__name__}")
@@ -205,6 +239,8 @@ def leaf_siblings(batch: GroupBatch | TreeBatch, mesh=None) -> int:
   F_D; on a mesh, of a stacked batch, G / branch, and F_1 / branch for a one-level tree (F_1 is split
   over `branch`, a deeper tree's last fan-out is not)."""
   branch = 1 if mesh is None else mesh.shape["branch"]
+  if isinstance(batch, PackedBatch):
+    return 1
   if isinstance(batch, GroupBatch):
     return batch.branches.tokens.shape[-2] // branch
   f = batch.levels[-1].tokens.shape[-2]
@@ -235,8 +271,8 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
     head: `heads.Policy` or `heads.ActorCritic` (its temperature τ divides the logits).
     batch: a `GroupBatch` (`data.batches.group_arrays`) or `TreeBatch` (`tree_arrays`) with the
       objective's fields; with a mesh, a stack of them [B, ...] placed by `mesh.shard_batch`.
-    objective: the head's objective (`heads.Policy.loss`), for a tree one node's (e.g.
-      `losses.grpo_tree_objective`).
+    objective: the head's objective (`heads.Policy.loss`): one completion's or one tree node's
+      (`losses.grpo_objective`, `losses.ppo_objective` take both).
     micro_batch: completions (a tree's leaf siblings; naive: sequences) per scan step, a divisor of
       their count on this device; None: all of them in one step (no scan; the fastest).
     schedule: tree replay's "depth_first" (least memory) or "level" (batched levels), core/tree_replay.py.
@@ -278,6 +314,8 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
       return _replay_value_and_grad(head, g, local, one, objective, _micro_batch(micro_batch, one), schedule,
                                     logprob_chunk, reduce=reduce, **_seq_split(head, g, local, one, mesh))
     return meshes.mesh_value_and_grad(per_group, params, batch, mesh, frozen=frozen)
+  if isinstance(batch, PackedBatch):
+    return _packed_value_and_grad(head, graphdef, params, batch, objective, logprob_chunk)
   m = _micro_batch(micro_batch, batch)
   if layout == "naive":
     return _naive_value_and_grad(head, graphdef, params, batch, objective, m, logprob_chunk)
@@ -349,6 +387,8 @@ def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: st
       return _replay_forward(head, g, local, one, _micro_batch(micro_batch, one), logprob_chunk,
                              **_seq_split(head, g, local, one, mesh))
     return meshes.mesh_map(per_group, params, batch, mesh, frozen=frozen)
+  if isinstance(batch, PackedBatch):
+    return head.forward_result(_packed_outputs(head, merge(graphdef, params), batch, logprob_chunk))[0]
   if layout == "naive":
     tokens, valid, offset = naive_batch(batch)
     return head.forward_result(_naive_outputs(head, merge(graphdef, params), tokens, valid, offset,
@@ -498,5 +538,6 @@ def compiled_programs(train_step) -> int:
   """How many programs `train_step` (a `make_train_step` result, a `jax.jit` function) has compiled so
   far in this process: one per stacked batch shape (and `keep`-ness) it met. The loop logs it as
   `step_compiles`; a step's trees pad onto bucketed level layouts (`data.batches.pad_trees`,
-  `TreeLayouts`), so a run whose trees change every step meets few shapes."""
+  `TreeLayouts`), or packed, onto row-length buckets (`data.batches.pack_trees`), so a run whose trees
+  change every step meets few shapes."""
   return train_step._cache_size()

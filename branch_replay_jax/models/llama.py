@@ -116,7 +116,10 @@ class SegmentOutput(NamedTuple):
 
 
 def _positions(offset, b: int, t: int) -> jax.Array:
-  """[B, T] int32 absolute positions offset + i of a segment's tokens (offset an int or [B])."""
+  """[B, T] int32 absolute positions offset + i of a segment's tokens (offset an int or [B]), or offset
+  itself when it is [B, T] (every token's own position: a packed tree's restart at each branch)."""
+  if jnp.ndim(offset) == 2:
+    return jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (b, t))
   positions = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1)) + jnp.arange(t, dtype=jnp.int32)[None]
   return jnp.broadcast_to(positions, (b, t))
 
@@ -300,11 +303,14 @@ class Llama(nnx.Module):
     Args:
       tokens_bt: [B, T] int token ids.
       offset: int or [B] int: absolute position of the segment's first token (the sum of its
-        ancestors' lengths). RoPE uses offset + i.
+        ancestors' lengths). RoPE uses offset + i. Or [B, T] int: each token's position (a packed
+        tree, `data.batches.PackedBatch`: positions restart at every branch).
       ancestors: stacked KV blocks of the ancestors, k, v [L, B or 1, S, Hkv, D], valid
         [B or 1, S]; every ancestor key is visible to every query of the segment.
       valid_bt: [B, T] bool, False on padding; default all True. Padded positions are masked
-        out as keys; their own outputs are garbage that callers must mask.
+        out as keys; their own outputs are garbage that callers must mask. Or [B, T] int32 key
+        ends (a packed tree): token j is a key of the tokens i with j <= i < valid_bt[j], its
+        node's subtree (0: padding); the jnp attention only (`kernels.reference.KVBlock`).
       attention: a `suffix_attention`-compatible function replacing the model's own (default:
         `attention_impl`); context parallelism passes the wrappers of `kernels/context_parallel.py`.
 
