@@ -222,14 +222,15 @@ def _tile(blocks, block: int, start, size: int, causal: bool, rows=None):
   return _take(k, start, size, 2), _take(v, start, size, 2), mask
 
 
-def _unless_masked(block: int, blocks, mask, fn, carry):
-  """fn(carry), skipped (carry unchanged) where an own tile of int32 key ends (a packed tree's row,
-  `reference.KVBlock`) hides every key from every query of the chunk: the keys of a sibling subtree
-  that ended before the chunk. Such a tile adds exactly nothing (its probabilities are 0), so the
-  skip changes no value; it saves the tile's score and gradient work. Other tiles always run."""
+def _unless_masked(block: int, blocks, mask, fn, carry, skipped=lambda c: c):
+  """fn(carry), or skipped(carry) (default: carry unchanged) where an own tile of int32 key ends (a
+  packed tree's row, `reference.KVBlock`) hides every key from every query of the chunk: the keys of
+  a sibling subtree that ended before the chunk. Such a tile adds exactly nothing (its probabilities
+  are 0), so the skip changes no value; it saves the tile's score and gradient work. Other tiles
+  always run fn."""
   if block != len(blocks) - 1 or not jnp.issubdtype(blocks[block][2].dtype, jnp.integer):
     return fn(carry)
-  return lax.cond(jnp.any(mask), fn, lambda c: c, carry)
+  return lax.cond(jnp.any(mask), fn, skipped, carry)
 
 
 def query_chunks(t: int, chunk: int) -> tuple[int, int]:
@@ -339,16 +340,18 @@ def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int,
     rows_c = c * chunk + jnp.arange(chunk)
 
     def visit(tile, carry):
+      dq_c, d_blocks = carry
       block, start, size, _ = tile
       k, v, mask = _tile(blocks, *tile, rows_c)
-
-      def add(carry):
-        dq_c, d_blocks = carry
-        dq_tile, dk_tile, dv_tile = _grad_tile(q_c, d_out_c, lse_c, delta_c, k, v, mask)
-        dk, dv = d_blocks[block]
-        d_kv = (_add_at(dk, dk_tile, start, 2), _add_at(dv, dv_tile, start, 2))
-        return dq_c + dq_tile, d_blocks[:block] + (d_kv,) + d_blocks[block + 1:]
-      return _unless_masked(block, blocks, mask, add, carry)
+      grads = lambda _: _grad_tile(q_c, d_out_c, lse_c, delta_c, k, v, mask)
+      # Only the tile's own gradients go through the skip's cond, not the carry: a cond returning the
+      # whole dK/dV buffers would copy them at every tile.
+      dq_tile, dk_tile, dv_tile = _unless_masked(block, blocks, mask, grads, None,
+                                                 skipped=lambda _: jax.tree_util.tree_map(
+                                                     jnp.zeros_like, jax.eval_shape(grads, None)))
+      dk, dv = d_blocks[block]
+      d_kv = (_add_at(dk, dk_tile, start, 2), _add_at(dv, dv_tile, start, 2))
+      return dq_c + dq_tile, d_blocks[:block] + (d_kv,) + d_blocks[block + 1:]
 
     carry = (vary(jnp.zeros(q_c.shape, acc)), d_blocks)
     for block, start, size, count in looped:

@@ -39,10 +39,11 @@ def _scripted_calc_run(run_dir, monkeypatch, **overrides):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_episodes_on_a_mesh_train_as_on_one_device(tmp_path, monkeypatch):
-  # The same scripted episodes (2 problems x 4 episodes a step, 2 steps) on one device and on a
-  # 2x2x2 FSDP mesh: problems over data, first-level subtrees over branch, the prompt over seq.
-  # Every episode tree has first fan-out 1 (all 4 share the first call), padded to 2 for the
-  # branch axis (data.batches.pad_trees(branch=)) with exact zeros. The sharded step sums the same
+  # The same scripted episodes (2 problems x 4 episodes a step, 2 steps) on one device (the experiment's
+  # packed rows) and on a 2x2x2 FSDP mesh (nested replay, depth-first): problems over data,
+  # first-level subtrees over branch, the prompt over seq. Every episode tree has first fan-out 1
+  # (all 4 share the first call), padded to 2 for the branch axis (data.batches.pad_trees(branch=))
+  # with exact zeros. The sharded step sums the same
   # terms in another order: parameters equal to Adam's rounding bound (1e-5, as the tree mesh test),
   # the logged metrics to float32 rounding, the episode counts exactly. (The run-time exactness
   # check stays off, as the smoke variant has it: on a mesh it runs the one-device check on a
@@ -51,7 +52,7 @@ def test_episodes_on_a_mesh_train_as_on_one_device(tmp_path, monkeypatch):
   from conftest import final_params, max_rel
   one = _scripted_calc_run(tmp_path / "one", monkeypatch)
   mesh = _scripted_calc_run(tmp_path / "mesh", monkeypatch, **{"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2,
-                                                                "mesh.params": "fsdp"})
+                                                                "mesh.params": "fsdp", "train.tree_schedule": "depth_first"})
   assert max_rel(final_params(tmp_path / "mesh")[0], final_params(tmp_path / "one")[0]) <= 1e-5
   for got, want in zip(mesh, one):
     for name in ("reward_mean", "token_positions_naive", "token_positions_computed", "tool_calls_per_episode",

@@ -358,8 +358,8 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
 
 
 PACKED_BUCKETS_PER_OCTAVE = 4
-"""Lengths per doubling of a packed row (`pack_trees`): at most 4 programs per doubling of the trees'
-size, at most 2^(1/4) - 1 = 19% padding (2 per doubling padded a 5,888-token episode tree to 8,192)."""
+"""Lengths per doubling of a packed row (`pack_trees`, `data.groups.bucket_length`): at most 4 programs per
+doubling of the trees' size, padding under 1/4 of the row (with 2 a 5,888-token episode tree took 8,192)."""
 
 
 def _pack_one(tree: TreeBatch):
