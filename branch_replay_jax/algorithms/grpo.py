@@ -183,8 +183,8 @@ class GRPOFunctions:
 
   def __init__(self, config, graphdef, frozen=None, optimizer=None, layout: schema.Layout | None = None):
     t = config.train
-    # Trees and episode trees (data/episodes.py; rollout.episodes.share = "tree") replay with the tree
-    # objective; groups, and every layout's rows, with the group one (`schema.Layout.tree`).
+    # Trees and episode trees (data/episodes.py; rollout.episodes.share = "tree") take the token ratio;
+    # groups, and every layout's rows, loss.importance_ratio (`objective`, `schema.Layout.tree`).
     layout = layout or schema.layout_of(schema.parse(config, expect="grpo"))
     naive = layout.gradient == "naive"
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params

@@ -356,8 +356,8 @@ class Layout:
 
   @property
   def tree(self) -> bool:
-    """Whether a step trains TreeBatches with its algorithm's tree objective (replay of a sampled tree
-    or of an episode tree); otherwise GroupBatches (a group, or any rollout's rows) with the group one."""
+    """Whether a step trains trees (replay of a sampled tree or of an episode tree: TreeBatches, or packed
+    rows with train.tree_schedule = "packed"); otherwise GroupBatches (a group, or any rollout's rows)."""
     return self.gradient == "replay" and self.share == "tree"
 
 
