@@ -359,7 +359,7 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
 
 PACKED_BUCKETS_PER_OCTAVE = 4
 """Lengths per doubling of a packed row (`pack_trees`, `data.groups.bucket_length`): at most 4 programs per
-doubling of the trees' size, padding under 1/4 of the row (with 2 a 5,888-token episode tree took 8,192)."""
+doubling of the trees' size, padding under 1/4 of the row (a 2,688-token tree takes 3,072 rows)."""
 
 
 def _pack_one(tree: TreeBatch):
