@@ -128,3 +128,33 @@ def test_packed_rows_are_refused_where_they_do_not_run():
     pack_trees([_grpo_tree_arrays(tree, "sequence_mean", np.float32)], length=4)
   with pytest.raises(ValueError, match="needs one or more TreeBatches"):
     pack_trees([packed])
+
+
+def test_a_tree_without_weights_packs_its_trajectory_fields():
+  # A forward-only tree (advantage and old log-probs, no weights) still has a trajectory axis G = 3
+  # (3 prompt rows, then the 6 tokens of nodes [1, 2], [3], [9, 4], [8]):
+  # pack_trees reads it from any per-trajectory field, as pad_trees does.
+  from branch_replay_jax.data.batches import tree_arrays
+  from branch_replay_jax.data.trees import pad_tree
+  tree = tree_from_trajectories([5, 6, 7], [[1, 2, 3], [1, 2, 9, 4], [8]])
+  old = [np.full(len(s), -1.0, np.float32) for s in tree.segments]
+  (packed,) = pack_trees([tree_arrays(pad_tree(tree), {"old_logp": old}, advantage=np.arange(3.0, dtype=np.float32))])
+  assert packed.row.weights is None and packed.row.advantage.tolist() == [0.0, 1.0, 2.0]
+  assert np.asarray(packed.row.old_logp)[3:9].tolist() == [-1.0] * 6 and not np.asarray(packed.row.old_logp)[9:].any()
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    ({"model.attention_impl": "pallas"}, True),                          # a tree rollout: its kernels take no key ends
+    ({"model.attention_impl": "pallas", "train.gradient": "naive"}, False),   # naive rows: packed is inert
+])
+def test_packed_is_refused_only_where_a_tree_would_run_packed(tmp_path, overrides, refused):
+  from conftest import experiment_config
+  from branch_replay_jax.algorithms import grpo
+  from experiments import grpo_tree_smollm2_arith
+  config = experiment_config(grpo_tree_smollm2_arith, "smoke", tmp_path,
+                             **{"train.tree_schedule": "packed", **overrides})
+  if refused:
+    with pytest.raises(ValueError, match="train.tree_schedule='packed' does not run here .model.attention_impl='pallas'"):
+      grpo.validate(config)
+  else:
+    grpo.validate(config)

@@ -133,6 +133,13 @@ def validate_eval(config) -> None:
                      "so seeds at least task.size apart share no items)")
 
 
+def _episodes_field(episodes, name: str):
+  """rollout.episodes.NAME, or the schema's default where the config leaves it out (not written again here)."""
+  from branch_replay_jax.algorithms import schema
+  default = {f.name: f.default for f in dataclasses.fields(schema.EpisodesConfig)}[name]
+  return episodes.get(name, default)
+
+
 def validate(config) -> None:
   """Raise ValueError (naming the field and value) for rollout, update, loss-weight and mesh settings
   that cannot run, or that would be silently ignored, before any compute. Shared by GRPO and PPO;
@@ -167,7 +174,10 @@ def validate(config) -> None:
     raise ValueError(f"loss.weighting={l.weighting!r} is not one of {obj.WEIGHTINGS}")
   if t.tree_schedule not in TREE_SCHEDULES:
     raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
-  if t.tree_schedule == PACKED:   # each tree one row with the tree as its attention mask (data.batches.pack_trees)
+  episodes = r.get("episodes")
+  trees = t.gradient == "replay" and (bool(r.get("tree_fanouts")) or (
+      episodes is not None and _episodes_field(episodes, "share") == "tree"))
+  if t.tree_schedule == PACKED and trees:   # each tree one row with the tree as its attention mask (pack_trees)
     impl = config.model.attention_impl   # "auto" is the jnp attention on a CPU, kernels elsewhere
     why = ("PPO's critic needs a value per tree node" if config.algorithm == "ppo" else
            f"model.attention_impl={impl!r}: its kernels take no tree mask; use 'xla'"
@@ -236,8 +246,7 @@ def validate_episode_rollout(config) -> None:
       raise ValueError(f"rollout.episodes.{name}={e[name]!r} must be an int >= 1")
   if e.get("max_episode_tokens") is not None and e.max_episode_tokens < 1:
     raise ValueError(f"rollout.episodes.max_episode_tokens={e.max_episode_tokens!r} must be an int >= 1 or None")
-  defaults = {f.name: f.default for f in dataclasses.fields(schema.EpisodesConfig)}   # the schema's, not again here
-  share, min_shared, depth = (e.get(name, defaults[name]) for name in ("share", "min_shared_tokens", "max_tree_depth"))
+  share, min_shared, depth = (_episodes_field(e, name) for name in ("share", "min_shared_tokens", "max_tree_depth"))
   if share not in schema.SHARES:
     raise ValueError(f"rollout.episodes.share={share!r} is not one of {schema.SHARES}")
   if min_shared < 1:

@@ -52,6 +52,7 @@ from ml_collections import config_flags
 from branch_replay_jax import losses as obj
 from branch_replay_jax.benchmarks.replay import (GRPO_OBJECTIVE, architecture_of, cpu_seconds, emitter,
                                                  load_model)
+from branch_replay_jax.core.tree_replay import SCHEDULES
 from branch_replay_jax.data.batches import pack_trees
 from branch_replay_jax.data.counts import tree_counts
 from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
@@ -204,6 +205,8 @@ def main(argv):
   config = flags.FLAGS.config
   for i in range(len(config.cases)):
     parse_case(config.cases[i])   # refuse a bad case before any compile
+  if config.tree_schedule not in SCHEDULES:   # packed rows are timed as their own mode
+    raise ValueError(f"bench_episodes: tree_schedule={config.tree_schedule!r} is not one of {SCHEDULES}")
   model = load_model(config, remat=config.remat)
   emit = emitter(config.output)
   for i in range(len(config.cases)):

@@ -431,13 +431,15 @@ def pack_trees(trees: Sequence[TreeBatch], *, length: int | None = None) -> list
   names = {tuple(f for f in FIELDS if getattr(level, f) is not None) for t in trees for level in t.levels}
   if len(names) != 1:
     raise ValueError(f"pack_trees: the trees' levels set different Segments fields: {sorted(names)}")
+  names = names.pop()
   packed = [_pack_one(t) for t in trees]
   longest = max(len(p[0]) for p in packed)
   if length is None:
     length = bucket_length(longest, minimum=64, per_octave=PACKED_BUCKETS_PER_OCTAVE)
   if length < longest:
     raise ValueError(f"pack_trees: length={length} is shorter than a packed tree ({longest} tokens)")
-  g = max(np.shape(t.levels[0].weights)[-1] for t in trees) if trees[0].levels[0].weights is not None else 0
+  g = max((getattr(level, f).shape[-1] for t in trees for level in t.levels for f in names if f in TRAJECTORY_FIELDS),
+          default=0)   # the trailing trajectory axis, as `pad_trees` reads it
   ref = trees[0].levels[0]
 
   def pad(values, dtype, trailing=(), start=0):   # values on rows start.., the rest 0
