@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group, tiny_model
-from test_ppo import _group_objective, _random_fields, actor_critic
+from test_ppo import _objective, _random_fields, actor_critic
 from test_replay import LENGTHS, grpo_arrays, grpo_objective
 
 from branch_replay_jax import losses as obj
@@ -91,8 +91,8 @@ def test_float64_fused_replay_equals_naive_for_a_policy_and_a_separate_critic(x6
                         **_random_fields(rng, shape, np.float64))
   step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3),
                  static_argnames=("fused", "layout"))
-  lf, af, gf = step(graphdef, params, arrays, _group_objective, fused=True)
-  ln, an, gn = step(graphdef, params, arrays, _group_objective, layout="naive")
+  lf, af, gf = step(graphdef, params, arrays, _objective, fused=True)
+  ln, an, gn = step(graphdef, params, arrays, _objective, layout="naive")
   assert max_rel_err(gf, gn) <= 1e-10 and abs(float(lf) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(af["value"], an["value"]) <= 1e-10
   assert np.abs(np.asarray(gn["critic"]["embed"][...])).max() > 0

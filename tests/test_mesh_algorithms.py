@@ -81,7 +81,7 @@ def test_sharded_actor_critic_trees_equal_single_device():
   # trees summed over them up to float32 rounding order, and the forward pass, read back per tree
   # from the stacked layout (ppo.level_to_nodes, ppo.leaf_values: the one-level tree's slots inside
   # two padded levels), equals the single-device one (~1e-7; a wrong slot would be O(1) off).
-  from test_ppo import T_MAX, _tree_case, _tree_objective
+  from test_ppo import T_MAX, _objective, _tree_case
 
   from branch_replay_jax.algorithms import ppo
   from branch_replay_jax.data.batches import pad_trees
@@ -94,13 +94,13 @@ def test_sharded_actor_critic_trees_equal_single_device():
   cases = [_tree_case(t, graphdef, params, jnp.float32, seed=i) for i, t in enumerate(trees)]
   units = pad_prompts(pad_trees([arr for _, arr, _ in cases]))   # one shape: one compile per function below
   step = jax.jit(functools.partial(value_and_grad, ACTOR_CRITIC), static_argnums=(0, 3))
-  outs = [step(graphdef, params, arr, _tree_objective) for arr in units]
+  outs = [step(graphdef, params, arr, _objective) for arr in units]
   want = jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs])
   mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(units), mesh)
     placed = shard_params(params, mesh, "fsdp")
-    loss, _, grads = jax.jit(lambda p, b: value_and_grad(ACTOR_CRITIC, graphdef, p, b, _tree_objective, mesh=mesh, micro_batch=2))(placed, batch)
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(ACTOR_CRITIC, graphdef, p, b, _objective, mesh=mesh, micro_batch=2))(placed, batch)
     levels = jax.device_get(jax.jit(lambda p, b: forward(ACTOR_CRITIC, graphdef, p, b, mesh=mesh))(
         placed, batch))
   assert float(loss) == pytest.approx(sum(float(o[0]) for o in outs), rel=1e-5)

@@ -233,6 +233,8 @@ def test_tree_rollouts_replay_equals_naive(tree_run, tmp_path, monkeypatch):
   assert max_rel(final_params(run_dir)[0], final_params(tmp_path)[0]) <= 1e-5
 
 
+@pytest.mark.heavy   # ~1 min; packed trees in CI: tests/test_packed.py (one program for three layouts), the episode
+#                     loop's packed step metrics and exactness check (tests/test_episode_loop.py), the mesh episode test
 def test_a_packed_tree_run_trains_as_the_nested_one_in_one_program(tree_run, tmp_path, monkeypatch):
   # train.tree_schedule = "packed": each step's trees as rows of one length (data.batches.pack_trees).
   # The same trees (full and cut by EOS) must train to the nested replay run's parameters (<= 1e-5,
