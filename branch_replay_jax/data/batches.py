@@ -279,6 +279,17 @@ class TreeLayouts:
     return chosen
 
 
+def _tree_fields(where: str, trees) -> tuple:
+  """The Segments fields every level of `trees` sets (one set for all), or ValueError naming `where`:
+  no trees, something other than a TreeBatch, or levels that set different fields."""
+  if not trees or not all(isinstance(t, TreeBatch) for t in trees):
+    raise ValueError(f"{where}: needs one or more TreeBatches, got {[type(t).__name__ for t in trees]}")
+  names = {tuple(f for f in FIELDS if getattr(level, f) is not None) for t in trees for level in t.levels}
+  if len(names) != 1:
+    raise ValueError(f"{where}: the trees' levels set different Segments fields: {sorted(names)}")
+  return names.pop()
+
+
 def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *, branch: int = 1) -> list[TreeBatch]:
   """Pad rollout trees to one level layout, so that `distributed.mesh.stack_groups` can stack them.
 
@@ -321,12 +332,7 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
   Raises:
     ValueError: no trees, something other than a TreeBatch, or trees whose levels set different fields.
   """
-  if not trees or not all(isinstance(t, TreeBatch) for t in trees):
-    raise ValueError(f"pad_trees: needs one or more TreeBatches, got {[type(t).__name__ for t in trees]}")
-  names = {tuple(f for f in FIELDS if getattr(level, f) is not None) for t in trees for level in t.levels}
-  if len(names) != 1:
-    raise ValueError(f"pad_trees: the trees' levels set different Segments fields: {sorted(names)}")
-  names = names.pop()
+  names = _tree_fields("pad_trees", trees)
   own = max(len(t.levels) for t in trees)
   present = lambda d: [t.levels[d] for t in trees if len(t.levels) > d]   # level d + 1 of the trees that have it
   fanouts = tuple(_power_of_two(max(level.tokens.shape[d] for level in present(d))) for d in range(own))
@@ -426,12 +432,7 @@ def pack_trees(trees: Sequence[TreeBatch], *, length: int | None = None) -> list
     ValueError: no trees, something other than a TreeBatch, trees that set different fields, or a
       length shorter than a tree's row.
   """
-  if not trees or not all(isinstance(t, TreeBatch) for t in trees):
-    raise ValueError(f"pack_trees: needs one or more TreeBatches, got {[type(t).__name__ for t in trees]}")
-  names = {tuple(f for f in FIELDS if getattr(level, f) is not None) for t in trees for level in t.levels}
-  if len(names) != 1:
-    raise ValueError(f"pack_trees: the trees' levels set different Segments fields: {sorted(names)}")
-  names = names.pop()
+  names = _tree_fields("pack_trees", trees)
   packed = [_pack_one(t) for t in trees]
   longest = max(len(p[0]) for p in packed)
   if length is None:
