@@ -1,5 +1,6 @@
 """Benchmark: agent-shaped episodes, replay over the episode tree (nested, and packed into one row)
-versus the naive flat rows and prompt-only sharing, and the sampler with and without the KV cache kept across turns
+versus the naive flat rows and prompt-only sharing, and the sampler with and without the KV cache kept
+across turns
 (branch_replay_jax/benchmarks/episodes.py).
 
   python -m branch_replay_jax.benchmarks.episodes --config=experiments/bench_episodes.py          # SmolLM2-135M shapes

@@ -40,8 +40,8 @@ def get_config(arg=None):
   c.rollout.episodes.share = "tree"       # replay computes once: tree (every common turn) or prompt (the prompt only,
   #                                       # one row per episode: docs/results/episodes-cpu)
   c.train.micro_batch = 8                 # leaf siblings (episode branches) per scan step (nested schedules)
-  c.train.tree_schedule = "packed"        # each episode tree one row: 3 programs in 10 steps, not 8, and 2.5x faster
-  #                                       # updates than depth_first (docs/results/episodes-cpu); on a mesh: depth_first
+  c.train.tree_schedule = "packed"        # each episode tree one row: one program per row-length bucket (figures:
+  #                                       # docs/results/episodes-cpu); on a mesh set depth_first
   c.train.exactness_check_every = 5
   c.eval.pass_k = 0                       # greedy episodes only
   c.run_dir = "runs/grpo_smollm2_calc"
