@@ -264,8 +264,8 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 
 def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, advantages: jax.Array, *,
                     clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
-                    log_ratio: jax.Array | None = None) -> tuple[jax.Array, dict]:
-  """Per-token GRPO loss ℓ_t = -min(r_t A, clip(r_t, 1-ε_low, 1+ε_high) A) + β k3_t, r_t = exp(logp - old_logp).
+                    log_ratio: jax.Array | None = None, is_weight: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """Per-token GRPO loss ℓ_t = -c_t min(r_t A, clip(r_t, 1-ε_low, 1+ε_high) A) + β k3_t, r_t = exp(logp - old_logp).
 
   PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347 eq. 7) with the GRPO KL term
   (arXiv 2402.03300 eq. 3) and DAPO's decoupled clip range ("clip-higher", arXiv 2503.14476
@@ -280,6 +280,8 @@ def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, a
     clip_eps_high: ε_high, or None.
     kl_coef: β (0 disables the KL term; ref_logp is then unused).
     log_ratio: log r_t in place of logp - old_logp (GSPO's `sequence_log_ratio`), or None.
+    is_weight: c_t, the importance correction against the sampler (`correction.correct`: TIS, MIS,
+      IcePop), a constant broadcastable to logp on the policy-gradient term only, or None (1).
 
   Returns:
     loss [..., T] and a dict of per-token metrics {"clipped": bool [..., T], "kl": [..., T]}.
@@ -291,7 +293,10 @@ def grpo_token_loss(logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array, a
   unclipped = ratio * advantages
   clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
   kl = k3_kl(logp, ref_logp)
-  loss = -jnp.minimum(unclipped, clipped) + kl_coef * kl
+  surrogate = jnp.minimum(unclipped, clipped)
+  if is_weight is not None:
+    surrogate = jax.lax.stop_gradient(is_weight) * surrogate
+  loss = -surrogate + kl_coef * kl
   return loss, {"clipped": clipped < unclipped, "kl": kl}
 
 
@@ -340,7 +345,8 @@ def grpo_objective(logp: jax.Array, segment: Segments, *, clip_eps: float, kl_co
       `token_weights`, 0 on padding) or [T, G] (a tree node: `trajectory_weights`[g] where trajectory g
       passes the token, else 0), an episode's also 0 on observation tokens (`data.episodes`);
       advantage [] or [T] (a completion; an episode's: A_g on model tokens, 0 on observations), [G] or
-      [T, G] (a node); old_logp [T] (read unless on_policy); ref_logp [T] (read when kl_coef > 0).
+      [T, G] (a node); old_logp [T] (read unless on_policy); ref_logp [T] (read when kl_coef > 0);
+      rollout_is (weights' shape) the sampler correction of each pair's policy-gradient term, or None.
     on_policy: the sampling policy is the current one (one update per batch): old_logp is
       stop_gradient(logp), so the ratio is exactly 1 and its gradient is ∇logp.
     clip_eps, clip_eps_high: ε_low, ε_high (`grpo_token_loss`).
@@ -371,8 +377,10 @@ def grpo_objective(logp: jax.Array, segment: Segments, *, clip_eps: float, kl_co
   on = (w > 0) & segment.mask[:, None]   # (token, trajectory) pairs: trajectory g passes real token t
   # GSPO's |y_i| and mean run over the tokens the loss weighs (an episode's model tokens, not its observations).
   log_ratio = sequence_log_ratio(logp, old, on[:, 0])[:, None] if importance_ratio == "sequence" else None
+  c = segment.rollout_is
+  c = c if c is None or node else c[:, None]
   loss, metrics = grpo_token_loss(logp[:, None], old[:, None], ref[:, None], adv, clip_eps=clip_eps,
-                                  clip_eps_high=clip_eps_high, kl_coef=kl_coef, log_ratio=log_ratio)
+                                  clip_eps_high=clip_eps_high, kl_coef=kl_coef, log_ratio=log_ratio, is_weight=c)
   return jnp.sum(w * loss), {"clipped": jnp.sum(metrics["clipped"] & on),
                              "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 

@@ -94,6 +94,13 @@ def get_config(arg=None):
   c.loss.kl_coef = 0.04                   # beta of the k3 KL penalty to the initial policy (0 disables it)
   c.loss.advantage = "grpo"               # grpo (group-normalised) or rloo (leave-one-out baseline, arXiv 2402.14740)
   c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std (grpo; an rloo config removes it)
+  c.loss.rollout_correction = "none"      # importance correction against the sampler's log-probs, rho =
+  #                                       # pi_old / pi_sampler on each policy-gradient term: none, tis (min(rho, C)),
+  #                                       # mis (rho, 0 outside [1/C, C]) or icepop (rho, 0 outside [floor, C]);
+  #                                       # any but none costs one forward a step (docs/design.md, "Rollout correction")
+  c.loss.rollout_correction_level = "token"  # rho per token or per sequence (a trajectory's product; not icepop)
+  c.loss.rollout_is_cap = 2.0             # C
+  c.loss.rollout_is_floor = 0.5           # icepop's lower bound
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 30                      # optimizer steps

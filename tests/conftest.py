@@ -5,6 +5,14 @@ import os
 
 # Eight fake CPU devices for the mesh tests (tests/test_mesh.py); must precede JAX's backend start.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# JAX's persistent compilation cache, shared by both pytest workers and the runs the tests start as
+# subprocesses (notebooks, the CLI, several processes): the suite compiles the same programs many times
+# (every smoke run builds its step, sampler and evaluation anew), and XLA's compile is most of its time.
+# Keyed by the program, the flags and the jax version, so a hit is the program a compile would give.
+# In .pytest_cache/ (git-ignored): a clean clone starts empty.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 import jax.numpy as jnp

@@ -10,6 +10,7 @@ import pytest
 from branch_replay_jax.algorithms import exactness
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.gradients import step
+from branch_replay_jax.rollout import collect
 from branch_replay_jax.rollout.tasks import Task
 from conftest import experiment_config, length_score
 from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
@@ -93,15 +94,30 @@ def test_a_step_that_drops_half_its_gradient_fails_loudly(tmp_path, monkeypatch,
   # is still 0; the gradient is what the check catches.)
 
 
-def test_a_naive_run_checks_against_replay(tmp_path):
+def test_a_naive_run_with_a_sampler_correction_checks_against_replay(tmp_path, monkeypatch):
   # gradient = naive: the step's naive gradient of the checked group against the check's replay one,
-  # within the float32 bound and not identically 0 (the two sum in different orders).
-  train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{"train.exactness_check_every": 2,
-                                                                           "train.gradient": "naive"}))
+  # within the float32 bound and not identically 0 (the two sum in different orders). With MIS at C = 1.5
+  # (loss.rollout_correction, correction.py) against a sampler whose log-probs are off by
+  # δ = 0.25 (token % 5 - 2) nats: each side corrects from its own old log-probs, the step logs the
+  # correction's figures at every step: |δ| <= 0.5, so the mean |log π_old - log π_sampler| is at most 0.5
+  # and ρ = exp(δ) at most exp(0.5) = 1.65 (beyond C: masked); δ = 0 for a fifth of the tokens, so not
+  # every pair is masked.
+  sample_group = collect.sample_group
+
+  def off_sampler(*args, **kwargs):
+    ro = sample_group(*args, **kwargs)
+    return ro._replace(logprobs=ro.logprobs - 0.25 * (ro.tokens % 5 - 2).astype(ro.logprobs.dtype))
+  monkeypatch.setattr(collect, "sample_group", off_sampler)
+  train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{
+      "train.exactness_check_every": 2, "train.gradient": "naive", "loss.rollout_correction": "mis",
+      "loss.rollout_is_cap": 1.5}))
   first, second = records(tmp_path)
   assert not any(name in first for name in FIELDS)
   assert all(0 <= second[name] <= 1e-4 for name in FIELDS), second
   assert second["exactness_grad_rel_err"] > 0 and second["exactness_ok"] is True
+  for r in (first, second):
+    assert 0.05 <= r["sampler_logp_diff_mean"] <= 0.5 + 1e-4 and 0 < r["is_masked_frac"] < 1, r
+    assert 1.0 < r["is_ratio_max"] <= 1.6488 + 1e-3, r
 
 
 # -1: the range check (grpo.validate); True: the schema's type check, which runs first (a bool is not

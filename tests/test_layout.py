@@ -10,7 +10,7 @@ PACKAGE = os.path.join(ROOT, "branch_replay_jax")
 # Layer of each subpackage (or top-level module), lowest first: a module may import from its own
 # layer or a lower one, never from a higher one. kernels/ installs as branch_replay_jax.kernels.
 LAYERS = [
-    {"data", "losses"},
+    {"data", "losses", "correction"},
     {"core"},
     {"kernels", "models"},
     {"distributed"},   # the mesh and its shard_map wrapper know no model output and no algorithm

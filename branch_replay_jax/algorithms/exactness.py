@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from branch_replay_jax import losses as obj
+from branch_replay_jax.correction import Correction, correct
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import PackedBatch, TreeBatch, num_branches, pack_trees, with_logprobs
 from branch_replay_jax.gradients.heads import Policy
@@ -70,12 +71,15 @@ class ExactnessCheck:
   """Replay against naive on one group (module docstring). `objectives` maps "group" and "tree" to
   the step's objective for each layout; `cast` / `upcast` are runs.param_casts's; `frozen`, with
   LoRA, the base state the adapters (params, ref_params) merge with (`models.lora.WithBase`);
-  `temperature`, the τ of the step's log-probs (`grpo.logprob_temperature`), used by both sides."""
+  `temperature`, the τ of the step's log-probs (`grpo.logprob_temperature`), used by both sides;
+  `correction`, the step's loss.rollout_correction, applied by both sides from their own old log-probs."""
 
-  def __init__(self, config, graphdef, objectives: dict, cast, upcast, frozen=None, *, temperature: float = 1.0):
+  def __init__(self, config, graphdef, objectives: dict, cast, upcast, frozen=None, *, temperature: float = 1.0,
+               correction: Correction | None = None):
     t = config.train
     self.every, self.bound = t.exactness_check_every, bound(config)
-    self.kl, self.old = bool(config.loss.kl_coef), t.inner_epochs > 1
+    self.correction = correction if correction is not None and correction.active else None
+    self.kl, self.old = bool(config.loss.kl_coef), t.inner_epochs > 1 or self.correction is not None
     mb = lambda b: fit_micro_batch(t.micro_batch, num_branches(b))
     self.frozen = frozen
 
@@ -92,6 +96,8 @@ class ExactnessCheck:
           b = with_logprobs(b, "ref_logp", forward(head, graph, ref, b, **kw))
         if self.old:
           b = with_logprobs(b, "old_logp", forward(head, graph, p, b, **kw))
+        if self.correction is not None:
+          b = correct(b, self.correction)[0]
         objective = objectives["tree" if isinstance(b, (TreeBatch, PackedBatch)) else "group"]
         loss, aux, g = value_and_grad(head, graph, p, b, objective, schedule=t.tree_schedule, **kw)
         return loss, obj.grpo_aux_sums(aux)[0], upcast(g)

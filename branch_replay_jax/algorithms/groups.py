@@ -132,7 +132,7 @@ def build(config, raw: Trajectories, model_config, pad_id: int, layout: Layout) 
   naive = layout.gradient == "naive"
   cfg, tree = model_config, raw.tree
   if tree is not None:
-    per_node = {"old_logp": raw.logprobs}
+    per_node = {"sampler_logp": raw.logprobs}   # each node's from the one sample that drew it
     padded = pad_tree(tree, pad_id=pad_id)
     naive_arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size,
                                            max_positions=cfg.max_positions, completion_bucket=bucket, **advantage)
@@ -141,10 +141,10 @@ def build(config, raw: Trajectories, model_config, pad_id: int, layout: Layout) 
   else:
     group = group_from_padded(raw.prompt_ids, raw.tokens, lengths, vocab_size=cfg.vocab_size,
                               max_positions=cfg.max_positions, pad_id=pad_id, completion_bucket=bucket)
-    old = np.zeros(group.completion_ids.shape, np.float32)
-    old[:, :raw.logprobs.shape[1]] = raw.logprobs
+    sampler = np.zeros(group.completion_ids.shape, np.float32)
+    sampler[:, :raw.logprobs.shape[1]] = raw.logprobs
     arrays = group_arrays(group, weights=(group.completion_mask * w[:, None]).astype(np.float32),
-                          **advantage, old_logp=old, ref_logp=np.zeros_like(old))
+                          **advantage, sampler_logp=sampler, ref_logp=np.zeros_like(sampler))
     computed = group.prompt_ids.size + group.completion_ids.size
     counts = {**group_counts(group.prompt_len, group.lengths, cfg),
               "padding_fraction": 1.0 - (group.prompt_len + group.lengths.sum()) / computed}

@@ -38,6 +38,7 @@ objective (or its rows with train.gradient = "naive"), on one device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -47,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from branch_replay_jax import losses as obj
+from branch_replay_jax.correction import Correction, correct, has_sampler_logprobs
 from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.placement import mesh_from
@@ -152,7 +154,37 @@ def validate(config, experiment=None):
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   checks.validate(config)
   validate_options(config)
+  validate_correction(config, experiment)
   return experiment
+
+
+def rollout_correction(experiment) -> Correction:
+  """loss.rollout_correction's settings of a parsed experiment (`schema.parse`), checked by `Correction`."""
+  l = experiment.loss
+  return Correction(l.rollout_correction, l.rollout_correction_level, l.rollout_is_cap, l.rollout_is_floor)
+
+
+def validate_correction(config, experiment) -> None:
+  """Raise ValueError (naming the field and value) for loss.rollout_correction's fields (`Correction`), a
+  field the mode does not read set away from its default (the cap and level without a correction, the
+  floor but for icepop), a correction of tempered trainer log-probs (the sampler records untempered ones),
+  and a correction of episodes, whose sampler log-probs are not recorded."""
+  c = rollout_correction(experiment)
+  defaults = {f.name: f.default for f in dataclasses.fields(type(experiment.loss))}
+  unread = (("rollout_correction_level", "rollout_is_cap", "rollout_is_floor") if not c.active else
+            () if c.mode == "icepop" else ("rollout_is_floor",))
+  for name in unread:
+    if getattr(experiment.loss, name) != defaults[name]:
+      raise ValueError(f"loss.{name}={getattr(experiment.loss, name)!r} is not read with "
+                       f"loss.rollout_correction={c.mode!r}; remove it or set it to {defaults[name]!r}")
+  if c.active and logprob_temperature(config) != 1.0:
+    raise ValueError(f"loss.rollout_correction={c.mode!r} with loss.logprob_temperature='sampling' and "
+                     f"rollout.temperature={config.rollout.temperature!r}: the sampler records untempered log-probs "
+                     "(rollout.sampler.Rollouts.logprobs), so the ratio would compare two temperatures; use "
+                     "loss.logprob_temperature='one'")
+  if c.active and config.rollout.get("episodes") is not None:
+    raise ValueError(f"loss.rollout_correction={c.mode!r} with rollout.episodes: an episode's sampler log-probs "
+                     "are not recorded yet (groups and trees only); use loss.rollout_correction='none'")
 
 
 def objective(config, tree: bool):
@@ -181,11 +213,17 @@ class GRPOFunctions:
   differentiated; the reference is logprobs(models.lora.adapters_off(adapters), unit).
   """
 
-  def __init__(self, config, graphdef, frozen=None, optimizer=None, layout: schema.Layout | None = None):
+  def __init__(self, config, graphdef, frozen=None, optimizer=None, layout: schema.Layout | None = None,
+               correction: Correction | None = None):
     t = config.train
     # Trees and episode trees (data/episodes.py; rollout.episodes.share = "tree") take the token ratio;
     # groups, and every layout's rows, loss.importance_ratio (`objective`, `schema.Layout.tree`).
-    layout = layout or schema.layout_of(schema.parse(config, expect="grpo"))
+    if layout is None or correction is None:
+      experiment = schema.parse(config, expect="grpo")
+      layout, correction = layout or schema.layout_of(experiment), correction or rollout_correction(experiment)
+    # loss.rollout_correction (correction.py): its factors and metrics from the batch's old and sampler log-probs.
+    self.correction = correction
+    self.correct = jax.jit(functools.partial(correct, correction=correction))
     naive = layout.gradient == "naive"
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
     self.objective = objective(config, layout.tree)
@@ -200,7 +238,8 @@ class GRPOFunctions:
     # runs on one device: on a mesh it takes a device copy of the base for the check (`exactness`).
     self.cast, self.frozen = cast, placement.place(frozen, self.mesh, self.param_mode)
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
-                                cast, upcast, frozen if self.mesh is None else None, temperature=tau)
+                                cast, upcast, frozen if self.mesh is None else None, temperature=tau,
+                                correction=correction)
     mesh, layout, head = self.mesh, "naive" if naive else "replay", Policy(temperature=tau)
     # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are: each
     # compiled shape uses the largest divisor of that count (per device) not above train.micro_batch.
@@ -253,14 +292,19 @@ class GRPOFunctions:
 def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, groups: list[Group],
                     keep: int | None = None):
   """Reference (and old) log-probs, then inner_epochs updates on the step's groups, each one jitted
-  program (`GRPOFunctions.train_step`), its metrics fetched once at the step's end. Returns (params,
+  program (`GRPOFunctions.train_step`), its metrics fetched once at the step's end. Old log-probs are
+  computed with train.inner_epochs > 1 or a loss.rollout_correction; with them, where the batch has
+  the sampler's log-probs, the correction's factors and metrics (`correction.correct`). Returns (params,
   opt_state, stats, kept): `kept` is group `keep`'s (loss, Σ k3 KL, gradient) of the first epoch,
   at the given params (the run-time exactness check's step side, one device), or None."""
   (_, batch), = fns.units(groups)
   if config.loss.kl_coef:
     batch = with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
-  if config.train.inner_epochs > 1:
+  correction = {}
+  if config.train.inner_epochs > 1 or fns.correction.active:
     batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
+    if has_sampler_logprobs(batch):   # the sampler's mismatch, logged whenever old log-probs are computed
+      batch, correction = fns.correct(batch)
   kept = None
   for epoch in range(config.train.inner_epochs):
     index = None if keep is None or epoch else jnp.int32(keep)
@@ -270,14 +314,14 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
     if epoch == 0:
       first = out
   # One host sync per step: each sum in group order, in Python floats (a mesh step's are its batch sums).
-  (losses, (kls, clips)), grad_norm, own = jax.device_get(((out["loss"], out["aux"]), out["grad_norm"],
-                                                           None if kept is None else (first["loss"], first["aux"])))
+  (losses, (kls, clips)), grad_norm, own, correction = jax.device_get((
+      (out["loss"], out["aux"]), out["grad_norm"], None if kept is None else (first["loss"], first["aux"]), correction))
   loss, kl, clipped = (sum(float(x) for x in np.atleast_1d(v)) for v in (losses, kls, clips))
   if kept is not None:
     kept = (own[0][keep], own[1][0][keep], kept)
   pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs,
-           "step_compiles": compiled_programs(fns.train_step)}
+           "step_compiles": compiled_programs(fns.train_step), **{k: float(v) for k, v in correction.items()}}
   return params, opt_state, stats, kept
 
 
@@ -289,14 +333,17 @@ class GRPO(loop.Algorithm):
   keep_initial = True
 
   def __init__(self, config, experiment=None):
-    self.layout = schema.layout_of(validate(config, experiment))   # resolved once, passed on
+    experiment = validate(config, experiment)
+    self.layout = schema.layout_of(experiment)   # resolved once, passed on
+    self.correction = rollout_correction(experiment)
     super().__init__(config)
     self.task = runs.make_task_from(config)
     self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes
 
   def setup(self, run):
     self.run = run
-    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer, layout=self.layout)
+    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer, layout=self.layout,
+                             correction=self.correction)
     self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
                        self.fns.place(adapters_off(run.params)))   # LoRA: the base model, no second copy of it
     return self.fns.place(run.params), self.fns.place(run.opt_state)

@@ -188,6 +188,11 @@ class GRPOLossConfig:
   advantage: str = _f("grpo (group-normalised) or rloo (leave-one-out baseline)")
   advantage_eps: float = _f("epsilon added to the group reward std; loss.advantage='grpo' only (RLOO removes it)",
                             None)
+  rollout_correction: str = _f("importance correction of each policy-gradient term against the sampler's log-probs: "
+                               "none, tis, mis or icepop (correction.py); not PPO's", "none")
+  rollout_correction_level: str = _f("the correction's ratio per token or per sequence (icepop: token)", "token")
+  rollout_is_cap: float = _f("C: tis truncates the ratio at C, mis masks it outside [1/C, C], icepop above C", 2.0)
+  rollout_is_floor: float = _f("icepop masks a ratio below this floor, in (0, 1)", 0.5)
 
 
 @_frozen

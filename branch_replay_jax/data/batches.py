@@ -56,6 +56,11 @@ class Segments:
   ref_logp: [L, T] float32 log-probs under the reference policy (nats; 0 on padding).
   old_values: [L, T] float32 the critic's values at sampling time (PPO).
   returns: float32 value targets (PPO): [L, T] (group) or [L, T, G] (tree node).
+  sampler_logp: [L, T] float32 log-probs the sampler drew the tokens with (nats; 0 on padding and
+    on an episode's observation tokens): `Rollouts.logprobs`, a tree node's from the one sample that
+    drew it.
+  rollout_is: float32, weights' shape: each (token, trajectory) pair's importance correction against
+    the sampler (`correction.correct`), a constant on its policy-gradient term; None: 1.
   """
   tokens: jax.Array
   mask: jax.Array
@@ -65,13 +70,15 @@ class Segments:
   ref_logp: jax.Array | None = None
   old_values: jax.Array | None = None
   returns: jax.Array | None = None
+  sampler_logp: jax.Array | None = None
+  rollout_is: jax.Array | None = None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Segments))
 LOSS_FIELDS = FIELDS[2:]
 # Fields that carry a trailing trajectory axis G in a tree node (per (token, trajectory) or per
 # trajectory); the others are per token, [L, T].
-TRAJECTORY_FIELDS = ("weights", "advantage", "returns")
+TRAJECTORY_FIELDS = ("weights", "advantage", "returns", "rollout_is")
 
 
 @struct.dataclass
