@@ -96,7 +96,7 @@ def _parts(batch) -> list[tuple[Segments, int | None]]:
 
 
 def has_sampler_logprobs(batch) -> bool:
-  """Whether every segment of `batch` carries the sampler's log-probs (groups and trees do; episodes not yet)."""
+  """Whether every segment of `batch` carries the sampler's log-probs (groups, trees and episodes do)."""
   return all(seg.sampler_logp is not None for seg, _ in _parts(batch))
 
 

@@ -34,8 +34,11 @@ def calc_smoke(run_dir, **overrides):
 def test_the_calculator_smoke_experiment_trains_and_logs_episode_metrics(tmp_path):
   # The tiny random model never closes a turn (1 stop id in 49k), so each of the 2 x 4 episodes of a
   # step is one turn cut at max_turn_tokens = 6: turns_per_episode 1, no tool call, format rate 0,
-  # 8 episodes "max_turn_tokens"; every logged value is a finite number.
-  history = grpo.train(calc_smoke(tmp_path))
+  # 8 episodes "max_turn_tokens"; every logged value is a finite number. With TIS against the episode
+  # sampler's log-probs (correction.py): the sampler (KV cache, one token at a time) and the trainer (the
+  # episode tree's forward) compute the same float32 log-probs two ways, so they differ by rounding only:
+  # mean |difference| below 1e-3 nats (a turn's log-probs put on another turn's tokens would be ~1 nat off).
+  history = grpo.train(calc_smoke(tmp_path, **{"loss.rollout_correction": "tis"}))
   assert [r["step"] for r in history] == [1, 2]
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
@@ -46,6 +49,7 @@ def test_the_calculator_smoke_experiment_trains_and_logs_episode_metrics(tmp_pat
     assert r["episodes_max_turn_tokens"] == 8 and sum(r[f"episodes_{s}"] for s in STATUSES) == 8
     assert r["completion_len_mean"] == 6.0   # model tokens per episode
     assert r["token_positions_computed"] < r["token_positions_naive"]   # the prompt once per problem
+    assert 0 < r["sampler_logp_diff_mean"] < 1e-3 and r["is_masked_frac"] == 0.0, r
   with open(os.path.join(tmp_path, "eval.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows] == [0, 2] and all(0 <= r["accuracy"] <= 1 for r in rows)

@@ -15,6 +15,7 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import grpo
 from branch_replay_jax.correction import Correction, correct, factor
 from branch_replay_jax.data.batches import pack_trees, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.episodes import Episode, episode_group_arrays, episode_tree, episode_tree_arrays, merge_short
 from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import forward, value_and_grad
@@ -172,12 +173,44 @@ def test_a_bad_correction_is_refused_by_name(overrides, match):
     grpo.validate(config)
 
 
-def test_episodes_refuse_a_correction_until_their_sampler_logprobs_are_recorded():
-  from experiments import grpo_smollm2_calc
-  config = grpo_smollm2_calc.get_config("smoke")
-  config.loss.rollout_correction = "tis"
-  with pytest.raises(ValueError, match="loss.rollout_correction='tis' with rollout.episodes"):
-    grpo.validate(config)
+def test_an_episode_tree_takes_each_turns_sampler_logprobs_and_logs_as_its_rows(x64):
+  # Three episodes of one prompt: two share their first turn and its observation (the same sampled ids),
+  # then part; observations weigh 0. The sampler's log-probs of each model turn go on its tokens
+  # (Episode.model_values); a shared node takes the first episode's (EpisodeTree.node_values). TIS at
+  # sequence level: the episode tree and its rows give the same correction figures and loss (float64).
+  prompt = np.array([1, 2, 3])
+  turn, obs = np.array([4, 5, 6]), np.array([7, 8])
+  episodes = [Episode(prompt, (turn, obs, np.array([9, 10])), ("model", "observation", "model")),
+              Episode(prompt, (turn, obs, np.array([11])), ("model", "observation", "model")),
+              Episode(prompt, (np.array([12, 13]),), ("model",))]
+  rng = np.random.default_rng(0)
+  first = -4.0 + 0.3 * rng.normal(size=3)
+  turns = [[first, -4.0 + 0.3 * rng.normal(size=2)], [first, -4.0 + 0.3 * rng.normal(size=1)],
+           [-4.0 + 0.3 * rng.normal(size=2)]]
+  sampler = [e.model_values(t) for e, t in zip(episodes, turns)]
+  assert sampler[0].tolist()[3:5] == [0.0, 0.0] and sampler[0][:3].tolist() == list(np.float32(first))
+  tree = merge_short(episode_tree(episodes), 1)
+  sampler_nodes = tree.node_values([x.astype(np.float64) for x in sampler])
+  # The trainer's old log-probs, off the sampler's: one per token of the tree (a shared token has one).
+  old_nodes = [x + rng.uniform(-0.5, 0.5, size=x.shape) * (x != 0) for x in sampler_nodes]
+  adv, w = np.array([1.0, -0.5, -0.5]), np.full(3, 0.25)
+  kw = dict(vocab_size=64, max_positions=64)
+  per_node = {"sampler_logp": sampler_nodes, "old_logp": old_nodes, "ref_logp": sampler_nodes}
+  rows = episode_group_arrays(episodes, adv, w, per_episode={k: tree.along(v) for k, v in per_node.items()}, **kw)
+  nodes = episode_tree_arrays(tree, adv, w, per_node=per_node, **kw)
+  np.testing.assert_array_equal(np.concatenate(tree.along(sampler_nodes)), np.concatenate(sampler))
+  shared = [n for n in range(1, tree.tree.num_nodes) if tree.tree.membership()[n].sum() == 2]
+  assert shared, "the first turn and its observation are one node of two episodes"
+  correction = Correction("tis", "sequence", cap=1.2)
+  (rows_c, rows_m), (nodes_c, nodes_m) = correct(rows, correction), correct(nodes, correction)
+  for k in rows_m:
+    assert float(nodes_m[k]) == pytest.approx(float(rows_m[k]), rel=1e-12), k
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  ln, _, gn = _step["naive"](graphdef, params, rows_c, _objective)
+  lt, _, gt = _step["replay"](graphdef, params, nodes_c, _objective)
+  assert float(lt) == pytest.approx(float(ln), rel=1e-12) and max_rel_err(gt, gn) <= 1e-10
+  with pytest.raises(ValueError, match="2 turns of values for 1 model segments"):
+    episodes[2].model_values(turns[0])
 
 
 @pytest.mark.heavy   # two smoke runs, ~2 min on 2 cores. CI covers the pieces: `correct` on every layout above

@@ -164,8 +164,10 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
   rollout.episodes.max_tree_depth)`, kind "tree", with its
   one-row-per-episode layout as `naive_batch` for the run-time exactness check) or one row per
   episode (`episode_group_arrays`, kind "group"), trained naive (train.gradient = "naive") or, with
-  rollout.episodes.share = "prompt", by the group replay step (the prompt computed once). No old log-probs: on-policy the objective never reads them,
-  and with train.inner_epochs > 1 the step computes them (`grpo.update_on_batch`).
+  rollout.episodes.share = "prompt", by the group replay step (the prompt computed once). The sampler's
+  log-probs on model tokens (0 on observations) as sampler_logp, a shared node's from its first episode
+  (`EpisodeTree.node_values`); no old log-probs: on-policy the objective never reads them, and with
+  train.inner_epochs > 1 or a loss.rollout_correction the step computes them (`grpo.update_on_batch`).
 
   Args:
     model_config: the policy's `ModelConfig` (vocab_size, max_positions, the counts' sizes).
@@ -185,13 +187,18 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
                              in_loss=in_loss).astype(np.float32)
   cfg = model_config
   longest = max(len(e.tokens()) for e in episodes)
+  # The sampler's log-probs on each episode's model tokens (0 on observations), for loss.rollout_correction.
+  sampler = (None if raw.logprobs is None else
+             [e.model_values(turns) for e, turns in zip(episodes, raw.logprobs)])
   naive_arrays = episode_group_arrays(episodes, advantages, w, vocab_size=cfg.vocab_size,
+                                      per_episode=None if sampler is None else {"sampler_logp": sampler},
                                       max_positions=cfg.max_positions, pad_id=pad_id,
                                       completion_bucket=bucket_length(longest, minimum=8,
                                                                         per_octave=SEGMENT_BUCKETS_PER_OCTAVE))
   rows = not layout.tree   # the rows: trained naive, or by the group replay step (prompt once)
-  arrays = naive_arrays if rows else episode_tree_arrays(etree, advantages, w, vocab_size=cfg.vocab_size,
-                                                         max_positions=cfg.max_positions, pad_id=pad_id)
+  arrays = naive_arrays if rows else episode_tree_arrays(
+      etree, advantages, w, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, pad_id=pad_id,
+      per_node=None if sampler is None else {"sampler_logp": etree.node_values(sampler)})
   if share == "prompt":   # the counts are those of the replay layout `share` selects, trained naive or not
     real = episodes[0].prompt.size + sum(e.tokens().size for e in episodes)
     padding = 1.0 - real / (naive_arrays.prompt_ids.size + naive_arrays.branches.tokens.size)

@@ -154,37 +154,36 @@ def validate(config, experiment=None):
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   checks.validate(config)
   validate_options(config)
-  validate_correction(config, experiment)
+  validate_correction(config)
   return experiment
 
 
-def rollout_correction(experiment) -> Correction:
-  """loss.rollout_correction's settings of a parsed experiment (`schema.parse`), checked by `Correction`."""
-  l = experiment.loss
-  return Correction(l.rollout_correction, l.rollout_correction_level, l.rollout_is_cap, l.rollout_is_floor)
+CORRECTION_FIELDS = ("rollout_correction", "rollout_correction_level", "rollout_is_cap", "rollout_is_floor")
 
 
-def validate_correction(config, experiment) -> None:
+def rollout_correction(config) -> Correction:
+  """loss.rollout_correction's settings (`Correction` checks them), a field left out at its schema default."""
+  defaults = {f.name: f.default for f in dataclasses.fields(schema.GRPOLossConfig)}
+  return Correction(*(config.loss.get(name, defaults[name]) for name in CORRECTION_FIELDS))
+
+
+def validate_correction(config) -> None:
   """Raise ValueError (naming the field and value) for loss.rollout_correction's fields (`Correction`), a
   field the mode does not read set away from its default (the cap and level without a correction, the
-  floor but for icepop), a correction of tempered trainer log-probs (the sampler records untempered ones),
-  and a correction of episodes, whose sampler log-probs are not recorded."""
-  c = rollout_correction(experiment)
-  defaults = {f.name: f.default for f in dataclasses.fields(type(experiment.loss))}
-  unread = (("rollout_correction_level", "rollout_is_cap", "rollout_is_floor") if not c.active else
-            () if c.mode == "icepop" else ("rollout_is_floor",))
+  floor but for icepop), and a correction of tempered trainer log-probs (the sampler records untempered ones)."""
+  c = rollout_correction(config)
+  defaults = {f.name: f.default for f in dataclasses.fields(schema.GRPOLossConfig)}
+  unread = (CORRECTION_FIELDS[1:] if not c.active else () if c.mode == "icepop" else ("rollout_is_floor",))
   for name in unread:
-    if getattr(experiment.loss, name) != defaults[name]:
-      raise ValueError(f"loss.{name}={getattr(experiment.loss, name)!r} is not read with "
-                       f"loss.rollout_correction={c.mode!r}; remove it or set it to {defaults[name]!r}")
+    value = config.loss.get(name, defaults[name])
+    if value != defaults[name]:
+      raise ValueError(f"loss.{name}={value!r} is not read with loss.rollout_correction={c.mode!r}; remove it or "
+                       f"set it to {defaults[name]!r}")
   if c.active and logprob_temperature(config) != 1.0:
     raise ValueError(f"loss.rollout_correction={c.mode!r} with loss.logprob_temperature='sampling' and "
                      f"rollout.temperature={config.rollout.temperature!r}: the sampler records untempered log-probs "
                      "(rollout.sampler.Rollouts.logprobs), so the ratio would compare two temperatures; use "
                      "loss.logprob_temperature='one'")
-  if c.active and config.rollout.get("episodes") is not None:
-    raise ValueError(f"loss.rollout_correction={c.mode!r} with rollout.episodes: an episode's sampler log-probs "
-                     "are not recorded yet (groups and trees only); use loss.rollout_correction='none'")
 
 
 def objective(config, tree: bool):
@@ -218,11 +217,9 @@ class GRPOFunctions:
     t = config.train
     # Trees and episode trees (data/episodes.py; rollout.episodes.share = "tree") take the token ratio;
     # groups, and every layout's rows, loss.importance_ratio (`objective`, `schema.Layout.tree`).
-    if layout is None or correction is None:
-      experiment = schema.parse(config, expect="grpo")
-      layout, correction = layout or schema.layout_of(experiment), correction or rollout_correction(experiment)
+    layout = layout or schema.layout_of(schema.parse(config, expect="grpo"))
     # loss.rollout_correction (correction.py): its factors and metrics from the batch's old and sampler log-probs.
-    self.correction = correction
+    self.correction = correction = correction or rollout_correction(config)
     self.correct = jax.jit(functools.partial(correct, correction=correction))
     naive = layout.gradient == "naive"
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
@@ -305,6 +302,9 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
     batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
     if has_sampler_logprobs(batch):   # the sampler's mismatch, logged whenever old log-probs are computed
       batch, correction = fns.correct(batch)
+    elif fns.correction.active:
+      raise ValueError(f"loss.rollout_correction={fns.correction.mode!r}: this step's rollouts carry no sampler "
+                       "log-probs (a sampler that records none); use loss.rollout_correction='none'")
   kept = None
   for epoch in range(config.train.inner_epochs):
     index = None if keep is None or epoch else jnp.int32(keep)
@@ -335,7 +335,7 @@ class GRPO(loop.Algorithm):
   def __init__(self, config, experiment=None):
     experiment = validate(config, experiment)
     self.layout = schema.layout_of(experiment)   # resolved once, passed on
-    self.correction = rollout_correction(experiment)
+    self.correction = rollout_correction(config)
     super().__init__(config)
     self.task = runs.make_task_from(config)
     self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes

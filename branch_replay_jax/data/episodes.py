@@ -92,6 +92,27 @@ class Episode:
   def num_model_tokens(self) -> int:
     return int(sum(len(s) for s, r in zip(self.segments, self.roles) if r == MODEL))
 
+  def model_values(self, turns: Sequence) -> np.ndarray:
+    """[N] float32: turns[i] (one value per token of model turn i, e.g. the sampler's log-probs,
+    `EpisodeSampler.logprobs`) on model segment i's tokens, 0 on observation tokens.
+
+    Raises:
+      ValueError: a number of turns other than the model segments', or a turn of another length.
+    """
+    model = [s for s, r in zip(self.segments, self.roles) if r == MODEL]
+    if len(turns) != len(model):
+      raise ValueError(f"Episode.model_values: {len(turns)} turns of values for {len(model)} model segments")
+    out, turns = [], iter(turns)
+    for k, (seg, role) in enumerate(zip(self.segments, self.roles)):
+      if role == MODEL:
+        v = np.asarray(next(turns), np.float32)
+        if v.shape != (len(seg),):
+          raise ValueError(f"Episode.model_values: segment {k} has {len(seg)} model tokens, its values shape {v.shape}")
+        out.append(v)
+      else:
+        out.append(np.zeros(len(seg), np.float32))
+    return np.concatenate(out)
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeTree:
@@ -132,6 +153,19 @@ class EpisodeTree:
   def along(self, per_node: Sequence) -> list[np.ndarray]:
     """Per episode g, per-node arrays [L_n, ...] concatenated along its path (prompt excluded): [N_g, ...]."""
     return [np.concatenate([np.asarray(per_node[n]) for n in self.tree.path(e)[1:]]) for e in self.tree.ends]
+
+  def node_values(self, per_episode: Sequence) -> list[np.ndarray]:
+    """Per node [L_n]: the values of its tokens in the first episode through it, from per_episode[g]
+    [N_g] (values along episode g's tokens after the prompt, e.g. `Episode.model_values`); node 0, the
+    prompt, zeros. The inverse of `along` for values the episodes through a node agree on (a shared
+    node's sampler log-probs: those of the one sample that drew it, docs/design.md "Rollout correction")."""
+    offsets, prompt = self.tree.offsets(), len(self.tree.segments[0])
+    first = self.tree.membership().argmax(axis=1)   # the first episode through each node
+    out = [np.zeros(prompt, np.asarray(per_episode[0]).dtype)]
+    for n in range(1, self.tree.num_nodes):
+      start = offsets[n] - prompt
+      out.append(np.asarray(per_episode[first[n]])[start:start + len(self.tree.segments[n])])
+    return out
 
   def episode(self, g: int) -> Episode:
     """Episode g back, with its segments cut where its role changes."""

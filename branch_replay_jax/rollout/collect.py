@@ -139,6 +139,8 @@ class EpisodeTrajectories:
   sample: {"data_pos", "question", "answer", "completion", "status"}: episode 0 (its model turns and
     observations decoded, special tokens kept), for samples.jsonl.
   sample_s: seconds of sampling and stepping the environment (the two interleave; score_s is 0).
+  logprobs: [G] lists, per model turn, of [n_i] float32 log-probs the sampler drew the turn's tokens
+    with (`EpisodeSampler.logprobs`: untempered), or None.
   """
   prompt_ids: list
   results: list
@@ -148,6 +150,7 @@ class EpisodeTrajectories:
   sample: dict
   sample_s: float
   score_s: float = 0.0
+  logprobs: list | None = None
 
 
 def turn_formats(result: EpisodeResult, tokenizer, tools) -> list[str]:
@@ -179,7 +182,7 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
   stops = stop_ids(tokenizer)
   samplers = EpisodeSampler.branches(model, ids, r.group_size, key=key, temperature=r.temperature, top_p=r.top_p,
                                      eos_ids=stops, pad_id=tokenizer.pad_token_id or 0)
-  results, correct, formats = [], [], []
+  results, correct, formats, logprobs = [], [], [], []
   tools = getattr(env, "tools", {})
   for sampler in samplers:
     result: EpisodeResult = run_episode(env, problem, data_pos, tokenizer, sampler, max_turns=e.max_turns,
@@ -191,9 +194,11 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
     results.append(result)
     correct.append(bool(getattr(env, "correct", result.reward > 0)))
     formats.append(turn_formats(result, tokenizer, tools))
+    logprobs.append(getattr(sampler, "logprobs", None))   # (a stand-in sampler may record none)
   first = results[0]
   sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer,
             "completion": tokenizer.decode(first.episode.tokens().tolist(), skip_special_tokens=False),
             "status": first.status}
   return EpisodeTrajectories(list(ids), results, np.array(correct, bool), formats, completion_budget(r), sample,
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0,
+                             logprobs=None if any(lp is None for lp in logprobs) else [list(lp) for lp in logprobs])
