@@ -4,7 +4,11 @@ import gc
 import os
 
 # Eight fake CPU devices for the mesh tests (tests/test_mesh.py); must precede JAX's backend start.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM's optimisation level 0 for XLA:CPU: the tests' programs are tiny, so compiling them is most of the
+# suite's time and running them little (test_exactness_check.py and test_step_metrics.py: 123 s against
+# 178 s, side by side on one core each). Only the machine code XLA emits is less optimised; every bound
+# the tests hold, they hold under both levels. A user's XLA_FLAGS replace both flags.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 # JAX's persistent compilation cache, shared by both pytest workers and the runs the tests start as
 # subprocesses (notebooks, the CLI, several processes): the suite compiles the same programs many times
 # (every smoke run builds its step, sampler and evaluation anew), and XLA's compile is most of its time.
