@@ -4,11 +4,12 @@ import gc
 import os
 
 # Eight fake CPU devices for the mesh tests (tests/test_mesh.py); must precede JAX's backend start.
-# LLVM's optimisation level 0 for XLA:CPU: the tests' programs are tiny, so compiling them is most of the
-# suite's time and running them little (test_exactness_check.py and test_step_metrics.py: 123 s against
-# 178 s, side by side on one core each). Only the machine code XLA emits is less optimised; every bound
-# the tests hold, they hold under both levels. A user's XLA_FLAGS replace both flags.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# LLVM's optimisation level 1 for XLA:CPU: the tests' programs are tiny, so compiling them is most of the
+# suite's time and running them little (test_exactness_check.py and test_step_metrics.py: 143 s against
+# 171 s at the default level, side by side on one core each). Not level 0: there the packed tree's
+# attention backward gave a wrong gradient for wq and wk on a one-token tree (tests/test_packed.py's
+# float64 test; right at levels 1 and 2; not diagnosed). A user's XLA_FLAGS replace both flags.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1")
 # JAX's persistent compilation cache, shared by both pytest workers and the runs the tests start as
 # subprocesses (notebooks, the CLI, several processes): the suite compiles the same programs many times
 # (every smoke run builds its step, sampler and evaluation anew), and XLA's compile is most of its time.
@@ -242,3 +243,15 @@ class ScriptedSampler:
     text = self.text()
     self.turn += 1
     return self.tokenizer.encode(text, add_special_tokens=False)[:budget - 1] + [stop_ids(self.tokenizer)[0]]
+
+
+def offset_sampler_logprobs(monkeypatch):
+  """Monkeypatches the group sampler (`rollout.collect.sample_group`) to record log-probs off by
+  δ = 0.25 (token % 5 - 2) nats, |δ| <= 0.5: a known sampler-trainer mismatch for loss.rollout_correction."""
+  from branch_replay_jax.rollout import collect
+  sample_group = collect.sample_group
+
+  def offset(*args, **kwargs):
+    ro = sample_group(*args, **kwargs)
+    return ro._replace(logprobs=ro.logprobs - 0.25 * (ro.tokens % 5 - 2).astype(ro.logprobs.dtype))
+  monkeypatch.setattr(collect, "sample_group", offset)

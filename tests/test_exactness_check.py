@@ -10,9 +10,8 @@ import pytest
 from branch_replay_jax.algorithms import exactness
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.gradients import step
-from branch_replay_jax.rollout import collect
 from branch_replay_jax.rollout.tasks import Task
-from conftest import experiment_config, length_score
+from conftest import experiment_config, length_score, offset_sampler_logprobs
 from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
 
 FIELDS = ("exactness_grad_rel_err", "exactness_loss_rel_err", "exactness_kl_rel_err")
@@ -102,12 +101,7 @@ def test_a_naive_run_with_a_sampler_correction_checks_against_replay(tmp_path, m
   # correction's figures at every step: |δ| <= 0.5, so the mean |log π_old - log π_sampler| is at most 0.5
   # and ρ = exp(δ) at most exp(0.5) = 1.65 (beyond C: masked); δ = 0 for a fifth of the tokens, so not
   # every pair is masked.
-  sample_group = collect.sample_group
-
-  def off_sampler(*args, **kwargs):
-    ro = sample_group(*args, **kwargs)
-    return ro._replace(logprobs=ro.logprobs - 0.25 * (ro.tokens % 5 - 2).astype(ro.logprobs.dtype))
-  monkeypatch.setattr(collect, "sample_group", off_sampler)
+  offset_sampler_logprobs(monkeypatch)
   train.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path, **{
       "train.exactness_check_every": 2, "train.gradient": "naive", "loss.rollout_correction": "mis",
       "loss.rollout_is_cap": 1.5}))

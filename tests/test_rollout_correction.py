@@ -222,14 +222,8 @@ def test_a_corrected_run_on_a_mesh_trains_and_logs_as_one_device(tmp_path, monke
   # on one device: the same correction figures and loss (float32 sums in another order) and parameters.
   import json
   import os
-  from conftest import final_params, grpo_smoke, max_rel
-  from branch_replay_jax.rollout import collect
-  sample_group = collect.sample_group
-
-  def off_sampler(*args, **kwargs):
-    ro = sample_group(*args, **kwargs)
-    return ro._replace(logprobs=ro.logprobs - 0.25 * (ro.tokens % 5 - 2).astype(ro.logprobs.dtype))
-  monkeypatch.setattr(collect, "sample_group", off_sampler)
+  from conftest import final_params, grpo_smoke, max_rel, offset_sampler_logprobs
+  offset_sampler_logprobs(monkeypatch)
   options = {"loss.rollout_correction": "tis", "loss.rollout_correction_level": "sequence", "loss.rollout_is_cap": 1.5}
   mesh = {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp"}
   grpo.train(grpo_smoke(tmp_path / "one", **options))
