@@ -161,6 +161,4 @@ def correct(batch: GroupBatch | TreeBatch | PackedBatch, correction: Correction)
     ratio_sum, ratio_max = ratio_sum + jnp.sum(ratio), jnp.maximum(ratio_max, jnp.max(ratio, initial=0.0))
     masked_sum = masked_sum + jnp.sum(on & masked)
     diff_sum = diff_sum + jnp.sum(jnp.where(on, jnp.abs(d), 0.0))
-  metrics = {"is_ratio_mean": ratio_sum / n, "is_ratio_max": ratio_max, "is_masked_frac": masked_sum / n,
-             "sampler_logp_diff_mean": diff_sum / n}
-  return _with(batch, new), metrics
+  return _with(batch, new), dict(zip(METRICS, (ratio_sum / n, ratio_max, masked_sum / n, diff_sum / n)))

@@ -161,24 +161,28 @@ def validate(config, experiment=None):
 CORRECTION_FIELDS = ("rollout_correction", "rollout_correction_level", "rollout_is_cap", "rollout_is_floor")
 
 
-def rollout_correction(config) -> Correction:
-  """loss.rollout_correction's settings (`Correction` checks them), a field left out at its schema default."""
+def _correction_fields(config) -> dict:
+  """{field: (value, schema default)} of loss.rollout_correction's fields, a field left out at its default."""
   defaults = {f.name: f.default for f in dataclasses.fields(schema.GRPOLossConfig)}
-  return Correction(*(config.loss.get(name, defaults[name]) for name in CORRECTION_FIELDS))
+  return {name: (config.loss.get(name, defaults[name]), defaults[name]) for name in CORRECTION_FIELDS}
+
+
+def rollout_correction(config) -> Correction:
+  """loss.rollout_correction's settings (`Correction` checks them)."""
+  return Correction(*(value for value, _ in _correction_fields(config).values()))
 
 
 def validate_correction(config) -> None:
   """Raise ValueError (naming the field and value) for loss.rollout_correction's fields (`Correction`), a
   field the mode does not read set away from its default (the cap and level without a correction, the
   floor but for icepop), and a correction of tempered trainer log-probs (the sampler records untempered ones)."""
-  c = rollout_correction(config)
-  defaults = {f.name: f.default for f in dataclasses.fields(schema.GRPOLossConfig)}
+  c, fields = rollout_correction(config), _correction_fields(config)
   unread = (CORRECTION_FIELDS[1:] if not c.active else () if c.mode == "icepop" else ("rollout_is_floor",))
   for name in unread:
-    value = config.loss.get(name, defaults[name])
-    if value != defaults[name]:
+    value, default = fields[name]
+    if value != default:
       raise ValueError(f"loss.{name}={value!r} is not read with loss.rollout_correction={c.mode!r}; remove it or "
-                       f"set it to {defaults[name]!r}")
+                       f"set it to {default!r}")
   if c.active and logprob_temperature(config) != 1.0:
     raise ValueError(f"loss.rollout_correction={c.mode!r} with loss.logprob_temperature='sampling' and "
                      f"rollout.temperature={config.rollout.temperature!r}: the sampler records untempered log-probs "
@@ -212,14 +216,13 @@ class GRPOFunctions:
   differentiated; the reference is logprobs(models.lora.adapters_off(adapters), unit).
   """
 
-  def __init__(self, config, graphdef, frozen=None, optimizer=None, layout: schema.Layout | None = None,
-               correction: Correction | None = None):
+  def __init__(self, config, graphdef, frozen=None, optimizer=None, layout: schema.Layout | None = None):
     t = config.train
     # Trees and episode trees (data/episodes.py; rollout.episodes.share = "tree") take the token ratio;
     # groups, and every layout's rows, loss.importance_ratio (`objective`, `schema.Layout.tree`).
     layout = layout or schema.layout_of(schema.parse(config, expect="grpo"))
     # loss.rollout_correction (correction.py): its factors and metrics from the batch's old and sampler log-probs.
-    self.correction = correction = correction or rollout_correction(config)
+    self.correction = correction = rollout_correction(config)
     self.correct = jax.jit(functools.partial(correct, correction=correction))
     naive = layout.gradient == "naive"
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params
@@ -333,17 +336,14 @@ class GRPO(loop.Algorithm):
   keep_initial = True
 
   def __init__(self, config, experiment=None):
-    experiment = validate(config, experiment)
-    self.layout = schema.layout_of(experiment)   # resolved once, passed on
-    self.correction = rollout_correction(config)
+    self.layout = schema.layout_of(validate(config, experiment))   # resolved once, passed on
     super().__init__(config)
     self.task = runs.make_task_from(config)
     self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes
 
   def setup(self, run):
     self.run = run
-    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer, layout=self.layout,
-                             correction=self.correction)
+    self.fns = GRPOFunctions(self.config, run.graphdef, run.frozen, run.optimizer, layout=self.layout)
     self.ref_params = (self.fns.place(run.initial_params) if run.frozen is None else
                        self.fns.place(adapters_off(run.params)))   # LoRA: the base model, no second copy of it
     return self.fns.place(run.params), self.fns.place(run.opt_state)
