@@ -5,10 +5,10 @@ import os
 
 # Eight fake CPU devices for the mesh tests (tests/test_mesh.py); must precede JAX's backend start.
 # LLVM's optimisation level 1 for XLA:CPU: the tests' programs are tiny, so compiling them is most of the
-# suite's time and running them little (test_exactness_check.py and test_step_metrics.py: 143 s against
-# 171 s at the default level, side by side on one core each). Not level 0: there the packed tree's
-# attention backward gave a wrong gradient for wq and wk on a one-token tree (tests/test_packed.py's
-# float64 test; right at levels 1 and 2; not diagnosed). A user's XLA_FLAGS replace both flags.
+# suite's time and running them little (measured: docs/results/default-run, stop 48). Not level 0: there
+# the packed tree's attention backward gave a wrong gradient for wq and wk on a one-token tree
+# (tests/test_packed.py's float64 test; right at levels 1 and 2; not diagnosed). A user's XLA_FLAGS
+# replace both flags.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1")
 # JAX's persistent compilation cache, shared by both pytest workers and the runs the tests start as
 # subprocesses (notebooks, the CLI, several processes): the suite compiles the same programs many times
