@@ -75,6 +75,7 @@ def get_config(arg=None):
   c.train.weight_decay = 0.0              # AdamW decoupled weight decay
   c.train.max_grad_norm = 1.0             # global-norm gradient clipping
   c.train.gradient = "replay"             # replay (two-pass, prompt once) or naive (prompt repeated per sequence)
+  c.train.max_staleness = 0               # k > 0: step t's pairs sampled by the policy of step t - k, ahead of the update
   c.train.micro_batch = 2                 # replay: completions per scan step; naive: PAIRS per scan step. At most:
   #                                       # each group's completions and the step's pairs vary, and each uses the
   #                                       # largest divisor of its count not above it

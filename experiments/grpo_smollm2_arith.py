@@ -111,6 +111,8 @@ def get_config(arg=None):
   c.train.max_grad_norm = 1.0             # global-norm gradient clipping
   c.train.inner_epochs = 1                # updates per sampled batch; > 1 replays old log-probs first
   c.train.gradient = "replay"             # replay (shared prompt once) or naive (prompt repeated per completion)
+  c.train.max_staleness = 0               # k > 0: step t samples with the policy of step t - k, ahead of the update
+  #                                       # in a producer thread (pair it with loss.rollout_correction)
   c.train.micro_batch = 8                 # completions per scan step, replay or naive; must divide G (8 = G: one
   #                                       # batch, no scan: the fastest; smaller lowers peak memory). Trees: leaf
   #                                       # siblings per step, must divide the last fan-out (levels EOS cut short and

@@ -34,7 +34,7 @@ import os
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
+from branch_replay_jax.algorithms import checks, loop, placement, producer, runs, schema
 from branch_replay_jax.algorithms.checks import GRADIENTS, SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.gradients import preference as pref
@@ -324,7 +324,7 @@ def _record(step: int, num_pairs: int, info: dict, stats: dict, counts: dict, *,
   loss_fields = ("loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "grad_norm",
                  "step_compiles")
   record = {"step": step + 1, "pairs": num_pairs, "skipped_prompts": info["skipped_prompts"],
-            **{k: stats.get(k) for k in loss_fields}, **counts}
+            **{k: stats.get(k) for k in loss_fields}, **{k: stats[k] for k in producer.METRICS}, **counts}
   if "rewards" in info:   # sampled pairs: the task reward of every sampled completion
     record.update(reward_mean=float(info["rewards"].mean()), accuracy=float(info["correct"].mean()),
                   truncated_frac=float(info["truncated"].mean()),

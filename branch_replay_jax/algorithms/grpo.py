@@ -340,6 +340,7 @@ class GRPO(loop.Algorithm):
     super().__init__(config)
     self.task = runs.make_task_from(config)
     self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes
+    self.draw_metrics = {}   # step -> dynamic sampling's metrics, from collect (a producer thread's) to log
 
   def setup(self, run):
     self.run = run
@@ -362,7 +363,7 @@ class GRPO(loop.Algorithm):
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
                                                devices=devices, whole=whole, env=self.env, layout=self.layout)
-    groups, data_pos, self.draw_metrics = step_groups(self.config, draw, run.key, data_pos)
+    groups, data_pos, self.draw_metrics[step] = step_groups(self.config, draw, run.key, data_pos)
     return groups, data_pos
 
   def update(self, params, opt_state, groups, step):
@@ -418,7 +419,7 @@ class GRPO(loop.Algorithm):
     return self.fns.for_sampling(run.graphdef, params, [device])[device]
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):
-    return loop.log_step(self.config, bar, step, groups, {**stats, **self.draw_metrics}, rollout_s=rollout_s,
+    return loop.log_step(self.config, bar, step, groups, {**stats, **self.draw_metrics.pop(step)}, rollout_s=rollout_s,
                          update_s=update_s, wall_s=wall_s)
 
 

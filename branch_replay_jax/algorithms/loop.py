@@ -3,6 +3,9 @@
     start_run ─► setup ─► [eval] ─► for step: collect (sample, score) ─► update ─► log ─► [eval] ─► checkpoint
                                                                                               ─► plots
 
+With train.max_staleness = k > 0, collect runs ahead in a producer thread (algorithms/producer.py): step t's
+batch is sampled by the parameters after max(start, t - k) steps while earlier updates run.
+
 An algorithm plugs in as an `Algorithm` (algorithms/grpo.py, ppo.py, dpo.py): it supplies its
 batch (`collect`), its update (`update`: one jitted program per optimizer step,
 `gradients.step.make_train_step` for GRPO and PPO, `gradients.preference.make_preference_step` for DPO)
@@ -17,7 +20,9 @@ and checkpoints/ (orbax).
 Wall-clock: each metrics record's `wall_s` is the run's training seconds so far: from the start of
 the first step to the end of this step's update, evaluations left out, continued across a resume
 (the resumed run starts from the checkpointed step's wall_s in metrics.jsonl). Start-up (model
-load, the step-0 evaluation) is not counted; compiles inside steps are. Each eval.jsonl row
+load, the step-0 evaluation) is not counted; compiles inside steps are. A record's step_s is the
+seconds the loop waited for the step's batch plus its update (with a producer ahead, the wait is
+what its sampling did not overlap); sample_s and score_s are the sampling's own seconds. Each eval.jsonl row
 carries the wall_s of its step, so held-out accuracy plots against training time alike in replay
 and naive mode whatever the evaluation costs.
 """
@@ -36,7 +41,7 @@ import optax
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import runs
+from branch_replay_jax.algorithms import producer, runs
 from branch_replay_jax.algorithms.evaluation import Evaluation
 from branch_replay_jax.algorithms.groups import Group, rollout_group
 from branch_replay_jax.algorithms.runs import Run
@@ -57,6 +62,7 @@ class Algorithm:
   keep_initial = False
 
   def __init__(self, config):
+    producer.validate(config)
     self.config = config
 
   def fingerprint(self) -> dict:
@@ -113,22 +119,29 @@ def train(config, algorithm: Algorithm) -> list[dict]:
   run = runs.start_run(config, algorithm.fingerprint(), optimizer_fn=lambda _: algorithm.make_optimizer(),
                        wrap=algorithm.wrap, keep_initial=algorithm.keep_initial)
   params, opt_state = algorithm.setup(run)
-  data_pos, history = run.data_pos, []
+  history = []
   writer = ScalarWriter(config.run_dir, start=run.start) if hosts.is_primary() else None
   clock = Stopwatch(resumed_wall_s(config.run_dir, run.start))
   bar = run.progress(config, algorithm.name)
+  rollouts = producer.Producer(lambda p, step, pos: algorithm.collect(run, p, step, pos), start=run.start,
+                               steps=config.train.steps, data_pos=run.data_pos,
+                               max_staleness=producer.max_staleness(config))
   try:
     if evaluation is not None and run.start == 0:
       # A resumed run evaluated its checkpointed step before saving it (below).
       with clock.paused():
         evaluation.run(algorithm, run, params, 0, clock.seconds(), writer)
+    rollouts.publish(run.start, params)
     for step in bar:
-      t0 = time.perf_counter()
-      batch, data_pos = algorithm.collect(run, params, step, data_pos)
+      produced = rollouts.take(step)   # sampled by version max(start, step - train.max_staleness)
+      batch, data_pos = produced.batch, produced.data_pos
       t1 = time.perf_counter()
       params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
       t2 = time.perf_counter()
-      record = algorithm.log(bar, step, batch, stats, rollout_s=t1 - t0, update_s=t2 - t1, wall_s=clock.seconds())
+      rollouts.publish(step + 1, params)
+      stats = {**stats, **produced.metrics(step)}
+      record = algorithm.log(bar, step, batch, stats, rollout_s=produced.wait_s, update_s=t2 - t1,
+                             wall_s=clock.seconds())
       history.append(record)
       if writer is not None:
         writer.write("train", record)
@@ -137,6 +150,7 @@ def train(config, algorithm: Algorithm) -> list[dict]:
           evaluation.run(algorithm, run, params, step + 1, clock.seconds(), writer)
       save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
   finally:
+    rollouts.close()
     run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
     if writer is not None:
       writer.close()

@@ -214,6 +214,8 @@ class TrainConfig:
   gradient: str = _f("replay (shared prefix once) or naive (prompt repeated per completion)")
   micro_batch: int = _f("completions per scan step (groups: divides G; trees: leaf siblings, divides the last "
                         "fan-out; DPO naive: pairs)")
+  max_staleness: int = _f("k: step t samples with the parameters after max(start, t - k) steps, in a producer "
+                          "thread ahead of the update (0: the synchronous loop; one process)", 0)
 
 
 @_frozen

@@ -1,0 +1,169 @@
+"""Rollouts sampled ahead of the update: bounded staleness (`train.max_staleness`; docs/design.md,
+"Bounded staleness").
+
+Step t's batch is sampled by the policy of version
+
+    v(t) = max(start, t - k),     k = train.max_staleness, start = the run's first step (0, or the resumed one)
+
+where version v is the parameters after v optimizer steps (version `start` is the run's starting
+point). A producer thread samples, scores and runs environments for step t as soon as version v(t)
+exists, while the update of an earlier step runs; the update takes the batches in order. The version
+is a function of t alone, never of timing, so a run is reproducible: the same seed gives the same
+samples and updates whatever the machine's speed (Tunix's `max_staleness` and slime's async loop take
+the newest version available instead; that is faster only when sampling is slower than updating,
+and then not reproducible). Staleness t - v(t) is therefore min(k, t - start).
+
+k = 0 takes no thread: `take(t)` samples with version t right there, which is the synchronous loop,
+call for call.
+
+A resumed run restarts the producer from the checkpointed step s with version s: batches s .. s+k-1
+are sampled by version s (staleness below k) where the uninterrupted run used versions s-k .. s-1.
+Every data position is still trained once: a checkpoint stores the data position of the last batch
+its update consumed, and the producer's batches beyond it are sampled again.
+
+The producer samples with a copy of each version's parameters (the update donates its inputs), so k
+> 0 holds up to k + 1 copies of the trainable parameters beside the run's own. An exception in the
+producer (an environment's, a reward function's) reaches the update loop at the step whose batch it
+stopped, after every earlier step has been trained, logged and checkpointed as due.
+
+Several processes are refused with k > 0: the producer's gather across processes (`hosts.gather_items`)
+would interleave with the update's collectives in an order that differs between processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+
+from branch_replay_jax.algorithms import schema
+
+FIELD = "train.max_staleness"
+METRICS = ("policy_version", "staleness_mean", "staleness_max")   # each step's record (`Produced.metrics`)
+
+
+def max_staleness(config) -> int:
+  """train.max_staleness, its schema default (0) when the experiment leaves it out."""
+  default = next(f.default for f in dataclasses.fields(schema.TrainConfig) if f.name == "max_staleness")
+  return config.train.get("max_staleness", default)
+
+
+def validate(config) -> None:
+  """Raise ValueError naming train.max_staleness when it is not an int >= 0, or > 0 in a run of
+  several processes (distributed.num_processes; module docstring)."""
+  k = max_staleness(config)
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"{FIELD}={k!r} must be an int >= 0 (0: sample each step with the current policy)")
+  processes = (config.get("distributed") or {}).get("num_processes") or 1
+  if k and (processes > 1 or jax.process_count() > 1):
+    raise ValueError(f"{FIELD}={k} with {max(processes, jax.process_count())} processes: the producer thread's "
+                     "gathers across processes would interleave with the update's collectives; use "
+                     f"{FIELD}=0 with several processes")
+
+
+@dataclasses.dataclass
+class Produced:
+  """One step's batch: what `collect` returned, the data position after it, the policy version that
+  sampled it, and the seconds the update loop waited for it (k = 0: the whole collect)."""
+  batch: Any
+  data_pos: int
+  version: int
+  wait_s: float
+
+  def metrics(self, step: int) -> dict:
+    """policy_version and the staleness of the step's rollouts (step - version; every rollout of a
+    step comes from one version, so the mean equals the max)."""
+    staleness = step - self.version
+    return dict(zip(METRICS, (self.version, float(staleness), staleness)))
+
+
+class Producer:
+  """The step's batches for the update loop (module docstring):
+
+      producer = Producer(collect, start=s, steps=n, data_pos=d, max_staleness=k)
+      producer.publish(s, params)                   # the run's starting version
+      for t in range(s, n):
+        produced = producer.take(t)                 # sampled by version max(s, t - k)
+        params, ... = update(params, produced.batch)
+        producer.publish(t + 1, params)
+      producer.close()                              # also on an exception (try / finally)
+
+  collect(params, step, data_pos) -> (batch, next data_pos) is the algorithm's (`loop.Algorithm.collect`).
+  """
+
+  def __init__(self, collect: Callable, *, start: int, steps: int, data_pos: int, max_staleness: int):
+    self.collect, self.start, self.steps, self.k = collect, start, steps, max_staleness
+    self.data_pos = data_pos
+    self.versions: dict[int, Any] = {}    # version -> parameters (k > 0: copies)
+    self.ready: dict[int, Produced | BaseException] = {}
+    self.closed = False
+    self.lock = threading.Condition()
+    self.thread = None
+    if self.k:
+      self.thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+      self.thread.start()
+
+  def version_of(self, step: int) -> int:
+    return max(self.start, step - self.k)
+
+  def publish(self, version: int, params) -> None:
+    """Version `version` of the parameters (after that many optimizer steps), before the next update
+    donates them; k > 0 keeps a copy only where a later step samples with it."""
+    if not self.k:
+      self.versions = {version: params}
+      return
+    if version + self.k >= self.steps and version != self.start:
+      return   # no step left samples with it
+    copy = jax.tree.map(lambda x: x.copy(), params)
+    with self.lock:
+      self.versions[version] = copy
+      self.lock.notify_all()
+
+  def take(self, step: int) -> Produced:
+    """Step `step`'s batch (in order); re-raises the producer's exception at the step it stopped."""
+    t0 = time.perf_counter()
+    if not self.k:
+      batch, self.data_pos = self.collect(self.versions[step], step, self.data_pos)
+      return Produced(batch, self.data_pos, step, time.perf_counter() - t0)
+    with self.lock:
+      self.lock.wait_for(lambda: step in self.ready)
+      item = self.ready.pop(step)
+    if isinstance(item, BaseException):
+      raise item
+    item.wait_s = time.perf_counter() - t0
+    return item
+
+  def close(self) -> None:
+    """Stop the producer (it finishes the batch it is sampling) and wait for it."""
+    with self.lock:
+      self.closed = True
+      self.lock.notify_all()
+    if self.thread is not None:
+      self.thread.join()
+    self.versions.clear()
+
+  def _produce(self) -> None:
+    data_pos = self.data_pos
+    for step in range(self.start, self.steps):
+      version = self.version_of(step)
+      with self.lock:
+        self.lock.wait_for(lambda: self.closed or version in self.versions)
+        if self.closed:
+          return
+        params = self.versions[version]
+      t0 = time.perf_counter()
+      try:
+        batch, data_pos = self.collect(params, step, data_pos)
+        item = Produced(batch, data_pos, version, time.perf_counter() - t0)
+      except BaseException as error:   # handed to the update loop at this step
+        item = error
+      with self.lock:
+        if self.version_of(step + 1) != version:
+          self.versions.pop(version, None)
+        self.ready[step] = item
+        self.lock.notify_all()
+      if isinstance(item, BaseException):
+        return

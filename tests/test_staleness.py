@@ -1,0 +1,157 @@
+"""Bounded staleness (train.max_staleness, algorithms/producer.py): step t samples with version
+max(start, t - k), the data positions chain in order, resume trains every position once, errors reach
+the step they stopped, and the loop's records say which version sampled each step."""
+
+import json
+import os
+import threading
+
+import jax.numpy as jnp
+import pytest
+
+from branch_replay_jax.algorithms import grpo as train
+from branch_replay_jax.algorithms.producer import Producer
+from branch_replay_jax.rollout.tasks import Task
+from conftest import grpo_smoke, length_score
+
+
+def drive(k: int, start: int, steps: int):
+  """Run the update loop's side of a Producer whose collect records (step, the version it sampled with,
+  data_pos); each 'update' deletes the parameters it was given, as the train step's donation does."""
+  seen, lock = [], threading.Lock()
+
+  def collect(params, step, data_pos):
+    with lock:
+      seen.append((step, int(params["version"]), data_pos))
+    return f"batch {step}", data_pos + 2
+
+  producer = Producer(collect, start=start, steps=steps, data_pos=10 * start, max_staleness=k)
+  params = {"version": jnp.asarray(start)}
+  taken = []
+  try:
+    producer.publish(start, params)
+    for step in range(start, steps):
+      produced = producer.take(step)
+      taken.append((step, produced.batch, produced.data_pos, produced.version, produced.metrics(step)))
+      new = {"version": params["version"] + 1}
+      if k:
+        params["version"].delete()   # donated: a producer still holding it without a copy would fail
+      params = new
+      producer.publish(step + 1, params)
+  finally:
+    producer.close()
+  return sorted(seen), taken
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("start", [0, 3])
+def test_each_step_samples_with_the_version_k_steps_back_and_positions_chain(k, start):
+  # Version v(t) = max(start, t - k): the first k steps of a (resumed) run sample with the starting
+  # version, every later one with the parameters after t - k updates; data positions 10 * start + 2i.
+  seen, taken = drive(k, start, steps=start + 6)
+  want = [(t, max(start, t - k), 10 * start + 2 * (t - start)) for t in range(start, start + 6)]
+  assert seen == want
+  assert [(t, b, pos, v) for t, b, pos, v, _ in taken] == [
+      (t, f"batch {t}", 10 * start + 2 * (t - start + 1), max(start, t - k)) for t in range(start, start + 6)]
+  assert [m for *_, m in taken] == [
+      {"policy_version": max(start, t - k), "staleness_mean": float(min(k, t - start)),
+       "staleness_max": min(k, t - start)} for t in range(start, start + 6)]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_producer_error_reaches_the_step_it_stopped_after_the_earlier_ones(k):
+  # Steps 0 and 1 are taken (and would be trained, logged, checkpointed); step 2's collect raised, and
+  # take(2) raises it; nothing is sampled past it.
+  sampled = []
+
+  def collect(params, step, data_pos):
+    if step == 2:
+      raise RuntimeError("environment failed at step 2")
+    sampled.append(step)
+    return step, data_pos
+
+  producer = Producer(collect, start=0, steps=6, data_pos=0, max_staleness=k)
+  producer.publish(0, {"w": jnp.zeros(())})
+  taken = []
+  with pytest.raises(RuntimeError, match="environment failed at step 2"):
+    for step in range(6):
+      taken.append(producer.take(step).batch)
+      producer.publish(step + 1, {"w": jnp.zeros(())})
+  producer.close()
+  assert taken == [0, 1] and sampled == [0, 1]
+
+
+def test_close_stops_a_producer_that_waits_for_a_version():
+  # k = 1 and 4 steps: the producer samples steps 0 and 1 with version 0, then waits for version 1,
+  # which never comes; close() must wake it and join.
+  producer = Producer(lambda p, step, pos: (step, pos), start=0, steps=4, data_pos=0, max_staleness=1)
+  producer.publish(0, {"w": jnp.zeros(())})
+  assert producer.take(0).batch == 0
+  producer.close()
+  assert not producer.thread.is_alive()
+
+
+def test_a_negative_max_staleness_is_refused_before_the_model_loads(tmp_path):
+  # (ConfigDict refuses a float or a string for the experiment's int field on its own.)
+  with pytest.raises(ValueError, match=r"train.max_staleness=-1 must be an int >= 0"):
+    train.GRPO(grpo_smoke(tmp_path, **{"train.max_staleness": -1}))
+
+
+def test_staleness_with_several_processes_is_refused(tmp_path):
+  with pytest.raises(ValueError, match=r"train.max_staleness=1 with 2 processes"):
+    train.GRPO(grpo_smoke(tmp_path, **{"train.max_staleness": 1, "distributed.num_processes": 2}))
+
+
+def stale_smoke(run_dir, **overrides):
+  # A learning rate that moves the tiny model's log-probs far beyond float32 rounding in one step, and
+  # TIS on so the step computes π_old and logs its distance to the sampler's log-probs.
+  return grpo_smoke(run_dir, **{"train.steps": 3, "train.learning_rate": 1e-3, "loss.rollout_correction": "tis",
+                                "eval.size": 0, "checkpoint_every": 2, **overrides})
+
+
+def records(run_dir, name="metrics.jsonl"):
+  with open(os.path.join(run_dir, name)) as f:
+    return [json.loads(line) for line in f]
+
+
+TIMINGS = {"sample_s", "score_s", "update_s", "step_s", "wall_s"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The stale smoke run at k = 0 and k = 1, and k = 1 stopped after step 2 and resumed."""
+  out = {}
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", length_score)
+    for name, k in (("k0", 0), ("k1", 1)):
+      out[name] = tmp_path_factory.mktemp(name)
+      train.train(stale_smoke(out[name], **{"train.max_staleness": k}))
+    out["resumed"] = tmp_path_factory.mktemp("resumed")
+    train.train(stale_smoke(out["resumed"], **{"train.max_staleness": 1, "train.steps": 2}))
+    train.train(stale_smoke(out["resumed"], **{"train.max_staleness": 1}, resume=True))
+  return out
+
+
+def test_a_stale_run_samples_with_the_older_policy_and_logs_it(runs):
+  k0, k1 = records(runs["k0"]), records(runs["k1"])
+  assert [r["policy_version"] for r in k0] == [0, 1, 2] and [r["staleness_max"] for r in k0] == [0, 0, 0]
+  assert [r["policy_version"] for r in k1] == [0, 0, 1] and [r["staleness_max"] for r in k1] == [0, 1, 1]
+  # Step 1 samples with version 0 at any k: the same record, bit for bit, but for the timings.
+  assert {k: v for k, v in k0[0].items() if k not in TIMINGS} == {k: v for k, v in k1[0].items() if k not in TIMINGS}
+  # On-policy, π_old and the sampler's log-probs differ by float32 rounding (< 1e-4 nats); a step
+  # sampled one update back (learning rate 1e-3) differs by far more. A producer that sampled with
+  # the current parameters would log the on-policy figure.
+  assert max(r["sampler_logp_diff_mean"] for r in k0) < 1e-4
+  assert min(r["sampler_logp_diff_mean"] for r in k1[1:]) > 1e-3
+  assert max(r["is_ratio_max"] for r in k1) <= 2.0   # TIS caps the ratio at loss.rollout_is_cap
+
+
+def test_a_resumed_stale_run_trains_every_data_position_once(runs):
+  # The resumed run restarts its producer at step 3 with version 2 (staleness 0 there); it trains the
+  # same prompts in the same order as the uninterrupted run: nothing lost, nothing twice.
+  full, resumed = records(runs["k1"]), records(runs["resumed"])
+  assert [r["step"] for r in resumed] == [1, 2, 3]
+  assert [r["policy_version"] for r in resumed] == [0, 0, 2]
+  assert full[:2] == [{**r, **{k: full[i][k] for k in TIMINGS}} for i, r in enumerate(resumed[:2])]
+  questions = lambda d: [s["question"] for s in records(d, "samples.jsonl")]
+  assert questions(runs["resumed"]) == questions(runs["k1"])
