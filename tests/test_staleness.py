@@ -5,6 +5,7 @@ the step they stopped, and the loop's records say which version sampled each ste
 import json
 import os
 import threading
+import time
 
 import jax.numpy as jnp
 import pytest
@@ -56,6 +57,22 @@ def test_each_step_samples_with_the_version_k_steps_back_and_positions_chain(k, 
   assert [m for *_, m in taken] == [
       {"policy_version": max(start, t - k), "staleness_mean": float(min(k, t - start)),
        "staleness_max": min(k, t - start)} for t in range(start, start + 6)]
+
+
+def test_no_batch_is_sampled_while_the_producer_is_held():
+  # The loop holds the producer during a held-out evaluation (left out of wall_s): with versions
+  # available it still starts nothing until the block ends. (A broken hold samples within the 0.3 s.)
+  started = []
+  producer = Producer(lambda p, step, pos: (started.append(step), (step, pos))[1], start=0, steps=4, data_pos=0,
+                      max_staleness=2)
+  try:
+    with producer.held():
+      producer.publish(0, {"w": jnp.zeros(())})
+      time.sleep(0.3)
+      assert started == []
+    assert producer.take(0).batch == 0 and producer.take(1).batch == 1
+  finally:
+    producer.close()
 
 
 @pytest.mark.parametrize("k", [0, 2])

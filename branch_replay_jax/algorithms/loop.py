@@ -146,7 +146,7 @@ def train(config, algorithm: Algorithm) -> list[dict]:
       if writer is not None:
         writer.write("train", record)
       if evaluation is not None and evaluation.due(step + 1):
-        with clock.paused():
+        with rollouts.held(), clock.paused():   # the producer's batch in flight counts as training time
           evaluation.run(algorithm, run, params, step + 1, clock.seconds(), writer)
       save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
   finally:

@@ -32,6 +32,7 @@ would interleave with the update's collectives in an order that differs between 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -99,7 +100,7 @@ class Producer:
     self.data_pos = data_pos
     self.versions: dict[int, Any] = {}    # version -> parameters (k > 0: copies)
     self.ready: dict[int, Produced | BaseException] = {}
-    self.closed = False
+    self.closed = self.holding = self.collecting = False
     self.lock = threading.Condition()
     self.thread = None
     if self.k:
@@ -136,6 +137,21 @@ class Producer:
     item.wait_s = time.perf_counter() - t0
     return item
 
+  @contextlib.contextmanager
+  def held(self):
+    """No sampling inside: waits for the batch the producer is sampling, and starts none until the
+    block ends (the loop's held-out evaluation: its seconds are left out of the run's wall-clock, so
+    the producer must not sample for free meanwhile; the wait itself is training time)."""
+    with self.lock:
+      self.holding = True
+      self.lock.wait_for(lambda: not self.collecting)
+    try:
+      yield
+    finally:
+      with self.lock:
+        self.holding = False
+        self.lock.notify_all()
+
   def close(self) -> None:
     """Stop the producer (it finishes the batch it is sampling) and wait for it."""
     with self.lock:
@@ -150,10 +166,10 @@ class Producer:
     for step in range(self.start, self.steps):
       version = self.version_of(step)
       with self.lock:
-        self.lock.wait_for(lambda: self.closed or version in self.versions)
+        self.lock.wait_for(lambda: self.closed or (version in self.versions and not self.holding))
         if self.closed:
           return
-        params = self.versions[version]
+        params, self.collecting = self.versions[version], True
       t0 = time.perf_counter()
       try:
         batch, data_pos = self.collect(params, step, data_pos)
@@ -161,6 +177,7 @@ class Producer:
       except BaseException as error:   # handed to the update loop at this step
         item = error
       with self.lock:
+        self.collecting = False
         if self.version_of(step + 1) != version:
           self.versions.pop(version, None)
         self.ready[step] = item
