@@ -172,3 +172,19 @@ def test_a_resumed_stale_run_trains_every_data_position_once(runs):
   assert full[:2] == [{**r, **{k: full[i][k] for k in TIMINGS}} for i, r in enumerate(resumed[:2])]
   questions = lambda d: [s["question"] for s in records(d, "samples.jsonl")]
   assert questions(runs["resumed"]) == questions(runs["k1"])
+
+
+@pytest.mark.heavy   # one smoke run on 8 fake devices, ~1 min. CI covers the pieces: the producer above, and the
+# mesh step with the correction (tests/test_train.py's mesh runs, tests/test_rollout_correction.py's heavy one).
+def test_a_stale_run_on_an_fsdp_mesh_logs_what_one_device_logs(runs, tmp_path):
+  # The producer samples on the mesh's devices from a copy of FSDP-sharded parameters while the mesh
+  # step runs: the same versions, and the same mismatch against the older policy as on one device.
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", length_score)
+    train.train(stale_smoke(tmp_path, **{"train.max_staleness": 1, "mesh.data": 2, "mesh.branch": 4,
+                                         "mesh.params": "fsdp", "train.micro_batch": 1}))
+  mesh, one = records(tmp_path), records(runs["k1"])
+  assert [r["policy_version"] for r in mesh] == [0, 0, 1]
+  for a, b in zip(mesh, one):
+    assert a["sampler_logp_diff_mean"] == pytest.approx(b["sampler_logp_diff_mean"], rel=1e-3, abs=1e-6)
+    assert a["reward_mean"] == b["reward_mean"]
