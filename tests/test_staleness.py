@@ -8,6 +8,7 @@ import threading
 import time
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from branch_replay_jax.algorithms import grpo as train
@@ -143,6 +144,9 @@ def runs(tmp_path_factory):
     for name, k in (("k0", 0), ("k1", 1)):
       out[name] = tmp_path_factory.mktemp(name)
       train.train(stale_smoke(out[name], **{"train.max_staleness": k}))
+    out["uncorrected"] = tmp_path_factory.mktemp("uncorrected")
+    train.train(stale_smoke(out["uncorrected"], **{"train.max_staleness": 1, "train.steps": 2,
+                                                   "loss.rollout_correction": "none"}))
     out["resumed"] = tmp_path_factory.mktemp("resumed")
     train.train(stale_smoke(out["resumed"], **{"train.max_staleness": 1, "train.steps": 2}))
     train.train(stale_smoke(out["resumed"], **{"train.max_staleness": 1}, resume=True))
@@ -161,6 +165,35 @@ def test_a_stale_run_samples_with_the_older_policy_and_logs_it(runs):
   assert max(r["sampler_logp_diff_mean"] for r in k0) < 1e-4
   assert min(r["sampler_logp_diff_mean"] for r in k1[1:]) > 1e-3
   assert max(r["is_ratio_max"] for r in k1) <= 2.0   # TIS caps the ratio at loss.rollout_is_cap
+
+
+def test_a_stale_step_logs_its_mismatch_without_a_correction(runs):
+  # An uncorrected stale step trains as on-policy, but still computes π_old so that the lag shows:
+  # step 2's mismatch is the corrected run's (same samples, parameters within float32 rounding of it).
+  got, want = records(runs["uncorrected"]), records(runs["k1"])
+  assert got[1]["sampler_logp_diff_mean"] == pytest.approx(want[1]["sampler_logp_diff_mean"], rel=1e-3)
+  assert got[1]["sampler_logp_diff_mean"] > 1e-3 and got[1]["is_masked_frac"] == 0.0
+
+
+def test_staleness_is_refused_where_nothing_would_read_it(tmp_path):
+  # PPO computes its old log-probs and values at the current parameters (a stale batch would train
+  # as on-policy); DPO's pairs from a file are not sampled, so nothing runs ahead.
+  from experiments import dpo_smollm2_arith, ppo_smollm2_arith
+  from branch_replay_jax.algorithms import dpo, ppo
+  from conftest import experiment_config
+  with pytest.raises(ValueError, match=r"train.max_staleness=1 with PPO"):
+    ppo.PPO(experiment_config(ppo_smollm2_arith, "smoke", tmp_path, **{"train.max_staleness": 1}))
+  config = experiment_config(dpo_smollm2_arith, "smoke", tmp_path, **{"train.max_staleness": 2})
+  config.data.source = "jsonl"
+  with pytest.raises(ValueError, match=r"train.max_staleness=2 with data.source='jsonl'"):
+    dpo.DPO(config)
+
+
+def test_a_step_logs_the_math_verify_timeouts_it_was_given_only_with_that_reward():
+  from branch_replay_jax.algorithms import loop
+  terms = {"math_verify": np.array([0.0, 1.0])}
+  assert loop.reward_term_means([terms], 3) == {"rewards/math_verify": 0.5, "math_verify_timeouts": 3}
+  assert loop.reward_term_means([{"exact": np.array([1.0])}], 3) == {"rewards/exact": 1.0}
 
 
 def test_a_resumed_stale_run_trains_every_data_position_once(runs):

@@ -57,6 +57,9 @@ def validate(config, experiment=None) -> None:
   d, t, p = config.data, config.train, config.dpo
   if d.source not in SOURCES:
     raise ValueError(f"data.source={d.source!r} is not one of {SOURCES}")
+  if d.source == "jsonl" and producer.max_staleness(config):
+    raise ValueError(f"{producer.FIELD}={producer.max_staleness(config)} with data.source='jsonl': the pairs are read, "
+                     "not sampled by the policy, so nothing runs ahead; use 0")
   unused = (["task", "rollout"] if d.source == "jsonl" else ["data.path", "data.pairs_per_step"])
   for name in unused:
     section, _, field = name.rpartition(".")
@@ -329,6 +332,6 @@ def _record(step: int, num_pairs: int, info: dict, stats: dict, counts: dict, *,
     record.update(reward_mean=float(info["rewards"].mean()), accuracy=float(info["correct"].mean()),
                   truncated_frac=float(info["truncated"].mean()),
                   **loop.stop_reason_fracs(info["stop_reasons"]),
-                  **loop.reward_term_means(info["reward_terms"]),
+                  **loop.reward_term_means(info["reward_terms"], stats.get(loop.MATH_VERIFY_TIMEOUTS, 0)),
                   sample_s=info["sample_s"], score_s=info["score_s"])
   return {**record, "update_s": update_s, "step_s": rollout_s + update_s}

@@ -52,6 +52,7 @@ from branch_replay_jax.correction import Correction, correct, has_sampler_logpro
 from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.placement import mesh_from
+from branch_replay_jax.algorithms.producer import max_staleness
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, TreeLayouts, pack_trees, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
@@ -293,7 +294,8 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
                     keep: int | None = None):
   """Reference (and old) log-probs, then inner_epochs updates on the step's groups, each one jitted
   program (`GRPOFunctions.train_step`), its metrics fetched once at the step's end. Old log-probs are
-  computed with train.inner_epochs > 1 or a loss.rollout_correction; with them, where the batch has
+  computed with train.inner_epochs > 1, a loss.rollout_correction or train.max_staleness > 0 (so a stale
+  batch's mismatch is logged even uncorrected); with them, where the batch has
   the sampler's log-probs, the correction's factors and metrics (`correction.correct`). Returns (params,
   opt_state, stats, kept): `kept` is group `keep`'s (loss, Σ k3 KL, gradient) of the first epoch,
   at the given params (the run-time exactness check's step side, one device), or None."""
@@ -301,7 +303,7 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
   if config.loss.kl_coef:
     batch = with_logprobs(batch, "ref_logp", fns.logprobs(ref_params, batch))
   correction = {}
-  if config.train.inner_epochs > 1 or fns.correction.active:
+  if config.train.inner_epochs > 1 or fns.correction.active or max_staleness(config):
     batch = with_logprobs(batch, "old_logp", fns.logprobs(params, batch))
     if has_sampler_logprobs(batch):   # the sampler's mismatch, logged whenever old log-probs are computed
       batch, correction = fns.correct(batch)

@@ -53,6 +53,9 @@ from branch_replay_jax.rollout.environments import STATUSES
 from branch_replay_jax.rollout.tasks.rewards import take_math_verify_timeouts
 
 
+MATH_VERIFY_TIMEOUTS = "math_verify_timeouts"   # the stats key `train` passes the step's count under
+
+
 class Algorithm:
   """What an algorithm plugs into `train`. Subclasses set `name` (the progress bar's label) and
   `keep_initial` (a frozen copy of the initial parameters as `run.initial_params`: the reference
@@ -123,7 +126,15 @@ def train(config, algorithm: Algorithm) -> list[dict]:
   writer = ScalarWriter(config.run_dir, start=run.start) if hosts.is_primary() else None
   clock = Stopwatch(resumed_wall_s(config.run_dir, run.start))
   bar = run.progress(config, algorithm.name)
-  rollouts = producer.Producer(lambda p, step, pos: algorithm.collect(run, p, step, pos), start=run.start,
+  def collect(p, step, pos):
+    # The step's own math-verify timeouts: counted from its collect's start to its end (the evaluation,
+    # which also scores, never runs meanwhile: `Producer.held`), not at log time, when a producer
+    # running ahead may be scoring a later step.
+    take_math_verify_timeouts()
+    batch, pos = algorithm.collect(run, p, step, pos)
+    return (batch, take_math_verify_timeouts()), pos
+
+  rollouts = producer.Producer(collect, start=run.start,
                                steps=config.train.steps, data_pos=run.data_pos,
                                max_staleness=producer.max_staleness(config))
   try:
@@ -134,12 +145,12 @@ def train(config, algorithm: Algorithm) -> list[dict]:
     rollouts.publish(run.start, params)
     for step in bar:
       produced = rollouts.take(step)   # sampled by version max(start, step - train.max_staleness)
-      batch, data_pos = produced.batch, produced.data_pos
+      (batch, timeouts), data_pos = produced.batch, produced.data_pos
       t1 = time.perf_counter()
       params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
       t2 = time.perf_counter()
       rollouts.publish(step + 1, params)
-      stats = {**stats, **produced.metrics(step)}
+      stats = {**stats, **produced.metrics(step), MATH_VERIFY_TIMEOUTS: timeouts}
       record = algorithm.log(bar, step, batch, stats, rollout_s=produced.wait_s, update_s=t2 - t1,
                              wall_s=clock.seconds())
       history.append(record)
@@ -150,10 +161,12 @@ def train(config, algorithm: Algorithm) -> list[dict]:
           evaluation.run(algorithm, run, params, step + 1, clock.seconds(), writer)
       save_if_due(config, run.ckpt, step, params, opt_state, run.key, data_pos)
   finally:
-    rollouts.close()
-    run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
-    if writer is not None:
-      writer.close()
+    try:
+      rollouts.close()   # waits for the batch in flight (an interrupt here must not skip the saves below)
+    finally:
+      run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
+      if writer is not None:
+        writer.close()
   if hosts.is_primary():
     algorithm.write_plots()
   return history
@@ -263,6 +276,8 @@ def save_if_due(config, ckpt: RunCheckpoints, step: int, params, opt_state, key,
 
 
 def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float, update_s: float) -> dict:
+  stats = dict(stats)
+  timeouts = stats.pop(MATH_VERIFY_TIMEOUTS, 0)
   rewards = np.concatenate([g.rewards for g in groups])
   lengths = np.concatenate([g.lengths for g in groups])
   counts = {k: sum(g.counts[k] for g in groups) for k in ("token_positions_naive", "token_positions_computed")}
@@ -274,7 +289,8 @@ def step_record(step: int, groups: list[Group], stats: dict, *, rollout_s: float
           "ideal_flop_ratio": float(np.mean([g.counts["ideal_flop_ratio"] for g in groups])),
           "padding_fraction": float(np.mean([g.counts["padding_fraction"] for g in groups])),
           "sample_s": sum(g.sample_s for g in groups), "score_s": sum(g.score_s for g in groups),
-          "update_s": update_s, "step_s": rollout_s + update_s, **reward_means(groups), **episode_means(groups)}
+          "update_s": update_s, "step_s": rollout_s + update_s, **reward_means(groups, timeouts),
+          **episode_means(groups)}
 
 
 def episode_means(groups: list[Group]) -> dict:
@@ -308,19 +324,20 @@ def stop_reason_fracs(reasons: np.ndarray) -> dict:
   return {"stop_eos_frac": float(np.mean(reasons == "eos")), "stop_string_frac": float(np.mean(reasons == "stop_string"))}
 
 
-def reward_means(groups: list[Group]) -> dict:
+def reward_means(groups: list[Group], math_verify_timeouts: int = 0) -> dict:
   """{"rewards/NAME": mean} of each reward function of task.rewards over the step's completions
   (rollout/tasks/rewards.py; completions it returned None for left out; a function that returned
-  None for all of them is left out), {} without task.rewards."""
-  return reward_term_means([g.reward_terms for g in groups])
+  None for all of them is left out), {} without task.rewards; `reward_term_means`."""
+  return reward_term_means([g.reward_terms for g in groups], math_verify_timeouts)
 
 
-def reward_term_means(terms: list[dict | None]) -> dict:
+def reward_term_means(terms: list[dict | None], math_verify_timeouts: int = 0) -> dict:
   """{"rewards/NAME": mean} over the {name: [G] float64} reward terms of a step's prompts
   (`rollout.tasks.protocol.reward_terms`; NaN, a function's None, left out; a function that returned
   None for all of them is left out; None or {} entries: prompts without task.rewards), and with the
-  math-verify reward among them "math_verify_timeouts": its comparisons that ran out of time since
-  the last step (scored 0, `rollout.tasks.rewards.math_verify`)."""
+  math-verify reward among them "math_verify_timeouts": the step's comparisons that ran out of time
+  (scored 0, `rollout.tasks.rewards.math_verify`; counted around the step's collect by `train`, which
+  passes them in the stats as MATH_VERIFY_TIMEOUTS)."""
   terms = [t for t in terms if t]
   if not terms:
     return {}
@@ -330,5 +347,5 @@ def reward_term_means(terms: list[dict | None]) -> dict:
     if not np.isnan(values).all():
       out[f"rewards/{name}"] = float(np.nanmean(values))
   if any(name.startswith("math_verify") for name in terms[0]):
-    out["math_verify_timeouts"] = take_math_verify_timeouts()
+    out["math_verify_timeouts"] = math_verify_timeouts
   return out

@@ -38,7 +38,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
+from branch_replay_jax.algorithms import checks, loop, placement, producer, runs, schema
 from branch_replay_jax.algorithms.groups import Group
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
@@ -56,6 +56,10 @@ def validate(config, experiment=None):
   Returns the parsed experiment (`schema.PPOExperiment`; `experiment` when given, parsed already)."""
   experiment = experiment or schema.parse(config, expect="ppo")
   p = config.ppo
+  if producer.max_staleness(config):
+    raise ValueError(f"{producer.FIELD}={producer.max_staleness(config)} with PPO: its old log-probs and values come "
+                     "from the update's own forward at the current parameters, so a stale batch would train as "
+                     "on-policy, and PPO has no rollout correction yet; use GRPO / RLOO with loss.rollout_correction")
   if p.critic not in CRITICS:
     raise ValueError(f"ppo.critic={p.critic!r} is not one of {CRITICS}")
   for name, value in [("ppo.epochs", p.epochs), ("ppo.minibatches", p.minibatches)]:

@@ -22,7 +22,8 @@ Every data position is still trained once: a checkpoint stores the data position
 its update consumed, and the producer's batches beyond it are sampled again.
 
 The producer samples with a copy of each version's parameters (the update donates its inputs), so k
-> 0 holds up to k + 1 copies of the trainable parameters beside the run's own. An exception in the
+> 0 holds up to k + 1 copies of the trainable parameters beside the run's own, and up to k + 1
+sampled batches. An exception in the
 producer (an environment's, a reward function's) reaches the update loop at the step whose batch it
 stopped, after every earlier step has been trained, logged and checkpointed as due.
 
@@ -160,6 +161,7 @@ class Producer:
     if self.thread is not None:
       self.thread.join()
     self.versions.clear()
+    self.ready.clear()   # batches sampled ahead of a stopped run (and a stored exception's frame)
 
   def _produce(self) -> None:
     data_pos = self.data_pos
