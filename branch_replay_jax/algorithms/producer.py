@@ -21,11 +21,11 @@ are sampled by version s (staleness below k) where the uninterrupted run used ve
 Every data position is still trained once: a checkpoint stores the data position of the last batch
 its update consumed, and the producer's batches beyond it are sampled again.
 
-The producer samples with a copy of each version's parameters (the update donates its inputs), so k
-> 0 holds up to k + 1 copies of the trainable parameters beside the run's own, and up to k + 1
-sampled batches. An exception in the
-producer (an environment's, a reward function's) reaches the update loop at the step whose batch it
-stopped, after every earlier step has been trained, logged and checkpointed as due.
+The producer samples with a copy of each version's parameters (the update donates its inputs), so
+k > 0 holds up to k + 1 copies of the trainable parameters beside the run's own, and up to k + 1
+sampled batches. An exception in the producer (an environment's, a reward function's) reaches the
+update loop at the step whose batch it stopped, after every earlier step has been trained, logged
+and checkpointed as due.
 
 Several processes are refused with k > 0: the producer's gather across processes (`hosts.gather_items`)
 would interleave with the update's collectives in an order that differs between processes.
