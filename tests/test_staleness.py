@@ -117,7 +117,8 @@ def test_a_negative_max_staleness_is_refused_before_the_model_loads(tmp_path):
 
 def test_staleness_with_several_processes_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"train.max_staleness=1 with 2 processes"):
-    train.GRPO(grpo_smoke(tmp_path, **{"train.max_staleness": 1, "distributed.num_processes": 2}))
+    train.GRPO(grpo_smoke(tmp_path, **{"train.max_staleness": 1, "distributed.num_processes": 2,
+                                       "distributed.coordinator_address": "localhost:1234"}))
 
 
 def stale_smoke(run_dir, **overrides):

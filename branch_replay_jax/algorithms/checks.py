@@ -8,7 +8,6 @@ combinations."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 
@@ -136,8 +135,7 @@ def validate_eval(config) -> None:
 def _episodes_field(episodes, name: str):
   """rollout.episodes.NAME, or the schema's default where the config leaves it out (not written again here)."""
   from branch_replay_jax.algorithms import schema
-  default = {f.name: f.default for f in dataclasses.fields(schema.EpisodesConfig)}[name]
-  return episodes.get(name, default)
+  return episodes.get(name, schema.defaults(schema.EpisodesConfig)[name])
 
 
 def validate(config) -> None:

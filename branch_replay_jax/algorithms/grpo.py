@@ -38,7 +38,6 @@ objective (or its rows with train.gradient = "naive"), on one device.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -164,7 +163,7 @@ CORRECTION_FIELDS = ("rollout_correction", "rollout_correction_level", "rollout_
 
 def _correction_fields(config) -> dict:
   """{field: (value, schema default)} of loss.rollout_correction's fields, a field left out at its default."""
-  defaults = {f.name: f.default for f in dataclasses.fields(schema.GRPOLossConfig)}
+  defaults = schema.defaults(schema.GRPOLossConfig)
   return {name: (config.loss.get(name, defaults[name]), defaults[name]) for name in CORRECTION_FIELDS}
 
 

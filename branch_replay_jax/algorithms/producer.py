@@ -42,6 +42,7 @@ from typing import Any, Callable
 import jax
 
 from branch_replay_jax.algorithms import schema
+from branch_replay_jax.distributed import hosts
 
 FIELD = "train.max_staleness"
 METRICS = ("policy_version", "staleness_mean", "staleness_max")   # each step's record (`Produced.metrics`)
@@ -49,17 +50,17 @@ METRICS = ("policy_version", "staleness_mean", "staleness_max")   # each step's 
 
 def max_staleness(config) -> int:
   """train.max_staleness, its schema default (0) when the experiment leaves it out."""
-  default = next(f.default for f in dataclasses.fields(schema.TrainConfig) if f.name == "max_staleness")
-  return config.train.get("max_staleness", default)
+  return config.train.get("max_staleness", schema.defaults(schema.TrainConfig)["max_staleness"])
 
 
 def validate(config) -> None:
   """Raise ValueError naming train.max_staleness when it is not an int >= 0, or > 0 in a run of
-  several processes (distributed.num_processes; module docstring)."""
+  several processes (distributed.num_processes or its environment variable, `hosts.settings`;
+  module docstring)."""
   k = max_staleness(config)
   if isinstance(k, bool) or not isinstance(k, int) or k < 0:
     raise ValueError(f"{FIELD}={k!r} must be an int >= 0 (0: sample each step with the current policy)")
-  processes = (config.get("distributed") or {}).get("num_processes") or 1
+  processes = hosts.settings(config)["num_processes"]
   if k and (processes > 1 or jax.process_count() > 1):
     raise ValueError(f"{FIELD}={k} with {max(processes, jax.process_count())} processes: the producer thread's "
                      "gathers across processes would interleave with the update's collectives; use "
@@ -172,10 +173,9 @@ class Producer:
         if self.closed:
           return
         params, self.collecting = self.versions[version], True
-      t0 = time.perf_counter()
       try:
         batch, data_pos = self.collect(params, step, data_pos)
-        item = Produced(batch, data_pos, version, time.perf_counter() - t0)
+        item = Produced(batch, data_pos, version, wait_s=0.0)   # (take() sets the update loop's wait)
       except BaseException as error:   # handed to the update loop at this step
         item = error
       with self.lock:

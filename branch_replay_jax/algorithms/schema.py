@@ -427,6 +427,12 @@ def _unoptional(tp):
   return next(a for a in args if a is not type(None)) if typing.get_origin(tp) is typing.Union else tp
 
 
+def defaults(cls) -> dict:
+  """{field: default} of a schema section's fields that have one (an experiment may leave them out;
+  code that reads the config reads them here, never writing a default again)."""
+  return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def _names(cls, prefix: str = "") -> dict[str, bool]:
   """Dotted name -> whether it is a section, for every field of schema `cls`."""
   out = {}
