@@ -107,13 +107,16 @@ def _both(tree, graphdef, params, mode, dtype, seed=0, level_scan=False):
   per-token values: ({schedule: (loss, aux, grads)}, naive (loss, aux, grads)). The level schedule
   runs all leaf siblings in one step (micro_batch = last fan-out: the one-pass value_and_grad) and,
   with level_scan, as "level/1", one leaf sibling per scan step (its per-level pullbacks);
-  depth-first one at a time."""
+  depth-first one node at a time and, with level_scan, as "depth_first/F", up to last_fanout
+  siblings per step at every level."""
   adv, old, ref, w = _grpo_inputs(tree, mode, dtype, seed)
   tree_arrs = _grpo_tree_arrays(tree, mode, dtype, seed)
   last_fanout = tree_arrs.levels[-1].tokens.shape[-2]
   runs = {"depth_first": ("depth_first", 1), "level": ("level", last_fanout)}
   if level_scan and last_fanout > 1:
     runs["level/1"] = ("level", 1)
+    # Internal siblings as rows of one batch too (the largest divisor of each fan-out <= last_fanout).
+    runs["depth_first/F"] = ("depth_first", last_fanout)
   tree_out = {name: _tree_step(graphdef, params, tree_arrs, _objective, schedule=s, micro_batch=m)
               for name, (s, m) in runs.items()}
 
@@ -133,6 +136,26 @@ def test_tree_replay_equals_naive_float64(tree):
       for schedule, (lt, _, gt) in replay.items():
         assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), (mode, schedule)
         assert max_rel_err(gt, gn) <= 1e-10, (mode, schedule)
+
+
+def test_depth_first_runs_internal_siblings_as_rows_exactly(x64):
+  # Fan-outs 3 then 2 then 2, ragged lengths: at micro_batch=2 the depth-first schedule runs level 1
+  # one node per step (2 does not divide 3), levels 2 and 3 two siblings per step as rows of one
+  # batch (one pullback for both). The gradient is the naive one's up to float64 rounding (<= 1e-10),
+  # and so is the loss; a sibling's cotangent routed to the wrong row or dropped fails it.
+  rng = np.random.default_rng(5)
+  seg = lambda first, n: [first] + list(rng.integers(0, 64, n))   # siblings differ at their first token
+  one = {a: seg(a, 1 + a) for a in range(3)}
+  two = {(a, b): seg(10 + b, 2 + b) for a in range(3) for b in range(2)}
+  trajectories = [one[a] + two[a, b] + seg(20 + c, 1 + c) for a in range(3) for b in range(2) for c in range(2)]
+  tree = tree_from_trajectories(list(rng.integers(0, 64, 5)), trajectories)
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  assert [ids.shape for ids in pad_tree(tree).node_ids] == [(3,), (3, 2), (3, 2, 2)]   # F_1, F_2, F_3
+  replay, (ln, _, gn) = _both(tree, graphdef, params, MODES[0], np.float64, level_scan=True)
+  assert "depth_first/F" in replay
+  for schedule, (lt, _, gt) in replay.items():
+    assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), schedule
+    assert max_rel_err(gt, gn) <= 1e-10, schedule
 
 
 @pytest.mark.heavy   # ~4 min on loaded cores; float32 trees in CI: test_lora tree float32, test_train tree runs, test_mesh trees

@@ -12,14 +12,16 @@ and each node pulls back once with the cotangents of all its descendants summed 
 "The replay math"). Two schedules compute this same gradient; they differ in what is alive at once:
 
   "depth_first": a `lax.scan` over the sibling slots of each level, recursing into each child's
-      subtree before its pullback; internal nodes run one at a time, leaves in micro-batches.
+      subtree before its siblings' pullback; siblings run m at a time as the rows of one batch (m the
+      largest divisor of the level's fan-out not above micro_batch), leaves in micro-batches of m.
 
-        root ─vjp─► child 0 ─vjp─► leaves 0..m-1 ─grad─► ... ─► child 0 pullback ─► child 1 ─► ...
+        root ─vjp─► children 0..m-1 ─► (child 0's subtree ─► ... ─► child m-1's subtree) ─► their pullback ─► ...
 
-      Residuals alive: one root-to-leaf path plus one leaf micro-batch, so peak memory does not
-      grow with the number of leaves. One gradient accumulator (threaded through the nested
-      scans' carries) and one ancestor-cotangent accumulator. Many small matmuls (one segment
-      of T_d tokens per step): slow where the hardware wants big batches.
+      Residuals alive: one root-to-leaf path of sibling micro-batches (m nodes per level), so peak
+      memory does not grow with the number of leaves. One gradient accumulator (threaded through
+      the nested scans' carries) and one ancestor-cotangent accumulator. Small matmuls (m
+      segments of T_d tokens per step) and a parameter-sized pullback per step: at m = 1 slow
+      where the hardware wants big batches; a larger m trades memory for fewer, bigger steps.
 
   "level": level-synchronous. Level d's nodes run forward together as one batch of rows (the slots
       [F_1..F_{d+1}] flattened; an ancestor's output repeated to its descendants' rows, the root's
@@ -41,13 +43,15 @@ Both are exact: they evaluate the same sum, only the float summation order diffe
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay_jax.core.accumulate import merge_micro_batches, scan_value_and_grad, split_micro_batches
+from branch_replay_jax.core.accumulate import (fit_micro_batch, merge_micro_batches, scan_value_and_grad,
+                                              split_micro_batches)
 from branch_replay_jax.core.replay import reduce_in_backward
 
 PyTree = Any
@@ -116,8 +120,9 @@ def nested_replay_vjp(prefix_fn: Callable[[PyTree], PyTree], node_fns: list[Call
     params: the differentiated pytree.
     levels: levels[d] is a pytree whose leaves have leading axes [F_1, ..., F_{d+1}] (fan-outs).
     micro_batch: leaf slots per sibling group run together per `lax.scan` step at the last level
-      (must divide F_D). depth_first: m leaves of one parent per step; level: m leaves of
-      EVERY parent per step (F_1...F_{D-1} m leaves).
+      (must divide F_D). depth_first: m leaves of one parent per step, and at an internal level
+      the largest divisor of its fan-out not above m siblings of one parent per step; level: m
+      leaves of EVERY parent per step (F_1...F_{D-1} m leaves).
     schedule: "depth_first" (least memory) or "level" (fastest); same gradient.
     reduce_prefix_cotangent: applied to the root output's summed cotangent (a list of float
       arrays) before its pullback, as in `core.replay.replay_vjp` (under `shard_map`: the all-reduce
@@ -202,28 +207,57 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
                                                          (acc[0], (acc[1], acc[2])))
     return loss, [merge_micro_batches(aux, f)], d_params, d_anc
 
-  def child_step(carry, child):   # one internal node and its whole subtree
+  f = jax.tree_util.tree_leaves(levels[0])[0].shape[0]
+  k = fit_micro_batch(micro_batch, f)   # siblings run forward (and pull back) together, as rows of one batch
+
+  def siblings_step(carry, children):   # k internal siblings, then each one's whole subtree
     loss_acc, d_params, d_anc = carry
-    spec = {}
 
-    def node(p, floats):   # one node: a batch of one row
-      out, loss, aux = jax.tree_util.tree_map(lambda x: x[0], fn(p, rebuild(floats), _first_row(child[0])))
-      out_floats, spec["rebuild"] = _partition(out)
-      return (out_floats, loss), aux
-    (out_floats, loss), pullback, aux = jax.vjp(node, params, anc_floats, has_aux=True)
-    sub = (loss_acc + loss, d_params, d_anc + [_zeros(out_floats)])
-    loss_acc, aux_c, d_params, d_sub = _subtree(node_fns, params, ancestors + [(out_floats, spec["rebuild"])],
-                                                child[1:], micro_batch, sub)
-    dp, da = pullback((d_sub[-1], jnp.ones_like(loss)))
-    return (loss_acc, _add(d_params, dp), _add(d_sub[:-1], da)), [aux] + aux_c
+    def nodes(p, floats):
+      out, loss, aux = fn(p, rebuild(floats), children[0])
+      out_floats, others, spec = _split(out)
+      return (out_floats, jnp.sum(loss)), (aux, others, spec)
+    (out_floats, loss), pullback, (aux, others, spec) = jax.vjp(nodes, params, anc_floats, has_aux=True)
 
-  (loss, d_params, d_anc), aux = jax.lax.scan(child_step, acc, levels)
-  return loss, aux, d_params, d_anc
+    def child_step(carry, child):   # one of the k siblings: its floats, its other outputs, its subtree
+      loss_acc, d_params, d_anc = carry
+      floats, other, sub_levels = child
+      sub = (loss_acc, d_params, d_anc + [_zeros(floats)])
+      row = lambda fl, other=other: _join(fl, other, spec)
+      loss_acc, aux_c, d_params, d_sub = _subtree(node_fns, params, ancestors + [(floats, row)], sub_levels,
+                                                  micro_batch, sub)
+      return (loss_acc, d_params, d_sub[:-1]), (d_sub[-1], aux_c)
+    (loss_acc, d_params, d_anc), (d_out, aux_c) = jax.lax.scan(child_step, (loss_acc + loss, d_params, d_anc),
+                                                               (out_floats, others, children[1:]))
+    dp, da = pullback((d_out, jnp.ones_like(loss)))
+    return (loss_acc, _add(d_params, dp), _add(d_anc, da)), [aux] + aux_c
+
+  (loss, d_params, d_anc), aux = jax.lax.scan(siblings_step, acc, split_micro_batches(levels, k))
+  return loss, merge_micro_batches(aux, f), d_params, d_anc
 
 
-def _first_row(node):
-  """A slot's fields [T, ...] as a batch of one row [1, T, ...]."""
-  return jax.tree_util.tree_map(lambda x: x[None], node)
+def _split(out):
+  """(float leaves, the other leaves, spec) of a node output: only float leaves take cotangents; the
+  others (int positions) travel beside them, per row, and `_join` puts them back."""
+  leaves, treedef = jax.tree_util.tree_flatten(out)
+  is_float = tuple(_is_float(x) for x in leaves)
+  return ([x for x, f in zip(leaves, is_float) if f], [x for x, f in zip(leaves, is_float) if not f],
+          _Spec(treedef, is_float))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Where `_split` took a node output's float leaves from (static: vjp's aux carries it as no leaf)."""
+  treedef: Any
+  is_float: tuple
+
+
+jax.tree_util.register_static(_Spec)
+
+
+def _join(floats, others, spec):
+  fl, ot = iter(floats), iter(others)
+  return jax.tree_util.tree_unflatten(spec.treedef, [next(fl) if f else next(ot) for f in spec.is_float])
 
 
 def _as_rows(fn, d):

@@ -444,7 +444,8 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
                    vocab_axis: int = 1, temperature: float = 1.0) -> jax.Array:
   """log softmax(h_t W / τ)[target_t] without holding [T, V] logits for the whole segment.
 
-  Positions are processed `chunk` at a time with `jax.lax.map`; when there are several chunks each
+  Positions are processed in n = ceil(T / chunk) equal chunks of ceil(T / n) <= chunk positions with
+  `jax.lax.map` (the last padded by fewer than n positions); when there are several chunks each
   chunk's logits are recomputed in the backward pass (`jax.checkpoint`), so memory is O(B * chunk * V).
   A single chunk is not recomputed: its logits are live at the backward's start either way.
 
@@ -468,8 +469,8 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
     raise ValueError(f"token_logprobs: vocab_axis={vocab_axis!r} must be 0 ([V, d]) or 1 ([d, V])")
   spec = "nd,dv->nv" if vocab_axis == 1 else "nd,vd->nv"   # rows flattened: one contracted axis in every gradient dot
   b, t, d = hidden_btd.shape
-  c = max(1, min(chunk, t))
-  n = -(-t // c)
+  n = -(-t // max(1, min(chunk, t)))   # chunks of at most `chunk` positions,
+  c = -(-t // n)                        # as even as they go: t = 320 at chunk 128 pads to 321, not 384
   pad = n * c - t
   h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
   y = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
