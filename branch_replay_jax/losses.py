@@ -584,7 +584,7 @@ def gae(rewards_bt: jax.Array, values_bt: jax.Array, mask_bt: jax.Array, *, gamm
 
 
 def ppo_token_loss(logp, old_logp, values, old_values, advantages, returns, *, clip_eps: float, vf_coef: float,
-                   value_clip: float) -> tuple[jax.Array, dict]:
+                   value_clip: float, is_weight: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Per-(token, trajectory) PPO actor-critic loss ℓ = ℓ_clip + c_v ℓ_V (arrays broadcast together).
 
   ℓ_clip = -min(r A, clip(r, 1-ε, 1+ε) A), r = exp(logp - old_logp)  (arXiv 1707.06347 eq. 7);
@@ -596,9 +596,12 @@ def ppo_token_loss(logp, old_logp, values, old_values, advantages, returns, *, c
     logp, values: current log-probs and values (differentiated).
     old_logp, old_values, advantages, returns: constants from the sampling-time policy and critic.
     clip_eps: ε; vf_coef: c_v >= 0; value_clip: ε_V (0 disables value clipping).
+    is_weight: c_t, the importance correction against the sampler (`correction.correct`), a constant
+      multiplying ℓ_clip only (the value loss regresses on returns, whatever policy drew them), as
+      in `grpo_token_loss`; None: 1.
 
   Returns:
-    loss and {"policy": ℓ_clip, "value": ℓ_V, "clipped": bool (ratio clipped), "kl": k3(old || new)}.
+    loss and {"policy": c ℓ_clip, "value": ℓ_V, "clipped": bool (ratio clipped), "kl": k3(old || new)}.
   """
   old_logp, old_values, advantages, returns = (jax.lax.stop_gradient(x) for x in
                                                (old_logp, old_values, advantages, returns))
@@ -606,6 +609,8 @@ def ppo_token_loss(logp, old_logp, values, old_values, advantages, returns, *, c
   unclipped = ratio * advantages
   clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
   policy = -jnp.minimum(unclipped, clipped)
+  if is_weight is not None:
+    policy = jax.lax.stop_gradient(is_weight) * policy
   value = jnp.square(values - returns)
   if value_clip:
     clipped_values = old_values + jnp.clip(values - old_values, -value_clip, value_clip)
@@ -629,17 +634,19 @@ def ppo_objective(logp: jax.Array, values: jax.Array, segment: Segments, *, clip
     logp, values: [T] current log-probs and values of the segment's tokens (0 on padding).
     segment: its `data.batches.Segments` row or slot: mask [T], old_logp [T], old_values [T]; weights,
       advantage, returns [T] (a completion) or [T, G] (a node: `trajectory_weights`[g] where
-      trajectory g passes, else 0).
+      trajectory g passes, else 0); rollout_is (weights' shape) the sampler correction of each pair's
+      policy term (loss.rollout_correction), or None.
 
   Returns:
     (loss, sums over pairs with w > 0: {"policy": Σ w ℓ_clip, "value": Σ w ℓ_V, "clipped": count,
     "kl": Σ k3(old || new)}).
   """
   if segment.weights.ndim == 1:   # a completion: one trajectory
-    segment = segment.replace(**{k: getattr(segment, k)[:, None] for k in ("weights", "advantage", "returns")})
+    per_pair = ("weights", "advantage", "returns") + (() if segment.rollout_is is None else ("rollout_is",))
+    segment = segment.replace(**{k: getattr(segment, k)[:, None] for k in per_pair})
   loss, m = ppo_token_loss(logp[:, None], segment.old_logp[:, None], values[:, None], segment.old_values[:, None],
                            segment.advantage, segment.returns, clip_eps=clip_eps, vf_coef=vf_coef,
-                           value_clip=value_clip)
+                           value_clip=value_clip, is_weight=segment.rollout_is)
   w = segment.weights
   on = (w > 0) & segment.mask[:, None]
   return jnp.sum(w * loss), {"policy": jnp.sum(w * m["policy"]), "value": jnp.sum(w * m["value"]),

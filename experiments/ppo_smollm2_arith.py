@@ -23,8 +23,8 @@ def get_config(arg=None):
   del c.loss.advantage, c.loss.advantage_eps   # GAE advantages from the critic (ppo.gamma, ppo.lam)
   del (c.loss.clip_eps_low, c.loss.clip_eps_high, c.loss.importance_ratio, c.loss.logprob_temperature,  # GRPO's
        c.loss.mask_truncated, c.loss.overlong_buffer, c.loss.overlong_penalty,   # options
-       c.loss.rollout_correction, c.loss.rollout_correction_level, c.loss.rollout_is_cap, c.loss.rollout_is_floor,
        c.rollout.dynamic_sampling, c.rollout.max_prompt_draws)   # (algorithms/grpo.py; schema.py refuses them)
+  # loss.rollout_correction and its fields stay (GRPO's values): PPO weighs its policy terms by them too.
   c.loss.clip_eps = 0.2                   # PPO's ratio clip epsilon (symmetric)
   c.loss.weighting = "group_token_mean"   # per-(token, trajectory) weights: mean over the group's tokens
 

@@ -155,10 +155,6 @@ def test_the_metrics_alone_leave_the_loss_untouched():
     ({"loss.rollout_correction": "tis", "loss.rollout_is_cap": 1.0}, r"loss.rollout_is_cap=1.0 must be a finite float > 1"),
     ({"loss.rollout_correction": "icepop", "loss.rollout_is_floor": 1.5}, r"loss.rollout_is_floor=1.5 must be"),
     ({"loss.rollout_correction": "icepop", "loss.rollout_correction_level": "sequence"}, "IcePop masks tokens"),
-    # The sampler records untempered log-probs: a ratio against tempered trainer log-probs compares two
-    # distributions, not two engines.
-    ({"loss.rollout_correction": "tis", "loss.logprob_temperature": "sampling", "rollout.temperature": 0.7},
-     "the sampler records untempered log-probs"),
     # A field the mode does not read is refused, not ignored.
     ({"loss.rollout_is_cap": 3.0}, "loss.rollout_is_cap=3.0 is not read with loss.rollout_correction='none'"),
     ({"loss.rollout_correction": "tis", "loss.rollout_is_floor": 0.2}, "loss.rollout_is_floor=0.2 is not read"),
@@ -239,3 +235,57 @@ def test_a_corrected_run_on_a_mesh_trains_and_logs_as_one_device(tmp_path, monke
   # Parameters: Adam's normalised step moves an entry whose gradient is rounding noise by up to lr = 1e-5
   # either way per step, so two steps can part such an entry of a norm scale (~1) by 4e-5 (measured 1.9e-5).
   assert max_rel(final_params(tmp_path / "mesh")[0], final_params(tmp_path / "one")[0]) <= 4e-5
+
+
+def test_at_a_sampling_temperature_the_sampler_and_trainer_logprobs_agree_on_policy(tmp_path):
+  # rollout.temperature 0.7 with loss.logprob_temperature = "sampling": the trainer scores softmax(logits / 0.7),
+  # and the loop has the sampler record its log-probs at the same τ (groups.logprob_temperature). On policy
+  # (max_staleness 0, inner_epochs 1) the two then differ by float32 rounding of two programs (KV-cache decode
+  # against the replay step): |Δ| well under 1e-3 nats, ratios within 1e-3 of 1. A sampler recording untempered
+  # log-probs here gives a mean |Δ| of 0.045 nats (measured by passing τ = 1 to the sampler), and its ratios
+  # move on-policy tokens.
+  import json
+  from conftest import grpo_smoke
+  grpo.train(grpo_smoke(tmp_path, **{"rollout.temperature": 0.7, "loss.logprob_temperature": "sampling",
+                                     "loss.rollout_correction": "tis", "loss.rollout_is_cap": 2.0}))
+  with open(tmp_path / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  assert len(records) >= 1
+  for r in records:
+    assert r["sampler_logp_diff_mean"] < 1e-3, r["sampler_logp_diff_mean"]
+    assert abs(r["is_ratio_max"] - 1.0) < 1e-3 and r["is_masked_frac"] == 0.0
+
+
+def test_ppo_weighs_its_clipped_policy_term_by_the_correction_and_leaves_the_value_loss(x64):
+  # loss.rollout_correction in PPO (AReaL's decoupled PPO): ℓ = c_t ℓ_clip + c_v ℓ_V. Hand data in float64,
+  # a tree node [T, G = 2] and its two trajectories as completions, clipped and unclipped tokens: the node's
+  # loss and gradient (in logp and in the values) equal the rows' sums; the policy part equals c times the
+  # uncorrected one token by token, and the value part (regression on returns, whatever policy sampled)
+  # does not move. A factor applied to the value loss, dropped, or broadcast across the wrong axis fails it.
+  from branch_replay_jax.data.batches import Segments
+  logp = jnp.log(jnp.array([0.5, 0.2, 0.9, 0.3]))
+  old = jnp.log(jnp.array([0.3, 0.4, 0.5, 0.3]))
+  mask = jnp.array([True, True, True, False])
+  w = jnp.array([[0.25, 0.1], [0.25, 0.1], [0.0, 0.1], [0.0, 0.0]])
+  adv = jnp.array([[1.0, -0.5], [0.5, -1.0], [2.0, 0.3], [0.0, 0.0]])
+  ret = jnp.array([[0.3, -0.2], [0.1, 0.4], [0.0, 0.5], [0.0, 0.0]])
+  c = jnp.array([[0.5, 1.5], [1.0, 2.0], [0.0, 0.7], [0.0, 0.0]])   # per (token, trajectory) pair
+  values, old_values = jnp.array([0.1, 0.4, -0.2, 0.0]), jnp.array([0.0, 0.5, 0.1, 0.0])
+  kw = dict(clip_eps=0.2, vf_coef=0.5, value_clip=0.2)
+  node = Segments(jnp.zeros(4, jnp.int32), mask, weights=w, advantage=adv, returns=ret, old_logp=old,
+                  old_values=old_values, rollout_is=c)
+  rows = [node.replace(weights=w[:, g], advantage=adv[:, g], returns=ret[:, g], rollout_is=c[:, g]) for g in range(2)]
+  grads = lambda seg: jax.grad(lambda lp, v: obj.ppo_objective(lp, v, seg, **kw)[0], argnums=(0, 1))(logp, values)
+  (node_loss, node_aux), row_out = obj.ppo_objective(logp, values, node, **kw), [obj.ppo_objective(logp, values, r, **kw)
+                                                                                  for r in rows]
+  np.testing.assert_allclose(node_loss, sum(l for l, _ in row_out), rtol=1e-14)
+  for got, want in zip(grads(node), map(sum, zip(*(grads(r) for r in rows)))):
+    np.testing.assert_allclose(got, want, rtol=1e-13)
+  plain = node.replace(rollout_is=None)
+  ratio = np.exp(np.asarray(logp - old))[:, None]
+  a = np.asarray(adv)
+  want_policy = -np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)   # arXiv 1707.06347 eq. 7, by hand
+  assert 0 < int(obj.ppo_objective(logp, values, plain, **kw)[1]["clipped"]) < 6   # both cases present
+  np.testing.assert_allclose(node_aux["policy"], np.sum(np.asarray(w) * np.asarray(c) * want_policy), rtol=1e-13)
+  np.testing.assert_allclose(node_aux["value"], obj.ppo_objective(logp, values, plain, **kw)[1]["value"], rtol=1e-14)
+  assert abs(float(node_aux["policy"]) - float(obj.ppo_objective(logp, values, plain, **kw)[1]["policy"])) > 1e-3

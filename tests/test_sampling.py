@@ -34,9 +34,10 @@ def full_logits(model, seq):
   return forward_logits(model, jnp.asarray([list(seq) + [0] * (32 - len(seq))], jnp.int32))[:len(seq)]
 
 
-def full_logprobs(model, prompt, generated):
-  """log_softmax at the positions that predict `generated` (position P - 1 + i predicts token i)."""
-  logp = jax.nn.log_softmax(full_logits(model, list(prompt) + list(generated)), axis=-1)
+def full_logprobs(model, prompt, generated, temperature=1.0):
+  """log_softmax(logits / temperature) at the positions that predict `generated` (position P - 1 + i
+  predicts token i)."""
+  logp = jax.nn.log_softmax(full_logits(model, list(prompt) + list(generated)) / temperature, axis=-1)
   idx = len(prompt) - 1 + np.arange(len(generated))
   return np.asarray(logp[idx, np.asarray(generated)])
 
@@ -58,16 +59,22 @@ def test_greedy_cache_matches_recompute(peaked_model):
   assert not np.asarray(r.finished).any()
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_logprobs_match_full_forward(model, top_p):
-  # Each returned logprob is log_softmax(logits) of the token under the untempered model; a single forward
-  # over prompt + that sample's generated tokens gives the same numbers (float32 reassociation only, ~1e-6).
+@pytest.mark.parametrize("top_p, logprob_temperature", [(1.0, 1.0), (0.9, 1.0), (1.0, 0.7)])
+def test_logprobs_match_full_forward(model, top_p, logprob_temperature):
+  # Each returned logprob is log_softmax(logits / logprob_temperature) of the token, untruncated (1: the
+  # untempered model; 0.7: the distribution a τ = 0.7 sampler draws from, what a trainer at
+  # loss.logprob_temperature = "sampling" scores); a single forward over prompt + that sample's generated
+  # tokens gives the same numbers (float32 reassociation only, ~1e-6). The two temperatures' numbers
+  # differ by far more than that (checked: 5.5e-3 at most on this near-uniform tiny model, > 1e-3), so a
+  # sampler recording the wrong one fails here.
   r = sample_group(model, PROMPT, num_samples=4, max_new_tokens=10, key=jax.random.key(1), temperature=0.7,
-                   top_p=top_p, eos_ids=list(range(0, 64, 4)))
+                   top_p=top_p, eos_ids=list(range(0, 64, 4)), logprob_temperature=logprob_temperature)
   for g in range(4):
     n = int(r.lengths[g])
-    expected = full_logprobs(model, PROMPT, np.asarray(r.tokens[g, :n]))
+    expected = full_logprobs(model, PROMPT, np.asarray(r.tokens[g, :n]), logprob_temperature)
     np.testing.assert_allclose(np.asarray(r.logprobs[g, :n]), expected, atol=1e-5, rtol=0)
+    other = full_logprobs(model, PROMPT, np.asarray(r.tokens[g, :n]), 1.7 - logprob_temperature)
+    assert np.abs(np.asarray(r.logprobs[g, :n]) - other).max() > 1e-3
 
 
 def test_prompt_bucket_padding_is_invisible(model):

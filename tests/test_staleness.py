@@ -176,13 +176,32 @@ def test_a_stale_step_logs_its_mismatch_without_a_correction(runs):
   assert got[1]["sampler_logp_diff_mean"] > 1e-3 and got[1]["is_masked_frac"] == 0.0
 
 
+def test_a_stale_ppo_run_with_a_correction_logs_the_lag_its_factors_weigh(tmp_path, monkeypatch):
+  # PPO at k = 1 with TIS (AReaL's decoupled PPO): π_old is the update's own forward at the current
+  # parameters, the factor min(π_old / π_sampler, C) weighs each policy term. Step 1 is on-policy (float32
+  # rounding between the sampler and the forward, < 1e-4 nats); step 2 was sampled one update back at a
+  # learning rate of 1e-3, which moves the log-probs by far more. A PPO that ignored the sampler's
+  # log-probs, or sampled with the current parameters, would log the on-policy figure at step 2.
+  from experiments import ppo_smollm2_arith
+  from branch_replay_jax.algorithms import ppo
+  from conftest import experiment_config
+  monkeypatch.setattr(Task, "score", length_score)
+  ppo.train(experiment_config(ppo_smollm2_arith, "smoke", tmp_path, **{
+      "train.max_staleness": 1, "train.steps": 2, "train.learning_rate": 1e-3, "loss.rollout_correction": "tis",
+      "eval.size": 0, "checkpoint_every": 2}))
+  got = records(tmp_path)
+  assert [r["staleness_max"] for r in got] == [0, 1]
+  assert got[0]["sampler_logp_diff_mean"] < 1e-4 < 1e-3 < got[1]["sampler_logp_diff_mean"]
+  assert max(r["is_ratio_max"] for r in got) <= 2.0   # TIS caps the ratio at loss.rollout_is_cap
+
+
 def test_staleness_is_refused_where_nothing_would_read_it(tmp_path):
-  # PPO computes its old log-probs and values at the current parameters (a stale batch would train
-  # as on-policy); DPO's pairs from a file are not sampled, so nothing runs ahead.
+  # PPO without a correction computes its old log-probs and values at the current parameters (a stale
+  # batch would train as on-policy); DPO's pairs from a file are not sampled, so nothing runs ahead.
   from experiments import dpo_smollm2_arith, ppo_smollm2_arith
   from branch_replay_jax.algorithms import dpo, ppo
   from conftest import experiment_config
-  with pytest.raises(ValueError, match=r"train.max_staleness=1 with PPO"):
+  with pytest.raises(ValueError, match=r"train.max_staleness=1 with PPO and loss.rollout_correction='none'"):
     ppo.PPO(experiment_config(ppo_smollm2_arith, "smoke", tmp_path, **{"train.max_staleness": 1}))
   config = experiment_config(dpo_smollm2_arith, "smoke", tmp_path, **{"train.max_staleness": 2})
   config.data.source = "jsonl"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 
 from branch_replay_jax import losses as obj
+from branch_replay_jax.algorithms import schema
+from branch_replay_jax.correction import Correction
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import PARAM_MODES
 from branch_replay_jax.gradients.step import PACKED, TREE_SCHEDULES
@@ -355,3 +357,31 @@ def validate_lora(config) -> None:
     raise ValueError(f"lora.dropout={d!r}: only 0 is supported (replay, the naive step and the reference pass must "
                      "compute one deterministic function of the adapters)")
   lora_spec(config)
+
+
+CORRECTION_FIELDS = ("rollout_correction", "rollout_correction_level", "rollout_is_cap", "rollout_is_floor")
+
+
+def correction_fields(config) -> dict:
+  """{field: (value, schema default)} of loss.rollout_correction's fields, a field left out at its default."""
+  defaults = schema.defaults(schema.CorrectionConfig)
+  return {name: (config.loss.get(name, defaults[name]), defaults[name]) for name in CORRECTION_FIELDS}
+
+
+def rollout_correction(config) -> Correction:
+  """loss.rollout_correction's settings (`Correction` checks them): GRPO's and PPO's."""
+  return Correction(*(value for value, _ in correction_fields(config).values()))
+
+
+def validate_correction(config) -> None:
+  """Raise ValueError (naming the field and value) for loss.rollout_correction's fields (`Correction`), a
+  field the mode does not read set away from its default (the cap and level without a correction, the
+  floor but for icepop). The sampler records its log-probs at the trainer's τ (`groups.logprob_temperature`),
+  so a correction compares like with like at any loss.logprob_temperature."""
+  c, fields = rollout_correction(config), correction_fields(config)
+  unread = (CORRECTION_FIELDS[1:] if not c.active else () if c.mode == "icepop" else ("rollout_is_floor",))
+  for name in unread:
+    value, default = fields[name]
+    if value != default:
+      raise ValueError(f"loss.{name}={value!r} is not read with loss.rollout_correction={c.mode!r}; remove it or "
+                       f"set it to {default!r}")

@@ -213,15 +213,26 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
                None if rows else naive_arrays, in_loss, None, episode_stats=stats)
 
 
+def logprob_temperature(config) -> float:
+  """τ of the trainer's log-probs (its head's temperature): rollout.temperature with GRPO's
+  loss.logprob_temperature = "sampling" (the distribution the sampler drew from), else 1 ("one"; PPO
+  and DPO, which have no such field) (docs/design.md, "Log-prob temperature"). The sampler records
+  its log-probs at the same τ (`rollout_group`), so the rollout correction's ratio and
+  `sampler_logp_diff_mean` compare like with like."""
+  return float(config.rollout.temperature) if config.loss.get("logprob_temperature") == "sampling" else 1.0
+
+
 def rollout_group(config, model, tokenizer, task, data_pos: int, key, env=None, layout: Layout | None = None) -> Group:
   """`build` of `rollout.collect.rollout` (config.rollout's sampling) for task item `data_pos`; with
   `env` (rollout.episodes set: the run's environment), `build_episodes` of `rollout_episodes`.
-  layout: the run's `schema.Layout`; default: resolved from config (`schema.layout_of`)."""
+  layout: the run's `schema.Layout`; default: resolved from config (`schema.layout_of`). The sampler
+  records its log-probs at the trainer's τ (`logprob_temperature`)."""
   layout = layout or layout_of(parse(config))
+  tau = logprob_temperature(config)
   if env is not None:
-    raw = rollout_episodes(config.rollout, model, tokenizer, task, env, data_pos, key)
+    raw = rollout_episodes(config.rollout, model, tokenizer, task, env, data_pos, key, logprob_temperature=tau)
     return build_episodes(config, raw, model.config, tokenizer.pad_token_id or 0, layout)
-  raw = rollout(config.rollout, model, tokenizer, task, data_pos, key)
+  raw = rollout(config.rollout, model, tokenizer, task, data_pos, key, logprob_temperature=tau)
   return build(config, raw, model.config, tokenizer.pad_token_id or 0, layout)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.correction import Correction, correct, has_sampler_logprobs
+from branch_replay_jax.correction import correct, has_sampler_logprobs
 from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.placement import mesh_from
@@ -59,7 +59,7 @@ from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_g
 from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import PACKED, batch_forward, compiled_programs, leaf_siblings, make_train_step
 from branch_replay_jax.models.lora import WithBase, adapters_off
-from branch_replay_jax.algorithms.groups import Group, step_groups
+from branch_replay_jax.algorithms.groups import Group, logprob_temperature, step_groups
 from branch_replay_jax.rollout.collect import completion_budget
 
 LOGPROB_TEMPERATURES = ("one", "sampling")
@@ -82,12 +82,6 @@ def clip_range(loss_config) -> tuple[float, float]:
     raise ValueError(f"loss.clip_eps_low={low!r} > loss.clip_eps_high={high!r}: clip-higher reversed (DAPO raises "
                      "the upper bound, e.g. low 0.2, high 0.28); swap them or set them equal")
   return float(low), float(high)
-
-
-def logprob_temperature(config) -> float:
-  """τ of the trainer's log-probs: rollout.temperature with loss.logprob_temperature = "sampling"
-  (the distribution the sampler drew from), 1 with "one" (docs/design.md, "Log-prob temperature")."""
-  return float(config.rollout.temperature) if config.loss.logprob_temperature == "sampling" else 1.0
 
 
 def validate_options(config) -> None:
@@ -154,40 +148,8 @@ def validate(config, experiment=None):
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
   checks.validate(config)
   validate_options(config)
-  validate_correction(config)
+  checks.validate_correction(config)
   return experiment
-
-
-CORRECTION_FIELDS = ("rollout_correction", "rollout_correction_level", "rollout_is_cap", "rollout_is_floor")
-
-
-def _correction_fields(config) -> dict:
-  """{field: (value, schema default)} of loss.rollout_correction's fields, a field left out at its default."""
-  defaults = schema.defaults(schema.GRPOLossConfig)
-  return {name: (config.loss.get(name, defaults[name]), defaults[name]) for name in CORRECTION_FIELDS}
-
-
-def rollout_correction(config) -> Correction:
-  """loss.rollout_correction's settings (`Correction` checks them)."""
-  return Correction(*(value for value, _ in _correction_fields(config).values()))
-
-
-def validate_correction(config) -> None:
-  """Raise ValueError (naming the field and value) for loss.rollout_correction's fields (`Correction`), a
-  field the mode does not read set away from its default (the cap and level without a correction, the
-  floor but for icepop), and a correction of tempered trainer log-probs (the sampler records untempered ones)."""
-  c, fields = rollout_correction(config), _correction_fields(config)
-  unread = (CORRECTION_FIELDS[1:] if not c.active else () if c.mode == "icepop" else ("rollout_is_floor",))
-  for name in unread:
-    value, default = fields[name]
-    if value != default:
-      raise ValueError(f"loss.{name}={value!r} is not read with loss.rollout_correction={c.mode!r}; remove it or "
-                       f"set it to {default!r}")
-  if c.active and logprob_temperature(config) != 1.0:
-    raise ValueError(f"loss.rollout_correction={c.mode!r} with loss.logprob_temperature='sampling' and "
-                     f"rollout.temperature={config.rollout.temperature!r}: the sampler records untempered log-probs "
-                     "(rollout.sampler.Rollouts.logprobs), so the ratio would compare two temperatures; use "
-                     "loss.logprob_temperature='one'")
 
 
 def objective(config, tree: bool):
@@ -222,7 +184,7 @@ class GRPOFunctions:
     # groups, and every layout's rows, loss.importance_ratio (`objective`, `schema.Layout.tree`).
     layout = layout or schema.layout_of(schema.parse(config, expect="grpo"))
     # loss.rollout_correction (correction.py): its factors and metrics from the batch's old and sampler log-probs.
-    self.correction = correction = rollout_correction(config)
+    self.correction = correction = checks.rollout_correction(config)
     self.correct = jax.jit(functools.partial(correct, correction=correction))
     naive = layout.gradient == "naive"
     self.mesh, self.param_mode = mesh_from(config), config.mesh.params

@@ -41,6 +41,7 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.algorithms import checks, loop, placement, producer, runs, schema
 from branch_replay_jax.algorithms.groups import Group
 from branch_replay_jax.core.accumulate import fit_micro_batch
+from branch_replay_jax.correction import correct, has_sampler_logprobs
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
@@ -56,10 +57,12 @@ def validate(config, experiment=None):
   Returns the parsed experiment (`schema.PPOExperiment`; `experiment` when given, parsed already)."""
   experiment = experiment or schema.parse(config, expect="ppo")
   p = config.ppo
-  if producer.max_staleness(config):
-    raise ValueError(f"{producer.FIELD}={producer.max_staleness(config)} with PPO: its old log-probs and values come "
-                     "from the update's own forward at the current parameters, so a stale batch would train as "
-                     "on-policy, and PPO has no rollout correction yet; use GRPO / RLOO with loss.rollout_correction")
+  checks.validate_correction(config)
+  if producer.max_staleness(config) and not checks.rollout_correction(config).active:
+    raise ValueError(f"{producer.FIELD}={producer.max_staleness(config)} with PPO and loss.rollout_correction='none': "
+                     "its old log-probs and values come from the update's own forward at the current parameters, so "
+                     "a stale batch would train as on-policy; set loss.rollout_correction (tis, mis or icepop: the "
+                     "ratio π_old / π_sampler then weighs each term, AReaL's decoupled PPO)")
   if p.critic not in CRITICS:
     raise ValueError(f"ppo.critic={p.critic!r} is not one of {CRITICS}")
   for name, value in [("ppo.epochs", p.epochs), ("ppo.minibatches", p.minibatches)]:
@@ -154,6 +157,9 @@ class PPOFunctions:
         upcast=upcast)
     self.forward = jax.jit(lambda prm, a: forward(cast(prm), a))
     self.cast = cast
+    # loss.rollout_correction (correction.py): factors and metrics from old log-probs and the sampler's.
+    self.correction = checks.rollout_correction(config)
+    self.correct = jax.jit(functools.partial(correct, correction=self.correction))
 
   def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
     """[(kind, arrays)]: the groups (trees) as one stacked update unit (one device:
@@ -286,18 +292,32 @@ def _aux_sums(kind: str, aux) -> dict:
 
 def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[Group], step: int):
   """ppo.epochs x ppo.minibatches AdamW updates over the step's groups, each one jitted program
-  (`PPOFunctions.train_step`); metrics of the last epoch, fetched once at the step's end."""
+  (`PPOFunctions.train_step`); metrics of the last epoch, fetched once at the step's end. The old
+  log-probs (`prepare`) are the proximal policy's: where the batch carries the sampler's log-probs,
+  the sampler mismatch is logged every step (`correction.METRICS` over the step's groups), and with
+  loss.rollout_correction each minibatch's policy terms are weighed by its factors (AReaL's
+  decoupled PPO objective, Fu et al. 2025, arXiv 2505.24298: the clip on π / π_old, the weight
+  π_old / π_sampler on top)."""
   p = config.ppo
+  correction = {}
+  if has_sampler_logprobs(groups[0].batch):
+    (_, whole), = fns.units(groups)
+    _, correction = fns.correct(whole)
+  elif fns.correction.active:
+    raise ValueError(f"loss.rollout_correction={fns.correction.mode!r}: this step's rollouts carry no sampler "
+                     "log-probs (a sampler that records none); use loss.rollout_correction='none'")
   for epoch in range(p.epochs):
     order = np.random.default_rng((config.seed, step, epoch)).permutation(len(groups))
     results = []   # (kind, loss, aux) per minibatch, on the device until the step's end
     for minibatch in np.array_split(order, p.minibatches):
       (kind, arrays), = fns.units([groups[i] for i in minibatch])
+      if fns.correction.active:
+        arrays, _ = fns.correct(arrays)
       params, opt_state, out = fns.train_step(params, opt_state, arrays, len(minibatch))
       results.append((kind, out["loss"], out["aux"]))
       grad_norm = out["grad_norm"]
   # One host sync per step; the last epoch's sums, minibatch by minibatch, in Python floats.
-  results, grad_norm = jax.device_get((results, grad_norm))
+  results, grad_norm, correction = jax.device_get((results, grad_norm, correction))
   sums, loss_sum = {"policy": 0.0, "value": 0.0, "clipped": 0.0, "kl": 0.0}, 0.0
   for kind, loss, aux in results:
     loss_sum += sum(float(x) for x in np.atleast_1d(loss))
@@ -307,7 +327,7 @@ def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[G
   stats = {"loss": loss_sum / len(groups), "policy_loss": sums["policy"] / len(groups),
            "value_loss": sums["value"] / len(groups), "grad_norm": float(grad_norm),
            "kl": sums["kl"] / pairs, "clip_frac": sums["clipped"] / pairs,
-           "step_compiles": compiled_programs(fns.train_step)}
+           "step_compiles": compiled_programs(fns.train_step), **{k: float(v) for k, v in correction.items()}}
   return params, opt_state, stats
 
 

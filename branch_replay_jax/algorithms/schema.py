@@ -172,7 +172,17 @@ class GRPORolloutConfig(PPORolloutConfig):
 
 
 @_frozen
-class GRPOLossConfig:
+class CorrectionConfig:
+  """The rollout correction's fields, shared by GRPO's and PPO's loss sections (correction.py)."""
+  rollout_correction: str = _f("importance correction of each policy-gradient term against the sampler's log-probs: "
+                               "none, tis, mis or icepop (correction.py)", "none")
+  rollout_correction_level: str = _f("the correction's ratio per token or per sequence (icepop: token)", "token")
+  rollout_is_cap: float = _f("C: tis truncates the ratio at C, mis masks it outside [1/C, C], icepop above C", 2.0)
+  rollout_is_floor: float = _f("icepop masks a ratio below this floor, in (0, 1)", 0.5)
+
+
+@_frozen
+class GRPOLossConfig(CorrectionConfig):
   clip_eps_low: float = _f("ratio clip 1 - eps_low (only off-policy: train.inner_epochs > 1); groups and trees")
   clip_eps_high: float = _f("ratio clip 1 + eps_high; > eps_low is DAPO's clip-higher; groups and trees")
   importance_ratio: str = _f("token (per token) or sequence (GSPO, per completion; needs weighting sequence_mean; "
@@ -188,15 +198,10 @@ class GRPOLossConfig:
   advantage: str = _f("grpo (group-normalised) or rloo (leave-one-out baseline)")
   advantage_eps: float = _f("epsilon added to the group reward std; loss.advantage='grpo' only (RLOO removes it)",
                             None)
-  rollout_correction: str = _f("importance correction of each policy-gradient term against the sampler's log-probs: "
-                               "none, tis, mis or icepop (correction.py); not PPO's", "none")
-  rollout_correction_level: str = _f("the correction's ratio per token or per sequence (icepop: token)", "token")
-  rollout_is_cap: float = _f("C: tis truncates the ratio at C, mis masks it outside [1/C, C], icepop above C", 2.0)
-  rollout_is_floor: float = _f("icepop masks a ratio below this floor, in (0, 1)", 0.5)
 
 
 @_frozen
-class PPOLossConfig:
+class PPOLossConfig(CorrectionConfig):
   clip_eps: float = _f("PPO's symmetric ratio clip epsilon in (0, 1)")
   kl_coef: float = _f("must be 0: the PPO loss has no KL term")
   weighting: str = _f("per-(token, trajectory) loss weights: sequence_mean, group_token_mean or constant")

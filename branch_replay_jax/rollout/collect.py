@@ -38,7 +38,7 @@ class Trajectories:
   prompt_ids: [P] int, the chat-formatted prompt.
   tokens: [G, N] int sampled ids of a group (positions >= lengths[g] hold the pad id), N =
     rollout.max_new_tokens; None for a tree (its tokens are `tree`'s segments).
-  logprobs: the sampler's log-probs (nats, at tau = 1; `Rollouts.logprobs`): [G, N] float32 for a
+  logprobs: the sampler's log-probs (nats, at `rollout`'s logprob_temperature; `Rollouts.logprobs`): [G, N] float32 for a
     group, or a tree's per-node list ([L_n] each, root empty; `TreeRollout.logprobs`).
   lengths: [G] int completion lengths (tokens, the stop token included); a tree's in `tree.ends` order.
   truncated: [G] bool, the sampler's stop reason: True where the token budget cut the trajectory
@@ -81,11 +81,12 @@ def completion_budget(rollout_config) -> int:
   return r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
 
 
-def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Trajectories:
+def rollout(rollout_config, model, tokenizer, task, data_pos: int, key, *, logprob_temperature: float = 1.0) -> Trajectories:
   """Sample and score one prompt (task item `data_pos`, wrapping around the task) with the rollout
   settings `rollout_config` (the config's rollout section). Completions end at one of the model's
   stop ids (`stop_ids`), at a stop string of rollout.stop_strings (rollout/stop_strings.py: matched
-  on the decoded text as tokens arrive), or at the token budget.
+  on the decoded text as tokens arrive), or at the token budget. The sampler records each token's
+  log-prob at `logprob_temperature` (the trainer's tau: a rollout correction compares like with like).
 
   Raises:
     ValueError: the prompt and the completion budget exceed the model's max_positions; stop strings
@@ -104,13 +105,14 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key) -> Traje
   if r.get("tree_fanouts"):   # DPO's rollout section has none: groups
     sampled = sample_tree(model, ids, fanouts=list(r.tree_fanouts), segment_length=r.segment_length, key=key,
                           temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad,
-                          stop_table=table)
+                          stop_table=table, logprob_temperature=logprob_temperature)
     tree, tokens, logprobs = sampled.tree, None, sampled.logprobs
     completions = [tree.completion(g) for g in range(len(tree.ends))]
     truncated, reasons = np.asarray(sampled.truncated, bool), sampled.stop_reasons()
   else:
     ro = sample_group(model, ids, num_samples=r.group_size, max_new_tokens=r.max_new_tokens, key=key,
-                      temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad, stop_table=table)
+                      temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad, stop_table=table,
+                      logprob_temperature=logprob_temperature)
     tree, tokens, lengths, logprobs = None, np.asarray(ro.tokens), np.asarray(ro.lengths), np.asarray(ro.logprobs)
     completions = [row[:n] for row, n in zip(tokens, lengths)]
     truncated, reasons = np.asarray(ro.truncated, bool), ro.stop_reasons()
@@ -140,7 +142,7 @@ class EpisodeTrajectories:
     observations decoded, special tokens kept), for samples.jsonl.
   sample_s: seconds of sampling and stepping the environment (the two interleave; score_s is 0).
   logprobs: [G] lists, per model turn, of [n_i] float32 log-probs the sampler drew the turn's tokens
-    with (`EpisodeSampler.logprobs`: untempered), or None.
+    with (`EpisodeSampler.logprobs`, at `rollout_episodes`' logprob_temperature), or None.
   """
   prompt_ids: list
   results: list
@@ -162,11 +164,13 @@ def turn_formats(result: EpisodeResult, tokenizer, tools) -> list[str]:
           for seg, role in zip(result.episode.segments, result.episode.roles) if role == "model"]
 
 
-def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int, key) -> EpisodeTrajectories:
+def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int, key, *,
+                     logprob_temperature: float = 1.0) -> EpisodeTrajectories:
   """Run G = rollout.group_size episodes of task item `data_pos` (wrapping around) in `env`
   (rollout/environments.py protocol) with rollout.episodes' budgets, one after another; they branch
   at the first turn (`EpisodeSampler.branches`: the prompt prefilled once, branch g's key
-  fold_in(key, g)) at rollout.temperature and top_p.
+  fold_in(key, g)) at rollout.temperature and top_p, each token's log-prob recorded at
+  `logprob_temperature` (as `rollout`).
 
   Raises:
     ValueError: rollout.episodes.max_context longer than the model's max_positions; `run_episode`'s
@@ -181,7 +185,8 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
   ids = encode_chat(tokenizer, env.reset(problem))   # the prompt run_episode's reset renders (ChatTokens)
   stops = stop_ids(tokenizer)
   samplers = EpisodeSampler.branches(model, ids, r.group_size, key=key, temperature=r.temperature, top_p=r.top_p,
-                                     eos_ids=stops, pad_id=tokenizer.pad_token_id or 0)
+                                     eos_ids=stops, pad_id=tokenizer.pad_token_id or 0,
+                                     logprob_temperature=logprob_temperature)
   results, correct, formats, logprobs = [], [], [], []
   tools = getattr(env, "tools", {})
   for sampler in samplers:

@@ -23,7 +23,7 @@ token t with fold_in(fold_in(k, i), t), whether the cache is kept or not.
 
     samplers = EpisodeSampler.branches(model, chat.ids, 8, key=key, eos_ids=stop_ids(tokenizer))
     results = [run_episode(env, problem, i, tokenizer, s, max_turns=3, ...) for s in samplers]
-    samplers[g].logprobs      # per turn [n_i] log pi(token | history), untempered (`Rollouts.logprobs`)
+    samplers[g].logprobs      # per turn [n_i] log pi(token | history), at its logprob_temperature (1: untempered; `Rollouts.logprobs`)
 """
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ def _extend(graphdef, state, blocks, new_1t, new_len, offset):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
-def _decode(graphdef, state, blocks, logits_1v, offset, key, temperature, top_p, eos_ids, pad_id, *, max_new_tokens,
-            greedy, use_top_p):
+def _decode(graphdef, state, blocks, logits_1v, offset, key, temperature, top_p, eos_ids, pad_id, logprob_temperature,
+            *, max_new_tokens, greedy, use_top_p):
   model = nnx.merge(graphdef, state)
   # No stop strings in an episode's turns (its turns end at the model's stop ids): the last two
   # outputs, the stop-string flags and automaton states, are all False / 0.
   return decode_from(model, blocks, logits_1v, offset, key[None], temperature=temperature,
                      top_p=top_p if use_top_p else None, eos_ids=eos_ids, pad_id=pad_id,
-                     max_new_tokens=max_new_tokens, greedy=greedy)[:5]
+                     max_new_tokens=max_new_tokens, greedy=greedy, logprob_temperature=logprob_temperature)[:5]
 
 
 class EpisodeSampler:
@@ -73,9 +73,11 @@ class EpisodeSampler:
     eos_ids: ids that end a turn (kept as its last token; `models.loading.stop_ids`), up to 8 per compile.
     pad_id: id in [0, V) used inside the decode loop.
     keep_cache: keep the K/V between turns (True) or re-prefill the whole history each turn (False).
+    logprob_temperature: tau_lp > 0, the temperature of the recorded log-probs (1: untempered;
+      `sampler.Rollouts.logprobs`).
 
   Attributes:
-    logprobs: list per turn of [n_i] float32 (float64 for a float64 model) untempered log-probs.
+    logprobs: list per turn of [n_i] float32 (float64 for a float64 model) log-probs at logprob_temperature.
     finished: list per turn of bool, the turn ended with an eos id.
     prefilled: tokens run through a prefill so far (the cost the kept cache saves).
 
@@ -85,10 +87,10 @@ class EpisodeSampler:
   """
 
   def __init__(self, model: Llama, *, key: jax.Array, temperature: float = 1.0, top_p: float = 1.0,
-               eos_ids: Sequence[int] = (), pad_id: int = 0, keep_cache: bool = True):
+               eos_ids: Sequence[int] = (), pad_id: int = 0, keep_cache: bool = True, logprob_temperature: float = 1.0):
     eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
     check_sampling_inputs("EpisodeSampler", model.config, np.zeros(1, np.int32), eos, temperature=temperature,
-                          top_p=top_p, pad_id=pad_id)
+                          top_p=top_p, pad_id=pad_id, logprob_temperature=logprob_temperature)
     if eos.size > 8:
       raise ValueError(f"EpisodeSampler: eos_ids has {eos.size} ids; at most 8")
     self.config = model.config
@@ -97,7 +99,7 @@ class EpisodeSampler:
     self.greedy = temperature == 0
     self.scalars = dict(temperature=jnp.float32(1.0 if self.greedy else temperature), top_p=jnp.float32(top_p),
                         eos_ids=jnp.asarray(np.pad(eos, (0, 8 - eos.size), constant_values=-1), jnp.int32),
-                        pad_id=jnp.int32(pad_id))
+                        pad_id=jnp.int32(pad_id), logprob_temperature=jnp.float32(logprob_temperature))
     self.use_top_p = top_p < 1 and not self.greedy
     self.blocks: list[KVBlock] = []   # K/V of self.seen
     self.seen: list[int] = []

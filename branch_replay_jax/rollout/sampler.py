@@ -39,9 +39,11 @@ class Rollouts(NamedTuple):
   tokens: [G, N] int32 generated ids; positions >= lengths[g] hold the `pad_id` passed to
     `sample_group` (0 by default).
   logprobs: [G, N] float32 (float64 for a float64 model under jax_enable_x64) log pi(token_t |
-    prompt, tokens_<t) under the UNTEMPERED, untruncated model distribution log_softmax(logits):
-    the "old policy" log-probs of PPO/GRPO, whatever temperature/top-p drew the token (the
-    trainer's `token_logprobs` computes the same). 0.0 at positions >= lengths[g].
+    prompt, tokens_<t) under the untruncated model distribution log_softmax(logits / tau_lp) at the
+    sampler's `logprob_temperature` tau_lp (1 by default: UNTEMPERED), whatever temperature/top-p drew
+    the token: the trainer's `token_logprobs` at temperature tau_lp computes the same, so a rollout
+    correction compares like with like (the loop passes the trainer's tau, `grpo.logprob_temperature`).
+    0.0 at positions >= lengths[g].
   lengths: [G] int32 generated tokens, counting the EOS/stop token when one was hit (for a stop
     string, the token that completed it).
   finished: [G] bool, True when the sample hit an EOS/stop id or a stop string (False: cut at N
@@ -194,13 +196,15 @@ def sample_token(logits_bv: jax.Array, keys_b: jax.Array, step, *, temperature, 
   return jax.vmap(draw)(keys_b, scaled).astype(jnp.int32)
 
 
-def _picked_logprob(logits_bv, tokens_b):
-  return jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b[:, None], axis=-1)[:, 0]
+def _picked_logprob(logits_bv, tokens_b, temperature):
+  """log_softmax(logits / temperature)[token] per row (x / 1 is exact: untempered at 1)."""
+  return jnp.take_along_axis(jax.nn.log_softmax(logits_bv / temperature, axis=-1), tokens_b[:, None], axis=-1)[:, 0]
 
 
 def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array, offset, keys_g: jax.Array, *,
                 temperature, top_p, eos_ids: jax.Array, pad_id, max_new_tokens: int,
-                greedy: bool, stop_next: jax.Array | None = None, stop_state: jax.Array | None = None):
+                greedy: bool, stop_next: jax.Array | None = None, stop_state: jax.Array | None = None,
+                logprob_temperature=1.0):
   """Samples G continuations of one context whose K/V are `ancestors` and next-token logits `logits_1v`.
 
   Token 0 is drawn from `logits_1v`; token t + 1 from the decode step that feeds token t. The loop
@@ -221,10 +225,12 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
       None for none: a sample ends on the token whose entry from its state is MATCHED (-1).
     stop_state: [G] int32 each sample's automaton state before token 0 (a tree child's: its
       parent's final state); None: 0 (no text yet).
+    logprob_temperature: tau_lp > 0 (may be traced): the recorded log-probs are
+      log_softmax(logits / tau_lp)[token] (`Rollouts.logprobs`); 1 records them untempered.
 
   Returns:
     tokens [G, N] int32, logprobs [G, N] in the logits' dtype (float32; float64 for a float64
-    model; untempered, 0 after the end), lengths [G] int32,
+    model; at logprob_temperature, 0 after the end), lengths [G] int32,
     finished [G] bool (hit a stop id or a stop string), the cache (k, v [L, G, N, Hkv, D]) of the
     fed tokens, by_string [G] bool (a stop string, not a stop id, ended it) and the final
     automaton states [G] int32 (0 without stop strings).
@@ -234,7 +240,8 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   logits_gv = jnp.broadcast_to(logits_1v, (g, logits_1v.shape[-1]))
   tok = sample(logits_gv, step=0)
   tokens = jnp.full((g, n), pad_id, jnp.int32).at[:, 0].set(tok)
-  logprobs = jnp.zeros((g, n), logits_1v.dtype).at[:, 0].set(_picked_logprob(logits_gv, tok))
+  tau_lp = jnp.asarray(logprob_temperature, logits_1v.dtype)
+  logprobs = jnp.zeros((g, n), logits_1v.dtype).at[:, 0].set(_picked_logprob(logits_gv, tok, tau_lp))
 
   def advance(state, tok, done):
     """(hit a stop id, completed a stop string, next state) of the fed tokens of unfinished samples."""
@@ -259,7 +266,7 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     t, tok, done, lengths, cache, tokens, logprobs, by_string, state = c
     logits, cache = decode_step(model, tok, offset + t, ancestors, cache, t)
     new = sample(logits, step=t + 1)
-    lp = _picked_logprob(logits, new)
+    lp = _picked_logprob(logits, new, tau_lp)
     new, lp = jnp.where(done, pad_id, new), jnp.where(done, 0.0, lp)
     # int32 indices throughout: a Python 0 would become int64 under jax_enable_x64 and
     # dynamic_update_slice refuses mixed index types.
@@ -275,21 +282,24 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
-def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, stop_next=None, *,
-              max_new_tokens, greedy, use_top_p):
+def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, stop_next=None,
+              logprob_temperature=1.0, *, max_new_tokens, greedy, use_top_p):
   model = nnx.merge(graphdef, state)
   prompt_kv, logits_1v = prefill(model, prompt_1t, prompt_len)
   tokens, logprobs, lengths, done, _, by_string, _ = decode_from(
       model, [prompt_kv], logits_1v, prompt_len, keys_g, temperature=temperature, top_p=top_p if use_top_p else None,
-      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy, stop_next=stop_next)
+      eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy, stop_next=stop_next,
+      logprob_temperature=logprob_temperature)
   return tokens, logprobs, lengths, done, by_string
 
 
 def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, eos: np.ndarray, *, temperature, top_p,
-                          pad_id) -> None:
+                          pad_id, logprob_temperature=1.0) -> None:
   """ValueErrors (prefixed with `caller`) for the inputs every sampler shares."""
   if not temperature >= 0:
     raise ValueError(f"{caller}: temperature must be >= 0, got {temperature}")
+  if not 0 < logprob_temperature < float("inf"):
+    raise ValueError(f"{caller}: logprob_temperature must be a finite number > 0, got {logprob_temperature}")
   if not 0 < top_p <= 1:
     raise ValueError(f"{caller}: top_p must be in (0, 1], got {top_p}")
   if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
@@ -332,12 +342,13 @@ def stop_next_for(caller: str, cfg, stop_table) -> jax.Array | None:
   return jnp.asarray(np.concatenate([table, extra], axis=1))
 
 
-def _validate(cfg, prompt, eos, *, num_samples, max_new_tokens, temperature, top_p, pad_id):
+def _validate(cfg, prompt, eos, *, num_samples, max_new_tokens, temperature, top_p, pad_id, logprob_temperature):
   if num_samples < 1:
     raise ValueError(f"sample_group: num_samples must be >= 1, got {num_samples}")
   if max_new_tokens < 1:
     raise ValueError(f"sample_group: max_new_tokens must be >= 1, got {max_new_tokens}")
-  check_sampling_inputs("sample_group", cfg, prompt, eos, temperature=temperature, top_p=top_p, pad_id=pad_id)
+  check_sampling_inputs("sample_group", cfg, prompt, eos, temperature=temperature, top_p=top_p, pad_id=pad_id,
+                        logprob_temperature=logprob_temperature)
   if prompt.size + max_new_tokens > cfg.max_positions:
     raise ValueError(f"sample_group: prompt length {prompt.size} + max_new_tokens {max_new_tokens} exceeds "
                      f"model.config.max_positions={cfg.max_positions}")
@@ -345,7 +356,7 @@ def _validate(cfg, prompt, eos, *, num_samples, max_new_tokens, temperature, top
 
 def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: int, key: jax.Array,
                  temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
-                 prompt_bucket: int | None = None, stop_table=None) -> Rollouts:
+                 prompt_bucket: int | None = None, stop_table=None, logprob_temperature: float = 1.0) -> Rollouts:
   """Samples G = num_samples completions of one prompt with one shared prefill and a KV cache.
 
   Compiles once per (prompt bucket, G, N, temperature == 0, top_p < 1, stop table rows, model
@@ -366,19 +377,22 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
     stop_table: a `rollout.stop_strings.StopTable` (`stop_table(tokenizer, strings)`), or None: a
       sample ends on the token that completes one of its stop strings in the decoded text (kept as
       its last token; `Rollouts.stop_string` True).
+    logprob_temperature: tau_lp > 0, the temperature of the recorded log-probs (`Rollouts.logprobs`);
+      its value does not recompile.
 
   Returns:
     Rollouts (see its docstring for shapes and the padding/log-prob conventions).
 
   Raises:
-    ValueError: num_samples < 1, max_new_tokens < 1, temperature < 0, top_p outside (0, 1], empty
+    ValueError: num_samples < 1, max_new_tokens < 1, temperature < 0, logprob_temperature not a finite
+      number > 0, top_p outside (0, 1], empty
       or non-1-D prompt, any id outside [0, V), P + max_new_tokens > max_positions, prompt_bucket < P,
       a stop table wider than the vocabulary.
   """
   prompt = np.asarray(prompt_ids)
   eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
   _validate(model.config, prompt, eos, num_samples=num_samples, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, pad_id=pad_id)
+            temperature=temperature, top_p=top_p, pad_id=pad_id, logprob_temperature=logprob_temperature)
   stop_next = stop_next_for("sample_group", model.config, stop_table)
   p = prompt.size
   padded, eos = bucketed_prompt_and_eos("sample_group", prompt, prompt_bucket, eos)
@@ -387,6 +401,6 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
   tokens, logprobs, lengths, finished, by_string = _generate(
       graphdef, state, jnp.asarray(padded), jnp.int32(p), jax.random.split(key, num_samples),
       jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.asarray(eos, jnp.int32),
-      jnp.int32(pad_id), stop_next, max_new_tokens=max_new_tokens, greedy=greedy,
+      jnp.int32(pad_id), stop_next, jnp.float32(logprob_temperature), max_new_tokens=max_new_tokens, greedy=greedy,
       use_top_p=top_p < 1 and not greedy)
   return Rollouts(jnp.asarray(prompt, jnp.int32), tokens, logprobs, lengths, finished, by_string)

@@ -61,7 +61,8 @@ class TreeRollout(NamedTuple):
     leaves, are in lexicographic order of their child-index paths: with fanouts [2, 2] and no EOS,
     trajectory g = 2 * i_1 + i_2 is child i_2 of child i_1.
   logprobs: per node, [L_n] float32 (float64 for a float64 model under jax_enable_x64) log π(token |
-    context) under the UNTEMPERED, untruncated model distribution, as in `sampling.Rollouts`; an
+    context) under the untruncated model distribution at `logprob_temperature` (1 by default:
+    UNTEMPERED), as in `sampler.Rollouts`; an
     empty array for the prompt (node 0).
   finished: [G] bool: trajectory g hit an EOS id or a stop string (False: it reached full depth
     without one); the stop reason, also as `truncated` = ~finished.
@@ -98,7 +99,7 @@ def _prefill(graphdef, state, prompt_1t, prompt_len):
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_children", "segment_length", "greedy", "use_top_p",
                                              "feed_last"))
 def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature, top_p, eos_ids, pad_id, stop_next=None,
-            stop_state=0, *, num_children, segment_length, greedy, use_top_p, feed_last):
+            stop_state=0, logprob_temperature=1.0, *, num_children, segment_length, greedy, use_top_p, feed_last):
   """Samples the children of one node. Child i's key is fold_in(fold_in(node_key, 1), i); its tokens are
   drawn with fold_in(child_key, 0) (then the step is folded in), so token draws and the keys handed to
   grandchildren never share a key. With `feed_last`, also returns the children's K/V [L, F, S, Hkv, D]
@@ -111,7 +112,7 @@ def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature
   tokens, logprobs, lengths, done, cache, by_string, stop_states = decode_from(
       model, ancestors, logits_1v, offset, draw_keys, temperature=temperature, top_p=top_p if use_top_p else None,
       eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy, stop_next=stop_next,
-      stop_state=jnp.broadcast_to(stop_state, (num_children,)))
+      stop_state=jnp.broadcast_to(stop_state, (num_children,)), logprob_temperature=logprob_temperature)
   flags = (done, by_string, stop_states)
   if not feed_last:
     return tokens, logprobs, lengths, flags, child_keys, None, None
@@ -126,7 +127,8 @@ def _row(kv: KVBlock, i: int) -> KVBlock:
   return KVBlock(kv.k[:, i:i + 1], kv.v[:, i:i + 1], kv.valid[i:i + 1])
 
 
-def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length, temperature, top_p, pad_id):
+def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length, temperature, top_p, pad_id,
+              logprob_temperature):
   if len(fanouts) == 0:
     raise ValueError("sample_tree: fanouts is empty; give at least one level, e.g. fanouts=[4]")
   for d, f in enumerate(fanouts):
@@ -136,7 +138,8 @@ def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length,
     raise ValueError(f"sample_tree: segment_length must be >= 1, got {segment_length}")
   if last_segment_length < 1:
     raise ValueError(f"sample_tree: last_segment_length must be >= 1, got {last_segment_length}")
-  check_sampling_inputs("sample_tree", cfg, prompt, eos, temperature=temperature, top_p=top_p, pad_id=pad_id)
+  check_sampling_inputs("sample_tree", cfg, prompt, eos, temperature=temperature, top_p=top_p, pad_id=pad_id,
+                        logprob_temperature=logprob_temperature)
   total = prompt.size + (len(fanouts) - 1) * segment_length + last_segment_length
   if total > cfg.max_positions:
     raise ValueError(f"sample_tree: prompt length {prompt.size} + {len(fanouts) - 1} x segment_length "
@@ -147,7 +150,7 @@ def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length,
 def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_length: int, key: jax.Array,
                 temperature: float = 1.0, top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
                 last_segment_length: int | None = None,
-                prompt_bucket: int | None = None, stop_table=None) -> TreeRollout:
+                prompt_bucket: int | None = None, stop_table=None, logprob_temperature: float = 1.0) -> TreeRollout:
   """Samples a tree of fixed-length segments on one shared prompt prefill (see the module docstring).
 
   Without EOS the tree has prod(fanouts) trajectories, each of (D - 1) * S + S_last tokens, and
@@ -171,13 +174,15 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
     stop_table: a `rollout.stop_strings.StopTable`, or None: a path ends on the token that completes
       one of its stop strings in its decoded text, also one that spans segments (each child starts
       from its parent's automaton state); the segment keeps that token as its last and is a leaf.
+    logprob_temperature: tau_lp > 0, the temperature of the recorded log-probs (`TreeRollout.logprobs`).
 
   Returns:
     TreeRollout (see its docstring for the node order and log-prob convention).
 
   Raises:
     ValueError: empty fanouts, a fanout < 1, segment_length or
-      last_segment_length < 1, temperature < 0, top_p outside (0, 1], an empty or non-1-D prompt, an id
+      last_segment_length < 1, temperature < 0, logprob_temperature not a finite number > 0, top_p
+      outside (0, 1], an empty or non-1-D prompt, an id
       outside [0, V), P + (D - 1) S + S_last > max_positions, prompt_bucket < P, a stop table wider
       than the vocabulary.
   """
@@ -186,7 +191,7 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
   fanouts = list(fanouts)
   s_last = segment_length if last_segment_length is None else last_segment_length
   _validate(model.config, prompt, eos, fanouts=fanouts, segment_length=segment_length, last_segment_length=s_last,
-            temperature=temperature, top_p=top_p, pad_id=pad_id)
+            temperature=temperature, top_p=top_p, pad_id=pad_id, logprob_temperature=logprob_temperature)
   stop_next = stop_next_for("sample_tree", model.config, stop_table)
   fanouts = [int(f) for f in fanouts]
   p = prompt.size
@@ -195,7 +200,7 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
   scalars = dict(temperature=jnp.float32(1.0 if greedy else temperature), top_p=jnp.float32(top_p), eos_ids=eos,
-                 pad_id=jnp.int32(pad_id), stop_next=stop_next)
+                 pad_id=jnp.int32(pad_id), stop_next=stop_next, logprob_temperature=jnp.float32(logprob_temperature))
   static = dict(greedy=greedy, use_top_p=top_p < 1 and not greedy)
 
   segments, parents, logprobs = [prompt.astype(np.int32)], [-1], [np.zeros((0,), np.float32)]
