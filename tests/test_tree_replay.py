@@ -107,16 +107,13 @@ def _both(tree, graphdef, params, mode, dtype, seed=0, level_scan=False):
   per-token values: ({schedule: (loss, aux, grads)}, naive (loss, aux, grads)). The level schedule
   runs all leaf siblings in one step (micro_batch = last fan-out: the one-pass value_and_grad) and,
   with level_scan, as "level/1", one leaf sibling per scan step (its per-level pullbacks);
-  depth-first one node at a time and, with level_scan, as "depth_first/F", up to last_fanout
-  siblings per step at every level."""
+  depth-first one at a time."""
   adv, old, ref, w = _grpo_inputs(tree, mode, dtype, seed)
   tree_arrs = _grpo_tree_arrays(tree, mode, dtype, seed)
   last_fanout = tree_arrs.levels[-1].tokens.shape[-2]
   runs = {"depth_first": ("depth_first", 1), "level": ("level", last_fanout)}
   if level_scan and last_fanout > 1:
     runs["level/1"] = ("level", 1)
-    # Internal siblings as rows of one batch too (the largest divisor of each fan-out <= last_fanout).
-    runs["depth_first/F"] = ("depth_first", last_fanout)
   tree_out = {name: _tree_step(graphdef, params, tree_arrs, _objective, schedule=s, micro_batch=m)
               for name, (s, m) in runs.items()}
 
@@ -151,11 +148,14 @@ def test_depth_first_runs_internal_siblings_as_rows_exactly(x64):
   tree = tree_from_trajectories(list(rng.integers(0, 64, 5)), trajectories)
   graphdef, params = tiny_model(jnp.float64, jnp.float64)
   assert [ids.shape for ids in pad_tree(tree).node_ids] == [(3,), (3, 2), (3, 2, 2)]   # F_1, F_2, F_3
-  replay, (ln, _, gn) = _both(tree, graphdef, params, MODES[0], np.float64, level_scan=True)
-  assert "depth_first/F" in replay
-  for schedule, (lt, _, gt) in replay.items():
-    assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), schedule
-    assert max_rel_err(gt, gn) <= 1e-10, schedule
+  adv, old, ref, w = _grpo_inputs(tree, MODES[0], np.float64)
+  lt, _, gt = _tree_step(graphdef, params, _grpo_tree_arrays(tree, MODES[0], np.float64), _objective,
+                         schedule="depth_first", micro_batch=2)
+  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w.astype(np.float64), vocab_size=64,
+                                 max_positions=256, completion_bucket=L_MAX, advantage=adv)
+  ln, _, gn = _naive_step(graphdef, params, rows, _objective)
+  assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max_rel_err(gt, gn) <= 1e-10
 
 
 @pytest.mark.heavy   # ~4 min on loaded cores; float32 trees in CI: test_lora tree float32, test_train tree runs, test_mesh trees
