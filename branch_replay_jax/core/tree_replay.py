@@ -64,13 +64,32 @@ def _is_float(x) -> bool:
 
 def _partition(tree: PyTree):
   """(float leaves, rebuild(floats) -> tree): only floating leaves take cotangents."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  is_float = [_is_float(x) for x in leaves]
+  floats, others, spec = _split(tree)
+  return floats, lambda fl: _join(fl, others, spec)
 
-  def rebuild(floats):
-    it = iter(floats)
-    return jax.tree_util.tree_unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, is_float)])
-  return [x for x, f in zip(leaves, is_float) if f], rebuild
+
+def _split(tree: PyTree):
+  """(float leaves, the other leaves, spec): the other leaves (int positions) travel beside the floats
+  (per row in depth-first's sibling scan) and `_join` puts them back."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  is_float = tuple(_is_float(x) for x in leaves)
+  return ([x for x, f in zip(leaves, is_float) if f], [x for x, f in zip(leaves, is_float) if not f],
+          _Spec(treedef, is_float))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Where `_split` took a tree's float leaves from (static: vjp's aux carries it as no leaf)."""
+  treedef: Any
+  is_float: tuple
+
+
+jax.tree_util.register_static(_Spec)
+
+
+def _join(floats, others, spec: _Spec):
+  fl, ot = iter(floats), iter(others)
+  return jax.tree_util.tree_unflatten(spec.treedef, [next(fl) if f else next(ot) for f in spec.is_float])
 
 
 def _with_float0(tree, float_cotangents):
@@ -235,29 +254,6 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
   (loss, d_params, d_anc), aux = jax.lax.scan(siblings_step, acc, split_micro_batches(levels, k))
   return loss, merge_micro_batches(aux, f), d_params, d_anc
 
-
-def _split(out):
-  """(float leaves, the other leaves, spec) of a node output: only float leaves take cotangents; the
-  others (int positions) travel beside them, per row, and `_join` puts them back."""
-  leaves, treedef = jax.tree_util.tree_flatten(out)
-  is_float = tuple(_is_float(x) for x in leaves)
-  return ([x for x, f in zip(leaves, is_float) if f], [x for x, f in zip(leaves, is_float) if not f],
-          _Spec(treedef, is_float))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-  """Where `_split` took a node output's float leaves from (static: vjp's aux carries it as no leaf)."""
-  treedef: Any
-  is_float: tuple
-
-
-jax.tree_util.register_static(_Spec)
-
-
-def _join(floats, others, spec):
-  fl, ot = iter(floats), iter(others)
-  return jax.tree_util.tree_unflatten(spec.treedef, [next(fl) if f else next(ot) for f in spec.is_float])
 
 
 def _as_rows(fn, d):
