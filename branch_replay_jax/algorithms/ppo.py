@@ -58,7 +58,8 @@ def validate(config, experiment=None):
   experiment = experiment or schema.parse(config, expect="ppo")
   p = config.ppo
   checks.validate_correction(config)
-  if producer.max_staleness(config) and not checks.rollout_correction(config).active:
+  # (k < 0 is producer.validate's to refuse, by its own message)
+  if producer.max_staleness(config) > 0 and not checks.rollout_correction(config).active:
     raise ValueError(f"{producer.FIELD}={producer.max_staleness(config)} with PPO and loss.rollout_correction='none': "
                      "its old log-probs and values come from the update's own forward at the current parameters, so "
                      "a stale batch would train as on-policy; set loss.rollout_correction (tis, mis or icepop: the "
