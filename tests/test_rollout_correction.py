@@ -276,8 +276,8 @@ def test_ppo_weighs_its_clipped_policy_term_by_the_correction_and_leaves_the_val
                   old_values=old_values, rollout_is=c)
   rows = [node.replace(weights=w[:, g], advantage=adv[:, g], returns=ret[:, g], rollout_is=c[:, g]) for g in range(2)]
   grads = lambda seg: jax.grad(lambda lp, v: obj.ppo_objective(lp, v, seg, **kw)[0], argnums=(0, 1))(logp, values)
-  (node_loss, node_aux), row_out = obj.ppo_objective(logp, values, node, **kw), [obj.ppo_objective(logp, values, r, **kw)
-                                                                                  for r in rows]
+  node_loss, node_aux = obj.ppo_objective(logp, values, node, **kw)
+  row_out = [obj.ppo_objective(logp, values, r, **kw) for r in rows]
   np.testing.assert_allclose(node_loss, sum(l for l, _ in row_out), rtol=1e-14)
   for got, want in zip(grads(node), map(sum, zip(*(grads(r) for r in rows)))):
     np.testing.assert_allclose(got, want, rtol=1e-13)

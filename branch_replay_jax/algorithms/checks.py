@@ -8,7 +8,6 @@ combinations."""
 
 from __future__ import annotations
 
-
 import jax
 
 from branch_replay_jax import losses as obj
@@ -136,7 +135,6 @@ def validate_eval(config) -> None:
 
 def _episodes_field(episodes, name: str):
   """rollout.episodes.NAME, or the schema's default where the config leaves it out (not written again here)."""
-  from branch_replay_jax.algorithms import schema
   return episodes.get(name, schema.defaults(schema.EpisodesConfig)[name])
 
 
@@ -225,7 +223,6 @@ def validate_episode_rollout(config) -> None:
   an episode's turns have rollout.episodes.max_turn_tokens) must be absent. Also refused: task.few_shot
   (its examples answer without tools; rollout.episodes.few_shot shows tool calls), a mesh (episodes
   train on one device) and G < 2."""
-  from branch_replay_jax.algorithms import schema
   r, e = config.rollout, config.rollout.episodes
   for dotted, layouts in schema.layouts(config.algorithm).items():
     if "episode" in layouts:

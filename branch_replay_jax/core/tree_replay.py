@@ -15,7 +15,7 @@ and each node pulls back once with the cotangents of all its descendants summed 
       subtree before its siblings' pullback; siblings run m at a time as the rows of one batch (m the
       largest divisor of the level's fan-out not above micro_batch), leaves in micro-batches of m.
 
-        root ─vjp─► children 0..m-1 ─► (child 0's subtree ─► ... ─► child m-1's subtree) ─► their pullback ─► ...
+        root ─vjp─► children 0..m-1 ─► (child 0's subtree ... child m-1's subtree) ─► their pullback ─► ...
 
       Residuals alive: one root-to-leaf path of sibling micro-batches (m nodes per level), so peak
       memory does not grow with the number of leaves. One gradient accumulator (threaded through
@@ -214,19 +214,18 @@ def _subtree(node_fns, params, ancestors, levels, micro_batch, acc):
   anc_floats = [f for f, _ in ancestors]
   rebuild = lambda floats: tuple(rb(f) for f, (_, rb) in zip(floats, ancestors))
   fn = node_fns[d]
+  f = jax.tree_util.tree_leaves(levels[0])[0].shape[0]   # this node's children
 
   if len(levels) == 1:   # leaves: value_and_grad of a micro-batch of sibling rows, as in replay_vjp
     def step_loss(primals, mb):
       p, floats = primals
       _, losses, aux = fn(p, rebuild(floats), mb)
       return jnp.sum(losses), aux
-    f = jax.tree_util.tree_leaves(levels[0])[0].shape[0]
     (loss, (d_params, d_anc)), aux = scan_value_and_grad(step_loss, (params, anc_floats),
                                                          split_micro_batches(levels[0], micro_batch),
                                                          (acc[0], (acc[1], acc[2])))
     return loss, [merge_micro_batches(aux, f)], d_params, d_anc
 
-  f = jax.tree_util.tree_leaves(levels[0])[0].shape[0]
   k = fit_micro_batch(micro_batch, f)   # siblings run forward (and pull back) together, as rows of one batch
 
   def siblings_step(carry, children):   # k internal siblings, then each one's whole subtree

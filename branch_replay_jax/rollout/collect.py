@@ -38,8 +38,8 @@ class Trajectories:
   prompt_ids: [P] int, the chat-formatted prompt.
   tokens: [G, N] int sampled ids of a group (positions >= lengths[g] hold the pad id), N =
     rollout.max_new_tokens; None for a tree (its tokens are `tree`'s segments).
-  logprobs: the sampler's log-probs (nats, at `rollout`'s logprob_temperature; `Rollouts.logprobs`): [G, N] float32 for a
-    group, or a tree's per-node list ([L_n] each, root empty; `TreeRollout.logprobs`).
+  logprobs: the sampler's log-probs (nats, at `rollout`'s logprob_temperature; `Rollouts.logprobs`): [G, N]
+    float32 for a group, or a tree's per-node list ([L_n] each, root empty; `TreeRollout.logprobs`).
   lengths: [G] int completion lengths (tokens, the stop token included); a tree's in `tree.ends` order.
   truncated: [G] bool, the sampler's stop reason: True where the token budget cut the trajectory
     without a stop id or stop string, False where it ended with one (also on the budget's last token).
@@ -81,7 +81,8 @@ def completion_budget(rollout_config) -> int:
   return r.segment_length * len(r.tree_fanouts) if r.get("tree_fanouts") else r.max_new_tokens
 
 
-def rollout(rollout_config, model, tokenizer, task, data_pos: int, key, *, logprob_temperature: float = 1.0) -> Trajectories:
+def rollout(rollout_config, model, tokenizer, task, data_pos: int, key, *,
+            logprob_temperature: float = 1.0) -> Trajectories:
   """Sample and score one prompt (task item `data_pos`, wrapping around the task) with the rollout
   settings `rollout_config` (the config's rollout section). Completions end at one of the model's
   stop ids (`stop_ids`), at a stop string of rollout.stop_strings (rollout/stop_strings.py: matched

@@ -23,7 +23,8 @@ token t with fold_in(fold_in(k, i), t), whether the cache is kept or not.
 
     samplers = EpisodeSampler.branches(model, chat.ids, 8, key=key, eos_ids=stop_ids(tokenizer))
     results = [run_episode(env, problem, i, tokenizer, s, max_turns=3, ...) for s in samplers]
-    samplers[g].logprobs      # per turn [n_i] log pi(token | history), at its logprob_temperature (1: untempered; `Rollouts.logprobs`)
+    samplers[g].logprobs      # per turn [n_i] log pi(token | history) at its logprob_temperature
+                              # (1: untempered; `Rollouts.logprobs`)
 """
 
 from __future__ import annotations
