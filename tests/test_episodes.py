@@ -16,9 +16,9 @@ from branch_replay_jax.core.tree_replay import SCHEDULES
 from branch_replay_jax.data.batches import TreeBatch, segments
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
-                                             episode_tree_arrays, merge_short, prompt_only_tree)
+                                             episode_tree_arrays, limit_depth, merge_short, prompt_only_tree)
 from branch_replay_jax.gradients.heads import POLICY
-from branch_replay_jax.gradients.step import value_and_grad
+from branch_replay_jax.gradients.step import fused_applies, value_and_grad
 
 L_MAX = 16   # more than any episode's model tokens (the "constant" weighting's L_max)
 # The weightings a group sets by itself (step_token_mean's weights are 1 until the step scales them).
@@ -114,7 +114,7 @@ def test_every_layout_refuses_an_id_past_the_vocabulary_or_an_episode_past_the_c
 
 
 _tree_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
-                     static_argnames=("micro_batch", "schedule"))
+                     static_argnames=("micro_batch", "schedule", "fused"))
 _naive_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="naive"), static_argnums=(0, 3))
 _group_replay_step = jax.jit(functools.partial(value_and_grad, POLICY, layout="replay"), static_argnums=(0, 3))
 # One objective for a tree node and for a completion of the naive layout (losses.*_objective take both).
@@ -243,6 +243,29 @@ def test_episode_rows_by_the_group_replay_step_equal_naive_rows_float64(x64):
   for k in ("loss", "grad_norm", "kl", "clip_frac"):
     assert abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])), (k, got[k], want[k])
   assert max_rel_err(got_out[2], want_out[2]) <= 1e-10
+
+
+def test_a_one_level_episode_tree_runs_as_the_fused_group_and_logs_what_the_naive_rows_log_float64(x64):
+  # limit_depth(., 1): the five episodes as five nodes under the prompt, a group whose completions are
+  # the nodes. With every node in one micro-batch the step takes the fused group replay (one layer scan
+  # of the prompt and the rows, `fused_applies`), with fused=False the tree replay: the same terms, so
+  # float64 rounding only against each other and against the naive rows, and the tree's aux per level.
+  graphdef, params = tiny_model(jnp.float64, jnp.float64)
+  _, replay, naive = _layouts("sequence_mean", np.float64, shape=lambda etree: limit_depth(etree, 1))
+  assert len(replay.levels) == 1 and replay.levels[0].tokens.shape[0] == 5
+  assert fused_applies(replay, micro_batch=5) and not fused_applies(replay, micro_batch=1)
+  fused = _tree_step(graphdef, params, replay, _objective, micro_batch=5)
+  tree = _tree_step(graphdef, params, replay, _objective, micro_batch=5, fused=False)
+  want_out = _naive_step(graphdef, params, naive, _objective)
+  want = _logged(want_out, naive)
+  assert want["pairs"] == 39 and want["clipped"] > 0
+  for out in (fused, tree):
+    got = _logged(out, replay)
+    assert got["pairs"] == want["pairs"] and got["clipped"] == want["clipped"]
+    for k in ("loss", "grad_norm", "kl", "clip_frac"):
+      assert abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])), (k, got[k], want[k])
+    assert max_rel_err(out[2], want_out[2]) <= 1e-10
+  np.testing.assert_allclose(fused[1][0].logp, tree[1][0].logp, atol=1e-12)
 
 
 def test_episode_replay_equals_naive_rows_float32():

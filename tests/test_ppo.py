@@ -149,7 +149,10 @@ def _check_tree(tree, critic, dtype, tol):
   lt, _, gt = _tree_step(graphdef, params, tree_arr, _objective)
   ln, _, gn = _naive_step(graphdef, params, naive_arr, _objective)
   assert abs(float(lt) - float(ln)) <= tol * max(1.0, abs(float(ln)))
-  assert max_rel_err(gt, gn) <= tol
+  # floor: in a one-token prompt's tree the scored hidden state attends to itself alone, so wq's and wk's
+  # true gradient is 0 and both sides hold rounding noise (~eps x the largest leaf); a leaf above the
+  # floor keeps its own bound.
+  assert max_rel_err(gt, gn, floor=1e-6 if dtype == jnp.float64 else 1e-2) <= tol
   _assert_nonzero_grads(gn, critic)
   # Forward-only nested replay, laid out per trajectory, equals the naive forward.
   levels = _tree_fwd(graphdef, params, tree_arr)

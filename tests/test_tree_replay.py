@@ -132,7 +132,10 @@ def test_tree_replay_equals_naive_float64(tree):
       replay, (ln, _, gn) = _both(tree, graphdef, params, mode, np.float64, level_scan=mode == MODES[0])
       for schedule, (lt, _, gt) in replay.items():
         assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), (mode, schedule)
-        assert max_rel_err(gt, gn) <= 1e-10, (mode, schedule)
+        # floor: a one-token prompt under a one-token completion scores only the prompt's hidden state,
+        # which attends to itself alone, so wq's and wk's true gradient is 0 and both sides hold rounding
+        # noise (~1e-19 against the largest leaf's 0.2); every other leaf keeps its own 1e-10 bound.
+        assert max_rel_err(gt, gn, floor=1e-6) <= 1e-10, (mode, schedule)
 
 
 def test_depth_first_runs_internal_siblings_as_rows_exactly(x64):

@@ -8,7 +8,8 @@ over a rollout group or tree, and its forward-only twin.
   layout  "replay": the batch's own shape, a `GroupBatch` (prompt once, `core.replay.replay_vjp`, a
             micro-batch of completions as rows of one batch; with all G in one batch on one device,
             the fused replay: the prompt and the completions in one layer scan, `fused` below) or a
-            `TreeBatch` (every node once, `core.tree_replay.nested_replay_vjp`);
+            `TreeBatch` (every node once, `core.tree_replay.nested_replay_vjp`; a one-level tree is a
+            group whose completions are its nodes and takes the fused replay where a group would);
           "naive": each completion appended to a copy of the prompt (the "[B] -> [B*G]" of today's
             pipelines, the reference), a GroupBatch only (a tree's trajectories as a group:
             `algorithms.groups.Group.naive_batch`).
@@ -125,11 +126,20 @@ def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> Seg
 
 
 def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | None = None) -> bool:
-  """Whether `value_and_grad` runs the fused replay (its `fused` argument): a GroupBatch in the replay
-  layout on one device (on a mesh the prompt may be split over `seq` and its cotangent is reduced
-  across devices), micro_batch covering all G completions."""
-  return (layout == "replay" and mesh is None and isinstance(batch, GroupBatch)
+  """Whether `value_and_grad` runs the fused replay (its `fused` argument): a GroupBatch, or a one-level
+  TreeBatch (a group whose completions are the tree's nodes, `_one_level_group`), in the replay layout on
+  one device (on a mesh the prompt may be split over `seq` and its cotangent is reduced across devices),
+  micro_batch covering all G completions (F_1 nodes)."""
+  one_level = isinstance(batch, TreeBatch) and len(batch.levels) == 1
+  return (layout == "replay" and mesh is None and (isinstance(batch, GroupBatch) or one_level)
           and _micro_batch(micro_batch, batch) == num_branches(batch))
+
+
+def _one_level_group(batch: TreeBatch) -> GroupBatch:
+  """A one-level tree as the group whose completions are its F_1 nodes: the same rows on the same prompt.
+  A node's fields keep their trajectory axis (advantage, weights [F_1, T, G]), which the objective reads
+  as it does in the tree step (`losses.grpo_objective` takes both), so the lowering changes no value."""
+  return GroupBatch(batch.prompt_ids, batch.prompt_len, batch.levels[0])
 
 
 def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
@@ -282,7 +292,8 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
     fused: a group's replay as ONE layer scan of the prompt and its completions (`Llama.prompt_and_rows`)
       differentiated by `jax.value_and_grad`, so the prompt's K/V cotangent is summed and pulled back
       layer by layer (no [L, P] K/V cotangent; docs/design.md, "Memory and remat"). None: wherever it
-      applies (`fused_applies`: a GroupBatch on one device, micro_batch covering G); True: required
+      applies (`fused_applies`: a GroupBatch or one-level TreeBatch on one device, micro_batch covering
+      G); True: required
       (ValueError where it does not apply); False: never (`core.replay.replay_vjp`: the prompt's
       forward, the completions, then one pullback).
 
@@ -300,11 +311,15 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
   _check(layout, batch, mesh)
   applies = fused_applies(batch, layout, mesh, micro_batch)
   if fused and not applies:
-    raise ValueError(f"value_and_grad: fused=True needs layout='replay' (got {layout!r}), a GroupBatch (got "
-                     f"{type(batch).__name__}), no mesh, and micro_batch covering every completion (got "
-                     f"{micro_batch!r})")
+    raise ValueError(f"value_and_grad: fused=True needs layout='replay' (got {layout!r}), a GroupBatch or a "
+                     f"one-level TreeBatch (got {type(batch).__name__}), no mesh, and micro_batch covering every "
+                     f"completion (got {micro_batch!r})")
   if applies and fused is not False:
-    return _fused_value_and_grad(head, graphdef, params, batch, objective, logprob_chunk, attention)
+    if isinstance(batch, TreeBatch):   # a tree of depth one is a group: its fastest lowering, the tree's aux
+      loss, aux, grads, out = _fused_value_and_grad(head, graphdef, params, _one_level_group(batch), objective,
+                                                    logprob_chunk, attention)
+      return loss, [NodeOutputs(out.logp, aux, out.values)], grads
+    return _fused_value_and_grad(head, graphdef, params, batch, objective, logprob_chunk, attention)[:3]
   if mesh is not None:
     check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
     graph, frozen = _unbind(graphdef)
@@ -343,13 +358,14 @@ def _replay_value_and_grad(head, graphdef, params, batch, objective, m, schedule
 
 
 def _fused_value_and_grad(head, graphdef, params, batch, objective, chunk, attention):
+  """(loss, aux per completion, grads, the completions' `SegmentOutputs`) of the fused replay."""
   def total(p):
     out = _fused_outputs(head, merge(graphdef, p), batch, chunk, attention)
     losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, batch.branches)
-    return jnp.sum(losses), aux
+    return jnp.sum(losses), (aux, out)
 
-  (loss, aux), grads = jax.value_and_grad(total, has_aux=True)(params)
-  return loss, aux, grads
+  (loss, (aux, out)), grads = jax.value_and_grad(total, has_aux=True)(params)
+  return loss, aux, grads, out
 
 
 def _naive_value_and_grad(head, graphdef, params, batch, objective, m, chunk):
