@@ -293,9 +293,8 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
       differentiated by `jax.value_and_grad`, so the prompt's K/V cotangent is summed and pulled back
       layer by layer (no [L, P] K/V cotangent; docs/design.md, "Memory and remat"). None: wherever it
       applies (`fused_applies`: a GroupBatch or one-level TreeBatch on one device, micro_batch covering
-      G); True: required
-      (ValueError where it does not apply); False: never (`core.replay.replay_vjp`: the prompt's
-      forward, the completions, then one pullback).
+      G); True: required (ValueError where it does not apply); False: never (`core.replay.replay_vjp`:
+      the prompt's forward, the completions, then one pullback; a tree's nested replay).
 
   Returns:
     loss: scalar, the sum over completions (nodes) and, with a mesh, groups (replicated).
