@@ -199,6 +199,13 @@ class Malformed(Raising):
     return "42", 0.0, False
 
 
+class Rewarding(Raising):
+  reward = float("nan")
+
+  def step(self, message):
+    return None, self.reward, True
+
+
 @needs_smollm2
 def test_an_environment_that_raises_or_returns_malformed_messages_stops_naming_the_problem(tokenizer):
   with pytest.raises(RuntimeError, match=r"problem 3: the environment Raising's step at turn 1 raised KeyError"):
@@ -211,6 +218,13 @@ def test_an_environment_that_raises_or_returns_malformed_messages_stops_naming_t
                 max_context=1024)
   with pytest.raises(ValueError, match="status='done'"):
     EpisodeEnd("done", "not a marked end")
+  # A reward that is not a finite number would poison the group's advantages: refused by name.
+  for reward in (float("nan"), float("inf"), "1", None, 10 ** 400):
+    Rewarding.reward = reward
+    with pytest.raises(ValueError, match=r"problem 3: the environment Rewarding's step at turn 1 returned the reward "):
+      _run(Rewarding(), None, tokenizer, ["hello"], index=3)
+  Rewarding.reward = 0.5
+  assert _run(Rewarding(), None, tokenizer, ["hello"], index=3).reward == 0.5
 
 
 @pytest.mark.heavy   # ~5 min on loaded cores (SmolLM2's 49k vocabulary); the layouts' exactness in CI: tests/test_episodes.py

@@ -90,7 +90,7 @@ def test_an_environment_that_raises_stops_the_step_naming_the_problem_and_the_er
 def test_verifiers_by_name_is_made_or_refused_naming_the_field():
   from branch_replay_jax.rollout.verifiers_env import chat_messages
   with pytest.raises(ValueError, match=r"rollout.episodes.environment='verifiers:no_such_taskset': VerifiersEnv: "
-                                       r"taskset='no_such_taskset' does not import"):
+                                       r"taskset='no_such_taskset' is not a verifiers taskset: taskset 'no_such_taskset' not found"):
     make_environment("verifiers:no_such_taskset", None, max_tool_calls=1)
   with pytest.raises(ValueError, match=r"num_tasks=0 must be an int >= 1"):
     make_environment("verifiers:vf_guess", None, max_tool_calls=1, options={"num_tasks": 0})
@@ -102,6 +102,76 @@ def test_verifiers_by_name_is_made_or_refused_naming_the_field():
   assert chat_messages({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                        {"type": "text", "text": "b"}]}]}) == [
       {"role": "system", "content": "ab"}]
+
+
+BROKEN_TASKSETS = {
+    # An Env whose start raises: the adapter's construction raises it, and leaves no thread behind.
+    "vf_start_raises": """
+import verifiers.v1 as vf
+from vf_guess import GuessEnvConfig, GuessTaskset
+class StartRaises(vf.Env[GuessEnvConfig]):
+  async def start(self):
+    raise RuntimeError("start exploded")
+  async def run(self, task, agents):
+    await agents.player.run(task)
+__all__ = ["StartRaises", "GuessTaskset"]
+""",
+    # A task with a toolset: refused when the adapter is built, before any episode runs.
+    "vf_with_tools": """
+import verifiers.v1 as vf
+class Echo(vf.Toolset[vf.ToolsetConfig]):
+  TOOL_PREFIX = "echo"
+  @vf.tool
+  def echo(self, text: str) -> str:
+    \"\"\"Return the text.\"\"\"
+    return text
+class ToolTask(vf.Task):
+  @classmethod
+  def toolsets(cls, config):
+    return [Echo(vf.ToolsetConfig())]
+class ToolTaskset(vf.Taskset[ToolTask, vf.TasksetConfig]):
+  def load(self):
+    yield ToolTask(vf.TaskData(prompt="Echo hi."), self.config.task)
+__all__ = ["ToolTaskset"]
+""",
+}
+
+
+def test_a_broken_taskset_or_bad_arguments_are_refused_when_the_adapter_is_built(tmp_path, monkeypatch):
+  import threading
+
+  from branch_replay_jax.rollout.verifiers_env import VerifiersEnv
+  for name, source in BROKEN_TASKSETS.items():
+    (tmp_path / f"{name}.py").write_text(source)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  threads = threading.active_count()
+  with pytest.raises(RuntimeError, match=r"starting verifiers' servers for 'vf_start_raises' raised "
+                                         r"RuntimeError\('start exploded'\)"):
+    VerifiersEnv("vf_start_raises", timeout=60)
+  assert threading.active_count() == threads   # the adapter's thread stopped
+  with pytest.raises(ValueError, match=r"taskset='vf_with_tools' has toolsets \(1\)"):
+    VerifiersEnv("vf_with_tools")
+  for kwargs, message in [({"timeout": float("inf")}, r"timeout=inf must be a number of seconds"),
+                          ({"timeout": True}, r"timeout=True must be"),
+                          ({"harness": "bash"}, r"harness='bash' runs only through uv"),
+                          ({"taskset_options": {"id": "other"}}, r"taskset_options names an id"),
+                          ({"taskset_options": {"nope": 1}}, r"taskset_options=\{'nope': 1\} for 'vf_guess'")]:
+    with pytest.raises(ValueError, match=message):
+      VerifiersEnv("vf_guess", **kwargs)
+  with pytest.raises(ValueError, match=r"taskset='json' is not a verifiers taskset"):
+    VerifiersEnv("json")
+
+
+def test_a_closed_adapter_refuses_at_once_and_a_step_takes_only_text(tokenizer):
+  from branch_replay_jax.rollout.verifiers_env import VerifiersEnv
+  env = VerifiersEnv("vf_guess", timeout=60)
+  env.reset(0)
+  with pytest.raises(TypeError, match="assistant_message is a bytes, not a str"):
+    env.step(b"5")
+  env.close()   # ends the episode in flight and waits for its teardown
+  with pytest.raises(RuntimeError, match="the environment is closed"):
+    env.reset(0)
+  env.close()   # idempotent
 
 
 class GuessingTurns(ScriptedSampler):

@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import numbers
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -305,7 +306,7 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
   Raises:
     ValueError: a budget < 1; a prompt with no room for a turn; sample_turn returned no ids, more than
       the budget, or fewer without a stop id; the environment's reset or step returned malformed
-      messages (each naming the problem's index).
+      messages or a reward that is not a finite number (each naming the problem's index).
     RuntimeError: the environment raised something other than `EpisodeEnd` (naming the problem's index).
   """
   budgets = (("max_turns", max_turns), ("max_turn_tokens", max_turn_tokens), ("max_context", max_context)) + (
@@ -352,6 +353,13 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
     except Exception as e:
       raise RuntimeError(f"problem {index}: the environment {type(env).__name__}'s step at turn {turns} raised "
                          f"{e!r}") from e
+    try:
+      finite = isinstance(r, numbers.Real) and bool(np.isfinite(float(r)))
+    except OverflowError:   # an int beyond float's range
+      finite = False
+    if not finite:
+      raise ValueError(f"problem {index}: the environment {type(env).__name__}'s step at turn {turns} returned the "
+                       f"reward {r!r}; a reward is a finite number")
     reward += float(r)
     if done:
       status = "done"

@@ -32,19 +32,24 @@ What maps to what:
                    -> ValueError / RuntimeError: run_episode stops the step, naming the problem
 
 The sampling settings of the harness's calls (temperature, max_tokens) are not used: the loop's
-sampler and its budgets rule. Tool calls (a taskset with toolsets) are refused: the model's text
-would have to be parsed into the call's JSON for the harness, which this adapter does not do yet.
-An episode the loop ends early (a token budget) is cancelled at the next reset or close.
+sampler and its budgets rule. A taskset with toolsets is refused when the adapter is built: the
+model's text would have to be parsed into the call's JSON for the harness, which this adapter does
+not do yet. An episode the loop ends early (a token budget) is ended at the next reset or close:
+its pending model call is answered with an error, so the harness exits and verifiers tears the
+episode down its own way (cancelled only if that takes longer than `timeout`). A closed adapter
+refuses reset at once.
 
 Offline: the `null` harness is a PEP 723 script that verifiers prepares with `uv` (downloading its
 packages). Its packages are verifiers' own requirements, so by default (`uv=False`) the adapter
 runs it with this Python instead, by entering the script in verifiers' subprocess runtime's cache
-of prepared scripts (`SubprocessRuntime._interpreters`, verifiers 0.4.0).
+of prepared scripts (`SubprocessRuntime._interpreters`, verifiers 0.4.0). Another harness runs only
+with `uv=True` (verifiers' own preparation, which downloads uv and the harness's packages).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import importlib.util
 import itertools
@@ -53,6 +58,7 @@ import queue
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,20 +131,25 @@ class VerifiersEnv:
       subclass if it has one, in `__all__`; verifiers' own or an installed / importable one).
     num_tasks: the tasks of the taskset a problem picks from (its first num_tasks); None: all of a
       bounded taskset (required for an infinite one).
-    taskset_options: fields of the taskset's config (e.g. {"game": "Wordle-v0"}).
-    harness: the harness id for every seat, default verifiers' `null` chat loop.
-    timeout: seconds to wait for the harness's next model call or the episode's end.
-    uv: prepare the harness's script with uv (downloads its packages) instead of this Python.
+    taskset_options: fields of the taskset's config (e.g. {"game": "Wordle-v0"}; not "id").
+    harness: the harness id for every seat; only verifiers' `null` chat loop runs offline (uv=False).
+    timeout: seconds to wait for verifiers' servers to start, the harness's next model call or the
+      episode's end, and a cancelled episode's teardown.
+    uv: let verifiers prepare the harness's script with uv (downloads uv and the script's packages)
+      instead of running it with this Python.
 
   Attributes:
     env: the verifiers Env. tasks: the tasks problems pick from. task: the current episode's task
       (None before the first reset). last_episode: the verifiers Episode of the last episode that
-      ended (its traces, rewards, errors).
+      ended (its traces, rewards, errors). offline: whether the harness runs with this Python.
 
   Raises:
     ImportError: verifiers is not installed (naming the command that installs it).
-    ValueError: an unknown taskset, num_tasks < 1 or None for an infinite taskset, an empty taskset,
-      an Env with more than one agent seat, timeout <= 0.
+    ValueError: a taskset that does not import or is not a taskset, options its config refuses,
+      num_tasks < 1 or None for an infinite taskset, an empty taskset, a taskset with toolsets, an
+      Env with more than one agent seat, a harness other than "null" without uv, timeout not a
+      finite number > 0.
+    RuntimeError: verifiers' servers (its Env's `start`) raised or did not start within timeout.
   """
 
   def __init__(self, taskset: str, *, num_tasks: int | None = None, taskset_options: dict | None = None,
@@ -148,43 +159,69 @@ class VerifiersEnv:
     from verifiers.v1.configs.client import TrainClientConfig
     from verifiers.v1.interception.server import InterceptionServerConfig
     from verifiers.v1.runtimes.subprocess import SubprocessConfig
+    from verifiers.v1.utils import loaders
     if num_tasks is not None and (not isinstance(num_tasks, int) or isinstance(num_tasks, bool) or num_tasks < 1):
       raise ValueError(f"VerifiersEnv: num_tasks={num_tasks!r} must be an int >= 1 or None")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-      raise ValueError(f"VerifiersEnv: timeout={timeout!r} must be > 0 seconds")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
+      raise ValueError(f"VerifiersEnv: timeout={timeout!r} must be a number of seconds in (0, 1e6)")
+    if harness != "null" and not uv:
+      raise ValueError(f"VerifiersEnv: harness={harness!r} runs only through uv (downloads); pass uv=True, or use "
+                       "harness='null', which runs offline with this Python")
+    options = dict(taskset_options or {})
+    if "id" in options:
+      raise ValueError(f"VerifiersEnv: taskset_options names an id ({options['id']!r}); the taskset is `taskset`")
+    if not isinstance(taskset, str) or not taskset:
+      raise ValueError(f"VerifiersEnv: taskset={taskset!r} must be a verifiers taskset id (a module name)")
     try:
       vf.import_taskset(taskset)
-    except ImportError as e:
-      raise ValueError(f"VerifiersEnv: taskset={taskset!r} does not import: {e}") from e
-    env_cls, config_cls = vf.environment_class(taskset), vf.env_config_type(taskset)
+      env_cls, config_cls = vf.environment_class(taskset), vf.env_config_type(taskset)
+      loaders.taskset_class(taskset)
+    except (ImportError, TypeError, AttributeError, ValueError) as e:
+      raise ValueError(f"VerifiersEnv: taskset={taskset!r} is not a verifiers taskset: {e}") from e
     seats = [n for n, f in config_cls.model_fields.items() if isinstance(f.default, vf.AgentConfig)]
     if len(seats) != 1:
       raise ValueError(f"VerifiersEnv: {env_cls.__name__} has agent seats {seats}; only single-agent environments run")
     seat = {"harness": {"id": harness}, "runtime": SubprocessConfig().model_dump()}
-    config = config_cls.model_validate({"taskset": {"id": taskset, **(taskset_options or {})}, seats[0]: seat,
-                                        "interception": InterceptionServerConfig().model_dump()})
+    try:
+      config = config_cls.model_validate({"taskset": {"id": taskset, **options}, seats[0]: seat,
+                                          "interception": InterceptionServerConfig().model_dump()})
+    except ValueError as e:   # pydantic's ValidationError
+      raise ValueError(f"VerifiersEnv: taskset_options={options!r} for {taskset!r}: {e}") from e
     self.env = env_cls(config)
-    if num_tasks is None and getattr(self.env.taskset, "INFINITE", False):
+    taskset_obj = self.env.taskset
+    tools = [*type(taskset_obj).toolsets(taskset_obj.config), *type(taskset_obj).task_type().toolsets(taskset_obj.config.task)]
+    if tools:
+      raise ValueError(f"VerifiersEnv: taskset={taskset!r} has toolsets ({len(tools)}); tool calls through verifiers "
+                       "are not supported by this adapter")
+    if num_tasks is None and getattr(taskset_obj, "INFINITE", False):
       raise ValueError(f"VerifiersEnv: taskset={taskset!r} is infinite; set num_tasks")
-    self.tasks = list(itertools.islice(self.env.taskset, num_tasks))
+    self.tasks = list(itertools.islice(taskset_obj, num_tasks))
     if not self.tasks:
       raise ValueError(f"VerifiersEnv: taskset={taskset!r} has no tasks")
     self.taskset, self.timeout, self.task, self.last_episode = taskset, float(timeout), None, None
-    self.offline = not uv and harness == "null" and _run_chat_program_with_this_python()
+    self.offline = not uv and _run_chat_program_with_this_python()
     # The endpoint is never called: the interception server's client for it is ours (_serve).
     self._ctx = ModelContext(model="policy", client=TrainClientConfig(base_url="http://127.0.0.1:9/v1"))
     self._events: queue.Queue = queue.Queue()
-    self._episode, self._n, self._pending, self._history = None, 0, None, []
+    self._episode, self._n, self._pending, self._history, self._closed = None, 0, None, [], False
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers", daemon=True)
     self._thread.start()
-    ready = threading.Event()
-    self._serving = asyncio.run_coroutine_threadsafe(self._serve(ready), self._loop)
-    ready.wait()
-    if self._serving.done():
-      self._serving.result()   # raises what starting verifiers' servers raised
+    self._started, self._up = threading.Event(), False
+    self._serving = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
+    self._serving.add_done_callback(lambda f: self._started.set())   # a start that raised wakes the wait too
+    error = None
+    if not self._started.wait(self.timeout):
+      error = RuntimeError(f"VerifiersEnv: verifiers' servers for {taskset!r} did not start within {self.timeout:g} s")
+    elif self._serving.done():   # _serve ended before serving: its start raised
+      cause = self._serving.exception()
+      error = RuntimeError(f"VerifiersEnv: starting verifiers' servers for {taskset!r} raised {cause!r}")
+      error.__cause__ = cause
+    if error is not None:
+      self.close()
+      raise error
 
-  async def _serve(self, ready: threading.Event):
+  async def _serve(self):
     from verifiers.v1.clients import Client
     from verifiers.v1.clients.train import serialize_completion
     from verifiers.v1.dialects import ChatDialect
@@ -206,14 +243,22 @@ class VerifiersEnv:
         response.raw = serialize_completion(response, owner._ctx.model)
         return response
 
-    try:
-      async with self.env.serving():
-        self.env._interception.clients[self._ctx.client.model_dump_json()] = SamplerClient()
-        self._stop = asyncio.Event()
-        ready.set()
-        await self._stop.wait()
-    finally:
-      ready.set()
+    self._stop = asyncio.Event()
+    async with self.env.serving():
+      self.env._interception.clients[self._ctx.client.model_dump_json()] = SamplerClient()
+      self._up = True
+      self._started.set()
+      await self._stop.wait()
+
+  async def _run(self, task):
+    self._task = asyncio.current_task()
+    return await self.env.run_episode(task, self._ctx)
+
+  async def _cancel_episode(self):
+    task, self._task = getattr(self, "_task", None), None
+    if task is not None and not task.done():
+      task.cancel()
+      await asyncio.gather(task, return_exceptions=True)
 
   def _next(self, what: str):
     while True:
@@ -228,19 +273,34 @@ class VerifiersEnv:
         self._loop.call_soon_threadsafe(_cancel, payload[1])
 
   def _abandon(self):
+    """End the episode in flight, if any: its model calls are answered with an error, so the harness
+    exits and verifiers tears the episode down its own way (the harness subprocess, the runtime's
+    directory); cancelled only if it has not ended within timeout."""
+    if self._episode is None:
+      return
     if self._pending is not None:
-      self._loop.call_soon_threadsafe(_cancel, self._pending)
-    if self._episode is not None and not self._episode.done():
-      self._episode.cancel()
-    self._pending, self._episode = None, None
+      self._loop.call_soon_threadsafe(_fail, self._pending)
+    self._pending, deadline = None, time.monotonic() + self.timeout
+    while not self._episode.done():
+      try:
+        kind, _, payload = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty:
+        break
+      if kind == "call":
+        self._loop.call_soon_threadsafe(_fail, payload[1])
+    if not self._episode.done():
+      asyncio.run_coroutine_threadsafe(self._cancel_episode(), self._loop).result(self.timeout)
+    self._episode = None
 
   def reset(self, problem: Any) -> list[dict[str, str]]:
     """Start the episode of the problem's task; returns the messages of the harness's first model call."""
+    if self._closed:
+      raise RuntimeError("VerifiersEnv.reset: the environment is closed")
     self._abandon()
     task = self.task = self.tasks[game_seed(problem, "VerifiersEnv") % len(self.tasks)]
     self._n += 1
     n = self._n
-    self._episode = asyncio.run_coroutine_threadsafe(self.env.run_episode(task, self._ctx), self._loop)
+    self._episode = asyncio.run_coroutine_threadsafe(self._run(task), self._loop)
     self._episode.add_done_callback(lambda f: self._events.put(("end", n, f)))
     kind, payload = self._next("the first model call")
     if kind == "end":
@@ -252,7 +312,10 @@ class VerifiersEnv:
     return [dict(m) for m in self._history]
 
   def _ended(self, future):
-    episode = self.last_episode = future.result()
+    try:
+      episode = self.last_episode = future.result()
+    except (asyncio.CancelledError, concurrent.futures.CancelledError) as e:
+      raise RuntimeError(f"VerifiersEnv: the episode of taskset {self.taskset!r} was cancelled") from e
     errors = list(episode.errors) + [e for t in episode.traces for e in (t.errors or [])]
     if errors:
       raise RuntimeError(f"VerifiersEnv: the episode recorded {len(errors)} error(s); the first: "
@@ -261,8 +324,15 @@ class VerifiersEnv:
 
   def step(self, assistant_message: str):
     """The model's turn as the pending call's reply; returns (observation, 0.0, False) at the next model
-    call, or (None, the episode's reward, True) at its end."""
-    if self._pending is None:
+    call, or (None, the episode's reward, True) at its end.
+
+    Raises:
+      TypeError: a message that is not a str. RuntimeError: no call is waiting (before reset, after the
+        episode's end, after close); see the module docstring for the rest.
+    """
+    if not isinstance(assistant_message, str):
+      raise TypeError(f"VerifiersEnv.step: assistant_message is a {type(assistant_message).__name__}, not a str")
+    if self._pending is None or self._closed:
       raise RuntimeError("VerifiersEnv.step: no model call is waiting; call reset first")
     self._loop.call_soon_threadsafe(_reply, self._pending, assistant_message)
     self._pending = None
@@ -282,18 +352,26 @@ class VerifiersEnv:
     return [dict(m) for m in messages[k:]], 0.0, False
 
   def close(self):
-    """Cancel an episode in flight, stop verifiers' servers and the adapter's thread (idempotent)."""
-    if not self._thread.is_alive():
+    """End an episode in flight and wait for its teardown (`_abandon`), stop verifiers' servers, the
+    adapter's thread and its event loop (idempotent; reset raises afterwards)."""
+    if self._closed:
       return
-    self._abandon()
-    if hasattr(self, "_stop"):
-      self._loop.call_soon_threadsafe(self._stop.set)
+    self._closed = True
+    if self._thread.is_alive():
       try:
-        self._serving.result(timeout=60)
-      except Exception:   # noqa: BLE001 - shutting down; what failed was reported where it happened
+        self._abandon()
+        if self._up:
+          self._loop.call_soon_threadsafe(self._stop.set)
+          self._serving.result(timeout=self.timeout)
+        else:   # a start that hangs: cancelled
+          self._serving.cancel()
+      except BaseException:   # noqa: BLE001 - shutting down; what failed was reported where it happened
         pass
-    self._loop.call_soon_threadsafe(self._loop.stop)
-    self._thread.join(timeout=60)
+      self._loop.call_soon_threadsafe(self._loop.stop)
+      self._thread.join(timeout=self.timeout)
+    if not self._thread.is_alive():
+      self._loop.run_until_complete(self._loop.shutdown_default_executor())
+      self._loop.close()
 
   def __enter__(self):
     return self
@@ -310,3 +388,8 @@ def _reply(future, content):
 def _cancel(future):
   if not future.done():
     future.cancel()
+
+
+def _fail(future):
+  if not future.done():
+    future.set_exception(RuntimeError("VerifiersEnv: the trainer ended this episode (a token budget or a reset)"))
