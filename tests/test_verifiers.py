@@ -90,7 +90,8 @@ def test_an_environment_that_raises_stops_the_step_naming_the_problem_and_the_er
 def test_verifiers_by_name_is_made_or_refused_naming_the_field():
   from branch_replay_jax.rollout.verifiers_env import chat_messages
   with pytest.raises(ValueError, match=r"rollout.episodes.environment='verifiers:no_such_taskset': VerifiersEnv: "
-                                       r"taskset='no_such_taskset' is not a verifiers taskset: taskset 'no_such_taskset' not found"):
+                                       r"taskset='no_such_taskset' is not a verifiers taskset: taskset "
+                                       r"'no_such_taskset' not found"):
     make_environment("verifiers:no_such_taskset", None, max_tool_calls=1)
   with pytest.raises(ValueError, match=r"num_tasks=0 must be an int >= 1"):
     make_environment("verifiers:vf_guess", None, max_tool_calls=1, options={"num_tasks": 0})

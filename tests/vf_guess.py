@@ -46,8 +46,8 @@ class GuessEnv(vf.Env[GuessEnvConfig]):
 class GuessTaskset(vf.Taskset[GuessTask, vf.TasksetConfig]):
   def load(self):
     for secret in SECRETS:
-      yield GuessTask(GuessData(prompt="I think of a number from 1 to 8. Guess it.", system_prompt="Answer with a number.",
-                                secret=secret), self.config.task)
+      yield GuessTask(GuessData(prompt="I think of a number from 1 to 8. Guess it.",
+                                system_prompt="Answer with a number.", secret=secret), self.config.task)
 
 
 __all__ = ["GuessEnv", "GuessTaskset"]

@@ -161,9 +161,9 @@ PYTHON = "python:"
 
 
 def environment_kind(spec) -> str:
-  """"builtin" (a name of ENVIRONMENTS), "adapter" ("textarena:GAME-ID", "gem:ENV-ID", "verifiers:TASKSET-ID") or "import"
-  ("FILE.py:NAME", "python:MODULE:NAME"): the form of rollout.episodes.environment, checked without
-  importing anything.
+  """"builtin" (a name of ENVIRONMENTS), "adapter" ("textarena:GAME-ID", "gem:ENV-ID",
+  "verifiers:TASKSET-ID") or "import" ("FILE.py:NAME", "python:MODULE:NAME"): the form of
+  rollout.episodes.environment, checked without importing anything.
 
   Raises:
     ValueError: naming the field and the value, for anything else.
@@ -177,8 +177,8 @@ def environment_kind(spec) -> str:
       spec.startswith(PYTHON) or path.split(":")[0].endswith(".py")):
     return "import"
   raise ValueError(f"{FIELD}={spec!r} is not one of {sorted(ENVIRONMENTS)}, 'textarena:GAME-ID', 'gem:ENV-ID', "
-                   "'verifiers:TASKSET-ID', 'FILE.py:NAME' or 'python:package.module:NAME' (a class or factory of the protocol in "
-                   "rollout/environments.py)")
+                   "'verifiers:TASKSET-ID', 'FILE.py:NAME' or 'python:package.module:NAME' (a class or factory of "
+                   "the protocol in rollout/environments.py)")
 
 
 def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence[dict[str, str]] = (),

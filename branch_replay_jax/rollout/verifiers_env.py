@@ -189,7 +189,8 @@ class VerifiersEnv:
       raise ValueError(f"VerifiersEnv: taskset_options={options!r} for {taskset!r}: {e}") from e
     self.env = env_cls(config)
     taskset_obj = self.env.taskset
-    tools = [*type(taskset_obj).toolsets(taskset_obj.config), *type(taskset_obj).task_type().toolsets(taskset_obj.config.task)]
+    tools = [*type(taskset_obj).toolsets(taskset_obj.config),
+             *type(taskset_obj).task_type().toolsets(taskset_obj.config.task)]
     if tools:
       raise ValueError(f"VerifiersEnv: taskset={taskset!r} has toolsets ({len(tools)}); tool calls through verifiers "
                        "are not supported by this adapter")
