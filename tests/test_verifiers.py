@@ -161,6 +161,11 @@ def test_a_broken_taskset_or_bad_arguments_are_refused_when_the_adapter_is_built
       VerifiersEnv("vf_guess", **kwargs)
   with pytest.raises(ValueError, match=r"taskset='json' is not a verifiers taskset"):
     VerifiersEnv("json")
+  # Where the harness's packages do not import here, only uv could run it (downloads): refused without uv=True.
+  from branch_replay_jax.rollout import verifiers_env
+  monkeypatch.setattr(verifiers_env, "_run_chat_program_with_this_python", lambda: False)
+  with pytest.raises(ValueError, match=r"the `null` harness's packages do not all import with this Python"):
+    VerifiersEnv("vf_guess")
 
 
 def test_a_closed_adapter_refuses_at_once_and_a_step_takes_only_text(tokenizer):

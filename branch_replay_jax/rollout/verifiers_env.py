@@ -104,7 +104,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
 def _run_chat_program_with_this_python() -> bool:
   """Enter verifiers' `null` chat program in its subprocess runtime's cache of prepared scripts with
   this interpreter (module docstring), when every package the script lists imports here. Returns
-  whether it did (False: verifiers prepares it with uv, which downloads)."""
+  whether it did (False: only uv could prepare it, which downloads; VerifiersEnv then refuses)."""
   from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
   from verifiers.v1.runtimes.subprocess import SubprocessRuntime
   listed = re.search(r"^# dependencies = (\[.*\])$", CHAT_PROGRAM_SOURCE, re.M)
@@ -147,8 +147,8 @@ class VerifiersEnv:
     ImportError: verifiers is not installed (naming the command that installs it).
     ValueError: a taskset that does not import or is not a taskset, options its config refuses,
       num_tasks < 1 or None for an infinite taskset, an empty taskset, a taskset with toolsets, an
-      Env with more than one agent seat, a harness other than "null" without uv, timeout not a
-      finite number > 0.
+      Env with more than one agent seat, a harness other than "null" (or a `null` harness whose
+      packages do not import here) without uv, timeout not a finite number > 0.
     RuntimeError: verifiers' servers (its Env's `start`) raised or did not start within timeout.
   """
 
@@ -201,6 +201,9 @@ class VerifiersEnv:
       raise ValueError(f"VerifiersEnv: taskset={taskset!r} has no tasks")
     self.taskset, self.timeout, self.task, self.last_episode = taskset, float(timeout), None, None
     self.offline = not uv and _run_chat_program_with_this_python()
+    if not uv and not self.offline:
+      raise ValueError("VerifiersEnv: the `null` harness's packages do not all import with this Python, so it would "
+                       f"run only through uv (downloads); reinstall with `{INSTALL}`, or pass uv=True")
     # The endpoint is never called: the interception server's client for it is ours (_serve).
     self._ctx = ModelContext(model="policy", client=TrainClientConfig(base_url="http://127.0.0.1:9/v1"))
     self._events: queue.Queue = queue.Queue()
