@@ -148,7 +148,7 @@ class VerifiersEnv:
     ValueError: a taskset that does not import or is not a taskset, options its config refuses,
       num_tasks < 1 or None for an infinite taskset, an empty taskset, a taskset with toolsets, an
       Env with more than one agent seat, a harness other than "null" (or a `null` harness whose
-      packages do not import here) without uv, timeout not a finite number > 0.
+      packages do not import here) without uv, timeout not a number of seconds in (0, 1e6).
     RuntimeError: verifiers' servers (its Env's `start`) raised or did not start within timeout.
   """
 
@@ -208,6 +208,7 @@ class VerifiersEnv:
     self._ctx = ModelContext(model="policy", client=TrainClientConfig(base_url="http://127.0.0.1:9/v1"))
     self._events: queue.Queue = queue.Queue()
     self._episode, self._n, self._pending, self._history, self._closed = None, 0, None, [], False
+    self._task = None   # the asyncio task of the episode in flight (set on the loop's thread, `_run`)
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers", daemon=True)
     self._thread.start()
@@ -259,7 +260,7 @@ class VerifiersEnv:
     return await self.env.run_episode(task, self._ctx)
 
   async def _cancel_episode(self):
-    task, self._task = getattr(self, "_task", None), None
+    task, self._task = self._task, None
     if task is not None and not task.done():
       task.cancel()
       await asyncio.gather(task, return_exceptions=True)
@@ -273,8 +274,8 @@ class VerifiersEnv:
                            f"({what}; taskset {self.taskset!r})") from None
       if n == self._n:
         return kind, payload
-      if kind == "call":   # a model call of an abandoned episode
-        self._loop.call_soon_threadsafe(_cancel, payload[1])
+      if kind == "call":   # a model call of an abandoned episode: answered with an error, as `_abandon` does
+        self._loop.call_soon_threadsafe(_fail, payload[1])
 
   def _abandon(self):
     """End the episode in flight, if any: its model calls are answered with an error, so the harness
@@ -387,11 +388,6 @@ class VerifiersEnv:
 def _reply(future, content):
   if not future.done():
     future.set_result(content)
-
-
-def _cancel(future):
-  if not future.done():
-    future.cancel()
 
 
 def _fail(future):
