@@ -40,6 +40,8 @@ def get_config(arg=None):
   c.rollout.episodes.max_tree_depth = 4   # levels of an episode tree; deeper nodes are not shared (XLA:CPU dot rank)
   c.rollout.episodes.share = "tree"       # replay computes once: tree (every common turn) or prompt (the prompt only,
   #                                       # one row per episode: docs/results/episodes-cpu)
+  c.rollout.episodes.history = "tokens"   # the model is given its sampled ids (token-in, token-out), or
+  #                                       # "template": the chat template's rendering (Qwen3 drops <think>)
   c.train.micro_batch = 8                 # leaf siblings (episode branches) per scan step (nested schedules)
   c.train.tree_schedule = "packed"        # each episode tree one row: one program per row-length bucket (figures:
   #                                       # docs/results/episodes-cpu); on a mesh set depth_first

@@ -273,7 +273,7 @@ def test_the_schema_says_which_fields_apply_to_groups_trees_or_episodes_only():
   # episode's turns end at the model's stop ids), and GRPO's rollout.episodes.
   episodes = {f"rollout.episodes.{n}" for n in ("environment", "max_turns", "max_turn_tokens", "max_episode_tokens",
                                                 "max_context", "max_tool_calls", "few_shot", "max_tree_depth",
-                                                "min_shared_tokens", "share", "env_options")}
+                                                "min_shared_tokens", "share", "env_options", "history")}
   want = {"grpo": {("group",): {"rollout.max_new_tokens"}, ("group", "episode"): {"rollout.group_size"},
                    ("tree",): {"rollout.segment_length"}, ("tree", "episode"): {"train.tree_schedule"},
                    ("group", "tree"): {"rollout.tree_fanouts", "rollout.dynamic_sampling", "rollout.max_prompt_draws",

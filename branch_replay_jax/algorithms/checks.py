@@ -18,6 +18,7 @@ from branch_replay_jax.distributed.mesh import PARAM_MODES
 from branch_replay_jax.gradients.step import PACKED, TREE_SCHEDULES
 from branch_replay_jax.models import lora, tiny_config
 from branch_replay_jax.outputs.checkpoints import check_run_dir_path
+from branch_replay_jax.rollout.chat import HISTORIES
 from branch_replay_jax.rollout.environments import environment_kind
 
 GRADIENTS = ("replay", "naive")
@@ -246,6 +247,9 @@ def validate_episode_rollout(config) -> None:
   share, min_shared, depth = (_episodes_field(e, name) for name in ("share", "min_shared_tokens", "max_tree_depth"))
   if share not in schema.SHARES:
     raise ValueError(f"rollout.episodes.share={share!r} is not one of {schema.SHARES}")
+  history = _episodes_field(e, "history")
+  if history not in HISTORIES:
+    raise ValueError(f"rollout.episodes.history={history!r} is not one of {HISTORIES}")
   if min_shared < 1:
     raise ValueError(f"rollout.episodes.min_shared_tokens={min_shared!r} must be an int >= 1")
   if depth < 1:

@@ -69,7 +69,8 @@ class Evaluation:
     policy, devices = algorithm.eval_policy(run, params, len(self.problems))
     if self.env is not None:
       results = held_out.evaluate_episodes(policy, run.tokenizer, self.task, self.env, self.problems,
-                                           jax.random.fold_in(run.key, EVAL_STREAM), episodes=r.episodes)
+                                           jax.random.fold_in(run.key, EVAL_STREAM), episodes=r.episodes,
+                                           history=algorithm.layout.history)
     else:
       results = held_out.evaluate(policy, run.tokenizer, self.task, self.problems,
                                   jax.random.fold_in(run.key, EVAL_STREAM),

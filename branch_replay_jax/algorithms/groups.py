@@ -34,8 +34,8 @@ import numpy as np
 from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
-from branch_replay_jax.data.episodes import (episode_group_arrays, episode_tree, episode_tree_arrays, limit_depth,
-                                             merge_short, prompt_only_tree)
+from branch_replay_jax.data.episodes import (MODEL, episode_group_arrays, episode_tree, episode_tree_arrays,
+                                             limit_depth, merge_short, prompt_only_tree, rebase)
 from branch_replay_jax.data.groups import SEGMENT_BUCKETS_PER_OCTAVE, bucket_length, group_from_padded
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
 from branch_replay_jax.algorithms.schema import Layout, layout_of, parse
@@ -169,27 +169,39 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
   (`EpisodeTree.node_values`); no old log-probs: on-policy the objective never reads them, and with
   train.inner_epochs > 1 or a loss.rollout_correction the step computes them (`grpo.update_on_batch`).
 
+  With rollout.episodes.history = "template" an episode is several rows (`EpisodeResult.rows`: a new
+  row where the template rewrote the history); every row above is such a row (`data.episodes.rebase`
+  gives them one prompt), each with its episode's advantage and weight (|o_g| summed over its rows),
+  so the loss is the sum over the per-turn rows, each sampled token once. `Group`'s per-episode fields
+  (rewards, lengths, truncated) stay per episode.
+
   Args:
     model_config: the policy's `ModelConfig` (vocab_size, max_positions, the counts' sizes).
     pad_id: the tokenizer's pad id (padding of the tree's segments and of the rows).
     layout: the run's `schema.Layout` (an "episode" one: share, min_shared_tokens, max_tree_depth, gradient).
   """
-  episodes = [r.episode for r in raw.results]
+  # One row per episode, or with rollout.episodes.history = "template" one per rendering (EpisodeResult.rows);
+  # `rebase` gives the rows one prompt, and each row takes its episode's advantage and weight.
+  rows_of = [r.rows for r in raw.results]
+  owner = np.repeat(np.arange(len(rows_of)), [len(rows) for rows in rows_of])
+  episodes = rebase([row for rows in rows_of for row in rows])
   rewards = np.array([r.reward for r in raw.results], np.float32)
   truncated = np.array([r.truncated for r in raw.results], bool)
-  advantages = trajectory_advantages(config.loss, rewards, group_relative=True)
+  advantages = trajectory_advantages(config.loss, rewards, group_relative=True)[owner]
   in_loss = ~truncated if config.loss.mask_truncated else None
   share = layout.share
   etree = (prompt_only_tree(episodes) if share == "prompt" else
            limit_depth(merge_short(episode_tree(episodes), layout.min_shared_tokens), layout.max_tree_depth))
-  lengths = etree.model_lengths()
+  lengths = np.array([r.model_tokens for r in raw.results], np.int64)   # |o_g|: over an episode's rows
   w = obj.trajectory_weights(lengths, mode=config.loss.weighting, max_length=raw.budget,
-                             in_loss=in_loss).astype(np.float32)
+                             in_loss=in_loss).astype(np.float32)[owner]
   cfg = model_config
   longest = max(len(e.tokens()) for e in episodes)
   # The sampler's log-probs on each episode's model tokens (0 on observations), for loss.rollout_correction.
+  row_turns = [(g, sum(r.roles.count(MODEL) for r in rows[:k]), row.roles.count(MODEL))   # episode g's turns k..
+               for g, rows in enumerate(rows_of) for k, row in enumerate(rows)]
   sampler = (None if raw.logprobs is None else
-             [e.model_values(turns) for e, turns in zip(episodes, raw.logprobs)])
+             [e.model_values(raw.logprobs[g][k:k + n]) for e, (g, k, n) in zip(episodes, row_turns)])
   naive_arrays = episode_group_arrays(episodes, advantages, w, vocab_size=cfg.vocab_size,
                                       per_episode=None if sampler is None else {"sampler_logp": sampler},
                                       max_positions=cfg.max_positions, pad_id=pad_id,
@@ -230,7 +242,8 @@ def rollout_group(config, model, tokenizer, task, data_pos: int, key, env=None, 
   layout = layout or layout_of(parse(config))
   tau = logprob_temperature(config)
   if env is not None:
-    raw = rollout_episodes(config.rollout, model, tokenizer, task, env, data_pos, key, logprob_temperature=tau)
+    raw = rollout_episodes(config.rollout, model, tokenizer, task, env, data_pos, key, logprob_temperature=tau,
+                           history=layout.history)
     return build_episodes(config, raw, model.config, tokenizer.pad_token_id or 0, layout)
   raw = rollout(config.rollout, model, tokenizer, task, data_pos, key, logprob_temperature=tau)
   return build(config, raw, model.config, tokenizer.pad_token_id or 0, layout)

@@ -158,6 +158,11 @@ class EpisodesConfig:
   share: str = _f("what train.gradient=replay computes once: tree (the episode tree: the prompt and every common "
                   "turn and observation) or prompt (the prompt only, each episode one row: the group replay step)",
                   "tree", layouts=("episode",))
+  history: str = _f("what the model is given at each turn: tokens (the ids sampled so far, never re-rendered: "
+                    "token-in, token-out) or template (the chat template's rendering of the whole conversation: "
+                    "where it rewrites an earlier turn, e.g. Qwen3 dropping <think>, the episode goes on as a new "
+                    "row whose context the model is given; the rows of a problem share one trie; "
+                    "docs/design.md, \"Episodes\")", "tokens", layouts=("episode",))
 
 
 @_frozen
@@ -359,13 +364,14 @@ class Layout:
   gradient: "replay" or "naive" (train.gradient), `gradients.step`'s layout.
   share: episodes only, rollout.episodes.share (`SHARES`): what replay computes once; "tree" for a
     sampled tree, "prompt" for a group (what their replay computes once).
-  min_shared_tokens, max_tree_depth: episodes only, rollout.episodes' (0 otherwise).
+  min_shared_tokens, max_tree_depth, history: episodes only, rollout.episodes' (0 and "tokens" otherwise).
   """
   rollout: str
   gradient: str
   share: str
   min_shared_tokens: int = 0
   max_tree_depth: int = 0
+  history: str = "tokens"
 
   @property
   def tree(self) -> bool:
@@ -379,7 +385,8 @@ def layout_of(experiment) -> Layout:
   r, gradient = experiment.rollout, experiment.train.gradient
   episodes = getattr(r, "episodes", None)
   if episodes is not None:
-    return Layout("episode", gradient, episodes.share, episodes.min_shared_tokens, episodes.max_tree_depth)
+    return Layout("episode", gradient, episodes.share, episodes.min_shared_tokens, episodes.max_tree_depth,
+                  episodes.history)
   return Layout("tree", gradient, "tree") if r.tree_fanouts else Layout("group", gradient, "prompt")
 
 # Another algorithm's field in this algorithm's config: messages that say more than "remove it".

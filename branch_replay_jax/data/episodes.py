@@ -12,6 +12,7 @@ and including the next turn's generation prompt) has weight 0 and advantage 0, s
 to the loss, its KL term, its clip count or a value target (`losses.grpo_objective`, `losses.ppo_objective`
 weighs every per-token term and counts only tokens with weight > 0).
 
+    rebase(rows)                                             -> [Episode] (rows with other prompts: one prompt)
     episode_tree(episodes)                                   -> EpisodeTree (the trie of the episodes)
     prompt_only_tree(episodes)                               -> EpisodeTree (the prompt shared, nothing else)
     merge_short(tree, min_tokens)                            -> EpisodeTree (shared nodes < min_tokens unshared)
@@ -175,6 +176,33 @@ class EpisodeTree:
     segs = np.split(tokens, cuts)
     roles = tuple(MODEL if part[0] else OBSERVATION for part in np.split(model, cuts))
     return Episode(np.asarray(self.tree.segments[0]), tuple(segs), roles)
+
+
+def rebase(rows: Sequence[Episode]) -> list[Episode]:
+  """Rows whose prompts differ (history "template", `rollout.chat.ChatTokens.rows`: each row's prompt is
+  the context the template rendered for it) re-cut at the longest common prefix of their prompts: that
+  prefix becomes every row's prompt, and the rest of a row's prompt an observation segment (attended,
+  never trained) before its own segments. Rows with one prompt come back unchanged. Every token keeps
+  its position and role, so the rows' loss is unchanged and `episode_tree` can share what they share.
+
+  Raises:
+    ValueError: no rows, or prompts without a common first token (naming the row).
+  """
+  if not rows:
+    raise ValueError("rebase: needs at least one row")
+  prompts = [np.asarray(r.prompt) for r in rows]
+  n = min(p.size for p in prompts)
+  for k, p in enumerate(prompts[1:], 1):
+    differ = np.flatnonzero(p[:n] != prompts[0][:n])
+    n = int(differ[0]) if differ.size else n
+    if n == 0:
+      raise ValueError(f"rebase: rows[{k}].prompt and rows[0].prompt differ at their first token; the rows of one "
+                       "problem start from the rendering of its first messages")
+  out = []
+  for r, p in zip(rows, prompts):
+    head = ((p[n:].astype(np.int32),), (OBSERVATION,)) if p.size > n else ((), ())
+    out.append(Episode(p[:n], head[0] + tuple(r.segments), head[1] + tuple(r.roles)))
+  return out
 
 
 def episode_tree(episodes: Sequence[Episode]) -> EpisodeTree:

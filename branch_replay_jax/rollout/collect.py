@@ -162,16 +162,17 @@ def turn_formats(result: EpisodeResult, tokenizer, tools) -> list[str]:
   stops = set(stop_ids(tokenizer))
   return [turn_format(tokenizer.decode([int(i) for i in (seg[:-1] if int(seg[-1]) in stops else seg)],
                                        skip_special_tokens=False), tools)
-          for seg, role in zip(result.episode.segments, result.episode.roles) if role == "model"]
+          for row in result.rows for seg, role in zip(row.segments, row.roles) if role == "model"]
 
 
 def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int, key, *,
-                     logprob_temperature: float = 1.0) -> EpisodeTrajectories:
+                     logprob_temperature: float = 1.0, history: str = "tokens") -> EpisodeTrajectories:
   """Run G = rollout.group_size episodes of task item `data_pos` (wrapping around) in `env`
   (rollout/environments.py protocol) with rollout.episodes' budgets, one after another; they branch
   at the first turn (`EpisodeSampler.branches`: the prompt prefilled once, branch g's key
   fold_in(key, g)) at rollout.temperature and top_p, each token's log-prob recorded at
-  `logprob_temperature` (as `rollout`).
+  `logprob_temperature` (as `rollout`). history: rollout.episodes.history (`rollout.chat.ChatTokens`;
+  "template": an episode's rows, `EpisodeResult.rows`).
 
   Raises:
     ValueError: rollout.episodes.max_context longer than the model's max_positions; `run_episode`'s
@@ -187,24 +188,25 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
   stops = stop_ids(tokenizer)
   samplers = EpisodeSampler.branches(model, ids, r.group_size, key=key, temperature=r.temperature, top_p=r.top_p,
                                      eos_ids=stops, pad_id=tokenizer.pad_token_id or 0,
-                                     logprob_temperature=logprob_temperature)
+                                     logprob_temperature=logprob_temperature, history=history)
   results, correct, formats, logprobs = [], [], [], []
   tools = getattr(env, "tools", {})
   for sampler in samplers:
     result: EpisodeResult = run_episode(env, problem, data_pos, tokenizer, sampler, max_turns=e.max_turns,
                                         max_turn_tokens=e.max_turn_tokens, max_context=e.max_context,
-                                        max_episode_tokens=e.get("max_episode_tokens"))
-    if list(result.episode.prompt) != list(ids):
+                                        max_episode_tokens=e.get("max_episode_tokens"), history=history)
+    if list(result.rows[0].prompt) != list(ids):
       raise ValueError(f"problem {data_pos}: the environment's reset gave another prompt on a second call; an "
                        "environment's reset must be a function of the problem")
     results.append(result)
     correct.append(bool(getattr(env, "correct", result.reward > 0)))
     formats.append(turn_formats(result, tokenizer, tools))
     logprobs.append(getattr(sampler, "logprobs", None))   # (a stand-in sampler may record none)
-  first = results[0]
+  first, last = results[0], results[0].rows[-1]   # the first episode's last row: its whole conversation
+  shown = list(last.prompt) + last.tokens().tolist()
+  shown = shown[len(ids):] if shown[:len(ids)] == list(ids) else shown
   sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer,
-            "completion": tokenizer.decode(first.episode.tokens().tolist(), skip_special_tokens=False),
-            "status": first.status}
+            "completion": tokenizer.decode(shown, skip_special_tokens=False), "status": first.status}
   return EpisodeTrajectories(list(ids), results, np.array(correct, bool), formats, completion_budget(r), sample,
                              time.perf_counter() - t0,
                              logprobs=None if any(lp is None for lp in logprobs) else [list(lp) for lp in logprobs])

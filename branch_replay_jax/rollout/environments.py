@@ -14,7 +14,7 @@ stops the run with an error naming the problem's index: the loss mask is never s
     env = make_environment("calculator", task, max_tool_calls=2, examples=calculator_examples(task, problems))
     result = run_episode(env, problem, index, tokenizer, sample_turn, max_turns=4, max_turn_tokens=64,
                          max_context=1024)
-    result.episode, result.reward, result.status, result.tool_calls
+    result.rows, result.reward, result.status, result.tool_calls   # result.episode: the one row (history "tokens")
     episode_counts(results)                      # per-status counts, tool calls per episode
 """
 
@@ -259,12 +259,14 @@ def check_environment(env, spec: str = "") -> None:
 class EpisodeResult:
   """One episode run by `run_episode`.
 
-  episode: the tokens (`data.episodes.Episode`; a last observation, attended by nothing, left out).
+  rows: its tokens as `data.episodes.Episode` rows (`rollout.chat.ChatTokens.rows`; a last observation,
+    attended by nothing, left out): one row with history "tokens", one per rendering the template
+    rewrote with history "template".
   reward: the sum of the environment's step rewards (0 for an episode ended by `EpisodeEnd`).
   status: one of STATUSES; truncated: status in TRUNCATED.
   turns: model turns; tool_calls: "tool" messages the environment returned.
   """
-  episode: Episode
+  rows: tuple
   reward: float
   status: str
   turns: int
@@ -273,6 +275,23 @@ class EpisodeResult:
   @property
   def truncated(self) -> bool:
     return self.status in TRUNCATED
+
+  @property
+  def episode(self) -> Episode:
+    """The episode's one row (history "tokens").
+
+    Raises:
+      ValueError: the episode has several rows (history "template" after a rewrite): use `rows`.
+    """
+    if len(self.rows) != 1:
+      raise ValueError(f"EpisodeResult.episode: the episode has {len(self.rows)} rows (the template rewrote its "
+                       "history); read EpisodeResult.rows")
+    return self.rows[0]
+
+  @property
+  def model_tokens(self) -> int:
+    """Tokens the model sampled in the episode, over its rows."""
+    return sum(r.num_model_tokens for r in self.rows)
 
 
 def _check_messages(messages, index: int, where: str):
@@ -285,7 +304,7 @@ def _check_messages(messages, index: int, where: str):
 
 def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: Callable[[list[int], int], Sequence[int]],
                 *, max_turns: int, max_turn_tokens: int, max_context: int, max_episode_tokens: int | None = None,
-                chat_template: str | None = None) -> EpisodeResult:
+                chat_template: str | None = None, history: str = "tokens") -> EpisodeResult:
   """Run one episode: reset, then model turns and observations until done, an `EpisodeEnd` or a budget.
 
   Args:
@@ -298,7 +317,9 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
       of the whole episode (prompt included); max_episode_tokens: model tokens of the whole episode
       (its turns summed; None: no such budget). A turn's budget is the smallest of what each leaves;
       the one that cuts a turn names its status.
-    chat_template: as `ChatTokens`.
+    chat_template, history: as `ChatTokens` (history "template": a turn whose rendered context does not
+      extend the ids so far starts a new row; `sample_turn` is then called with ids that do not extend
+      the previous call's, which `EpisodeSampler(history="template")` accepts).
 
   Returns:
     An `EpisodeResult`.
@@ -319,7 +340,7 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
   except Exception as e:
     raise RuntimeError(f"problem {index}: the environment {type(env).__name__}'s reset raised {e!r}") from e
   _check_messages(messages, index, "reset")
-  chat = ChatTokens(tokenizer, messages, chat_template=chat_template)
+  chat = ChatTokens(tokenizer, messages, chat_template=chat_template, history=history)
   if len(chat.ids) >= max_context:
     raise ValueError(f"problem {index}: the prompt has {len(chat.ids)} tokens, no room in max_context={max_context}")
   stops = set(stop_ids(tokenizer))
@@ -370,7 +391,7 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
     except ValueError as e:
       raise ValueError(f"problem {index}: {e}") from e
     tool_calls += sum(m["role"] == "tool" for m in observation)
-  return EpisodeResult(chat.episode(), reward, status, turns, tool_calls)
+  return EpisodeResult(chat.rows(), reward, status, turns, tool_calls)
 
 
 def episode_counts(results: Sequence[EpisodeResult]) -> dict[str, float]:

@@ -14,6 +14,11 @@ and the decode cache is valid on the slots it fed, so every key is at its true p
 the cached K) and the attention sees exactly the episode's tokens. With keep_cache=False each turn
 re-prefills the whole history instead (the reference: same tokens from the same key, more compute).
 
+With history="template" (`rollout.chat.ChatTokens`: a template that rewrites earlier turns) a turn's
+ids may not extend the ids seen before. The sampler then keeps the leading blocks that lie within
+their common prefix (the prompt's, as a rule) and prefills the rest of the new ids on top of them;
+`reprefills` counts such turns.
+
 G episodes of one problem branch at the first turn: `EpisodeSampler.branches` prefills the prompt
 once (batch 1) and hands every branch that block, as `sample_group` and `sample_tree` share theirs.
 Each branch then decodes its own turns (batch 1; the episodes of a problem run one by one).
@@ -40,6 +45,7 @@ from flax import nnx
 from branch_replay_jax.data.groups import bucket_length
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
+from branch_replay_jax.rollout.chat import HISTORIES
 from branch_replay_jax.rollout.sampler import check_sampling_inputs, decode_from
 
 
@@ -76,19 +82,26 @@ class EpisodeSampler:
     keep_cache: keep the K/V between turns (True) or re-prefill the whole history each turn (False).
     logprob_temperature: tau_lp > 0, the temperature of the recorded log-probs (1: untempered;
       `sampler.Rollouts.logprobs`).
+    history: "tokens" (ids of a turn extend those of the previous one, else ValueError) or "template"
+      (they may not: the K/V past their common prefix is recomputed).
 
   Attributes:
     logprobs: list per turn of [n_i] float32 (float64 for a float64 model) log-probs at logprob_temperature.
     finished: list per turn of bool, the turn ended with an eos id.
     prefilled: tokens run through a prefill so far (the cost the kept cache saves).
+    reprefills: turns whose ids did not extend the ids seen before (history "template").
 
-  Raises (on a call):
-    ValueError: ids not extending the ids of the previous turn (with keep_cache, naming both lengths),
+  Raises:
+    ValueError: a history not in `rollout.chat.HISTORIES`, and on a call: ids not extending the ids of
+      the previous turn (with keep_cache and history "tokens", naming both lengths),
       a budget < 1, len(ids) + budget > model.config.max_positions, an id outside [0, V).
   """
 
   def __init__(self, model: Llama, *, key: jax.Array, temperature: float = 1.0, top_p: float = 1.0,
-               eos_ids: Sequence[int] = (), pad_id: int = 0, keep_cache: bool = True, logprob_temperature: float = 1.0):
+               eos_ids: Sequence[int] = (), pad_id: int = 0, keep_cache: bool = True, logprob_temperature: float = 1.0,
+               history: str = "tokens"):
+    if history not in HISTORIES:
+      raise ValueError(f"EpisodeSampler: history={history!r} is not one of {HISTORIES}")
     eos = np.asarray(list(eos_ids), np.int64).reshape(-1)
     check_sampling_inputs("EpisodeSampler", model.config, np.zeros(1, np.int32), eos, temperature=temperature,
                           top_p=top_p, pad_id=pad_id, logprob_temperature=logprob_temperature)
@@ -102,10 +115,12 @@ class EpisodeSampler:
                         eos_ids=jnp.asarray(np.pad(eos, (0, 8 - eos.size), constant_values=-1), jnp.int32),
                         pad_id=jnp.int32(pad_id), logprob_temperature=jnp.float32(logprob_temperature))
     self.use_top_p = top_p < 1 and not self.greedy
+    self.history = history
     self.blocks: list[KVBlock] = []   # K/V of self.seen
+    self.ends: list[int] = []         # len(self.seen) after each block
     self.seen: list[int] = []
     self.logits = None                # [1, V] after the last id of self.seen, when it was just prefilled
-    self.turn, self.prefilled = 0, 0
+    self.turn, self.prefilled, self.reprefills = 0, 0, 0
     self.logprobs: list[np.ndarray] = []
     self.finished: list[bool] = []
 
@@ -126,7 +141,7 @@ class EpisodeSampler:
       first = samplers[0]
       first._prefill(list(np.asarray(prompt_ids).tolist()))
       for s in samplers[1:]:
-        s.blocks, s.seen, s.logits = list(first.blocks), list(first.seen), first.logits
+        s.blocks, s.ends, s.seen, s.logits = list(first.blocks), list(first.ends), list(first.seen), first.logits
     return samplers
 
   def _prefill(self, ids: list[int]) -> None:
@@ -142,7 +157,17 @@ class EpisodeSampler:
                               jnp.int32(len(self.seen)))
     self.blocks.append(kv)
     self.seen = list(ids)
+    self.ends.append(len(ids))
     self.prefilled += len(new)
+
+  def _rewind(self, ids: list[int]) -> None:
+    """Keep the blocks within the common prefix of `ids` and the ids seen (history "template")."""
+    common = next((i for i, (a, b) in enumerate(zip(ids, self.seen)) if a != b), min(len(ids), len(self.seen)))
+    keep = sum(end <= common for end in self.ends)   # ends increase: the leading blocks within the prefix
+    keep -= bool(keep) and self.ends[keep - 1] == len(ids)   # a prefill needs >= 1 new id (for the logits)
+    self.blocks, self.ends = self.blocks[:keep], self.ends[:keep]
+    self.seen, self.logits = self.seen[:self.ends[-1] if keep else 0], None
+    self.reprefills += 1
 
   def __call__(self, ids: Sequence[int], budget: int) -> list[int]:
     """Sample one turn continuing `ids` (the episode's ids so far: prompt, turns, observations).
@@ -157,10 +182,12 @@ class EpisodeSampler:
       raise ValueError(f"EpisodeSampler: {len(ids)} ids + budget {budget} exceed model.config.max_positions="
                        f"{self.config.max_positions}")
     if not self.keep_cache:
-      self.blocks, self.seen, self.logits = [], [], None
+      self.blocks, self.ends, self.seen, self.logits = [], [], [], None
     elif ids[:len(self.seen)] != self.seen:
-      raise ValueError(f"EpisodeSampler: ids ({len(ids)} tokens) do not extend the {len(self.seen)} ids of the "
-                       "previous turns; an episode's history is never re-tokenized (rollout.chat.ChatTokens)")
+      if self.history != "template":
+        raise ValueError(f"EpisodeSampler: ids ({len(ids)} tokens) do not extend the {len(self.seen)} ids of the "
+                         "previous turns; an episode's history is never re-tokenized (rollout.chat.ChatTokens)")
+      self._rewind(ids)
     if len(ids) > len(self.seen) or self.logits is None:
       self._prefill(ids)
     turn_key = jax.random.fold_in(self.key, self.turn)
@@ -172,6 +199,7 @@ class EpisodeSampler:
     # The decode cache holds the K/V of the tokens it fed: all but the last sampled one (slots < n - 1).
     self.blocks.append(cache)
     self.seen = ids + sampled[:-1]
+    self.ends.append(len(self.seen))
     self.logits = None
     self.turn += 1
     self.logprobs.append(np.asarray(logprobs[0, :n]))

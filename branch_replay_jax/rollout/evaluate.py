@@ -193,10 +193,12 @@ def evaluate(policy, tokenizer, task: Task, problems: Sequence[int], key, *, max
   return hosts.gather_items(local)
 
 
-def evaluate_episodes(model, tokenizer, task, env, problems: Sequence[int], key, *, episodes) -> dict[int, dict]:
+def evaluate_episodes(model, tokenizer, task, env, problems: Sequence[int], key, *, episodes,
+                      history: str = "tokens") -> dict[int, dict]:
   """{j: result} of one greedy episode (temperature 0, `EpisodeSampler`) per problem, task item
   problems[j], in `env` (rollout/environments.py) with the budgets of `episodes` (config
-  rollout.episodes), one after another on this process's device; problem j's key is fold_in(key, j).
+  rollout.episodes) and history (rollout.episodes.history, as training samples them), one after another on
+  this process's device; problem j's key is fold_in(key, j).
 
   Each result has `summarize`'s keys (pass_k 0): "correct" (the environment's verdict, `ToolEnv.correct`;
   an environment without one: reward > 0), "reward", "formatted" (the share of the episode's model
@@ -206,14 +208,14 @@ def evaluate_episodes(model, tokenizer, task, env, problems: Sequence[int], key,
   out, stops = {}, stop_ids(tokenizer)
   for j, p in enumerate(problems):
     sampler = EpisodeSampler(model, key=jax.random.fold_in(key, j), temperature=0.0, eos_ids=stops,
-                             pad_id=tokenizer.pad_token_id or 0)
+                             pad_id=tokenizer.pad_token_id or 0, history=history)
     result = run_episode(env, task[p], p, tokenizer, sampler, max_turns=episodes.max_turns,
                          max_turn_tokens=episodes.max_turn_tokens, max_context=episodes.max_context,
-                         max_episode_tokens=episodes.get("max_episode_tokens"))
+                         max_episode_tokens=episodes.get("max_episode_tokens"), history=history)
     formats = turn_formats(result, tokenizer, getattr(env, "tools", {}))
     out[j] = {"correct": bool(getattr(env, "correct", result.reward > 0)), "reward": float(result.reward),
               "formatted": sum(f in ("tool_call", "answer") for f in formats) / len(formats),
-              "length": result.episode.num_model_tokens, "truncated": result.truncated,
+              "length": result.model_tokens, "truncated": result.truncated,
               "tool_calls": result.tool_calls, "turns": result.turns}
   return out
 
