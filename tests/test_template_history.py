@@ -193,11 +193,18 @@ def test_rows_whose_prompts_share_no_first_token_are_refused_naming_the_row():
     rebase(rows)
 
 
-def test_a_history_that_is_not_known_is_refused_naming_the_field(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    ({"rollout.episodes.history": "rendered"}, r"rollout.episodes.history='rendered' is not one of \('tokens', 'template'\)"),
+    # The mesh's group step splits equal groups over mesh.branch; template rows vary in number per problem.
+    ({"rollout.episodes.history": "template", "rollout.episodes.share": "prompt", "mesh.data": 2, "mesh.branch": 2,
+      "mesh.seq": 2},
+     "rollout.episodes.history='template' with rollout.episodes.share='prompt' on a mesh")],
+    ids=["unknown-history", "template-prompt-rows-on-a-mesh"])
+def test_a_history_the_loop_cannot_train_is_refused_naming_the_field(tmp_path, overrides, message):
   from branch_replay_jax.algorithms import grpo
   from experiments import grpo_smollm2_calc
-  config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{"rollout.episodes.history": "rendered"})
-  with pytest.raises(ValueError, match=r"rollout.episodes.history='rendered' is not one of \('tokens', 'template'\)"):
+  config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **overrides)
+  with pytest.raises(ValueError, match=message):
     grpo.validate(config)
 
 

@@ -216,3 +216,33 @@ def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch):
   assert record["reward_mean"] == pytest.approx(1 / 4)
   assert record["episodes_done"] == config.rollout.prompts_per_step
   assert record["episodes_max_turns"] == 3 * config.rollout.prompts_per_step
+
+
+class _ScriptedWithLogprobs:
+  """Turns of fixed texts (each its ids and <|im_end|>) with made-up log-probs -0.1 k per token k, as
+  `EpisodeSampler.logprobs` records them: what run_episode hands to `VerifiersEnv.turn_tokens`."""
+
+  def __init__(self, tokenizer, texts):
+    self.tokenizer, self.texts, self.logprobs = tokenizer, iter(texts), []
+
+  def __call__(self, ids, budget):
+    sampled = self.tokenizer.encode(next(self.texts), add_special_tokens=False) + [stop_ids(self.tokenizer)[0]]
+    self.logprobs.append(np.array([-0.1 * (k + 1) for k in range(len(sampled))], np.float32))
+    return sampled
+
+
+def test_verifiers_trace_holds_the_ids_we_sampled_and_their_logprobs(env, tokenizer):
+  # The adapter's client answers each harness call with our turn's TurnTokens (prompt ids, sampled ids,
+  # their log-probs). verifiers' trace of the 3-turn episode then holds exactly our token stream: its
+  # sampled nodes' token ids, in order, are the episode's ids (prompt, turns, observations), masked True
+  # on the sampled ids only, with the sampler's log-probs (as float64 of the float32 values).
+  sampler = _ScriptedWithLogprobs(tokenizer, ["4", "6", "5"])
+  result = run_episode(env, 0, 0, tokenizer, sampler, max_turns=4, max_turn_tokens=8, max_context=1024)
+  assert (result.status, result.reward, result.turns) == ("done", 1.0, 3)
+  trace = env.last_episode.traces[0]
+  sampled = [n for n in trace.nodes if getattr(n, "sampled", False)]
+  assert len(sampled) == 3
+  episode = result.episode
+  assert [i for n in sampled for i in n.token_ids] == np.concatenate([episode.prompt, *episode.segments]).tolist()
+  assert [m for n in sampled for m in n.mask] == [False] * len(episode.prompt) + episode.model_mask().tolist()
+  assert [x for n in sampled for x in n.logprobs] == [float(x) for lp in sampler.logprobs for x in lp]

@@ -285,6 +285,10 @@ def validate_mesh(config) -> None:
     raise ValueError(f"mesh.data={m.data} must divide rollout.prompts_per_step={r.prompts_per_step}")
   if r.get("episodes") is not None and r.episodes.share == "tree":
     return   # episode trees: the step pads each first fan-out to a multiple of mesh.branch (`pad_trees`)
+  if r.get("episodes") is not None and _episodes_field(r.episodes, "history") == "template":
+    raise ValueError("rollout.episodes.history='template' with rollout.episodes.share='prompt' on a mesh: a problem's "
+                     "rows vary in number with the template's rewrites, and the mesh's group step splits equal groups "
+                     "over mesh.branch; use rollout.episodes.share='tree' (the step pads each tree) or one device")
   if r.tree_fanouts:   # trees: first-level subtrees over `branch` (the step pads the sampled trees to one shape)
     f = tuple(r.tree_fanouts)
     if f[0] % m.branch:

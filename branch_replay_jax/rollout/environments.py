@@ -5,6 +5,11 @@ The protocol (ours; duck-typed):
     messages = env.reset(problem)                                 # the first chat messages
     observation, reward, done = env.step(assistant_message)       # messages or None, float, bool
 
+Optional: `env.turn_tokens(prompt_ids, completion_ids, completion_logprobs)`, called by `run_episode`
+before each step with the turn's context ids, its sampled ids (stop id included) and their log-probs
+(the sampler's `logprobs`, `EpisodeSampler.logprobs`; [] for a sampler that records none), for an
+environment that keeps the tokens (`VerifiersEnv` hands them to verifiers' trace).
+
 An environment ends an episode early, marked, by raising `EpisodeEnd(status, detail)` from step
 (a tool call that does not parse, a tool that errors); `run_episode` records the status and the
 episode keeps the tokens it has. Anything else an environment raises, or a malformed observation,
@@ -354,7 +359,8 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
     if budget < 1:
       status = binding
       break
-    sampled = [int(i) for i in sample_turn(list(chat.ids), budget)]
+    context = list(chat.ids)
+    sampled = [int(i) for i in sample_turn(context, budget)]
     if not 1 <= len(sampled) <= budget:
       raise ValueError(f"problem {index}: sample_turn returned {len(sampled)} ids for a budget of {budget}")
     content = chat.add_model_turn(sampled)
@@ -366,6 +372,9 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
                          f"turn's budget of {budget}")
       status = binding
       break
+    if callable(getattr(env, "turn_tokens", None)):   # an environment that records the tokens (VerifiersEnv)
+      logprobs = getattr(sample_turn, "logprobs", None)
+      env.turn_tokens(context, sampled, [float(x) for x in logprobs[-1]] if logprobs else [])
     try:
       observation, r, done = env.step(content)
     except EpisodeEnd as e:

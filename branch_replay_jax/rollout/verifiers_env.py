@@ -7,8 +7,10 @@ of a taskset's task, and the agent's program (a harness, here verifiers' own `nu
 as a local subprocess, never a cloud sandbox) calls the model through a `verifiers.v1.Client`. The
 adapter's client is our episode sampler: each model call of the harness becomes one turn of
 `rollout.environments.run_episode`, whose sampler writes the turn's token ids (kept verbatim by
-`rollout.chat.ChatTokens`, never re-tokenized). verifiers' episode runs on an event loop in a
-thread of the adapter's own; `reset` and `step` hand the turns across.
+`rollout.chat.ChatTokens`, never re-tokenized). Its response to each call carries that turn's
+token ids and log-probs (verifiers' `TurnTokens`, from `run_episode`'s `turn_tokens` hook), so
+verifiers' own trace holds the ids we sampled and train. verifiers' episode runs on an event loop in
+a thread of the adapter's own; `reset` and `step` hand the turns across.
 
     env = VerifiersEnv("my_taskset", num_tasks=64)     # a verifiers taskset id (an importable module)
     result = run_episode(env, problem, 0, tokenizer, sampler, max_turns=4, max_turn_tokens=64, max_context=2048)
@@ -208,6 +210,7 @@ class VerifiersEnv:
     self._ctx = ModelContext(model="policy", client=TrainClientConfig(base_url="http://127.0.0.1:9/v1"))
     self._events: queue.Queue = queue.Queue()
     self._episode, self._n, self._pending, self._history, self._closed = None, 0, None, [], False
+    self._tokens = None   # the next step's (prompt ids, completion ids, log-probs), `turn_tokens`
     self._task = None   # the asyncio task of the episode in flight (set on the loop's thread, `_run`)
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers", daemon=True)
@@ -230,7 +233,7 @@ class VerifiersEnv:
     from verifiers.v1.clients import Client
     from verifiers.v1.clients.train import serialize_completion
     from verifiers.v1.dialects import ChatDialect
-    from verifiers.v1.types import AssistantMessage, Response
+    from verifiers.v1.types import AssistantMessage, Response, TurnTokens, Usage
 
     owner = self
 
@@ -242,9 +245,12 @@ class VerifiersEnv:
           raise ValueError(f"VerifiersEnv: the harness calls the {type(dialect).__name__}; only chat completions run")
         reply = asyncio.get_running_loop().create_future()
         owner._events.put(("call", owner._n, (body, reply)))
-        content = await reply
+        content, tokens = await reply
+        usage = None if tokens is None else Usage(prompt_tokens=len(tokens[0]), completion_tokens=len(tokens[1]))
         response = Response(id=f"turn-{len(owner._history)}", created=0, model=owner._ctx.model,
-                            message=AssistantMessage(content=content), finish_reason="stop")
+                            message=AssistantMessage(content=content), finish_reason="stop", usage=usage,
+                            tokens=None if tokens is None else TurnTokens(
+                                prompt_ids=tokens[0], completion_ids=tokens[1], completion_logprobs=tokens[2]))
         response.raw = serialize_completion(response, owner._ctx.model)
         return response
 
@@ -285,7 +291,7 @@ class VerifiersEnv:
       return
     if self._pending is not None:
       self._loop.call_soon_threadsafe(_fail, self._pending)
-    self._pending, deadline = None, time.monotonic() + self.timeout
+    self._pending, self._tokens, deadline = None, None, time.monotonic() + self.timeout
     while not self._episode.done():
       try:
         kind, _, payload = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -339,8 +345,8 @@ class VerifiersEnv:
       raise TypeError(f"VerifiersEnv.step: assistant_message is a {type(assistant_message).__name__}, not a str")
     if self._pending is None or self._closed:
       raise RuntimeError("VerifiersEnv.step: no model call is waiting; call reset first")
-    self._loop.call_soon_threadsafe(_reply, self._pending, assistant_message)
-    self._pending = None
+    self._loop.call_soon_threadsafe(_reply, self._pending, (assistant_message, self._tokens))
+    self._pending, self._tokens = None, None
     self._history.append({"role": "assistant", "content": assistant_message})
     kind, payload = self._next(f"after turn {sum(m['role'] == 'assistant' for m in self._history)}")
     if kind == "end":
@@ -355,6 +361,14 @@ class VerifiersEnv:
                        "harness that rewrites or compacts its history cannot train token-in, token-out)")
     self._history = messages
     return [dict(m) for m in messages[k:]], 0.0, False
+
+  def turn_tokens(self, prompt_ids, completion_ids, completion_logprobs):
+    """The next step's turn as sampled (`run_episode` calls it before `step`): the response to the
+    harness's call carries them (verifiers' `TurnTokens`: prompt ids, completion ids with the stop id,
+    their log-probs; `Usage` counts), so verifiers' trace holds the ids we sampled and train, never a
+    re-tokenization. A step without it answers with the text alone."""
+    self._tokens = ([int(i) for i in prompt_ids], [int(i) for i in completion_ids],
+                    [float(x) for x in completion_logprobs])
 
   def close(self):
     """End an episode in flight and wait for its teardown (`_abandon`), stop verifiers' servers, the
