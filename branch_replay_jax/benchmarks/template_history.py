@@ -1,9 +1,13 @@
 """What rollout.episodes.history = "template" costs and shares on real episodes: the calculator
 experiment's model (SmolLM2-135M-Instruct, embedded) and environment, its episodes sampled with the
 model given the chat template's rendering of the conversation (rollout/chat.py), under the model's
-own template and under a Qwen3-style one that drops an earlier turn's <think>.
+own template (ChatML: each message rendered alone) and under Qwen3's non-thinking format
+(qwen3_no_thinking: the generation prompt opens an empty `<think>\n\n</think>\n\n` block, which the
+rendering of an earlier assistant turn leaves out, so every turn after the first is a rewrite; or
+drops_reasoning: only a turn's own `<think>..</think>` is dropped), then the GRPO step on the same
+episodes by replay over the rows' trie and by the naive rows, side by side.
 
-    python -m branch_replay_jax.benchmarks.template_history --problems=4 --templates=own,drops_reasoning
+    python -m branch_replay_jax.benchmarks.template_history --problems=2 --templates=own,qwen3_no_thinking
 
 Prints one JSON line per template:
 - episodes, turns, rows (`EpisodeResult.rows`), rewritten_episodes (episodes of more than one row);
@@ -14,11 +18,15 @@ Prints one JSON line per template:
   `data.counts.tree_counts`) and their ratio;
 - exactness_grad_rel_err / exactness_loss_rel_err / exactness_ok: the run-time check
   (algorithms/exactness.py) of one problem's trie by replay against its naive rows, float32;
-- sample_s and sample_cpu_s (wall and CPU seconds of sampling the episodes).
+- sample_s and sample_cpu_s (wall and CPU seconds of sampling the episodes);
+- with --time_steps: replay_step_s / naive_step_s (wall) and their CPU seconds, of one GRPO update
+  (`grpo.update_on_batch`, the experiment's train settings) on the same groups, each after one
+  untimed run that compiles it, and speedup (naive / replay, wall and CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -34,7 +42,8 @@ from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
 from experiments import grpo_smollm2_calc
 
 flags.DEFINE_integer("problems", 4, "problems (task items 0..problems-1), G = the experiment's group_size each")
-flags.DEFINE_list("templates", ["own", "drops_reasoning"], "own (the tokenizer's) and/or drops_reasoning")
+flags.DEFINE_list("templates", ["own", "qwen3_no_thinking"], "own (the tokenizer's), qwen3_no_thinking, drops_reasoning")
+flags.DEFINE_bool("time_steps", True, "also time one GRPO update by replay and by the naive rows")
 flags.DEFINE_integer("seed", 0, "sampling key")
 FLAGS = flags.FLAGS
 
@@ -45,6 +54,10 @@ DROPS_REASONING = (
     "{{ '<|im_start|>assistant\n' + m['content'].split('</think>')[-1].lstrip() + '<|im_end|>\n' }}"
     "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Qwen3's non-thinking format (its template with enable_thinking=False): the same rendering of earlier
+# turns, and a generation prompt that opens an empty reasoning block.
+QWEN3_NO_THINKING = DROPS_REASONING[:DROPS_REASONING.index("{% if add_generation_prompt %}")] + (
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{% endif %}")
 
 
 class _Recorded(EpisodeSampler):
@@ -72,7 +85,7 @@ def main(_):
   check = grpo.GRPOFunctions(runs_config(config), graphdef)
   collect.EpisodeSampler = _Recorded
   for name in FLAGS.templates:
-    tokenizer.chat_template = {"own": own, "drops_reasoning": DROPS_REASONING}[name]
+    tokenizer.chat_template = {"own": own, "drops_reasoning": DROPS_REASONING, "qwen3_no_thinking": QWEN3_NO_THINKING}[name]
     _Recorded.made = []
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     groups = [rollout_group(config, model, tokenizer, algorithm.task, pos, jax.random.fold_in(jax.random.key(FLAGS.seed), pos),
@@ -93,7 +106,32 @@ def main(_):
         "naive_over_computed": round(sum(g.counts["token_positions_naive"] for g in groups)
                                      / sum(g.counts["token_positions_computed"] for g in groups), 3),
         **{k: out[k] for k in ("exactness_ok", "exactness_grad_rel_err", "exactness_loss_rel_err") if out and k in out},
-        "sample_s": round(sample_s, 1), "sample_cpu_s": round(sample_cpu, 1)}), flush=True)
+        "sample_s": round(sample_s, 1), "sample_cpu_s": round(sample_cpu, 1),
+        **(_time_steps(config, graphdef, params, groups) if FLAGS.time_steps else {})}), flush=True)
+
+
+def _time_steps(config, graphdef, params, groups) -> dict:
+  """Wall and CPU seconds of one GRPO update by replay (the groups as built: the rows' trie) and by the
+  naive rows (each group's `naive_batch`, what train.gradient = "naive" builds), each timed after an
+  untimed run that compiles it; the reference policy is the policy (the KL term computed, 0)."""
+  out = {}
+  for gradient in ("replay", "naive"):
+    cfg = config.copy_and_resolve_references()
+    cfg.train.gradient = gradient
+    batch = groups if gradient == "replay" else [
+        dataclasses.replace(g, kind="group", batch=g.naive_batch, naive_batch=None) for g in groups]
+    optimizer = runs.make_optimizer(cfg)
+    fns = grpo.GRPOFunctions(cfg, graphdef, None, optimizer)
+    for timed in (False, True):
+      p = jax.tree_util.tree_map(lambda x: x.copy(), params)
+      cpu0, t0 = cpu_seconds(), time.perf_counter()
+      _, _, stats, _ = grpo.update_on_batch(cfg, fns, p, params, optimizer.init(p), batch)
+      wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    out.update({f"{gradient}_step_s": round(wall, 2), f"{gradient}_step_cpu_s": round(cpu, 2),
+                f"{gradient}_loss": stats["loss"], f"{gradient}_grad_norm": stats["grad_norm"]})
+  out["speedup"] = round(out["naive_step_s"] / out["replay_step_s"], 3)
+  out["cpu_speedup"] = round(out["naive_step_cpu_s"] / out["replay_step_cpu_s"], 3)
+  return out
 
 
 def runs_config(config):
