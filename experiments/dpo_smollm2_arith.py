@@ -85,6 +85,7 @@ def get_config(arg=None):
   c.mesh.branch = 1                       # each group's completions split over devices
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
+  c.mesh.rollout_devices = 0              # a rollout sub-mesh samples for GRPO only
   #                                       # groups are padded to the mesh: padding completions have zero weight
 
   c.seed = 0                              # sampling and initialisation seed

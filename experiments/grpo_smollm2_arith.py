@@ -135,6 +135,8 @@ def get_config(arg=None):
   #                                       # must divide group_size (tree_fanouts[0])
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
+  c.mesh.rollout_devices = 0              # devices beside the mesh that only sample (a rollout sub-mesh; with
+  #                                       # train.max_staleness > 0 they sample while the mesh updates)
 
   c.distributed = ml_collections.ConfigDict()  # several processes (distributed/hosts.py; README, "Several processes and hosts")
   c.distributed.coordinator_address = ml_collections.config_dict.placeholder(str)  # process 0's "host:port";

@@ -13,6 +13,7 @@ import pytest
 
 from branch_replay_jax.algorithms import grpo as train
 from branch_replay_jax.algorithms.producer import Producer
+from branch_replay_jax.distributed import hosts
 from branch_replay_jax.rollout.tasks import Task
 from conftest import grpo_smoke, length_score
 
@@ -145,6 +146,14 @@ def runs(tmp_path_factory):
     for name, k in (("k0", 0), ("k1", 1)):
       out[name] = tmp_path_factory.mktemp(name)
       train.train(stale_smoke(out[name], **{"train.max_staleness": k}))
+    # The same k = 1 run with its sampler on a rollout sub-mesh: the update on device 0 (1 x 1 x 1), the
+    # groups sampled on devices 1..7 (mesh.rollout_devices), the devices each step's sampling ran on recorded.
+    out["rollout"], out["rollout_devices"] = tmp_path_factory.mktemp("rollout"), []
+    run_on_devices = hosts.run_on_devices
+    mp.setattr(hosts, "run_on_devices",
+               lambda fn, devices: out["rollout_devices"].append(list(devices)) or run_on_devices(fn, devices))
+    train.train(stale_smoke(out["rollout"], **{"train.max_staleness": 1, "mesh.rollout_devices": 7}))
+    mp.setattr(hosts, "run_on_devices", run_on_devices)
     out["uncorrected"] = tmp_path_factory.mktemp("uncorrected")
     train.train(stale_smoke(out["uncorrected"], **{"train.max_staleness": 1, "train.steps": 2,
                                                    "loss.rollout_correction": "none"}))
@@ -152,6 +161,32 @@ def runs(tmp_path_factory):
     train.train(stale_smoke(out["resumed"], **{"train.max_staleness": 1, "train.steps": 2}))
     train.train(stale_smoke(out["resumed"], **{"train.max_staleness": 1}, resume=True))
   return out
+
+
+def test_a_rollout_sub_mesh_samples_on_its_own_devices_and_logs_what_one_device_logs(runs):
+  # Sampling is a function of the keys and the parameters, and the parameters sent device to device
+  # are the same numbers: every step's record equals the one-device run's, bit for bit but for the
+  # timings, at k = 1 (the producer samples on devices 1..7 while device 0 updates).
+  import jax
+  rollout, one = records(runs["rollout"]), records(runs["k1"])
+  assert [{k: v for k, v in r.items() if k not in TIMINGS} for r in rollout] == \
+         [{k: v for k, v in r.items() if k not in TIMINGS} for r in one]
+  sampled = {d for devices in runs["rollout_devices"] for d in devices}
+  assert runs["rollout_devices"] and sampled <= set(jax.devices()[1:]) and len(sampled) >= 2
+
+
+def test_a_rollout_sub_mesh_that_does_not_fit_the_devices_or_the_run_is_refused(tmp_path):
+  # 8 devices: a 2 x 2 x 1 training mesh leaves 4 for the sampler, not 3; PPO samples on its mesh.
+  from experiments import ppo_smollm2_arith
+  from branch_replay_jax.algorithms import ppo
+  from conftest import experiment_config
+  with pytest.raises(ValueError, match=r"mesh.data x mesh.branch x mesh.seq \+ mesh.rollout_devices = 4 \+ 3 must "
+                                       r"equal the device count 8"):
+    train.GRPO(stale_smoke(tmp_path, **{"mesh.data": 2, "mesh.branch": 2, "mesh.rollout_devices": 3}))
+  with pytest.raises(ValueError, match=r"mesh.rollout_devices=-1 must be an int >= 0"):
+    train.GRPO(stale_smoke(tmp_path, **{"mesh.rollout_devices": -1}))
+  with pytest.raises(ValueError, match=r"mesh.rollout_devices=7 with algorithm='ppo'"):
+    ppo.PPO(experiment_config(ppo_smollm2_arith, "smoke", tmp_path, **{"mesh.rollout_devices": 7}))
 
 
 def test_a_stale_run_samples_with_the_older_policy_and_logs_it(runs):

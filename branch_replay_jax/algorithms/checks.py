@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import schema
+from branch_replay_jax.algorithms import placement, schema
 from branch_replay_jax.correction import Correction
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import PARAM_MODES
@@ -307,7 +307,8 @@ def validate_mesh(config) -> None:
 
 def validate_mesh_shape(config) -> bool:
   """Whether config.mesh is a mesh (data x branch x seq > 1); raise ValueError, naming the field, for
-  sizes that are not positive ints or whose product (when > 1) is not the device count, an unknown
+  sizes that are not positive ints or whose product (when > 1) is not the device count (with
+  mesh.rollout_devices r > 0: the product + r; GRPO in one process only), an unknown
   mesh.params, naive gradients or splash attention (TPU) on a mesh. Every algorithm's check (GRPO and PPO
   through `validate_mesh`; DPO, whose ragged groups are padded to the mesh, directly)."""
   m, t = config.mesh, config.train
@@ -316,10 +317,23 @@ def validate_mesh_shape(config) -> bool:
       raise ValueError(f"mesh.{name}={m[name]!r} must be a positive int")
   if m.params not in PARAM_MODES:
     raise ValueError(f"mesh.params={m.params!r} is not one of {PARAM_MODES}")
-  n = m.data * m.branch * m.seq
+  n, r = m.data * m.branch * m.seq, placement.rollout_device_count(config)
+  if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+    raise ValueError(f"mesh.rollout_devices={r!r} must be an int >= 0 (0: the sampler runs on the training devices)")
+  if r:
+    if config.algorithm != "grpo":
+      raise ValueError(f"mesh.rollout_devices={r} with algorithm={config.algorithm!r}: a rollout sub-mesh samples "
+                       "for GRPO only; set mesh.rollout_devices=0")
+    processes = hosts.settings(config)["num_processes"]
+    if processes > 1 or jax.process_count() > 1:
+      raise ValueError(f"mesh.rollout_devices={r} with {max(processes, jax.process_count())} processes: the rollout "
+                       "sub-mesh runs in one process; set mesh.rollout_devices=0")
+    if n + r != jax.device_count():
+      raise ValueError(f"mesh.data x mesh.branch x mesh.seq + mesh.rollout_devices = {n} + {r} must equal the device "
+                       f"count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n + r})")
   if n == 1:
     return False
-  if n != jax.device_count():
+  if not r and n != jax.device_count():
     raise ValueError(f"mesh.data x mesh.branch x mesh.seq = {m.data} x {m.branch} x {m.seq} = {n} must equal the "
                      f"device count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
   if t.gradient != "replay":

@@ -304,6 +304,7 @@ class GRPO(loop.Algorithm):
     self.task = runs.make_task_from(config)
     self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes
     self.draw_metrics = {}   # step -> dynamic sampling's metrics, from collect (a producer thread's) to log
+    self.rollout = placement.rollout_devices(config)   # the rollout sub-mesh (mesh.rollout_devices), or []
 
   def setup(self, run):
     self.run = run
@@ -315,13 +316,14 @@ class GRPO(loop.Algorithm):
   def collect(self, run, params, step, data_pos):
     """The step's groups (groups.step_groups over loop.sample_groups); keeps the draw's metrics
     (dynamic sampling: prompts_drawn, dropped_groups) for this step's `log`. On a mesh every round
-    of dynamic sampling samples data-parallel on the same devices. Trees: with several processes
+    of dynamic sampling samples data-parallel on the same devices; with mesh.rollout_devices, on the
+    rollout sub-mesh, group i on its device i mod r, from a copy of `params` sent there. Trees: with several processes
     every process receives every tree's arrays (`whole`), as the padded shape of the step's trees is
     that of the largest over all processes."""
-    if self.env is not None and self.fns.mesh is not None:   # episodes on a mesh: one environment, one sampler
+    if self.env is not None and (self.fns.mesh is not None or self.rollout):   # episodes: one environment, one sampler
       policy, devices = self.one_device_policy(run, params), None
     else:
-      devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step)
+      devices = placement.sampling_devices(self.fns.mesh, self.config.rollout.prompts_per_step, self.rollout)
       policy = self.fns.for_sampling(run.graphdef, params, devices)
     whole = bool(self.config.rollout.tree_fanouts)
     draw = lambda key, pos: loop.sample_groups(self.config, policy, run.tokenizer, self.task, key, step, pos,
@@ -374,11 +376,12 @@ class GRPO(loop.Algorithm):
     return self.fns.for_sampling(run.graphdef, params, devices), devices
 
   def one_device_policy(self, run, params):
-    """Episodes on a mesh sample one after another on this process's first device, from a full copy of
+    """Episodes on a mesh sample one after another on this process's first device (the rollout sub-mesh's
+    first, with mesh.rollout_devices), from a full copy of
     the parameters: the run has one environment object, which an episode's reset and steps change
     (and TextArena and GEM swap the global `random` state around each call), so the threads that
     sample groups on every device at once would interleave its episodes. Same keys as one device."""
-    device = jax.local_devices()[0]
+    device = (self.rollout or jax.local_devices())[0]   # the rollout sub-mesh's first device, if any
     return self.fns.for_sampling(run.graphdef, params, [device])[device]
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):

@@ -12,6 +12,7 @@ import contextlib
 import jax
 from flax import nnx
 
+from branch_replay_jax.algorithms import schema
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import (make_mesh, pad_groups, pad_prompts, shard_batch, shard_params,
@@ -19,15 +20,18 @@ from branch_replay_jax.distributed.mesh import (make_mesh, pad_groups, pad_promp
 
 
 def mesh_from(config):
-  """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device).
+  """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device: the first).
+  With mesh.rollout_devices r > 0 the mesh takes the first data x branch x seq devices (`rollout_devices`
+  the last r).
 
   Raises:
     ValueError: with several processes, a `data` row spanning processes (hosts.check_rows_local).
   """
   m = config.mesh
-  if m.data * m.branch * m.seq == 1:
+  n = m.data * m.branch * m.seq
+  if n == 1:
     return None
-  mesh = make_mesh(m.data, m.branch, m.seq)
+  mesh = make_mesh(m.data, m.branch, m.seq, devices=jax.devices()[:n] if rollout_device_count(config) else None)
   if jax.process_count() > 1:
     hosts.check_rows_local(mesh)
   return mesh
@@ -39,9 +43,24 @@ def place(tree, mesh, mode: str):
   return tree if mesh is None else shard_params(tree, mesh, mode)
 
 
-def sampling_devices(mesh, num_groups: int):
-  """None without a mesh (every group samples on this process's default device), else [num_groups]
-  the device that samples each of a step's groups (`hosts.sampling_devices`: on its `data` row)."""
+def rollout_device_count(config) -> int:
+  """mesh.rollout_devices, its schema default (0) when the experiment leaves it out."""
+  return config.mesh.get("rollout_devices", schema.defaults(schema.MeshConfig)["rollout_devices"])
+
+
+def rollout_devices(config) -> list:
+  """The rollout sub-mesh: the last mesh.rollout_devices devices ([] for 0; validated by
+  `checks.validate_mesh_shape`: they follow the training mesh's devices, in one process)."""
+  r = rollout_device_count(config)
+  return list(jax.devices()[-r:]) if r else []
+
+
+def sampling_devices(mesh, num_groups: int, rollout=()):
+  """[num_groups] the device that samples each of a step's groups: with `rollout` devices (the rollout
+  sub-mesh), group i on rollout[i mod len(rollout)]; else None without a mesh (every group samples on
+  this process's default device) or on its `data` row of the mesh (`hosts.sampling_devices`)."""
+  if rollout:
+    return [rollout[i % len(rollout)] for i in range(num_groups)]
   return None if mesh is None else hosts.sampling_devices(mesh, num_groups)
 
 
@@ -56,7 +75,8 @@ def sampling_policy(graphdef, params, mesh, devices, select=None, frozen=None):
   without `devices`, the model nnx.merge(graphdef, params) where the parameters lie; with
   `devices` ([n] from `sampling_devices` or `eval_devices`, on `mesh`), {device: the model on a
   full copy of the parameters on that device} for this process's devices (`hosts.device_copies`:
-  FSDP parameters all-gathered once, a collective every process joins). `select` picks the module
+  FSDP parameters all-gathered once, a collective every process joins); a device outside the mesh (the
+  rollout sub-mesh, `rollout_devices`) gets its copy by `jax.device_put` from a training device. `select` picks the module
   that samples out of the merged one (PPO: the actor-critic's `.policy`); default the model itself.
   frozen: LoRA's base state (params are then the adapters), merged with them and copied alike."""
   select = select or (lambda model: model)
@@ -64,9 +84,16 @@ def sampling_policy(graphdef, params, mesh, devices, select=None, frozen=None):
   if devices is None:
     return select(nnx.merge(graphdef, *states))
   mine = [d for d in devices if d.process_index == jax.process_index()]
-  with jax.set_mesh(mesh):
-    copies = hosts.device_copies(states, mesh, mine)
-  return {d: select(nnx.merge(graphdef, *s)) for d, s in copies.items()}
+  inside = set() if mesh is None else set(mesh.devices.flat)
+  outside = [d for d in dict.fromkeys(mine) if d not in inside]   # the rollout sub-mesh's
+  copies = {}
+  if mesh is not None:
+    with jax.set_mesh(mesh):
+      copies = hosts.device_copies(states, mesh, [d for d in mine if d in inside] or list(mesh.devices.flat[:1]))
+  source = next(iter(copies.values())) if copies else states
+  # Device to device: a full copy from a training device onto each rollout device.
+  copies.update({d: jax.device_put(source, d) for d in outside})
+  return {d: select(nnx.merge(graphdef, *copies[d])) for d in dict.fromkeys(mine)}
 
 
 def on_mesh(batches: list, mesh):
