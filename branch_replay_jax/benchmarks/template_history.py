@@ -4,7 +4,8 @@ model given the chat template's rendering of the conversation (rollout/chat.py),
 own template (ChatML: each message rendered alone) and under Qwen3's non-thinking format
 (qwen3_no_thinking: the generation prompt opens an empty `<think>\n\n</think>\n\n` block, which the
 rendering of an earlier assistant turn leaves out, so every turn after the first is a rewrite; or
-drops_reasoning: only a turn's own `<think>..</think>` is dropped), then the GRPO step on the same
+drops_reasoning: only a turn's own `<think>..</think>` is dropped; or trims: Llama 3's `| trim` of every
+content), then the GRPO step on the same
 episodes by replay over the rows' trie and by the naive rows, side by side.
 
     python -m branch_replay_jax.benchmarks.template_history --problems=2 --templates=own,qwen3_no_thinking
@@ -42,7 +43,7 @@ from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
 from experiments import grpo_smollm2_calc
 
 flags.DEFINE_integer("problems", 4, "problems (task items 0..problems-1), G = the experiment's group_size each")
-flags.DEFINE_list("templates", ["own", "qwen3_no_thinking"], "own (the tokenizer's), qwen3_no_thinking, drops_reasoning")
+flags.DEFINE_list("templates", ["own", "qwen3_no_thinking"], "own (the tokenizer's), qwen3_no_thinking, drops_reasoning, trims")
 flags.DEFINE_bool("time_steps", True, "also time one GRPO update by replay and by the naive rows")
 flags.DEFINE_integer("seed", 0, "sampling key")
 FLAGS = flags.FLAGS
@@ -54,6 +55,9 @@ DROPS_REASONING = (
     "{{ '<|im_start|>assistant\n' + m['content'].split('</think>')[-1].lstrip() + '<|im_end|>\n' }}"
     "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Llama 3's rule on SmolLM2's ChatML: every content trimmed of surrounding whitespace.
+TRIMS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
+         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # Qwen3's non-thinking format (its template with enable_thinking=False): the same rendering of earlier
 # turns, and a generation prompt that opens an empty reasoning block.
 QWEN3_NO_THINKING = DROPS_REASONING[:DROPS_REASONING.index("{% if add_generation_prompt %}")] + (
@@ -85,7 +89,8 @@ def main(_):
   check = grpo.GRPOFunctions(runs_config(config), graphdef)
   collect.EpisodeSampler = _Recorded
   for name in FLAGS.templates:
-    tokenizer.chat_template = {"own": own, "drops_reasoning": DROPS_REASONING, "qwen3_no_thinking": QWEN3_NO_THINKING}[name]
+    tokenizer.chat_template = {"own": own, "drops_reasoning": DROPS_REASONING, "qwen3_no_thinking": QWEN3_NO_THINKING,
+                               "trims": TRIMS}[name]
     _Recorded.made = []
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     groups = [rollout_group(config, model, tokenizer, algorithm.task, pos, jax.random.fold_in(jax.random.key(FLAGS.seed), pos),
