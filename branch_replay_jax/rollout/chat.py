@@ -56,8 +56,6 @@ class ChatTokens:
     ids: list of int, the current row's token ids so far (prompt, model turns, observations); with
       history "tokens" the episode has one row.
     prompt_len: tokens of the current row's context (its prompt).
-    rewrites: rows opened because the template rendered the history otherwise than its ids (0 with
-      history "tokens").
     messages: list of the conversation's messages so far (the model's turns as "assistant" messages
       whose content is the decoded sampled ids without their stop token).
     segments, roles: the ids after the prompt cut into model turns and observations (`Episode`).
@@ -72,7 +70,7 @@ class ChatTokens:
       raise ValueError("ChatTokens: messages is empty; the environment's reset must return at least one message")
     if history not in HISTORIES:
       raise ValueError(f"ChatTokens: history={history!r} is not one of {HISTORIES}")
-    self.history, self.rewrites, self._closed = history, 0, []
+    self.history, self._closed = history, []
     self.tokenizer, self.chat_template = tokenizer, chat_template
     self.template_name = template_name or f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}'s chat template"
     self.messages = [dict(m) for m in messages]
@@ -153,7 +151,6 @@ class ChatTokens:
       self.roles.append(OBSERVATION)
     else:
       self._closed.append(self.episode())
-      self.rewrites += 1
       ids, self.ids, self.prompt_len, self.segments, self.roles = full, list(full), len(full), [], []
     self.messages += new
     return ids
