@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 
+from branch_replay_jax.benchmarks.chat_templates import DROPS_REASONING, TRIMS
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
 from branch_replay_jax.models.loading import encode_chat, load_tokenizer, stop_ids, with_generation_config
 from branch_replay_jax.rollout.chat import ChatTokens
@@ -77,15 +78,6 @@ def test_sampled_ids_are_kept_even_where_retokenizing_would_change_them(tokenize
   assert odd.messages == canonical.messages and odd.ids != encode_chat(tokenizer, odd.messages)
 
 
-# A Qwen3-style template: an assistant message that is not the last one loses its <think> reasoning.
-DROPS_REASONING = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
-    "{{ '<|im_start|>assistant\n' + m['content'].split('</think>')[-1].lstrip() + '<|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# A Llama-3-style template: every content trimmed of surrounding whitespace.
-TRIMS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
-         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 TOOL_GLUE = "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
 
 

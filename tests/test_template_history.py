@@ -13,10 +13,11 @@ import numpy as np
 import optax
 import pytest
 from conftest import experiment_config, max_rel_err, tiny_model
-from test_chat import DROPS_REASONING, _TwoCalls   # the Qwen3-style template and the two-call environment
 from flax import nnx
+from test_chat import _TwoCalls   # answers two tool turns, then ends the episode
 
 from branch_replay_jax import losses as obj
+from branch_replay_jax.benchmarks.chat_templates import DROPS_REASONING
 from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
                                              episode_tree_arrays, rebase)
 from branch_replay_jax.gradients.step import value_and_grad

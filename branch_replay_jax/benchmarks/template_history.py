@@ -37,6 +37,7 @@ from flax import nnx
 
 from branch_replay_jax.algorithms import grpo, runs
 from branch_replay_jax.algorithms.groups import rollout_group
+from branch_replay_jax.benchmarks.chat_templates import DROPS_REASONING, QWEN3_NO_THINKING, TRIMS
 from branch_replay_jax.benchmarks.replay import cpu_seconds
 from branch_replay_jax.rollout import collect
 from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
@@ -47,21 +48,6 @@ flags.DEFINE_list("templates", ["own", "qwen3_no_thinking"], "own (the tokenizer
 flags.DEFINE_bool("time_steps", True, "also time one GRPO update by replay and by the naive rows")
 flags.DEFINE_integer("seed", 0, "sampling key")
 FLAGS = flags.FLAGS
-
-# A Qwen3-style template (its multi-turn rule): an assistant message that is not the last one loses
-# its <think> reasoning; every message otherwise as SmolLM2's ChatML.
-DROPS_REASONING = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
-    "{{ '<|im_start|>assistant\n' + m['content'].split('</think>')[-1].lstrip() + '<|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# Llama 3's rule on SmolLM2's ChatML: every content trimmed of surrounding whitespace.
-TRIMS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
-         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# Qwen3's non-thinking format (its template with enable_thinking=False): the same rendering of earlier
-# turns, and a generation prompt that opens an empty reasoning block.
-QWEN3_NO_THINKING = DROPS_REASONING[:DROPS_REASONING.index("{% if add_generation_prompt %}")] + (
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{% endif %}")
 
 
 class _Recorded(EpisodeSampler):
