@@ -82,17 +82,15 @@ def main(_):
   d, g = FLAGS.devices, FLAGS.groups
   on = lambda n: s * np.ceil(g / n) / g   # sampling seconds on n devices: one group per device at a time
   sampled_bytes = 4 * parameter_count(FLAGS.sampled_architecture)   # float32 copies, as the run sends them
-  base = schedule(on(d) + u / d, np.zeros_like(u), 0)["seconds"]   # shared: sample and update take turns
+  shared = schedule(on(d) + u / d, np.zeros_like(u), 0)   # r = 0: sampling and the update take turns
+  shared["update_idle"] = float(np.sum(on(d))) / shared["seconds"]
+  base = shared["seconds"]
   common = {"metrics": FLAGS.metrics, "steps": len(s), "devices": d, "groups": g, "sample_s_mean": float(s.mean()),
             "update_s_mean": float(u.mean())}
   for r in range(0, d):
     for k in ([0] if r == 0 else [int(x) for x in FLAGS.staleness]):   # shared: k changes nothing (module docstring)
-      if r == 0:
-        out = schedule(on(d) + u / d, np.zeros_like(u), 0)
-        out["update_idle"] = float(np.sum(on(d))) / out["seconds"]
-      else:
-        transfer = r * sampled_bytes / (FLAGS.link_gbps * 1e9)
-        out = schedule(on(r) + transfer, u / (d - r), k)
+      transfer = r * sampled_bytes / (FLAGS.link_gbps * 1e9)
+      out = shared if r == 0 else schedule(on(r) + transfer, u / (d - r), k)
       print(json.dumps({**common, "rollout_devices": r, "max_staleness": k,
                         "steps_per_hour": round(3600 * len(s) / out["seconds"], 2),
                         "vs_shared_sync": round(base / out["seconds"], 3),
