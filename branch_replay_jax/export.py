@@ -9,7 +9,7 @@ the model, tokenizer and chat template come from its experiment.json, and a conf
 model.name is refused), restores the checkpoint of `--step` (default: the latest) and writes the
 policy (PPO: the policy trunk, without the critic); `--base` writes config.model.name as loaded,
 with no run. The layout is the one transformers, vLLM and our own `models.load` read
-(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`). The tensors are the inverse of
+(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma3ForCausalLM`). The tensors are the inverse of
 `models.loading.assemble_params`: projections transposed back to [out, in] and heads flattened.
 A LoRA run (config.lora) is written with its adapters merged into the base weights
 (`models.lora.merged`: W + alpha / r A B), after checking that the checkpoint's base record
@@ -31,12 +31,13 @@ from ml_collections import config_flags
 from safetensors.numpy import save_file
 
 from branch_replay_jax.models import Llama, lora
-from branch_replay_jax.models.config import ModelConfig
-from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_NAMES, LAYER_PREFIX
+from branch_replay_jax.models.config import FULL, SLIDING, LinearRopeScaling, ModelConfig
+from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_PREFIX, layer_names
 from branch_replay_jax.models.loading import LAYER_PARAMS, generation_config, stop_ids
 from branch_replay_jax.outputs.checkpoints import read_run_record
 
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gemma3_text": "Gemma3ForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
 
 
@@ -49,13 +50,22 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
          "hidden_act": "silu", "max_position_embeddings": c.max_positions, "rms_norm_eps": c.norm_eps,
          "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings, "torch_dtype": dtype,
          "attention_bias": c.qkv_bias, "mlp_bias": False}
-  if c.rope_scaling is not None:
+  if c.rope_scaling is not None and not c.gemma:
     s = c.rope_scaling
     out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                            "high_freq_factor": s.high_freq_factor,
                            "original_max_position_embeddings": s.original_max_position_embeddings}
   if c.arch == "qwen2":
     out["use_sliding_window"] = False
+  if c.gemma:   # transformers-5 Gemma3TextConfig fields (`models.hf_loader._gemma_fields` reads them)
+    del out["hidden_act"], out["mlp_bias"], out["rope_theta"]
+    full = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if isinstance(c.rope_scaling, LinearRopeScaling):
+      full = {"rope_type": "linear", "factor": c.rope_scaling.factor, "rope_theta": c.rope_theta}
+    out.update(hidden_activation="gelu_pytorch_tanh", layer_types=list(c.layer_types),
+               sliding_window=c.sliding_window, query_pre_attn_scalar=c.query_pre_attn_scalar,
+               rope_parameters={FULL: full, SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta}},
+               final_logit_softcapping=None, attn_logit_softcapping=None)
   return out
 
 
@@ -89,7 +99,7 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   for hf_name, ours in GLOBAL_NAMES.items():
     if ours in params:
       out[hf_name] = f32(params[ours].T if ours == "lm_head" else params[ours])
-  for hf_suffix, canonical in LAYER_NAMES.items():
+  for hf_suffix, canonical in layer_names(c.arch).items():
     stacked = params["layers"].get(LAYER_PARAMS[canonical])
     if stacked is None:
       continue

@@ -8,8 +8,8 @@ top-level `kernels` package of the Hugging Face ecosystem.
 
 from branch_replay_jax.kernels.dispatch import ATTENTION_IMPLS, attention_fn, resolve_attention_impl
 from branch_replay_jax.kernels.pallas_attention import suffix_attention_pallas
-from branch_replay_jax.kernels.reference import KVBlock, suffix_attention
+from branch_replay_jax.kernels.reference import GLOBAL_WINDOW, KVBlock, suffix_attention, windowed_suffix_attention
 from branch_replay_jax.kernels.splash_attention import suffix_attention_splash
 
-__all__ = ["ATTENTION_IMPLS", "KVBlock", "attention_fn", "resolve_attention_impl", "suffix_attention",
-           "suffix_attention_pallas", "suffix_attention_splash"]
+__all__ = ["ATTENTION_IMPLS", "GLOBAL_WINDOW", "KVBlock", "attention_fn", "resolve_attention_impl", "suffix_attention",
+           "suffix_attention_pallas", "suffix_attention_splash", "windowed_suffix_attention"]

@@ -177,6 +177,60 @@ def suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlo
   return out_bthd.astype(q_bthd.dtype), lse_bth
 
 
+GLOBAL_WINDOW = 2 ** 30
+"""A window no position difference reaches: `windowed_suffix_attention` with it is global attention."""
+
+
+def key_positions(ancestors: Sequence[KVBlock]) -> list[jax.Array]:
+  """Each ancestor key's position in its sequence, [B or 1, S_i] int32 per block: the number of valid keys
+  before it, over the blocks in order (the prompt, then each segment, then a decode cache). This is the
+  position RoPE gave the key wherever the blocks are the ancestors of a segment (module docstring); a
+  padded key's value is never read."""
+  out, start = [], 0
+  for blk in ancestors:
+    valid = blk.valid.astype(jnp.int32)
+    out.append(start + jnp.cumsum(valid, axis=-1) - valid)
+    start = start + jnp.sum(valid, axis=-1, keepdims=True)
+  return out
+
+
+def windowed_suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], own: KVBlock, *, window,
+                              query_positions: jax.Array, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """`suffix_attention` where a query at position p sees only the keys at positions p - window < q <= p
+  (sliding-window attention: Beltagy et al. 2020, arXiv 2004.05150; Gemma 3's local layers, transformers'
+  `sliding_window_overlay`: kv_idx > q_idx - sliding_window). The window crosses block boundaries: an
+  ancestor key's position is `key_positions`', an own key's its query position.
+
+  One dense step over whole blocks (the `_attend` of `suffix_attention`'s short path, same online-softmax
+  backward): scores [Hkv, B, T, G, S] for all of a block's keys at once, the window a mask on them. No
+  tiling and no Pallas kernel take a window yet.
+
+  Args:
+    q_bthd, ancestors, own, scale: as `suffix_attention` (own.valid bool; a packed tree's int key ends
+      are refused).
+    window: int or [] int32 (traced: a scanned layer's), W >= 1; `GLOBAL_WINDOW` for a global layer.
+    query_positions: [B, T] int32, the positions of the segment's tokens (RoPE's).
+
+  Returns and raises as `suffix_attention`, and ValueError for int key ends.
+  """
+  if jnp.issubdtype(own.valid.dtype, jnp.integer):
+    raise ValueError("windowed_suffix_attention: a packed tree's key ends (int32 own.valid) take no window; "
+                     "run sliding-window models with tree_schedule 'depth_first' or 'level'")
+  b, t, hq, _ = q_bthd.shape
+  q, scale = grouped_queries(q_bthd, own.k, scale, "windowed_suffix_attention")
+  if t == 0:
+    return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), accum_dtype(q_bthd.dtype))
+  ancestors = [blk for blk in ancestors if blk.k.shape[1]]
+  qp = jnp.asarray(query_positions, jnp.int32)
+  reach = lambda kp: (qp[:, :, None] - kp[:, None, :] < window)[None, :, :, None, :]   # [1, B, T, 1, S]
+  masks = _masks(ancestors, own.valid, 0)
+  masks = [m & reach(kp) for m, kp in zip(masks, key_positions(ancestors) + [qp])]
+  kvs = [(blk.k, blk.v) for blk in ancestors] + [(own.k, own.v)]
+  out, lse = _attend(q, kvs, masks)
+  out_bthd, lse_bth = ungrouped(out, lse, t)
+  return out_bthd.astype(q_bthd.dtype), lse_bth
+
+
 # ------------------------------------------------------------------------------------------------
 # The dense step: one chunk of queries against whole blocks.
 

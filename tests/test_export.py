@@ -70,6 +70,9 @@ def test_export_refuses_a_non_empty_directory_and_an_unknown_dtype(tmp_path, tok
 
 
 @pytest.mark.slow   # loads the 135M GGUF and writes 540 MB
+# heavy: ~45 s (the real model's load, export and reload). CI runs the same export_model -> load path on
+# tiny llama / qwen2 / qwen3 models in test_export_round_trip_gives_the_same_parameters_and_logits.
+@pytest.mark.heavy
 def test_exported_smollm2_reads_back_with_the_same_logits(tmp_path):
   model, tokenizer = load("smollm2-135m-instruct")
   out = export.export_model(model, tokenizer, str(tmp_path / "smollm2"))

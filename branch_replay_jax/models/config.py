@@ -1,11 +1,14 @@
-"""Architecture description of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3)."""
+"""Architecture description of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3) and of
+Gemma 3's text decoder (sliding-window layers beside global ones)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text")
+# Gemma 3's attention layer kinds (transformers' `Gemma3TextConfig.layer_types`).
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 # RoPE base of a checkpoint whose metadata omits it, for the families that document one: Llama 1/2's
 # 10000 (transformers' LlamaConfig default, llama.cpp's fallback). Qwen2/2.5/3 checkpoints use 1000000
@@ -21,6 +24,14 @@ class Llama3RopeScaling:
   low_freq_factor: float
   high_freq_factor: float
   original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Position interpolation (Chen et al. 2023, arXiv 2306.15595): every inverse frequency divided by
+  `factor` (HF `rope_type="linear"`; Gemma 3's global layers from 4B up use factor 8)."""
+
+  factor: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +54,18 @@ class ModelConfig:
     qkv_bias: Q/K/V projections carry a bias (Qwen2/2.5).
     qk_norm: per-head RMSNorm on Q and K before RoPE (Qwen3).
     max_positions: the context length the weights were trained for (tokens).
+    layer_types: Gemma 3 only: one of SLIDING, FULL per layer. A sliding layer's query at position p
+      attends to the keys at positions p - sliding_window < q <= p (transformers' `sliding_window_overlay`),
+      with RoPE base rope_local_theta and no scaling; a full layer to every earlier key, with
+      rope_theta and rope_scaling.
+    sliding_window: Gemma 3 only: the window W (tokens) of the sliding layers.
+    rope_local_theta: Gemma 3 only: the sliding layers' RoPE base.
+    query_pre_attn_scalar: Gemma 3 only: the logit scale is query_pre_attn_scalar ** -0.5 (else
+      head_dim ** -0.5).
+
+  `arch="gemma3_text"` also selects Gemma 3's block (Gemma Team 2025, arXiv 2503.19786; transformers'
+  `Gemma3DecoderLayer`): RMSNorm scaled by (1 + w), norms after attention and MLP as well as before,
+  Q/K RMSNorm, a GeGLU MLP (tanh-approximated GELU), embeddings multiplied by sqrt(d_model).
   """
 
   vocab_size: int
@@ -60,6 +83,10 @@ class ModelConfig:
   qk_norm: bool = False
   max_positions: int = 8192
   arch: str = "llama"
+  layer_types: tuple[str, ...] | None = None
+  sliding_window: int | None = None
+  rope_local_theta: float | None = None
+  query_pre_attn_scalar: float | None = None
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -74,6 +101,26 @@ class ModelConfig:
                        f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+    gemma_fields = ("layer_types", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
+    if not self.gemma:
+      for name in gemma_fields:
+        if getattr(self, name) is not None:
+          raise ValueError(f"ModelConfig.{name} is Gemma 3's (arch='gemma3_text'); arch={self.arch!r} has none")
+      return
+    types = self.layer_types
+    if not isinstance(types, tuple) or len(types) != self.num_layers or any(t not in (SLIDING, FULL) for t in types):
+      raise ValueError(f"ModelConfig.layer_types must be a tuple of {self.num_layers} values, each {SLIDING!r} or "
+                       f"{FULL!r}; got {types!r}")
+    if SLIDING in types and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+      raise ValueError(f"ModelConfig.sliding_window must be a positive int with sliding layers, got "
+                       f"{self.sliding_window!r}")
+    if SLIDING in types and self.rope_local_theta is None:
+      raise ValueError("ModelConfig.rope_local_theta (the sliding layers' RoPE base) is missing")
+
+  @property
+  def gemma(self) -> bool:
+    """Gemma 3's block and attention layers (the class docstring)."""
+    return self.arch == "gemma3_text"
 
   @property
   def params_per_token_linear(self) -> int:
@@ -125,6 +172,12 @@ ARCHITECTURE_SHAPES = {
     "llama-3.1-8b": ModelConfig(vocab_size=128256, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8,
                                 head_dim=128, ffn_dim=14336, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
                                 rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192), max_positions=131072),
+    # google/gemma-3-12b-pt's text_config: five sliding layers (W = 1024) to one global, every sixth.
+    "gemma-3-12b": ModelConfig(vocab_size=262208, num_layers=48, d_model=3840, num_heads=16, num_kv_heads=8,
+                               head_dim=256, ffn_dim=15360, rope_theta=1000000.0, rope_scaling=LinearRopeScaling(8.0),
+                               norm_eps=1e-6, tie_embeddings=True, max_positions=131072, arch="gemma3_text",
+                               layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(48)),
+                               sliding_window=1024, rope_local_theta=10000.0, query_pre_attn_scalar=256.0),
 }
 
 

@@ -10,7 +10,8 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from branch_replay_jax.models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig, default_rope_theta
+from branch_replay_jax.models.config import (ARCHITECTURES, FULL, SLIDING, LinearRopeScaling, Llama3RopeScaling,
+                                             ModelConfig, default_rope_theta)
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 LAYER_PREFIX = "model.layers.{}."
@@ -30,17 +31,30 @@ LAYER_NAMES = {
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
 }
+# Gemma 3 norms before and after attention and MLP: its post_attention_layernorm is the norm after
+# attention, not Llama's norm before the MLP (that is pre_feedforward_layernorm).
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
+                     "pre_feedforward_layernorm.weight": "mlp_norm",
+                     "post_feedforward_layernorm.weight": "post_mlp_norm"}
 
 
-def _rope(cfg: dict, arch: str, path: str) -> tuple[float, Llama3RopeScaling | None]:
-  """(theta, scaling) from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`;
-  without rope_theta the family's documented default, logged, or a ValueError (`config.default_rope_theta`)."""
-  params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+def layer_names(arch: str) -> dict[str, str]:
+  """{HF layer tensor suffix: canonical name} of a family (`ModelConfig.arch`)."""
+  return GEMMA_LAYER_NAMES if arch == "gemma3_text" else LAYER_NAMES
+
+
+def _rope(cfg: dict, arch: str, path: str, params: dict | None = None) -> tuple[float, Llama3RopeScaling | None]:
+  """(theta, scaling) from transformers-5 `rope_parameters` (or `params`, one layer type's) or the older
+  `rope_theta` + `rope_scaling`; without rope_theta the family's documented default, logged, or a
+  ValueError (`config.default_rope_theta`)."""
+  params = dict(params or cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
   theta = params.get("rope_theta", cfg.get("rope_theta"))
   theta = float(default_rope_theta(arch, "rope_theta", path) if theta is None else theta)
   rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type == "default":
     return theta, None
+  if rope_type == "linear":
+    return theta, LinearRopeScaling(float(params["factor"]))
   if rope_type == "llama3":
     return theta, Llama3RopeScaling(
         factor=float(params["factor"]),
@@ -48,17 +62,50 @@ def _rope(cfg: dict, arch: str, path: str) -> tuple[float, Llama3RopeScaling | N
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
-  raise ValueError(f"{path}: rope_type {rope_type!r} is not supported; expected 'default' or 'llama3'")
+  raise ValueError(f"{path}: rope_type {rope_type!r} is not supported; expected 'default', 'linear' or 'llama3'")
+
+
+def _gemma_fields(cfg: dict, path: str) -> dict:
+  """ModelConfig fields of a Gemma 3 text config (`Gemma3TextConfig`): layer_types (written, or from the
+  older sliding_window_pattern: every n-th layer full), the window, each layer type's RoPE, the query
+  scale. Refuses what our decoder does not implement, naming it."""
+  refused = {"attn_logit_softcapping": cfg.get("attn_logit_softcapping") is not None,
+             "final_logit_softcapping": cfg.get("final_logit_softcapping") is not None,
+             "use_bidirectional_attention": bool(cfg.get("use_bidirectional_attention")),
+             "hidden_activation != gelu_pytorch_tanh":
+                 cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh"}
+  for option, present in refused.items():
+    if present:
+      raise ValueError(f"{path}: {option} is not supported by our gemma3_text decoder")
+  layers = int(cfg["num_hidden_layers"])
+  types = cfg.get("layer_types")
+  if types is None:
+    n = int(cfg.get("sliding_window_pattern", 6))
+    types = [FULL if (i + 1) % n == 0 else SLIDING for i in range(layers)]
+  rope = cfg.get("rope_parameters") or {}
+  if not all(kind in rope for kind in (FULL, SLIDING)):   # transformers-4 keys
+    rope = {FULL: {"rope_theta": cfg.get("rope_theta", 1000000.0), **(cfg.get("rope_scaling") or {})},
+            SLIDING: {"rope_theta": cfg.get("rope_local_base_freq", 10000.0), "rope_type": "default"}}
+  theta, scaling = _rope(cfg, "gemma3_text", path, rope[FULL])
+  local_theta, local_scaling = _rope(cfg, "gemma3_text", path, rope[SLIDING])
+  if local_scaling is not None:
+    raise ValueError(f"{path}: RoPE scaling on sliding_attention layers is not supported")
+  return dict(layer_types=tuple(types), sliding_window=int(cfg.get("sliding_window") or 4096),
+              rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+              query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)), qk_norm=True,
+              tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
 
 
 def read_config(directory: str) -> ModelConfig:
   """The `ModelConfig` of `directory/config.json`.
 
   Raises:
-    ValueError: a model_type other than llama/qwen2/qwen3, or an option our model does not
-      implement (attention/MLP bias on Llama, sliding-window attention, a non-SiLU MLP,
-      RoPE types other than default/llama3), or no rope_theta in a qwen2/qwen3 config
-      (`config.default_rope_theta`; llama takes 10000 with a warning).
+    ValueError: a model_type other than llama/qwen2/qwen3/gemma3_text (Gemma 3's multimodal "gemma3"
+      is refused: its language model is a gemma3_text), or an option our model does not
+      implement (attention/MLP bias on Llama, Qwen's sliding-window attention, a non-SiLU MLP,
+      RoPE types other than default/linear/llama3; Gemma's soft-capping, bidirectional attention),
+      or no rope_theta in a qwen2/qwen3 config (`config.default_rope_theta`; llama takes 10000
+      with a warning).
   """
   path = os.path.join(directory, "config.json")
   with open(path) as f:
@@ -66,6 +113,17 @@ def read_config(directory: str) -> ModelConfig:
   arch = cfg.get("model_type")
   if arch not in ARCHITECTURES:
     raise ValueError(f"{path}: model_type {arch!r} is not supported; expected one of {ARCHITECTURES}")
+  heads = int(cfg["num_attention_heads"])
+  common = dict(arch=arch, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                d_model=int(cfg["hidden_size"]), num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads), ffn_dim=int(cfg["intermediate_size"]),
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_positions=int(cfg.get("max_position_embeddings", 8192)))
+  if arch == "gemma3_text":
+    if cfg.get("attention_bias", False):
+      raise ValueError(f"{path}: attention_bias is not supported by our gemma3_text decoder")
+    return ModelConfig(**common, **_gemma_fields(cfg, path))
   unsupported = {
       "attention_bias": arch != "qwen2" and cfg.get("attention_bias", False),
       "mlp_bias": cfg.get("mlp_bias", False),
@@ -76,24 +134,9 @@ def read_config(directory: str) -> ModelConfig:
     if present:
       raise ValueError(f"{path}: {option} is not supported by our {arch} decoder")
   theta, scaling = _rope(cfg, arch, path)
-  heads = int(cfg["num_attention_heads"])
-  return ModelConfig(
-      arch=arch,
-      vocab_size=int(cfg["vocab_size"]),
-      num_layers=int(cfg["num_hidden_layers"]),
-      d_model=int(cfg["hidden_size"]),
-      num_heads=heads,
-      num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-      head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-      ffn_dim=int(cfg["intermediate_size"]),
-      rope_theta=theta,
-      rope_scaling=scaling,
-      norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-      qkv_bias=arch == "qwen2",
-      qk_norm=arch == "qwen3",
-      max_positions=int(cfg.get("max_position_embeddings", 8192)),
-  )
+  return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=arch == "qwen2",
+                     qk_norm=arch == "qwen3")
 
 
 def check_safetensors(file: str) -> None:

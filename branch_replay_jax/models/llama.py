@@ -1,4 +1,5 @@
-"""A Llama-family decoder in Flax NNX that runs ONE SEGMENT of a rollout tree.
+"""A Llama-family decoder in Flax NNX that runs ONE SEGMENT of a rollout tree (also Gemma 3's text decoder,
+`ModelConfig.gemma`).
 
 Layer parameters are stacked on a leading layer axis and the forward scans over layers
 (`jax.lax.scan`), so a 30-layer model compiles as one layer. A segment's forward takes the
@@ -16,7 +17,8 @@ each parameter's logical axis names (its `nnx.Param` metadata "out_sharding", se
     layers.wk, layers.wv [L, d, Hkv, D] (layers, embed, kv_heads, head_dim)
     layers.wo [L, Hq, D, d]            (layers, heads, head_dim, embed)
     layers.bq [L, Hq, D]  (layers, heads, head_dim); bk, bv [L, Hkv, D] (layers, kv_heads, head_dim)   (qkv_bias, Qwen2)
-    layers.q_norm, layers.k_norm [L, D]                          (layers, head_dim)              (qk_norm, Qwen3)
+    layers.q_norm, layers.k_norm [L, D]                          (layers, head_dim)              (qk_norm, Qwen3, Gemma 3)
+    layers.post_attn_norm, layers.post_mlp_norm [L, d]           (layers, embed)                 (Gemma 3)
     layers.w_gate, layers.w_up [L, d, F]  (layers, embed, mlp)   layers.w_down [L, F, d]  (layers, mlp, embed)
     layers.W_lora_a [L, *in, r]  (layers, *W's input names, lora_rank)
     layers.W_lora_b [L, r, *out] (layers, lora_rank, *W's output names)  (LoRA adapters of W, models/lora.py)
@@ -29,10 +31,18 @@ models/critic.py's value head: value_w [d] (embed), value_b [] ().
 Formulas: RMSNorm (Zhang & Sennrich 2019), RoPE in the "rotate half" layout (Su et al. 2021,
 arXiv 2104.09864, eq. 34), SwiGLU (Shazeer 2020, arXiv 2002.05202), GQA (Ainslie et al. 2023,
 arXiv 2305.13245), Llama-3 RoPE scaling (Meta's `apply_scaling`).
+
+Gemma 3 (`ModelConfig.gemma`; Gemma Team 2025, arXiv 2503.19786, transformers' `modeling_gemma3`): every
+RMSNorm scales by (1 + w), attention and MLP outputs are normed again before the residual add
+(post_attn_norm, post_mlp_norm), the MLP is GeGLU with tanh-approximated GELU, embeddings are
+multiplied by sqrt(d), and each layer has its own RoPE and window (`_layer_xs`): sliding layers
+attend to the last `sliding_window` positions (`kernels.windowed_suffix_attention`, across segment
+boundaries: a branch's token sees its ancestors' keys inside the window only).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Sequence
 
@@ -41,9 +51,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from branch_replay_jax.kernels import ATTENTION_IMPLS, KVBlock, attention_fn, resolve_attention_impl, suffix_attention
+from branch_replay_jax.kernels import (ATTENTION_IMPLS, GLOBAL_WINDOW, KVBlock, attention_fn, resolve_attention_impl,
+                                       suffix_attention, windowed_suffix_attention)
 from branch_replay_jax.kernels.reference import accum_dtype
-from branch_replay_jax.models.config import ModelConfig
+from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelConfig
 
 
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
@@ -124,21 +135,26 @@ def _positions(offset, b: int, t: int) -> jax.Array:
   return jnp.broadcast_to(positions, (b, t))
 
 
-def rms_norm(x, weight, eps):
-  """RMSNorm computed in float32 (float64 for float64 x), returned in x's dtype."""
+def rms_norm(x, weight, eps, unit_offset: bool = False):
+  """RMSNorm computed in float32 (float64 for float64 x), returned in x's dtype; scaled by weight, or by
+  (1 + weight) with unit_offset (Gemma's `Gemma3RMSNorm`, the sum taken in float32 as there)."""
   acc = accum_dtype(x.dtype)
   x32 = x.astype(acc)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * weight.astype(acc)).astype(x.dtype)
+  return (y * (weight.astype(acc) + (1.0 if unit_offset else 0.0))).astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig, dtype=jnp.float32) -> jax.Array:
-  """[D/2] inverse frequencies (float32, or float64 when asked), with Llama-3 scaling where configured."""
+def rope_inv_freq(config: ModelConfig, dtype=jnp.float32, *, local: bool = False) -> jax.Array:
+  """[D/2] inverse frequencies (float32, or float64 when asked), with Llama-3 or linear scaling where
+  configured; local: Gemma 3's sliding layers' (base rope_local_theta, unscaled)."""
   d = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=dtype) / d))
-  s = config.rope_scaling
+  theta = config.rope_local_theta if local else config.rope_theta
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=dtype) / d))
+  s = None if local else config.rope_scaling
   if s is None:
     return inv_freq
+  if isinstance(s, LinearRopeScaling):
+    return inv_freq / s.factor
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * math.pi / inv_freq
@@ -199,28 +215,45 @@ def _project(p: dict, name: str, spec: str, x, lora_scale: float):
 
 def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], own_valid_bt,
            attention=suffix_attention, lora_scale: float = 0.0):
-  """One decoder block; `attention` has `suffix_attention`'s signature; lora_scale multiplies the
-  adapters' output (alpha / rank) where p holds adapters. Returns (new residual, (k, v))."""
+  """One decoder block (Gemma 3's where config.gemma: the module docstring); `attention` has
+  `suffix_attention`'s signature; lora_scale multiplies the adapters' output (alpha / rank) where p
+  holds adapters. Returns (new residual, (k, v))."""
   dt = x_btd.dtype
-  h = rms_norm(x_btd, p["attn_norm"], config.norm_eps)
+  gemma = config.gemma
+  norm = lambda x, w: rms_norm(x, w, config.norm_eps, unit_offset=gemma)
+  h = norm(x_btd, p["attn_norm"])
   q = _project(p, "wq", "btd,dhk->bthk", h, lora_scale)
   k = _project(p, "wk", "btd,dhk->bthk", h, lora_scale)
   v = _project(p, "wv", "btd,dhk->bthk", h, lora_scale)
   if config.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   if config.qk_norm:
-    q = rms_norm(q, p["q_norm"], config.norm_eps)
-    k = rms_norm(k, p["k_norm"], config.norm_eps)
+    q = norm(q, p["q_norm"])
+    k = norm(k, p["k_norm"])
   q = apply_rope(q, positions_bt, inv_freq)
   k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "k")
   v = checkpoint_name(v, "v")
   attn, _ = attention(q, ancestors, KVBlock(k, v, own_valid_bt))
-  x_btd = x_btd + _project(p, "wo", "bthk,hkd->btd", attn, lora_scale)
-  h = rms_norm(x_btd, p["mlp_norm"], config.norm_eps)
+  out = _project(p, "wo", "bthk,hkd->btd", attn, lora_scale)
+  x_btd = x_btd + (norm(out, p["post_attn_norm"]) if gemma else out)
+  h = norm(x_btd, p["mlp_norm"])
   gate = _project(p, "w_gate", "btd,df->btf", h, lora_scale)
   up = _project(p, "w_up", "btd,df->btf", h, lora_scale)
-  x_btd = x_btd + _project(p, "w_down", "btf,fd->btd", jax.nn.silu(gate) * up, lora_scale)
+  act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
+  out = _project(p, "w_down", "btf,fd->btd", act * up, lora_scale)
+  x_btd = x_btd + (norm(out, p["post_mlp_norm"]) if gemma else out)
   return x_btd, (k, v)
+
+
+def _layer_attention(config: ModelConfig, layer_xs, inv_freq, attention, positions_bt):
+  """(RoPE inverse frequencies, attention function) of one scanned layer: the model's own (layer_xs
+  None), or Gemma 3's layer's (layer_xs = its inverse frequencies and window, `Llama._layer_xs`): the
+  windowed attention at its window and logit scale query_pre_attn_scalar ** -0.5."""
+  if layer_xs is None:
+    return inv_freq, attention
+  freq, window = layer_xs
+  scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
+  return freq, functools.partial(windowed_suffix_attention, window=window, query_positions=positions_bt, scale=scale)
 
 
 class DecoderLayers(nnx.Module):
@@ -232,8 +265,12 @@ class DecoderLayers(nnx.Module):
     init = nnx.initializers.normal(0.02)
     normal = lambda *names_shape: annotated(init(rngs.params(), tuple(s for _, s in names_shape)),
                                             [n for n, _ in names_shape])
-    self.attn_norm = annotated(jnp.ones((L, d)), ("layers", "embed"))
-    self.mlp_norm = annotated(jnp.ones((L, d)), ("layers", "embed"))
+    norm_init = jnp.zeros if config.gemma else jnp.ones   # Gemma scales by (1 + w)
+    self.attn_norm = annotated(norm_init((L, d)), ("layers", "embed"))
+    self.mlp_norm = annotated(norm_init((L, d)), ("layers", "embed"))
+    if config.gemma:
+      self.post_attn_norm = annotated(norm_init((L, d)), ("layers", "embed"))
+      self.post_mlp_norm = annotated(norm_init((L, d)), ("layers", "embed"))
     self.wq = normal(("layers", L), ("embed", d), ("heads", hq), ("head_dim", hd))
     self.wk = normal(("layers", L), ("embed", d), ("kv_heads", hkv), ("head_dim", hd))
     self.wv = normal(("layers", L), ("embed", d), ("kv_heads", hkv), ("head_dim", hd))
@@ -246,8 +283,8 @@ class DecoderLayers(nnx.Module):
       self.bk = normal(("layers", L), ("kv_heads", hkv), ("head_dim", hd))
       self.bv = normal(("layers", L), ("kv_heads", hkv), ("head_dim", hd))
     if config.qk_norm:
-      self.q_norm = annotated(jnp.ones((L, hd)), ("layers", "head_dim"))
-      self.k_norm = annotated(jnp.ones((L, hd)), ("layers", "head_dim"))
+      self.q_norm = annotated(norm_init((L, hd)), ("layers", "head_dim"))
+      self.k_norm = annotated(norm_init((L, hd)), ("layers", "head_dim"))
 
   def stacked(self) -> tuple[dict, dict]:
     """({name: stacked value [L, ...]}, {name: its `Gather` or None}) of every parameter (adapters included)."""
@@ -273,7 +310,8 @@ class Llama(nnx.Module):
     attention_impl: suffix attention, one of `ATTENTION_IMPLS`: "xla" (dense jnp reference),
       "pallas" (FlashAttention-2 kernels, interpreted on the CPU; splash attention on a TPU),
       "splash" (TPU splash attention, interpreted on the CPU), "auto" (pallas on a GPU or TPU when
-      the head dim allows, else xla); resolved once here and stored as `self.attention_impl`.
+      the head dim allows, else xla); resolved once here and stored as `self.attention_impl`. Gemma 3
+      takes "xla" or "auto" (its layers' windowed attention has no kernel yet); ValueError otherwise.
     rngs: initialisation randomness (the loaders overwrite every parameter).
   """
 
@@ -287,11 +325,14 @@ class Llama(nnx.Module):
     if remat == "offload_kv":
       _check_host_memory(remat)
     self.remat = remat
-    self.attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
+    if config.gemma and attention_impl not in ("xla", "auto"):
+      raise ValueError(f"Llama: attention_impl={attention_impl!r}: Gemma 3's layers run the jnp windowed attention "
+                       "(kernels.windowed_suffix_attention); no Pallas kernel takes a window yet; use 'xla'")
+    self.attention_impl = "xla" if config.gemma else resolve_attention_impl(attention_impl, config.head_dim)
     normal = nnx.initializers.normal(0.02)
     self.embed = annotated(normal(rngs.params(), (config.vocab_size, config.d_model)), ("vocab", "embed"))
     self.layers = DecoderLayers(config, rngs=rngs)
-    self.final_norm = annotated(jnp.ones((config.d_model,)), ("embed",))
+    self.final_norm = annotated((jnp.zeros if config.gemma else jnp.ones)((config.d_model,)), ("embed",))
     if not config.tie_embeddings:
       self.lm_head = annotated(normal(rngs.params(), (config.d_model, config.vocab_size)), ("embed", "vocab"))
     self.lora = None   # models.lora.LoraSpec once models.lora.add_adapters has added adapters
@@ -313,6 +354,7 @@ class Llama(nnx.Module):
         node's subtree (0: padding); the jnp attention only (`kernels.reference.KVBlock`).
       attention: a `suffix_attention`-compatible function replacing the model's own (default:
         `attention_impl`); context parallelism passes the wrappers of `kernels/context_parallel.py`.
+        Gemma 3 takes none (ValueError): its layers' windowed attention is its own.
 
     Returns:
       SegmentOutput(kv with k, v [L, B, T, Hkv, D], hidden_btd [B, T, d]).
@@ -323,21 +365,53 @@ class Llama(nnx.Module):
       valid_bt = jnp.ones((b, t), dtype=bool)
     positions = _positions(offset, b, t)
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
-    x = param_value(self.embed)[tokens_bt].astype(self.dtype)
+    x = self._embed(tokens_bt)
     anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
     anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
     anc_valid = [blk.valid for blk in ancestors]
-    attention = attention_fn(self.attention_impl) if attention is None else attention
+    attention = self._attention(attention)
     lora_scale = 0.0 if self.lora is None else self.lora.scale
 
-    def layer(p, x, kv):
-      ks, vs = kv
+    def layer(p, x, xs):
+      ks, vs, layer_xs = xs
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
-      return _layer(cfg, p, x, positions, inv_freq, blocks, valid_bt, attention, lora_scale)
+      freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, positions)
+      return _layer(cfg, p, x, positions, freq, blocks, valid_bt, attn, lora_scale)
 
-    x, (k, v) = self._scan_layers(layer, x, (anc_k, anc_v))
-    hidden = rms_norm(x, param_value(self.final_norm), cfg.norm_eps)
+    x, (k, v) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs()))
+    hidden = self._final_norm(x)
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
+
+  def _embed(self, tokens_bt):
+    """[B, T, d] token embeddings in the compute dtype (Gemma's times sqrt(d), taken in that dtype as
+    transformers' `Gemma3TextScaledWordEmbedding` does)."""
+    x = param_value(self.embed)[tokens_bt].astype(self.dtype)
+    return x * jnp.asarray(self.config.d_model ** 0.5, self.dtype) if self.config.gemma else x
+
+  def _final_norm(self, x):
+    return rms_norm(x, param_value(self.final_norm), self.config.norm_eps, unit_offset=self.config.gemma)
+
+  def _attention(self, attention):
+    """The suffix attention a forward uses: the model's own, or the caller's (not for Gemma 3)."""
+    if attention is not None and self.config.gemma:
+      raise ValueError("Llama: Gemma 3's layers take no attention= override (context parallelism, a kernel): their "
+                       "sliding windows run in kernels.windowed_suffix_attention only")
+    return attention_fn(self.attention_impl) if attention is None else attention
+
+  def _layer_xs(self):
+    """None, or for Gemma 3 (inv_freq [L, D/2], window [L] int32) scanned with the layers: a sliding
+    layer's local RoPE and sliding_window, a full layer's global RoPE and `GLOBAL_WINDOW`."""
+    cfg = self.config
+    if not cfg.gemma:
+      return None
+    acc = accum_dtype(self.dtype)
+    glob, local = rope_inv_freq(cfg, acc), None
+    if SLIDING in cfg.layer_types:
+      local = rope_inv_freq(cfg, acc, local=True)
+    sliding = [kind == SLIDING for kind in cfg.layer_types]
+    freqs = jnp.stack([local if s else glob for s in sliding])
+    windows = jnp.asarray([cfg.sliding_window if s else GLOBAL_WINDOW for s in sliding], jnp.int32)
+    return freqs, windows
 
   def prompt_and_rows(self, prompt_bt: jax.Array, prompt_valid_bt: jax.Array, prompt_last, rows_bt: jax.Array,
                       rows_offset, rows_valid_bt: jax.Array, *, attention=None) -> tuple[jax.Array, jax.Array]:
@@ -373,23 +447,22 @@ class Llama(nnx.Module):
     prompt_positions = _positions(0, 1, p_len)
     rows_positions = _positions(rows_offset, b, t)
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
-    embed = param_value(self.embed)
-    x = (embed[prompt_bt].astype(self.dtype), embed[rows_bt].astype(self.dtype))
-    attention = attention_fn(self.attention_impl) if attention is None else attention
+    x = (self._embed(prompt_bt), self._embed(rows_bt))
+    attention = self._attention(attention)
     lora_scale = 0.0 if self.lora is None else self.lora.scale
 
-    def layer(p, x, _):
+    def layer(p, x, layer_xs):
       x_prompt, x_rows = x
-      x_prompt, (k, v) = _layer(cfg, p, x_prompt, prompt_positions, inv_freq, (), prompt_valid_bt, attention,
-                                lora_scale)
-      x_rows, _ = _layer(cfg, p, x_rows, rows_positions, inv_freq, [KVBlock(k, v, prompt_valid_bt)], rows_valid_bt,
-                         attention, lora_scale)
+      freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, prompt_positions)
+      x_prompt, (k, v) = _layer(cfg, p, x_prompt, prompt_positions, freq, (), prompt_valid_bt, attn, lora_scale)
+      freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, rows_positions)
+      x_rows, _ = _layer(cfg, p, x_rows, rows_positions, freq, [KVBlock(k, v, prompt_valid_bt)], rows_valid_bt,
+                         attn, lora_scale)
       return (x_prompt, x_rows), None
 
-    (x_prompt, x_rows), _ = self._scan_layers(layer, x, None)
-    norm = param_value(self.final_norm)
+    (x_prompt, x_rows), _ = self._scan_layers(layer, x, self._layer_xs())
     x_last = jax.lax.dynamic_index_in_dim(x_prompt[0], prompt_last, keepdims=False)
-    return rms_norm(x_last, norm, cfg.norm_eps), rms_norm(x_rows, norm, cfg.norm_eps)
+    return self._final_norm(x_last), self._final_norm(x_rows)
 
   def _scan_layers(self, layer, x, xs):
     """`jax.lax.scan` of layer(p, x, xs_l) -> (x, ys_l) over the L layers, p one layer's parameters

@@ -41,7 +41,8 @@ KNOWN_MODELS = ("smollm2-135m-instruct",)
 # (branch_replay_jax/export.py) reads it the other way.
 LAYER_PARAMS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "wq", "k": "wk", "v": "wv", "o": "wo",
                 "gate": "w_gate", "up": "w_up", "down": "w_down", "bq": "bq", "bk": "bk", "bv": "bv",
-                "q_norm": "q_norm", "k_norm": "k_norm"}
+                "q_norm": "q_norm", "k_norm": "k_norm", "post_attn_norm": "post_attn_norm",
+                "post_mlp_norm": "post_mlp_norm"}
 
 
 def smollm2_gguf_path() -> str:
@@ -69,6 +70,8 @@ def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple], dict[str, tu
     layer.update(bq=(q,), bk=(kv,), bv=(kv,))
   if c.qk_norm:
     layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+  if c.gemma:
+    layer.update(post_attn_norm=(c.d_model,), post_mlp_norm=(c.d_model,))
   return glob_shapes, layer
 
 
@@ -133,6 +136,8 @@ def assemble_params(config: ModelConfig, globs: dict, layers: dict) -> dict:
       "bv": lambda b: b.reshape(c.num_kv_heads, c.head_dim),
       "q_norm": lambda w: w,
       "k_norm": lambda w: w,
+      "post_attn_norm": lambda w: w,
+      "post_mlp_norm": lambda w: w,
   }
   params = {"embed": f32(globs["embed"]), "final_norm": f32(globs["final_norm"]),
             "layers": {LAYER_PARAMS[k]: f32(np.stack([per_layer[k](w) for w in ws])) for k, ws in layers.items()}}
@@ -175,6 +180,16 @@ def _load_gguf(path: str, dtype, model_options: dict):
 
 
 def _load_hf(directory: str, dtype, model_options: dict):
+  model = load_hf_model(directory, dtype, **model_options)
+  tokenizer = with_generation_config(hf_loader.load_tokenizer(directory), hf_loader.generation_config(directory))
+  # HF embeddings are often padded past the tokenizer (Qwen2.5: 151936 rows, 151665 tokens).
+  _check_vocab(tokenizer, model.config, directory, exact=False)
+  return model, tokenizer
+
+
+def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla") -> Llama:
+  """The decoder of an HF checkpoint directory (config.json + *.safetensors), without its tokenizer (`load`
+  reads both). Raises ValueError as `load` does for the weights."""
   config = hf_loader.read_config(directory)
   tensors = hf_loader.read_tensors(directory)
   if config.tie_embeddings and "lm_head.weight" in tensors:
@@ -185,12 +200,10 @@ def _load_hf(directory: str, dtype, model_options: dict):
       raise ValueError(f"{directory}: tie_word_embeddings is true but lm_head.weight {head.shape} differs from "
                        f"model.embed_tokens.weight {None if embed is None else embed.shape}")
   globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
-                                    layer_prefix=hf_loader.LAYER_PREFIX, layer_names=hf_loader.LAYER_NAMES,
-                                    source=directory)
-  tokenizer = with_generation_config(hf_loader.load_tokenizer(directory), hf_loader.generation_config(directory))
-  # HF embeddings are often padded past the tokenizer (Qwen2.5: 151936 rows, 151665 tokens).
-  _check_vocab(tokenizer, config, directory, exact=False)
-  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, **model_options), tokenizer
+                                    layer_prefix=hf_loader.LAYER_PREFIX,
+                                    layer_names=hf_loader.layer_names(config.arch), source=directory)
+  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat,
+                     attention_impl=attention_impl)
 
 
 def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla"):

@@ -1,0 +1,215 @@
+"""Gemma 3's text decoder: parity with transformers on a tiny random checkpoint (tests/fixtures/gemma3_tiny,
+written by tools/make_gemma3_reference.py), and branch replay exact where the sliding window cuts across
+segment boundaries."""
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_rel_err, random_group
+from flax import nnx
+
+from branch_replay_jax import losses as obj
+from branch_replay_jax.data.batches import group_arrays, pack_trees, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
+from branch_replay_jax.export import export_model
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import fused_applies, value_and_grad
+from branch_replay_jax.models import Llama, tiny_config
+from branch_replay_jax.models.config import FULL, SLIDING
+from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.models.loading import build_model, load_hf_model
+from branch_replay_jax.rollout.sampler import sample_group
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma3_tiny")
+WINDOW = 4   # the fixture's sliding_window: shorter than every input and segment path below
+
+
+@pytest.fixture(scope="module")
+def reference():
+  with open(os.path.join(FIXTURE, "reference.json")) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_hf_model(FIXTURE)
+
+
+def next_logprobs(m, ids):
+  out = m(jnp.asarray([ids]), 0)
+  w, axis = m.output_weights()
+  return np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis)[0])
+
+
+def test_config_reads_the_window_layer_types_and_both_ropes(model):
+  c = model.config
+  assert c.arch == "gemma3_text" and c.sliding_window == WINDOW
+  assert c.layer_types == (SLIDING, SLIDING, FULL, SLIDING)
+  assert (c.rope_theta, c.rope_scaling.factor, c.rope_local_theta) == (1e6, 8.0, 1e4)
+  assert c.query_pre_attn_scalar == 12.0 and c.qk_norm and c.tie_embeddings
+
+
+def test_logprobs_match_transformers_float32(model, reference):
+  # Same weights through transformers' Gemma3ForCausalLM (eager attention, float32) and our decoder.
+  # Inputs of 23 and 40 tokens against a window of 4: most keys of the sliding layers are cut.
+  # The fixture is rounded to 1e-6; float32 reassociation adds ~1e-6.
+  for item in reference["inputs"]:
+    got = next_logprobs(model, item["input_ids"])
+    assert np.abs(got - np.asarray(item["next_token_logprobs"])).max() <= 1e-5
+
+
+def test_the_window_is_what_the_parity_measures(model, reference):
+  # The same weights with a window longer than the input differ from transformers by far more than the
+  # parity bound: the window (and its off-by-one, q - k < W) is what test_logprobs_match_... checks.
+  c = model.config
+  wide = build_model(dataclasses.replace(c, sliding_window=1000), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  item = reference["inputs"][1]
+  assert np.abs(next_logprobs(wide, item["input_ids"]) - np.asarray(item["next_token_logprobs"])).max() > 1e-2
+  narrow = build_model(dataclasses.replace(c, sliding_window=WINDOW - 1), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert np.abs(next_logprobs(narrow, item["input_ids"]) - np.asarray(item["next_token_logprobs"])).max() > 1e-3
+
+
+def test_greedy_sampling_through_the_kv_cache_reproduces_transformers(model, reference):
+  # transformers: 16 argmax steps of full forwards. Ours: sample_group at temperature 0, the prompt padded
+  # to its bucket and every token decoded on the K/V cache, so each sliding layer's window crosses from the
+  # cache into the prompt block. The smallest top-1/top-2 gap, 0.0093, is ~1e4 times our logit error.
+  g = reference["greedy"]
+  assert min(g["top1_minus_top2"]) > 5e-3
+  out = sample_group(model, np.asarray(g["prompt_ids"]), num_samples=2, max_new_tokens=len(g["ids"]),
+                     key=jax.random.key(0), temperature=0.0)
+  assert np.asarray(out.tokens).tolist() == [g["ids"]] * 2
+
+
+def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path, reference):
+  # Exported config.json + model.safetensors load back into the same parameters and log-probs.
+  export_model(model, None, str(tmp_path / "out"))
+  back = load_hf_model(str(tmp_path / "out"))
+  assert back.config == model.config
+  want, got = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(back, nnx.Param))
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
+  with open(tmp_path / "out" / "config.json") as f:
+    written = json.load(f)
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    source = json.load(f)
+  for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters", "hidden_activation"):
+    assert written[key] == source[key], key
+
+
+def _objective(logp, br):
+  return obj.grpo_objective(logp, br, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+
+
+_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
+                static_argnames=("micro_batch", "schedule", "layout", "fused"))
+
+
+def _params(model, dtype):
+  graphdef, params = nnx.split(model)
+  return graphdef, jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+
+
+def _group_arrays(group, dtype):
+  rng = np.random.default_rng(1)
+  g, t = group.completion_ids.shape
+  return group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(dtype),
+                      advantage=rng.normal(size=g).astype(dtype),
+                      old_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype),
+                      ref_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
+
+
+def test_group_replay_equals_naive_float64_with_the_window_across_the_prompt(model, x64):
+  # Prompt of 6, completions of 2, 5 and 9 tokens, window 4: a completion's first tokens see the last
+  # prompt keys only, later ones none. Replay (the prompt once, the completions on its K/V, unfused and
+  # fused) and naive rows (prompt + completion as one sequence) are the same function: float64 rounding.
+  m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+  graphdef, params = _params(m64, jnp.float64)
+  arrays = _group_arrays(_window_group(), np.float64)
+  assert fused_applies(arrays, micro_batch=None)
+  ln, an, gn = _step(graphdef, params, arrays, _objective, layout="naive")
+  for kw in (dict(micro_batch=1, fused=False), dict(micro_batch=None, fused=True)):
+    lr, ar, gr = _step(graphdef, params, arrays, _objective, **kw)
+    assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), kw
+    assert max_rel_err(gr, gn) <= 1e-10, kw
+
+
+def _float64_gradient(model, arrays64):
+  with jax.enable_x64(True):
+    m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+    g64, p64 = _params(m64, jnp.float64)
+    return jax.tree_util.tree_map(np.asarray, _step(g64, p64, arrays64, _objective, layout="naive")[2])
+
+
+def _window_group():
+  return random_group([2, 5, 9], prompt_len=6, seed=3)
+
+
+def test_group_replay_float32_within_rounding_of_naive(model):
+  # float32: replay against naive within 1e-4 relative (rounding order only; measured ~1e-6).
+  arrays = _group_arrays(_window_group(), np.float32)
+  graphdef, params = _params(model, jnp.float32)
+  _, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
+  _, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
+  assert max_rel_err(gr, gn) <= 1e-4
+
+
+# heavy: ~25 s of compiles (float64 reference, bfloat16 naive and replay). CI covers the same code in
+# float64 (test_group_replay_equals_naive_float64_with_the_window_across_the_prompt) and float32 (above).
+@pytest.mark.heavy
+def test_group_replay_bfloat16_error_at_most_twice_naive(model):
+  # bfloat16 compute: replay's error against the float64 gradient at most twice naive's, as for Llama
+  # (tests/test_replay.py).
+  with jax.enable_x64(True):
+    arrays64 = _group_arrays(_window_group(), np.float64)
+  exact = _float64_gradient(model, arrays64)
+  arrays = _group_arrays(_window_group(), np.float32)
+  mbf = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.bfloat16)
+  graphdef, params = _params(mbf, jnp.float32)
+  naive_err = max_rel_err(_step(graphdef, params, arrays, _objective, layout="naive")[2], exact)
+  replay_err = max_rel_err(_step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)[2], exact)
+  assert replay_err <= 2 * naive_err, (replay_err, naive_err)
+
+
+def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model, x64):
+  # Depth 3: prompt 5, then nodes of 2-4 tokens. With window 4 a level-3 token sees part of its parent
+  # and none of its grandparent or the prompt; the window is measured in positions across the segments.
+  m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+  graphdef, params = _params(m64, jnp.float64)
+  rng = np.random.default_rng(7)
+  seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
+  one = {a: seg(10 + a, 3 + a) for a in range(2)}
+  two = {(a, b): seg(20 + b, 2 + 2 * b) for a in range(2) for b in range(2)}
+  trajectories = [one[a] + two[a, b] + seg(30 + c, 2 + c) for a in range(2) for b in range(2) for c in range(2)]
+  tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
+  adv = rng.normal(size=len(trajectories))
+  old = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
+  ref = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
+  per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": ref}
+  tree_batch = tree_arrays(pad_tree(tree), per_node, advantage=adv)
+  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
+                                 completion_bucket=16, advantage=adv)
+  ln, _, gn = _step(graphdef, params, rows, _objective, layout="naive")
+  # depth-first, two leaf siblings per step (the schedules differ only above the model: tests/test_tree_replay.py)
+  lt, _, gt = _step(graphdef, params, tree_batch, _objective, schedule="depth_first", micro_batch=2)
+  assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max_rel_err(gt, gn) <= 1e-10
+  with pytest.raises(ValueError, match="packed tree"):   # the packed row's key ends take no window
+    value_and_grad(POLICY, graphdef, params, pack_trees([tree_batch])[0], _objective)
+
+
+def test_sliding_window_options_are_refused_by_name():
+  with pytest.raises(ValueError, match="attention_impl='pallas'"):
+    Llama(tiny_config(arch="gemma3_text", layer_types=(SLIDING, FULL), sliding_window=4, rope_local_theta=1e4,
+                      qk_norm=True), attention_impl="pallas")
+  with pytest.raises(ValueError, match="sliding_window is Gemma 3's"):
+    tiny_config(sliding_window=4)
+  with pytest.raises(ValueError, match="layer_types must be a tuple of 2"):
+    tiny_config(arch="gemma3_text", layer_types=(SLIDING,), sliding_window=4, rope_local_theta=1e4)
+  with pytest.raises(ValueError, match="rope_local_theta"):
+    tiny_config(arch="gemma3_text", layer_types=(SLIDING, FULL), sliding_window=4)
