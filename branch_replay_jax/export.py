@@ -63,7 +63,8 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
     if isinstance(c.rope_scaling, LinearRopeScaling):
       full = {"rope_type": "linear", "factor": c.rope_scaling.factor, "rope_theta": c.rope_theta}
     out.update(hidden_activation="gelu_pytorch_tanh", layer_types=list(c.layer_types),
-               sliding_window=c.sliding_window, query_pre_attn_scalar=c.query_pre_attn_scalar,
+               sliding_window=c.sliding_window,
+               query_pre_attn_scalar=int(q) if (q := c.query_pre_attn_scalar).is_integer() else q,   # an int there
                rope_parameters={FULL: full, SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta}},
                final_logit_softcapping=None, attn_logit_softcapping=None)
   return out
