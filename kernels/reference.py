@@ -201,9 +201,10 @@ def windowed_suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], o
   `sliding_window_overlay`: kv_idx > q_idx - sliding_window). The window crosses block boundaries: an
   ancestor key's position is `key_positions`', an own key's its query position.
 
-  One dense step over whole blocks (the `_attend` of `suffix_attention`'s short path, same online-softmax
-  backward): scores [Hkv, B, T, G, S] for all of a block's keys at once, the window a mask on them. No
-  tiling and no Pallas kernel take a window yet.
+  The two paths of `suffix_attention`, the window a mask on each: one dense step for a short segment,
+  else query chunks and key tiles (`tiled_attention` with `reach`), where a tile that no query of its
+  chunk can reach is skipped (forward and backward), so a long segment's work grows with T x W rather
+  than T x S. No Pallas kernel takes a window yet.
 
   Args:
     q_bthd, ancestors, own, scale: as `suffix_attention` (own.valid bool; a packed tree's int key ends
@@ -222,11 +223,13 @@ def windowed_suffix_attention(q_bthd: jax.Array, ancestors: Sequence[KVBlock], o
     return jnp.zeros(q_bthd.shape, q_bthd.dtype), jnp.zeros((b, 0, hq), accum_dtype(q_bthd.dtype))
   ancestors = [blk for blk in ancestors if blk.k.shape[1]]
   qp = jnp.asarray(query_positions, jnp.int32)
-  reach = lambda kp: (qp[:, :, None] - kp[:, None, :] < window)[None, :, :, None, :]   # [1, B, T, 1, S]
-  masks = _masks(ancestors, own.valid, 0)
-  masks = [m & reach(kp) for m, kp in zip(masks, key_positions(ancestors) + [qp])]
-  kvs = [(blk.k, blk.v) for blk in ancestors] + [(own.k, own.v)]
-  out, lse = _attend(q, kvs, masks)
+  positions = key_positions(ancestors)
+  if t > QUERY_CHUNK or any(blk.k.shape[1] > KEY_BLOCK for blk in ancestors):
+    out, lse = tiled_attention(q, ancestors, own, QUERY_CHUNK, KEY_BLOCK, reach=(window, qp, positions))
+  else:
+    reach = lambda kp: (qp[:, :, None] - kp[:, None, :] < window)[None, :, :, None, :]   # [1, B, T, 1, S]
+    masks = [m & reach(kp) for m, kp in zip(_masks(ancestors, own.valid, 0), positions + [qp])]
+    out, lse = _attend(q, [(blk.k, blk.v) for blk in ancestors] + [(own.k, own.v)], masks)
   out_bthd, lse_bth = ungrouped(out, lse, t)
   return out_bthd.astype(q_bthd.dtype), lse_bth
 

@@ -208,10 +208,12 @@ def _tiles(c, sizes: Sequence[int], chunk: int, key_block: int, own: bool = True
   return looped, single
 
 
-def _tile(blocks, block: int, start, size: int, causal: bool, rows=None):
+def _tile(blocks, block: int, start, size: int, causal: bool, rows=None, reach=None):
   """(k, v [Hkv, B or 1, size, D], mask broadcastable to [Hkv, B, C, G, size]) of one tile; rows [C]:
-  the chunk's query indices, read by an own block's int32 key ends (`reference.KVBlock`)."""
-  k, v, valid = blocks[block]
+  the chunk's query indices, read by an own block's int32 key ends (`reference.KVBlock`); reach: None,
+  or (the chunk's query positions [B, C], window): a key at position q is visible to a query at p only
+  while p - q < window (the block then carries its keys' positions [B or 1, S] as a 4th entry)."""
+  k, v, valid = blocks[block][:3]
   valid = _take(valid, start, size, 1)
   if jnp.issubdtype(valid.dtype, jnp.integer):   # key ends: query i sees key j while i < ends[j]
     mask = (rows[None, :, None] < valid[:, None, :])[None, :, :, None, :]
@@ -219,16 +221,21 @@ def _tile(blocks, block: int, start, size: int, causal: bool, rows=None):
     mask = valid[None, :, None, None, :]
   if causal:   # the diagonal tile: query i of the chunk sees its keys 0..i
     mask = mask & jnp.tril(jnp.ones((size, size), bool))[None, None, :, None, :]
+  if reach is not None:
+    positions, window = reach
+    keys = _take(blocks[block][3], start, size, 1)
+    mask = mask & (positions[:, :, None] - keys[:, None, :] < window)[None, :, :, None, :]
   return _take(k, start, size, 2), _take(v, start, size, 2), mask
 
 
-def _unless_masked(block: int, blocks, mask, fn, carry, skipped=lambda c: c):
-  """fn(carry), or skipped(carry) (default: carry unchanged) where an own tile of int32 key ends (a
-  packed tree's row, `reference.KVBlock`) hides every key from every query of the chunk: the keys of
-  a sibling subtree that ended before the chunk. Such a tile adds exactly nothing (its probabilities
-  are 0), so the skip changes no value; it saves the tile's score and gradient work. Other tiles
-  always run fn."""
-  if block != len(blocks) - 1 or not jnp.issubdtype(blocks[block][2].dtype, jnp.integer):
+def _unless_masked(block: int, blocks, mask, fn, carry, skipped=lambda c: c, windowed: bool = False):
+  """fn(carry), or skipped(carry) (default: carry unchanged) where the tile hides every key from every
+  query of the chunk: an own tile of int32 key ends (a packed tree's row, `reference.KVBlock`) whose
+  keys are a sibling subtree that ended before the chunk, or (windowed) keys a sliding window no longer
+  reaches. Such a tile adds exactly nothing (its probabilities are 0), so the skip changes no value; it
+  saves the tile's score and gradient work. Other tiles always run fn."""
+  packed = block == len(blocks) - 1 and jnp.issubdtype(blocks[block][2].dtype, jnp.integer)
+  if not (packed or windowed):
     return fn(carry)
   return lax.cond(jnp.any(mask), fn, skipped, carry)
 
@@ -241,11 +248,14 @@ def query_chunks(t: int, chunk: int) -> tuple[int, int]:
   return size, n_chunks * size - t
 
 
-def tiled_attention(q, ancestors: Sequence, own, chunk: int, key_block: int):
+def tiled_attention(q, ancestors: Sequence, own, chunk: int, key_block: int, reach=None):
   """(out [Hkv, B, T, G, D] accum dtype, lse [Hkv, B, T, G]) of pre-scaled q [Hkv, B, T, G, D], tiled.
 
   ancestors: `KVBlock`s (k, v [B or 1, S_i, Hkv, D], valid [B or 1, S_i]), none empty; own: k, v
   [B, T, Hkv, D], valid [B, T]; chunk: the most queries per chunk; key_block: ancestor keys per tile.
+  reach: None, or a sliding window (window, query positions [B, T], [ancestor key positions [B or 1,
+  S_i]]) (`reference.windowed_suffix_attention`): a key is visible only while the query's position
+  minus its own is below the window, and a tile no query of its chunk can reach is skipped.
 
   The T queries are split into n = ceil(T / chunk) equal chunks of ceil(T / n) <= chunk, T padded
   to n of them (fewer than n padded queries: padding T = 300 to two chunks of 256 doubled the
@@ -255,34 +265,44 @@ def tiled_attention(q, ancestors: Sequence, own, chunk: int, key_block: int):
   chunk, pad = query_chunks(t, chunk)
   q = jnp.pad(q, [(0, 0), (0, 0), (0, pad), (0, 0), (0, 0)])
   pad_kv = lambda x: jnp.pad(_kv_t(x), [(0, 0), (0, 0), (0, pad), (0, 0)])
-  own_t = (pad_kv(own.k), pad_kv(own.v), jnp.pad(own.valid, [(0, 0), (0, pad)]))
-  ancestors_t = tuple((_kv_t(blk.k), _kv_t(blk.v), blk.valid) for blk in ancestors)
-  out, lse = _attend_tiled(q, ancestors_t, own_t, chunk, key_block)
+  if reach is None:
+    own_t = (pad_kv(own.k), pad_kv(own.v), jnp.pad(own.valid, [(0, 0), (0, pad)]))
+    ancestors_t = tuple((_kv_t(blk.k), _kv_t(blk.v), blk.valid) for blk in ancestors)
+  else:
+    window, positions, key_positions = reach
+    positions = jnp.pad(jnp.asarray(positions, jnp.int32), [(0, 0), (0, pad)])
+    own_t = (pad_kv(own.k), pad_kv(own.v), jnp.pad(own.valid, [(0, 0), (0, pad)]), positions)
+    ancestors_t = tuple((_kv_t(blk.k), _kv_t(blk.v), blk.valid, p) for blk, p in zip(ancestors, key_positions))
+    reach = (positions, jnp.asarray(window, jnp.int32))
+  out, lse = _attend_tiled(q, ancestors_t, own_t, reach, chunk, key_block)
   return out[:, :, :t], lse[:, :, :t]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attend_tiled(q, ancestors, own, chunk: int, key_block: int):
-  """`_attend` over ancestors ((k, v [Hkv, B or 1, S_i, D], valid [B or 1, S_i]), ...) and own
-  (k, v [Hkv, B, T, D], valid [B, T]), T a multiple of `chunk`, a tile at a time."""
-  return _attend_tiled_fwd(q, ancestors, own, chunk, key_block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend_tiled(q, ancestors, own, reach, chunk: int, key_block: int):
+  """`_attend` over ancestors ((k, v [Hkv, B or 1, S_i, D], valid [B or 1, S_i][, positions]), ...) and
+  own (k, v [Hkv, B, T, D], valid [B, T][, positions]), T a multiple of `chunk`, a tile at a time; reach
+  None or (query positions [B, T], window) (`tiled_forward`)."""
+  return _attend_tiled_fwd(q, ancestors, own, reach, chunk, key_block)[0]
 
 
-def _attend_tiled_fwd(q, ancestors, own, chunk, key_block):
-  out, lse = tiled_forward(q, ancestors, own, chunk, key_block)
-  return (out, lse), (q, ancestors, own, out, lse)
+def _attend_tiled_fwd(q, ancestors, own, reach, chunk, key_block):
+  out, lse = tiled_forward(q, ancestors, own, chunk, key_block, reach)
+  return (out, lse), (q, ancestors, own, reach, out, lse)
 
 
-def tiled_forward(q, ancestors: tuple, own, chunk: int, key_block: int):
+def tiled_forward(q, ancestors: tuple, own, chunk: int, key_block: int, reach=None):
   """(out [Hkv, B, T, G, D], lse [Hkv, B, T, G]), accumulation dtype, of pre-scaled q [Hkv, B, T, G, D]
   over ancestors ((k, v [Hkv, B or 1, S_i, D], valid [B or 1, S_i]), ...) and own (k, v [Hkv, B, T,
-  D], valid [B, T], bottom-right causal; or None: ancestors only), T a multiple of `chunk`.
+  D], valid [B, T], bottom-right causal; or None: ancestors only), T a multiple of `chunk`. reach:
+  None, or (query positions [B, T] int32, window) with every block carrying its keys' positions
+  [B or 1, S] as a 4th entry: the sliding window of `_tile`, whose unreachable tiles are skipped.
 
   The forward of `tiled_attention` without its custom_vjp (Dao et al. 2022, Algorithm 1), for a caller
   that defines its own backward (ring attention, kernels/context_parallel.py) with `tiled_backward`."""
   acc = accum_dtype(q.dtype)
   blocks = ancestors + ((own,) if own is not None else ())
-  sizes = [k.shape[2] for k, _, _ in ancestors]
+  sizes = [blk[0].shape[2] for blk in ancestors]
   vary = _varying_like(q, blocks)
 
   def chunk_body(c, outs):
@@ -291,13 +311,15 @@ def tiled_forward(q, ancestors: tuple, own, chunk: int, key_block: int):
     state = SoftmaxState(vary(jnp.full(q_c.shape[:-1], jnp.finfo(acc).min, acc)), vary(jnp.zeros(q_c.shape[:-1], acc)),
                    vary(jnp.zeros(q_c.shape, acc)))
     rows = c * chunk + jnp.arange(chunk)
+    reach_c = None if reach is None else (_take(reach[0], c * chunk, chunk, 1), reach[1])
     for block, start, size, count in looped:
       def step(j, st, block=block, start=start, size=size):
-        tile = _tile(blocks, block, start + j * size, size, False, rows)
-        return _unless_masked(block, blocks, tile[2], lambda s: _online_step(q_c, [tile], s), st)
+        tile = _tile(blocks, block, start + j * size, size, False, rows, reach_c)
+        return _unless_masked(block, blocks, tile[2], lambda s: _online_step(q_c, [tile], s), st,
+                              windowed=reach is not None)
       state = _loop(count, step, state)
     if single:
-      state = _online_step(q_c, [_tile(blocks, *tile, rows) for tile in single], state)
+      state = _online_step(q_c, [_tile(blocks, *tile, rows, reach_c) for tile in single], state)
     out_c, lse_c = finish_softmax(state)
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 2)
     return put(outs[0], out_c), put(outs[1], lse_c)
@@ -306,15 +328,16 @@ def tiled_forward(q, ancestors: tuple, own, chunk: int, key_block: int):
 
 
 def _attend_tiled_bwd(chunk, key_block, residuals, cotangents):
-  q, ancestors, own, out, lse = residuals
-  d_q, d_ancestors, d_own = tiled_backward(q, ancestors, own, out, lse, *cotangents, chunk, key_block)
+  q, ancestors, own, reach, out, lse = residuals
+  d_q, d_ancestors, d_own = tiled_backward(q, ancestors, own, out, lse, *cotangents, chunk, key_block, reach)
   cast = lambda ct, x: _reduce_like(ct, x).astype(x.dtype)
-  d_kvs = [(cast(dk, k), cast(dv, v), np.zeros(valid.shape, jax.dtypes.float0))
-           for (dk, dv), (k, v, valid) in zip(d_ancestors + (d_own,), ancestors + (own,))]
-  return cast(d_q, q), tuple(d_kvs[:-1]), d_kvs[-1]
+  none = lambda x: np.zeros(x.shape, jax.dtypes.float0)   # masks and positions take no cotangent
+  d_kvs = [(cast(dk, blk[0]), cast(dv, blk[1]), *map(none, blk[2:]))
+           for (dk, dv), blk in zip(d_ancestors + (d_own,), ancestors + (own,))]
+  return cast(d_q, q), tuple(d_kvs[:-1]), d_kvs[-1], jax.tree_util.tree_map(none, reach)
 
 
-def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int, key_block: int):
+def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int, key_block: int, reach=None):
   """(dq, ((dk, dv) per ancestor), (dk, dv) of own or None), accumulation dtype, not summed over mesh axes.
 
   The backward of `tiled_forward` (Dao 2023, Algorithm 2) over the blocks given, with out [Hkv, B, T,
@@ -325,7 +348,7 @@ def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int,
   in `tiled_forward`; d_out like out, d_lse like lse."""
   acc = out.dtype
   blocks = ancestors + ((own,) if own is not None else ())
-  sizes = [k.shape[2] for k, _, _ in ancestors]
+  sizes = [blk[0].shape[2] for blk in ancestors]
   vary = _varying_like((q, blocks, out, lse), (d_out, d_lse))
   d_out = d_out.astype(acc)
   # dS = P (dP - rowsum(dO * O)) + P d lse (as d lse / dS = P) = P (dP - delta)
@@ -338,17 +361,19 @@ def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int,
     q_c, d_out_c, lse_c, delta_c = rows(q), rows(d_out), rows(lse), rows(delta)
     looped, single = _tiles(c, sizes, chunk, key_block, own is not None)
     rows_c = c * chunk + jnp.arange(chunk)
+    reach_c = None if reach is None else (_take(reach[0], c * chunk, chunk, 1), reach[1])
 
     def visit(tile, carry):
       dq_c, d_blocks = carry
       block, start, size, _ = tile
-      k, v, mask = _tile(blocks, *tile, rows_c)
+      k, v, mask = _tile(blocks, *tile, rows_c, reach_c)
       grads = lambda _: _grad_tile(q_c, d_out_c, lse_c, delta_c, k, v, mask)
       # Only the tile's own gradients go through the skip's cond, not the carry: a cond returning the
       # whole dK/dV buffers would copy them at every tile.
       dq_tile, dk_tile, dv_tile = _unless_masked(block, blocks, mask, grads, None,
                                                  skipped=lambda _: jax.tree_util.tree_map(
-                                                     jnp.zeros_like, jax.eval_shape(grads, None)))
+                                                     jnp.zeros_like, jax.eval_shape(grads, None)),
+                                                 windowed=reach is not None)
       dk, dv = d_blocks[block]
       d_kv = (_add_at(dk, dk_tile, start, 2), _add_at(dv, dv_tile, start, 2))
       return dq_c + dq_tile, d_blocks[:block] + (d_kv,) + d_blocks[block + 1:]
@@ -362,7 +387,7 @@ def tiled_backward(q, ancestors: tuple, own, out, lse, d_out, d_lse, chunk: int,
     dq_c, d_blocks = carry
     return lax.dynamic_update_slice_in_dim(d_q, dq_c, c * chunk, 2), d_blocks
 
-  zeros = tuple((vary(jnp.zeros(k.shape, acc)), vary(jnp.zeros(v.shape, acc))) for k, v, _ in blocks)
+  zeros = tuple((vary(jnp.zeros(blk[0].shape, acc)), vary(jnp.zeros(blk[1].shape, acc))) for blk in blocks)
   d_q, d_blocks = _loop(q.shape[2] // chunk, chunk_body, (vary(jnp.zeros(q.shape, acc)), zeros))
   if own is None:
     return d_q, tuple(d_blocks), None

@@ -236,3 +236,20 @@ def test_grpo_trains_a_gemma_directory_by_replay_and_checks_it_against_naive_row
   (record,) = history
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("model.attention_impl", "pallas", "no Pallas kernel takes a window"),
+    ("mesh.seq", 8, "ring attention\\) takes no window"),
+])
+def test_a_sliding_window_model_refuses_what_its_attention_does_not_take_before_loading(tmp_path, field, value,
+                                                                                        message):
+  # Read from config.json alone: the fixture has no tokenizer, so a load would fail otherwise.
+  from conftest import experiment_config
+  from experiments import grpo_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  overrides = {"model.name": FIXTURE, field: value}
+  if field == "mesh.seq":
+    overrides["rollout.prompts_per_step"] = 1
+  with pytest.raises(ValueError, match=f"has sliding-window layers \\(Gemma 3\\): .*{message}"):
+    grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **overrides))

@@ -230,3 +230,26 @@ def test_compiled_temporaries_grow_linearly_with_the_prompt():
     mp.setattr(reference, "QUERY_CHUNK", 1 << 20)
     mp.setattr(reference, "KEY_BLOCK", 1 << 20)
     assert temp(2048) > 3.5 * temp(1024)
+
+
+@pytest.mark.parametrize("window", [1, 10, 1 << 30])
+def test_windowed_tiled_float64_equals_the_windowed_dense_step(x64, monkeypatch, window):
+  # Sliding-window attention (Gemma 3's local layers) through query chunks of 8 and key tiles of 16
+  # against the dense step over whole blocks: out, lse and every gradient equal to float64 rounding
+  # (<= 1e-12). Positions count valid keys across the blocks (reference.key_positions); with window 10
+  # most of the 50-key prompt's tiles are out of every chunk's reach and skipped, window 1 leaves each
+  # query its own key only, 2^30 is global attention (then equal to suffix_attention itself).
+  from branch_replay_jax.kernels import windowed_suffix_attention
+  inputs = make_inputs(TILED["chunks-and-tiles-shared-ragged"], seed=6)
+  valid = inputs[3]
+  before = sum(np.broadcast_to(m, (3, m.shape[1])).sum(-1) for m in valid)   # valid ancestor keys per row
+  positions = jnp.asarray(before[:, None] + np.arange(29)[None], jnp.int32)
+  fn = lambda q, a, o: windowed_suffix_attention(q, a, o, window=window, query_positions=positions)
+  monkeypatch.setattr(reference, "QUERY_CHUNK", 1 << 20)
+  monkeypatch.setattr(reference, "KEY_BLOCK", 1 << 20)
+  dense = run(fn, jnp.float64, inputs)
+  monkeypatch.setattr(reference, "QUERY_CHUNK", CHUNK)
+  monkeypatch.setattr(reference, "KEY_BLOCK", KEY_BLOCK)
+  _assert_close(run(fn, jnp.float64, inputs), dense, 1e-12)
+  if window == 1 << 30:
+    _assert_close(run(suffix_attention, jnp.float64, inputs), dense, 1e-12)

@@ -84,6 +84,7 @@ def validate_common(config) -> None:
     check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     check_stop_strings(r.get("stop_strings", ()))
     context = TINY_MAX_POSITIONS if m.name == "tiny" else model_context(m.name)
+    validate_sliding_window(config)
     episodes = r.get("episodes")
     if episodes is not None:   # an episode's budget is its whole context, prompt and observations included
       if isinstance(episodes.max_context, int) and episodes.max_context > context:
@@ -98,6 +99,25 @@ def validate_common(config) -> None:
       raise ValueError(f"{field} leaves no room for a prompt in model {m.name!r}'s context of {context} tokens; "
                        f"it must be < {context}")
   validate_lora(config)
+
+
+def validate_sliding_window(config) -> None:
+  """Raise ValueError, naming the field, where a model with sliding-window layers (Gemma 3,
+  `ModelConfig.layer_types`, read from its metadata) meets what its windowed attention does not take:
+  a Pallas kernel (model.attention_impl), the prompt split over mesh.seq (ring attention has no window),
+  packed trees (train.tree_schedule='packed': their key ends take no window)."""
+  from branch_replay_jax.models.loading import architecture
+  m = config.model
+  if m.name == "tiny" or not architecture(m.name).gemma:
+    return
+  why = (f"model.attention_impl={m.attention_impl!r}: no Pallas kernel takes a window yet; use 'xla'"
+         if m.attention_impl not in ("xla", "auto") else
+         f"mesh.seq={config.mesh.seq}: the prompt split over seq (ring attention) takes no window; use mesh.data and "
+         "mesh.branch" if config.get("mesh") is not None and config.mesh.seq > 1 else
+         "train.tree_schedule='packed': a packed row's key ends take no window; use 'depth_first' or 'level'"
+         if config.train.get("tree_schedule") == PACKED else None)
+  if why:
+    raise ValueError(f"model.name={m.name!r} has sliding-window layers (Gemma 3): {why}")
 
 
 def model_context(name: str) -> int:
