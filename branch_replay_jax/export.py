@@ -30,14 +30,14 @@ from flax import nnx
 from ml_collections import config_flags
 from safetensors.numpy import save_file
 
-from branch_replay_jax.models import Llama, lora
+from branch_replay_jax.models import Llama, lora, qwen3_5
 from branch_replay_jax.models.config import FULL, SLIDING, LinearRopeScaling, ModelConfig
 from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_PREFIX, layer_names
 from branch_replay_jax.models.loading import LAYER_PARAMS, generation_config, stop_ids
 from branch_replay_jax.outputs.checkpoints import read_run_record
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gemma3_text": "Gemma3ForCausalLM"}
+              "gemma3_text": "Gemma3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
 
 
@@ -67,6 +67,9 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
                query_pre_attn_scalar=int(q) if (q := c.query_pre_attn_scalar).is_integer() else q,   # an int there
                rope_parameters={FULL: full, SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta}},
                final_logit_softcapping=None, attn_logit_softcapping=None)
+  if c.hybrid:   # transformers-5 Qwen3_5TextConfig fields (`models.hf_loader._qwen3_5_fields` reads them)
+    del out["rope_theta"], out["mlp_bias"]
+    out.update(qwen3_5.hf_config_fields(c))
   return out
 
 
@@ -85,8 +88,11 @@ def token_ids(tokenizer) -> tuple[dict, dict]:
 
 
 def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-  """HF-named float32 tensors of `Llama` parameters (a pure dict, `nnx.to_pure_dict`)."""
+  """HF-named float32 tensors of `Llama` parameters (a pure dict, `nnx.to_pure_dict`); Qwen3.5's by
+  `qwen3_5.hf_tensors`."""
   c = config
+  if c.hybrid:
+    return qwen3_5.hf_tensors(c, params)
   to_hf = {
       "q": lambda w: w.reshape(c.d_model, c.num_heads * c.head_dim).T,
       "k": lambda w: w.reshape(c.d_model, c.num_kv_heads * c.head_dim).T,

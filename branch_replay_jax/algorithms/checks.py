@@ -84,7 +84,7 @@ def validate_common(config) -> None:
     check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     check_stop_strings(r.get("stop_strings", ()))
     context = TINY_MAX_POSITIONS if m.name == "tiny" else model_context(m.name)
-    validate_sliding_window(config)
+    validate_layer_kinds(config)
     episodes = r.get("episodes")
     if episodes is not None:   # an episode's budget is its whole context, prompt and observations included
       if isinstance(episodes.max_context, int) and episodes.max_context > context:
@@ -101,21 +101,36 @@ def validate_common(config) -> None:
   validate_lora(config)
 
 
-def validate_sliding_window(config) -> None:
-  """Raise ValueError, naming the field, where a model with sliding-window layers (Gemma 3,
-  `ModelConfig.layer_types`, read from its metadata) meets what its windowed attention does not take:
-  a Pallas kernel (model.attention_impl), the prompt split over mesh.seq (ring attention has no window),
-  packed trees (train.tree_schedule='packed': their key ends take no window)."""
+def validate_layer_kinds(config) -> None:
+  """Raise ValueError, naming the field, where a model whose layers are not all global attention (read from
+  its metadata) meets what those layers do not take. Sliding-window layers (Gemma 3): a Pallas kernel
+  (model.attention_impl), the prompt split over mesh.seq (ring attention has no window), packed trees
+  (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
+  prompt split over mesh.seq (the recurrent state would have to pass between seq devices), LoRA adapters
+  (`models.lora` adapts the Llama block), packed trees (the recurrence runs along a row)."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
-  if m.name == "tiny" or not architecture(m.name).gemma:
+  if m.name == "tiny":
+    return
+  arch = architecture(m.name)
+  seq = config.get("mesh") is not None and config.mesh.seq > 1
+  packed = config.train.get("tree_schedule") == PACKED
+  if arch.hybrid:
+    why = (f"mesh.seq={config.mesh.seq}: the prompt split over seq would have to pass the recurrent state from "
+           "device to device, which is not built; use mesh.data and mesh.branch" if seq else
+           "lora: adapters are built for the Llama block; train the whole model" if config.get("lora") is not None
+           else "train.tree_schedule='packed': the recurrence runs along a row; use 'depth_first' or 'level'"
+           if packed else None)
+    if why:
+      raise ValueError(f"model.name={m.name!r} has linear-attention layers (Qwen3.5): {why}")
+  if not arch.gemma:
     return
   why = (f"model.attention_impl={m.attention_impl!r}: no Pallas kernel takes a window yet; use 'xla'"
          if m.attention_impl not in ("xla", "auto") else
          f"mesh.seq={config.mesh.seq}: the prompt split over seq (ring attention) takes no window; use mesh.data and "
-         "mesh.branch" if config.get("mesh") is not None and config.mesh.seq > 1 else
+         "mesh.branch" if seq else
          "train.tree_schedule='packed': a packed row's key ends take no window; use 'depth_first' or 'level'"
-         if config.train.get("tree_schedule") == PACKED else None)
+         if packed else None)
   if why:
     raise ValueError(f"model.name={m.name!r} has sliding-window layers (Gemma 3): {why}")
 

@@ -60,8 +60,8 @@ PART_RULES = (
     ("models/llama.py", "rms_norm", "rmsnorm"),
     ("models/llama.py", "apply_rope", "rope"),
     ("models/llama.py", "rope_inv_freq", "rope"),
-    ("models/llama.py", "_project", "projections"),
-    ("models/llama.py", "_matmul_2d", "projections"),   # _project's dots, named by its spec (a named_scope)
+    ("models/llama.py", "project", "projections"),
+    ("models/llama.py", "_matmul_2d", "projections"),   # project's dots, named by its spec (a named_scope)
     ("models/llama.py", "_layer", "layer other (silu, residual)"),
     ("models/llama.py", "__call__", "model"),   # split by its source line (CALL_LINES)
     ("models/llama.py", "prompt_and_rows", "model"),   # the fused replay's forward, likewise

@@ -53,7 +53,7 @@ from ml_collections import config_flags  # noqa: E402
 from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.data.batches import GroupBatch, Segments  # noqa: E402
 from branch_replay_jax.distributed.mesh import batch_specs, param_specs  # noqa: E402
-from branch_replay_jax.models import Llama  # noqa: E402
+from branch_replay_jax.models.loading import decoder_class  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape, tiny_config  # noqa: E402
 from branch_replay_jax.gradients.heads import POLICY  # noqa: E402
 from branch_replay_jax.gradients.step import value_and_grad  # noqa: E402
@@ -69,8 +69,8 @@ def _architecture(name: str):
 
 
 def _abstract_model(cfg, dtype: str, remat: str, attention_impl: str):
-  model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.dtype(dtype), remat=remat, attention_impl=attention_impl,
-                                       rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: decoder_class(cfg)(cfg, dtype=jnp.dtype(dtype), remat=remat,
+                                                     attention_impl=attention_impl, rngs=nnx.Rngs(0)))
   return nnx.split(model)
 
 

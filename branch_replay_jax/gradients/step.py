@@ -48,7 +48,6 @@ from branch_replay_jax.data.batches import GroupBatch, PackedBatch, TreeBatch, n
 from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.heads import Policy, SegmentOutputs
-from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.lora import WithBase, merge
 
 LAYOUTS = ("replay", "naive")
@@ -152,12 +151,18 @@ def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
     ancestors = [ancestors[0]] + [_row_ancestor(a) for a in ancestors[1:]]
     state, out = _segment(head, merge(graphdef, params), ancestors, nodes.tokens, nodes.mask, chunk, attention)
     per_node = lambda x: jnp.expand_dims(jnp.moveaxis(x, 1, 0), 2)   # [L, m, ...] -> [m, L, 1, ...]
-    state["kv"] = {name: KVBlock(per_node(b.k), per_node(b.v), b.valid[:, None]) for name, b in state["kv"].items()}
+    state["kv"] = {name: _relayout(b, per_node, lambda m: m[:, None]) for name, b in state["kv"].items()}
     if objective is None:
       return state, head.forward_result(out)
     losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, nodes)
     return state, losses, NodeOutputs(out.logp, aux, out.values)
   return node_fn
+
+
+def _relayout(block, layered, valid):
+  """A segment's state block (a `KVBlock`, or Qwen3.5's `HybridState` with its linear layers' state) with
+  `layered` applied to every field that leads with the layer axis and `valid` to its valid mask."""
+  return type(block)(**{f: valid(x) if f == "valid" else layered(x) for f, x in block._asdict().items()})
 
 
 def _row_ancestor(state: dict) -> dict:
@@ -167,7 +172,7 @@ def _row_ancestor(state: dict) -> dict:
   if jnp.ndim(state["end"]) == 0:
     return state
   rows = lambda x: jnp.moveaxis(x[:, :, 0], 0, 1)   # [m, L, 1, T, ...] -> [L, m, T, ...]
-  kv = {name: KVBlock(rows(b.k), rows(b.v), b.valid[:, 0]) for name, b in state["kv"].items()}
+  kv = {name: _relayout(b, rows, lambda m: m[:, 0]) for name, b in state["kv"].items()}
   return {**state, "kv": kv}
 
 

@@ -1,14 +1,15 @@
-"""Architecture description of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3) and of
-Gemma 3's text decoder (sliding-window layers beside global ones)."""
+"""Architecture description of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3), of
+Gemma 3's text decoder (sliding-window layers beside global ones) and of Qwen3.5's (Gated DeltaNet
+linear-attention layers beside gated full-attention ones)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text")
-# Gemma 3's attention layer kinds (transformers' `Gemma3TextConfig.layer_types`).
-SLIDING, FULL = "sliding_attention", "full_attention"
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text")
+# Attention layer kinds (transformers' `layer_types`): Gemma 3's sliding and full, Qwen3.5's linear and full.
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 # RoPE base of a checkpoint whose metadata omits it, for the families that document one: Llama 1/2's
 # 10000 (transformers' LlamaConfig default, llama.cpp's fallback). Qwen2/2.5/3 checkpoints use 1000000
@@ -32,6 +33,32 @@ class LinearRopeScaling:
   `factor` (HF `rope_type="linear"`; Gemma 3's global layers from 4B up use factor 8)."""
 
   factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetShape:
+  """Qwen3.5's linear-attention layers (transformers' `Qwen3_5TextConfig.linear_*`): Hk key heads of width
+  Dk (queries share them), Hv value heads of width Dv (Hv a multiple of Hk), a depthwise causal convolution
+  of `conv_kernel` taps over the q, k, v channels (2·Hk·Dk + Hv·Dv)."""
+
+  num_key_heads: int
+  num_value_heads: int
+  key_head_dim: int
+  value_head_dim: int
+  conv_kernel: int = 4
+
+  def __post_init__(self):
+    for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"GatedDeltaNetShape.{name} must be a positive int, got {value!r}")
+    if self.num_value_heads % self.num_key_heads:
+      raise ValueError(f"GatedDeltaNetShape.num_value_heads={self.num_value_heads} is not a multiple of "
+                       f"num_key_heads={self.num_key_heads}")
+
+  @property
+  def conv_channels(self) -> int:
+    return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +89,10 @@ class ModelConfig:
     rope_local_theta: Gemma 3 only: the sliding layers' RoPE base.
     query_pre_attn_scalar: Gemma 3 only: the logit scale is query_pre_attn_scalar ** -0.5 (else
       head_dim ** -0.5).
+    linear_attention: Qwen3.5 only: the shape of its Gated DeltaNet layers (`GatedDeltaNetShape`);
+      layer_types then holds LINEAR or FULL per layer, a repeating pattern (`models.qwen3_5`).
+    rotary_dim: Qwen3.5 only: RoPE rotates the first rotary_dim of each head's head_dim dimensions
+      (partial_rotary_factor · head_dim), the rest pass unrotated.
 
   `arch="gemma3_text"` also selects Gemma 3's block (Gemma Team 2025, arXiv 2503.19786; transformers'
   `Gemma3DecoderLayer`): RMSNorm scaled by (1 + w), norms after attention and MLP as well as before,
@@ -87,6 +118,8 @@ class ModelConfig:
   sliding_window: int | None = None
   rope_local_theta: float | None = None
   query_pre_attn_scalar: float | None = None
+  linear_attention: GatedDeltaNetShape | None = None
+  rotary_dim: int | None = None
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -101,6 +134,12 @@ class ModelConfig:
                        f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+    if self.hybrid:
+      self._check_hybrid()
+      return
+    for name in ("linear_attention", "rotary_dim"):
+      if getattr(self, name) is not None:
+        raise ValueError(f"ModelConfig.{name} is Qwen3.5's (arch='qwen3_5_text'); arch={self.arch!r} has none")
     gemma_fields = ("layer_types", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
     if not self.gemma:
       for name in gemma_fields:
@@ -117,17 +156,43 @@ class ModelConfig:
     if SLIDING in types and self.rope_local_theta is None:
       raise ValueError("ModelConfig.rope_local_theta (the sliding layers' RoPE base) is missing")
 
+  def _check_hybrid(self):
+    types = self.layer_types
+    if not isinstance(types, tuple) or len(types) != self.num_layers or any(t not in (LINEAR, FULL) for t in types):
+      raise ValueError(f"ModelConfig.layer_types must be a tuple of {self.num_layers} values, each {LINEAR!r} or "
+                       f"{FULL!r}; got {types!r}")
+    if not isinstance(self.linear_attention, GatedDeltaNetShape):
+      raise ValueError(f"ModelConfig.linear_attention must be a GatedDeltaNetShape for arch='qwen3_5_text', got "
+                       f"{self.linear_attention!r}")
+    rd = self.rotary_dim
+    if not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > self.head_dim:
+      raise ValueError(f"ModelConfig.rotary_dim must be an even int in [2, head_dim={self.head_dim}], got {rd!r}")
+    for name in ("sliding_window", "rope_local_theta", "query_pre_attn_scalar"):
+      if getattr(self, name) is not None:
+        raise ValueError(f"ModelConfig.{name} is Gemma 3's (arch='gemma3_text'); arch={self.arch!r} has none")
+
   @property
   def gemma(self) -> bool:
     """Gemma 3's block and attention layers (the class docstring)."""
     return self.arch == "gemma3_text"
 
   @property
+  def hybrid(self) -> bool:
+    """Qwen3.5's decoder: Gated DeltaNet layers beside gated full attention (`models.qwen3_5`)."""
+    return self.arch == "qwen3_5_text"
+
+  @property
   def params_per_token_linear(self) -> int:
     """Multiply-adds per token of the dense layers (projections, MLP, output head), no attention."""
     d, hq, hkv, hd, f = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn_dim
     per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
-    return self.num_layers * per_layer + d * self.vocab_size
+    if not self.hybrid:
+      return self.num_layers * per_layer + d * self.vocab_size
+    la = self.linear_attention   # Qwen3.5: the full layers' query gate; the linear layers' q, k, v, z, a, b, out
+    full = per_layer + d * hq * hd
+    linear = d * (la.conv_channels + 2 * la.num_value_heads * la.value_head_dim + 2 * la.num_value_heads) + 3 * d * f
+    n_full = self.layer_types.count(FULL)
+    return n_full * full + (self.num_layers - n_full) * linear + d * self.vocab_size
 
 
 def default_rope_theta(arch: str, key: str, source: str) -> float:
@@ -178,6 +243,13 @@ ARCHITECTURE_SHAPES = {
                                norm_eps=1e-6, tie_embeddings=True, max_positions=131072, arch="gemma3_text",
                                layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(48)),
                                sliding_window=1024, rope_local_theta=10000.0, query_pre_attn_scalar=256.0),
+    # transformers' Qwen3_5TextConfig defaults ("the Qwen3.5-9B style configuration"): three Gated DeltaNet
+    # layers then one gated full-attention layer, eight times.
+    "qwen3.5-9b": ModelConfig(vocab_size=248320, num_layers=32, d_model=4096, num_heads=16, num_kv_heads=4,
+                              head_dim=256, ffn_dim=12288, rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False,
+                              qk_norm=True, max_positions=32768, arch="qwen3_5_text",
+                              layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(32)),
+                              linear_attention=GatedDeltaNetShape(16, 32, 128, 128, 4), rotary_dim=64),
 }
 
 

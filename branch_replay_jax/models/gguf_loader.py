@@ -19,6 +19,7 @@ with n_head = query heads for Q and KV heads for K. `unpermute_rows` undoes it t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -152,7 +153,24 @@ def open_gguf(path: str) -> gguf.GGUFReader:
       its first megabyte: "... (1048576 bytes): the header/metadata expects 7 bytes at offset
       1048575, found 1". Also for a bad magic, an unsupported version, an empty file or
       duplicate keys.
+
+  A file is parsed once per (path, size, modification time) in a process: gguf's reader parses every
+  metadata field, SmolLM2's 49,152-entry vocabulary included (~4 s), and a run reads the header for its
+  checks and again to load. The reader only reads its memory map, so sharing it changes nothing.
   """
+  if not os.path.isfile(path):
+    return _open_gguf(path)
+  stat = os.stat(path)
+  return _cached_gguf(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_gguf(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+  del size, mtime_ns   # the cache key: a rewritten file is parsed again
+  return _open_gguf(path)
+
+
+def _open_gguf(path: str) -> gguf.GGUFReader:
   try:
     return _CheckedReader(path)
   except _ShortRead as e:

@@ -10,8 +10,8 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from branch_replay_jax.models.config import (ARCHITECTURES, FULL, SLIDING, LinearRopeScaling, Llama3RopeScaling,
-                                             ModelConfig, default_rope_theta)
+from branch_replay_jax.models.config import (ARCHITECTURES, FULL, LINEAR, SLIDING, GatedDeltaNetShape, LinearRopeScaling,
+                                             Llama3RopeScaling, ModelConfig, default_rope_theta)
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 LAYER_PREFIX = "model.layers.{}."
@@ -96,12 +96,42 @@ def _gemma_fields(cfg: dict, path: str) -> dict:
               tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
 
 
+def _qwen3_5_fields(cfg: dict, path: str) -> dict:
+  """`ModelConfig` fields of a transformers `Qwen3_5TextConfig` (config.json), beside the common ones
+  `read_config` reads; refuses what the decoder does not implement, naming it.
+
+  Raises:
+    ValueError: attention_bias, a hidden_act other than silu, a rope_type other than default, or
+      layer_types with a value other than linear_attention / full_attention.
+  """
+  for option, present in {"attention_bias": bool(cfg.get("attention_bias")),
+                          "hidden_act != silu": cfg.get("hidden_act", "silu") != "silu"}.items():
+    if present:
+      raise ValueError(f"{path}: {option} is not supported by our qwen3_5_text decoder")
+  rope = dict(cfg.get("rope_parameters") or {})
+  if rope.get("rope_type", "default") != "default":
+    raise ValueError(f"{path}: rope_type {rope.get('rope_type')!r} is not supported by our qwen3_5_text decoder")
+  layers = int(cfg["num_hidden_layers"])
+  types = cfg.get("layer_types")
+  if types is None:
+    every = int(cfg.get("full_attention_interval", 4))
+    types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(layers)]
+  head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+  shape = GatedDeltaNetShape(int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32)),
+                             int(cfg.get("linear_key_head_dim", 128)), int(cfg.get("linear_value_head_dim", 128)),
+                             int(cfg.get("linear_conv_kernel_dim", 4)))
+  return dict(layer_types=tuple(types), linear_attention=shape, qk_norm=True,
+              rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000000.0))),
+              rotary_dim=int(head_dim * float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))),
+              tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
 def read_config(directory: str) -> ModelConfig:
   """The `ModelConfig` of `directory/config.json`.
 
   Raises:
-    ValueError: a model_type other than llama/qwen2/qwen3/gemma3_text (Gemma 3's multimodal "gemma3"
-      is refused: its language model is a gemma3_text), or an option our model does not
+    ValueError: a model_type other than llama/qwen2/qwen3/gemma3_text/qwen3_5_text (the multimodal "gemma3"
+      and "qwen3_5" are refused: their language models are a gemma3_text and a qwen3_5_text), or an option our model does not
       implement (attention/MLP bias on Llama, Qwen's sliding-window attention, a non-SiLU MLP,
       RoPE types other than default/linear/llama3; Gemma's soft-capping, bidirectional attention),
       or no rope_theta in a qwen2/qwen3 config (`config.default_rope_theta`; llama takes 10000
@@ -124,6 +154,8 @@ def read_config(directory: str) -> ModelConfig:
     if cfg.get("attention_bias", False):
       raise ValueError(f"{path}: attention_bias is not supported by our gemma3_text decoder")
     return ModelConfig(**common, **_gemma_fields(cfg, path))
+  if arch == "qwen3_5_text":
+    return ModelConfig(**common, **_qwen3_5_fields(cfg, path))
   unsupported = {
       "attention_bias": arch != "qwen2" and cfg.get("attention_bias", False),
       "mlp_bias": cfg.get("mlp_bias", False),
@@ -178,6 +210,27 @@ def check_safetensors(file: str) -> None:
     more = f" ({len(short) - 1} more tensors lie beyond the end)" if len(short) > 1 else ""
     raise ValueError(f"{file}: truncated or corrupt safetensors file ({size} bytes): tensor {name!r} expects "
                      f"{end - begin} bytes at offset {8 + n + begin}, found {max(0, size - 8 - n - begin)}{more}")
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+  return str(names) if len(names) <= limit else f"{names[:limit]} and {len(names) - limit} more"
+
+
+def check_tensors(tensors: dict, expected: dict[str, tuple], config: ModelConfig, source: str) -> None:
+  """Refuse a checkpoint whose tensors are not exactly `expected` ({file tensor name: shape}).
+
+  Raises:
+    ValueError: naming `source`, every missing tensor, every unexpected tensor and every shape mismatch
+      (file shape vs expected shape), in one message (the first 8 of each kind).
+  """
+  missing = [n for n in expected if n not in tensors]
+  extra = [n for n in tensors if n not in expected]
+  wrong = [f"{n} has shape {tuple(tensors[n].shape)}, expected {expected[n]}" for n in expected
+           if n in tensors and tuple(tensors[n].shape) != tuple(expected[n])]
+  problems = ([f"missing tensors {_few(missing)}"] if missing else []) + (
+      [f"unexpected tensors {_few(extra)}"] if extra else []) + wrong[:8]
+  if problems:
+    raise ValueError(f"{source}: cannot load into {config}: " + "; ".join(problems))
 
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"

@@ -60,7 +60,7 @@ from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelCon
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
 
 # Logical axis names of the parameters' dimensions (module docstring); `annotated` refuses others.
-LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank")
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel")
 AXES_KEY = "out_sharding"   # Flax NNX's Variable metadata key for sharding names (nnx.get_partition_spec reads it)
 GATHER_KEY = "gather"       # Variable metadata the mesh step sets on an FSDP shard: a `Gather`
 
@@ -126,7 +126,7 @@ class SegmentOutput(NamedTuple):
   hidden_btd: jax.Array
 
 
-def _positions(offset, b: int, t: int) -> jax.Array:
+def segment_positions(offset, b: int, t: int) -> jax.Array:
   """[B, T] int32 absolute positions offset + i of a segment's tokens (offset an int or [B]), or offset
   itself when it is [B, T] (every token's own position: a packed tree's restart at each branch)."""
   if jnp.ndim(offset) == 2:
@@ -191,7 +191,7 @@ def _matmul_2d(x, w, n_in: int, n_out: int):
   return y.reshape(*kept, *out)
 
 
-def _project(p: dict, name: str, spec: str, x, lora_scale: float):
+def project(p: dict, name: str, spec: str, x, lora_scale: float):
   """x projected by p[name] (einsum `spec`, of the form "KEPT IN, IN OUT -> KEPT OUT"), plus
   lora_scale * (x A) B where p holds the adapters NAME_lora_a [*in, r] and NAME_lora_b [r, *out] of
   models/lora.py; in the compute dtype of x. Computed as 2-D matmuls (`_matmul_2d`) under a
@@ -203,7 +203,7 @@ def _project(p: dict, name: str, spec: str, x, lora_scale: float):
   kept = "".join(c for c in lhs if c not in contracted)
   produced = "".join(c for c in w if c not in lhs)
   if lhs != kept + contracted or w != contracted + produced or out != kept + produced:
-    raise ValueError(f"_project: spec {spec!r} is not of the form 'KEPT IN, IN OUT -> KEPT OUT'")
+    raise ValueError(f"project: spec {spec!r} is not of the form 'KEPT IN, IN OUT -> KEPT OUT'")
   with jax.named_scope(spec):
     y = _matmul_2d(x, p[name].astype(dt), len(contracted), len(produced))
     if name + "_lora_a" not in p:
@@ -222,9 +222,9 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
   gemma = config.gemma
   norm = lambda x, w: rms_norm(x, w, config.norm_eps, unit_offset=gemma)
   h = norm(x_btd, p["attn_norm"])
-  q = _project(p, "wq", "btd,dhk->bthk", h, lora_scale)
-  k = _project(p, "wk", "btd,dhk->bthk", h, lora_scale)
-  v = _project(p, "wv", "btd,dhk->bthk", h, lora_scale)
+  q = project(p, "wq", "btd,dhk->bthk", h, lora_scale)
+  k = project(p, "wk", "btd,dhk->bthk", h, lora_scale)
+  v = project(p, "wv", "btd,dhk->bthk", h, lora_scale)
   if config.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   if config.qk_norm:
@@ -234,13 +234,13 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
   k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "k")
   v = checkpoint_name(v, "v")
   attn, _ = attention(q, ancestors, KVBlock(k, v, own_valid_bt))
-  out = _project(p, "wo", "bthk,hkd->btd", attn, lora_scale)
+  out = project(p, "wo", "bthk,hkd->btd", attn, lora_scale)
   x_btd = x_btd + (norm(out, p["post_attn_norm"]) if gemma else out)
   h = norm(x_btd, p["mlp_norm"])
-  gate = _project(p, "w_gate", "btd,df->btf", h, lora_scale)
-  up = _project(p, "w_up", "btd,df->btf", h, lora_scale)
+  gate = project(p, "w_gate", "btd,df->btf", h, lora_scale)
+  up = project(p, "w_up", "btd,df->btf", h, lora_scale)
   act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
-  out = _project(p, "w_down", "btf,fd->btd", act * up, lora_scale)
+  out = project(p, "w_down", "btf,fd->btd", act * up, lora_scale)
   x_btd = x_btd + (norm(out, p["post_mlp_norm"]) if gemma else out)
   return x_btd, (k, v)
 
@@ -363,7 +363,7 @@ class Llama(nnx.Module):
     b, t = tokens_bt.shape
     if valid_bt is None:
       valid_bt = jnp.ones((b, t), dtype=bool)
-    positions = _positions(offset, b, t)
+    positions = segment_positions(offset, b, t)
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
     x = self._embed(tokens_bt)
     anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
@@ -444,8 +444,8 @@ class Llama(nnx.Module):
     cfg = self.config
     p_len = prompt_bt.shape[1]
     b, t = rows_bt.shape
-    prompt_positions = _positions(0, 1, p_len)
-    rows_positions = _positions(rows_offset, b, t)
+    prompt_positions = segment_positions(0, 1, p_len)
+    rows_positions = segment_positions(rows_offset, b, t)
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
     x = (self._embed(prompt_bt), self._embed(rows_bt))
     attention = self._attention(attention)

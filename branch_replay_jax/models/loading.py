@@ -32,6 +32,7 @@ from flax import nnx
 
 from branch_replay_jax.models import gguf_loader, hf_loader
 from branch_replay_jax.models.config import ModelConfig
+from branch_replay_jax.models import qwen3_5
 from branch_replay_jax.models.llama import Llama
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,10 +76,6 @@ def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple], dict[str, tu
   return glob_shapes, layer
 
 
-def _few(names: list[str], limit: int = 8) -> str:
-  return str(names) if len(names) <= limit else f"{names[:limit]} and {len(names) - limit} more"
-
-
 def canonical_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, *, global_names: Mapping[str, str],
                       layer_prefix: str, layer_names: Mapping[str, str], source: str):
   """Map file tensor names to canonical ones, refusing any missing, extra or misshapen tensor.
@@ -99,14 +96,7 @@ def canonical_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, *,
     for suffix, canon in layer_names.items():
       if canon in layer_shapes:
         expected[layer_prefix.format(i) + suffix] = (canon, i, layer_shapes[canon])
-  missing = [n for n in expected if n not in tensors]
-  extra = [n for n in tensors if n not in expected]
-  wrong = [f"{n} has shape {tuple(tensors[n].shape)}, expected {expected[n][2]}" for n in expected
-           if n in tensors and tuple(tensors[n].shape) != expected[n][2]]
-  problems = ([f"missing tensors {_few(missing)}"] if missing else []) + (
-      [f"unexpected tensors {_few(extra)}"] if extra else []) + wrong[:8]
-  if problems:
-    raise ValueError(f"{source}: cannot load into {config}: " + "; ".join(problems))
+  hf_loader.check_tensors(tensors, {n: shape for n, (_, _, shape) in expected.items()}, config, source)
   globs = {}
   layers = {canon: [None] * config.num_layers for canon in layer_shapes}
   for file_name, (canon, i, _) in expected.items():
@@ -146,11 +136,17 @@ def assemble_params(config: ModelConfig, globs: dict, layers: dict) -> dict:
   return params
 
 
+def decoder_class(config: ModelConfig) -> type[Llama]:
+  """The decoder class of an architecture: `qwen3_5.Qwen35` for Qwen3.5 (`ModelConfig.hybrid`), else `Llama`."""
+  return qwen3_5.Qwen35 if config.hybrid else Llama
+
+
 def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: str = "none",
                 attention_impl: str = "xla") -> Llama:
-  """A `Llama` holding exactly `params` (no random initialisation is run)."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, remat=remat, attention_impl=attention_impl,
-                                                          rngs=nnx.Rngs(0))))
+  """A `Llama` (a `qwen3_5.Qwen35` for Qwen3.5) holding exactly `params` (no random initialisation is run)."""
+  cls = decoder_class(config)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(config, dtype=dtype, remat=remat, attention_impl=attention_impl,
+                                                        rngs=nnx.Rngs(0))))
   wanted = jax.tree.map(lambda s: s.shape, nnx.to_pure_dict(state))
   got = jax.tree.map(lambda a: a.shape, params)
   assert wanted == got, f"loader/model parameter layout disagree: model {wanted}, loader {got}"
@@ -199,6 +195,9 @@ def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attent
     if embed is None or head.shape != embed.shape or not np.array_equal(head, embed):
       raise ValueError(f"{directory}: tie_word_embeddings is true but lm_head.weight {head.shape} differs from "
                        f"model.embed_tokens.weight {None if embed is None else embed.shape}")
+  if config.hybrid:
+    return build_model(config, qwen3_5.params_from_hf(tensors, config, directory), dtype=dtype, remat=remat,
+                       attention_impl=attention_impl)
   globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
                                     layer_prefix=hf_loader.LAYER_PREFIX,
                                     layer_names=hf_loader.layer_names(config.arch), source=directory)

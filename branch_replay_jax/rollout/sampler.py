@@ -30,6 +30,7 @@ from flax import nnx
 from branch_replay_jax.data.groups import bucket_length
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.models.llama import Llama
+from branch_replay_jax.models.qwen3_5 import HybridState
 
 
 class Rollouts(NamedTuple):
@@ -84,10 +85,19 @@ def stop_reasons(finished, stop_string=None) -> np.ndarray:
   return np.where(by_string, "stop_string", np.where(finished, "eos", "length"))
 
 
-def init_cache(model: Llama, batch: int, length: int) -> KVBlock:
+def init_cache(model: Llama, batch: int, length: int, context=None) -> KVBlock:
   """An empty generated-token cache: k, v [L, batch, length, Hkv, D] zeros in the model's compute
-  dtype, valid [batch, length] all False."""
+  dtype, valid [batch, length] all False. Qwen3.5's (`models.qwen3_5.HybridState`) holds its full layers'
+  K/V so and its linear layers' running state beside them, starting from `context`'s (the last ancestor:
+  the state after the context's last token, broadcast to the batch)."""
   cfg = model.config
+  if cfg.hybrid:
+    empty = model.initial_state(batch)
+    shape = (empty.k.shape[0], batch, length, cfg.num_kv_heads, cfg.head_dim)
+    state = context if context is not None else empty
+    grow = lambda x, like: jnp.broadcast_to(x, like.shape).astype(like.dtype)
+    return HybridState(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype), jnp.zeros((batch, length), bool),
+                       grow(state.conv, empty.conv), grow(state.recurrent, empty.recurrent))
   shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
   return KVBlock(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype), jnp.zeros((batch, length), bool))
 
@@ -126,7 +136,8 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
 
   Returns:
     logits_bv: [B, V] float32 next-token logits.
-    cache: the cache with this token's K/V at slot `step` and valid[:, step] = True.
+    cache: the cache with this token's K/V at slot `step` and valid[:, step] = True (Qwen3.5's: and the
+      linear layers' state after this token, every row's; a finished row's is not read).
   """
   out = model(tokens_b[:, None], offset, ancestors=[*ancestors, cache])
   zero = jnp.zeros((), jnp.int32)
@@ -134,7 +145,10 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
   k = jax.lax.dynamic_update_slice(cache.k, out.kv.k.astype(cache.k.dtype), start)
   v = jax.lax.dynamic_update_slice(cache.v, out.kv.v.astype(cache.v.dtype), start)
   valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((tokens_b.shape[0], 1), bool), start[1:3])
-  return model.logits(out.hidden_btd)[:, 0], KVBlock(k, v, valid)
+  cache = cache._replace(k=k, v=v, valid=valid)
+  if isinstance(cache, HybridState):   # the linear layers' running state: this token's
+    cache = cache._replace(conv=out.kv.conv, recurrent=out.kv.recurrent)
+  return model.logits(out.hidden_btd)[:, 0], cache
 
 
 # Probability mass (float32) by which a cumulative mass may fall short of top_p and still count as
@@ -255,7 +269,7 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   state0 = jnp.zeros((g,), jnp.int32) if stop_state is None else jnp.asarray(stop_state, jnp.int32)
   eos, by_string, state = advance(state0, tok, jnp.zeros((g,), bool))
   done = eos | by_string
-  carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n), tokens, logprobs, by_string,
+  carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n, ancestors[-1]), tokens, logprobs, by_string,
            state)
 
   def cond(c):

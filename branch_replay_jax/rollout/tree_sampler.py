@@ -123,8 +123,9 @@ def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature
 
 
 def _row(kv: KVBlock, i: int) -> KVBlock:
-  """Child i's own block, batch 1: k, v [L, 1, S, Hkv, D], valid [1, S]."""
-  return KVBlock(kv.k[:, i:i + 1], kv.v[:, i:i + 1], kv.valid[i:i + 1])
+  """Child i's own block, batch 1: k, v [L, 1, S, Hkv, D], valid [1, S] (Qwen3.5's `HybridState`: and its
+  linear layers' state after its last token, [L_linear, 1, ...])."""
+  return type(kv)(**{f: x[i:i + 1] if f == "valid" else x[:, i:i + 1] for f, x in kv._asdict().items()})
 
 
 def _validate(cfg, prompt, eos, *, fanouts, segment_length, last_segment_length, temperature, top_p, pad_id,

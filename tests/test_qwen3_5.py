@@ -1,0 +1,322 @@
+"""Qwen3.5's decoder (models/qwen3_5.py, models/gated_delta.py): parity with transformers on the fixture
+tools/make_qwen3_5_reference.py wrote, the chunked rule against the token-by-token one, a segment continued
+from its parent's state, and branch replay through the recurrent state exact against naive rows."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_rel_err, random_group
+from flax import nnx
+
+from branch_replay_jax import losses as obj
+from branch_replay_jax.data.batches import group_arrays, pack_trees, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
+from branch_replay_jax.export import export_model
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
+from branch_replay_jax.models import gated_delta
+from branch_replay_jax.models.config import FULL, LINEAR, GatedDeltaNetShape, tiny_config
+from branch_replay_jax.models.llama import token_logprobs
+from branch_replay_jax.models.loading import build_model, load_hf_model
+from branch_replay_jax.models.qwen3_5 import Qwen35
+from branch_replay_jax.rollout.sampler import sample_group
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_5_tiny")
+CHUNK = 3   # the replay tests' chunk of the chunked rule: segments span several chunks, some nodes are shorter
+
+
+@pytest.fixture(scope="module")
+def reference():
+  with open(os.path.join(FIXTURE, "reference.json")) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_hf_model(FIXTURE)
+
+
+def next_logprobs(m, ids):
+  out = m(jnp.asarray([ids]), 0)
+  w, axis = m.output_weights()
+  return np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis)[0])
+
+
+def test_config_reads_the_layer_pattern_the_linear_shape_and_partial_rope(model):
+  c = model.config
+  assert c.arch == "qwen3_5_text" and c.layer_types == (LINEAR, LINEAR, FULL) * 2
+  assert c.linear_attention == GatedDeltaNetShape(2, 4, 8, 12, 4)
+  assert (c.head_dim, c.rotary_dim, c.rope_theta, c.tie_embeddings) == (16, 4, 1e7, False)
+
+
+def test_logprobs_match_transformers_float32(model, reference):
+  # Same weights through transformers' Qwen3_5ForCausalLM (eager attention, its torch chunked rule at chunk 64,
+  # float32) and our decoder at chunk 64 and at chunk 5 (the 150-token input crosses chunks either way).
+  # The fixture is rounded to 1e-6; float32 reassociation adds ~1e-6 (measured 4.3e-6).
+  for chunk in (64, 5):
+    model.chunk = chunk
+    for item in reference["inputs"]:
+      got = next_logprobs(model, item["input_ids"])
+      assert np.abs(got - np.asarray(item["next_token_logprobs"])).max() <= 1e-5, (chunk, len(item["input_ids"]))
+  model.chunk = 64
+
+
+def test_greedy_sampling_through_the_recurrent_state_reproduces_transformers(model, reference):
+  # transformers: 16 argmax steps of full forwards. Ours: sample_group at temperature 0, the prompt padded to
+  # its bucket (the padding leaves the state as the last real token left it) and every token decoded by the
+  # token-by-token rule on the cache's running state and K/V. The smallest top-1/top-2 gap is far above our
+  # logit error.
+  g = reference["greedy"]
+  assert min(g["top1_minus_top2"]) > 1e-3
+  out = sample_group(model, np.asarray(g["prompt_ids"]), num_samples=2, max_new_tokens=len(g["ids"]),
+                     key=jax.random.key(0), temperature=0.0)
+  assert np.asarray(out.tokens).tolist() == [g["ids"]] * 2
+
+
+def _random_rule_inputs(rng, b, t, h, dk, dv):
+  q = gated_delta.l2_normalize(jnp.asarray(rng.normal(size=(b, t, h, dk)))) * dk ** -0.5
+  k = gated_delta.l2_normalize(jnp.asarray(rng.normal(size=(b, t, h, dk))))
+  v = jnp.asarray(rng.normal(size=(b, t, h, dv)))
+  g = -jnp.asarray(rng.uniform(0.01, 1.5, size=(b, t, h)))
+  beta = jnp.asarray(rng.uniform(0.05, 0.95, size=(b, t, h)))
+  state = jnp.asarray(rng.normal(size=(b, h, dk, dv)))
+  return q, k, v, g, beta, state
+
+
+def test_chunked_rule_equals_the_token_by_token_recurrence_float64(x64):
+  # From a random initial state, over 13 tokens: chunks of 1, 4 (a partial last chunk) and 64 (one padded chunk)
+  # give the recurrence's outputs and final state to float64 rounding.
+  q, k, v, g, beta, state = _random_rule_inputs(np.random.default_rng(0), 2, 13, 3, 5, 7)
+  want_out, want_state = gated_delta.recurrent(q, k, v, g, beta, state)
+  for chunk in (1, 4, 64):
+    out, final = gated_delta.chunked(q, k, v, g, beta, state, chunk=chunk)
+    assert float(jnp.abs(out - want_out).max()) <= 1e-12 and float(jnp.abs(final - want_state).max()) <= 1e-12
+
+
+def _model64(model, chunk=CHUNK):
+  m = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+  m.chunk = chunk
+  return m
+
+
+def _sharp(m):
+  """m with its mixers' projections x8 and embeddings x10: at the init's std 0.02 attention is near uniform
+  and the delta rule writes little, so an ancestor's state or K/V read wrongly would move the loss by little."""
+  for kind in (m.layers.full, m.layers.linear):
+    for name in ("wq", "wk", "wv", "wo"):
+      getattr(kind, name)[...] = getattr(kind, name)[...] * 8.0
+  m.embed[...] = m.embed[...] * 10.0
+  return m
+
+
+@pytest.fixture(scope="module")
+def small64():
+  """(graphdef, float64 params) of a random 4-layer Qwen3.5, (linear, full) twice, vocabulary 96, chunks of
+  CHUNK: the replay tests' model (the fixture's 6 layers compile a third slower and test nothing more here)."""
+  cfg = tiny_config(vocab_size=96, num_layers=4, arch="qwen3_5_text", layer_types=(LINEAR, FULL) * 2, qk_norm=True,
+                    rotary_dim=4, linear_attention=GatedDeltaNetShape(2, 4, 8, 12), tie_embeddings=False)
+  with jax.enable_x64(True):
+    m = _sharp(Qwen35(cfg, dtype=jnp.float64, chunk=CHUNK, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(m)
+    return graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+
+
+@pytest.mark.parametrize("split", [2, 7])
+def test_a_segment_continued_from_its_parents_state_equals_the_whole_sequence_float64(model, x64, split):
+  # A sequence of 12 cut after 2 tokens (inside the first convolution window of K - 1 = 3 inputs) or 7, the
+  # parent right-padded to 9: the child on the parent's state gives the whole sequence's hidden states and the
+  # same final state. Padding leaves the state as the last real token left it.
+  m = _model64(model)
+  ids = jnp.asarray(np.random.default_rng(2).integers(3, 96, (1, 12)))
+  whole = m(ids, 0)
+  parent_ids = jnp.pad(ids[:, :split], ((0, 0), (0, 9 - split)), constant_values=5)
+  parent = m(parent_ids, 0, valid_bt=jnp.arange(9)[None] < split)
+  child = m(ids[:, split:], split, ancestors=[parent.kv])
+  assert float(jnp.abs(child.hidden_btd - whole.hidden_btd[:, split:]).max()) <= 1e-12
+  assert float(jnp.abs(parent.hidden_btd[:, :split] - whole.hidden_btd[:, :split]).max()) <= 1e-12
+  for got, want in ((child.kv.conv, whole.kv.conv), (child.kv.recurrent, whole.kv.recurrent)):
+    assert float(jnp.abs(got - want).max()) <= 1e-12
+
+
+def _objective(logp, br):
+  return obj.grpo_objective(logp, br, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+
+
+_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
+                static_argnames=("micro_batch", "schedule", "layout", "fused"))
+
+
+def _group_arrays(group, dtype):
+  rng = np.random.default_rng(1)
+  g, t = group.completion_ids.shape
+  return group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(dtype),
+                      advantage=rng.normal(size=g).astype(dtype),
+                      old_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype),
+                      ref_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
+
+
+def _group():
+  # Prompt of 7 (three chunks of 3, the last partial), completions of 1 (shorter than the convolution
+  # window and the chunk), 2, 5 and 9 tokens.
+  return random_group([1, 2, 5, 9], prompt_len=7, seed=3, vocab=96)
+
+
+def test_group_replay_equals_naive_float64_through_the_recurrent_state(small64, x64):
+  # Replay (the prompt once, each completion from its final state and K/V, one completion per scan step) and
+  # naive rows (prompt + completion as one left-padded sequence) are the same function. (The loop's default,
+  # all completions in one step through `prompt_and_rows`, is checked in float32 by the GRPO test below.)
+  graphdef, params = small64
+  arrays = _group_arrays(_group(), np.float64)
+  ln, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
+  lr, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
+  assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max_rel_err(gr, gn) <= 1e-10
+
+
+# heavy: two float32 compiles (~25 s cold). CI checks the same in float32 through the GRPO test's run-time exactness
+# check (replay against naive rows of the same group, <= 1e-4) and the same code in float64 (above).
+@pytest.mark.heavy
+def test_group_replay_float32_within_rounding_of_naive(model):
+  # float32: replay against naive within 1e-4 relative (rounding order only).
+  model.chunk = CHUNK
+  graphdef, params = nnx.split(model)
+  model.chunk = 64
+  arrays = _group_arrays(_group(), np.float32)
+  _, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
+  _, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
+  assert max_rel_err(gr, gn) <= 1e-4
+
+
+def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small64, x64):
+  # Depth 3: prompt 5, nodes of 1-5 tokens (a node of 1 or 2 starts and ends inside its parent's convolution
+  # window; most are shorter than a chunk of 3 or cross one). Each node continues from its parent's final
+  # state, which holds its grandparents'; the cotangents of a node's state from its children are summed. The
+  # level schedule: each level's nodes as rows, each on its own parent's state (`_row_ancestor`).
+  graphdef, params = small64
+  rng = np.random.default_rng(7)
+  seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
+  one = {a: seg(10 + a, 1 + 2 * a) for a in range(2)}
+  two = {(a, b): seg(20 + b, 1 + b) for a in range(2) for b in range(2)}
+  trajectories = [one[a] + two[a, b] + seg(30 + c, 2 + 3 * c) for a in range(2) for b in range(2) for c in range(2)]
+  tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
+  adv = rng.normal(size=len(trajectories))
+  old = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
+  ref = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
+  per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": ref}
+  tree_batch = tree_arrays(pad_tree(tree), per_node, advantage=adv)
+  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
+                                 completion_bucket=16, advantage=adv)
+  ln, _, gn = _step(graphdef, params, rows, _objective, layout="naive")
+  lt, _, gt = _step(graphdef, params, tree_batch, _objective, schedule="level", micro_batch=None)
+  assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max_rel_err(gt, gn) <= 1e-10
+  with pytest.raises(ValueError, match="packed tree"):   # a packed row has no per-token recurrence
+    value_and_grad(POLICY, graphdef, params, pack_trees([tree_batch])[0], _objective)
+
+
+def test_export_writes_what_our_loader_reads_back(model, tmp_path):
+  # Exported config.json + model.safetensors: the same tensor names and shapes as transformers wrote, the same
+  # parameters read back.
+  export_model(model, None, str(tmp_path / "out"))
+  back = load_hf_model(str(tmp_path / "out"))
+  assert back.config == model.config
+  want, got = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(back, nnx.Param))
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
+  from safetensors import safe_open
+  shapes = lambda path: {k: f.get_slice(k).get_shape() for f in [safe_open(path, "np")] for k in f.keys()}
+  assert shapes(str(tmp_path / "out" / "model.safetensors")) == shapes(os.path.join(FIXTURE, "model.safetensors"))
+
+
+def test_qwen3_5_fields_are_checked_by_name():
+  shape = GatedDeltaNetShape(2, 4, 8, 8)
+  with pytest.raises(ValueError, match="rotary_dim must be an even int"):
+    tiny_config(arch="qwen3_5_text", layer_types=(LINEAR, FULL), linear_attention=shape, rotary_dim=3)
+  with pytest.raises(ValueError, match="linear_attention is Qwen3.5's"):
+    tiny_config(linear_attention=shape)
+  with pytest.raises(ValueError, match="num_value_heads=3 is not a multiple"):
+    GatedDeltaNetShape(2, 3, 8, 8)
+  with pytest.raises(ValueError, match="remat='offload_kv'"):
+    Qwen35(tiny_config(arch="qwen3_5_text", layer_types=(LINEAR, FULL), linear_attention=shape, rotary_dim=4,
+                       qk_norm=True), remat="offload_kv")
+
+
+def test_grpo_trains_a_qwen3_5_directory_by_replay_and_checks_it_against_naive_rows(tmp_path, monkeypatch):
+  # A random Qwen3.5 (a linear layer then a full one) over SmolLM2's tokenizer, exported as a Hugging Face
+  # directory and trained by the GRPO smoke experiment: sampled through the recurrent state, trained by replay
+  # from the prompt's final state (the prompt and the 4 completions of a group in one step). The run-time exactness check computes one group's gradient by replay and
+  # by naive rows: equal to float32 rounding (exactness_ok, the bound of algorithms/exactness.py).
+  from conftest import experiment_config, length_score
+  from experiments import grpo_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  from branch_replay_jax.models.loading import load_tokenizer
+  from branch_replay_jax.rollout.tasks import Task
+  monkeypatch.setattr(Task, "score", length_score)   # rewards that vary: the update is not vacuous
+  tokenizer = load_tokenizer("smollm2-135m-instruct")
+  cfg = tiny_config(vocab_size=len(tokenizer), arch="qwen3_5_text", layer_types=(LINEAR, FULL), qk_norm=True,
+                    linear_attention=GatedDeltaNetShape(2, 4, 8, 8), rotary_dim=4, max_positions=2048,
+                    tie_embeddings=False)
+  model_dir = export_model(Qwen35(cfg, rngs=nnx.Rngs(0)), tokenizer, str(tmp_path / "hf"))
+  history = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
+      "model.name": model_dir, "eval.size": 0, "train.steps": 1, "train.exactness_check_every": 1,
+      "train.micro_batch": 4}))   # = G: the fused replay (`Qwen35.prompt_and_rows`), the loop's default layout
+  (record,) = history
+  assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
+  assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
+
+
+@pytest.mark.parametrize("variant,overrides,message", [
+    ("smoke", {"mesh.seq": 8, "rollout.prompts_per_step": 1}, "mesh.seq=8: the prompt split over seq"),
+    ("lora_smoke", {}, "lora: adapters are built for the Llama block"),
+])
+def test_a_linear_attention_model_refuses_what_it_does_not_take_before_loading(tmp_path, variant, overrides,
+                                                                               message):
+  # Read from config.json alone: the fixture has no tokenizer, so a load would fail otherwise.
+  from conftest import experiment_config
+  from experiments import grpo_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  with pytest.raises(ValueError, match=f"has linear-attention layers \\(Qwen3.5\\): {message}"):
+    grpo.train(experiment_config(grpo_smollm2_arith, variant, tmp_path / "run", **{"model.name": FIXTURE,
+                                                                                      **overrides}))
+
+
+def test_fsdp_mesh_step_equals_naive_float64(small64):
+  # Two groups over data x branch = 2 x 2 with FSDP parameters (every weight, the linear layers' included, split
+  # and gathered one layer-pattern repetition at a time inside the scan; the prompt's final recurrent state
+  # handed to the completions on each device, its cotangent all-reduced over branch): the summed gradient
+  # equals the two naive groups' to float64 rounding (<= 1e-10).
+  from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
+  with jax.enable_x64(True):
+    graphdef, params = small64
+    groups = [_group_arrays(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64)
+              for s in range(2)]
+    outs = [_step(graphdef, params, a, _objective, layout="naive") for a in groups]
+    naive_grads = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
+    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+      batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
+      loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, _objective, mesh=mesh,
+                                                           micro_batch=1))(shard_params(params, mesh, "fsdp"), batch)
+    assert float(loss) == pytest.approx(float(outs[0][0] + outs[1][0]), rel=1e-10)
+    assert max_rel_err(grads, naive_grads) <= 1e-10
+
+
+def test_episode_turns_on_the_kept_state_sample_what_a_full_reprefill_samples():
+  # A random Qwen3.5 (linear, full) with sharp projections over the 64-id vocabulary of
+  # tests/test_episode_sampler.py: three branches of three turns, the prompt's state shared, each turn decoded
+  # on the running state and observations prefilled on the last block's. Same key, same draws as re-prefilling
+  # the whole history every turn; log-probs to float32 rounding.
+  from test_episode_sampler import _episodes
+  m = _sharp(Qwen35(tiny_config(arch="qwen3_5_text", layer_types=(LINEAR, FULL), qk_norm=True, rotary_dim=4,
+                                linear_attention=GatedDeltaNetShape(2, 4, 8, 8)), rngs=nnx.Rngs(0)))
+  kept = _episodes(m, keep_cache=True, temperature=1.0)
+  full = _episodes(m, keep_cache=False, temperature=1.0)
+  assert kept[0] == full[0] and kept[1] == full[1]
+  assert {len(t) for t in kept[1]} > {6}   # some turns stopped early: their state is the stop token's
+  for a, b in zip(kept[2], full[2]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
