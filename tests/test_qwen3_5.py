@@ -78,6 +78,15 @@ def test_greedy_sampling_through_the_recurrent_state_reproduces_transformers(mod
   assert np.asarray(out.tokens).tolist() == [g["ids"]] * 2
 
 
+def test_the_full_layers_take_the_pallas_kernels(model):
+  # attention_impl="pallas" (interpreted on the CPU) runs the full layers' suffix attention through the
+  # FlashAttention kernels of kernels/; the hidden states equal the jnp attention's to float32 rounding.
+  pallas = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), attention_impl="pallas")
+  ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 40)))
+  assert pallas.attention_impl == "pallas"
+  assert float(jnp.abs(pallas(ids, 0).hidden_btd - model(ids, 0).hidden_btd).max()) <= 1e-5
+
+
 def _random_rule_inputs(rng, b, t, h, dk, dv):
   q = gated_delta.l2_normalize(jnp.asarray(rng.normal(size=(b, t, h, dk)))) * dk ** -0.5
   k = gated_delta.l2_normalize(jnp.asarray(rng.normal(size=(b, t, h, dk))))
@@ -190,6 +199,26 @@ def test_group_replay_float32_within_rounding_of_naive(model):
   _, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
   _, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
   assert max_rel_err(gr, gn) <= 1e-4
+
+
+# heavy: three compiles (~40 s cold: the float64 reference, bfloat16 naive and replay). CI covers the same code
+# in float64 (test_group_replay_equals_naive_float64_through_the_recurrent_state) and float32 (the GRPO test).
+@pytest.mark.heavy
+def test_group_replay_bfloat16_error_at_most_twice_naive(model):
+  # bfloat16 compute (the recurrence itself in float32, as transformers runs it): replay's gradient error against
+  # the float64 gradient at most twice the naive rows' error, as for Llama (tests/test_replay.py).
+  with jax.enable_x64(True):
+    graphdef64, params64 = nnx.split(_model64(model))
+    params64 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params64)
+    exact = jax.tree_util.tree_map(np.asarray, _step(graphdef64, params64, _group_arrays(_group(), np.float64),
+                                                     _objective, layout="naive")[2])
+  bf16 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.bfloat16)
+  bf16.chunk = CHUNK
+  graphdef, params = nnx.split(bf16)
+  arrays = _group_arrays(_group(), np.float32)
+  naive_err = max_rel_err(_step(graphdef, params, arrays, _objective, layout="naive")[2], exact)
+  replay_err = max_rel_err(_step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)[2], exact)
+  assert replay_err <= 2 * naive_err, (replay_err, naive_err)
 
 
 def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small64, x64):
