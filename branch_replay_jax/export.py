@@ -37,7 +37,8 @@ from branch_replay_jax.models.loading import LAYER_PARAMS, generation_config, st
 from branch_replay_jax.outputs.checkpoints import read_run_record
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gemma3_text": "Gemma3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+              "gemma3_text": "Gemma3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
 
 
@@ -67,6 +68,10 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
                query_pre_attn_scalar=int(q) if (q := c.query_pre_attn_scalar).is_integer() else q,   # an int there
                rope_parameters={FULL: full, SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta}},
                final_logit_softcapping=None, attn_logit_softcapping=None)
+  if c.moe:   # Qwen3MoeConfig's fields (`models.hf_loader.read_config` reads them)
+    out.update(num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
+               moe_intermediate_size=c.expert_ffn_dim, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
+               mlp_only_layers=[], output_router_logits=False)
   if c.hybrid:   # transformers-5 Qwen3_5TextConfig fields (`models.hf_loader._qwen3_5_fields` reads them)
     del out["rope_theta"], out["mlp_bias"]
     out.update(qwen3_5.hf_config_fields(c))
@@ -100,18 +105,22 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
       "o": lambda w: w.reshape(c.num_heads * c.head_dim, c.d_model).T,
       "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T,
       "bq": lambda b: b.reshape(-1), "bk": lambda b: b.reshape(-1), "bv": lambda b: b.reshape(-1),
+      "router": lambda w: w.T,
   }
   f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
   out = {}
   for hf_name, ours in GLOBAL_NAMES.items():
     if ours in params:
       out[hf_name] = f32(params[ours].T if ours == "lm_head" else params[ours])
-  for hf_suffix, canonical in layer_names(c.arch).items():
-    stacked = params["layers"].get(LAYER_PARAMS[canonical])
+  for hf_suffix, canonical in layer_names(c.arch, c.num_experts).items():
+    kind, _, expert = canonical.partition(".")   # Qwen3-MoE: "gate.e", expert e's slice of w_gate [L, E, d, F_e]
+    stacked = params["layers"].get(LAYER_PARAMS[kind])
     if stacked is None:
       continue
     for i in range(c.num_layers):
-      out[LAYER_PREFIX.format(i) + hf_suffix] = f32(to_hf.get(canonical, lambda w: w)(np.asarray(stacked[i])))
+      w = np.asarray(stacked[i])
+      w = w[int(expert)].T if expert else to_hf.get(canonical, lambda w: w)(w)
+      out[LAYER_PREFIX.format(i) + hf_suffix] = f32(w)
   return out
 
 

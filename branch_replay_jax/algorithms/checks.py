@@ -102,12 +102,13 @@ def validate_common(config) -> None:
 
 
 def validate_layer_kinds(config) -> None:
-  """Raise ValueError, naming the field, where a model whose layers are not all global attention (read from
-  its metadata) meets what those layers do not take. Sliding-window layers (Gemma 3): a Pallas kernel
+  """Raise ValueError, naming the field, where a model whose layers are not the Llama block's (read from its
+  metadata) meets what those layers do not take. Sliding-window layers (Gemma 3): a Pallas kernel
   (model.attention_impl), the prompt split over mesh.seq (ring attention has no window), packed trees
   (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
   prompt split over mesh.seq (the recurrent state would have to pass between seq devices), LoRA adapters
-  (`models.lora` adapts the Llama block), packed trees (the recurrence runs along a row)."""
+  (`models.lora` adapts the Llama block), packed trees (the recurrence runs along a row). Mixtures of
+  experts (Qwen3-MoE): the prompt split over mesh.seq (not tested), LoRA adapters."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
   if m.name == "tiny":
@@ -115,6 +116,13 @@ def validate_layer_kinds(config) -> None:
   arch = architecture(m.name)
   seq = config.get("mesh") is not None and config.mesh.seq > 1
   packed = config.train.get("tree_schedule") == PACKED
+  if arch.moe:
+    why = (f"mesh.seq={config.mesh.seq}: the prompt split over seq is not tested with experts; use mesh.data and "
+           "mesh.branch (FSDP splits the experts like every weight)" if seq else
+           "lora: adapters are built for the dense Llama block; train the whole model"
+           if config.get("lora") is not None else None)
+    if why:
+      raise ValueError(f"model.name={m.name!r} is a mixture of experts (Qwen3-MoE): {why}")
   if arch.hybrid:
     why = (f"mesh.seq={config.mesh.seq}: the prompt split over seq would have to pass the recurrent state from "
            "device to device, which is not built; use mesh.data and mesh.branch" if seq else

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe")
 # Attention layer kinds (transformers' `layer_types`): Gemma 3's sliding and full, Qwen3.5's linear and full.
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
@@ -93,6 +93,10 @@ class ModelConfig:
       layer_types then holds LINEAR or FULL per layer, a repeating pattern (`models.qwen3_5`).
     rotary_dim: Qwen3.5 only: RoPE rotates the first rotary_dim of each head's head_dim dimensions
       (partial_rotary_factor · head_dim), the rest pass unrotated.
+    num_experts, experts_per_token, expert_ffn_dim, norm_topk_prob: Qwen3-MoE only (arch="qwen3_moe"): every
+      layer's MLP is `num_experts` SwiGLU experts of width expert_ffn_dim, each token routed to the top
+      experts_per_token of softmax(x W_router), their probabilities renormalised to sum 1 when
+      norm_topk_prob (`models.llama`, "Mixture of experts" in docs/design.md); ffn_dim is then unused.
 
   `arch="gemma3_text"` also selects Gemma 3's block (Gemma Team 2025, arXiv 2503.19786; transformers'
   `Gemma3DecoderLayer`): RMSNorm scaled by (1 + w), norms after attention and MLP as well as before,
@@ -120,6 +124,10 @@ class ModelConfig:
   query_pre_attn_scalar: float | None = None
   linear_attention: GatedDeltaNetShape | None = None
   rotary_dim: int | None = None
+  num_experts: int | None = None
+  experts_per_token: int | None = None
+  expert_ffn_dim: int | None = None
+  norm_topk_prob: bool = True
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -134,6 +142,18 @@ class ModelConfig:
                        f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+    moe_fields = ("num_experts", "experts_per_token", "expert_ffn_dim")
+    if self.moe:
+      for name in moe_fields:
+        value = getattr(self, name)
+        if not isinstance(value, int) or value <= 0:
+          raise ValueError(f"ModelConfig.{name} must be a positive int for arch='qwen3_moe', got {value!r}")
+      if self.experts_per_token > self.num_experts:
+        raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}")
+    else:
+      for name in moe_fields:
+        if getattr(self, name) is not None:
+          raise ValueError(f"ModelConfig.{name} is Qwen3-MoE's (arch='qwen3_moe'); arch={self.arch!r} has none")
     if self.hybrid:
       self._check_hybrid()
       return
@@ -177,6 +197,11 @@ class ModelConfig:
     return self.arch == "gemma3_text"
 
   @property
+  def moe(self) -> bool:
+    """Qwen3-MoE's decoder: a Qwen3 block whose MLP is a mixture of experts."""
+    return self.arch == "qwen3_moe"
+
+  @property
   def hybrid(self) -> bool:
     """Qwen3.5's decoder: Gated DeltaNet layers beside gated full attention (`models.qwen3_5`)."""
     return self.arch == "qwen3_5_text"
@@ -186,6 +211,8 @@ class ModelConfig:
     """Multiply-adds per token of the dense layers (projections, MLP, output head), no attention."""
     d, hq, hkv, hd, f = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn_dim
     per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
+    if self.moe:   # the router and the experts a token runs (active parameters)
+      per_layer += d * self.num_experts + 3 * d * self.expert_ffn_dim * self.experts_per_token - 3 * d * f
     if not self.hybrid:
       return self.num_layers * per_layer + d * self.vocab_size
     la = self.linear_attention   # Qwen3.5: the full layers' query gate; the linear layers' q, k, v, z, a, b, out
@@ -245,6 +272,11 @@ ARCHITECTURE_SHAPES = {
                                sliding_window=1024, rope_local_theta=10000.0, query_pre_attn_scalar=256.0),
     # transformers' Qwen3_5TextConfig defaults ("the Qwen3.5-9B style configuration"): three Gated DeltaNet
     # layers then one gated full-attention layer, eight times.
+    # Qwen/Qwen3-30B-A3B's config.json: 48 layers, each a mixture of 128 experts (8 per token) of width 768.
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, num_layers=48, d_model=2048, num_heads=32, num_kv_heads=4,
+                                 head_dim=128, ffn_dim=6144, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False,
+                                 qk_norm=True, max_positions=40960, arch="qwen3_moe", num_experts=128,
+                                 experts_per_token=8, expert_ffn_dim=768, norm_topk_prob=True),
     "qwen3.5-9b": ModelConfig(vocab_size=248320, num_layers=32, d_model=4096, num_heads=16, num_kv_heads=4,
                               head_dim=256, ffn_dim=12288, rope_theta=10000000.0, norm_eps=1e-6, tie_embeddings=False,
                               qk_norm=True, max_positions=32768, arch="qwen3_5_text",

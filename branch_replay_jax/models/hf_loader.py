@@ -38,8 +38,15 @@ GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm.weight": "post_att
                      "post_feedforward_layernorm.weight": "post_mlp_norm"}
 
 
-def layer_names(arch: str) -> dict[str, str]:
-  """{HF layer tensor suffix: canonical name} of a family (`ModelConfig.arch`)."""
+def layer_names(arch: str, num_experts: int | None = None) -> dict[str, str]:
+  """{HF layer tensor suffix: canonical name} of a family (`ModelConfig.arch`); Qwen3-MoE's MLP is its router
+  ("mlp.gate", canonical "router") and each expert e's projections (canonical "gate.e", "up.e", "down.e")."""
+  if arch == "qwen3_moe":
+    names = {k: v for k, v in LAYER_NAMES.items() if not k.startswith("mlp.")}
+    names["mlp.gate.weight"] = "router"
+    for e in range(num_experts):
+      names.update({f"mlp.experts.{e}.{kind}_proj.weight": f"{kind}.{e}" for kind in ("gate", "up", "down")})
+    return names
   return GEMMA_LAYER_NAMES if arch == "gemma3_text" else LAYER_NAMES
 
 
@@ -165,10 +172,19 @@ def read_config(directory: str) -> ModelConfig:
   for option, present in unsupported.items():
     if present:
       raise ValueError(f"{path}: {option} is not supported by our {arch} decoder")
+  moe = {}
+  if arch == "qwen3_moe":
+    every, dense = int(cfg.get("decoder_sparse_step", 1)), list(cfg.get("mlp_only_layers") or [])
+    if every != 1 or dense:
+      raise ValueError(f"{path}: decoder_sparse_step={every}, mlp_only_layers={dense}: dense MLP layers among the "
+                       "experts are not supported by our qwen3_moe decoder (every layer a mixture of experts)")
+    moe = dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts"))),
+               experts_per_token=int(cfg["num_experts_per_tok"]), expert_ffn_dim=int(cfg["moe_intermediate_size"]),
+               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
   theta, scaling = _rope(cfg, arch, path)
   return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=arch == "qwen2",
-                     qk_norm=arch == "qwen3")
+                     qk_norm=arch in ("qwen3", "qwen3_moe"), **moe)
 
 
 def check_safetensors(file: str) -> None:

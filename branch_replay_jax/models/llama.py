@@ -1,5 +1,5 @@
 """A Llama-family decoder in Flax NNX that runs ONE SEGMENT of a rollout tree (also Gemma 3's text decoder,
-`ModelConfig.gemma`).
+`ModelConfig.gemma`, and Qwen3-MoE's, `ModelConfig.moe`).
 
 Layer parameters are stacked on a leading layer axis and the forward scans over layers
 (`jax.lax.scan`), so a 30-layer model compiles as one layer. A segment's forward takes the
@@ -20,6 +20,8 @@ each parameter's logical axis names (its `nnx.Param` metadata "out_sharding", se
     layers.q_norm, layers.k_norm [L, D]                          (layers, head_dim)              (qk_norm, Qwen3, Gemma 3)
     layers.post_attn_norm, layers.post_mlp_norm [L, d]           (layers, embed)                 (Gemma 3)
     layers.w_gate, layers.w_up [L, d, F]  (layers, embed, mlp)   layers.w_down [L, F, d]  (layers, mlp, embed)
+    Qwen3-MoE instead: layers.w_router [L, d, E] (layers, embed, experts); layers.w_gate, w_up [L, E, d, F_e]
+      (layers, experts, embed, mlp); layers.w_down [L, E, F_e, d] (layers, experts, mlp, embed)
     layers.W_lora_a [L, *in, r]  (layers, *W's input names, lora_rank)
     layers.W_lora_b [L, r, *out] (layers, lora_rank, *W's output names)  (LoRA adapters of W, models/lora.py)
 
@@ -31,6 +33,10 @@ models/critic.py's value head: value_w [d] (embed), value_b [] ().
 Formulas: RMSNorm (Zhang & Sennrich 2019), RoPE in the "rotate half" layout (Su et al. 2021,
 arXiv 2104.09864, eq. 34), SwiGLU (Shazeer 2020, arXiv 2002.05202), GQA (Ainslie et al. 2023,
 arXiv 2305.13245), Llama-3 RoPE scaling (Meta's `apply_scaling`).
+
+Qwen3-MoE (`ModelConfig.moe`; transformers' `modeling_qwen3_moe`): Qwen3's block with a mixture of E
+SwiGLU experts as its MLP, each token run through its top-k experts (`moe_mlp`; docs/design.md, "Mixture
+of experts (Qwen3-MoE)").
 
 Gemma 3 (`ModelConfig.gemma`; Gemma Team 2025, arXiv 2503.19786, transformers' `modeling_gemma3`): every
 RMSNorm scales by (1 + w), attention and MLP outputs are normed again before the residual add
@@ -60,7 +66,7 @@ from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelCon
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
 
 # Logical axis names of the parameters' dimensions (module docstring); `annotated` refuses others.
-LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel")
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel", "experts")
 AXES_KEY = "out_sharding"   # Flax NNX's Variable metadata key for sharding names (nnx.get_partition_spec reads it)
 GATHER_KEY = "gather"       # Variable metadata the mesh step sets on an FSDP shard: a `Gather`
 
@@ -237,12 +243,43 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
   out = project(p, "wo", "bthk,hkd->btd", attn, lora_scale)
   x_btd = x_btd + (norm(out, p["post_attn_norm"]) if gemma else out)
   h = norm(x_btd, p["mlp_norm"])
+  if config.moe:
+    return x_btd + moe_mlp(config, p, h), (k, v)
   gate = project(p, "w_gate", "btd,df->btf", h, lora_scale)
   up = project(p, "w_up", "btd,df->btf", h, lora_scale)
   act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
   out = project(p, "w_down", "btf,fd->btd", act * up, lora_scale)
   x_btd = x_btd + (norm(out, p["post_mlp_norm"]) if gemma else out)
   return x_btd, (k, v)
+
+
+def moe_mlp(config: ModelConfig, p: dict, h_btd):
+  """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities
+  softmax(h W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1
+  with norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls
+  (`jax.lax.ragged_dot`): the (token, slot) pairs sorted by expert, each expert's rows one contiguous group,
+  so a token costs its k experts only. The routing is a function of h alone, so a prefix's tokens route the
+  same in replay and in naive rows; the router's gradient flows through the selected probabilities (the
+  selection itself is piecewise constant). [B, T, d] -> [B, T, d] in h's dtype."""
+  b, t, d = h_btd.shape
+  k, e = config.experts_per_token, config.num_experts
+  dt, acc = h_btd.dtype, accum_dtype(h_btd.dtype)
+  x = h_btd.reshape(b * t, d)
+  logits = jnp.matmul(x, p["w_router"].astype(dt))
+  probs = jax.nn.softmax(logits.astype(acc), axis=-1)
+  weights, experts = jax.lax.top_k(probs, k)                                     # [N, k]
+  if config.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  flat = experts.reshape(-1)                                                     # [N·k], (token, slot) order
+  order = jnp.argsort(flat, stable=True)                                         # sorted by expert
+  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+  rows = x[order // k]
+  with jax.named_scope("moe experts"):
+    gate = jax.lax.ragged_dot(rows, p["w_gate"].astype(dt), sizes)
+    up = jax.lax.ragged_dot(rows, p["w_up"].astype(dt), sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"].astype(dt), sizes)   # [N·k, d], sorted
+  out = out[jnp.argsort(order)].reshape(b * t, k, d)                             # back to (token, slot) order
+  return jnp.einsum("nkd,nk->nd", out, weights.astype(dt)).reshape(b, t, d)
 
 
 def _layer_attention(config: ModelConfig, layer_xs, inv_freq, attention, positions_bt):
@@ -275,9 +312,16 @@ class DecoderLayers(nnx.Module):
     self.wk = normal(("layers", L), ("embed", d), ("kv_heads", hkv), ("head_dim", hd))
     self.wv = normal(("layers", L), ("embed", d), ("kv_heads", hkv), ("head_dim", hd))
     self.wo = normal(("layers", L), ("heads", hq), ("head_dim", hd), ("embed", d))
-    self.w_gate = normal(("layers", L), ("embed", d), ("mlp", f))
-    self.w_up = normal(("layers", L), ("embed", d), ("mlp", f))
-    self.w_down = normal(("layers", L), ("mlp", f), ("embed", d))
+    if config.moe:   # Qwen3-MoE: a router and E experts of width expert_ffn_dim
+      e, fe = config.num_experts, config.expert_ffn_dim
+      self.w_router = normal(("layers", L), ("embed", d), ("experts", e))
+      self.w_gate = normal(("layers", L), ("experts", e), ("embed", d), ("mlp", fe))
+      self.w_up = normal(("layers", L), ("experts", e), ("embed", d), ("mlp", fe))
+      self.w_down = normal(("layers", L), ("experts", e), ("mlp", fe), ("embed", d))
+    else:
+      self.w_gate = normal(("layers", L), ("embed", d), ("mlp", f))
+      self.w_up = normal(("layers", L), ("embed", d), ("mlp", f))
+      self.w_down = normal(("layers", L), ("mlp", f), ("embed", d))
     if config.qkv_bias:
       self.bq = normal(("layers", L), ("heads", hq), ("head_dim", hd))
       self.bk = normal(("layers", L), ("kv_heads", hkv), ("head_dim", hd))

@@ -43,7 +43,7 @@ KNOWN_MODELS = ("smollm2-135m-instruct",)
 LAYER_PARAMS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "wq", "k": "wk", "v": "wv", "o": "wo",
                 "gate": "w_gate", "up": "w_up", "down": "w_down", "bq": "bq", "bk": "bk", "bv": "bv",
                 "q_norm": "q_norm", "k_norm": "k_norm", "post_attn_norm": "post_attn_norm",
-                "post_mlp_norm": "post_mlp_norm"}
+                "post_mlp_norm": "post_mlp_norm", "router": "w_router"}
 
 
 def smollm2_gguf_path() -> str:
@@ -67,6 +67,12 @@ def expected_shapes(config: ModelConfig) -> tuple[dict[str, tuple], dict[str, tu
   layer = {"attn_norm": (c.d_model,), "mlp_norm": (c.d_model,), "q": (q, c.d_model), "k": (kv, c.d_model),
            "v": (kv, c.d_model), "o": (c.d_model, q), "gate": (c.ffn_dim, c.d_model), "up": (c.ffn_dim, c.d_model),
            "down": (c.d_model, c.ffn_dim)}
+  if c.moe:   # the router [E, d] and each expert's projections in place of the dense MLP
+    del layer["gate"], layer["up"], layer["down"]
+    layer["router"] = (c.num_experts, c.d_model)
+    for e in range(c.num_experts):
+      layer.update({f"gate.{e}": (c.expert_ffn_dim, c.d_model), f"up.{e}": (c.expert_ffn_dim, c.d_model),
+                    f"down.{e}": (c.d_model, c.expert_ffn_dim)})
   if c.qkv_bias:
     layer.update(bq=(q,), bk=(kv,), bv=(kv,))
   if c.qk_norm:
@@ -128,9 +134,15 @@ def assemble_params(config: ModelConfig, globs: dict, layers: dict) -> dict:
       "k_norm": lambda w: w,
       "post_attn_norm": lambda w: w,
       "post_mlp_norm": lambda w: w,
+      "router": lambda w: w.T,   # [E, d] -> [d, E]
   }
+  experts = {k: layers.pop(k) for k in [k for k in layers if "." in k]}   # Qwen3-MoE: "gate.e" per expert e
   params = {"embed": f32(globs["embed"]), "final_norm": f32(globs["final_norm"]),
             "layers": {LAYER_PARAMS[k]: f32(np.stack([per_layer[k](w) for w in ws])) for k, ws in layers.items()}}
+  if c.moe:   # w_router [L, d, E]; w_gate, w_up [L, E, d, F_e]; w_down [L, E, F_e, d]
+    for kind in ("gate", "up", "down"):
+      params["layers"][LAYER_PARAMS[kind]] = f32(np.stack(
+          [np.stack([experts[f"{kind}.{e}"][i].T for e in range(c.num_experts)]) for i in range(c.num_layers)]))
   if not c.tie_embeddings:
     params["lm_head"] = f32(globs["lm_head"].T)
   return params
@@ -200,7 +212,8 @@ def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attent
                        attention_impl=attention_impl)
   globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
                                     layer_prefix=hf_loader.LAYER_PREFIX,
-                                    layer_names=hf_loader.layer_names(config.arch), source=directory)
+                                    layer_names=hf_loader.layer_names(config.arch, config.num_experts),
+                                    source=directory)
   return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat,
                      attention_impl=attention_impl)
 
