@@ -3,7 +3,6 @@ written by tools/make_gemma3_reference.py), and branch replay exact where the sl
 segment boundaries."""
 
 import dataclasses
-import functools
 import json
 import os
 
@@ -12,17 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
+from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective,
+                      read_reference, refused_before_loading, step)
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import group_arrays, pack_trees, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import pack_trees, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
 from branch_replay_jax.export import export_model
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import fused_applies, value_and_grad
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.config import FULL, SLIDING
-from branch_replay_jax.models.llama import token_logprobs
 from branch_replay_jax.models.loading import build_model, load_hf_model
 from branch_replay_jax.rollout.sampler import sample_group
 
@@ -32,19 +32,12 @@ WINDOW = 4   # the fixture's sliding_window: shorter than every input and segmen
 
 @pytest.fixture(scope="module")
 def reference():
-  with open(os.path.join(FIXTURE, "reference.json")) as f:
-    return json.load(f)
+  return read_reference(FIXTURE)
 
 
 @pytest.fixture(scope="module")
 def model():
   return load_hf_model(FIXTURE)
-
-
-def next_logprobs(m, ids):
-  out = m(jnp.asarray([ids]), 0)
-  w, axis = m.output_weights()
-  return np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis)[0])
 
 
 def test_config_reads_the_window_layer_types_and_both_ropes(model):
@@ -101,26 +94,9 @@ def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path, re
     assert written[key] == source[key] and type(written[key]) is type(source[key]), key   # transformers checks types
 
 
-def _objective(logp, br):
-  return obj.grpo_objective(logp, br, clip_eps=0.2, kl_coef=0.05, on_policy=False)
-
-
-_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
-                static_argnames=("micro_batch", "schedule", "layout", "fused"))
-
-
 def _params(model, dtype):
   graphdef, params = nnx.split(model)
   return graphdef, jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-
-
-def _group_arrays(group, dtype):
-  rng = np.random.default_rng(1)
-  g, t = group.completion_ids.shape
-  return group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(dtype),
-                      advantage=rng.normal(size=g).astype(dtype),
-                      old_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype),
-                      ref_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
 
 
 def test_group_replay_equals_naive_float64_with_the_window_across_the_prompt(model, x64):
@@ -129,11 +105,11 @@ def test_group_replay_equals_naive_float64_with_the_window_across_the_prompt(mod
   # fused) and naive rows (prompt + completion as one sequence) are the same function: float64 rounding.
   m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
   graphdef, params = _params(m64, jnp.float64)
-  arrays = _group_arrays(_window_group(), np.float64)
+  arrays = arrays_of(_window_group(), np.float64)
   assert fused_applies(arrays, micro_batch=None)
-  ln, an, gn = _step(graphdef, params, arrays, _objective, layout="naive")
+  ln, an, gn = step(graphdef, params, arrays, objective, layout="naive")
   for kw in (dict(micro_batch=1, fused=False), dict(micro_batch=None, fused=True)):
-    lr, ar, gr = _step(graphdef, params, arrays, _objective, **kw)
+    lr, ar, gr = step(graphdef, params, arrays, objective, **kw)
     assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), kw
     assert max_rel_err(gr, gn) <= 1e-10, kw
 
@@ -142,7 +118,7 @@ def _float64_gradient(model, arrays64):
   with jax.enable_x64(True):
     m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
     g64, p64 = _params(m64, jnp.float64)
-    return jax.tree_util.tree_map(np.asarray, _step(g64, p64, arrays64, _objective, layout="naive")[2])
+    return jax.tree_util.tree_map(np.asarray, step(g64, p64, arrays64, objective, layout="naive")[2])
 
 
 def _window_group():
@@ -151,10 +127,10 @@ def _window_group():
 
 def test_group_replay_float32_within_rounding_of_naive(model):
   # float32: replay against naive within 1e-4 relative (rounding order only; measured ~1e-6).
-  arrays = _group_arrays(_window_group(), np.float32)
+  arrays = arrays_of(_window_group(), np.float32)
   graphdef, params = _params(model, jnp.float32)
-  _, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
-  _, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
+  _, _, gn = step(graphdef, params, arrays, objective, layout="naive")
+  _, _, gr = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
   assert max_rel_err(gr, gn) <= 1e-4
 
 
@@ -165,13 +141,13 @@ def test_group_replay_bfloat16_error_at_most_twice_naive(model):
   # bfloat16 compute: replay's error against the float64 gradient at most twice naive's, as for Llama
   # (tests/test_replay.py).
   with jax.enable_x64(True):
-    arrays64 = _group_arrays(_window_group(), np.float64)
+    arrays64 = arrays_of(_window_group(), np.float64)
   exact = _float64_gradient(model, arrays64)
-  arrays = _group_arrays(_window_group(), np.float32)
+  arrays = arrays_of(_window_group(), np.float32)
   mbf = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.bfloat16)
   graphdef, params = _params(mbf, jnp.float32)
-  naive_err = max_rel_err(_step(graphdef, params, arrays, _objective, layout="naive")[2], exact)
-  replay_err = max_rel_err(_step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)[2], exact)
+  naive_err = max_rel_err(step(graphdef, params, arrays, objective, layout="naive")[2], exact)
+  replay_err = max_rel_err(step(graphdef, params, arrays, objective, micro_batch=1, fused=False)[2], exact)
   assert replay_err <= 2 * naive_err, (replay_err, naive_err)
 
 
@@ -194,13 +170,13 @@ def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestor
   tree_batch = tree_arrays(pad_tree(tree), per_node, advantage=adv)
   rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
                                  completion_bucket=16, advantage=adv)
-  ln, _, gn = _step(graphdef, params, rows, _objective, layout="naive")
+  ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
   # depth-first, two leaf siblings per step (the schedules differ only above the model: tests/test_tree_replay.py)
-  lt, _, gt = _step(graphdef, params, tree_batch, _objective, schedule="depth_first", micro_batch=2)
+  lt, _, gt = step(graphdef, params, tree_batch, objective, schedule="depth_first", micro_batch=2)
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= 1e-10
   with pytest.raises(ValueError, match="packed tree"):   # the packed row's key ends take no window
-    value_and_grad(POLICY, graphdef, params, pack_trees([tree_batch])[0], _objective)
+    value_and_grad(POLICY, graphdef, params, pack_trees([tree_batch])[0], objective)
 
 
 def test_sliding_window_options_are_refused_by_name():
@@ -220,20 +196,9 @@ def test_grpo_trains_a_gemma_directory_by_replay_and_checks_it_against_naive_row
   # as a Hugging Face directory and trained by the GRPO smoke experiment: every prompt (~40 tokens) is longer
   # than the window. The step's run-time exactness check computes one group's gradient by replay and by naive
   # rows: equal to float32 rounding (exactness_ok, the bound of algorithms/exactness.py).
-  from conftest import experiment_config
-  from experiments import grpo_smollm2_arith
-  from branch_replay_jax.algorithms import grpo
-  from branch_replay_jax.models.loading import load_tokenizer
-  from branch_replay_jax.rollout.tasks import Task
-  from conftest import length_score
-  monkeypatch.setattr(Task, "score", length_score)   # rewards that vary: the update is not vacuous
-  tokenizer = load_tokenizer("smollm2-135m-instruct")
-  cfg = tiny_config(vocab_size=len(tokenizer), arch="gemma3_text", layer_types=(SLIDING, FULL), sliding_window=8,
+  cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="gemma3_text", layer_types=(SLIDING, FULL), sliding_window=8,
                     rope_local_theta=1e4, query_pre_attn_scalar=8.0, qk_norm=True, max_positions=2048)
-  model_dir = export_model(Llama(cfg, rngs=nnx.Rngs(0)), tokenizer, str(tmp_path / "hf"))
-  history = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
-      "model.name": model_dir, "eval.size": 0, "train.steps": 1, "train.exactness_check_every": 1}))
-  (record,) = history
+  record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch)
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
 
@@ -244,33 +209,16 @@ def test_grpo_trains_a_gemma_directory_by_replay_and_checks_it_against_naive_row
 ])
 def test_a_sliding_window_model_refuses_what_its_attention_does_not_take_before_loading(tmp_path, field, value,
                                                                                         message):
-  # Read from config.json alone: the fixture has no tokenizer, so a load would fail otherwise.
-  from conftest import experiment_config
-  from experiments import grpo_smollm2_arith
-  from branch_replay_jax.algorithms import grpo
-  overrides = {"model.name": FIXTURE, field: value}
-  if field == "mesh.seq":
-    overrides["rollout.prompts_per_step"] = 1
-  with pytest.raises(ValueError, match=f"has sliding-window layers \\(Gemma 3\\): .*{message}"):
-    grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **overrides))
+  overrides = {field: value, **({"rollout.prompts_per_step": 1} if field == "mesh.seq" else {})}
+  refused_before_loading(tmp_path, FIXTURE, "smoke", overrides, f"has sliding-window layers \\(Gemma 3\\): .*{message}")
 
 
 def test_fsdp_mesh_step_equals_naive_float64():
   # Two groups over data x branch = 2 x 2 with FSDP parameters (every Gemma weight, the post norms included,
   # split and gathered layer by layer inside the scan, each layer's window and RoPE scanned beside it): the
   # summed gradient equals the two naive groups' to float64 rounding (<= 1e-10).
-  from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
   with jax.enable_x64(True):
     model = load_hf_model(FIXTURE)
     m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
-    graphdef, params = _params(m64, jnp.float64)
-    groups = [_group_arrays(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s), np.float64) for s in range(2)]
-    outs = [_step(graphdef, params, a, _objective, layout="naive") for a in groups]
-    naive_grads = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
-    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
-    with jax.set_mesh(mesh):
-      batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
-      loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, _objective, mesh=mesh,
-                                                           micro_batch=1))(shard_params(params, mesh, "fsdp"), batch)
-    assert float(loss) == pytest.approx(float(outs[0][0] + outs[1][0]), rel=1e-10)
-    assert max_rel_err(grads, naive_grads) <= 1e-10
+    groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s), np.float64) for s in range(2)]
+    fsdp_step_equals_naive(*_params(m64, jnp.float64), groups)

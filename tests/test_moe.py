@@ -2,8 +2,6 @@
 tools/make_qwen3_moe_reference.py wrote, the experts as grouped matmuls against a dense reference, and branch
 replay exact against naive rows with the router's gradient included."""
 
-import functools
-import json
 import os
 
 import jax
@@ -11,16 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
+from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective, read_reference,
+                      refused_before_loading, step)
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
 from branch_replay_jax.export import export_model
-from branch_replay_jax.gradients.heads import POLICY
-from branch_replay_jax.gradients.step import value_and_grad
+from branch_replay_jax.models import Llama
 from branch_replay_jax.models.config import tiny_config
-from branch_replay_jax.models.llama import moe_mlp, token_logprobs
+from branch_replay_jax.models.llama import moe_mlp
 from branch_replay_jax.models.loading import build_model, load_hf_model
 from branch_replay_jax.rollout.sampler import sample_group
 
@@ -29,8 +28,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_moe_tiny")
 
 @pytest.fixture(scope="module")
 def reference():
-  with open(os.path.join(FIXTURE, "reference.json")) as f:
-    return json.load(f)
+  return read_reference(FIXTURE)
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +46,7 @@ def test_logprobs_match_transformers_float32(model, reference):
   # Same weights through transformers' Qwen3MoeForCausalLM (eager, float32) and our decoder: within 1e-5
   # (the fixture is rounded to 1e-6; measured 1.3e-6).
   for item in reference["inputs"]:
-    ids = item["input_ids"]
-    out = model(jnp.asarray([ids]), 0)
-    w, axis = model.output_weights()
-    got = np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis)[0])
+    got = next_logprobs(model, item["input_ids"])
     assert np.abs(got - np.asarray(item["next_token_logprobs"])).max() <= 1e-5
 
 
@@ -94,14 +89,6 @@ def test_export_round_trip_gives_the_same_tensors_as_transformers_wrote(model, t
   assert shapes(str(tmp_path / "out" / "model.safetensors")) == shapes(os.path.join(FIXTURE, "model.safetensors"))
 
 
-def _objective(logp, br):
-  return obj.grpo_objective(logp, br, clip_eps=0.2, kl_coef=0.05, on_policy=False)
-
-
-_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
-                static_argnames=("micro_batch", "schedule", "layout", "fused"))
-
-
 @pytest.fixture(scope="module")
 def model64(model):
   with jax.enable_x64(True):
@@ -115,14 +102,9 @@ def test_group_replay_equals_naive_float64_with_the_routers_gradient(model64, x6
   # hidden state, so both pick the same experts (no near-tie at float64 rounding with these random weights) and
   # the gradients, the router's included, agree to float64 rounding.
   graphdef, params = model64
-  group = random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96)
-  rng = np.random.default_rng(1)
-  g, t = group.completion_ids.shape
-  arrays = group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean"),
-                        advantage=rng.normal(size=g), old_logp=-4.5 + 0.3 * rng.normal(size=(g, t)),
-                        ref_logp=-4.5 + 0.3 * rng.normal(size=(g, t)))
-  ln, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
-  lr, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
+  arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
+  ln, _, gn = step(graphdef, params, arrays, objective, layout="naive")
+  lr, _, gr = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
   assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gr, gn) <= 1e-10
   assert float(jnp.abs(gn["layers"]["w_router"][...]).max()) > 1e-6   # the router learns through its weights
@@ -143,8 +125,8 @@ def test_tree_replay_equals_naive_float64(model64, x64):
   per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": ref}
   rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
                                  completion_bucket=16, advantage=adv)
-  ln, _, gn = _step(graphdef, params, rows, _objective, layout="naive")
-  lt, _, gt = _step(graphdef, params, tree_arrays(pad_tree(tree), per_node, advantage=adv), _objective,
+  ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
+  lt, _, gt = step(graphdef, params, tree_arrays(pad_tree(tree), per_node, advantage=adv), objective,
                     schedule="level", micro_batch=None)
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= 1e-10
@@ -163,21 +145,9 @@ def test_grpo_trains_a_moe_directory_by_replay_and_checks_it_against_naive_rows(
   # A random Qwen3-MoE (2 layers, 4 experts, 2 per token) over SmolLM2's tokenizer, exported as a Hugging Face
   # directory and trained by the GRPO smoke experiment (the fused replay: a group's 4 completions in one step).
   # The run-time exactness check: replay's gradient against naive rows' to float32 rounding.
-  from conftest import experiment_config, length_score
-  from experiments import grpo_smollm2_arith
-  from branch_replay_jax.algorithms import grpo
-  from branch_replay_jax.models import Llama
-  from branch_replay_jax.models.loading import load_tokenizer
-  from branch_replay_jax.rollout.tasks import Task
-  monkeypatch.setattr(Task, "score", length_score)   # rewards that vary: the update is not vacuous
-  tokenizer = load_tokenizer("smollm2-135m-instruct")
-  cfg = tiny_config(vocab_size=len(tokenizer), arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
+  cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
                     expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
-  model_dir = export_model(Llama(cfg, rngs=nnx.Rngs(0)), tokenizer, str(tmp_path / "hf"))
-  history = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
-      "model.name": model_dir, "eval.size": 0, "train.steps": 1, "train.exactness_check_every": 1,
-      "train.micro_batch": 4}))
-  (record,) = history
+  record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, **{"train.micro_batch": 4})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
 
@@ -187,35 +157,13 @@ def test_grpo_trains_a_moe_directory_by_replay_and_checks_it_against_naive_rows(
     ("lora_smoke", {}, "lora: adapters are built for the dense Llama block"),
 ])
 def test_a_moe_model_refuses_what_it_does_not_take_before_loading(tmp_path, variant, overrides, message):
-  # Read from config.json alone: the fixture has no tokenizer, so a load would fail otherwise.
-  from conftest import experiment_config
-  from experiments import grpo_smollm2_arith
-  from branch_replay_jax.algorithms import grpo
-  with pytest.raises(ValueError, match=f"is a mixture of experts \\(Qwen3-MoE\\): {message}"):
-    grpo.train(experiment_config(grpo_smollm2_arith, variant, tmp_path / "run", **{"model.name": FIXTURE,
-                                                                                      **overrides}))
+  refused_before_loading(tmp_path, FIXTURE, variant, overrides, f"is a mixture of experts \\(Qwen3-MoE\\): {message}")
 
 
 def test_fsdp_mesh_step_equals_naive_float64(model64):
   # Two groups over data x branch = 2 x 2 with FSDP parameters (the router and the experts split and gathered
   # layer by layer like every weight; no expert axis): the summed gradient equals the two naive groups'.
-  from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
   with jax.enable_x64(True):
-    graphdef, params = model64
-    groups = []
-    for s in range(2):
-      group = random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96)
-      rng = np.random.default_rng(s)
-      g, t = group.completion_ids.shape
-      groups.append(group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean"),
-                                 advantage=rng.normal(size=g), old_logp=-4.5 + 0.3 * rng.normal(size=(g, t)),
-                                 ref_logp=-4.5 + 0.3 * rng.normal(size=(g, t))))
-    outs = [_step(graphdef, params, a, _objective, layout="naive") for a in groups]
-    naive_grads = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
-    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
-    with jax.set_mesh(mesh):
-      batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
-      loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, _objective, mesh=mesh,
-                                                           micro_batch=1))(shard_params(params, mesh, "fsdp"), batch)
-    assert float(loss) == pytest.approx(float(outs[0][0] + outs[1][0]), rel=1e-10)
-    assert max_rel_err(grads, naive_grads) <= 1e-10
+    groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
+              for s in range(2)]
+    fsdp_step_equals_naive(*model64, groups)

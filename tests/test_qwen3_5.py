@@ -2,8 +2,6 @@
 tools/make_qwen3_5_reference.py wrote, the chunked rule against the token-by-token one, a segment continued
 from its parent's state, and branch replay through the recurrent state exact against naive rows."""
 
-import functools
-import json
 import os
 
 import jax
@@ -11,17 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
+from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective,
+                      read_reference, refused_before_loading, step)
 from flax import nnx
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import group_arrays, pack_trees, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import pack_trees, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
 from branch_replay_jax.export import export_model
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.models import gated_delta
 from branch_replay_jax.models.config import FULL, LINEAR, GatedDeltaNetShape, tiny_config
-from branch_replay_jax.models.llama import token_logprobs
 from branch_replay_jax.models.loading import build_model, load_hf_model
 from branch_replay_jax.models.qwen3_5 import Qwen35
 from branch_replay_jax.rollout.sampler import sample_group
@@ -32,19 +31,12 @@ CHUNK = 3   # the replay tests' chunk of the chunked rule: segments span several
 
 @pytest.fixture(scope="module")
 def reference():
-  with open(os.path.join(FIXTURE, "reference.json")) as f:
-    return json.load(f)
+  return read_reference(FIXTURE)
 
 
 @pytest.fixture(scope="module")
 def model():
   return load_hf_model(FIXTURE)
-
-
-def next_logprobs(m, ids):
-  out = m(jnp.asarray([ids]), 0)
-  w, axis = m.output_weights()
-  return np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis)[0])
 
 
 def test_config_reads_the_layer_pattern_the_linear_shape_and_partial_rope(model):
@@ -152,23 +144,6 @@ def test_a_segment_continued_from_its_parents_state_equals_the_whole_sequence_fl
     assert float(jnp.abs(got - want).max()) <= 1e-12
 
 
-def _objective(logp, br):
-  return obj.grpo_objective(logp, br, clip_eps=0.2, kl_coef=0.05, on_policy=False)
-
-
-_step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
-                static_argnames=("micro_batch", "schedule", "layout", "fused"))
-
-
-def _group_arrays(group, dtype):
-  rng = np.random.default_rng(1)
-  g, t = group.completion_ids.shape
-  return group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(dtype),
-                      advantage=rng.normal(size=g).astype(dtype),
-                      old_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype),
-                      ref_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
-
-
 def _group():
   # Prompt of 7 (three chunks of 3, the last partial), completions of 1 (shorter than the convolution
   # window and the chunk), 2, 5 and 9 tokens.
@@ -180,9 +155,9 @@ def test_group_replay_equals_naive_float64_through_the_recurrent_state(small64, 
   # naive rows (prompt + completion as one left-padded sequence) are the same function. (The loop's default,
   # all completions in one step through `prompt_and_rows`, is checked in float32 by the GRPO test below.)
   graphdef, params = small64
-  arrays = _group_arrays(_group(), np.float64)
-  ln, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
-  lr, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
+  arrays = arrays_of(_group(), np.float64)
+  ln, _, gn = step(graphdef, params, arrays, objective, layout="naive")
+  lr, _, gr = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
   assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gr, gn) <= 1e-10
 
@@ -195,9 +170,9 @@ def test_group_replay_float32_within_rounding_of_naive(model):
   model.chunk = CHUNK
   graphdef, params = nnx.split(model)
   model.chunk = 64
-  arrays = _group_arrays(_group(), np.float32)
-  _, _, gn = _step(graphdef, params, arrays, _objective, layout="naive")
-  _, _, gr = _step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)
+  arrays = arrays_of(_group(), np.float32)
+  _, _, gn = step(graphdef, params, arrays, objective, layout="naive")
+  _, _, gr = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
   assert max_rel_err(gr, gn) <= 1e-4
 
 
@@ -210,14 +185,14 @@ def test_group_replay_bfloat16_error_at_most_twice_naive(model):
   with jax.enable_x64(True):
     graphdef64, params64 = nnx.split(_model64(model))
     params64 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params64)
-    exact = jax.tree_util.tree_map(np.asarray, _step(graphdef64, params64, _group_arrays(_group(), np.float64),
-                                                     _objective, layout="naive")[2])
+    exact = jax.tree_util.tree_map(np.asarray, step(graphdef64, params64, arrays_of(_group(), np.float64),
+                                                     objective, layout="naive")[2])
   bf16 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.bfloat16)
   bf16.chunk = CHUNK
   graphdef, params = nnx.split(bf16)
-  arrays = _group_arrays(_group(), np.float32)
-  naive_err = max_rel_err(_step(graphdef, params, arrays, _objective, layout="naive")[2], exact)
-  replay_err = max_rel_err(_step(graphdef, params, arrays, _objective, micro_batch=1, fused=False)[2], exact)
+  arrays = arrays_of(_group(), np.float32)
+  naive_err = max_rel_err(step(graphdef, params, arrays, objective, layout="naive")[2], exact)
+  replay_err = max_rel_err(step(graphdef, params, arrays, objective, micro_batch=1, fused=False)[2], exact)
   assert replay_err <= 2 * naive_err, (replay_err, naive_err)
 
 
@@ -241,12 +216,12 @@ def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small
   tree_batch = tree_arrays(pad_tree(tree), per_node, advantage=adv)
   rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
                                  completion_bucket=16, advantage=adv)
-  ln, _, gn = _step(graphdef, params, rows, _objective, layout="naive")
-  lt, _, gt = _step(graphdef, params, tree_batch, _objective, schedule="level", micro_batch=None)
+  ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
+  lt, _, gt = step(graphdef, params, tree_batch, objective, schedule="level", micro_batch=None)
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= 1e-10
   with pytest.raises(ValueError, match="packed tree"):   # a packed row has no per-token recurrence
-    value_and_grad(POLICY, graphdef, params, pack_trees([tree_batch])[0], _objective)
+    value_and_grad(POLICY, graphdef, params, pack_trees([tree_batch])[0], objective)
 
 
 def test_export_writes_what_our_loader_reads_back(model, tmp_path):
@@ -278,23 +253,13 @@ def test_qwen3_5_fields_are_checked_by_name():
 def test_grpo_trains_a_qwen3_5_directory_by_replay_and_checks_it_against_naive_rows(tmp_path, monkeypatch):
   # A random Qwen3.5 (a linear layer then a full one) over SmolLM2's tokenizer, exported as a Hugging Face
   # directory and trained by the GRPO smoke experiment: sampled through the recurrent state, trained by replay
-  # from the prompt's final state (the prompt and the 4 completions of a group in one step). The run-time exactness check computes one group's gradient by replay and
-  # by naive rows: equal to float32 rounding (exactness_ok, the bound of algorithms/exactness.py).
-  from conftest import experiment_config, length_score
-  from experiments import grpo_smollm2_arith
-  from branch_replay_jax.algorithms import grpo
-  from branch_replay_jax.models.loading import load_tokenizer
-  from branch_replay_jax.rollout.tasks import Task
-  monkeypatch.setattr(Task, "score", length_score)   # rewards that vary: the update is not vacuous
-  tokenizer = load_tokenizer("smollm2-135m-instruct")
-  cfg = tiny_config(vocab_size=len(tokenizer), arch="qwen3_5_text", layer_types=(LINEAR, FULL), qk_norm=True,
+  # from the prompt's final state (the prompt and the 4 completions of a group in one step, the fused replay,
+  # `Qwen35.prompt_and_rows`). The run-time exactness check computes one group's gradient by replay and by naive
+  # rows: equal to float32 rounding (exactness_ok, the bound of algorithms/exactness.py).
+  cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_5_text", layer_types=(LINEAR, FULL), qk_norm=True,
                     linear_attention=GatedDeltaNetShape(2, 4, 8, 8), rotary_dim=4, max_positions=2048,
                     tie_embeddings=False)
-  model_dir = export_model(Qwen35(cfg, rngs=nnx.Rngs(0)), tokenizer, str(tmp_path / "hf"))
-  history = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
-      "model.name": model_dir, "eval.size": 0, "train.steps": 1, "train.exactness_check_every": 1,
-      "train.micro_batch": 4}))   # = G: the fused replay (`Qwen35.prompt_and_rows`), the loop's default layout
-  (record,) = history
+  record = grpo_on_exported(Qwen35(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, **{"train.micro_batch": 4})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
 
@@ -305,13 +270,8 @@ def test_grpo_trains_a_qwen3_5_directory_by_replay_and_checks_it_against_naive_r
 ])
 def test_a_linear_attention_model_refuses_what_it_does_not_take_before_loading(tmp_path, variant, overrides,
                                                                                message):
-  # Read from config.json alone: the fixture has no tokenizer, so a load would fail otherwise.
-  from conftest import experiment_config
-  from experiments import grpo_smollm2_arith
-  from branch_replay_jax.algorithms import grpo
-  with pytest.raises(ValueError, match=f"has linear-attention layers \\(Qwen3.5\\): {message}"):
-    grpo.train(experiment_config(grpo_smollm2_arith, variant, tmp_path / "run", **{"model.name": FIXTURE,
-                                                                                      **overrides}))
+  refused_before_loading(tmp_path, FIXTURE, variant, overrides,
+                         f"has linear-attention layers \\(Qwen3.5\\): {message}")
 
 
 def test_fsdp_mesh_step_equals_naive_float64(small64):
@@ -319,20 +279,10 @@ def test_fsdp_mesh_step_equals_naive_float64(small64):
   # and gathered one layer-pattern repetition at a time inside the scan; the prompt's final recurrent state
   # handed to the completions on each device, its cotangent all-reduced over branch): the summed gradient
   # equals the two naive groups' to float64 rounding (<= 1e-10).
-  from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
   with jax.enable_x64(True):
-    graphdef, params = small64
-    groups = [_group_arrays(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64)
+    groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64)
               for s in range(2)]
-    outs = [_step(graphdef, params, a, _objective, layout="naive") for a in groups]
-    naive_grads = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
-    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
-    with jax.set_mesh(mesh):
-      batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
-      loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, _objective, mesh=mesh,
-                                                           micro_batch=1))(shard_params(params, mesh, "fsdp"), batch)
-    assert float(loss) == pytest.approx(float(outs[0][0] + outs[1][0]), rel=1e-10)
-    assert max_rel_err(grads, naive_grads) <= 1e-10
+    fsdp_step_equals_naive(*small64, groups)
 
 
 def test_episode_turns_on_the_kept_state_sample_what_a_full_reprefill_samples():

@@ -13,20 +13,13 @@ It needs torch, which the project does not depend on, so run it in a separate en
     /tmp/torchenv/bin/pip install torch==2.13.0 transformers==5.25.0 safetensors numpy
     /tmp/torchenv/bin/python tools/make_qwen3_moe_reference.py
 
-The model runs in float32 on CPU. Written per input: the token ids and the log-prob of each next token
-(position t predicts id t+1); plus a greedy 16-token continuation (argmax of full forwards) with the
-top-1 minus top-2 logit gap at each step.
+The shared half (seed, save, reference.json) is tools/tiny_fixture.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
-import numpy as np
 import torch
-import transformers
+import tiny_fixture
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 CONFIG = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
@@ -37,31 +30,7 @@ CONFIG = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermedi
 SEED, LENGTHS, GREEDY_PROMPT, GREEDY_TOKENS = 0, (23, 40), 9, 16
 
 
-def _r(x, digits=6):
-  return [round(float(v), digits) for v in x]
-
-
-@torch.no_grad()
-def next_logprobs(model, ids: list[int]) -> list[float]:
-  logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-  return _r(logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
-
-
-@torch.no_grad()
-def greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
-  tokens, gaps = list(ids), []
-  for _ in range(steps):
-    top2 = torch.topk(model(torch.tensor([tokens])).logits[0, -1].float(), 2)
-    tokens.append(int(top2.indices[0]))
-    gaps.append(round(float(top2.values[0] - top2.values[1]), 4))
-  return tokens[len(ids):], gaps
-
-
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "qwen3_moe_tiny"))
-  args = parser.parse_args()
-  torch.manual_seed(SEED)
+def build():
   config = Qwen3MoeConfig(**CONFIG)
   config._attn_implementation = "eager"
   model = Qwen3MoeForCausalLM(config).eval().float()
@@ -71,20 +40,9 @@ def main():
         p.copy_(1.0 + 0.3 * torch.randn_like(p))
       if name.endswith("mlp.gate.weight"):
         p.copy_(torch.randn_like(p))
-  model.save_pretrained(args.out, safe_serialization=True)
-
-  rng = np.random.default_rng(SEED)
-  inputs = [rng.integers(3, CONFIG["vocab_size"], n).tolist() for n in LENGTHS]
-  prompt = inputs[0][:GREEDY_PROMPT]
-  greedy_ids, gaps = greedy(model, prompt, GREEDY_TOKENS)
-  fixture = {"source": {"transformers": transformers.__version__, "torch": torch.__version__, "config": CONFIG,
-                        "seed": SEED},
-             "inputs": [{"input_ids": ids, "next_token_logprobs": next_logprobs(model, ids)} for ids in inputs],
-             "greedy": {"prompt_ids": prompt, "ids": greedy_ids, "top1_minus_top2": gaps}}
-  with open(os.path.join(args.out, "reference.json"), "w") as f:
-    json.dump(fixture, f, indent=1)
-  print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters())} parameters, greedy {greedy_ids}")
+  return model
 
 
 if __name__ == "__main__":
-  main()
+  tiny_fixture.main(__doc__, "qwen3_moe_tiny", build, CONFIG, seed=SEED, lengths=LENGTHS, greedy_prompt=GREEDY_PROMPT,
+                    greedy_tokens=GREEDY_TOKENS)

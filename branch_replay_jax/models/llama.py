@@ -257,8 +257,8 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd):
   """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities
   softmax(h W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1
   with norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls
-  (`jax.lax.ragged_dot`): the (token, slot) pairs sorted by expert, each expert's rows one contiguous group,
-  so a token costs its k experts only. The routing is a function of h alone, so a prefix's tokens route the
+  (`jax.lax.ragged_dot`): the (token, slot) pairs sorted by expert, each expert's rows one contiguous group
+  (with a grouped-matmul kernel a token costs its k experts; XLA:CPU lowers it densely over all E). The routing is a function of h alone, so a prefix's tokens route the
   same in replay and in naive rows; the router's gradient flows through the selected probabilities (the
   selection itself is piecewise constant). [B, T, d] -> [B, T, d] in h's dtype."""
   b, t, d = h_btd.shape
@@ -280,6 +280,23 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd):
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"].astype(dt), sizes)   # [N·k, d], sorted
   out = out[jnp.argsort(order)].reshape(b * t, k, d)                             # back to (token, slot) order
   return jnp.einsum("nkd,nk->nd", out, weights.astype(dt)).reshape(b, t, d)
+
+
+def rematerialized(body, remat: str, gathering: bool):
+  """A scanned layer body under a remat policy (`Llama`'s `remat` argument): its residuals named "layer_input",
+  "k", "v" and "gathered_weights" (FSDP's all-gathered weights, never kept: with remat "none" and gathering,
+  every activation but them)."""
+  if remat == "none" and gathering:
+    return jax.checkpoint(body, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered_weights"))
+  if remat == "full":
+    return jax.checkpoint(body)
+  if remat == "save_kv":
+    return jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("k", "v"))
+  if remat == "offload_kv":
+    return jax.checkpoint(body, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input", "k", "v"),
+        offload_src="device", offload_dst="pinned_host"))
+  return body
 
 
 def _layer_attention(config: ModelConfig, layer_xs, inv_freq, attention, positions_bt):
@@ -524,17 +541,7 @@ class Llama(nnx.Module):
       x = jax.tree_util.tree_map(lambda a: checkpoint_name(a, "layer_input"), x)
       return layer(p, x, xs_l)
 
-    if self.remat == "none" and gathering:   # keep every activation but not the gathered weights
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered_weights"))
-    elif self.remat == "full":
-      body = jax.checkpoint(body)
-    elif self.remat == "save_kv":
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("k", "v"))
-    elif self.remat == "offload_kv":
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
-          names_which_can_be_saved=(), names_which_can_be_offloaded=("layer_input", "k", "v"),
-          offload_src="device", offload_dst="pinned_host"))
-    return jax.lax.scan(body, x, (stacked, xs))
+    return jax.lax.scan(rematerialized(body, self.remat, gathering), x, (stacked, xs))
 
   def unembedding(self) -> jax.Array:
     """[d, V] output projection (the transposed embedding when tied)."""

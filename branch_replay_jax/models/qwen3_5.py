@@ -44,9 +44,10 @@ from branch_replay_jax.kernels import KVBlock, resolve_attention_impl
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models import gated_delta
 from branch_replay_jax.models.hf_loader import check_tensors
-from branch_replay_jax.models.config import FULL, LINEAR, GatedDeltaNetShape, ModelConfig
-from branch_replay_jax.models.llama import (GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, project, segment_positions,
-                                            annotated, apply_rope, gathered, param_value, rms_norm)
+from branch_replay_jax.models.config import FULL, LINEAR, ModelConfig
+from branch_replay_jax.models.llama import (GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, annotated, apply_rope,
+                                            gathered, param_value, project, rematerialized, rms_norm,
+                                            segment_positions)
 
 CHUNK = 64   # tokens per chunk of the chunked gated delta rule (transformers' chunk_size)
 
@@ -252,7 +253,6 @@ class Qwen35(Llama):
     Raises:
       ValueError: int32 key ends in valid_bt (a packed tree: the recurrence has no per-token ancestry).
     """
-    cfg = self.config
     b, t = tokens_bt.shape
     if valid_bt is None:
       valid_bt = jnp.ones((b, t), dtype=bool)
@@ -320,13 +320,7 @@ class Qwen35(Llama):
       stack = lambda arrays: jnp.stack(arrays) if arrays else None
       return x, (stack(ks), stack(vs), stack(convs), stack(recs))
 
-    if self.remat == "none" and gathering:   # keep every activation but not the gathered weights
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered_weights"))
-    elif self.remat == "full":
-      body = jax.checkpoint(body)
-    elif self.remat == "save_kv":
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("k", "v"))
-    x, ys = jax.lax.scan(body, x, xs)
+    x, ys = jax.lax.scan(rematerialized(body, self.remat, gathering), x, xs)
     b = x.shape[0]
     merge = lambda a, like: (a.reshape(-1, *a.shape[2:]) if a is not None else like)
     empty = self.initial_state(b)

@@ -1,0 +1,99 @@
+"""What the model-family tests (test_gemma.py, test_qwen3_5.py, test_moe.py) share: the transformers fixture's
+reference, next-token log-probs, the off-policy GRPO objective and its jitted step, a group's arrays, GRPO on
+an exported directory, a refusal before loading, and the FSDP mesh step against naive groups."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from branch_replay_jax import losses as obj
+from branch_replay_jax.data.batches import group_arrays
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
+from branch_replay_jax.models.llama import token_logprobs
+from conftest import max_rel_err
+
+
+SMOLLM2_VOCAB = 49152   # SmolLM2's tokenizer: what `grpo_on_exported` exports beside the model
+
+
+def read_reference(fixture: str) -> dict:
+  """reference.json of a tools/make_*_reference.py fixture."""
+  with open(os.path.join(fixture, "reference.json")) as f:
+    return json.load(f)
+
+
+def next_logprobs(m, ids) -> np.ndarray:
+  """[len(ids) - 1] log-probs of each next id under model m (one forward of the whole sequence)."""
+  out = m(jnp.asarray([ids]), 0)
+  w, axis = m.output_weights()
+  return np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis)[0])
+
+
+def objective(logp, br):
+  """GRPO's clipped objective with a KL term, off-policy (old log-probs given): every term has a gradient."""
+  return obj.grpo_objective(logp, br, clip_eps=0.2, kl_coef=0.05, on_policy=False)
+
+
+step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
+               static_argnames=("micro_batch", "schedule", "layout", "fused"))
+
+
+def arrays_of(group, dtype, seed: int = 1):
+  """A group's `GroupBatch` with sequence-mean weights and random advantages, old and reference log-probs."""
+  rng = np.random.default_rng(seed)
+  g, t = group.completion_ids.shape
+  return group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(dtype),
+                      advantage=rng.normal(size=g).astype(dtype),
+                      old_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype),
+                      ref_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
+
+
+def grpo_on_exported(model, tmp_path, monkeypatch, **overrides) -> dict:
+  """One GRPO smoke step (experiments/grpo_smollm2_arith.py:smoke) on `model` exported with SmolLM2's tokenizer
+  as a Hugging Face directory, with the run-time exactness check on and rewards that vary
+  (`conftest.length_score`); returns the step's metrics record."""
+  from conftest import experiment_config, length_score
+  from experiments import grpo_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  from branch_replay_jax.export import export_model
+  from branch_replay_jax.models.loading import load_tokenizer
+  from branch_replay_jax.rollout.tasks import Task
+  monkeypatch.setattr(Task, "score", length_score)
+  tokenizer = load_tokenizer("smollm2-135m-instruct")
+  assert len(tokenizer) == SMOLLM2_VOCAB == model.config.vocab_size
+  model_dir = export_model(model, tokenizer, str(tmp_path / "hf"))
+  (record,) = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
+      "model.name": model_dir, "eval.size": 0, "train.steps": 1, "train.exactness_check_every": 1, **overrides}))
+  return record
+
+
+def refused_before_loading(tmp_path, fixture: str, variant: str, overrides: dict, match: str) -> None:
+  """GRPO's `variant` smoke experiment on the fixture directory (config.json alone: it has no tokenizer, so a
+  load would fail otherwise) raises ValueError matching `match`."""
+  from conftest import experiment_config
+  from experiments import grpo_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  with pytest.raises(ValueError, match=match):
+    grpo.train(experiment_config(grpo_smollm2_arith, variant, tmp_path / "run", **{"model.name": fixture,
+                                                                                      **overrides}))
+
+
+def fsdp_step_equals_naive(graphdef, params, groups) -> None:
+  """Float64: the groups stacked over data x branch = 2 x 2 (4 of the 8 fake devices) with FSDP parameters give
+  the loss and summed gradient of the groups' naive steps (<= 1e-10)."""
+  from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
+  outs = [step(graphdef, params, a, objective, layout="naive") for a in groups]
+  naive_grads = jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs])
+  mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, objective, mesh=mesh,
+                                                         micro_batch=1))(shard_params(params, mesh, "fsdp"), batch)
+  assert float(loss) == pytest.approx(float(sum(o[0] for o in outs)), rel=1e-10)
+  assert max_rel_err(grads, naive_grads) <= 1e-10
