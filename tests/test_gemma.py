@@ -191,6 +191,10 @@ def test_sliding_window_options_are_refused_by_name():
     tiny_config(arch="gemma3_text", layer_types=(SLIDING, FULL), sliding_window=4)
 
 
+# heavy (~26 s in CI): CI covers its parts: the step (the float64 group, tree and FSDP tests, float32 above),
+# sampling through the window (test_greedy_sampling_through_the_kv_cache_reproduces_transformers), the directory
+# (the export test) and the loop on an exported directory (test_qwen3_5.py's GRPO test).
+@pytest.mark.heavy
 def test_grpo_trains_a_gemma_directory_by_replay_and_checks_it_against_naive_rows(tmp_path, monkeypatch):
   # A random two-layer Gemma 3 (one sliding layer of window 8, one global) over SmolLM2's tokenizer, exported
   # as a Hugging Face directory and trained by the GRPO smoke experiment: every prompt (~40 tokens) is longer

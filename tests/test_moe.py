@@ -141,6 +141,10 @@ def test_moe_fields_are_checked_by_name():
     tiny_config(arch="qwen3_moe", num_experts=4, experts_per_token=2, qk_norm=True)
 
 
+# heavy (~26 s in CI): CI covers its parts: the step (test_group_replay_equals_naive_float64_with_the_routers_gradient,
+# the tree and FSDP tests), sampling (test_greedy_sampling_reproduces_transformers), the directory (the export round
+# trip) and the loop on an exported directory (test_qwen3_5.py's GRPO test).
+@pytest.mark.heavy
 def test_grpo_trains_a_moe_directory_by_replay_and_checks_it_against_naive_rows(tmp_path, monkeypatch):
   # A random Qwen3-MoE (2 layers, 4 experts, 2 per token) over SmolLM2's tokenizer, exported as a Hugging Face
   # directory and trained by the GRPO smoke experiment (the fused replay: a group's 4 completions in one step).
