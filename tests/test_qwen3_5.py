@@ -24,6 +24,7 @@ from branch_replay_jax.models.config import FULL, LINEAR, GatedDeltaNetShape, ti
 from branch_replay_jax.models.loading import build_model, load_hf_model
 from branch_replay_jax.models.qwen3_5 import Qwen35
 from branch_replay_jax.rollout.sampler import sample_group
+from branch_replay_jax.rollout.tree_sampler import sample_tree
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_5_tiny")
 CHUNK = 3   # the replay tests' chunk of the chunked rule: segments span several chunks, some nodes are shorter
@@ -68,6 +69,16 @@ def test_greedy_sampling_through_the_recurrent_state_reproduces_transformers(mod
   out = sample_group(model, np.asarray(g["prompt_ids"]), num_samples=2, max_new_tokens=len(g["ids"]),
                      key=jax.random.key(0), temperature=0.0)
   assert np.asarray(out.tokens).tolist() == [g["ids"]] * 2
+
+
+def test_tree_sampling_hands_each_child_its_parents_state(model, reference):
+  # sample_tree at temperature 0, fan-outs (2, 2), segments of 8: every child decodes from its parent row's
+  # final state and K/V (`tree_sampler._row`), so each root-to-leaf path is transformers' 16 greedy ids.
+  g = reference["greedy"]
+  out = sample_tree(model, np.asarray(g["prompt_ids"]), fanouts=[2, 2], segment_length=8, key=jax.random.key(0),
+                    temperature=0.0)
+  nodes = [list(map(int, s)) for s in out.tree.segments[1:]]   # depth first: a first-level node, its two children
+  assert nodes == [g["ids"][:8], g["ids"][8:], g["ids"][8:]] * 2
 
 
 def test_the_full_layers_take_the_pallas_kernels(model):
