@@ -149,7 +149,8 @@ class ModelConfig:
         if not isinstance(value, int) or value <= 0:
           raise ValueError(f"ModelConfig.{name} must be a positive int for arch='qwen3_moe', got {value!r}")
       if self.experts_per_token > self.num_experts:
-        raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}")
+        raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} exceeds "
+                         f"num_experts={self.num_experts}")
     else:
       for name in moe_fields:
         if getattr(self, name) is not None:
@@ -195,6 +196,11 @@ class ModelConfig:
   def gemma(self) -> bool:
     """Gemma 3's block and attention layers (the class docstring)."""
     return self.arch == "gemma3_text"
+
+  @property
+  def unit_offset_norms(self) -> bool:
+    """RMSNorms scale by (1 + w), their weights initialised at 0 (Gemma 3's and Qwen3.5's `RMSNorm`)."""
+    return self.gemma or self.hybrid
 
   @property
   def moe(self) -> bool:

@@ -66,7 +66,8 @@ from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelCon
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
 
 # Logical axis names of the parameters' dimensions (module docstring); `annotated` refuses others.
-LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel", "experts")
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel",
+                "experts")
 AXES_KEY = "out_sharding"   # Flax NNX's Variable metadata key for sharding names (nnx.get_partition_spec reads it)
 GATHER_KEY = "gather"       # Variable metadata the mesh step sets on an FSDP shard: a `Gather`
 
@@ -151,9 +152,10 @@ def rms_norm(x, weight, eps, unit_offset: bool = False):
 
 
 def rope_inv_freq(config: ModelConfig, dtype=jnp.float32, *, local: bool = False) -> jax.Array:
-  """[D/2] inverse frequencies (float32, or float64 when asked), with Llama-3 or linear scaling where
-  configured; local: Gemma 3's sliding layers' (base rope_local_theta, unscaled)."""
-  d = config.head_dim
+  """[D/2] inverse frequencies (D = rotary_dim where set, else head_dim; float32, or float64 when asked),
+  with Llama-3 or linear scaling where configured; local: Gemma 3's sliding layers' (base
+  rope_local_theta, unscaled)."""
+  d = config.rotary_dim or config.head_dim   # Qwen3.5 turns the first rotary_dim of each head
   theta = config.rope_local_theta if local else config.rope_theta
   inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=dtype) / d))
   s = None if local else config.rope_scaling
@@ -254,13 +256,13 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
 
 
 def moe_mlp(config: ModelConfig, p: dict, h_btd):
-  """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities
-  softmax(h W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1
-  with norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls
-  (`jax.lax.ragged_dot`): the (token, slot) pairs sorted by expert, each expert's rows one contiguous group
-  (with a grouped-matmul kernel a token costs its k experts; XLA:CPU lowers it densely over all E). The routing is a function of h alone, so a prefix's tokens route the
-  same in replay and in naive rows; the router's gradient flows through the selected probabilities (the
-  selection itself is piecewise constant). [B, T, d] -> [B, T, d] in h's dtype."""
+  """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities softmax(h
+  W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1 with
+  norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls (`jax.lax.ragged_dot`):
+  the (token, slot) pairs sorted by expert, each expert's rows one contiguous group (with a grouped-matmul
+  kernel a token costs its k experts; XLA:CPU lowers it densely over all E). The routing is a function of h
+  alone, so a prefix's tokens route the same in replay and in naive rows; the router's gradient flows through
+  the selected probabilities (the selection itself is piecewise constant). [B, T, d] -> [B, T, d] in h's dtype."""
   b, t, d = h_btd.shape
   k, e = config.experts_per_token, config.num_experts
   dt, acc = h_btd.dtype, accum_dtype(h_btd.dtype)
@@ -376,6 +378,8 @@ class Llama(nnx.Module):
     rngs: initialisation randomness (the loaders overwrite every parameter).
   """
 
+  layers_class = DecoderLayers   # the stacked layer parameters (`qwen3_5.Qwen35` builds its own)
+
   def __init__(self, config: ModelConfig, *, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla",
                rngs: nnx.Rngs | None = None):
     rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -392,8 +396,8 @@ class Llama(nnx.Module):
     self.attention_impl = "xla" if config.gemma else resolve_attention_impl(attention_impl, config.head_dim)
     normal = nnx.initializers.normal(0.02)
     self.embed = annotated(normal(rngs.params(), (config.vocab_size, config.d_model)), ("vocab", "embed"))
-    self.layers = DecoderLayers(config, rngs=rngs)
-    self.final_norm = annotated((jnp.zeros if config.gemma else jnp.ones)((config.d_model,)), ("embed",))
+    self.layers = self.layers_class(config, rngs=rngs)
+    self.final_norm = annotated((jnp.zeros if config.unit_offset_norms else jnp.ones)((config.d_model,)), ("embed",))
     if not config.tie_embeddings:
       self.lm_head = annotated(normal(rngs.params(), (config.d_model, config.vocab_size)), ("embed", "vocab"))
     self.lora = None   # models.lora.LoraSpec once models.lora.add_adapters has added adapters
@@ -450,7 +454,7 @@ class Llama(nnx.Module):
     return x * jnp.asarray(self.config.d_model ** 0.5, self.dtype) if self.config.gemma else x
 
   def _final_norm(self, x):
-    return rms_norm(x, param_value(self.final_norm), self.config.norm_eps, unit_offset=self.config.gemma)
+    return rms_norm(x, param_value(self.final_norm), self.config.norm_eps, unit_offset=self.config.unit_offset_norms)
 
   def _attention(self, attention):
     """The suffix attention a forward uses: the model's own, or the caller's (not for Gemma 3)."""

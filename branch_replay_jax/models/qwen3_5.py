@@ -40,13 +40,13 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from branch_replay_jax.kernels import KVBlock, resolve_attention_impl
+from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models import gated_delta
 from branch_replay_jax.models.hf_loader import check_tensors
 from branch_replay_jax.models.config import FULL, LINEAR, ModelConfig
 from branch_replay_jax.models.llama import (GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, annotated, apply_rope,
-                                            gathered, param_value, project, rematerialized, rms_norm,
+                                            gathered, project, rematerialized, rms_norm, rope_inv_freq,
                                             segment_positions)
 
 CHUNK = 64   # tokens per chunk of the chunked gated delta rule (transformers' chunk_size)
@@ -77,7 +77,8 @@ def pattern(config: ModelConfig) -> tuple[str, ...]:
 
 
 class HybridLayers(nnx.Module):
-  """Parameters of the L layers, stacked per kind: `shared` norms and MLP [L, ...], `full` [Lf, ...], `linear` [Ll, ...]."""
+  """Parameters of the L layers, stacked per kind: `shared` norms and MLP [L, ...], `full` [Lf, ...],
+  `linear` [Ll, ...]."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c, la = config, config.linear_attention
@@ -195,33 +196,18 @@ class Qwen35(Llama):
     chunk: tokens per chunk of the chunked gated delta rule.
   """
 
+  layers_class = HybridLayers
+
   def __init__(self, config: ModelConfig, *, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla",
                chunk: int = CHUNK, rngs: nnx.Rngs | None = None):
     if not config.hybrid:
       raise ValueError(f"Qwen35: config.arch={config.arch!r}; expected 'qwen3_5_text'")
-    if remat not in REMAT_POLICIES or remat == "offload_kv":
+    if remat == "offload_kv":
       raise ValueError(f"Qwen35: remat={remat!r} is not one of {tuple(r for r in REMAT_POLICIES if r != 'offload_kv')}")
     if not isinstance(chunk, int) or chunk < 1:
       raise ValueError(f"Qwen35: chunk={chunk!r} must be a positive int")
-    rngs = rngs if rngs is not None else nnx.Rngs(0)
-    self.config = config
-    self.dtype = jnp.dtype(dtype)
-    self.remat = remat
+    super().__init__(config, dtype=dtype, remat=remat, attention_impl=attention_impl, rngs=rngs)
     self.chunk = chunk
-    self.attention_impl = resolve_attention_impl(attention_impl, config.head_dim)
-    normal = nnx.initializers.normal(0.02)
-    self.embed = annotated(normal(rngs.params(), (config.vocab_size, config.d_model)), ("vocab", "embed"))
-    self.layers = HybridLayers(config, rngs=rngs)
-    self.final_norm = annotated(jnp.zeros((config.d_model,)), ("embed",))
-    if not config.tie_embeddings:
-      self.lm_head = annotated(normal(rngs.params(), (config.d_model, config.vocab_size)), ("embed", "vocab"))
-    self.lora = None
-
-  def _embed(self, tokens_bt):
-    return param_value(self.embed)[tokens_bt].astype(self.dtype)
-
-  def _final_norm(self, x):
-    return rms_norm(x, param_value(self.final_norm), self.config.norm_eps, unit_offset=True)
 
   def initial_state(self, batch: int) -> HybridState:
     """The state before a sequence's first token: no keys, zero convolution inputs and recurrent state."""
@@ -280,8 +266,7 @@ class Qwen35(Llama):
     unit = pattern(cfg)
     reps = cfg.num_layers // len(unit)
     nf, nl = unit.count(FULL), unit.count(LINEAR)
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.rotary_dim, 2, dtype=accum_dtype(self.dtype))
-                                         / cfg.rotary_dim))
+    inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
     (shared, full, linear), gathers = self.layers.stacked()
     gathering = any(g is not None for d in gathers for g in d.values())
     per_rep = lambda tree, n: jax.tree_util.tree_map(lambda a: a.reshape(reps, n, *a.shape[1:]), tree)
@@ -293,7 +278,7 @@ class Qwen35(Llama):
 
     def body(x, xs_r):
       shared_r, full_r, linear_r, anc_r, (conv_r, rec_r) = xs_r
-      if gathering:   # FSDP: one repetition's weights all-gathered here, just before use (the layer axis is never split)
+      if gathering:   # FSDP: one repetition's weights all-gathered just before use (the layer axis is never split)
         gather = lambda d, g: {k: checkpoint_name(gathered(v, g[k]), "gathered_weights") for k, v in d.items()}
         shared_r, full_r, linear_r = (gather(d, g) for d, g in zip((shared_r, full_r, linear_r), gathers))
       x = checkpoint_name(x, "layer_input")
@@ -434,7 +419,8 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
       p = {k: np.asarray(v[i_full]) for k, v in lay["full"].items()}
       q = np.stack([p["wq"].transpose(1, 2, 0), p["wq_gate"].transpose(1, 2, 0)], axis=1)   # [Hq, 2, D, d]
       out.update({pre + "self_attn.q_proj.weight": f32(q.reshape(-1, c.d_model)),
-                  pre + "self_attn.k_proj.weight": f32(flat(p["wk"])), pre + "self_attn.v_proj.weight": f32(flat(p["wv"])),
+                  pre + "self_attn.k_proj.weight": f32(flat(p["wk"])),
+                  pre + "self_attn.v_proj.weight": f32(flat(p["wv"])),
                   pre + "self_attn.o_proj.weight": f32(p["wo"].reshape(-1, c.d_model).T),
                   pre + "self_attn.q_norm.weight": f32(p["q_norm"]), pre + "self_attn.k_norm.weight": f32(p["k_norm"])})
       i_full += 1
@@ -444,7 +430,8 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
       conv = np.concatenate([p[n].reshape(k, -1) for n in ("conv_q", "conv_k", "conv_v")], axis=1)   # [K, C]
       out.update({pre + "linear_attn.in_proj_qkv.weight": f32(np.concatenate([flat(p[n]) for n in ("wq", "wk", "wv")])),
                   pre + "linear_attn.in_proj_z.weight": f32(flat(p["wz"])),
-                  pre + "linear_attn.in_proj_b.weight": f32(p["wb"].T), pre + "linear_attn.in_proj_a.weight": f32(p["wa"].T),
+                  pre + "linear_attn.in_proj_b.weight": f32(p["wb"].T),
+                  pre + "linear_attn.in_proj_a.weight": f32(p["wa"].T),
                   pre + "linear_attn.conv1d.weight": f32(conv.T[:, None, :]),
                   pre + "linear_attn.dt_bias": f32(p["dt_bias"]), pre + "linear_attn.A_log": f32(p["a_log"]),
                   pre + "linear_attn.norm.weight": f32(p["norm"]),
