@@ -7,9 +7,12 @@ import os
 # LLVM's optimisation level 1 for XLA:CPU: the tests' programs are tiny, so compiling them is most of the
 # suite's time and running them little (measured: docs/results/default-run, stop 48). Not level 0: there
 # the packed tree's attention backward gave a wrong gradient for wq and wk on a one-token tree
-# (tests/test_packed.py's float64 test; right at levels 1 and 2; not diagnosed). A user's XLA_FLAGS
-# replace both flags.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1")
+# (tests/test_packed.py's float64 test; right at levels 1 and 2; not diagnosed). XLA:CPU's older LLVM IR
+# emitters instead of its MLIR fusion emitters: the same programs compile in about half the time (the
+# Qwen3.5 tree test's step 41.9 s -> 18.7 s; tests/test_gemma.py with test_fused_replay.py 131 s -> 83 s,
+# one core each, cold caches; docs/results/test-suite). A user's XLA_FLAGS replace all three flags.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1 "
+                      "--xla_cpu_use_fusion_emitters=false")
 # JAX's persistent compilation cache, shared by both pytest workers and the runs the tests start as
 # subprocesses (notebooks, the CLI, several processes): the suite compiles the same programs many times
 # (every smoke run builds its step, sampler and evaluation anew), and XLA's compile is most of its time.
