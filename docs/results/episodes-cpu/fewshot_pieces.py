@@ -75,3 +75,9 @@ if "attn" in which:
   timeit("mlp 2 x L rows (x4)", mlp, mk(2, L, dm), mk(dm, f), mk(f, dm), mk(dm, f))
   timeit("mlp P", mlp, mk(1, P, dm), mk(dm, f), mk(f, dm), mk(dm, f))
   timeit("mlp 8 x 160", mlp, mk(8, 5*T, dm), mk(dm, f), mk(f, dm), mk(dm, f))
+  def mlp_joined(xp, xr, w1, w2, w3):
+    def fn(xp, xr, w1, w2, w3):
+      x = jnp.concatenate([xp.reshape(-1, dm), xr.reshape(-1, dm)])
+      return jnp.sum((jax.nn.silu(x @ w1) * (x @ w3)) @ w2)
+    return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4))(xp, xr, w1, w2, w3)
+  timeit("mlp P and 8 x 160 joined", mlp_joined, mk(1, P, dm), mk(8, 5*T, dm), mk(dm, f), mk(f, dm), mk(dm, f))
