@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from branch_replay_jax.kernels import (ATTENTION_IMPLS, GLOBAL_WINDOW, KVBlock, attention_fn, resolve_attention_impl,
+from branch_replay_jax.kernels import (GLOBAL_WINDOW, KVBlock, attention_fn, resolve_attention_impl,
                                        suffix_attention, windowed_suffix_attention)
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelConfig
