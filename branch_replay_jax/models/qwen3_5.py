@@ -202,7 +202,7 @@ class Qwen35(Llama):
                chunk: int = CHUNK, rngs: nnx.Rngs | None = None):
     if not config.hybrid:
       raise ValueError(f"Qwen35: config.arch={config.arch!r}; expected 'qwen3_5_text'")
-    if remat == "offload_kv":
+    if remat not in REMAT_POLICIES or remat == "offload_kv":   # named with the policies Qwen3.5 takes
       raise ValueError(f"Qwen35: remat={remat!r} is not one of {tuple(r for r in REMAT_POLICIES if r != 'offload_kv')}")
     if not isinstance(chunk, int) or chunk < 1:
       raise ValueError(f"Qwen35: chunk={chunk!r} must be a positive int")
