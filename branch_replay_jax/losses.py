@@ -385,17 +385,43 @@ def grpo_objective(logp: jax.Array, segment: Segments, *, clip_eps: float, kl_co
                              "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 
 
-def grpo_aux_sums(aux) -> tuple[jax.Array, jax.Array]:
-  """(Σ k3 KL, Σ clipped) scalars (float32, float64 under x64) of a GRPO gradient's aux: a group's {"kl", "clipped"}
-  from `grpo_objective` (also a stacked batch's), or a tree's per-level outputs whose `.aux` are
-  `grpo_objective`'s (gradients.step.NodeOutputs). Traceable: the training step reduces
-  inside its jit, so a multi-process run reads replicated scalars."""
+def grpo_aux_sums(aux) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(Σ k3 KL, Σ clipped, Σ router_aux) scalars (float32, float64 under x64) of a GRPO gradient's aux: a group's
+  {"kl", "clipped"} from `grpo_objective` (also a stacked batch's), or a tree's per-level outputs whose `.aux` are
+  `grpo_objective`'s (gradients.step.NodeOutputs); "router_aux" (a mixture of experts' load-balancing loss, each
+  row's weighted by its share of its group's trajectories, `gradients.step`) sums to each group's mean over its
+  trajectories, summed over groups (0 without it). Traceable: the training step reduces inside its jit, so a
+  multi-process run reads replicated scalars."""
   parts = [aux] if isinstance(aux, dict) else [level.aux for level in aux]
   total = lambda x: jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))   # float64 stays float64
-  return sum(total(p["kl"]) for p in parts), sum(total(p["clipped"]) for p in parts)
+  router = [total(p["router_aux"]) for p in parts if "router_aux" in p]
+  return (sum(total(p["kl"]) for p in parts), sum(total(p["clipped"]) for p in parts),
+          sum(router) if router else jnp.zeros((), jnp.float32))
 
 
 ADVANTAGES = ("grpo", "rloo")
+
+
+def load_balancing_loss(counts: jax.Array, probs: jax.Array, positions: jax.Array) -> jax.Array:
+  """The mixture-of-experts auxiliary load-balancing loss of one sequence, E Σ_e f_e P_e (Fedus et al. 2021,
+  "Switch Transformers", arXiv 2101.03961, eq. 4 with top-k routing; transformers' `load_balancing_loss_func`
+  of Qwen3-MoE on the sequence alone, its attention mask, every layer's router logits concatenated):
+
+      f_e = counts_e / positions   the fraction of (layer, token) pairs whose top k holds expert e,
+      P_e = probs_e / positions    the mean router probability of e over them.
+
+  Args:
+    counts: [..., E] (layer, token) pairs choosing e (`models.llama.RouterStats.counts`, no gradient).
+    probs: [..., E] sums of the router probabilities of e (`RouterStats.probs`; the gradient flows here).
+    positions: [...] L · the sequence's real tokens (prompt and completion).
+
+  Returns:
+    [...] the loss in probs' dtype: k where routing is uniform (f_e = k/E, P_e = 1/E), up to E where every pair
+    picks the same experts with all its probability on one of them.
+  """
+  n = jnp.maximum(positions, 1).astype(probs.dtype)[..., None]
+  e = probs.shape[-1]
+  return e * jnp.sum(jax.lax.stop_gradient(counts.astype(probs.dtype)) / n * (probs / n), axis=-1)
 
 
 def rloo_advantages(rewards_g: jax.Array) -> jax.Array:

@@ -84,16 +84,17 @@ def refused_before_loading(tmp_path, fixture: str, variant: str, overrides: dict
                                                                                       **overrides}))
 
 
-def fsdp_step_equals_naive(graphdef, params, groups) -> None:
+def fsdp_step_equals_naive(graphdef, params, groups, head=POLICY) -> None:
   """Float64: the groups stacked over data x branch = 2 x 2 (4 of the 8 fake devices) with FSDP parameters give
-  the loss and summed gradient of the groups' naive steps (<= 1e-10)."""
+  the loss and summed gradient of the groups' naive steps (<= 1e-10), both through `head`."""
   from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
-  outs = [step(graphdef, params, a, objective, layout="naive") for a in groups]
+  naive = jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, layout="naive"))
+  outs = [naive(params, a) for a in groups]
   naive_grads = jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs])
   mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
-    loss, _, grads = jax.jit(lambda p, b: value_and_grad(POLICY, graphdef, p, b, objective, mesh=mesh,
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, mesh=mesh,
                                                          micro_batch=1))(shard_params(params, mesh, "fsdp"), batch)
   assert float(loss) == pytest.approx(float(sum(o[0] for o in outs)), rel=1e-10)
   assert max_rel_err(grads, naive_grads) <= 1e-10

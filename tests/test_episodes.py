@@ -152,7 +152,7 @@ def _logged(out, batch) -> dict:
   """What the GRPO loop logs from one unit's step (algorithms/grpo.py, update_on_batch): loss, grad
   norm, KL and clip fraction per (token, episode) pair."""
   loss, aux, grads = out
-  kl, clipped = obj.grpo_aux_sums(aux)
+  kl, clipped, _ = obj.grpo_aux_sums(aux)
   pairs = _pairs(batch)
   return {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads)), "kl": float(kl) / pairs,
           "clip_frac": float(clipped) / pairs, "clipped": int(clipped), "pairs": pairs}

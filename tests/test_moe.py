@@ -74,7 +74,7 @@ def test_grouped_experts_equal_every_expert_on_every_token_float64(model, x64):
   experts = jnp.einsum("btef,efd->bted", jax.nn.silu(jnp.einsum("btd,edf->btef", h, p["w_gate"]))
                        * jnp.einsum("btd,edf->btef", h, p["w_up"]), p["w_down"])
   want = jnp.einsum("bted,bte->btd", experts, dense_w)
-  assert float(jnp.abs(moe_mlp(c, p, h) - want).max()) <= 1e-12
+  assert float(jnp.abs(moe_mlp(c, p, h)[0] - want).max()) <= 1e-12
   assert len(set(np.asarray(idx).ravel().tolist())) >= 6
 
 
@@ -141,24 +141,27 @@ def test_moe_fields_are_checked_by_name():
     tiny_config(arch="qwen3_moe", num_experts=4, experts_per_token=2, qk_norm=True)
 
 
-# heavy (~26 s in CI): CI covers its parts: the step (test_group_replay_equals_naive_float64_with_the_routers_gradient,
-# the tree and FSDP tests), sampling (test_greedy_sampling_reproduces_transformers), the directory (the export round
-# trip) and the loop on an exported directory (test_qwen3_5.py's GRPO test).
-@pytest.mark.heavy
-def test_grpo_trains_a_moe_directory_by_replay_and_checks_it_against_naive_rows(tmp_path, monkeypatch):
+def test_grpo_trains_a_moe_directory_with_the_load_balancing_loss_and_checks_it_against_naive_rows(tmp_path,
+                                                                                                   monkeypatch):
   # A random Qwen3-MoE (2 layers, 4 experts, 2 per token) over SmolLM2's tokenizer, exported as a Hugging Face
-  # directory and trained by the GRPO smoke experiment (the fused replay: a group's 4 completions in one step).
-  # The run-time exactness check: replay's gradient against naive rows' to float32 rounding.
+  # directory and trained by the GRPO smoke experiment (the fused replay: a group's 4 completions in one step) with
+  # loss.router_aux_coef = 0.01. The run-time exactness check (replay's gradient against naive rows', the
+  # load-balancing loss in both) to float32 rounding; the logged router_aux is the mean over the step's groups of
+  # their trajectories' mean loss: between 1 and E = 4 for top-2 routing (2 where uniform).
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
                     expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
-  record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, **{"train.micro_batch": 4})
+  record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch,
+                            **{"train.micro_batch": 4, "loss.router_aux_coef": 0.01})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
+  assert 1.0 < record["router_aux"] < 4.0
 
 
 @pytest.mark.parametrize("variant,overrides,message", [
     ("smoke", {"mesh.seq": 8, "rollout.prompts_per_step": 1}, "mesh.seq=8: the prompt split over seq is not tested"),
     ("lora_smoke", {}, "lora: adapters are built for the dense Llama block"),
+    ("smoke", {"loss.router_aux_coef": 0.01, "train.tree_schedule": "packed", "rollout.tree_fanouts": (2, 2)},
+     "train.tree_schedule='packed': the load-balancing loss is built for trees by level"),
 ])
 def test_a_moe_model_refuses_what_it_does_not_take_before_loading(tmp_path, variant, overrides, message):
   refused_before_loading(tmp_path, FIXTURE, variant, overrides, f"is a mixture of experts \\(Qwen3-MoE\\): {message}")
@@ -171,3 +174,120 @@ def test_fsdp_mesh_step_equals_naive_float64(model64):
     groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
               for s in range(2)]
     fsdp_step_equals_naive(*model64, groups)
+
+
+def _transformers_load_balancing_loss(logits_lte, top_k, mask_t):
+  # transformers' `load_balancing_loss_func` (modeling_qwen3_moe) transcribed in numpy for one sequence: every
+  # layer's router logits concatenated, top-k one-hot [N, k, E], means over the attention mask's tokens.
+  num_layers, _, e = logits_lte.shape
+  logits = logits_lte.reshape(-1, e)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  selected = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+  expert_mask = np.eye(e)[selected]                                                  # [N, k, E]
+  m = np.tile(mask_t, num_layers).astype(float)
+  tokens_per_expert = (expert_mask * m[:, None, None]).sum(0) / m.sum()              # [k, E]
+  router_prob_per_expert = (probs * m[:, None]).sum(0) / m.sum()                     # [E]
+  return float(np.sum(tokens_per_expert * router_prob_per_expert[None])) * e
+
+
+def test_load_balancing_loss_equals_transformers_formula():
+  # Three layers' logits over 7 tokens, two of them padding, 6 experts, top 2: our sums-based formula against
+  # transformers' means over [N, k, E] one-hots; and 2 (= k) for uniform routing, where f_e = k/E, P_e = 1/E.
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 7, 6)) * 2.0
+  mask = np.array([1, 1, 1, 1, 1, 0, 0], bool)
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  top = np.argsort(-probs, axis=-1, kind="stable")[..., :2]
+  counts = (np.eye(6)[top].sum(-2) * mask[None, :, None]).sum((0, 1))
+  sums = (probs * mask[None, :, None]).sum((0, 1))
+  got = float(obj.load_balancing_loss(jnp.asarray(counts), jnp.asarray(sums), jnp.asarray(3 * 5)))
+  assert abs(got - _transformers_load_balancing_loss(logits, 2, mask)) <= 1e-6
+  uniform = obj.load_balancing_loss(jnp.full((6,), 2 * 30 / 6), jnp.full((6,), 30 / 6), jnp.asarray(30))
+  assert abs(float(uniform) - 2.0) <= 1e-6
+
+
+def test_group_replay_with_the_load_balancing_loss_equals_naive_float64(model64, x64):
+  # router_aux_coef = 0.5: the group's loss gains 0.5 · the mean over its 4 trajectories of their load-balancing
+  # loss (prompt and completion, every layer). In naive rows each row routes its copy of the prompt; in replay the
+  # prompt is routed once and its router-probability sums take a cotangent from every completion. The unfused
+  # replay (a completion per micro-batch) and the fused one equal naive rows to float64 rounding, and the added
+  # loss equals the rows' own load-balancing losses, each computed from one full-sequence forward.
+  from branch_replay_jax.gradients.heads import Policy
+  from branch_replay_jax.gradients.step import naive_batch, value_and_grad
+  graphdef, params = model64
+  arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
+  head = Policy(router_aux_coef=0.5)
+  run = jax.jit(lambda p, b, layout, m, fused: value_and_grad(head, graphdef, p, b, objective, layout=layout,
+                                                                micro_batch=m, fused=fused), static_argnums=(2, 3, 4))
+  ln, _, gn = run(params, arrays, "naive", None, None)
+  l0, _, g0 = step(graphdef, params, arrays, objective, layout="naive")
+  tokens, valid, offset = naive_batch(arrays)
+  model = nnx.merge(graphdef, params)
+  rows = model(tokens, offset, valid_bt=valid).router
+  per_row = obj.load_balancing_loss(rows.counts, rows.probs, model.config.num_layers * valid.sum(1))
+  assert abs(float(ln) - float(l0) - 0.5 * float(per_row.mean())) <= 1e-12
+  assert 1.5 < float(per_row.min()) and float(per_row.max()) < 8.0   # k = 2 uniform, E = 8 the worst
+  router = lambda g: g["layers"]["w_router"][...]
+  assert float(jnp.abs(router(gn) - router(g0)).max()) > 1e-4       # the loss moves the router
+  for m, fused in ((1, False), (None, True)):
+    lr, _, gr = run(params, arrays, "replay", m, fused)
+    assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+    assert max_rel_err(gr, gn) <= 1e-10
+
+
+
+def test_fsdp_mesh_step_with_the_load_balancing_loss_equals_naive_float64(model64):
+  # The same two groups as the FSDP test above, router_aux_coef = 0.5: a group's 4 completions are split over
+  # branch = 2, so each device holds 2 of them; the mean is over the group's 4 trajectories (not a device's 2),
+  # and the prompt's router-probability cotangent is summed over branch with its K/V's.
+  from branch_replay_jax.gradients.heads import Policy
+  with jax.enable_x64(True):
+    groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
+              for s in range(2)]
+    fsdp_step_equals_naive(*model64, groups, head=Policy(router_aux_coef=0.5))
+
+
+@pytest.mark.parametrize("schedule", ["depth_first", "level"])
+def test_tree_replay_with_the_load_balancing_loss_equals_naive_float64(model64, x64, schedule):
+  # Depth 2 with 5 trajectories: one ends inside the tree (at a level-1 node that two others continue) and two
+  # are the same completion (one leaf ends both). Each node's path routing is its ancestors' plus its own; a node
+  # weighs its path's loss by the share of trajectories ending at it (1/5, 2/5), so the tree's added loss is the
+  # mean over the 5 naive rows' own, and its gradient reaches every ancestor's router-probability sums.
+  from branch_replay_jax.gradients.heads import Policy
+  from branch_replay_jax.gradients.step import value_and_grad
+  graphdef, params = model64
+  rng = np.random.default_rng(3)
+  seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
+  one = {a: seg(10 + a, 3 + 2 * a) for a in range(2)}
+  tails = [seg(20 + b, 2 + 2 * b) for b in range(2)]
+  trajectories = [one[0] + tails[0], one[0] + tails[1], one[0], one[1] + tails[0], one[1] + tails[0]]
+  tree = tree_from_trajectories(list(rng.integers(3, 96, 6)), trajectories)
+  assert sorted(np.bincount(tree.ends).tolist())[-1] == 2 and len(set(tree.ends)) == 4
+  adv = rng.normal(size=len(trajectories))
+  old = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
+  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": old}, w, vocab_size=96, max_positions=128,
+                                 completion_bucket=16, advantage=adv)
+  per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": old, "end_share": tree.end_shares()}
+  nodes = tree_arrays(pad_tree(tree), per_node, advantage=adv)
+  head = Policy(router_aux_coef=0.5)
+  run = jax.jit(lambda p, b, layout: value_and_grad(head, graphdef, p, b, objective, layout=layout,
+                                                      schedule=schedule, micro_batch=1), static_argnums=2)
+  ln, an, gn = run(params, rows, "naive")
+  l0, _, g0 = step(graphdef, params, rows, objective, layout="naive")
+  lt, at, gt = run(params, nodes, "replay")
+  assert abs(float(ln) - float(l0)) > 0.1                              # the loss is there (k = 2: about 0.5 · 2)
+  assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max_rel_err(gt, gn) <= 1e-10
+  # The logged metric (Σ router_aux: the trajectories' mean) is the naive rows' and the loss it added / 0.5.
+  tree_metric, naive_metric = float(obj.grpo_aux_sums(at)[2]), float(obj.grpo_aux_sums(an)[2])
+  assert abs(tree_metric - naive_metric) <= 1e-12 and abs(naive_metric - (float(ln) - float(l0)) / 0.5) <= 1e-12
+
+
+def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
+  # A dense model has no routers: refused by name before loading. A negative coefficient: refused by grpo.validate.
+  refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"loss.router_aux_coef": 0.01},
+                         "loss.router_aux_coef=0.01: model.name=.* has no experts")
+  refused_before_loading(tmp_path, FIXTURE, "smoke", {"loss.router_aux_coef": -1.0},
+                         "loss.router_aux_coef=-1.0 must be >= 0")

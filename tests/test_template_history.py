@@ -162,7 +162,7 @@ def test_template_rows_train_as_the_naive_per_turn_rows_float64(x64):
       graphdef, params, naive, _objective)
   pairs = int(np.sum((np.asarray(naive.branches.weights) > 0) & np.asarray(naive.branches.mask)))
   assert pairs == 20
-  (kl_g, clip_g), (kl_w, clip_w) = obj.grpo_aux_sums(got[1]), obj.grpo_aux_sums(want[1])
+  (kl_g, clip_g, _), (kl_w, clip_w, _) = obj.grpo_aux_sums(got[1]), obj.grpo_aux_sums(want[1])
   assert int(clip_g) == int(clip_w) and float(kl_w) > 0
   for g, v in ((got[0], want[0]), (kl_g, kl_w), (optax.tree.norm(got[2]), optax.tree.norm(want[2]))):
     assert abs(float(g) - float(v)) <= 1e-12 * max(1.0, abs(float(v))), (float(g), float(v))

@@ -108,16 +108,24 @@ def validate_layer_kinds(config) -> None:
   (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
   prompt split over mesh.seq (the recurrent state would have to pass between seq devices), LoRA adapters
   (`models.lora` adapts the Llama block), packed trees (the recurrence runs along a row). Mixtures of
-  experts (Qwen3-MoE): the prompt split over mesh.seq (not tested), LoRA adapters."""
+  experts (Qwen3-MoE): the prompt split over mesh.seq (not tested), LoRA adapters, and with loss.router_aux_coef
+  > 0 packed trees (the load-balancing loss is built for trees by level); a model without experts refuses
+  loss.router_aux_coef > 0."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
+  aux = config.loss.get("router_aux_coef", 0.0)
+  if aux and (m.name == "tiny" or not architecture(m.name).moe):
+    raise ValueError(f"loss.router_aux_coef={aux}: model.name={m.name!r} has no experts (the load-balancing loss is "
+                     "a mixture of experts'); set it to 0")
   if m.name == "tiny":
     return
   arch = architecture(m.name)
   seq = config.get("mesh") is not None and config.mesh.seq > 1
   packed = config.train.get("tree_schedule") == PACKED
   if arch.moe:
-    why = (f"mesh.seq={config.mesh.seq}: the prompt split over seq is not tested with experts; use mesh.data and "
+    why = ("train.tree_schedule='packed': the load-balancing loss is built for trees by level; use 'depth_first' or "
+           "'level'" if aux and packed else
+           f"mesh.seq={config.mesh.seq}: the prompt split over seq is not tested with experts; use mesh.data and "
            "mesh.branch (FSDP splits the experts like every weight)" if seq else
            "lora: adapters are built for the dense Llama block; train the whole model"
            if config.get("lora") is not None else None)

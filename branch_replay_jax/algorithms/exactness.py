@@ -71,10 +71,10 @@ class ExactnessCheck:
   """Replay against naive on one group (module docstring). `objectives` maps "group" and "tree" to
   the step's objective for each layout; `cast` / `upcast` are runs.param_casts's; `frozen`, with
   LoRA, the base state the adapters (params, ref_params) merge with (`models.lora.WithBase`);
-  `temperature`, the τ of the step's log-probs (`grpo.logprob_temperature`), used by both sides;
+  `head`, the step's `Policy` (its τ, `grpo.logprob_temperature`, and load-balancing coefficient), used by both sides;
   `correction`, the step's loss.rollout_correction, applied by both sides from their own old log-probs."""
 
-  def __init__(self, config, graphdef, objectives: dict, cast, upcast, frozen=None, *, temperature: float = 1.0,
+  def __init__(self, config, graphdef, objectives: dict, cast, upcast, frozen=None, *, head: Policy = Policy(),
                correction: Correction | None = None):
     t = config.train
     self.every, self.bound = t.exactness_check_every, bound(config)
@@ -82,8 +82,6 @@ class ExactnessCheck:
     self.kl, self.old = bool(config.loss.kl_coef), t.inner_epochs > 1 or self.correction is not None
     mb = lambda b: fit_micro_batch(t.micro_batch, num_branches(b))
     self.frozen = frozen
-
-    head = Policy(temperature=temperature)
 
     def side(layout):
       """(params, frozen, ref_params, batch) -> (loss, Σ k3 KL, gradient) of one layout, its reference and

@@ -136,7 +136,8 @@ def build(config, raw: Trajectories, model_config, pad_id: int, layout: Layout) 
     padded = pad_tree(tree, pad_id=pad_id)
     naive_arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size,
                                            max_positions=cfg.max_positions, completion_bucket=bucket, **advantage)
-    arrays = naive_arrays if naive else tree_arrays(padded, {**per_node, "weights": tree.node_weights(w)}, **advantage)
+    arrays = naive_arrays if naive else tree_arrays(padded, {**per_node, "weights": tree.node_weights(w),
+                                                                "end_share": tree.end_shares()}, **advantage)
     counts = {**tree_counts(tree, cfg), "padding_fraction": padded.padding_fraction}
   else:
     group = group_from_padded(raw.prompt_ids, raw.tokens, lengths, vocab_size=cfg.vocab_size,

@@ -143,6 +143,8 @@ def validate(config, experiment=None):
     raise ValueError(f"loss.advantage_eps={l.advantage_eps!r} must be >= 0")
   if l.kl_coef < 0:
     raise ValueError(f"loss.kl_coef={l.kl_coef} must be >= 0")
+  if not l.get("router_aux_coef", 0.0) >= 0:
+    raise ValueError(f"loss.router_aux_coef={l.router_aux_coef!r} must be >= 0")
   k = config.train.exactness_check_every
   if k < 0:
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")
@@ -199,10 +201,12 @@ class GRPOFunctions:
     # passed into the step's shard_map (gradients.step), never differentiated. The run-time check
     # runs on one device: on a mesh it takes a device copy of the base for the check (`exactness`).
     self.cast, self.frozen = cast, placement.place(frozen, self.mesh, self.param_mode)
+    # The policy head: log-probs at τ and, for a mixture of experts, the load-balancing loss (loss.router_aux_coef).
+    head = Policy(temperature=tau, router_aux_coef=config.loss.get("router_aux_coef", 0.0))
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
-                                cast, upcast, frozen if self.mesh is None else None, temperature=tau,
+                                cast, upcast, frozen if self.mesh is None else None, head=head,
                                 correction=correction)
-    mesh, layout, head = self.mesh, "naive" if naive else "replay", Policy(temperature=tau)
+    mesh, layout = self.mesh, "naive" if naive else "replay"
     # With trees, EOS changes how many trajectories (naive) or leaf siblings (replay) there are: each
     # compiled shape uses the largest divisor of that count (per device) not above train.micro_batch.
     mb = lambda b: fit_micro_batch(t.micro_batch, leaf_siblings(b, mesh))
@@ -280,14 +284,16 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
     if epoch == 0:
       first = out
   # One host sync per step: each sum in group order, in Python floats (a mesh step's are its batch sums).
-  (losses, (kls, clips)), grad_norm, own, correction = jax.device_get((
+  (losses, (kls, clips, routers)), grad_norm, own, correction = jax.device_get((
       (out["loss"], out["aux"]), out["grad_norm"], None if kept is None else (first["loss"], first["aux"]), correction))
-  loss, kl, clipped = (sum(float(x) for x in np.atleast_1d(v)) for v in (losses, kls, clips))
+  loss, kl, clipped, router = (sum(float(x) for x in np.atleast_1d(v)) for v in (losses, kls, clips, routers))
   if kept is not None:
     kept = (own[0][keep], own[1][0][keep], kept)
   pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs,
            "step_compiles": compiled_programs(fns.train_step), **{k: float(v) for k, v in correction.items()}}
+  if config.loss.get("router_aux_coef", 0.0):   # the mean over groups of their trajectories' mean (the last epoch's)
+    stats["router_aux"] = router / len(groups)
   return params, opt_state, stats, kept
 
 

@@ -201,6 +201,9 @@ class GRPOLossConfig(CorrectionConfig):
                             layouts=GROUPS_AND_TREES)
   overlong_penalty: float = _f("reward the overlong penalty costs at most (with overlong_buffer > 0)")
   kl_coef: float = _f("beta of the k3 KL penalty to the initial policy (0: no reference forward)")
+  router_aux_coef: float = _f("a mixture-of-experts policy's load-balancing loss coefficient (transformers' "
+                              "router_aux_loss_coef): the mean over a group's trajectories of their loss; 0: none",
+                              0.0)
   advantage: str = _f("grpo (group-normalised) or rloo (leave-one-out baseline)")
   advantage_eps: float = _f("epsilon added to the group reward std; loss.advantage='grpo' only (RLOO removes it)",
                             None)

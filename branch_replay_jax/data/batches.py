@@ -61,6 +61,10 @@ class Segments:
     drew it.
   rollout_is: float32, weights' shape: each (token, trajectory) pair's importance correction against
     the sampler (`correction.correct`), a constant on its policy-gradient term; None: 1.
+  end_share: [L, T] float32, a tree node's only (`data.trees.RolloutTree.end_shares`): at its first token
+    the share of the tree's trajectories that end at it, 0 elsewhere; what a mean over trajectories weighs
+    the node's path by (the load-balancing loss, `gradients.step`). None: each row ends one of the group's
+    trajectories (a completion, a naive row).
   """
   tokens: jax.Array
   mask: jax.Array
@@ -72,6 +76,7 @@ class Segments:
   returns: jax.Array | None = None
   sampler_logp: jax.Array | None = None
   rollout_is: jax.Array | None = None
+  end_share: jax.Array | None = None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Segments))
@@ -208,6 +213,9 @@ def trajectory_group_arrays(tree: RolloutTree, per_node: dict[str, Sequence], tr
   `naive_value_and_grad` with a group objective computes the same loss as tree replay with the
   tree objective.
   """
+  if "end_share" in per_node:
+    raise ValueError("trajectory_group_arrays: per_node['end_share'] is a tree node's field; each naive row ends "
+                     "one trajectory")
   g = len(tree.ends)
   comps = [tree.completion(k) for k in range(g)]
   group = make_group(tree.segments[0], comps, vocab_size=vocab_size, max_positions=max_positions,

@@ -365,7 +365,8 @@ def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, vocab_size
   check_token_ids(np.asarray(episodes[0].prompt), [np.asarray(e.tokens()) for e in episodes], vocab_size=vocab_size,
                   max_positions=max_positions, where="episode_tree_arrays", name="episodes")
   fields = {"weights": tree.per_token(_per_episode("weights_g", weights_g, g)),
-            "advantage": tree.per_token(_per_episode("advantage_g", advantage_g, g)), **(per_node or {})}
+            "advantage": tree.per_token(_per_episode("advantage_g", advantage_g, g)),
+            "end_share": tree.tree.end_shares(), **(per_node or {})}
   return tree_arrays(pad_tree(tree.tree, pad_id=pad_id, prompt_bucket=prompt_bucket), fields)
 
 

@@ -82,6 +82,13 @@ class RolloutTree:
       out[self.path(e), g] = True
     return out
 
+  def end_shares(self) -> list[np.ndarray]:
+    """Per node [L_n] float64 (float32 on a device without x64): at its first token the share of the G
+    trajectories that end at it (count / G), 0 elsewhere (`Segments.end_share`: a tree node's weight in a mean
+    over trajectories)."""
+    counts = np.bincount(np.asarray(self.ends), minlength=self.num_nodes) / len(self.ends)
+    return [np.concatenate([[counts[n]], np.zeros(len(seg) - 1)]) for n, seg in enumerate(self.segments)]
+
   def node_weights(self, trajectory_weights_g) -> list[np.ndarray]:
     """Per node [L_n, G]: w_g on every token of node n for each trajectory g through n, else 0.
 

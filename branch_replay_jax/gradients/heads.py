@@ -32,10 +32,13 @@ class SegmentOutputs:
   values: [B, T] float32 V of the state each token is sampled from (ActorCritic; None for a Policy).
   next_value: [B] float32 V after each row's last real token (ActorCritic; GAE bootstraps a trajectory
     cut by the token budget from it, `losses.gae`'s next_values_b); None for a Policy.
+  router_aux: [B] the load-balancing loss (`losses.load_balancing_loss`) of the trajectory each row ends (its
+    prompt and completion, every layer): a Qwen3-MoE policy's where the head's router_aux_coef > 0, else None.
   """
   logp: jax.Array
   values: jax.Array | None = None
   next_value: jax.Array | None = None
+  router_aux: jax.Array | None = None
 
 
 @struct.dataclass
@@ -59,9 +62,12 @@ class Policy:
   """A Llama policy (the model is a `models.llama.Llama`, or one with LoRA adapters).
 
   The objective is `objective(logp [T], branch) -> (loss, aux)` (losses.grpo_objective, ...);
-  forward-only passes return logp arrays.
+  forward-only passes return logp arrays. router_aux_coef > 0 (a Qwen3-MoE policy, a group's layouts on one
+  device) adds router_aux_coef · the mean over the group's trajectories of their load-balancing loss
+  (`gradients.step`; docs/design.md, "The load-balancing loss under replay").
   """
   temperature: float = 1.0
+  router_aux_coef: float = 0.0
 
   def trunks(self, model) -> dict[str, Any]:
     return {"policy": model}

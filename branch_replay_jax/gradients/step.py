@@ -48,6 +48,7 @@ from branch_replay_jax.data.batches import GroupBatch, PackedBatch, TreeBatch, n
 from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.heads import Policy, SegmentOutputs
+from branch_replay_jax.losses import load_balancing_loss
 from branch_replay_jax.models.lora import WithBase, merge
 
 LAYOUTS = ("replay", "naive")
@@ -68,10 +69,40 @@ class NodeOutputs:
   values: jax.Array | None = None
 
 
+def _tracks_routes(head) -> bool:
+  """Whether the step adds the policy's load-balancing loss (the head's router_aux_coef > 0): each segment's
+  state then carries its path's `RouterStats` ("router"), and each row's outputs its trajectory's loss."""
+  return getattr(head, "router_aux_coef", 0.0) > 0
+
+
+def _with_router_aux(head, model, outputs: SegmentOutputs, route, end) -> SegmentOutputs:
+  """outputs with router_aux [B]: `losses.load_balancing_loss` of the trajectories the rows end, from their
+  paths' `RouterStats` [B, E] (root to row, every layer) over L · end [B] (layer, token) pairs."""
+  policy = head.trunks(model)["policy"]
+  if route is None:
+    raise ValueError(f"value_and_grad: router_aux_coef={head.router_aux_coef} needs a mixture-of-experts policy "
+                     f"(arch='qwen3_moe'), got arch={policy.config.arch!r}")
+  return outputs.replace(router_aux=load_balancing_loss(route.counts, route.probs, policy.config.num_layers * end))
+
+
+def _losses(head, objective, out: SegmentOutputs, rows, trajectories: int):
+  """(losses [B], aux [B, ...]) of B rows (completions, naive rows or tree nodes): the objective's, plus, where
+  the outputs carry the load-balancing losses of the trajectories the rows end, router_aux_coef · their mean
+  over the group's trajectories: each row's weighs 1 / trajectories, a tree node's its `Segments.end_share`."""
+  losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, rows)
+  if out.router_aux is not None:
+    share = 1.0 / trajectories if rows.end_share is None else jnp.sum(rows.end_share, axis=-1)
+    losses = losses + head.router_aux_coef * share * out.router_aux
+    if isinstance(aux, dict):   # the metric (`losses.grpo_aux_sums`): Σ over a group's rows = its trajectories' mean
+      aux = {**aux, "router_aux": share * out.router_aux}
+  return losses, aux
+
+
 def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
   """The prompt's state for its children. prompt_fn(trunk) -> (K/V, last real hidden state [d])
-  replaces each trunk's whole-prompt forward (context parallelism: `seq_parallel.prompt_split`)."""
-  kv, last = {}, {}
+  replaces each trunk's whole-prompt forward (context parallelism: `seq_parallel.prompt_split`).
+  With the load-balancing loss (`_tracks_routes`), "router": the prompt's `RouterStats` [E]."""
+  kv, last, state = {}, {}, {}
   for name, trunk in head.trunks(model).items():
     if prompt_fn is not None:
       kv[name], last[name] = prompt_fn(trunk)
@@ -80,7 +111,9 @@ def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
     out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None])
     kv[name] = out.kv
     last[name] = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
-  return {"kv": kv, "last": last, "end": batch.prompt_len}
+    if name == "policy" and _tracks_routes(head) and out.router is not None:
+      state["router"] = jax.tree_util.tree_map(lambda x: x[0], out.router)
+  return {"kv": kv, "last": last, "end": batch.prompt_len, **state}
 
 
 def _segment(head, model, ancestors, tokens_bt, mask_bt, chunk, attention=None):
@@ -88,15 +121,21 @@ def _segment(head, model, ancestors, tokens_bt, mask_bt, chunk, attention=None):
   for its descendants, `SegmentOutputs` [B, ...]). The rows run as one batch (not vmapped), so each
   weight-gradient dot contracts one (row·position) axis. `attention` overrides the trunks' own."""
   parent = ancestors[-1]
-  shifted, last, kv = {}, {}, {}
+  shifted, last, kv, routes = {}, {}, {}, {}
   n = jnp.sum(mask_bt.astype(jnp.int32), axis=1)                                   # [B] real tokens
   for name, trunk in head.trunks(model).items():
     out = trunk(tokens_bt, parent["end"], ancestors=[a["kv"][name] for a in ancestors], valid_bt=mask_bt,
                 attention=attention)
     shifted[name], last[name] = _shift(parent["last"][name], out.hidden_btd, n)
-    kv[name] = out.kv
+    kv[name], routes[name] = out.kv, out.router
   outputs = head.outputs(model, shifted, tokens_bt, mask_bt, chunk, last)
-  return {"kv": kv, "last": last, "end": parent["end"] + n}, outputs
+  state = {"kv": kv, "last": last, "end": parent["end"] + n}
+  if _tracks_routes(head):   # the path's routing: the parent's (its own path's) plus the rows' own
+    route = routes["policy"] if "router" not in parent else jax.tree_util.tree_map(jnp.add, parent["router"],
+                                                                                 routes["policy"])
+    state["router"] = route
+    outputs = _with_router_aux(head, model, outputs, route, state["end"])
+  return state, outputs
 
 
 def _shift(parent_last, h_btd, n_b):
@@ -116,12 +155,18 @@ def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> Seg
   br = batch.branches
   prompt_valid = (jnp.arange(p_pad) < batch.prompt_len)[None]
   n = jnp.sum(br.mask.astype(jnp.int32), axis=1)
-  shifted, last = {}, {}
+  shifted, last, routes = {}, {}, {}
   for name, trunk in head.trunks(model).items():
-    prompt_last, h_rows = trunk.prompt_and_rows(batch.prompt_ids[None], prompt_valid, batch.prompt_len - 1,
-                                                br.tokens, batch.prompt_len, br.mask, attention=attention)
+    prompt_last, h_rows, routes[name] = trunk.prompt_and_rows(batch.prompt_ids[None], prompt_valid,
+                                                              batch.prompt_len - 1, br.tokens, batch.prompt_len,
+                                                              br.mask, attention=attention)
     shifted[name], last[name] = _shift(prompt_last, h_rows, n)
-  return head.outputs(model, shifted, br.tokens, br.mask, chunk, last)
+  outputs = head.outputs(model, shifted, br.tokens, br.mask, chunk, last)
+  if not _tracks_routes(head):
+    return outputs
+  prompt_route, rows_route = routes["policy"]
+  route = None if rows_route is None else jax.tree_util.tree_map(jnp.add, prompt_route, rows_route)  # [1, E] + [G, E]
+  return _with_router_aux(head, model, outputs, route, batch.prompt_len + n)
 
 
 def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | None = None) -> bool:
@@ -154,7 +199,7 @@ def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
     state["kv"] = {name: _relayout(b, per_node, lambda m: m[:, None]) for name, b in state["kv"].items()}
     if objective is None:
       return state, head.forward_result(out)
-    losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, nodes)
+    losses, aux = _losses(head, objective, out, nodes, None)   # a node's trajectory share: its end_share
     return state, losses, NodeOutputs(out.logp, aux, out.values)
   return node_fn
 
@@ -224,17 +269,31 @@ def _naive_outputs(head, model, tokens, valid, offset, p_pad, chunk) -> SegmentO
   t = tokens.shape[1] - p_pad
   mask = valid[:, p_pad:]
   end = p_pad - 1 + jnp.sum(mask.astype(jnp.int32), axis=1)   # each row's last real column
-  shifted, last = {}, {}
+  shifted, last, routes = {}, {}, {}
   for name, trunk in head.trunks(model).items():
-    h = trunk(tokens, offset, valid_bt=valid).hidden_btd
+    out = trunk(tokens, offset, valid_bt=valid)
+    h, routes[name] = out.hidden_btd, out.router
     shifted[name] = h[:, p_pad - 1:p_pad - 1 + t]              # position P+i-1 predicts token i
     last[name] = jnp.take_along_axis(h, end[:, None, None], axis=1)[:, 0]
-  return head.outputs(model, shifted, tokens[:, p_pad:], mask, chunk, last)
+  outputs = head.outputs(model, shifted, tokens[:, p_pad:], mask, chunk, last)
+  if not _tracks_routes(head):
+    return outputs
+  return _with_router_aux(head, model, outputs, routes["policy"], jnp.sum(valid.astype(jnp.int32), axis=1))
 
 
-def _check(layout, batch, mesh):
+def _check(layout, batch, mesh, head=None):
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+  if head is not None and _tracks_routes(head):
+    levels = batch.levels if isinstance(batch, TreeBatch) else ()
+    if isinstance(batch, PackedBatch) or (mesh is not None and mesh.shape["seq"] > 1):
+      raise ValueError(f"router_aux_coef={head.router_aux_coef}: the load-balancing loss is built for groups and "
+                       f"trees by level, on one device or a mesh without a seq split; got {type(batch).__name__}"
+                       + ("" if mesh is None else f" on a mesh with seq={mesh.shape['seq']}"))
+    if any(level.end_share is None for level in levels):
+      raise ValueError(f"router_aux_coef={head.router_aux_coef}: a TreeBatch's nodes need end_share (the share of "
+                       "trajectories ending at each node): tree_arrays(padded, {..., 'end_share': "
+                       "tree.end_shares()})")
   if isinstance(batch, PackedBatch) and (layout != "replay" or mesh is not None):
     raise ValueError(f"a PackedBatch runs in layout='replay' on one device (got layout={layout!r}, "
                      f"mesh={'set' if mesh is not None else None})")
@@ -312,7 +371,7 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
       count, on a mesh B, G (F_1) or P_pad not divisible by the data, branch or seq size, fused=True
       where the fused replay does not apply.
   """
-  _check(layout, batch, mesh)
+  _check(layout, batch, mesh, head)
   applies = fused_applies(batch, layout, mesh, micro_batch)
   if fused and not applies:
     raise ValueError(f"value_and_grad: fused=True needs layout='replay' (got {layout!r}), a GroupBatch or a "
@@ -327,11 +386,13 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
   if mesh is not None:
     check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
     graph, frozen = _unbind(graphdef)
+    branch = mesh.shape["branch"]   # a group's completions are split over it: its trajectories, all devices'
 
     def per_group(local, one, reduce, frozen=None):   # one group on this device's shard (mesh.py)
       g = graph if frozen is None else WithBase(graph, frozen)
       return _replay_value_and_grad(head, g, local, one, objective, _micro_batch(micro_batch, one), schedule,
-                                    logprob_chunk, reduce=reduce, **_seq_split(head, g, local, one, mesh))
+                                    logprob_chunk, reduce=reduce, trajectories=leaf_siblings(one) * branch,
+                                    **_seq_split(head, g, local, one, mesh))
     return meshes.mesh_value_and_grad(per_group, params, batch, mesh, frozen=frozen)
   if isinstance(batch, PackedBatch):
     return _packed_value_and_grad(head, graphdef, params, batch, objective, logprob_chunk)
@@ -343,20 +404,23 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
 
 
 def _replay_value_and_grad(head, graphdef, params, batch, objective, m, schedule, chunk, *, attention=None,
-                           reduce=None, prompt_fn=None):
+                           reduce=None, prompt_fn=None, trajectories=None):
   """Replay's (loss, aux, grads) of one group or tree on one device (`value_and_grad`'s unfused path);
   in the mesh wrapper, of one device's shard: `reduce` all-reduces the prompt's summed cotangent over
   `branch` (`core.replay.replay_vjp`'s reduce_prefix_cotangent), `prompt_fn` is the seq split's
-  prompt forward (`_prompt_state`)."""
+  prompt forward (`_prompt_state`), `trajectories` the group's completions on all devices (the
+  load-balancing loss's mean; default: this batch's)."""
   root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
   if isinstance(batch, TreeBatch):
     node_fn = _tree_node_fn(head, graphdef, chunk, objective, attention)
     return nested_replay_vjp(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m,
                              schedule=schedule, reduce_prefix_cotangent=reduce)
 
+  trajectories = trajectories or batch.branches.tokens.shape[0]
+
   def branch_fn(p, root, branches):
     _, out = _segment(head, merge(graphdef, p), [root], branches.tokens, branches.mask, chunk, attention)
-    return jax.vmap(lambda o, b: head.loss(objective, o, b))(out, branches)
+    return _losses(head, objective, out, branches, trajectories)
   return replay_vjp(root_fn, branch_fn, params, batch.branches, micro_batch=m,
                     reduce_prefix_cotangent=reduce, vectorized=True)
 
@@ -365,7 +429,7 @@ def _fused_value_and_grad(head, graphdef, params, batch, objective, chunk, atten
   """(loss, aux per completion, grads, the completions' `SegmentOutputs`) of the fused replay."""
   def total(p):
     out = _fused_outputs(head, merge(graphdef, p), batch, chunk, attention)
-    losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, batch.branches)
+    losses, aux = _losses(head, objective, out, batch.branches, batch.branches.tokens.shape[0])
     return jnp.sum(losses), (aux, out)
 
   (loss, (aux, out)), grads = jax.value_and_grad(total, has_aux=True)(params)
@@ -381,7 +445,7 @@ def _naive_value_and_grad(head, graphdef, params, batch, objective, m, chunk):
   def loss_fn(p, mb):
     tok, val, branches = mb
     out = _naive_outputs(head, merge(graphdef, p), tok, val, offset, p_pad, chunk)
-    losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, branches)
+    losses, aux = _losses(head, objective, out, branches, g)
     return jnp.sum(losses), aux
 
   (loss, grads), aux = scan_value_and_grad(loss_fn, params, split_micro_batches((tokens, valid, batch.branches), m))

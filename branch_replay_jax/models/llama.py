@@ -127,10 +127,12 @@ class SegmentOutput(NamedTuple):
 
   kv: the segment's own keys/values, k, v [L, B, T, Hkv, D] in the compute dtype, valid [B, T].
   hidden_btd: [B, T, d] final hidden states (after the final RMSNorm), compute dtype.
+  router: a Qwen3-MoE model's `RouterStats` [B, E] of the segment's real tokens, every layer; else None.
   """
 
   kv: KVBlock
   hidden_btd: jax.Array
+  router: RouterStats | None = None   # Qwen3-MoE: its routing per row [B, E] over the layers (`RouterStats`)
 
 
 def segment_positions(offset, b: int, t: int) -> jax.Array:
@@ -225,7 +227,8 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
            attention=suffix_attention, lora_scale: float = 0.0):
   """One decoder block (Gemma 3's where config.gemma: the module docstring); `attention` has
   `suffix_attention`'s signature; lora_scale multiplies the adapters' output (alpha / rank) where p
-  holds adapters. Returns (new residual, (k, v))."""
+  holds adapters. Returns (new residual, (k, v, route)): route a Qwen3-MoE layer's `RouterStats` per row [B, E]
+  over own_valid_bt's tokens, else None."""
   dt = x_btd.dtype
   gemma = config.gemma
   norm = lambda x, w: rms_norm(x, w, config.norm_eps, unit_offset=gemma)
@@ -246,23 +249,35 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
   x_btd = x_btd + (norm(out, p["post_attn_norm"]) if gemma else out)
   h = norm(x_btd, p["mlp_norm"])
   if config.moe:
-    return x_btd + moe_mlp(config, p, h), (k, v)
+    out, route = moe_mlp(config, p, h, own_valid_bt)
+    return x_btd + out, (k, v, route)
   gate = project(p, "w_gate", "btd,df->btf", h, lora_scale)
   up = project(p, "w_up", "btd,df->btf", h, lora_scale)
   act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
   out = project(p, "w_down", "btf,fd->btd", act * up, lora_scale)
   x_btd = x_btd + (norm(out, p["post_mlp_norm"]) if gemma else out)
-  return x_btd, (k, v)
+  return x_btd, (k, v, None)
 
 
-def moe_mlp(config: ModelConfig, p: dict, h_btd):
+class RouterStats(NamedTuple):
+  """A Qwen3-MoE segment's routing, summed per row over its real tokens and over the layers: counts [B, E] how
+  many (layer, token) pairs chose expert e among their top k (a function of the selection alone: no gradient),
+  probs [B, E] the sum of the router's softmax probabilities of e (differentiable), both in the accumulation
+  dtype (float32; float64 under x64). What `losses.load_balancing_loss` reads: sums, so a trajectory's are the
+  sums of its segments' (a prefix's once, its continuations' each)."""
+  counts: jax.Array
+  probs: jax.Array
+
+
+def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None):
   """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities softmax(h
   W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1 with
   norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls (`jax.lax.ragged_dot`):
   the (token, slot) pairs sorted by expert, each expert's rows one contiguous group (with a grouped-matmul
   kernel a token costs its k experts; XLA:CPU lowers it densely over all E). The routing is a function of h
   alone, so a prefix's tokens route the same in replay and in naive rows; the router's gradient flows through
-  the selected probabilities (the selection itself is piecewise constant). [B, T, d] -> [B, T, d] in h's dtype."""
+  the selected probabilities (the selection itself is piecewise constant). [B, T, d] -> ([B, T, d] in h's dtype,
+  the `RouterStats` [B, E] of the tokens where valid_bt [B, T] (default: all) is True)."""
   b, t, d = h_btd.shape
   k, e = config.experts_per_token, config.num_experts
   dt, acc = h_btd.dtype, accum_dtype(h_btd.dtype)
@@ -281,7 +296,15 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd):
     up = jax.lax.ragged_dot(rows, p["w_up"].astype(dt), sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"].astype(dt), sizes)   # [N·k, d], sorted
   out = out[jnp.argsort(order)].reshape(b * t, k, d)                             # back to (token, slot) order
-  return jnp.einsum("nkd,nk->nd", out, weights.astype(dt)).reshape(b, t, d)
+  real = (jnp.ones((b, t), bool) if valid_bt is None else valid_bt > 0).reshape(b, t, 1)
+  chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=1).reshape(b, t, e)   # 1 where e is among the top k
+  route = RouterStats(jnp.sum(jnp.where(real, chosen, 0), axis=1), jnp.sum(jnp.where(real, probs.reshape(b, t, e), 0), axis=1))
+  return jnp.einsum("nkd,nk->nd", out, weights.astype(dt)).reshape(b, t, d), route
+
+
+def _over_layers(route: RouterStats | None) -> RouterStats | None:
+  """A scan's per-layer `RouterStats` [L, B, E] summed over the layers (None stays None)."""
+  return None if route is None else RouterStats(*(jnp.sum(x, axis=0) for x in route))
 
 
 def rematerialized(body, remat: str, gathering: bool):
@@ -443,9 +466,9 @@ class Llama(nnx.Module):
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, positions)
       return _layer(cfg, p, x, positions, freq, blocks, valid_bt, attn, lora_scale)
 
-    x, (k, v) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs()))
+    x, (k, v, route) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs()))
     hidden = self._final_norm(x)
-    return SegmentOutput(KVBlock(k, v, valid_bt), hidden)
+    return SegmentOutput(KVBlock(k, v, valid_bt), hidden, _over_layers(route))
 
   def _embed(self, tokens_bt):
     """[B, T, d] token embeddings in the compute dtype (Gemma's times sqrt(d), taken in that dtype as
@@ -503,8 +526,9 @@ class Llama(nnx.Module):
         `attention_impl`).
 
     Returns:
-      (prompt hidden at prompt_last [d], rows hidden [B, T, d]): final hidden states (after the final
-      RMSNorm), compute dtype.
+      (prompt hidden at prompt_last [d], rows hidden [B, T, d], routes): final hidden states (after the final
+      RMSNorm), compute dtype; routes a Qwen3-MoE model's (prompt's `RouterStats` [1, E], rows' [B, E]), else
+      (None, None).
     """
     cfg = self.config
     p_len = prompt_bt.shape[1]
@@ -519,15 +543,16 @@ class Llama(nnx.Module):
     def layer(p, x, layer_xs):
       x_prompt, x_rows = x
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, prompt_positions)
-      x_prompt, (k, v) = _layer(cfg, p, x_prompt, prompt_positions, freq, (), prompt_valid_bt, attn, lora_scale)
+      x_prompt, (k, v, prompt_route) = _layer(cfg, p, x_prompt, prompt_positions, freq, (), prompt_valid_bt, attn,
+                                              lora_scale)
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, rows_positions)
-      x_rows, _ = _layer(cfg, p, x_rows, rows_positions, freq, [KVBlock(k, v, prompt_valid_bt)], rows_valid_bt,
-                         attn, lora_scale)
-      return (x_prompt, x_rows), None
+      x_rows, (_, _, rows_route) = _layer(cfg, p, x_rows, rows_positions, freq, [KVBlock(k, v, prompt_valid_bt)],
+                                          rows_valid_bt, attn, lora_scale)
+      return (x_prompt, x_rows), (prompt_route, rows_route)
 
-    (x_prompt, x_rows), _ = self._scan_layers(layer, x, self._layer_xs())
+    (x_prompt, x_rows), routes = self._scan_layers(layer, x, self._layer_xs())
     x_last = jax.lax.dynamic_index_in_dim(x_prompt[0], prompt_last, keepdims=False)
-    return self._final_norm(x_last), self._final_norm(x_rows)
+    return self._final_norm(x_last), self._final_norm(x_rows), tuple(_over_layers(r) for r in routes)
 
   def _scan_layers(self, layer, x, xs):
     """`jax.lax.scan` of layer(p, x, xs_l) -> (x, ys_l) over the L layers, p one layer's parameters

@@ -258,7 +258,7 @@ class Qwen35(Llama):
     prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, attention=attention)
     rows = self(rows_bt, rows_offset, ancestors=[prompt.kv], valid_bt=rows_valid_bt, attention=attention)
     last = jax.lax.dynamic_index_in_dim(prompt.hidden_btd[0], prompt_last, keepdims=False)
-    return last, rows.hidden_btd
+    return last, rows.hidden_btd, (None, None)
 
   def _layers(self, x, positions, ancestors, parent: HybridState, valid_bt, attention):
     """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Lf, ...], conv, recurrent [Ll, ...]))."""
