@@ -385,18 +385,21 @@ def grpo_objective(logp: jax.Array, segment: Segments, *, clip_eps: float, kl_co
                              "kl": jnp.sum(jnp.where(on, metrics["kl"], 0.0))}
 
 
-def grpo_aux_sums(aux) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(Σ k3 KL, Σ clipped, Σ router_aux) scalars (float32, float64 under x64) of a GRPO gradient's aux: a group's
+ROUTING_METRICS = ("router_aux", "routing_mismatch")
+
+
+def grpo_aux_sums(aux) -> tuple[jax.Array, jax.Array, dict]:
+  """(Σ k3 KL, Σ clipped, {name: Σ}) scalars (float32, float64 under x64) of a GRPO gradient's aux: a group's
   {"kl", "clipped"} from `grpo_objective` (also a stacked batch's), or a tree's per-level outputs whose `.aux` are
-  `grpo_objective`'s (gradients.step.NodeOutputs); "router_aux" (a mixture of experts' load-balancing loss, each
-  row's weighted by its share of its group's trajectories, `gradients.step`) sums to each group's mean over its
-  trajectories, summed over groups (0 without it). Traceable: the training step reduces inside its jit, so a
-  multi-process run reads replicated scalars."""
+  `grpo_objective`'s (gradients.step.NodeOutputs). The dict holds the mixture-of-experts routing metrics the aux
+  carries (ROUTING_METRICS: "router_aux", the load-balancing loss; "routing_mismatch", the share of recorded
+  routes the router would not choose), each row's weighted by its share of its group's trajectories
+  (`gradients.step`): summed, each group's mean over its trajectories, summed over groups. Traceable: the
+  training step reduces inside its jit, so a multi-process run reads replicated scalars."""
   parts = [aux] if isinstance(aux, dict) else [level.aux for level in aux]
   total = lambda x: jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))   # float64 stays float64
-  router = [total(p["router_aux"]) for p in parts if "router_aux" in p]
-  return (sum(total(p["kl"]) for p in parts), sum(total(p["clipped"]) for p in parts),
-          sum(router) if router else jnp.zeros((), jnp.float32))
+  routing = {k: sum(total(p[k]) for p in parts) for k in ROUTING_METRICS if any(k in p for p in parts)}
+  return sum(total(p["kl"]) for p in parts), sum(total(p["clipped"]) for p in parts), routing
 
 
 ADVANTAGES = ("grpo", "rloo")

@@ -43,6 +43,7 @@ def get_config(arg=None):
   c.model.param_dtype = "float32"         # float32, or bfloat16 (steps see bfloat16 parameters; float32 master)
   c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs), save_kv (inputs + K/V)
   #                                       # or offload_kv (save_kv with the saved arrays in host memory)
+  c.model.routing_replay = False          # a mixture of experts' update runs the sampler's recorded experts (R3); groups
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
 
   c.task = ml_collections.ConfigDict()
@@ -92,6 +93,7 @@ def get_config(arg=None):
   c.loss.overlong_buffer = 0              # DAPO's soft overlong punishment: the last N tokens of the budget cost
   c.loss.overlong_penalty = 1.0           # up to overlong_penalty reward, linearly (0 disables)
   c.loss.kl_coef = 0.04                   # beta of the k3 KL penalty to the initial policy (0 disables it)
+  c.loss.router_aux_coef = 0.0            # a mixture of experts' load-balancing loss per trajectory (0: none; RL recipes run 0)
   c.loss.advantage = "grpo"               # grpo (group-normalised) or rloo (leave-one-out baseline, arXiv 2402.14740)
   c.loss.advantage_eps = 1e-6             # epsilon added to the group reward std (grpo; an rloo config removes it)
   c.loss.rollout_correction = "none"      # importance correction against the sampler's log-probs, rho =

@@ -22,8 +22,9 @@ def get_config(arg=None):
   c.loss.kl_coef = 0.0                    # the PPO loss has no KL term (must be 0)
   del c.loss.advantage, c.loss.advantage_eps   # GAE advantages from the critic (ppo.gamma, ppo.lam)
   del (c.loss.clip_eps_low, c.loss.clip_eps_high, c.loss.importance_ratio, c.loss.logprob_temperature,  # GRPO's
-       c.loss.mask_truncated, c.loss.overlong_buffer, c.loss.overlong_penalty,   # options
-       c.rollout.dynamic_sampling, c.rollout.max_prompt_draws)   # (algorithms/grpo.py; schema.py refuses them)
+       c.loss.mask_truncated, c.loss.overlong_buffer, c.loss.overlong_penalty, c.loss.router_aux_coef,   # options
+       c.rollout.dynamic_sampling, c.rollout.max_prompt_draws, c.model.routing_replay)   # (algorithms/grpo.py;
+  #                                                                   schema.py refuses them)
   # loss.rollout_correction and its fields stay (GRPO's values): PPO weighs its policy terms by them too.
   c.loss.clip_eps = 0.2                   # PPO's ratio clip epsilon (symmetric)
   c.loss.weighting = "group_token_mean"   # per-(token, trajectory) weights: mean over the group's tokens

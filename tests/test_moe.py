@@ -141,20 +141,22 @@ def test_moe_fields_are_checked_by_name():
     tiny_config(arch="qwen3_moe", num_experts=4, experts_per_token=2, qk_norm=True)
 
 
-def test_grpo_trains_a_moe_directory_with_the_load_balancing_loss_and_checks_it_against_naive_rows(tmp_path,
-                                                                                                   monkeypatch):
+def test_grpo_trains_a_moe_directory_with_routing_replay_and_the_load_balancing_loss(tmp_path, monkeypatch):
   # A random Qwen3-MoE (2 layers, 4 experts, 2 per token) over SmolLM2's tokenizer, exported as a Hugging Face
   # directory and trained by the GRPO smoke experiment (the fused replay: a group's 4 completions in one step) with
-  # loss.router_aux_coef = 0.01. The run-time exactness check (replay's gradient against naive rows', the
+  # loss.router_aux_coef = 0.01 and model.routing_replay: the sampler records each token's experts, the update runs
+  # them. The run-time exactness check (replay's gradient against naive rows', both replaying the routes, the
   # load-balancing loss in both) to float32 rounding; the logged router_aux is the mean over the step's groups of
-  # their trajectories' mean loss: between 1 and E = 4 for top-2 routing (2 where uniform).
+  # their trajectories' mean loss: between 1 and E = 4 for top-2 routing (2 where uniform); routing_mismatch, the
+  # share of recorded (layer, token) pairs the trainer's router would route otherwise: the sampler and the trainer
+  # run the same float32 model here, so few if any (below 5%).
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
                     expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
   record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch,
-                            **{"train.micro_batch": 4, "loss.router_aux_coef": 0.01})
+                            **{"train.micro_batch": 4, "loss.router_aux_coef": 0.01, "model.routing_replay": True})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
-  assert 1.0 < record["router_aux"] < 4.0
+  assert 1.0 < record["router_aux"] < 4.0 and 0.0 <= record["routing_mismatch"] < 0.05
 
 
 @pytest.mark.parametrize("variant,overrides,message", [
@@ -162,6 +164,8 @@ def test_grpo_trains_a_moe_directory_with_the_load_balancing_loss_and_checks_it_
     ("lora_smoke", {}, "lora: adapters are built for the dense Llama block"),
     ("smoke", {"loss.router_aux_coef": 0.01, "train.tree_schedule": "packed", "rollout.tree_fanouts": (2, 2)},
      "train.tree_schedule='packed': the load-balancing loss is built for trees by level"),
+    ("smoke", {"model.routing_replay": True, "rollout.tree_fanouts": (2, 2)},
+     "rollout.tree_fanouts / rollout.episodes: model.routing_replay records a group's routes only"),
 ])
 def test_a_moe_model_refuses_what_it_does_not_take_before_loading(tmp_path, variant, overrides, message):
   refused_before_loading(tmp_path, FIXTURE, variant, overrides, f"is a mixture of experts \\(Qwen3-MoE\\): {message}")
@@ -281,7 +285,7 @@ def test_tree_replay_with_the_load_balancing_loss_equals_naive_float64(model64, 
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= 1e-10
   # The logged metric (Σ router_aux: the trajectories' mean) is the naive rows' and the loss it added / 0.5.
-  tree_metric, naive_metric = float(obj.grpo_aux_sums(at)[2]), float(obj.grpo_aux_sums(an)[2])
+  tree_metric, naive_metric = (float(obj.grpo_aux_sums(a)[2]["router_aux"]) for a in (at, an))
   assert abs(tree_metric - naive_metric) <= 1e-12 and abs(naive_metric - (float(ln) - float(l0)) / 0.5) <= 1e-12
 
 
@@ -291,3 +295,111 @@ def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
                          "loss.router_aux_coef=0.01: model.name=.* has no experts")
   refused_before_loading(tmp_path, FIXTURE, "smoke", {"loss.router_aux_coef": -1.0},
                          "loss.router_aux_coef=-1.0 must be >= 0")
+  refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"model.routing_replay": True},
+                         "model.routing_replay=True: model.name=.* has no experts")
+  from conftest import experiment_config
+  from experiments import ppo_smollm2_arith
+  from branch_replay_jax.algorithms import ppo
+  with pytest.raises(ValueError, match="model.routing_replay"):
+    ppo.train(experiment_config(ppo_smollm2_arith, "smoke", tmp_path / "ppo", **{"model.name": FIXTURE,
+                                                                                  "model.routing_replay": True}))
+
+
+def _recorded_routes(graphdef, params, arrays, rng, flip: float, unrecorded: float):
+  """The group's routes as a sampler would record them: each real token's own experts per layer (from one naive
+  forward), a `flip` fraction of the (layer, token) pairs swapped to another expert (a sampler that routed
+  otherwise) and an `unrecorded` fraction of the completions' tokens -1 (none recorded). Returns (prompt_routes
+  [P_pad, L, k], completion routes [G, T, L, k], flipped [G, P_pad + T, L] in naive-row layout, recorded mask)."""
+  from branch_replay_jax.gradients.step import naive_batch
+  tokens, valid, offset = naive_batch(arrays)
+  own = np.asarray(nnx.merge(graphdef, params)(tokens, offset, valid_bt=valid).experts)     # [G, P_pad + T, L, k]
+  e = nnx.merge(graphdef, params).config.num_experts
+  p_pad, shift = arrays.prompt_ids.shape[0], arrays.prompt_ids.shape[0] - int(arrays.prompt_len)
+  flip_mask = rng.random(own.shape[:3]) < flip
+  flip_mask[:, p_pad:] &= np.asarray(arrays.branches.mask)[:, :, None]
+  flip_mask[:, :p_pad] = flip_mask[:1, :p_pad]                                   # the prompt is one sequence
+  flip_mask[:, :shift] = False
+  other = lambda s: [s[0], min(x for x in range(e) if x not in s)]
+  routes = own.copy()
+  for g, t, layer in zip(*np.nonzero(flip_mask)):
+    routes[g, t, layer] = other(list(own[g, t, layer]))
+  routes[:, :shift] = -1
+  skip = (rng.random(routes.shape[:2]) < unrecorded) & (np.arange(routes.shape[1]) >= p_pad)[None]
+  routes[skip] = -1
+  recorded = np.asarray(valid) & ~skip
+  prompt = np.roll(routes[0, :p_pad], -shift, axis=0)
+  return jnp.asarray(prompt), jnp.asarray(routes[:, p_pad:]), flip_mask & recorded[:, :, None], recorded
+
+
+@pytest.mark.parametrize("router_aux_coef", [0.0, 0.5])
+def test_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64, x64, router_aux_coef):
+  # The sampler's routes replayed: 30% of the (layer, token) pairs recorded with another expert (the prompt's
+  # too: replay runs them once, naive rows once per row), 20% of the completion tokens unrecorded (they route
+  # themselves). Replay (fused and one completion per micro-batch) equals naive rows to float64 rounding, with
+  # and without the load-balancing loss; both log the same routing_mismatch, the mean over trajectories of
+  # their flipped share of recorded pairs; and replaying differs from not replaying (the loss moves).
+  from branch_replay_jax.gradients.heads import Policy
+  from branch_replay_jax.gradients.step import value_and_grad
+  graphdef, params = model64
+  arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
+  prompt_routes, routes, flipped, recorded = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0),
+                                                              flip=0.3, unrecorded=0.2)
+  batch = arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes))
+  layers = nnx.merge(graphdef, params).config.num_layers
+  want = np.mean(flipped.sum((1, 2)) / (layers * recorded.sum(1)))
+  for replay in (True, False):
+    head = Policy(router_aux_coef=router_aux_coef, routing_replay=replay)
+    run = jax.jit(lambda p, b, layout, m, fused: value_and_grad(head, graphdef, p, b, objective, layout=layout,
+                                                                  micro_batch=m, fused=fused), static_argnums=(2, 3, 4))
+    ln, an, gn = run(params, batch, "naive", None, None)
+    assert abs(float(an["routing_mismatch"].sum()) - want) <= 1e-12
+    for m, fused in ((1, False), (None, True)):
+      lr, ar, gr = run(params, batch, "replay", m, fused)
+      assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+      assert max_rel_err(gr, gn) <= 1e-10
+      assert abs(float(ar["routing_mismatch"].sum()) - want) <= 1e-12
+    if replay:
+      replayed = (float(ln), gn)
+  # Replaying other experts moves the loss (here by 1.3e-4, float64 rounding is 1e-16) and the gradient.
+  assert abs(replayed[0] - float(ln)) > 1e-5 and max_rel_err(replayed[1], gn) > 1e-3
+
+
+def test_routing_replay_of_the_routers_own_choice_changes_nothing_float64(model64, x64):
+  # Routes equal to the router's own top 2 (nothing flipped, nothing unrecorded): replaying them gives the loss
+  # and the gradient of not replaying, to float64 rounding: the gating weights are the current router's
+  # probabilities of the same experts, renormalised, and the router's gradient flows through them alike.
+  from branch_replay_jax.gradients.heads import Policy
+  from branch_replay_jax.gradients.step import value_and_grad
+  graphdef, params = model64
+  arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
+  prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.0,
+                                                 unrecorded=0.0)
+  batch = arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes))
+  l0, _, g0 = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
+  l1, a1, g1 = jax.jit(lambda p, b: value_and_grad(Policy(routing_replay=True), graphdef, p, b, objective,
+                                                   micro_batch=1, fused=False))(params, batch)
+  assert abs(float(l1) - float(l0)) <= 1e-12 and max_rel_err(g1, g0) <= 1e-10
+  assert float(a1["routing_mismatch"].sum()) == 0.0
+
+
+def test_the_sampler_records_the_routes_the_trainer_computes_float64(model64, x64):
+  # sample_group's prefill records the prompt's experts once, each decode step the fed token's; in float64 they
+  # are the experts the trainer's forward of the same sequences picks. A sample's last token may be drawn but never
+  # fed (the budget's last, or a stop token drawn as the last sample ends): -1, none recorded, as every position
+  # after a sample's end.
+  graphdef, params = model64
+  model = nnx.merge(graphdef, params)
+  prompt = np.random.default_rng(1).integers(3, 96, 9)
+  out = sample_group(model, prompt, num_samples=3, max_new_tokens=6, key=jax.random.key(2), temperature=1.0)
+  c = model.config
+  assert out.prompt_routes.shape == (9, c.num_layers, c.experts_per_token)
+  assert out.routes.shape == (3, 6, c.num_layers, c.experts_per_token)
+  for g in range(3):
+    n = int(out.lengths[g])
+    seq = np.concatenate([prompt, np.asarray(out.tokens[g, :n])])
+    own = np.asarray(model(jnp.asarray(seq)[None], 0).experts[0])                 # [P + n, L, k]
+    fed = int((np.asarray(out.routes[g, :, 0, 0]) >= 0).sum())                   # the tokens fed to the model
+    assert fed >= n - 1 and (np.asarray(out.routes[g, :fed]) >= 0).all()
+    np.testing.assert_array_equal(np.sort(out.prompt_routes, -1), np.sort(own[:9], -1))
+    np.testing.assert_array_equal(np.sort(out.routes[g, :fed], -1), np.sort(own[9:9 + fed], -1))
+    assert (np.asarray(out.routes[g, fed:]) == -1).all()

@@ -113,7 +113,9 @@ def validate_layer_kinds(config) -> None:
   loss.router_aux_coef > 0."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
-  aux = config.loss.get("router_aux_coef", 0.0)
+  aux = config.loss.get("router_aux_coef", 0.0) if "loss" in config else 0.0   # GRPO's (DPO has no loss section)
+  if m.name == "tiny" and config.model.get("routing_replay", False):
+    raise ValueError("model.routing_replay=True: model.name='tiny' has no experts; set it to False")
   if aux and (m.name == "tiny" or not architecture(m.name).moe):
     raise ValueError(f"loss.router_aux_coef={aux}: model.name={m.name!r} has no experts (the load-balancing loss is "
                      "a mixture of experts'); set it to 0")
@@ -122,8 +124,15 @@ def validate_layer_kinds(config) -> None:
   arch = architecture(m.name)
   seq = config.get("mesh") is not None and config.mesh.seq > 1
   packed = config.train.get("tree_schedule") == PACKED
+  replay = config.model.get("routing_replay", False)
+  if replay and not arch.moe:
+    raise ValueError(f"model.routing_replay=True: model.name={m.name!r} has no experts (routing replay replays a "
+                     "mixture of experts' routes); set it to False")
   if arch.moe:
-    why = ("train.tree_schedule='packed': the load-balancing loss is built for trees by level; use 'depth_first' or "
+    why = ("rollout.tree_fanouts / rollout.episodes: model.routing_replay records a group's routes only (trees and "
+           "episodes record none yet); use a group rollout" if replay and (
+               config.rollout.get("tree_fanouts") or config.rollout.get("episodes") is not None) else
+           "train.tree_schedule='packed': the load-balancing loss is built for trees by level; use 'depth_first' or "
            "'level'" if aux and packed else
            f"mesh.seq={config.mesh.seq}: the prompt split over seq is not tested with experts; use mesh.data and "
            "mesh.branch (FSDP splits the experts like every weight)" if seq else

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import (GroupBatch, TreeBatch, group_arrays, recorded_routes, trajectory_group_arrays,
+                                            tree_arrays)
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.episodes import (MODEL, episode_group_arrays, episode_tree, episode_tree_arrays,
                                              limit_depth, merge_short, prompt_only_tree, rebase)
@@ -146,6 +147,8 @@ def build(config, raw: Trajectories, model_config, pad_id: int, layout: Layout) 
     sampler[:, :raw.logprobs.shape[1]] = raw.logprobs
     arrays = group_arrays(group, weights=(group.completion_mask * w[:, None]).astype(np.float32),
                           **advantage, sampler_logp=sampler, ref_logp=np.zeros_like(sampler))
+    if raw.routes is not None:   # a Qwen3-MoE sampler's experts per token and layer, -1 on padding
+      arrays = recorded_routes(arrays, raw.prompt_routes, raw.routes)
     computed = group.prompt_ids.size + group.completion_ids.size
     counts = {**group_counts(group.prompt_len, group.lengths, cfg),
               "padding_fraction": 1.0 - (group.prompt_len + group.lengths.sum()) / computed}

@@ -202,7 +202,8 @@ class GRPOFunctions:
     # runs on one device: on a mesh it takes a device copy of the base for the check (`exactness`).
     self.cast, self.frozen = cast, placement.place(frozen, self.mesh, self.param_mode)
     # The policy head: log-probs at τ and, for a mixture of experts, the load-balancing loss (loss.router_aux_coef).
-    head = Policy(temperature=tau, router_aux_coef=config.loss.get("router_aux_coef", 0.0))
+    head = Policy(temperature=tau, router_aux_coef=config.loss.get("router_aux_coef", 0.0),
+                  routing_replay=config.model.get("routing_replay", False))
     self.check = ExactnessCheck(config, graphdef, {"group": objective(config, False), "tree": objective(config, True)},
                                 cast, upcast, frozen if self.mesh is None else None, head=head,
                                 correction=correction)
@@ -284,16 +285,17 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
     if epoch == 0:
       first = out
   # One host sync per step: each sum in group order, in Python floats (a mesh step's are its batch sums).
-  (losses, (kls, clips, routers)), grad_norm, own, correction = jax.device_get((
+  (losses, (kls, clips, routing)), grad_norm, own, correction = jax.device_get((
       (out["loss"], out["aux"]), out["grad_norm"], None if kept is None else (first["loss"], first["aux"]), correction))
-  loss, kl, clipped, router = (sum(float(x) for x in np.atleast_1d(v)) for v in (losses, kls, clips, routers))
+  loss, kl, clipped = (sum(float(x) for x in np.atleast_1d(v)) for v in (losses, kls, clips))
   if kept is not None:
     kept = (own[0][keep], own[1][0][keep], kept)
   pairs = max(sum(g.loss_tokens for g in groups), 1)   # (token, trajectory) pairs in the loss
   stats = {"loss": loss / len(groups), "grad_norm": float(grad_norm), "kl": kl / pairs, "clip_frac": clipped / pairs,
            "step_compiles": compiled_programs(fns.train_step), **{k: float(v) for k, v in correction.items()}}
-  if config.loss.get("router_aux_coef", 0.0):   # the mean over groups of their trajectories' mean (the last epoch's)
-    stats["router_aux"] = router / len(groups)
+  # A mixture of experts' routing (`losses.grpo_aux_sums`): each the mean over groups of their trajectories' mean,
+  # the last epoch's; router_aux with loss.router_aux_coef > 0, routing_mismatch where the sampler recorded routes.
+  stats.update({k: sum(float(x) for x in np.atleast_1d(v)) / len(groups) for k, v in routing.items()})
   return params, opt_state, stats, kept
 
 

@@ -73,6 +73,12 @@ class ModelConfig:
 
 
 @_frozen
+class GRPOModelConfig(ModelConfig):
+  routing_replay: bool = _f("a mixture of experts' update runs the experts the sampler chose (R3) instead of the "
+                            "router's own top k; groups only", False)
+
+
+@_frozen
 class TaskConfig:
   """The task (rollout/tasks/sources.py; README, "Train on your own task")."""
   name: str = _f("the task's name; without task.source also its data: a preset (basic_arithmetic, gsm_symbolic) "
@@ -321,7 +327,7 @@ class RunConfig:
 
 @_frozen
 class GRPOExperiment(RunConfig):
-  model: ModelConfig = _f("the policy")
+  model: GRPOModelConfig = _f("the policy")
   task: TaskConfig = _f("the reasoning-gym task the prompts come from")
   rollout: GRPORolloutConfig = _f("sampling: groups, or trees with rollout.tree_fanouts")
   loss: GRPOLossConfig = _f("the GRPO / RLOO objective")

@@ -65,6 +65,8 @@ class Segments:
     the share of the tree's trajectories that end at it, 0 elsewhere; what a mean over trajectories weighs
     the node's path by (the load-balancing loss, `gradients.step`). None: each row ends one of the group's
     trajectories (a completion, a naive row).
+  routes: [L, T, layers, k] int32, a Qwen3-MoE sampler's recorded experts per token and layer (-1: none, e.g.
+    a full-length completion's last token, drawn but never fed); `GroupBatch.prompt_routes` the prompt's.
   """
   tokens: jax.Array
   mask: jax.Array
@@ -77,6 +79,7 @@ class Segments:
   sampler_logp: jax.Array | None = None
   rollout_is: jax.Array | None = None
   end_share: jax.Array | None = None
+  routes: jax.Array | None = None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Segments))
@@ -93,11 +96,14 @@ class GroupBatch:
   prompt_ids: [P_pad] int32, real tokens first (P_pad: bucketed, `data.groups.bucket_length`).
   prompt_len: [] int32, the prompt's real length P.
   branches: Segments with L = [G]: the completions, each starting at position P.
+  prompt_routes: [P_pad, layers, k] int32, a Qwen3-MoE sampler's recorded experts of the prompt's tokens (-1 on
+    padding), with the completions' `Segments.routes`; None: none recorded.
   A stack of B groups (`distributed.mesh.stack_groups`, `PreferenceBatch.naive`) adds a leading [B].
   """
   prompt_ids: jax.Array
   prompt_len: jax.Array
   branches: Segments
+  prompt_routes: jax.Array | None = None
 
 
 @struct.dataclass
@@ -182,6 +188,23 @@ def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
       raise ValueError(f"group_arrays: field {name!r} has shape {np.shape(value)}; needs a leading axis G={g}")
   return GroupBatch(jnp.asarray(group.prompt_ids), jnp.asarray(group.prompt_len, jnp.int32),
                     segments(group.completion_ids, group.completion_mask, **fields))
+
+
+def recorded_routes(batch: GroupBatch, prompt_routes, routes) -> GroupBatch:
+  """`batch` with a sampler's recorded experts (`rollout.sampler.Rollouts`): prompt_routes [P, layers, k] padded
+  to the batch's P_pad and routes [G, N, layers, k] cut or padded to its T, both with -1 (none recorded).
+
+  Raises:
+    ValueError: prompt_routes longer than P_pad or G other than the batch's.
+  """
+  p_pad, (g, t) = batch.prompt_ids.shape[0], batch.branches.tokens.shape
+  prompt, rows = np.asarray(prompt_routes, np.int32), np.asarray(routes, np.int32)
+  if prompt.shape[0] > p_pad or rows.shape[0] != g:
+    raise ValueError(f"recorded_routes: prompt_routes {prompt.shape} and routes {rows.shape} do not fit a group of "
+                     f"P_pad={p_pad}, G={g}")
+  pad = lambda x, n: np.concatenate([x[:n], np.full((max(n - x.shape[0], 0),) + x.shape[1:], -1, np.int32)])
+  return batch.replace(prompt_routes=jnp.asarray(pad(prompt, p_pad)),
+                       branches=batch.branches.replace(routes=jnp.asarray(np.stack([pad(r, t) for r in rows]))))
 
 
 def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> TreeBatch:

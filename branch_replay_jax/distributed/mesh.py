@@ -106,7 +106,12 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
                      f"multiple={multiple}")
   longest = max([g.prompt_ids.shape[0] for g in groups] + [longest or 0])
   p_pad = -(-longest // multiple) * multiple
-  return [g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, p_pad - g.prompt_ids.shape[0]))) for g in groups]
+  def pad(g):
+    more = p_pad - g.prompt_ids.shape[0]
+    routes = getattr(g, "prompt_routes", None)   # a GroupBatch's recorded routes: -1 (none) on the padding
+    extra = {} if routes is None else {"prompt_routes": jnp.pad(routes, ((0, more), (0, 0), (0, 0)), constant_values=-1)}
+    return g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, more)), **extra)
+  return [pad(g) for g in groups]
 
 
 def pad_groups(groups: list[GroupBatch], mesh=None) -> tuple[list[GroupBatch], np.ndarray]:

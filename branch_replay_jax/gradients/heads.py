@@ -34,11 +34,14 @@ class SegmentOutputs:
     cut by the token budget from it, `losses.gae`'s next_values_b); None for a Policy.
   router_aux: [B] the load-balancing loss (`losses.load_balancing_loss`) of the trajectory each row ends (its
     prompt and completion, every layer): a Qwen3-MoE policy's where the head's router_aux_coef > 0, else None.
+  routing_mismatch: [B] of that trajectory's (layer, token) pairs with routes the sampler recorded, the fraction
+    whose own top k (the trainer's routing now) is another set of experts; None without recorded routes.
   """
   logp: jax.Array
   values: jax.Array | None = None
   next_value: jax.Array | None = None
   router_aux: jax.Array | None = None
+  routing_mismatch: jax.Array | None = None
 
 
 @struct.dataclass
@@ -64,10 +67,13 @@ class Policy:
   The objective is `objective(logp [T], branch) -> (loss, aux)` (losses.grpo_objective, ...);
   forward-only passes return logp arrays. router_aux_coef > 0 (a Qwen3-MoE policy, a group's layouts on one
   device) adds router_aux_coef · the mean over the group's trajectories of their load-balancing loss
-  (`gradients.step`; docs/design.md, "The load-balancing loss under replay").
+  (`gradients.step`; docs/design.md, "The load-balancing loss under replay"). routing_replay: a batch's
+  recorded routes (the sampler's experts per token and layer) are run in place of the router's own top k,
+  gating weights from the current router (`models.llama.moe_mlp`; docs/design.md, "Routing replay").
   """
   temperature: float = 1.0
   router_aux_coef: float = 0.0
+  routing_replay: bool = False
 
   def trunks(self, model) -> dict[str, Any]:
     return {"policy": model}

@@ -69,72 +69,97 @@ class NodeOutputs:
   values: jax.Array | None = None
 
 
-def _tracks_routes(head) -> bool:
-  """Whether the step adds the policy's load-balancing loss (the head's router_aux_coef > 0): each segment's
-  state then carries its path's `RouterStats` ("router"), and each row's outputs its trajectory's loss."""
-  return getattr(head, "router_aux_coef", 0.0) > 0
+def _tracks_routes(head, batch) -> bool:
+  """Whether the step follows the policy's routing along each path: for the load-balancing loss (the head's
+  router_aux_coef > 0) or for routes the sampler recorded (the batch's prompt_routes). Each segment's state then
+  carries its path's `RouterStats` ("router"), and each row's outputs its trajectory's loss and route mismatch."""
+  return getattr(head, "router_aux_coef", 0.0) > 0 or getattr(batch, "prompt_routes", None) is not None
 
 
-def _with_router_aux(head, model, outputs: SegmentOutputs, route, end) -> SegmentOutputs:
-  """outputs with router_aux [B]: `losses.load_balancing_loss` of the trajectories the rows end, from their
-  paths' `RouterStats` [B, E] (root to row, every layer) over L · end [B] (layer, token) pairs."""
+def _routes_kw(head, name: str, routes) -> dict:
+  """A trunk's keyword arguments for the sampler's recorded routes: the policy's, where the batch carries them,
+  run in their place with the head's routing_replay (`models.llama.moe_mlp`), else only compared."""
+  if name != "policy" or routes is None:
+    return {}
+  return {"routes": routes, "replay_routes": bool(getattr(head, "routing_replay", False))}
+
+
+def _with_routing(head, model, outputs: SegmentOutputs, route, end, recorded: bool) -> SegmentOutputs:
+  """outputs with the routing of the trajectories the rows end, from their paths' `RouterStats` [B, E] (root to
+  row, every layer) over L · end [B] (layer, token) pairs: router_aux [B] (`losses.load_balancing_loss`, with
+  router_aux_coef > 0) and, with recorded routes, routing_mismatch [B] (the fraction of the recorded (layer,
+  token) pairs whose own top k differs from the sampler's)."""
   policy = head.trunks(model)["policy"]
   if route is None:
-    raise ValueError(f"value_and_grad: router_aux_coef={head.router_aux_coef} needs a mixture-of-experts policy "
-                     f"(arch='qwen3_moe'), got arch={policy.config.arch!r}")
-  return outputs.replace(router_aux=load_balancing_loss(route.counts, route.probs, policy.config.num_layers * end))
+    raise ValueError(f"value_and_grad: router_aux_coef={getattr(head, 'router_aux_coef', 0.0)} or recorded routes "
+                     f"need a mixture-of-experts policy (arch='qwen3_moe'), got arch={policy.config.arch!r}")
+  aux = (load_balancing_loss(route.counts, route.probs, policy.config.num_layers * end)
+         if getattr(head, "router_aux_coef", 0.0) > 0 else None)
+  mismatch = (route.mismatch / jnp.maximum(route.recorded, 1)).astype(route.probs.dtype) if recorded else None
+  return outputs.replace(router_aux=aux, routing_mismatch=mismatch)
 
 
 def _losses(head, objective, out: SegmentOutputs, rows, trajectories: int):
   """(losses [B], aux [B, ...]) of B rows (completions, naive rows or tree nodes): the objective's, plus, where
   the outputs carry the load-balancing losses of the trajectories the rows end, router_aux_coef · their mean
-  over the group's trajectories: each row's weighs 1 / trajectories, a tree node's its `Segments.end_share`."""
+  over the group's trajectories: each row's weighs 1 / trajectories, a tree node's its `Segments.end_share`.
+  The routing metrics join the objective's aux dict weighted alike, so a group's rows sum to its trajectories'
+  mean (`losses.grpo_aux_sums`)."""
   losses, aux = jax.vmap(lambda o, b: head.loss(objective, o, b))(out, rows)
+  if out.router_aux is None and out.routing_mismatch is None:
+    return losses, aux
+  share = 1.0 / trajectories if rows.end_share is None else jnp.sum(rows.end_share, axis=-1)
   if out.router_aux is not None:
-    share = 1.0 / trajectories if rows.end_share is None else jnp.sum(rows.end_share, axis=-1)
     losses = losses + head.router_aux_coef * share * out.router_aux
-    if isinstance(aux, dict):   # the metric (`losses.grpo_aux_sums`): Σ over a group's rows = its trajectories' mean
-      aux = {**aux, "router_aux": share * out.router_aux}
+  metrics = {k: share * v for k, v in (("router_aux", out.router_aux), ("routing_mismatch", out.routing_mismatch))
+             if v is not None}
+  if metrics and isinstance(aux, dict):
+    aux = {**aux, **metrics}
   return losses, aux
 
 
 def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
   """The prompt's state for its children. prompt_fn(trunk) -> (K/V, last real hidden state [d])
   replaces each trunk's whole-prompt forward (context parallelism: `seq_parallel.prompt_split`).
-  With the load-balancing loss (`_tracks_routes`), "router": the prompt's `RouterStats` [E]."""
+  Following the routing (`_tracks_routes`), "router": the prompt's `RouterStats` [E]."""
   kv, last, state = {}, {}, {}
+  routes = getattr(batch, "prompt_routes", None)
   for name, trunk in head.trunks(model).items():
     if prompt_fn is not None:
       kv[name], last[name] = prompt_fn(trunk)
       continue
     p_pad = batch.prompt_ids.shape[0]
-    out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None])
+    out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None],
+                **_routes_kw(head, name, None if routes is None else routes[None]))
     kv[name] = out.kv
     last[name] = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
-    if name == "policy" and _tracks_routes(head) and out.router is not None:
-      state["router"] = jax.tree_util.tree_map(lambda x: x[0], out.router)
+    if name == "policy" and _tracks_routes(head, batch):
+      state["router"] = None if out.router is None else jax.tree_util.tree_map(lambda x: x[0], out.router)
   return {"kv": kv, "last": last, "end": batch.prompt_len, **state}
 
 
-def _segment(head, model, ancestors, tokens_bt, mask_bt, chunk, attention=None):
-  """Forward of B sibling segments (rows [B, T]) on their shared ancestors' states: (each row's state
-  for its descendants, `SegmentOutputs` [B, ...]). The rows run as one batch (not vmapped), so each
-  weight-gradient dot contracts one (row·position) axis. `attention` overrides the trunks' own."""
+def _segment(head, model, ancestors, rows, chunk, attention=None):
+  """Forward of B sibling segments (rows: `Segments` [B, T]) on their shared ancestors' states: (each row's
+  state for its descendants, `SegmentOutputs` [B, ...]). The rows run as one batch (not vmapped), so each
+  weight-gradient dot contracts one (row·position) axis. `attention` overrides the trunks' own. Where the
+  root follows the routing ("router" in its state), so does each segment: its path's sums, its outputs'
+  routing (`_with_routing`)."""
   parent = ancestors[-1]
+  tokens_bt, mask_bt = rows.tokens, rows.mask
   shifted, last, kv, routes = {}, {}, {}, {}
   n = jnp.sum(mask_bt.astype(jnp.int32), axis=1)                                   # [B] real tokens
   for name, trunk in head.trunks(model).items():
     out = trunk(tokens_bt, parent["end"], ancestors=[a["kv"][name] for a in ancestors], valid_bt=mask_bt,
-                attention=attention)
+                attention=attention, **_routes_kw(head, name, rows.routes))
     shifted[name], last[name] = _shift(parent["last"][name], out.hidden_btd, n)
     kv[name], routes[name] = out.kv, out.router
   outputs = head.outputs(model, shifted, tokens_bt, mask_bt, chunk, last)
   state = {"kv": kv, "last": last, "end": parent["end"] + n}
-  if _tracks_routes(head):   # the path's routing: the parent's (its own path's) plus the rows' own
-    route = routes["policy"] if "router" not in parent else jax.tree_util.tree_map(jnp.add, parent["router"],
-                                                                                 routes["policy"])
+  if "router" in ancestors[0]:   # the path's routing: the parent's (its own path's) plus the rows' own
+    own, up = routes["policy"], parent.get("router")
+    route = None if own is None or up is None else jax.tree_util.tree_map(jnp.add, up, own)
     state["router"] = route
-    outputs = _with_router_aux(head, model, outputs, route, state["end"])
+    outputs = _with_routing(head, model, outputs, route, state["end"], rows.routes is not None)
   return state, outputs
 
 
@@ -156,17 +181,19 @@ def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> Seg
   prompt_valid = (jnp.arange(p_pad) < batch.prompt_len)[None]
   n = jnp.sum(br.mask.astype(jnp.int32), axis=1)
   shifted, last, routes = {}, {}, {}
+  recorded = None if batch.prompt_routes is None else (batch.prompt_routes[None], br.routes)
   for name, trunk in head.trunks(model).items():
     prompt_last, h_rows, routes[name] = trunk.prompt_and_rows(batch.prompt_ids[None], prompt_valid,
                                                               batch.prompt_len - 1, br.tokens, batch.prompt_len,
-                                                              br.mask, attention=attention)
+                                                              br.mask, attention=attention,
+                                                              **_routes_kw(head, name, recorded))
     shifted[name], last[name] = _shift(prompt_last, h_rows, n)
   outputs = head.outputs(model, shifted, br.tokens, br.mask, chunk, last)
-  if not _tracks_routes(head):
+  if not _tracks_routes(head, batch):
     return outputs
   prompt_route, rows_route = routes["policy"]
   route = None if rows_route is None else jax.tree_util.tree_map(jnp.add, prompt_route, rows_route)  # [1, E] + [G, E]
-  return _with_router_aux(head, model, outputs, route, batch.prompt_len + n)
+  return _with_routing(head, model, outputs, route, batch.prompt_len + n, recorded is not None)
 
 
 def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | None = None) -> bool:
@@ -194,7 +221,7 @@ def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
   last [m, d], end [m]), the slot layout `core.tree_replay` stores."""
   def node_fn(params, ancestors, nodes):
     ancestors = [ancestors[0]] + [_row_ancestor(a) for a in ancestors[1:]]
-    state, out = _segment(head, merge(graphdef, params), ancestors, nodes.tokens, nodes.mask, chunk, attention)
+    state, out = _segment(head, merge(graphdef, params), ancestors, nodes, chunk, attention)
     per_node = lambda x: jnp.expand_dims(jnp.moveaxis(x, 1, 0), 2)   # [L, m, ...] -> [m, L, 1, ...]
     state["kv"] = {name: _relayout(b, per_node, lambda m: m[:, None]) for name, b in state["kv"].items()}
     if objective is None:
@@ -264,31 +291,50 @@ def naive_batch(batch: GroupBatch):
   return tokens, valid, -shift
 
 
-def _naive_outputs(head, model, tokens, valid, offset, p_pad, chunk) -> SegmentOutputs:
-  """`SegmentOutputs` of the completion part of full left-padded sequences [B, P_pad + T]."""
+def _naive_routes(batch: GroupBatch, completion_routes):
+  """The recorded routes of naive rows [B, P_pad + T, L, k]: the prompt's, left-padded as `naive_batch` lays it out
+  (-1 on padding), then each row's completion's [B, T, L, k]; None where the batch carries none."""
+  if batch.prompt_routes is None:
+    return None
+  p_pad = batch.prompt_ids.shape[0]
+  shift = p_pad - batch.prompt_len
+  prompt = jnp.where((jnp.arange(p_pad) >= shift)[:, None, None], jnp.roll(batch.prompt_routes, shift, axis=0), -1)
+  b = completion_routes.shape[0]
+  return jnp.concatenate([jnp.broadcast_to(prompt, (b,) + prompt.shape), completion_routes], axis=1)
+
+
+def _naive_outputs(head, model, tokens, valid, offset, p_pad, chunk, routes=None) -> SegmentOutputs:
+  """`SegmentOutputs` of the completion part of full left-padded sequences [B, P_pad + T] (recorded routes
+  [B, P_pad + T, L, k] or None, `_naive_routes`)."""
   t = tokens.shape[1] - p_pad
   mask = valid[:, p_pad:]
   end = p_pad - 1 + jnp.sum(mask.astype(jnp.int32), axis=1)   # each row's last real column
-  shifted, last, routes = {}, {}, {}
+  shifted, last, routes, recorded = {}, {}, {}, routes
   for name, trunk in head.trunks(model).items():
-    out = trunk(tokens, offset, valid_bt=valid)
+    out = trunk(tokens, offset, valid_bt=valid, **_routes_kw(head, name, recorded))
     h, routes[name] = out.hidden_btd, out.router
     shifted[name] = h[:, p_pad - 1:p_pad - 1 + t]              # position P+i-1 predicts token i
     last[name] = jnp.take_along_axis(h, end[:, None, None], axis=1)[:, 0]
   outputs = head.outputs(model, shifted, tokens[:, p_pad:], mask, chunk, last)
-  if not _tracks_routes(head):
+  if not (getattr(head, "router_aux_coef", 0.0) > 0 or recorded is not None):   # `_tracks_routes`
     return outputs
-  return _with_router_aux(head, model, outputs, routes["policy"], jnp.sum(valid.astype(jnp.int32), axis=1))
+  return _with_routing(head, model, outputs, routes["policy"], jnp.sum(valid.astype(jnp.int32), axis=1),
+                       recorded is not None)
 
 
 def _check(layout, batch, mesh, head=None):
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-  if head is not None and _tracks_routes(head):
+  if head is not None and getattr(head, "routing_replay", False) and getattr(batch, "prompt_routes", None) is None:
+    raise ValueError(f"routing_replay: the step replays the sampler's recorded routes; this {type(batch).__name__} "
+                     "carries none (GroupBatch.prompt_routes and its completions' routes, `rollout.sampler.Rollouts`)")
+  if head is not None and _tracks_routes(head, batch):
     levels = batch.levels if isinstance(batch, TreeBatch) else ()
+    what = (f"router_aux_coef={head.router_aux_coef}" if getattr(head, "router_aux_coef", 0.0) > 0 else
+            "recorded routes")
     if isinstance(batch, PackedBatch) or (mesh is not None and mesh.shape["seq"] > 1):
-      raise ValueError(f"router_aux_coef={head.router_aux_coef}: the load-balancing loss is built for groups and "
-                       f"trees by level, on one device or a mesh without a seq split; got {type(batch).__name__}"
+      raise ValueError(f"{what}: the routing is followed for groups and trees by level, on one device or a mesh "
+                       f"without a seq split; got {type(batch).__name__}"
                        + ("" if mesh is None else f" on a mesh with seq={mesh.shape['seq']}"))
     if any(level.end_share is None for level in levels):
       raise ValueError(f"router_aux_coef={head.router_aux_coef}: a TreeBatch's nodes need end_share (the share of "
@@ -419,7 +465,7 @@ def _replay_value_and_grad(head, graphdef, params, batch, objective, m, schedule
   trajectories = trajectories or batch.branches.tokens.shape[0]
 
   def branch_fn(p, root, branches):
-    _, out = _segment(head, merge(graphdef, p), [root], branches.tokens, branches.mask, chunk, attention)
+    _, out = _segment(head, merge(graphdef, p), [root], branches, chunk, attention)
     return _losses(head, objective, out, branches, trajectories)
   return replay_vjp(root_fn, branch_fn, params, batch.branches, micro_batch=m,
                     reduce_prefix_cotangent=reduce, vectorized=True)
@@ -444,7 +490,7 @@ def _naive_value_and_grad(head, graphdef, params, batch, objective, m, chunk):
 
   def loss_fn(p, mb):
     tok, val, branches = mb
-    out = _naive_outputs(head, merge(graphdef, p), tok, val, offset, p_pad, chunk)
+    out = _naive_outputs(head, merge(graphdef, p), tok, val, offset, p_pad, chunk, _naive_routes(batch, branches.routes))
     losses, aux = _losses(head, objective, out, branches, g)
     return jnp.sum(losses), aux
 
@@ -461,7 +507,7 @@ def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: st
   and sharded P("data", "branch"). A tree node's outputs are those of every trajectory through it
   (same context). Args and raises as `value_and_grad`.
   """
-  _check(layout, batch, mesh)
+  _check(layout, batch, mesh, head)
   if mesh is not None:
     check_prompt_split(batch.prompt_ids.shape[1], mesh.shape["seq"])
     graph, frozen = _unbind(graphdef)
@@ -476,7 +522,8 @@ def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: st
   if layout == "naive":
     tokens, valid, offset = naive_batch(batch)
     return head.forward_result(_naive_outputs(head, merge(graphdef, params), tokens, valid, offset,
-                                              batch.prompt_ids.shape[0], logprob_chunk))
+                                              batch.prompt_ids.shape[0], logprob_chunk,
+                                              _naive_routes(batch, batch.branches.routes)))
   return _replay_forward(head, graphdef, params, batch, _micro_batch(micro_batch, batch), logprob_chunk,
                          attention=attention)
 
@@ -490,7 +537,7 @@ def _replay_forward(head, graphdef, params, batch, m, logprob_chunk, *, attentio
     return nested_replay_map(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m)
 
   def branch_fn(p, root, branches):
-    _, out = _segment(head, merge(graphdef, p), [root], branches.tokens, branches.mask, logprob_chunk, attention)
+    _, out = _segment(head, merge(graphdef, p), [root], branches, logprob_chunk, attention)
     return head.forward_result(out)
   return replay_map(root_fn, branch_fn, params, batch.branches, micro_batch=m, vectorized=True)
 

@@ -128,11 +128,13 @@ class SegmentOutput(NamedTuple):
   kv: the segment's own keys/values, k, v [L, B, T, Hkv, D] in the compute dtype, valid [B, T].
   hidden_btd: [B, T, d] final hidden states (after the final RMSNorm), compute dtype.
   router: a Qwen3-MoE model's `RouterStats` [B, E] of the segment's real tokens, every layer; else None.
+  experts: a Qwen3-MoE model's experts each token ran, [B, T, L, k] int32 (the sampler records them); else None.
   """
 
   kv: KVBlock
   hidden_btd: jax.Array
   router: RouterStats | None = None   # Qwen3-MoE: its routing per row [B, E] over the layers (`RouterStats`)
+  experts: jax.Array | None = None    # Qwen3-MoE: the experts each token ran per layer [B, T, L, k] int32
 
 
 def segment_positions(offset, b: int, t: int) -> jax.Array:
@@ -224,11 +226,12 @@ def project(p: dict, name: str, spec: str, x, lora_scale: float):
 
 
 def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], own_valid_bt,
-           attention=suffix_attention, lora_scale: float = 0.0):
+           attention=suffix_attention, lora_scale: float = 0.0, routes=None, replay_routes: bool = True):
   """One decoder block (Gemma 3's where config.gemma: the module docstring); `attention` has
   `suffix_attention`'s signature; lora_scale multiplies the adapters' output (alpha / rank) where p
-  holds adapters. Returns (new residual, (k, v, route)): route a Qwen3-MoE layer's `RouterStats` per row [B, E]
-  over own_valid_bt's tokens, else None."""
+  holds adapters; routes, replay_routes: a Qwen3-MoE layer's recorded routes [B, T, k] (`moe_mlp`). Returns (new
+  residual, (k, v, route, experts)): a Qwen3-MoE layer's `RouterStats` per row [B, E] over own_valid_bt's tokens
+  and the experts each token ran [B, T, k] int32, else None, None."""
   dt = x_btd.dtype
   gemma = config.gemma
   norm = lambda x, w: rms_norm(x, w, config.norm_eps, unit_offset=gemma)
@@ -249,27 +252,32 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
   x_btd = x_btd + (norm(out, p["post_attn_norm"]) if gemma else out)
   h = norm(x_btd, p["mlp_norm"])
   if config.moe:
-    out, route = moe_mlp(config, p, h, own_valid_bt)
-    return x_btd + out, (k, v, route)
+    out, route, experts = moe_mlp(config, p, h, own_valid_bt, routes, replay_routes)
+    return x_btd + out, (k, v, route, experts)
   gate = project(p, "w_gate", "btd,df->btf", h, lora_scale)
   up = project(p, "w_up", "btd,df->btf", h, lora_scale)
   act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
   out = project(p, "w_down", "btf,fd->btd", act * up, lora_scale)
   x_btd = x_btd + (norm(out, p["post_mlp_norm"]) if gemma else out)
-  return x_btd, (k, v, None)
+  return x_btd, (k, v, None, None)
 
 
 class RouterStats(NamedTuple):
   """A Qwen3-MoE segment's routing, summed per row over its real tokens and over the layers: counts [B, E] how
-  many (layer, token) pairs chose expert e among their top k (a function of the selection alone: no gradient),
+  many (layer, token) pairs ran expert e among their k (a function of the selection alone: no gradient),
   probs [B, E] the sum of the router's softmax probabilities of e (differentiable), both in the accumulation
   dtype (float32; float64 under x64). What `losses.load_balancing_loss` reads: sums, so a trajectory's are the
-  sums of its segments' (a prefix's once, its continuations' each)."""
+  sums of its segments' (a prefix's once, its continuations' each). With recorded routes (`moe_mlp`'s
+  routes): recorded [B] int32 the (layer, token) pairs that have one, mismatch [B] int32 those whose own top k
+  (the router's choice now) is another set of experts than the recorded one; 0 without. (Integers: no
+  cotangent, so replay carries none for them.)"""
   counts: jax.Array
   probs: jax.Array
+  recorded: jax.Array
+  mismatch: jax.Array
 
 
-def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None):
+def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, replay_routes: bool = True):
   """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities softmax(h
   W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1 with
   norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls (`jax.lax.ragged_dot`):
@@ -277,7 +285,15 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None):
   kernel a token costs its k experts; XLA:CPU lowers it densely over all E). The routing is a function of h
   alone, so a prefix's tokens route the same in replay and in naive rows; the router's gradient flows through
   the selected probabilities (the selection itself is piecewise constant). [B, T, d] -> ([B, T, d] in h's dtype,
-  the `RouterStats` [B, E] of the tokens where valid_bt [B, T] (default: all) is True)."""
+  the `RouterStats` [B, E] of the tokens where valid_bt [B, T] (default: all) is True, the experts each token
+  ran [B, T, k] int32).
+
+  routes: None, or [B, T, k] int32 expert ids the sampler chose for each token at this layer (-1: none
+  recorded, the token routes itself). With replay_routes (routing replay, R3: Ma et al. 2025, arXiv 2510.11370;
+  NeMo-RL #2590) a token with recorded routes runs those experts, weighted by the current router's
+  probabilities of them (renormalised where norm_topk_prob), so the router's gradient flows through the
+  weights as it does through its own choice; without, it runs its own top k and the routes are only compared
+  (`RouterStats.mismatch`)."""
   b, t, d = h_btd.shape
   k, e = config.experts_per_token, config.num_experts
   dt, acc = h_btd.dtype, accum_dtype(h_btd.dtype)
@@ -285,6 +301,15 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None):
   logits = jnp.matmul(x, p["w_router"].astype(dt))
   probs = jax.nn.softmax(logits.astype(acc), axis=-1)
   weights, experts = jax.lax.top_k(probs, k)                                     # [N, k]
+  recorded = mismatch = jnp.zeros((b * t,), jnp.int32)
+  if routes is not None:
+    given = routes.reshape(b * t, k).astype(jnp.int32)
+    has = jnp.all(given >= 0, axis=-1)
+    recorded = has.astype(jnp.int32)
+    mismatch = (has & jnp.any(jnp.sort(given, axis=-1) != jnp.sort(experts, axis=-1), axis=-1)).astype(jnp.int32)
+    if replay_routes:
+      experts = jnp.where(has[:, None], given, experts)
+      weights = jnp.take_along_axis(probs, experts, axis=-1)
   if config.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   flat = experts.reshape(-1)                                                     # [N·k], (token, slot) order
@@ -298,8 +323,20 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None):
   out = out[jnp.argsort(order)].reshape(b * t, k, d)                             # back to (token, slot) order
   real = (jnp.ones((b, t), bool) if valid_bt is None else valid_bt > 0).reshape(b, t, 1)
   chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=1).reshape(b, t, e)   # 1 where e is among the top k
-  route = RouterStats(jnp.sum(jnp.where(real, chosen, 0), axis=1), jnp.sum(jnp.where(real, probs.reshape(b, t, e), 0), axis=1))
-  return jnp.einsum("nkd,nk->nd", out, weights.astype(dt)).reshape(b, t, d), route
+  per_row = lambda x: jnp.sum(jnp.where(real, x.reshape(b, t, -1), 0), axis=1)
+  route = RouterStats(per_row(chosen), per_row(probs), per_row(recorded)[:, 0], per_row(mismatch)[:, 0])
+  return jnp.einsum("nkd,nk->nd", out, weights.astype(dt)).reshape(b, t, d), route, experts.reshape(b, t, k)
+
+
+def _per_layer(config: ModelConfig, routes):
+  """Recorded routes [B, T, L, k] as the layer scan's xs [L, B, T, k] (None stays None; ValueError for a model
+  without experts)."""
+  if routes is None:
+    return None
+  if not config.moe:
+    raise ValueError(f"Llama: routes (recorded expert ids) are a mixture of experts' (arch='qwen3_moe'); "
+                     f"arch={config.arch!r} has no experts")
+  return jnp.moveaxis(jnp.asarray(routes, jnp.int32), 2, 0)
 
 
 def _over_layers(route: RouterStats | None) -> RouterStats | None:
@@ -426,7 +463,8 @@ class Llama(nnx.Module):
     self.lora = None   # models.lora.LoraSpec once models.lora.add_adapters has added adapters
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[KVBlock] = (),
-               valid_bt: jax.Array | None = None, attention=None) -> SegmentOutput:
+               valid_bt: jax.Array | None = None, attention=None, routes=None,
+               replay_routes: bool = True) -> SegmentOutput:
     """Forward of one segment.
 
     Args:
@@ -443,9 +481,12 @@ class Llama(nnx.Module):
       attention: a `suffix_attention`-compatible function replacing the model's own (default:
         `attention_impl`); context parallelism passes the wrappers of `kernels/context_parallel.py`.
         Gemma 3 takes none (ValueError): its layers' windowed attention is its own.
+      routes: Qwen3-MoE only, None or [B, T, L, k] int32 the experts the sampler chose per token and layer
+        (-1: none recorded), run in their place with replay_routes (routing replay), else only compared
+        (`moe_mlp`, `RouterStats.mismatch`).
 
     Returns:
-      SegmentOutput(kv with k, v [L, B, T, Hkv, D], hidden_btd [B, T, d]).
+      SegmentOutput(kv with k, v [L, B, T, Hkv, D], hidden_btd [B, T, d], router: Qwen3-MoE's `RouterStats`).
     """
     cfg = self.config
     b, t = tokens_bt.shape
@@ -461,14 +502,15 @@ class Llama(nnx.Module):
     lora_scale = 0.0 if self.lora is None else self.lora.scale
 
     def layer(p, x, xs):
-      ks, vs, layer_xs = xs
+      ks, vs, layer_xs, layer_routes = xs
       blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, positions)
-      return _layer(cfg, p, x, positions, freq, blocks, valid_bt, attn, lora_scale)
+      return _layer(cfg, p, x, positions, freq, blocks, valid_bt, attn, lora_scale, layer_routes, replay_routes)
 
-    x, (k, v, route) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs()))
+    x, (k, v, route, experts) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs(), _per_layer(cfg, routes)))
     hidden = self._final_norm(x)
-    return SegmentOutput(KVBlock(k, v, valid_bt), hidden, _over_layers(route))
+    experts = None if experts is None else jnp.moveaxis(experts, 0, 2)   # [L, B, T, k] -> [B, T, L, k]
+    return SegmentOutput(KVBlock(k, v, valid_bt), hidden, _over_layers(route), experts)
 
   def _embed(self, tokens_bt):
     """[B, T, d] token embeddings in the compute dtype (Gemma's times sqrt(d), taken in that dtype as
@@ -502,7 +544,8 @@ class Llama(nnx.Module):
     return freqs, windows
 
   def prompt_and_rows(self, prompt_bt: jax.Array, prompt_valid_bt: jax.Array, prompt_last, rows_bt: jax.Array,
-                      rows_offset, rows_valid_bt: jax.Array, *, attention=None) -> tuple[jax.Array, jax.Array]:
+                      rows_offset, rows_valid_bt: jax.Array, *, attention=None, routes=(None, None),
+                      replay_routes: bool = True) -> tuple:
     """Forward of a prompt and B rows that continue it (a group's completions), in ONE layer scan.
 
     Layer l runs the prompt, then the rows on top of the prompt's layer-l K/V (the prompt shared as
@@ -524,6 +567,8 @@ class Llama(nnx.Module):
       rows_valid_bt: [B, T] bool, False on padding.
       attention: a `suffix_attention`-compatible function replacing the model's own (default:
         `attention_impl`).
+      routes, replay_routes: Qwen3-MoE's recorded routes of the prompt [1, P, L, k] and of the rows
+        [B, T, L, k] (each None or int32, `__call__`'s).
 
     Returns:
       (prompt hidden at prompt_last [d], rows hidden [B, T, d], routes): final hidden states (after the final
@@ -540,17 +585,19 @@ class Llama(nnx.Module):
     attention = self._attention(attention)
     lora_scale = 0.0 if self.lora is None else self.lora.scale
 
-    def layer(p, x, layer_xs):
+    def layer(p, x, xs):
       x_prompt, x_rows = x
+      layer_xs, (prompt_routes, rows_routes) = xs
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, prompt_positions)
-      x_prompt, (k, v, prompt_route) = _layer(cfg, p, x_prompt, prompt_positions, freq, (), prompt_valid_bt, attn,
-                                              lora_scale)
+      x_prompt, (k, v, prompt_route, _) = _layer(cfg, p, x_prompt, prompt_positions, freq, (), prompt_valid_bt, attn,
+                                              lora_scale, prompt_routes, replay_routes)
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, rows_positions)
-      x_rows, (_, _, rows_route) = _layer(cfg, p, x_rows, rows_positions, freq, [KVBlock(k, v, prompt_valid_bt)],
-                                          rows_valid_bt, attn, lora_scale)
+      x_rows, (_, _, rows_route, _) = _layer(cfg, p, x_rows, rows_positions, freq, [KVBlock(k, v, prompt_valid_bt)],
+                                          rows_valid_bt, attn, lora_scale, rows_routes, replay_routes)
       return (x_prompt, x_rows), (prompt_route, rows_route)
 
-    (x_prompt, x_rows), routes = self._scan_layers(layer, x, self._layer_xs())
+    xs = (self._layer_xs(), tuple(_per_layer(cfg, r) for r in routes))
+    (x_prompt, x_rows), routes = self._scan_layers(layer, x, xs)
     x_last = jax.lax.dynamic_index_in_dim(x_prompt[0], prompt_last, keepdims=False)
     return self._final_norm(x_last), self._final_norm(x_rows), tuple(_over_layers(r) for r in routes)
 

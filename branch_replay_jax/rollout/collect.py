@@ -53,6 +53,8 @@ class Trajectories:
     None), or None without task.rewards.
   stop_reasons: [G] str, "eos" (a stop id), "stop_string" (rollout.stop_strings) or "length" (the
     token budget: truncated), `sampler.stop_reasons`; None from code that builds Trajectories without.
+  routes, prompt_routes: a Qwen3-MoE group's recorded experts, [G, N, layers, k] and [P, layers, k] int32
+    (`Rollouts.routes`); None for a tree or a model without experts.
   """
   prompt_ids: list
   tokens: np.ndarray | None
@@ -68,6 +70,8 @@ class Trajectories:
   score_s: float
   reward_terms: dict | None = None   # {name: [G] float64} per reward function of task.rewards (NaN: None), or None
   stop_reasons: np.ndarray | None = None
+  routes: np.ndarray | None = None
+  prompt_routes: np.ndarray | None = None
 
 
 def completion_budget(rollout_config) -> int:
@@ -107,7 +111,7 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key, *,
     sampled = sample_tree(model, ids, fanouts=list(r.tree_fanouts), segment_length=r.segment_length, key=key,
                           temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad,
                           stop_table=table, logprob_temperature=logprob_temperature)
-    tree, tokens, logprobs = sampled.tree, None, sampled.logprobs
+    tree, tokens, logprobs, routes = sampled.tree, None, sampled.logprobs, None
     completions = [tree.completion(g) for g in range(len(tree.ends))]
     truncated, reasons = np.asarray(sampled.truncated, bool), sampled.stop_reasons()
   else:
@@ -115,6 +119,7 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key, *,
                       temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad, stop_table=table,
                       logprob_temperature=logprob_temperature)
     tree, tokens, lengths, logprobs = None, np.asarray(ro.tokens), np.asarray(ro.lengths), np.asarray(ro.logprobs)
+    routes = None if ro.routes is None else (np.asarray(ro.routes), np.asarray(ro.prompt_routes))
     completions = [row[:n] for row, n in zip(tokens, lengths)]
     truncated, reasons = np.asarray(ro.truncated, bool), ro.stop_reasons()
   t1 = time.perf_counter()
@@ -124,7 +129,8 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key, *,
   sample = {"data_pos": data_pos, "question": problem.question, "answer": problem.answer, "completion": texts[0]}
   return Trajectories(ids, tokens, logprobs, np.array([len(c) for c in completions]), truncated,
                       np.array([s.reward for s in scores], np.float64), np.array([s.correct for s in scores]),
-                      budget, tree, sample, t1 - t0, t2 - t1, reward_terms(scores) or None, reasons)
+                      budget, tree, sample, t1 - t0, t2 - t1, reward_terms(scores) or None, reasons,
+                      *(routes or (None, None)))
 
 
 @dataclasses.dataclass

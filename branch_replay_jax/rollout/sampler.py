@@ -51,6 +51,10 @@ class Rollouts(NamedTuple):
     tokens); the stop reason, also as `truncated` = ~finished.
   stop_string: [G] bool, True when a stop string (not an EOS id) ended the sample
     (rollout/stop_strings.py); None from code that builds Rollouts without it (read as all False).
+  routes: a Qwen3-MoE model's [G, N, layers, k] int32 experts each generated token ran (recorded when the
+    token is fed: -1 for a token drawn but never fed, the last of a full-length sample or a stop token drawn
+    as the last other sample ended, and after the end);
+    prompt_routes: [P, layers, k] the prompt's, from its one prefill. None for a model without experts.
   """
 
   prompt_ids: jax.Array
@@ -59,6 +63,8 @@ class Rollouts(NamedTuple):
   lengths: jax.Array
   finished: jax.Array
   stop_string: jax.Array | None = None
+  routes: jax.Array | None = None
+  prompt_routes: jax.Array | None = None
 
   @property
   def truncated(self) -> jax.Array:
@@ -102,7 +108,7 @@ def init_cache(model: Llama, batch: int, length: int, context=None) -> KVBlock:
   return KVBlock(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype), jnp.zeros((batch, length), bool))
 
 
-def prefill(model: Llama, prompt_bt: jax.Array, prompt_len) -> tuple[KVBlock, jax.Array]:
+def prefill(model: Llama, prompt_bt: jax.Array, prompt_len, *, with_routes: bool = False) -> tuple:
   """Forward of a right-padded prompt; returns its K/V block and the next-token logits.
 
   Args:
@@ -113,16 +119,19 @@ def prefill(model: Llama, prompt_bt: jax.Array, prompt_len) -> tuple[KVBlock, ja
   Returns:
     kv: k, v [L, B, T, Hkv, D], valid [B, T] (False on the padding).
     logits_bv: [B, V] float32 logits at position P - 1 (they predict the first generated token).
+    with_routes: also the experts each prompt token ran, [B, T, layers, k] int32 (None without experts).
   """
   b, t = prompt_bt.shape
   valid_bt = jnp.broadcast_to(jnp.arange(t) < prompt_len, (b, t))
   out = model(prompt_bt, 0, valid_bt=valid_bt)
   last_b1d = jax.lax.dynamic_slice_in_dim(out.hidden_btd, prompt_len - 1, 1, axis=1)
+  if with_routes:
+    return out.kv, model.logits(last_b1d)[:, 0], out.experts
   return out.kv, model.logits(last_b1d)[:, 0]
 
 
 def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[KVBlock], cache: KVBlock,
-                step) -> tuple[jax.Array, KVBlock]:
+                step) -> tuple:
   """Runs one token per sample on top of `ancestors` and the cache; writes its K/V at `step`.
 
   Args:
@@ -138,6 +147,7 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
     logits_bv: [B, V] float32 next-token logits.
     cache: the cache with this token's K/V at slot `step` and valid[:, step] = True (Qwen3.5's: and the
       linear layers' state after this token, every row's; a finished row's is not read).
+    experts: a Qwen3-MoE model's experts the fed tokens ran, [B, layers, k] int32; None without experts.
   """
   out = model(tokens_b[:, None], offset, ancestors=[*ancestors, cache])
   zero = jnp.zeros((), jnp.int32)
@@ -148,7 +158,7 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
   cache = cache._replace(k=k, v=v, valid=valid)
   if isinstance(cache, HybridState):   # the linear layers' running state: this token's
     cache = cache._replace(conv=out.kv.conv, recurrent=out.kv.recurrent)
-  return model.logits(out.hidden_btd)[:, 0], cache
+  return model.logits(out.hidden_btd)[:, 0], cache, None if out.experts is None else out.experts[:, 0]
 
 
 # Probability mass (float32) by which a cumulative mass may fall short of top_p and still count as
@@ -246,8 +256,9 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     tokens [G, N] int32, logprobs [G, N] in the logits' dtype (float32; float64 for a float64
     model; at logprob_temperature, 0 after the end), lengths [G] int32,
     finished [G] bool (hit a stop id or a stop string), the cache (k, v [L, G, N, Hkv, D]) of the
-    fed tokens, by_string [G] bool (a stop string, not a stop id, ended it) and the final
-    automaton states [G] int32 (0 without stop strings).
+    fed tokens, by_string [G] bool (a stop string, not a stop id, ended it), the final
+    automaton states [G] int32 (0 without stop strings) and, for a Qwen3-MoE model, the experts each fed
+    token ran [G, N, layers, k] int32 (-1 where no token was fed; `Rollouts.routes`), else None.
   """
   g, n = keys_g.shape[0], max_new_tokens
   sample = functools.partial(sample_token, keys_b=keys_g, temperature=temperature, top_p=top_p, greedy=greedy)
@@ -269,16 +280,22 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   state0 = jnp.zeros((g,), jnp.int32) if stop_state is None else jnp.asarray(stop_state, jnp.int32)
   eos, by_string, state = advance(state0, tok, jnp.zeros((g,), bool))
   done = eos | by_string
+  cfg = model.config
+  routes = (jnp.full((g, n, cfg.num_layers, cfg.experts_per_token), -1, jnp.int32) if cfg.moe else None)
   carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n, ancestors[-1]), tokens, logprobs, by_string,
-           state)
+           state, routes)
 
   def cond(c):
     t, _, done, *_ = c
     return (t < n - 1) & ~jnp.all(done)
 
   def body(c):
-    t, tok, done, lengths, cache, tokens, logprobs, by_string, state = c
-    logits, cache = decode_step(model, tok, offset + t, ancestors, cache, t)
+    t, tok, done, lengths, cache, tokens, logprobs, by_string, state, routes = c
+    logits, cache, experts = decode_step(model, tok, offset + t, ancestors, cache, t)
+    if routes is not None:   # token t's routes (-1 where it is padding after the row's end)
+      experts = jnp.where((t >= lengths)[:, None, None], -1, experts)
+      routes = jax.lax.dynamic_update_slice(routes, experts[:, None].astype(jnp.int32), (jnp.int32(0), t, jnp.int32(0),
+                                                                                          jnp.int32(0)))
     new = sample(logits, step=t + 1)
     lp = _picked_logprob(logits, new, tau_lp)
     new, lp = jnp.where(done, pad_id, new), jnp.where(done, 0.0, lp)
@@ -289,22 +306,22 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], start)
     lengths = lengths + (~done).astype(jnp.int32)
     eos, hit, state = advance(state, new, done)
-    return t + 1, new, done | eos | hit, lengths, cache, tokens, logprobs, by_string | hit, state
+    return t + 1, new, done | eos | hit, lengths, cache, tokens, logprobs, by_string | hit, state, routes
 
-  _, _, done, lengths, cache, tokens, logprobs, by_string, state = jax.lax.while_loop(cond, body, carry)
-  return tokens, logprobs, lengths, done, cache, by_string, state
+  _, _, done, lengths, cache, tokens, logprobs, by_string, state, routes = jax.lax.while_loop(cond, body, carry)
+  return tokens, logprobs, lengths, done, cache, by_string, state, routes
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
 def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, stop_next=None,
               logprob_temperature=1.0, *, max_new_tokens, greedy, use_top_p):
   model = nnx.merge(graphdef, state)
-  prompt_kv, logits_1v = prefill(model, prompt_1t, prompt_len)
-  tokens, logprobs, lengths, done, _, by_string, _ = decode_from(
+  prompt_kv, logits_1v, prompt_routes = prefill(model, prompt_1t, prompt_len, with_routes=True)
+  tokens, logprobs, lengths, done, _, by_string, _, routes = decode_from(
       model, [prompt_kv], logits_1v, prompt_len, keys_g, temperature=temperature, top_p=top_p if use_top_p else None,
       eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy, stop_next=stop_next,
       logprob_temperature=logprob_temperature)
-  return tokens, logprobs, lengths, done, by_string
+  return tokens, logprobs, lengths, done, by_string, routes, None if prompt_routes is None else prompt_routes[0]
 
 
 def check_sampling_inputs(caller: str, cfg, prompt: np.ndarray, eos: np.ndarray, *, temperature, top_p,
@@ -412,9 +429,10 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
   padded, eos = bucketed_prompt_and_eos("sample_group", prompt, prompt_bucket, eos)
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
-  tokens, logprobs, lengths, finished, by_string = _generate(
+  tokens, logprobs, lengths, finished, by_string, routes, prompt_routes = _generate(
       graphdef, state, jnp.asarray(padded), jnp.int32(p), jax.random.split(key, num_samples),
       jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.asarray(eos, jnp.int32),
       jnp.int32(pad_id), stop_next, jnp.float32(logprob_temperature), max_new_tokens=max_new_tokens, greedy=greedy,
       use_top_p=top_p < 1 and not greedy)
-  return Rollouts(jnp.asarray(prompt, jnp.int32), tokens, logprobs, lengths, finished, by_string)
+  return Rollouts(jnp.asarray(prompt, jnp.int32), tokens, logprobs, lengths, finished, by_string, routes,
+                  None if prompt_routes is None else prompt_routes[:p])

@@ -109,7 +109,7 @@ def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature
   model = nnx.merge(graphdef, state)
   child_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(node_key, 1), i))(jnp.arange(num_children))
   draw_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(child_keys)
-  tokens, logprobs, lengths, done, cache, by_string, stop_states = decode_from(
+  tokens, logprobs, lengths, done, cache, by_string, stop_states, _ = decode_from(
       model, ancestors, logits_1v, offset, draw_keys, temperature=temperature, top_p=top_p if use_top_p else None,
       eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy, stop_next=stop_next,
       stop_state=jnp.broadcast_to(stop_state, (num_children,)), logprob_temperature=logprob_temperature)
@@ -118,7 +118,7 @@ def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature
     return tokens, logprobs, lengths, flags, child_keys, None, None
   # Rows that stopped early are leaves: their slot and logits here are garbage and never used.
   last = segment_length - 1
-  logits, cache = decode_step(model, tokens[:, last], offset + last, ancestors, cache, last)
+  logits, cache, _ = decode_step(model, tokens[:, last], offset + last, ancestors, cache, last)
   return tokens, logprobs, lengths, flags, child_keys, cache, logits
 
 
