@@ -54,9 +54,9 @@ def arrays_of(group, dtype, seed: int = 1):
                       ref_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
 
 
-def grpo_on_exported(model, tmp_path, monkeypatch, **overrides) -> dict:
-  """One GRPO smoke step (experiments/grpo_smollm2_arith.py:smoke) on `model` exported with SmolLM2's tokenizer
-  as a Hugging Face directory, with the run-time exactness check on and rewards that vary
+def grpo_on_exported(model, tmp_path, monkeypatch, experiment=None, **overrides) -> dict:
+  """One GRPO smoke step (experiments/grpo_smollm2_arith.py:smoke, or `experiment`'s) on `model` exported with
+  SmolLM2's tokenizer as a Hugging Face directory, with the run-time exactness check on and rewards that vary
   (`conftest.length_score`); returns the step's metrics record."""
   from conftest import experiment_config, length_score
   from experiments import grpo_smollm2_arith
@@ -68,7 +68,7 @@ def grpo_on_exported(model, tmp_path, monkeypatch, **overrides) -> dict:
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   assert len(tokenizer) == SMOLLM2_VOCAB == model.config.vocab_size
   model_dir = export_model(model, tokenizer, str(tmp_path / "hf"))
-  (record,) = grpo.train(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
+  (record,) = grpo.train(experiment_config(experiment or grpo_smollm2_arith, "smoke", tmp_path / "run", **{
       "model.name": model_dir, "eval.size": 0, "train.steps": 1, "train.exactness_check_every": 1, **overrides}))
   return record
 

@@ -108,8 +108,10 @@ def validate_layer_kinds(config) -> None:
   (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
   prompt split over mesh.seq (the recurrent state would have to pass between seq devices), LoRA adapters
   (`models.lora` adapts the Llama block), packed trees (the recurrence runs along a row). Mixtures of
-  experts (Qwen3-MoE): the prompt split over mesh.seq (not tested), LoRA adapters, and with loss.router_aux_coef
-  > 0 packed trees (the load-balancing loss is built for trees by level); a model without experts refuses
+  experts (Qwen3-MoE): the prompt split over mesh.seq (not tested), LoRA adapters, with loss.router_aux_coef
+  > 0 or model.routing_replay packed trees (both are built for trees by level), with model.routing_replay
+  episodes whose history is "template" (a rewritten history is not what the sampler fed); a model without
+  experts refuses
   loss.router_aux_coef > 0."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
@@ -129,11 +131,12 @@ def validate_layer_kinds(config) -> None:
     raise ValueError(f"model.routing_replay=True: model.name={m.name!r} has no experts (routing replay replays a "
                      "mixture of experts' routes); set it to False")
   if arch.moe:
-    why = ("rollout.tree_fanouts / rollout.episodes: model.routing_replay records a group's routes only (trees and "
-           "episodes record none yet); use a group rollout" if replay and (
-               config.rollout.get("tree_fanouts") or config.rollout.get("episodes") is not None) else
-           "train.tree_schedule='packed': the load-balancing loss is built for trees by level; use 'depth_first' or "
-           "'level'" if aux and packed else
+    episodes = config.rollout.get("episodes")
+    why = ("rollout.episodes.history='template': model.routing_replay replays the routes of the ids the sampler "
+           "fed, which a rewritten history no longer holds; use history='tokens'" if replay and episodes is not None
+           and episodes.get("history", "tokens") == "template" else
+           f"train.tree_schedule='packed': {'the load-balancing loss' if aux else 'routing replay'} is built for trees "
+           "by level; use 'depth_first' or 'level'" if (aux or replay) and packed else
            f"mesh.seq={config.mesh.seq}: the prompt split over seq is not tested with experts; use mesh.data and "
            "mesh.branch (FSDP splits the experts like every weight)" if seq else
            "lora: adapters are built for the dense Llama block; train the whole model"

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import (GroupBatch, TreeBatch, group_arrays, recorded_routes, trajectory_group_arrays,
-                                            tree_arrays)
+from branch_replay_jax.data.batches import (GroupBatch, TreeBatch, group_arrays, recorded_routes, recorded_tree_routes,
+                                            trajectory_group_arrays, tree_arrays)
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.episodes import (MODEL, episode_group_arrays, episode_tree, episode_tree_arrays,
                                              limit_depth, merge_short, prompt_only_tree, rebase)
@@ -137,8 +137,13 @@ def build(config, raw: Trajectories, model_config, pad_id: int, layout: Layout) 
     padded = pad_tree(tree, pad_id=pad_id)
     naive_arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size,
                                            max_positions=cfg.max_positions, completion_bucket=bucket, **advantage)
+    if raw.routes is not None:   # a Qwen3-MoE sampler's experts per node (node 0: the prompt's), along each path
+      naive_arrays = recorded_routes(naive_arrays, raw.prompt_routes,
+                                     [np.concatenate([raw.routes[m] for m in tree.path(e)[1:]]) for e in tree.ends])
     arrays = naive_arrays if naive else tree_arrays(padded, {**per_node, "weights": tree.node_weights(w),
                                                                 "end_share": tree.end_shares()}, **advantage)
+    if raw.routes is not None and not naive:
+      arrays = recorded_tree_routes(arrays, padded, raw.routes)
     counts = {**tree_counts(tree, cfg), "padding_fraction": padded.padding_fraction}
   else:
     group = group_from_padded(raw.prompt_ids, raw.tokens, lengths, vocab_size=cfg.vocab_size,
@@ -179,6 +184,10 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
   so the loss is the sum over the per-turn rows, each sampled token once. `Group`'s per-episode fields
   (rewards, lengths, truncated) stay per episode.
 
+  A Qwen3-MoE sampler's recorded experts (history "tokens") go with the arrays (`_episode_routes`: per tree
+  node, and along each episode's path for its row), so the step replays them (model.routing_replay) or logs
+  routing_mismatch.
+
   Args:
     model_config: the policy's `ModelConfig` (vocab_size, max_positions, the counts' sizes).
     pad_id: the tokenizer's pad id (padding of the tree's segments and of the rows).
@@ -211,10 +220,15 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
                                       max_positions=cfg.max_positions, pad_id=pad_id,
                                       completion_bucket=bucket_length(longest, minimum=8,
                                                                         per_octave=SEGMENT_BUCKETS_PER_OCTAVE))
+  routes = _episode_routes(raw, episodes, etree) if layout.history == "tokens" else None
+  if routes is not None:   # the naive rows replay each episode's path of the tree's node routes
+    naive_arrays = recorded_routes(naive_arrays, routes[0], etree.along(routes))
   rows = not layout.tree   # the rows: trained naive, or by the group replay step (prompt once)
   arrays = naive_arrays if rows else episode_tree_arrays(
       etree, advantages, w, vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, pad_id=pad_id,
       per_node=None if sampler is None else {"sampler_logp": etree.node_values(sampler)})
+  if routes is not None and not rows:
+    arrays = recorded_tree_routes(arrays, pad_tree(etree.tree, pad_id=pad_id), routes)
   if share == "prompt":   # the counts are those of the replay layout `share` selects, trained naive or not
     real = episodes[0].prompt.size + sum(e.tokens().size for e in episodes)
     padding = 1.0 - real / (naive_arrays.prompt_ids.size + naive_arrays.branches.tokens.size)
@@ -227,6 +241,21 @@ def build_episodes(config, raw: EpisodeTrajectories, model_config, pad_id: int, 
   return Group("group" if rows else "tree", arrays, rewards, raw.correct, lengths, counts,
                {**raw.sample, "reward": float(rewards[0])}, raw.sample_s, raw.score_s, truncated, None,
                None if rows else naive_arrays, in_loss, None, episode_stats=stats)
+
+
+def _episode_routes(raw: EpisodeTrajectories, episodes, etree) -> list | None:
+  """Per node of the episode tree [L_n, layers, k] int32 (node 0: the prompt's), a Qwen3-MoE sampler's recorded
+  experts (`EpisodeSampler.routes`, along the ids each episode's sampler fed: the prompt, then the episode's tokens
+  but its last, which no step fed: -1), a shared node's from the first episode through it (as its sampler
+  log-probs); None without recorded routes. History "tokens" only: one row per episode, the sampler's ids."""
+  if raw.routes is None:
+    return None
+  p = len(raw.prompt_ids)
+  after = []
+  for e, r in zip(episodes, raw.routes):
+    r, n = np.asarray(r, np.int32)[p:], len(e.tokens())
+    after.append(np.concatenate([r[:n], np.full((max(n - len(r), 0),) + r.shape[1:], -1, np.int32)]))
+  return [np.asarray(raw.routes[0], np.int32)[:p]] + etree.node_values(after)[1:]
 
 
 def logprob_temperature(config) -> float:

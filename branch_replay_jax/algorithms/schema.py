@@ -75,7 +75,7 @@ class ModelConfig:
 @_frozen
 class GRPOModelConfig(ModelConfig):
   routing_replay: bool = _f("a mixture of experts' update runs the experts the sampler chose (R3) instead of the "
-                            "router's own top k; groups only", False)
+                            "router's own top k; groups, sampled trees and episodes (history 'tokens'), not packed trees", False)
 
 
 @_frozen

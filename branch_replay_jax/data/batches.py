@@ -110,13 +110,14 @@ class GroupBatch:
 class TreeBatch:
   """A padded rollout tree: the prompt (its root) and one Segments per level d = 1..D.
 
-  prompt_ids, prompt_len: as `GroupBatch`.
+  prompt_ids, prompt_len, prompt_routes: as `GroupBatch` (`recorded_tree_routes` sets the routes).
   levels: tuple of D Segments; level d has L = [F_1..F_d] (slot (i_1..i_d) is child i_d of slot
     (i_1..i_{d-1})) and T = T_d, its segment length; empty slots are all padding.
   """
   prompt_ids: jax.Array
   prompt_len: jax.Array
   levels: tuple
+  prompt_routes: jax.Array | None = None
 
 
 @struct.dataclass
@@ -190,21 +191,44 @@ def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
                     segments(group.completion_ids, group.completion_mask, **fields))
 
 
+def _pad_routes(routes: np.ndarray, n: int) -> np.ndarray:
+  """Recorded routes [N, layers, k] cut or padded to [n, layers, k] with -1 (none recorded)."""
+  return np.concatenate([routes[:n], np.full((max(n - routes.shape[0], 0),) + routes.shape[1:], -1, np.int32)])
+
+
 def recorded_routes(batch: GroupBatch, prompt_routes, routes) -> GroupBatch:
   """`batch` with a sampler's recorded experts (`rollout.sampler.Rollouts`): prompt_routes [P, layers, k] padded
-  to the batch's P_pad and routes [G, N, layers, k] cut or padded to its T, both with -1 (none recorded).
+  to the batch's P_pad and routes, per completion [N_g, layers, k] (an array [G, N, layers, k] or a list of
+  G), cut or padded to its T, both with -1 (none recorded).
 
   Raises:
     ValueError: prompt_routes longer than P_pad or G other than the batch's.
   """
   p_pad, (g, t) = batch.prompt_ids.shape[0], batch.branches.tokens.shape
-  prompt, rows = np.asarray(prompt_routes, np.int32), np.asarray(routes, np.int32)
-  if prompt.shape[0] > p_pad or rows.shape[0] != g:
-    raise ValueError(f"recorded_routes: prompt_routes {prompt.shape} and routes {rows.shape} do not fit a group of "
-                     f"P_pad={p_pad}, G={g}")
-  pad = lambda x, n: np.concatenate([x[:n], np.full((max(n - x.shape[0], 0),) + x.shape[1:], -1, np.int32)])
-  return batch.replace(prompt_routes=jnp.asarray(pad(prompt, p_pad)),
-                       branches=batch.branches.replace(routes=jnp.asarray(np.stack([pad(r, t) for r in rows]))))
+  prompt, rows = np.asarray(prompt_routes, np.int32), [np.asarray(r, np.int32) for r in routes]
+  if prompt.shape[0] > p_pad or len(rows) != g:
+    raise ValueError(f"recorded_routes: prompt_routes {prompt.shape} and routes of {len(rows)} completions do not "
+                     f"fit a group of P_pad={p_pad}, G={g}")
+  return batch.replace(prompt_routes=jnp.asarray(_pad_routes(prompt, p_pad)),
+                       branches=batch.branches.replace(routes=jnp.asarray(np.stack([_pad_routes(r, t) for r in rows]))))
+
+
+def recorded_tree_routes(batch: TreeBatch, padded: PaddedTree, node_routes: Sequence) -> TreeBatch:
+  """`batch` (`tree_arrays(padded, ...)`) with a tree sampler's recorded experts (`TreeRollout.routes`): per node
+  [L_n, layers, k] int32, node 0's the prompt's, padded to P_pad and placed in each level's slots [F.., T_d,
+  layers, k], -1 (none recorded) on padding.
+
+  Raises:
+    ValueError: a node count other than the padded tree's, or a prompt longer than P_pad.
+  """
+  nodes = [np.asarray(r, np.int32) for r in node_routes]
+  count = 1 + max(int(ids.max()) for ids in padded.node_ids)
+  if len(nodes) != count or nodes[0].shape[0] > batch.prompt_ids.shape[0]:
+    raise ValueError(f"recorded_tree_routes: {len(nodes)} nodes' routes (the prompt's {nodes[0].shape[0]} tokens) "
+                     f"do not fit a tree of {count} nodes and P_pad={batch.prompt_ids.shape[0]}")
+  levels = tuple(level.replace(routes=jnp.asarray(padded.place(nodes, d + 1, fill=-1)))
+                 for d, level in enumerate(batch.levels))
+  return batch.replace(prompt_routes=jnp.asarray(_pad_routes(nodes[0], batch.prompt_ids.shape[0])), levels=levels)
 
 
 def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> TreeBatch:
@@ -338,7 +362,7 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
   (Prompts differ in P_pad as well: `distributed.mesh.pad_prompts` pads those.) Every tree is
   padded to the largest D, each level's largest F_1..F_d rounded up to a power of two, its largest
   T_d rounded up to a power of two (>= 8), and the largest G: new slots, token positions and whole
-  levels are empty (token 0, mask False, every other field 0) and new trajectories get weights,
+  levels are empty (token 0, mask False, recorded routes -1, every other field 0) and new trajectories get weights,
   advantage and returns 0. The powers of two bound the step's programs: the step compiles once per
   layout (`gradients.step.compiled_programs`), and a run whose trees change every step meets few
   layouts (a level's T_d takes log2 values, not `SEGMENT_BUCKETS_PER_OCTAVE` per doubling; the
@@ -384,17 +408,21 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
   ref = next(t for t in trees if len(t.levels) == own).levels[-1]   # dtypes of the levels no tree has
 
   def target(name, ndim, d):   # level d + 1's shape of field `name`
+    if name == "routes":   # [.., T_d, layers, k]
+      return tuple(fanouts[:d + 1]) + (lengths[d],) + ref.routes.shape[-2:]
     has_t, has_g = _node_layout(name, ndim, d + 1)
     return tuple(fanouts[:d + 1]) + ((lengths[d],) if has_t else ()) + ((g,) if has_g else ())
+
+  fill = lambda f: -1 if f == "routes" else 0   # recorded routes: -1, none recorded
 
   def pad(t):
     levels = []
     for d in range(depth):
       if d < len(t.levels):
-        fields = {f: jnp.pad(x, [(0, n - s) for s, n in zip(x.shape, target(f, x.ndim, d))])
+        fields = {f: jnp.pad(x, [(0, n - s) for s, n in zip(x.shape, target(f, x.ndim, d))], constant_values=fill(f))
                   for f in names for x in [getattr(t.levels[d], f)]}
       else:   # a level this tree lacks: all padding, dtypes and field ranks from a tree's deepest level
-        fields = {f: jnp.zeros(target(f, getattr(ref, f).ndim - own + d + 1, d), getattr(ref, f).dtype)
+        fields = {f: jnp.full(target(f, getattr(ref, f).ndim - own + d + 1, d), fill(f), getattr(ref, f).dtype)
                   for f in names}
       levels.append(Segments(**fields))
     return t.replace(levels=tuple(levels))
@@ -469,8 +497,13 @@ def pack_trees(trees: Sequence[TreeBatch], *, length: int | None = None) -> list
   Raises:
     ValueError: no trees, something other than a TreeBatch, trees that set different fields, or a
       length shorter than a tree's row.
+
+  A sampler's recorded routes (`recorded_tree_routes`) are left out: the packed row routes itself and logs no
+  routing_mismatch (model.routing_replay with train.tree_schedule = "packed" is refused by the config check).
   """
-  names = _tree_fields("pack_trees", trees)
+  names = tuple(f for f in _tree_fields("pack_trees", trees) if f != "routes")
+  trees = [t.replace(prompt_routes=None, levels=tuple(level.replace(routes=None) for level in t.levels))
+           for t in trees]
   packed = [_pack_one(t) for t in trees]
   longest = max(len(p[0]) for p in packed)
   if length is None:

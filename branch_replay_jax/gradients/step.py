@@ -327,7 +327,8 @@ def _check(layout, batch, mesh, head=None):
     raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
   if head is not None and getattr(head, "routing_replay", False) and getattr(batch, "prompt_routes", None) is None:
     raise ValueError(f"routing_replay: the step replays the sampler's recorded routes; this {type(batch).__name__} "
-                     "carries none (GroupBatch.prompt_routes and its completions' routes, `rollout.sampler.Rollouts`)")
+                     "carries none (a GroupBatch's or TreeBatch's prompt_routes and its rows' routes: "
+                     "`data.batches.recorded_routes`, `recorded_tree_routes`)")
   if head is not None and _tracks_routes(head, batch):
     levels = batch.levels if isinstance(batch, TreeBatch) else ()
     what = (f"router_aux_coef={head.router_aux_coef}" if getattr(head, "router_aux_coef", 0.0) > 0 else
@@ -337,7 +338,7 @@ def _check(layout, batch, mesh, head=None):
                        f"without a seq split; got {type(batch).__name__}"
                        + ("" if mesh is None else f" on a mesh with seq={mesh.shape['seq']}"))
     if any(level.end_share is None for level in levels):
-      raise ValueError(f"router_aux_coef={head.router_aux_coef}: a TreeBatch's nodes need end_share (the share of "
+      raise ValueError(f"{what}: a TreeBatch's nodes need end_share (the share of "
                        "trajectories ending at each node): tree_arrays(padded, {..., 'end_share': "
                        "tree.end_shares()})")
   if isinstance(batch, PackedBatch) and (layout != "replay" or mesh is not None):

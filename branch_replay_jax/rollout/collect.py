@@ -53,8 +53,9 @@ class Trajectories:
     None), or None without task.rewards.
   stop_reasons: [G] str, "eos" (a stop id), "stop_string" (rollout.stop_strings) or "length" (the
     token budget: truncated), `sampler.stop_reasons`; None from code that builds Trajectories without.
-  routes, prompt_routes: a Qwen3-MoE group's recorded experts, [G, N, layers, k] and [P, layers, k] int32
-    (`Rollouts.routes`); None for a tree or a model without experts.
+  routes, prompt_routes: a Qwen3-MoE sampler's recorded experts (-1: none), prompt_routes [P, layers, k] int32
+    and routes a group's [G, N, layers, k] (`Rollouts.routes`) or a tree's per-node list [L_n, layers, k]
+    (node 0's the prompt's, `TreeRollout.routes`); None for a model without experts.
   """
   prompt_ids: list
   tokens: np.ndarray | None
@@ -70,7 +71,7 @@ class Trajectories:
   score_s: float
   reward_terms: dict | None = None   # {name: [G] float64} per reward function of task.rewards (NaN: None), or None
   stop_reasons: np.ndarray | None = None
-  routes: np.ndarray | None = None
+  routes: np.ndarray | list | None = None
   prompt_routes: np.ndarray | None = None
 
 
@@ -111,7 +112,8 @@ def rollout(rollout_config, model, tokenizer, task, data_pos: int, key, *,
     sampled = sample_tree(model, ids, fanouts=list(r.tree_fanouts), segment_length=r.segment_length, key=key,
                           temperature=r.temperature, top_p=r.top_p, eos_ids=stops, pad_id=pad,
                           stop_table=table, logprob_temperature=logprob_temperature)
-    tree, tokens, logprobs, routes = sampled.tree, None, sampled.logprobs, None
+    tree, tokens, logprobs = sampled.tree, None, sampled.logprobs
+    routes = None if sampled.routes is None else (sampled.routes, sampled.routes[0])
     completions = [tree.completion(g) for g in range(len(tree.ends))]
     truncated, reasons = np.asarray(sampled.truncated, bool), sampled.stop_reasons()
   else:
@@ -150,6 +152,8 @@ class EpisodeTrajectories:
   sample_s: seconds of sampling and stepping the environment (the two interleave; score_s is 0).
   logprobs: [G] lists, per model turn, of [n_i] float32 log-probs the sampler drew the turn's tokens
     with (`EpisodeSampler.logprobs`, at `rollout_episodes`' logprob_temperature), or None.
+  routes: a Qwen3-MoE sampler's recorded experts per episode, [N_g, layers, k] int32 along the ids it last fed
+    (the prompt, then the episode's tokens but its last: `EpisodeSampler.routes`), or None.
   """
   prompt_ids: list
   results: list
@@ -160,6 +164,7 @@ class EpisodeTrajectories:
   sample_s: float
   score_s: float = 0.0
   logprobs: list | None = None
+  routes: list | None = None
 
 
 def turn_formats(result: EpisodeResult, tokenizer, tools) -> list[str]:
@@ -195,7 +200,7 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
   samplers = EpisodeSampler.branches(model, ids, r.group_size, key=key, temperature=r.temperature, top_p=r.top_p,
                                      eos_ids=stops, pad_id=tokenizer.pad_token_id or 0,
                                      logprob_temperature=logprob_temperature, history=history)
-  results, correct, formats, logprobs = [], [], [], []
+  results, correct, formats, logprobs, routes = [], [], [], [], []
   tools = getattr(env, "tools", {})
   for sampler in samplers:
     result: EpisodeResult = run_episode(env, problem, data_pos, tokenizer, sampler, max_turns=e.max_turns,
@@ -208,6 +213,7 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
     correct.append(bool(getattr(env, "correct", result.reward > 0)))
     formats.append(turn_formats(result, tokenizer, tools))
     logprobs.append(getattr(sampler, "logprobs", None))   # (a stand-in sampler may record none)
+    routes.append(getattr(sampler, "routes", None))
   first, last = results[0], results[0].rows[-1]   # the first episode's last row: its whole conversation
   shown = list(last.prompt) + last.tokens().tolist()
   shown = shown[len(ids):] if shown[:len(ids)] == list(ids) else shown
@@ -215,4 +221,5 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
             "completion": tokenizer.decode(shown, skip_special_tokens=False), "status": first.status}
   return EpisodeTrajectories(list(ids), results, np.array(correct, bool), formats, completion_budget(r), sample,
                              time.perf_counter() - t0,
-                             logprobs=None if any(lp is None for lp in logprobs) else [list(lp) for lp in logprobs])
+                             logprobs=None if any(lp is None for lp in logprobs) else [list(lp) for lp in logprobs],
+                             routes=None if any(r is None for r in routes) else routes)

@@ -51,23 +51,25 @@ from branch_replay_jax.rollout.sampler import check_sampling_inputs, decode_from
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _extend(graphdef, state, blocks, new_1t, new_len, offset):
-  """K/V of `new_len` right-padded ids at `offset` on top of `blocks`, and the logits [1, V] at the last."""
+  """K/V of `new_len` right-padded ids at `offset` on top of `blocks`, the logits [1, V] at the last, and for a
+  Qwen3-MoE model the experts each id ran [1, T, layers, k] int32 (else None)."""
   model = nnx.merge(graphdef, state)
   valid = jnp.arange(new_1t.shape[1])[None] < new_len
   out = model(new_1t, offset, ancestors=blocks, valid_bt=valid)
   last = jax.lax.dynamic_slice_in_dim(out.hidden_btd, new_len - 1, 1, axis=1)
-  return out.kv, model.logits(last)[:, 0]
+  return out.kv, model.logits(last)[:, 0], out.experts
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
 def _decode(graphdef, state, blocks, logits_1v, offset, key, temperature, top_p, eos_ids, pad_id, logprob_temperature,
             *, max_new_tokens, greedy, use_top_p):
   model = nnx.merge(graphdef, state)
-  # No stop strings in an episode's turns (its turns end at the model's stop ids): the last two
-  # outputs, the stop-string flags and automaton states, are all False / 0.
-  return decode_from(model, blocks, logits_1v, offset, key[None], temperature=temperature,
-                     top_p=top_p if use_top_p else None, eos_ids=eos_ids, pad_id=pad_id,
-                     max_new_tokens=max_new_tokens, greedy=greedy, logprob_temperature=logprob_temperature)[:5]
+  # No stop strings in an episode's turns (its turns end at the model's stop ids): the stop-string flags and
+  # automaton states are all False / 0. The last output: a Qwen3-MoE model's routes of the fed tokens (else None).
+  out = decode_from(model, blocks, logits_1v, offset, key[None], temperature=temperature,
+                    top_p=top_p if use_top_p else None, eos_ids=eos_ids, pad_id=pad_id,
+                    max_new_tokens=max_new_tokens, greedy=greedy, logprob_temperature=logprob_temperature)
+  return (*out[:5], out[7])
 
 
 class EpisodeSampler:
@@ -90,6 +92,9 @@ class EpisodeSampler:
     finished: list per turn of bool, the turn ended with an eos id.
     prefilled: tokens run through a prefill so far (the cost the kept cache saves).
     reprefills: turns whose ids did not extend the ids seen before (history "template").
+    routes: a Qwen3-MoE model's recorded experts of the ids it has seen (`seen`: the prompt, every turn but its
+      last token, the observations), [len(seen), layers, k] int32, each from the prefill or decode step that
+      fed it (`sampler.Rollouts.routes`); None for a model without experts.
 
   Raises:
     ValueError: a history not in `rollout.chat.HISTORIES`, and on a call: ids not extending the ids of
@@ -117,6 +122,7 @@ class EpisodeSampler:
     self.use_top_p = top_p < 1 and not self.greedy
     self.history = history
     self.blocks: list[KVBlock] = []   # K/V of self.seen
+    self.block_routes: list = []      # per block, its ids' recorded experts [n, layers, k] (a mixture of experts')
     self.ends: list[int] = []         # len(self.seen) after each block
     self.seen: list[int] = []
     self.logits = None                # [1, V] after the last id of self.seen, when it was just prefilled
@@ -142,7 +148,15 @@ class EpisodeSampler:
       first._prefill(list(np.asarray(prompt_ids).tolist()))
       for s in samplers[1:]:
         s.blocks, s.ends, s.seen, s.logits = list(first.blocks), list(first.ends), list(first.seen), first.logits
+        s.block_routes = list(first.block_routes)
     return samplers
+
+  @property
+  def routes(self) -> np.ndarray | None:
+    if not self.config.moe:
+      return None
+    empty = np.zeros((0, self.config.num_layers, self.config.experts_per_token), np.int32)
+    return np.concatenate([empty, *self.block_routes])
 
   def _prefill(self, ids: list[int]) -> None:
     new = ids[len(self.seen):]
@@ -153,9 +167,10 @@ class EpisodeSampler:
       raise ValueError(f"EpisodeSampler: ids must lie in [0, {self.config.vocab_size}), got {sorted(set(new))[:8]}")
     padded = np.zeros((1, bucket_length(len(new))), np.int32)
     padded[0, :len(new)] = new
-    kv, self.logits = _extend(self.graphdef, self.state, self.blocks, jnp.asarray(padded), jnp.int32(len(new)),
-                              jnp.int32(len(self.seen)))
+    kv, self.logits, experts = _extend(self.graphdef, self.state, self.blocks, jnp.asarray(padded),
+                                       jnp.int32(len(new)), jnp.int32(len(self.seen)))
     self.blocks.append(kv)
+    self.block_routes.append(None if experts is None else np.asarray(experts[0, :len(new)], np.int32))
     self.seen = list(ids)
     self.ends.append(len(ids))
     self.prefilled += len(new)
@@ -165,7 +180,7 @@ class EpisodeSampler:
     common = next((i for i, (a, b) in enumerate(zip(ids, self.seen)) if a != b), min(len(ids), len(self.seen)))
     keep = sum(end <= common for end in self.ends)   # ends increase: the leading blocks within the prefix
     keep -= bool(keep) and self.ends[keep - 1] == len(ids)   # a prefill needs >= 1 new id (for the logits)
-    self.blocks, self.ends = self.blocks[:keep], self.ends[:keep]
+    self.blocks, self.ends, self.block_routes = self.blocks[:keep], self.ends[:keep], self.block_routes[:keep]
     self.seen, self.logits = self.seen[:self.ends[-1] if keep else 0], None
     self.reprefills += 1
 
@@ -182,7 +197,7 @@ class EpisodeSampler:
       raise ValueError(f"EpisodeSampler: {len(ids)} ids + budget {budget} exceed model.config.max_positions="
                        f"{self.config.max_positions}")
     if not self.keep_cache:
-      self.blocks, self.ends, self.seen, self.logits = [], [], [], None
+      self.blocks, self.ends, self.seen, self.logits, self.block_routes = [], [], [], None, []
     elif ids[:len(self.seen)] != self.seen:
       if self.history != "template":
         raise ValueError(f"EpisodeSampler: ids ({len(ids)} tokens) do not extend the {len(self.seen)} ids of the "
@@ -191,13 +206,14 @@ class EpisodeSampler:
     if len(ids) > len(self.seen) or self.logits is None:
       self._prefill(ids)
     turn_key = jax.random.fold_in(self.key, self.turn)
-    tokens, logprobs, lengths, done, cache = _decode(
+    tokens, logprobs, lengths, done, cache, experts = _decode(
         self.graphdef, self.state, self.blocks, self.logits, jnp.int32(len(ids)), turn_key, **self.scalars,
         max_new_tokens=int(budget), greedy=self.greedy, use_top_p=self.use_top_p)
     n = int(lengths[0])
     sampled = np.asarray(tokens[0, :n]).tolist()
     # The decode cache holds the K/V of the tokens it fed: all but the last sampled one (slots < n - 1).
     self.blocks.append(cache)
+    self.block_routes.append(None if experts is None else np.asarray(experts[0, :n - 1], np.int32))
     self.seen = ids + sampled[:-1]
     self.ends.append(len(self.seen))
     self.logits = None

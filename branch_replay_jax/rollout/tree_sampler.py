@@ -68,12 +68,16 @@ class TreeRollout(NamedTuple):
     without one); the stop reason, also as `truncated` = ~finished.
   stop_string: [G] bool, True where a stop string (not an EOS id) ended trajectory g; None from code
     that builds a TreeRollout without it (read as all False).
+  routes: a Qwen3-MoE model's recorded experts per node, [L_n, layers, k] int32: node 0's the prompt's (from
+    its one prefill), every other node's from the decode steps that fed its tokens (-1 where a token was
+    drawn but never fed: a leaf's last token); None for a model without experts (`sampler.Rollouts.routes`).
   """
 
   tree: RolloutTree
   logprobs: list
   finished: np.ndarray
   stop_string: np.ndarray | None = None
+  routes: list | None = None
 
   def stop_reasons(self) -> np.ndarray:
     """[G] str, per trajectory "eos", "stop_string" or "length" (`sampler.stop_reasons`)."""
@@ -93,7 +97,7 @@ class TreeRollout(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _prefill(graphdef, state, prompt_1t, prompt_len):
-  return prefill(nnx.merge(graphdef, state), prompt_1t, prompt_len)
+  return prefill(nnx.merge(graphdef, state), prompt_1t, prompt_len, with_routes=True)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_children", "segment_length", "greedy", "use_top_p",
@@ -105,21 +109,24 @@ def _expand(graphdef, state, ancestors, logits_1v, offset, node_key, temperature
   grandchildren never share a key. With `feed_last`, also returns the children's K/V [L, F, S, Hkv, D]
   with every slot written, and their next-token logits [F, V]. Every child starts from the node's stop-string
   automaton state `stop_state` (int32 scalar) and returns its own [F] (with the tokens, lengths,
-  done and by_string flags)."""
+  done and by_string flags). A Qwen3-MoE model also returns the experts each fed token ran [F, S, layers, k]
+  (the last token's from the `feed_last` step; -1 where none was fed), else None."""
   model = nnx.merge(graphdef, state)
   child_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(node_key, 1), i))(jnp.arange(num_children))
   draw_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(child_keys)
-  tokens, logprobs, lengths, done, cache, by_string, stop_states, _ = decode_from(
+  tokens, logprobs, lengths, done, cache, by_string, stop_states, routes = decode_from(
       model, ancestors, logits_1v, offset, draw_keys, temperature=temperature, top_p=top_p if use_top_p else None,
       eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=segment_length, greedy=greedy, stop_next=stop_next,
       stop_state=jnp.broadcast_to(stop_state, (num_children,)), logprob_temperature=logprob_temperature)
   flags = (done, by_string, stop_states)
   if not feed_last:
-    return tokens, logprobs, lengths, flags, child_keys, None, None
+    return tokens, logprobs, lengths, flags, child_keys, None, None, routes
   # Rows that stopped early are leaves: their slot and logits here are garbage and never used.
   last = segment_length - 1
-  logits, cache, _ = decode_step(model, tokens[:, last], offset + last, ancestors, cache, last)
-  return tokens, logprobs, lengths, flags, child_keys, cache, logits
+  logits, cache, experts = decode_step(model, tokens[:, last], offset + last, ancestors, cache, last)
+  if routes is not None:   # the last token's experts, where it is the row's (a full segment that gets children)
+    routes = routes.at[:, last].set(jnp.where((lengths > last)[:, None, None], experts.astype(jnp.int32), -1))
+  return tokens, logprobs, lengths, flags, child_keys, cache, logits, routes
 
 
 def _row(kv: KVBlock, i: int) -> KVBlock:
@@ -206,20 +213,24 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
 
   segments, parents, logprobs = [prompt.astype(np.int32)], [-1], [np.zeros((0,), np.float32)]
   ends, finished, by_strings = [], [], []
-  prompt_kv, logits_1v = _prefill(graphdef, state, jnp.asarray(padded), jnp.int32(p))
+  prompt_kv, logits_1v, prompt_routes = _prefill(graphdef, state, jnp.asarray(padded), jnp.int32(p))
+  routes = None if prompt_routes is None else [np.asarray(prompt_routes[0, :p], np.int32)]
 
   def visit(node, depth, ancestors, logits_1v, node_key, offset, stop_state):
     last_level = depth + 1 == len(fanouts)
     seg_len = s_last if last_level else segment_length
-    tokens, lps, lengths, flags, child_keys, kv, next_logits = _expand(
+    tokens, lps, lengths, flags, child_keys, kv, next_logits, node_routes = _expand(
         graphdef, state, ancestors, logits_1v, jnp.int32(offset), node_key, **scalars, stop_state=stop_state,
         **static, num_children=fanouts[depth], segment_length=seg_len, feed_last=not last_level)
     tokens, lps, lengths, done, by_string = (np.asarray(x) for x in (tokens, lps, lengths, *flags[:2]))
+    node_routes = None if node_routes is None else np.asarray(node_routes)
     for i in range(fanouts[depth]):
       child = len(segments)
       segments.append(tokens[i, :lengths[i]])
       parents.append(node)
       logprobs.append(lps[i, :lengths[i]])
+      if routes is not None:
+        routes.append(node_routes[i, :lengths[i]])
       if done[i] or last_level:
         ends.append(child)
         finished.append(bool(done[i]))
@@ -230,4 +241,4 @@ def sample_tree(model: Llama, prompt_ids, *, fanouts: Sequence[int], segment_len
 
   visit(0, 0, [prompt_kv], logits_1v, key, p, jnp.int32(0))
   tree = RolloutTree(tuple(segments), tuple(parents), tuple(ends))
-  return TreeRollout(tree, logprobs, np.asarray(finished, bool), np.asarray(by_strings, bool))
+  return TreeRollout(tree, logprobs, np.asarray(finished, bool), np.asarray(by_strings, bool), routes)
