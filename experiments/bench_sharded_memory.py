@@ -14,6 +14,8 @@ def get_config(arg=None):
   c.remats = "save_kv"                # remat policies of the layer scan (models.llama.REMAT_POLICIES)
   c.dtype = "bfloat16"                # compute dtype; parameters and AdamW state are float32
   c.attention_impl = "xla"            # xla (dense [P, P] scores) or pallas (FlashAttention-2 blocks, interpreted on CPU)
+  c.expert_matmul = "ragged_dot"      # a mixture of experts' grouped matmuls (models.config.EXPERT_MATMULS): ragged_dot
+  #                                   # (dense over every expert on XLA:CPU) or tiled (kernels.grouped_matmul)
   c.mesh = (1, 8, 1)                  # data, branch, seq over 8 fake CPU devices: one group, G over 8
   c.G = 16                            # completions per group
   c.T = 1024                          # completion tokens

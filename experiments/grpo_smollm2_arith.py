@@ -43,8 +43,11 @@ def get_config(arg=None):
   c.model.param_dtype = "float32"         # float32, or bfloat16 (steps see bfloat16 parameters; float32 master)
   c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs), save_kv (inputs + K/V)
   #                                       # or offload_kv (save_kv with the saved arrays in host memory)
-  c.model.routing_replay = False          # a mixture of experts' update runs the sampler's recorded experts (R3); groups
+  c.model.routing_replay = False          # a mixture of experts' update runs the sampler's recorded experts (R3): groups,
+  #                                       # trees, episodes (history "tokens"); not packed trees
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
+  c.model.expert_matmul = "ragged_dot"    # a mixture of experts' grouped matmuls: ragged_dot, or tiled
+  #                                       # (kernels.grouped_matmul: tiles of one expert's rows; any backend)
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.rollout.tasks.TASKS (also gsm_symbolic)

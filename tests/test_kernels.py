@@ -326,3 +326,29 @@ def test_replay_with_pallas_equals_replay_with_xla(impl, head_dim):
   assert abs(float(loss_pallas) - float(loss_xla)) <= 1e-5 * max(1.0, abs(float(loss_xla)))
   np.testing.assert_allclose(logp_pallas, logp_xla, atol=1e-5)
   assert max_rel_err(g_pallas, g_xla) <= 1e-4
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 13, 2), (0, 0, 20, 0), (1, 1, 1, 1)])
+@pytest.mark.parametrize("tile", [1, 4, 32])
+def test_grouped_matmul_in_tiles_equals_ragged_dot_float64(x64, sizes, tile):
+  # Empty groups, a group in one tile or in several with a partial last tile, tiles longer than every group:
+  # each row times its own group's matrix, as ragged_dot computes it, and the same gradients (the rows a
+  # group's last tile overlaps of the next group are computed and dropped; their cotangent is 0).
+  from branch_replay_jax.kernels.grouped_matmul import grouped_matmul
+  rng = np.random.default_rng(sum(sizes) + tile)
+  x = jnp.asarray(rng.normal(size=(sum(sizes), 6)))
+  w = jnp.asarray(rng.normal(size=(len(sizes), 6, 3)))
+  g = jnp.asarray(sizes, jnp.int32)
+  np.testing.assert_allclose(grouped_matmul(x, w, g, tile=tile), jax.lax.ragged_dot(x, w, g), rtol=0, atol=1e-13)
+  grads = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w, g))), argnums=(0, 1))(x, w)
+  for a, b in zip(grads(functools.partial(grouped_matmul, tile=tile)), grads(jax.lax.ragged_dot)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
+
+
+def test_grouped_matmul_refuses_what_it_cannot_multiply():
+  from branch_replay_jax.kernels.grouped_matmul import grouped_matmul
+  x, w = jnp.zeros((4, 6)), jnp.zeros((2, 6, 3))
+  with pytest.raises(ValueError, match="needs x \\[M, d\\], w \\[E, d, f\\], group_sizes \\[E\\]"):
+    grouped_matmul(x, w, jnp.array([4, 0, 0]))
+  with pytest.raises(ValueError, match="tile=0 must be an int >= 1"):
+    grouped_matmul(x, w, jnp.array([4, 0]), tile=0)

@@ -149,11 +149,13 @@ def test_grpo_trains_a_moe_directory_with_routing_replay_and_the_load_balancing_
   # load-balancing loss in both) to float32 rounding; the logged router_aux is the mean over the step's groups of
   # their trajectories' mean loss: between 1 and E = 4 for top-2 routing (2 where uniform); routing_mismatch, the
   # share of recorded (layer, token) pairs the trainer's router would route otherwise: the sampler and the trainer
-  # run the same float32 model here, so few if any (below 5%).
+  # run the same float32 model here, so few if any (below 5%). The experts run in tiles (model.expert_matmul =
+  # "tiled", kernels.grouped_matmul): sampler, update and check alike.
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
                     expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
   record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch,
-                            **{"train.micro_batch": 4, "loss.router_aux_coef": 0.01, "model.routing_replay": True})
+                            **{"train.micro_batch": 4, "loss.router_aux_coef": 0.01, "model.routing_replay": True,
+                               "model.expert_matmul": "tiled"})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
   assert 1.0 < record["router_aux"] < 4.0 and 0.0 <= record["routing_mismatch"] < 0.05
@@ -312,6 +314,10 @@ def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
                          "loss.router_aux_coef=-1.0 must be >= 0")
   refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"model.routing_replay": True},
                          "model.routing_replay=True: model.name=.* has no experts")
+  refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"model.expert_matmul": "tiled"},
+                         "model.expert_matmul='tiled': model.name=.* has no experts")
+  refused_before_loading(tmp_path, FIXTURE, "smoke", {"model.expert_matmul": "dense"},
+                         "model.expert_matmul='dense' is not one of \('ragged_dot', 'tiled'\)")
   from conftest import experiment_config
   from experiments import grpo_smollm2_calc, ppo_smollm2_arith
   from branch_replay_jax.algorithms import grpo, ppo
@@ -716,3 +722,23 @@ def test_episode_trees_replay_the_routes_their_samplers_recorded_float64(model64
     assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))) and max_rel_err(gt, gn) <= 1e-10
     for aux in (at, an):
       assert float(obj.grpo_aux_sums(aux)[2]["routing_mismatch"]) == 0.0
+
+
+def test_tiled_expert_matmuls_equal_ragged_dot_and_replay_stays_exact_float64(model64, x64):
+  # config.expert_matmul = "tiled" (kernels.grouped_matmul, tiles of 128 rows of one expert) is the same function
+  # as ragged_dot: the naive rows' loss and gradient within float64 rounding; replay against naive rows with it
+  # to 1e-10, the router's gradient included.
+  import dataclasses
+  graphdef, params = model64
+  m = nnx.merge(graphdef, params)
+  tiled = build_model(dataclasses.replace(m.config, expert_matmul="tiled"), nnx.to_pure_dict(nnx.state(m, nnx.Param)),
+                      dtype=jnp.float64)
+  tg, tp = nnx.split(tiled)
+  arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
+  l0, _, g0 = step(graphdef, params, arrays, objective, layout="naive")
+  ln, _, gn = step(tg, tp, arrays, objective, layout="naive")
+  lr, _, gr = step(tg, tp, arrays, objective, micro_batch=1, fused=False)
+  assert abs(float(ln) - float(l0)) <= 1e-12 * max(1.0, abs(float(l0))) and max_rel_err(gn, g0) <= 1e-10
+  assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))) and max_rel_err(gr, gn) <= 1e-10
+  with pytest.raises(ValueError, match="ModelConfig.expert_matmul='dense' is not one of"):
+    dataclasses.replace(m.config, expert_matmul="dense")

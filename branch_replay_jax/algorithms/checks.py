@@ -17,6 +17,7 @@ from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import PARAM_MODES
 from branch_replay_jax.gradients.step import PACKED, TREE_SCHEDULES
 from branch_replay_jax.models import lora, tiny_config
+from branch_replay_jax.models.config import EXPERT_MATMULS
 from branch_replay_jax.outputs.checkpoints import check_run_dir_path
 from branch_replay_jax.rollout.chat import HISTORIES
 from branch_replay_jax.rollout.environments import environment_kind
@@ -111,11 +112,16 @@ def validate_layer_kinds(config) -> None:
   experts (Qwen3-MoE): the prompt split over mesh.seq (not tested), LoRA adapters, with loss.router_aux_coef
   > 0 or model.routing_replay packed trees (both are built for trees by level), with model.routing_replay
   episodes whose history is "template" (a rewritten history is not what the sampler fed); a model without
-  experts refuses
-  loss.router_aux_coef > 0."""
+  experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
+  'ragged_dot'."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
   aux = config.loss.get("router_aux_coef", 0.0) if "loss" in config else 0.0   # GRPO's (DPO has no loss section)
+  matmul = m.get("expert_matmul", "ragged_dot")
+  if matmul not in EXPERT_MATMULS:
+    raise ValueError(f"model.expert_matmul={matmul!r} is not one of {EXPERT_MATMULS}")
+  if matmul != "ragged_dot" and (m.name == "tiny" or not architecture(m.name).moe):
+    raise ValueError(f"model.expert_matmul={matmul!r}: model.name={m.name!r} has no experts; leave it 'ragged_dot'")
   if m.name == "tiny" and config.model.get("routing_replay", False):
     raise ValueError("model.routing_replay=True: model.name='tiny' has no experts; set it to False")
   if aux and (m.name == "tiny" or not architecture(m.name).moe):

@@ -41,7 +41,8 @@ def build_model(config):
                   rngs=nnx.Rngs(config.seed))
   else:
     model, tokenizer = load(config.model.name, dtype=dtype, remat=config.model.remat,
-                            attention_impl=config.model.attention_impl)
+                            attention_impl=config.model.attention_impl,
+                            expert_matmul=config.model.get("expert_matmul", "ragged_dot"))
   if config.get("lora") is not None:
     rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(config.seed), 1))
     lora.add_adapters(model, lora_spec(config, model.config), rngs=rngs)

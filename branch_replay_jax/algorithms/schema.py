@@ -70,6 +70,9 @@ class ModelConfig:
   param_dtype: str = _f("parameter dtype the steps see: float32, or bfloat16 (float32 master; grpo, ppo)")
   remat: str = _f("rematerialisation: none, full, save_kv or offload_kv")
   attention_impl: str = _f("suffix attention: xla, pallas, splash or auto (pallas on GPU, splash on TPU)")
+  expert_matmul: str = _f("a mixture of experts' grouped matmuls: ragged_dot (jax.lax.ragged_dot: dense over every "
+                          "expert on XLA:CPU) or tiled (kernels.grouped_matmul: tiles of one expert's rows)",
+                          "ragged_dot")
 
 
 @_frozen

@@ -63,9 +63,10 @@ OBJECTIVE = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, on
 GIB = 2 ** 30
 
 
-def _architecture(name: str):
+def _architecture(name: str, expert_matmul: str = "ragged_dot"):
+  """The named shapes (any P compiles); a mixture of experts' with the given `ModelConfig.expert_matmul`."""
   cfg = tiny_config(vocab_size=256) if name == "tiny" else architecture_shape(name)
-  return dataclasses.replace(cfg, max_positions=1 << 24)   # shapes only: any P compiles
+  return dataclasses.replace(cfg, max_positions=1 << 24, **({"expert_matmul": expert_matmul} if cfg.moe else {}))
 
 
 def _abstract_model(cfg, dtype: str, remat: str, attention_impl: str):
@@ -117,7 +118,7 @@ def loop_config(c, layout: str):
 def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   """Compile the training loop's own mesh step (`grpo.GRPOFunctions.train_step`: the GRPO gradient by
   replay and the clipped AdamW update in one program) once; per-device bytes and the state accounting."""
-  cfg = _architecture(name)
+  cfg = _architecture(name, c.expert_matmul)
   run = loop_config(c, layout)
   graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
   tx = runs.make_optimizer(run)
@@ -139,7 +140,8 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   n = mesh.size
   target = 4 * total_params / n + layer   # params + gradient + AdamW mu, nu: 4 copies, split n ways
   return {"study": "replay", "model": name, "params": layout, "remat": remat, "mesh": "x".join(map(str, c.mesh)),
-          "P": p, "T": c.T, "G": c.G, "dtype": c.dtype, "attention_impl": c.attention_impl, **_memory(compiled),
+          "P": p, "T": c.T, "G": c.G, "dtype": c.dtype, "attention_impl": c.attention_impl,
+          **({"expert_matmul": cfg.expert_matmul} if cfg.moe else {}), **_memory(compiled),
           "state_bytes": state, "grad_bytes": grad, "state_target_bytes": target, "state_ratio": (state + grad) / target,
           "parameter_bytes_total": total_params, "layer_bytes": layer,
           "token_positions_naive": mesh.shape["data"] * c.G * (p + c.T),
@@ -150,7 +152,7 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
 def naive_case(c, name: str, remat: str, p: int) -> dict:
   """One device, one completion of T tokens on a P-token prompt (the naive step's per-scan-step
   footprint), parameters and AdamW state replicated (4 copies of the parameters)."""
-  cfg = _architecture(name)
+  cfg = _architecture(name, c.expert_matmul)
   graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
   batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), _batch(1, 1, p, c.T))
   step = jax.jit(lambda prm, b: value_and_grad(POLICY, graphdef, prm, b, OBJECTIVE, micro_batch=1,
@@ -159,7 +161,7 @@ def naive_case(c, name: str, remat: str, p: int) -> dict:
   mem = _memory(compiled)
   total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
   return {"study": "naive", "model": name, "remat": remat, "P": p, "T": c.T, "dtype": c.dtype,
-          "attention_impl": c.attention_impl, **mem,
+          "attention_impl": c.attention_impl, **({"expert_matmul": cfg.expert_matmul} if cfg.moe else {}), **mem,
           "peak_estimate_bytes": mem["peak_estimate_bytes"] + 2 * total_params,   # + AdamW mu, nu
           "backend": jax.default_backend()}
 

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe")
+EXPERT_MATMULS = ("ragged_dot", "tiled")   # ModelConfig.expert_matmul
 # Attention layer kinds (transformers' `layer_types`): Gemma 3's sliding and full, Qwen3.5's linear and full.
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
@@ -97,6 +98,9 @@ class ModelConfig:
       layer's MLP is `num_experts` SwiGLU experts of width expert_ffn_dim, each token routed to the top
       experts_per_token of softmax(x W_router), their probabilities renormalised to sum 1 when
       norm_topk_prob (`models.llama`, "Mixture of experts" in docs/design.md); ffn_dim is then unused.
+    expert_matmul: how the experts' grouped matmuls lower (a compute choice, not a checkpoint field):
+      "ragged_dot" (`jax.lax.ragged_dot`: a grouped matmul on TPU, dense over every expert on XLA:CPU) or
+      "tiled" (`kernels.grouped_matmul`: tiles of one expert's rows, any backend); one of EXPERT_MATMULS.
 
   `arch="gemma3_text"` also selects Gemma 3's block (Gemma Team 2025, arXiv 2503.19786; transformers'
   `Gemma3DecoderLayer`): RMSNorm scaled by (1 + w), norms after attention and MLP as well as before,
@@ -128,10 +132,13 @@ class ModelConfig:
   experts_per_token: int | None = None
   expert_ffn_dim: int | None = None
   norm_topk_prob: bool = True
+  expert_matmul: str = "ragged_dot"
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
       raise ValueError(f"ModelConfig.arch={self.arch!r} is not supported; expected one of {ARCHITECTURES}")
+    if self.expert_matmul not in EXPERT_MATMULS:
+      raise ValueError(f"ModelConfig.expert_matmul={self.expert_matmul!r} is not one of {EXPERT_MATMULS}")
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
                  "max_positions"):
       value = getattr(self, name)

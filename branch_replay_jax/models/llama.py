@@ -59,11 +59,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from branch_replay_jax.kernels import (GLOBAL_WINDOW, KVBlock, attention_fn, resolve_attention_impl,
                                        suffix_attention, windowed_suffix_attention)
+from branch_replay_jax.kernels.grouped_matmul import grouped_matmul
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelConfig
 
 
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
+EXPERT_TILE = 128   # rows per tile of config.expert_matmul = "tiled" (`kernels.grouped_matmul`)
 
 # Logical axis names of the parameters' dimensions (module docstring); `annotated` refuses others.
 LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel",
@@ -280,9 +282,10 @@ class RouterStats(NamedTuple):
 def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, replay_routes: bool = True):
   """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities softmax(h
   W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1 with
-  norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls (`jax.lax.ragged_dot`):
-  the (token, slot) pairs sorted by expert, each expert's rows one contiguous group (with a grouped-matmul
-  kernel a token costs its k experts; XLA:CPU lowers it densely over all E). The routing is a function of h
+  norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls: the (token, slot) pairs
+  sorted by expert, each expert's rows one contiguous group, by `jax.lax.ragged_dot` (config.expert_matmul
+  "ragged_dot": a grouped matmul on TPU, dense over all E on XLA:CPU) or `kernels.grouped_matmul` ("tiled": tiles
+  of EXPERT_TILE rows of one expert, a token's k experts only, on any backend). The routing is a function of h
   alone, so a prefix's tokens route the same in replay and in naive rows; the router's gradient flows through
   the selected probabilities (the selection itself is piecewise constant). [B, T, d] -> ([B, T, d] in h's dtype,
   the `RouterStats` [B, E] of the tokens where valid_bt [B, T] (default: all) is True, the experts each token
@@ -316,10 +319,12 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
   order = jnp.argsort(flat, stable=True)                                         # sorted by expert
   sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
   rows = x[order // k]
+  grouped = (jax.lax.ragged_dot if config.expert_matmul == "ragged_dot" else
+             functools.partial(grouped_matmul, tile=EXPERT_TILE))
   with jax.named_scope("moe experts"):
-    gate = jax.lax.ragged_dot(rows, p["w_gate"].astype(dt), sizes)
-    up = jax.lax.ragged_dot(rows, p["w_up"].astype(dt), sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"].astype(dt), sizes)   # [N·k, d], sorted
+    gate = grouped(rows, p["w_gate"].astype(dt), sizes)
+    up = grouped(rows, p["w_up"].astype(dt), sizes)
+    out = grouped(jax.nn.silu(gate) * up, p["w_down"].astype(dt), sizes)   # [N·k, d], sorted
   out = out[jnp.argsort(order)].reshape(b * t, k, d)                             # back to (token, slot) order
   real = (jnp.ones((b, t), bool) if valid_bt is None else valid_bt > 0).reshape(b, t, 1)
   chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=1).reshape(b, t, e)   # 1 where e is among the top k

@@ -19,6 +19,7 @@ Nothing is downloaded: names resolve to files already installed.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -154,8 +155,11 @@ def decoder_class(config: ModelConfig) -> type[Llama]:
 
 
 def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: str = "none",
-                attention_impl: str = "xla") -> Llama:
-  """A `Llama` (a `qwen3_5.Qwen35` for Qwen3.5) holding exactly `params` (no random initialisation is run)."""
+                attention_impl: str = "xla", expert_matmul: str = "ragged_dot") -> Llama:
+  """A `Llama` (a `qwen3_5.Qwen35` for Qwen3.5) holding exactly `params` (no random initialisation is run);
+  a mixture of experts' grouped matmuls lowered by `expert_matmul` (`ModelConfig.expert_matmul`)."""
+  if config.moe and expert_matmul != config.expert_matmul:
+    config = dataclasses.replace(config, expert_matmul=expert_matmul)
   cls = decoder_class(config)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(config, dtype=dtype, remat=remat, attention_impl=attention_impl,
                                                         rngs=nnx.Rngs(0))))
@@ -195,7 +199,8 @@ def _load_hf(directory: str, dtype, model_options: dict):
   return model, tokenizer
 
 
-def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla") -> Llama:
+def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla",
+                  expert_matmul: str = "ragged_dot") -> Llama:
   """The decoder of an HF checkpoint directory (config.json + *.safetensors), without its tokenizer (`load`
   reads both). Raises ValueError as `load` does for the weights."""
   config = hf_loader.read_config(directory)
@@ -209,16 +214,17 @@ def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attent
                        f"model.embed_tokens.weight {None if embed is None else embed.shape}")
   if config.hybrid:
     return build_model(config, qwen3_5.params_from_hf(tensors, config, directory), dtype=dtype, remat=remat,
-                       attention_impl=attention_impl)
+                       attention_impl=attention_impl, expert_matmul=expert_matmul)
   globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
                                     layer_prefix=hf_loader.LAYER_PREFIX,
                                     layer_names=hf_loader.layer_names(config.arch, config.num_experts),
                                     source=directory)
   return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat,
-                     attention_impl=attention_impl)
+                     attention_impl=attention_impl, expert_matmul=expert_matmul)
 
 
-def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla"):
+def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla",
+         expert_matmul: str = "ragged_dot"):
   """Load a pretrained decoder and its tokenizer from local files.
 
   Args:
@@ -227,6 +233,7 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none"
       directory with config.json, *.safetensors (f32/f16/bf16) and tokenizer files.
     dtype: compute dtype of the model; parameters are float32 (dequantised exactly).
     remat, attention_impl: passed to `Llama` (rematerialisation policy, suffix-attention kernel).
+    expert_matmul: a mixture of experts' grouped-matmul lowering (`ModelConfig.expert_matmul`); unused otherwise.
 
   Returns:
     (model, tokenizer): a `Llama` and a transformers fast tokenizer (with its chat template).
@@ -237,7 +244,7 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none"
       not fit the embedding. Nothing is loaded partially.
   """
   name = os.fspath(name_or_path)
-  options = {"remat": remat, "attention_impl": attention_impl}
+  options = {"remat": remat, "attention_impl": attention_impl, "expert_matmul": expert_matmul}
   if name == "smollm2-135m-instruct":
     return _load_gguf(smollm2_gguf_path(), dtype, options)
   if os.path.isfile(name) and name.endswith(".gguf"):
