@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import (GroupBatch, TreeBatch, group_arrays, recorded_routes, recorded_tree_routes,
-                                            trajectory_group_arrays, tree_arrays)
+from branch_replay_jax.data.batches import (GroupBatch, TreeBatch, group_arrays, pad_routes, recorded_routes,
+                                            recorded_tree_routes, trajectory_group_arrays, tree_arrays)
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.episodes import (MODEL, episode_group_arrays, episode_tree, episode_tree_arrays,
                                              limit_depth, merge_short, prompt_only_tree, rebase)
@@ -138,8 +138,7 @@ def build(config, raw: Trajectories, model_config, pad_id: int, layout: Layout) 
     naive_arrays = trajectory_group_arrays(tree, per_node, w, vocab_size=cfg.vocab_size,
                                            max_positions=cfg.max_positions, completion_bucket=bucket, **advantage)
     if raw.routes is not None:   # a Qwen3-MoE sampler's experts per node (node 0: the prompt's), along each path
-      naive_arrays = recorded_routes(naive_arrays, raw.prompt_routes,
-                                     [np.concatenate([raw.routes[m] for m in tree.path(e)[1:]]) for e in tree.ends])
+      naive_arrays = recorded_routes(naive_arrays, raw.prompt_routes, tree.along(raw.routes))
     arrays = naive_arrays if naive else tree_arrays(padded, {**per_node, "weights": tree.node_weights(w),
                                                                 "end_share": tree.end_shares()}, **advantage)
     if raw.routes is not None and not naive:
@@ -251,10 +250,7 @@ def _episode_routes(raw: EpisodeTrajectories, episodes, etree) -> list | None:
   if raw.routes is None:
     return None
   p = len(raw.prompt_ids)
-  after = []
-  for e, r in zip(episodes, raw.routes):
-    r, n = np.asarray(r, np.int32)[p:], len(e.tokens())
-    after.append(np.concatenate([r[:n], np.full((max(n - len(r), 0),) + r.shape[1:], -1, np.int32)]))
+  after = [pad_routes(np.asarray(r, np.int32)[p:], len(e.tokens())) for e, r in zip(episodes, raw.routes)]
   return [np.asarray(raw.routes[0], np.int32)[:p]] + etree.node_values(after)[1:]
 
 

@@ -191,7 +191,7 @@ def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
                     segments(group.completion_ids, group.completion_mask, **fields))
 
 
-def _pad_routes(routes: np.ndarray, n: int) -> np.ndarray:
+def pad_routes(routes: np.ndarray, n: int) -> np.ndarray:
   """Recorded routes [N, layers, k] cut or padded to [n, layers, k] with -1 (none recorded)."""
   return np.concatenate([routes[:n], np.full((max(n - routes.shape[0], 0),) + routes.shape[1:], -1, np.int32)])
 
@@ -209,8 +209,8 @@ def recorded_routes(batch: GroupBatch, prompt_routes, routes) -> GroupBatch:
   if prompt.shape[0] > p_pad or len(rows) != g:
     raise ValueError(f"recorded_routes: prompt_routes {prompt.shape} and routes of {len(rows)} completions do not "
                      f"fit a group of P_pad={p_pad}, G={g}")
-  return batch.replace(prompt_routes=jnp.asarray(_pad_routes(prompt, p_pad)),
-                       branches=batch.branches.replace(routes=jnp.asarray(np.stack([_pad_routes(r, t) for r in rows]))))
+  return batch.replace(prompt_routes=jnp.asarray(pad_routes(prompt, p_pad)),
+                       branches=batch.branches.replace(routes=jnp.asarray(np.stack([pad_routes(r, t) for r in rows]))))
 
 
 def recorded_tree_routes(batch: TreeBatch, padded: PaddedTree, node_routes: Sequence) -> TreeBatch:
@@ -228,7 +228,7 @@ def recorded_tree_routes(batch: TreeBatch, padded: PaddedTree, node_routes: Sequ
                      f"do not fit a tree of {count} nodes and P_pad={batch.prompt_ids.shape[0]}")
   levels = tuple(level.replace(routes=jnp.asarray(padded.place(nodes, d + 1, fill=-1)))
                  for d, level in enumerate(batch.levels))
-  return batch.replace(prompt_routes=jnp.asarray(_pad_routes(nodes[0], batch.prompt_ids.shape[0])), levels=levels)
+  return batch.replace(prompt_routes=jnp.asarray(pad_routes(nodes[0], batch.prompt_ids.shape[0])), levels=levels)
 
 
 def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> TreeBatch:

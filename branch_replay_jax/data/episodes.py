@@ -153,7 +153,7 @@ class EpisodeTree:
 
   def along(self, per_node: Sequence) -> list[np.ndarray]:
     """Per episode g, per-node arrays [L_n, ...] concatenated along its path (prompt excluded): [N_g, ...]."""
-    return [np.concatenate([np.asarray(per_node[n]) for n in self.tree.path(e)[1:]]) for e in self.tree.ends]
+    return self.tree.along(per_node)
 
   def node_values(self, per_episode: Sequence) -> list[np.ndarray]:
     """Per node [L_n]: the values of its tokens in the first episode through it, from per_episode[g]

@@ -75,6 +75,10 @@ class RolloutTree:
   def completion(self, g: int) -> np.ndarray:
     return np.concatenate([np.asarray(self.segments[m]) for m in self.path(self.ends[g])[1:]])
 
+  def along(self, per_node: Sequence) -> list[np.ndarray]:
+    """Per trajectory g, per-node arrays [L_n, ...] concatenated along its path (prompt excluded): [N_g, ...]."""
+    return [np.concatenate([np.asarray(per_node[n]) for n in self.path(e)[1:]]) for e in self.ends]
+
   def membership(self) -> np.ndarray:
     """[N, G] bool: node n lies on trajectory g's path."""
     out = np.zeros((self.num_nodes, len(self.ends)), bool)
