@@ -79,11 +79,10 @@ def test_sharded_actor_critic_trees_equal_single_device():
   # devices (trees over data, first-level subtrees over branch; every parameter, the value head
   # included, split). Loss and gradients equal the single-device tree replay of the same padded
   # trees summed over them up to float32 rounding order, and the forward pass, read back per tree
-  # from the stacked layout (ppo.level_to_nodes, ppo.leaf_values: the one-level tree's slots inside
+  # from the stacked layout (PaddedTree.unplace, PaddedTree.slot_values: the one-level tree's slots inside
   # two padded levels), equals the single-device one (~1e-7; a wrong slot would be O(1) off).
   from test_ppo import T_MAX, _objective, _tree_case
 
-  from branch_replay_jax.algorithms import ppo
   from branch_replay_jax.data.batches import pad_trees
   from branch_replay_jax.data.trees import RolloutTree
   rng = np.random.default_rng(0)
@@ -110,11 +109,11 @@ def test_sharded_actor_critic_trees_equal_single_device():
     own = tree_forward(graphdef, params, units[i])
     mine = [jax.tree_util.tree_map(lambda x: x[i], lvl) for lvl in levels]
     for k in ("logp", "values"):
-      got = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [getattr(v, k) for v in mine]), T_MAX)
-      ref = ppo.trajectory_rows(tree, ppo.level_to_nodes(tree, padded.node_ids, [getattr(v, k) for v in own]), T_MAX)
+      got = tree.rows(padded.unplace([getattr(v, k) for v in mine]), T_MAX)
+      ref = tree.rows(padded.unplace([getattr(v, k) for v in own]), T_MAX)
       assert max_rel_err(got, ref) <= 1e-5 and np.abs(ref).max() > 0, k
-    got = ppo.leaf_values(tree, padded.node_ids, [v.next_value for v in mine])
-    assert max_rel_err(got, ppo.leaf_values(tree, padded.node_ids, [v.next_value for v in own])) <= 1e-5
+    got = padded.slot_values([v.next_value for v in mine])[list(tree.ends)]
+    assert max_rel_err(got, padded.slot_values([v.next_value for v in own])[list(tree.ends)]) <= 1e-5
 
 
 def test_pad_groups_pads_with_masked_branches():

@@ -120,7 +120,7 @@ def test_group_replay_equals_naive_for_policy_and_critic(critic, dtype, tol):
 
 def _tree_case(tree, graphdef, params, dtype, seed=0):
   """Tree replay and the naive group of the tree's trajectories with the same per-(token,
-  trajectory) advantages/returns (random rows laid out per node by `ppo.node_columns`)."""
+  trajectory) advantages/returns (random rows laid out per node by `RolloutTree.columns`)."""
   rng = np.random.default_rng(seed)
   g = len(tree.ends)
   per_node = {k: [(-4.0 + 0.3 * rng.normal(size=len(s))) if k == "old_logp" else rng.normal(size=len(s))
@@ -130,7 +130,7 @@ def _tree_case(tree, graphdef, params, dtype, seed=0):
   rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0).astype(dtype) for k in ("advantage", "returns")}
   w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean").astype(dtype)
   nodes = {**per_node, "weights": [x.astype(dtype) for x in tree.node_weights(w)],
-           **{k: ppo.node_columns(tree, v) for k, v in rows.items()}}
+           **{k: tree.columns(v) for k, v in rows.items()}}
   padded = pad_tree(tree)
   tree_arr = tree_arrays(padded, nodes)
   naive_arr = trajectory_group_arrays(tree, per_node, w, vocab_size=64, max_positions=256, completion_bucket=T_MAX,
@@ -158,10 +158,10 @@ def _check_tree(tree, critic, dtype, tol):
   levels = _tree_fwd(graphdef, params, tree_arr)
   naive = _naive_fwd(graphdef, params, naive_arr)
   for k in ("logp", "values"):
-    nodes = ppo.level_to_nodes(tree, padded.node_ids, [getattr(lvl, k) for lvl in levels])
-    assert max_rel_err(ppo.trajectory_rows(tree, nodes, T_MAX), getattr(naive, k)) <= tol, k
+    nodes = padded.unplace([getattr(lvl, k) for lvl in levels])
+    assert max_rel_err(tree.rows(nodes, T_MAX), getattr(naive, k)) <= tol, k
   # V after each trajectory's last token, read at the node it ends at, equals the naive one.
-  leaf = ppo.leaf_values(tree, padded.node_ids, [lvl.next_value for lvl in levels])
+  leaf = padded.slot_values([lvl.next_value for lvl in levels])[list(tree.ends)]
   assert max_rel_err(leaf, naive.next_value) <= tol
 
 
@@ -179,16 +179,35 @@ def test_tree_replay_equals_naive_float32(tree, critic):
   _check_tree(tree, critic, jnp.float32, 1e-4)
 
 
-def test_node_columns_inverts_trajectory_rows():
+def test_tree_columns_invert_its_rows():
   # Trajectories [1, 2, 3] and [1, 2, 4, 5] share node [1, 2]: its column 0 holds row 0's first two
   # values, column 1 row 1's; node [3] only row 0's third value.
   from branch_replay_jax.data.trees import tree_from_trajectories
   tree = tree_from_trajectories([9], [[1, 2, 3], [1, 2, 4, 5]])
   rows = np.array([[10.0, 11.0, 12.0, 0.0], [20.0, 21.0, 22.0, 23.0]])
-  cols = ppo.node_columns(tree, rows)
+  cols = tree.columns(rows)
   assert [c.tolist() for c in cols[1:]] == [[[10.0, 20.0], [11.0, 21.0]], [[12.0, 0.0]], [[0.0, 22.0], [0.0, 23.0]]]
   per_node = [np.zeros(1), np.array([1.0, 2.0]), np.array([3.0]), np.array([4.0, 5.0])]
-  assert ppo.trajectory_rows(tree, per_node, 4).tolist() == [[1, 2, 3, 0], [1, 2, 4, 5]]
+  assert tree.rows(per_node, 4).tolist() == [[1, 2, 3, 0], [1, 2, 4, 5]]
+  with pytest.raises(ValueError, match="width=3"):   # trajectory 1 has 4 tokens
+    tree.rows(per_node, 3)
+
+
+def test_padded_tree_unplace_inverts_place_and_reads_a_larger_layout():
+  # place() scatters per-node values into level slots; unplace() reads them back per node (the root: zeros of
+  # the prompt's length), also from the same levels padded at the end of every axis (a mesh's layout);
+  # slot_values reads one value per slot ([N], root 0).
+  from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
+  tree = tree_from_trajectories([9, 8], [[1, 2, 3], [1, 2, 4, 5], [6]])
+  padded = pad_tree(tree)
+  per_node = [np.arange(len(s), dtype=np.float32) + 10 * n for n, s in enumerate(tree.segments)]
+  levels = [padded.place(per_node, d) for d in range(1, len(padded.tokens) + 1)]
+  back = padded.unplace(levels)
+  assert [b.tolist() for b in back] == [[0.0, 0.0]] + [v.tolist() for v in per_node[1:]]
+  larger = [np.pad(v, [(0, 2)] * v.ndim, constant_values=-7) for v in levels]
+  assert [b.tolist() for b in padded.unplace(larger)] == [b.tolist() for b in back]
+  firsts = [v[..., 0] for v in larger]                  # each slot's first value: 10 n for node n
+  assert padded.slot_values(firsts).tolist() == [0.0] + [10.0 * n for n in range(1, tree.num_nodes)]
 
 
 # ---- the experiment through main's dispatch -------------------------------------------------------

@@ -19,7 +19,7 @@ from test_ppo import T_MAX, actor_critic
 from test_tree_replay import random_trees
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import grpo, loop, ppo
+from branch_replay_jax.algorithms import loop, ppo
 from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.gradients.heads import ACTOR_CRITIC, POLICY
@@ -68,7 +68,7 @@ def _check_ppo(tree):
   mask = np.arange(T_MAX)[None] < tree.completion_lengths()[:, None]
   rows = {k: np.where(mask, rng.normal(size=(g, T_MAX)), 0.0) for k in ("advantage", "returns")}
   w = obj.trajectory_weights(tree.completion_lengths(), mode="group_token_mean", max_length=T_MAX)
-  nodes = {**per_node, "weights": tree.node_weights(w), **{k: ppo.node_columns(tree, v) for k, v in rows.items()}}
+  nodes = {**per_node, "weights": tree.node_weights(w), **{k: tree.columns(v) for k, v in rows.items()}}
   tree_arr = tree_arrays(pad_tree(tree), nodes)
   naive_arr = trajectory_group_arrays(tree, per_node, w, vocab_size=64, max_positions=256, completion_bucket=T_MAX,
                                       **rows)

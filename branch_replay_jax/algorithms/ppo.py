@@ -43,7 +43,7 @@ from branch_replay_jax.algorithms.groups import Group
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.correction import correct, has_sampler_logprobs
 from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
-from branch_replay_jax.data.trees import RolloutTree, pad_tree
+from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
 from branch_replay_jax.gradients.step import forward as step_forward
 from branch_replay_jax.gradients.step import compiled_programs, leaf_siblings, make_train_step
@@ -181,51 +181,6 @@ class PPOFunctions:
     return [jax.tree_util.tree_map(lambda x: x[i], out) for i in range(len(groups))]
 
 
-# Host-side layout of a tree's per-node values along trajectories (and back).
-
-def level_to_nodes(tree: RolloutTree, node_ids: tuple, levels: list) -> list[np.ndarray]:
-  """Per node [L_n] (root: zeros) from per-level slot arrays [F_1..F_d, T_d] (`PaddedTree.node_ids`),
-  or a larger layout padded at the end of each axis (`data.batches.pad_trees`, as on the mesh)."""
-  out = [np.zeros(len(s), np.float32) for s in tree.segments]
-  for ids, values in zip(node_ids, levels):
-    values = np.asarray(values)
-    for slot in zip(*np.nonzero(ids >= 0)):
-      out[ids[slot]] = values[slot][:len(tree.segments[ids[slot]])]
-  return out
-
-
-def trajectory_rows(tree: RolloutTree, per_node: list, width: int) -> np.ndarray:
-  """[G, width]: per-node values [L_n] concatenated along each trajectory's path, 0-padded."""
-  rows = np.zeros((len(tree.ends), width), np.result_type(*per_node))
-  for g, end in enumerate(tree.ends):
-    row = np.concatenate([np.asarray(per_node[m]) for m in tree.path(end)[1:]])
-    rows[g, :len(row)] = row
-  return rows
-
-
-def node_columns(tree: RolloutTree, rows: np.ndarray) -> list[np.ndarray]:
-  """Inverse of `trajectory_rows` per trajectory: per node [L_n, G], row g's values at node n's
-  positions of trajectory g's path where g passes n, else 0."""
-  out = [np.zeros((len(s), len(tree.ends)), rows.dtype) for s in tree.segments]
-  for g, end in enumerate(tree.ends):
-    pos = 0
-    for m in tree.path(end)[1:]:
-      out[m][:, g] = rows[g, pos:pos + len(tree.segments[m])]
-      pos += len(tree.segments[m])
-  return out
-
-
-def leaf_values(tree: RolloutTree, node_ids: tuple, levels: list) -> np.ndarray:
-  """[G]: per trajectory g, the value in the slot of the node it ends at (`tree.ends[g]`), from
-  per-level slot arrays [F_1..F_d] (`PaddedTree.node_ids`), or a larger layout padded at the end
-  of each axis (`data.batches.pad_trees`, as on the mesh)."""
-  per_node = np.zeros(tree.num_nodes, np.result_type(*[np.asarray(v) for v in levels]))
-  for ids, values in zip(node_ids, levels):
-    values = np.asarray(values)[tuple(slice(n) for n in ids.shape)]   # a padded layout: this tree's slots
-    per_node[ids[ids >= 0]] = values[ids >= 0]
-  return per_node[list(tree.ends)]
-
-
 def _old_rows(out, group: Group):
   """(old logp, old values, mask) [G, T] per trajectory, next values [G] (V after each trajectory's
   last token: the state a truncated one bootstraps from) from the group's forward pass `out`
@@ -234,12 +189,11 @@ def _old_rows(out, group: Group):
     return (np.asarray(out.logp), np.asarray(out.values), np.asarray(group.batch.branches.mask),
             np.asarray(out.next_value), None)
   tree, width = group.tree, int(group.lengths.max())
-  ids = pad_tree(tree).node_ids
-  nodes = {k: level_to_nodes(tree, ids, [getattr(lvl, k) for lvl in out]) for k in ("logp", "values")}
+  padded = pad_tree(tree)
+  nodes = {k: padded.unplace([getattr(lvl, k) for lvl in out]) for k in ("logp", "values")}
   mask = np.arange(width)[None] < group.lengths[:, None]
-  next_values = leaf_values(tree, ids, [lvl.next_value for lvl in out])
-  return (trajectory_rows(tree, nodes["logp"], width), trajectory_rows(tree, nodes["values"], width), mask,
-          next_values, nodes)
+  next_values = padded.slot_values([lvl.next_value for lvl in out])[list(tree.ends)]
+  return tree.rows(nodes["logp"], width), tree.rows(nodes["values"], width), mask, next_values, nodes
 
 
 def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
@@ -276,7 +230,7 @@ def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
       continue
     padded = pad_tree(g.tree)
     fields = {"old_logp": nodes["logp"], "old_values": nodes["values"],
-              "advantage": node_columns(g.tree, a.astype(np.float32)), "returns": node_columns(g.tree, r)}
+              "advantage": g.tree.columns(a.astype(np.float32)), "returns": g.tree.columns(r)}
     g.batch = g.batch.replace(levels=tuple(
         level.replace(**{k: jnp.asarray(padded.place(v, d)) for k, v in fields.items()})
         for d, level in enumerate(g.batch.levels, start=1)))

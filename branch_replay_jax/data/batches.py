@@ -267,12 +267,7 @@ def trajectory_group_arrays(tree: RolloutTree, per_node: dict[str, Sequence], tr
   comps = [tree.completion(k) for k in range(g)]
   group = make_group(tree.segments[0], comps, vocab_size=vocab_size, max_positions=max_positions,
                      completion_bucket=completion_bucket)
-  t = group.completion_ids.shape[1]
-
-  def along(values):
-    rows = [np.concatenate([np.asarray(values[m]) for m in tree.path(tree.ends[k])[1:]]) for k in range(g)]
-    return np.stack([np.pad(r, (0, t - len(r))) for r in rows])
-  extras = {k: along(v) for k, v in per_node.items()}
+  extras = {k: tree.rows(v, group.completion_ids.shape[1]) for k, v in per_node.items()}
   extras["weights"] = (group.completion_mask * np.asarray(trajectory_weights)[:, None]).astype(
       np.result_type(np.asarray(trajectory_weights).dtype, np.float32))
   return group_arrays(group, **extras, **shared)

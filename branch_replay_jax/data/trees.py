@@ -79,6 +79,33 @@ class RolloutTree:
     """Per trajectory g, per-node arrays [L_n, ...] concatenated along its path (prompt excluded): [N_g, ...]."""
     return [np.concatenate([np.asarray(per_node[n]) for n in self.path(e)[1:]]) for e in self.ends]
 
+  def rows(self, per_node: Sequence, width: int) -> np.ndarray:
+    """[G, width, ...]: `along`, each trajectory's values 0-padded to `width` (the naive rows' layout).
+
+    Raises:
+      ValueError: a trajectory longer than `width`.
+    """
+    paths = self.along(per_node)
+    if max(len(r) for r in paths) > width:
+      raise ValueError(f"RolloutTree.rows: width={width} is shorter than the longest trajectory "
+                       f"({max(len(r) for r in paths)} tokens)")
+    out = np.zeros((len(paths), width) + paths[0].shape[1:], np.result_type(*paths))
+    for g, r in enumerate(paths):
+      out[g, :len(r)] = r
+    return out
+
+  def columns(self, rows) -> list[np.ndarray]:
+    """Inverse of `rows` per trajectory: per node [L_n, G], row g's values at node n's positions of
+    trajectory g's path where g passes n, else 0 (the root's [L_0, G] is 0)."""
+    rows = np.asarray(rows)
+    out = [np.zeros((len(s), len(self.ends)), rows.dtype) for s in self.segments]
+    for g, end in enumerate(self.ends):
+      pos = 0
+      for m in self.path(end)[1:]:
+        out[m][:, g] = rows[g, pos:pos + len(self.segments[m])]
+        pos += len(self.segments[m])
+    return out
+
   def membership(self) -> np.ndarray:
     """[N, G] bool: node n lies on trajectory g's path."""
     out = np.zeros((self.num_nodes, len(self.ends)), bool)
@@ -172,6 +199,29 @@ class PaddedTree:
     for slot in zip(*np.nonzero(ids >= 0)):
       value = np.asarray(per_node[ids[slot]])
       out[slot][:len(value)] = value
+    return out
+
+
+  def unplace(self, levels: Sequence) -> list[np.ndarray]:
+    """Inverse of `place` over every level: per node [L_n] (the root: zeros [prompt_len]) from per-level
+    slot arrays [F_1..F_d, T_d] (a step's per-level outputs), or from a larger layout padded at the end of
+    each axis (`data.batches.pad_trees`, as on a mesh): this tree's slots come first on every axis."""
+    dtype = np.result_type(*[np.asarray(v).dtype for v in levels])
+    out = [np.zeros(self.prompt_len, dtype)] + [None] * max(int(ids.max()) for ids in self.node_ids)
+    for ids, mask, values in zip(self.node_ids, self.mask, levels):
+      values = np.asarray(values)
+      for slot in zip(*np.nonzero(ids >= 0)):
+        out[ids[slot]] = values[slot][:int(mask[slot].sum())]
+    return out
+
+  def slot_values(self, levels: Sequence) -> np.ndarray:
+    """[N]: per node the value of its slot (the root: 0) from per-level slot arrays [F_1..F_d] (a value per
+    node, such as the critic's value after its last token), or a larger layout padded at the end of each axis."""
+    out = np.zeros(1 + max(int(ids.max()) for ids in self.node_ids),
+                   np.result_type(*[np.asarray(v).dtype for v in levels]))
+    for ids, values in zip(self.node_ids, levels):
+      values = np.asarray(values)[tuple(slice(n) for n in ids.shape)]
+      out[ids[ids >= 0]] = values[ids >= 0]
     return out
 
 
