@@ -54,8 +54,8 @@ def arrays_of(group, dtype, seed: int = 1):
                       ref_logp=(-4.5 + 0.3 * rng.normal(size=(g, t))).astype(dtype))
 
 
-def grpo_on_exported(model, tmp_path, monkeypatch, experiment=None, **overrides) -> dict:
-  """One GRPO smoke step (experiments/grpo_smollm2_arith.py:smoke, or `experiment`'s) on `model` exported with
+def grpo_on_exported(model, tmp_path, monkeypatch, experiment=None, variant: str = "smoke", **overrides) -> dict:
+  """One GRPO smoke step (experiments/grpo_smollm2_arith.py:smoke, or `experiment`'s `variant`) on `model` exported with
   SmolLM2's tokenizer as a Hugging Face directory, with the run-time exactness check on and rewards that vary
   (`conftest.length_score`); returns the step's metrics record."""
   from conftest import experiment_config, length_score
@@ -68,7 +68,7 @@ def grpo_on_exported(model, tmp_path, monkeypatch, experiment=None, **overrides)
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   assert len(tokenizer) == SMOLLM2_VOCAB == model.config.vocab_size
   model_dir = export_model(model, tokenizer, str(tmp_path / "hf"))
-  (record,) = grpo.train(experiment_config(experiment or grpo_smollm2_arith, "smoke", tmp_path / "run", **{
+  (record,) = grpo.train(experiment_config(experiment or grpo_smollm2_arith, variant, tmp_path / "run", **{
       "model.name": model_dir, "eval.size": 0, "train.steps": 1, "train.exactness_check_every": 1, **overrides}))
   return record
 
@@ -84,16 +84,17 @@ def refused_before_loading(tmp_path, fixture: str, variant: str, overrides: dict
                                                                                       **overrides}))
 
 
-def fsdp_step_equals_naive(graphdef, params, groups, head=POLICY) -> None:
-  """Float64: the groups stacked over data x branch = 2 x 2 (4 of the 8 fake devices) with FSDP parameters give
-  the loss and summed gradient of the groups' naive steps (<= 1e-10), both through `head`."""
+def fsdp_step_equals_naive(graphdef, params, groups, head=POLICY, seq: int = 1) -> None:
+  """Float64: the groups stacked over data x branch x seq = 2 x 2 x `seq` (4 or 8 of the 8 fake devices; the
+  prompts split over seq) with FSDP parameters give the loss and summed gradient of the groups' naive steps
+  (<= 1e-10), both through `head`."""
   from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
   naive = jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, layout="naive"))
   outs = [naive(params, a) for a in groups]
   naive_grads = jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs])
-  mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+  mesh = make_mesh(2, 2, seq, devices=jax.devices()[:4 * seq])
   with jax.set_mesh(mesh):
-    batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
+    batch = shard_batch(stack_groups(pad_prompts(groups, seq)), mesh)
     loss, _, grads = jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, mesh=mesh,
                                                          micro_batch=1))(shard_params(params, mesh, "fsdp"), batch)
   assert float(loss) == pytest.approx(float(sum(o[0] for o in outs)), rel=1e-10)

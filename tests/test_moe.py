@@ -141,21 +141,24 @@ def test_moe_fields_are_checked_by_name():
     tiny_config(arch="qwen3_moe", num_experts=4, experts_per_token=2, qk_norm=True)
 
 
-def test_grpo_trains_a_moe_directory_with_routing_replay_and_the_load_balancing_loss(tmp_path, monkeypatch):
+def test_grpo_trains_lora_adapters_of_a_moe_directory_with_routing_replay_and_the_load_balancing_loss(
+    tmp_path, monkeypatch):
   # A random Qwen3-MoE (2 layers, 4 experts, 2 per token) over SmolLM2's tokenizer, exported as a Hugging Face
-  # directory and trained by the GRPO smoke experiment (the fused replay: a group's 4 completions in one step) with
-  # loss.router_aux_coef = 0.01 and model.routing_replay: the sampler records each token's experts, the update runs
-  # them. The run-time exactness check (replay's gradient against naive rows', both replaying the routes, the
-  # load-balancing loss in both) to float32 rounding; the logged router_aux is the mean over the step's groups of
+  # directory and trained by the GRPO LoRA smoke experiment (adapters on the attention, lora.targets; the experts
+  # and router frozen; the fused replay: a group's 4 completions in one step) with loss.router_aux_coef = 0.01 and
+  # model.routing_replay: the sampler records each token's experts, the update runs them. The run-time exactness
+  # check (replay's adapter gradient against naive rows', both replaying the routes, the load-balancing loss in
+  # both) to float32 rounding; the logged router_aux is the mean over the step's groups of
   # their trajectories' mean loss: between 1 and E = 4 for top-2 routing (2 where uniform); routing_mismatch, the
   # share of recorded (layer, token) pairs the trainer's router would route otherwise: the sampler and the trainer
   # run the same float32 model here, so few if any (below 5%). The experts run in tiles (model.expert_matmul =
   # "tiled", kernels.grouped_matmul): sampler, update and check alike.
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
                     expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
-  record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch,
+  from branch_replay_jax.models.lora import ATTENTION_TARGETS
+  record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, variant="lora_smoke",
                             **{"train.micro_batch": 4, "loss.router_aux_coef": 0.01, "model.routing_replay": True,
-                               "model.expert_matmul": "tiled"})
+                               "model.expert_matmul": "tiled", "lora.targets": ATTENTION_TARGETS})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
   assert 1.0 < record["router_aux"] < 4.0 and 0.0 <= record["routing_mismatch"] < 0.05
@@ -177,8 +180,6 @@ def test_grpo_trains_a_moe_tree_with_routing_replay(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("variant,overrides,message", [
-    ("smoke", {"mesh.seq": 8, "rollout.prompts_per_step": 1}, "mesh.seq=8: the prompt split over seq is not tested"),
-    ("lora_smoke", {}, "lora: adapters are built for the dense Llama block"),
     ("smoke", {"loss.router_aux_coef": 0.01, "train.tree_schedule": "packed", "rollout.tree_fanouts": (2, 2)},
      "train.tree_schedule='packed': the load-balancing loss is built for trees by level"),
     ("smoke", {"model.routing_replay": True, "train.tree_schedule": "packed", "rollout.tree_fanouts": (2, 2)},
@@ -186,6 +187,26 @@ def test_grpo_trains_a_moe_tree_with_routing_replay(tmp_path, monkeypatch):
 ])
 def test_a_moe_model_refuses_what_it_does_not_take_before_loading(tmp_path, variant, overrides, message):
   refused_before_loading(tmp_path, FIXTURE, variant, overrides, f"is a mixture of experts \\(Qwen3-MoE\\): {message}")
+
+
+def test_lora_on_a_moe_models_mlp_is_refused_by_target_before_loading(tmp_path):
+  # The LoRA smoke experiment adapts every projection by default; a mixture of experts' MLP is its experts and
+  # router, which take no adapters: lora.targets is named, with the attention's targets to use instead.
+  refused_before_loading(tmp_path, FIXTURE, "lora_smoke", {},
+                         r"lora.targets=.*\['w_gate', 'w_up', 'w_down'\] are a mixture of experts' MLP .*use the "
+                         r"attention's \('wq', 'wk', 'wv', 'wo'\)")
+
+
+def test_a_moe_model_takes_the_prompt_split_over_seq(tmp_path):
+  # The seq split is exact with experts (test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64), so
+  # a MoE experiment on a data x branch x seq mesh with the load-balancing loss and routing replay passes the
+  # model checks (it was refused before the split carried the routes).
+  from conftest import experiment_config
+  from experiments import grpo_smollm2_arith
+  config = experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "run", **{
+      "model.name": FIXTURE, "mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "loss.router_aux_coef": 0.01, "model.routing_replay": True})
+  from branch_replay_jax.algorithms import grpo
+  grpo.validate(config)
 
 
 def test_fsdp_mesh_step_equals_naive_float64(model64):
@@ -317,7 +338,7 @@ def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
   refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"model.expert_matmul": "tiled"},
                          "model.expert_matmul='tiled': model.name=.* has no experts")
   refused_before_loading(tmp_path, FIXTURE, "smoke", {"model.expert_matmul": "dense"},
-                         "model.expert_matmul='dense' is not one of \('ragged_dot', 'tiled'\)")
+                         r"model.expert_matmul='dense' is not one of \('ragged_dot', 'tiled'\)")
   from conftest import experiment_config
   from experiments import grpo_smollm2_calc, ppo_smollm2_arith
   from branch_replay_jax.algorithms import grpo, ppo
@@ -357,7 +378,11 @@ def _recorded_routes(graphdef, params, arrays, rng, flip: float, unrecorded: flo
   return jnp.asarray(prompt), jnp.asarray(routes[:, p_pad:]), flip_mask & recorded[:, :, None], recorded
 
 
-@pytest.mark.parametrize("router_aux_coef", [0.0, 0.5])
+@pytest.mark.parametrize("router_aux_coef", [
+    0.0,
+    # heavy (30 s): CI replays a group's routes with the load-balancing loss in
+    # test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64, a tree's in the ("level", 0.5) tree case.
+    pytest.param(0.5, marks=pytest.mark.heavy)])
 def test_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64, x64, router_aux_coef):
   # The sampler's routes replayed: 30% of the (layer, token) pairs recorded with another expert (the prompt's
   # too: replay runs them once, naive rows once per row), 20% of the completion tokens unrecorded (they route
@@ -431,11 +456,12 @@ def test_the_sampler_records_the_routes_the_trainer_computes_float64(model64, x6
     assert (np.asarray(out.routes[g, fed:]) == -1).all()
 
 
-def test_fsdp_mesh_step_with_routing_replay_equals_naive_float64(model64):
-  # Two groups over data x branch = 2 x 2 with FSDP parameters, each with recorded routes (30% of the pairs
-  # otherwise than the router would choose, 20% of the completion tokens unrecorded), replayed with the
-  # load-balancing loss: the prompt's routes (padded to the stacked P_pad with -1) replayed once per device,
-  # the completions' split over branch: the summed gradient equals the two naive groups'.
+def test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64(model64):
+  # Two groups over data x branch x seq = 2 x 2 x 2 with FSDP parameters, each with recorded routes (30% of the
+  # pairs otherwise than the router would choose, 20% of the completion tokens unrecorded), replayed with the
+  # load-balancing loss: the prompt and its routes (padded to the stacked P_pad with -1) split over seq, each
+  # chunk's routing sums added over seq (a wrong or missing sum moves the auxiliary loss), the completions'
+  # routes split over branch: the loss and summed gradient equal the two naive groups'.
   from branch_replay_jax.gradients.heads import Policy
   graphdef, params = model64
   with jax.enable_x64(True):
@@ -445,7 +471,7 @@ def test_fsdp_mesh_step_with_routing_replay_equals_naive_float64(model64):
       prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
                                                      unrecorded=0.2)
       groups.append(arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes)))
-    fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True))
+    fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True), seq=2)
 
 
 def _own_node_routes(model, tree) -> list:
@@ -546,35 +572,64 @@ def test_tree_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64,
   assert want > 0.05 and abs(losses[True] - losses[False]) > 1e-6
 
 
-def test_padded_trees_keep_their_routes_unrecorded_on_the_padding_float64(model64, x64):
-  # pad_trees (a mesh step's and the one-device stacked step's level layout) gives new slots and positions the
-  # routes -1 (none recorded), so the padded tree replays the same routes: its loss, gradient and routing_mismatch
-  # equal the unpadded tree's.
-  from branch_replay_jax.data.batches import pad_trees, recorded_tree_routes
-  from branch_replay_jax.gradients.heads import Policy
-  from branch_replay_jax.gradients.step import value_and_grad
-  graphdef, params = model64
-  rng = np.random.default_rng(12)
-  tree, routes, _ = _tree_with_recorded_routes(nnx.merge(graphdef, params), rng, flip=0.3, unrecorded=0.2)
+def _padded_tree_cases(model, rng):
+  """(a tree's TreeBatch with recorded routes (`_tree_with_recorded_routes`), a layout builder: fan-outs and a
+  segment length -> another tree's TreeBatch with routes, the layout the first is padded to)."""
+  from branch_replay_jax.data.batches import recorded_tree_routes
+  tree, routes, _ = _tree_with_recorded_routes(model, rng, flip=0.3, unrecorded=0.2)
   w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
   old = [np.zeros(len(s)) for s in tree.segments]
   padded = pad_tree(tree)
   per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": old, "end_share": tree.end_shares()}
   nodes = recorded_tree_routes(tree_arrays(padded, per_node, advantage=rng.normal(size=len(tree.ends))), padded,
                                routes)
-  # a larger tree (3 first-level nodes, depth 3, longer segments) sets the layout the first is padded to
   seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
-  first, second, third = [seg(30 + a, 9) for a in range(3)], [seg(40 + b, 9) for b in range(2)], [[50], [51]]
-  big = tree_from_trajectories(list(rng.integers(3, 96, 9)), [first[a] + second[b] + third[c]
-                                                              for a in range(3) for b in range(2) for c in range(2)])
-  big_padded = pad_tree(big)
-  bigger = recorded_tree_routes(tree_arrays(big_padded, {k: [np.zeros(len(s)) for s in big.segments] if k != "weights"
-                                                         else list(big.node_weights(np.ones(12))) for k in per_node},
-                                            advantage=np.zeros(12)), big_padded,
-                                _own_node_routes(nnx.merge(graphdef, params), big))
-  out = pad_trees([nodes, bigger])[0]
-  assert [lvl.routes.shape[:-2] for lvl in out.levels] == [lvl.tokens.shape for lvl in out.levels]
-  assert (np.asarray(out.levels[2].routes) == -1).all()
+
+  def layout(fanouts, length):
+    paths = [[]]
+    for d, f in enumerate(fanouts):
+      paths = [p + seg(30 + 10 * d + a, length) for p in paths for a in range(f)]
+    big = tree_from_trajectories(list(rng.integers(3, 96, 9)), paths)
+    big_padded, g = pad_tree(big), len(big.ends)
+    fields = {k: [np.zeros(len(s)) for s in big.segments] for k in per_node if k != "weights"}
+    arrays = tree_arrays(big_padded, {**fields, "weights": list(big.node_weights(np.ones(g)))}, advantage=np.zeros(g))
+    shape = (model.config.num_layers, model.config.experts_per_token)
+    return recorded_tree_routes(arrays, big_padded, [np.zeros((len(s),) + shape, np.int32) for s in big.segments])
+  return nodes, layout
+
+
+def test_pad_trees_keeps_a_trees_routes_and_records_none_on_the_padding(model):
+  # pad_trees (a mesh step's and the one-device stacked step's level layout) keeps the tree's own routes in their
+  # slots and gives every new slot, position and level -1 (none recorded): a padded token is never fed, so a
+  # route there would count in no mismatch and replay nothing.
+  from branch_replay_jax.data.batches import pad_trees
+  nodes, layout = _padded_tree_cases(model, np.random.default_rng(12))
+  deep = pad_trees([nodes, layout((3, 2, 2), 9)])[0]          # one level more
+  assert [lvl.routes.shape[:-2] for lvl in deep.levels] == [lvl.tokens.shape for lvl in deep.levels]
+  assert (np.asarray(deep.levels[2].routes) == -1).all()
+  wide = pad_trees([nodes, layout((3, 2), 11)])[0]            # more slots and longer segments at each level
+  for own, lvl in zip(nodes.levels, wide.levels):
+    got, mine = np.array(lvl.routes), np.asarray(own.routes)
+    assert got.shape[:-2] == lvl.tokens.shape and got.shape != mine.shape
+    inside = tuple(slice(n) for n in mine.shape)
+    np.testing.assert_array_equal(got[inside], mine)
+    got[inside] = -1
+    assert (got == -1).all()
+
+
+# heavy (15 s alone, 35 s in CI: two level-schedule compiles): CI runs the padded layout against naive rows with
+# recorded routes in test_grpo_trains_a_moe_tree_with_routing_replay (the loop stacks its trees with pad_trees and
+# its exactness check compares them with the naive rows), and the padding itself in the test above.
+@pytest.mark.heavy
+def test_padded_trees_replay_as_the_unpadded_tree_float64(model64, x64):
+  # The tree padded onto a wider layout (3 first-level nodes, longer segments) replays its routes as unpadded:
+  # loss, gradient and routing_mismatch equal.
+  from branch_replay_jax.data.batches import pad_trees
+  from branch_replay_jax.gradients.heads import Policy
+  from branch_replay_jax.gradients.step import value_and_grad
+  graphdef, params = model64
+  nodes, layout = _padded_tree_cases(nnx.merge(graphdef, params), np.random.default_rng(12))
+  out = pad_trees([nodes, layout((3, 2), 11)])[0]
   run = jax.jit(lambda p, b: value_and_grad(Policy(routing_replay=True), graphdef, p, b, objective,
                                              schedule="level", micro_batch=None))
   (l0, a0, g0), (l1, a1, g1) = run(params, nodes), run(params, out)
@@ -722,6 +777,43 @@ def test_episode_trees_replay_the_routes_their_samplers_recorded_float64(model64
     assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))) and max_rel_err(gt, gn) <= 1e-10
     for aux in (at, an):
       assert float(obj.grpo_aux_sums(aux)[2]["routing_mismatch"]) == 0.0
+
+
+def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64(model64, x64):
+  # LoRA adapters (rank 3, random B so they change every projection) on a mixture of experts' attention, the
+  # experts and router frozen in the base: a group with recorded routes (30% flipped, 20% unrecorded) replayed
+  # with the load-balancing loss. Replay (fused and one completion per micro-batch) equals naive rows to float64
+  # rounding; only the adapters are differentiated, and each of them gets a gradient (the load-balancing loss's
+  # reaches the attention through the router probabilities of the layers above). The MLP's names are refused.
+  from branch_replay_jax.gradients.heads import Policy
+  from branch_replay_jax.gradients.step import value_and_grad
+  from branch_replay_jax.models import lora
+  graphdef, params = model64
+  model = nnx.merge(graphdef, params)
+  spec = lora.LoraSpec(rank=3, alpha=6.0, targets=lora.ATTENTION_TARGETS)
+  lora.add_adapters(model, spec, rngs=nnx.Rngs(1))
+  for i, t in enumerate(spec.targets):
+    b = getattr(model.layers, t + "_lora_b")
+    b[...] = 0.2 * jax.random.normal(jax.random.key(100 + i), b.shape, b.dtype)
+  lgraph, adapters, base = lora.split(model)
+  adapters = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), adapters)   # add_adapters makes float32
+  arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
+  prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.3,
+                                                 unrecorded=0.2)
+  batch = arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes))
+  head = Policy(router_aux_coef=0.5, routing_replay=True)
+  run = jax.jit(lambda a, b, bt, layout, m, fused: value_and_grad(head, lora.WithBase(lgraph, b), a, bt, objective,
+                                                                    layout=layout, micro_batch=m, fused=fused),
+                static_argnums=(3, 4, 5))
+  ln, _, gn = run(adapters, base, batch, "naive", None, None)
+  assert jax.tree_util.tree_structure(gn) == jax.tree_util.tree_structure(adapters)
+  assert min(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-8
+  for m, fused in ((1, False), (None, True)):
+    lr, _, gr = run(adapters, base, batch, "replay", m, fused)
+    assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+    assert max_rel_err(gr, gn) <= 1e-10
+  with pytest.raises(ValueError, match=r"lora.targets=.*\['w_up'\] are a mixture of experts' MLP"):
+    lora.check_spec(3, 6.0, ("wq", "w_up"), model.config)
 
 
 def test_tiled_expert_matmuls_equal_ragged_dot_and_replay_stays_exact_float64(model64, x64):

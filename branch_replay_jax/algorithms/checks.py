@@ -109,9 +109,9 @@ def validate_layer_kinds(config) -> None:
   (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
   prompt split over mesh.seq (the recurrent state would have to pass between seq devices), LoRA adapters
   (`models.lora` adapts the Llama block), packed trees (the recurrence runs along a row). Mixtures of
-  experts (Qwen3-MoE): the prompt split over mesh.seq (not tested), LoRA adapters, with loss.router_aux_coef
-  > 0 or model.routing_replay packed trees (both are built for trees by level), with model.routing_replay
-  episodes whose history is "template" (a rewritten history is not what the sampler fed); a model without
+  experts (Qwen3-MoE): with loss.router_aux_coef > 0 or model.routing_replay packed trees (both are built for
+  trees by level), with model.routing_replay episodes whose history is "template" (a rewritten history is not
+  what the sampler fed); LoRA on their MLP (`models.lora.check_spec`, lora.targets). A model without
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
   'ragged_dot'."""
   from branch_replay_jax.models.loading import architecture
@@ -142,11 +142,7 @@ def validate_layer_kinds(config) -> None:
            "fed, which a rewritten history no longer holds; use history='tokens'" if replay and episodes is not None
            and episodes.get("history", "tokens") == "template" else
            f"train.tree_schedule='packed': {'the load-balancing loss' if aux else 'routing replay'} is built for trees "
-           "by level; use 'depth_first' or 'level'" if (aux or replay) and packed else
-           f"mesh.seq={config.mesh.seq}: the prompt split over seq is not tested with experts; use mesh.data and "
-           "mesh.branch (FSDP splits the experts like every weight)" if seq else
-           "lora: adapters are built for the dense Llama block; train the whole model"
-           if config.get("lora") is not None else None)
+           "by level; use 'depth_first' or 'level'" if (aux or replay) and packed else None)
     if why:
       raise ValueError(f"model.name={m.name!r} is a mixture of experts (Qwen3-MoE): {why}")
   if arch.hybrid:

@@ -155,7 +155,8 @@ def pad_groups(groups: list[GroupBatch], mesh=None) -> tuple[list[GroupBatch], n
 
 
 def batch_specs(batch: GroupBatch | TreeBatch, mesh):
-  """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] P("data", "seq"); completions
+  """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] and prompt_routes [B, P_pad, layers, k]
+  P("data", "seq"); completions
   (branches [B, G, ...]) and tree levels (levels [B, F_1, ...]) P("data", "branch"); the rest P("data").
 
   Raises:
@@ -165,8 +166,8 @@ def batch_specs(batch: GroupBatch | TreeBatch, mesh):
     keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
     if "branches" in keys or "levels" in keys:
       name, s = "branches" if "branches" in keys else "levels", P("data", "branch")
-    elif "prompt_ids" in keys:
-      name, s = "prompt_ids", P("data", "seq")
+    elif "prompt_ids" in keys or "prompt_routes" in keys:
+      name, s = keys[-1], P("data", "seq")
     else:
       name, s = keys[-1], P("data")
     for dim, axis in enumerate(s):

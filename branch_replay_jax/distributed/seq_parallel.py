@@ -46,24 +46,28 @@ def prompt_attention(attention_impl: str, axis: str = "seq"):
   return prompt_chunk_attention(attention_fn(attention_impl), axis)
 
 
-def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq"):
-  """(the local chunk's KVBlock, last hidden [d] of the prompt, on every device of `axis`): one
-  model's (a Llama's) forward of this device's prompt chunk batch.prompt_ids [C]."""
+def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq", **routes):
+  """(the local chunk's KVBlock, last hidden [d] of the prompt, the prompt's `RouterStats` [1, E] or None), the
+  last two on every device of `axis`: one model's (a Llama's) forward of this device's prompt chunk
+  batch.prompt_ids [C]. `routes` (a mixture of experts': routes [1, C, layers, k], this chunk's recorded
+  experts, and replay_routes) go to the model; its per-row routing sums are summed over `axis`, so every
+  device holds the whole prompt's (a token routes alone: the chunks' sums add up to the whole prompt's)."""
   chunk = batch.prompt_ids                      # this device's [C] tokens
   c = chunk.shape[0]
   start = jax.lax.axis_index(axis) * c
   valid = start + jnp.arange(c) < batch.prompt_len
   attention = prompt_attention(model.attention_impl, axis)
-  out = model(chunk[None], start, valid_bt=valid[None], attention=attention)
+  out = model(chunk[None], start, valid_bt=valid[None], attention=attention, **routes)
   local = batch.prompt_len - 1 - start          # the last prompt token's index in this chunk
   owner = (local >= 0) & (local < c)
   last = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], jnp.clip(local, 0, c - 1), keepdims=False)
-  return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis)
+  router = None if out.router is None else jax.tree_util.tree_map(lambda x: jax.lax.psum(x, axis), out.router)
+  return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis), router
 
 
 def prompt_split(attention_impl: str, batch: GroupBatch, *, axis: str = "seq") -> dict:
   """{"prompt_fn", "attention"} for `gradients.step`'s replay when batch.prompt_ids is this device's
-  prompt chunk [C] over `axis`: prompt_fn(trunk) is each trunk's `chunk_prompt_forward`, and the
+  prompt chunk [C] over `axis`: prompt_fn(trunk, **routes) is each trunk's `chunk_prompt_forward`, and the
   completions' (tree nodes') attention runs over the sharded prompt K/V, merged by log-sum-exp
   (`over_sharded_prompt` of the `attention_impl` kernel).
 
@@ -73,4 +77,5 @@ def prompt_split(attention_impl: str, batch: GroupBatch, *, axis: str = "seq") -
   device computes the whole loss).
   """
   attention = over_sharded_prompt(attention_fn(attention_impl), axis)
-  return {"prompt_fn": lambda trunk: chunk_prompt_forward(trunk, batch, axis), "attention": attention}
+  return {"prompt_fn": lambda trunk, **routes: chunk_prompt_forward(trunk, batch, axis, **routes),
+          "attention": attention}

@@ -119,22 +119,23 @@ def _losses(head, objective, out: SegmentOutputs, rows, trajectories: int):
 
 
 def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
-  """The prompt's state for its children. prompt_fn(trunk) -> (K/V, last real hidden state [d])
-  replaces each trunk's whole-prompt forward (context parallelism: `seq_parallel.prompt_split`).
-  Following the routing (`_tracks_routes`), "router": the prompt's `RouterStats` [E]."""
+  """The prompt's state for its children. prompt_fn(trunk, **routes) -> (K/V, last real hidden state [d],
+  `RouterStats` [1, E] or None) replaces each trunk's whole-prompt forward (context parallelism:
+  `seq_parallel.prompt_split`, batch.prompt_ids and prompt_routes this device's chunk). Following the routing
+  (`_tracks_routes`), "router": the prompt's `RouterStats` [E]."""
   kv, last, state = {}, {}, {}
   routes = getattr(batch, "prompt_routes", None)
   for name, trunk in head.trunks(model).items():
+    kw = _routes_kw(head, name, None if routes is None else routes[None])
     if prompt_fn is not None:
-      kv[name], last[name] = prompt_fn(trunk)
-      continue
-    p_pad = batch.prompt_ids.shape[0]
-    out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None],
-                **_routes_kw(head, name, None if routes is None else routes[None]))
-    kv[name] = out.kv
-    last[name] = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
+      kv[name], last[name], router = prompt_fn(trunk, **kw)
+    else:
+      p_pad = batch.prompt_ids.shape[0]
+      out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None], **kw)
+      kv[name], router = out.kv, out.router
+      last[name] = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
     if name == "policy" and _tracks_routes(head, batch):
-      state["router"] = None if out.router is None else jax.tree_util.tree_map(lambda x: x[0], out.router)
+      state["router"] = None if router is None else jax.tree_util.tree_map(lambda x: x[0], router)
   return {"kv": kv, "last": last, "end": batch.prompt_len, **state}
 
 
@@ -333,10 +334,9 @@ def _check(layout, batch, mesh, head=None):
     levels = batch.levels if isinstance(batch, TreeBatch) else ()
     what = (f"router_aux_coef={head.router_aux_coef}" if getattr(head, "router_aux_coef", 0.0) > 0 else
             "recorded routes")
-    if isinstance(batch, PackedBatch) or (mesh is not None and mesh.shape["seq"] > 1):
-      raise ValueError(f"{what}: the routing is followed for groups and trees by level, on one device or a mesh "
-                       f"without a seq split; got {type(batch).__name__}"
-                       + ("" if mesh is None else f" on a mesh with seq={mesh.shape['seq']}"))
+    if isinstance(batch, PackedBatch):
+      raise ValueError(f"{what}: the routing is followed for groups and trees by level, on one device or a mesh; "
+                       "got a PackedBatch")
     if any(level.end_share is None for level in levels):
       raise ValueError(f"{what}: a TreeBatch's nodes need end_share (the share of "
                        "trajectories ending at each node): tree_arrays(padded, {..., 'end_share': "

@@ -1,5 +1,8 @@
 """LoRA adapters on the stacked projections of `Llama` (Hu et al. 2021, arXiv 2106.09685).
 
+A mixture of experts (Qwen3-MoE) takes adapters on its attention projections only (ATTENTION_TARGETS):
+its MLP is E experts and a router, for which no adapter is built.
+
 A target projection W of the stacked layout (models/llama.py) gets two adapters, stacked on the
 same leading layer axis and typed `nnx.LoRAParam` (Flax NNX's LoRA variable type):
 
@@ -52,6 +55,9 @@ from branch_replay_jax.models.llama import AXES_KEY, Llama, annotated
 # Projection name -> number of its input axes after the layer axis (the rest are output axes).
 IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 TARGETS = tuple(IN_AXES)
+# A mixture of experts' (Qwen3-MoE's) projections that take adapters: the attention's. Its MLP is its experts
+# [L, E, d, F_e] and router, which take none (a per-expert adapter is not built).
+ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +79,13 @@ class LoraSpec:
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-  """name -> (input axes, output axes) of one layer's projection (without the layer axis)."""
+  """name -> (input axes, output axes) of one layer's projection (without the layer axis) that can take adapters:
+  every name of TARGETS, or for a mixture of experts (config.moe) those of ATTENTION_TARGETS."""
   d, hq, hkv, hd, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_dim
-  return {"wq": ((d,), (hq, hd)), "wk": ((d,), (hkv, hd)), "wv": ((d,), (hkv, hd)), "wo": ((hq, hd), (d,)),
-          "w_gate": ((d,), (f,)), "w_up": ((d,), (f,)), "w_down": ((f,), (d,))}
+  attention = {"wq": ((d,), (hq, hd)), "wk": ((d,), (hkv, hd)), "wv": ((d,), (hkv, hd)), "wo": ((hq, hd), (d,))}
+  if config.moe:
+    return attention
+  return {**attention, "w_gate": ((d,), (f,)), "w_up": ((d,), (f,)), "w_down": ((f,), (d,))}
 
 
 def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora") -> LoraSpec:
@@ -84,7 +93,8 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
 
   Raises:
     ValueError (naming `field`.rank / .alpha / .targets and the value): targets empty, repeated or
-      not in TARGETS; rank not an int >= 1 or larger than min(fan-in, fan-out) of a target (fan-in
+      not in TARGETS, or for a mixture of experts an MLP projection (its experts take no adapters:
+      ATTENTION_TARGETS); rank not an int >= 1 or larger than min(fan-in, fan-out) of a target (fan-in
       and fan-out are the products of the projection's input and output axes); alpha not a finite
       number > 0.
   """
@@ -94,9 +104,13 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
   unknown = [t for t in targets if t not in TARGETS]
   if unknown:
     raise ValueError(f"{field}.targets={targets!r}: {unknown} are not projections; expected names of {TARGETS}")
+  shapes = projection_shapes(config)
+  experts = [t for t in targets if t not in shapes]
+  if experts:
+    raise ValueError(f"{field}.targets={targets!r}: {experts} are a mixture of experts' MLP (arch={config.arch!r}: "
+                     f"its experts and router), which take no adapters; use the attention's {ATTENTION_TARGETS}")
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
     raise ValueError(f"{field}.rank={rank!r} must be an int >= 1")
-  shapes = projection_shapes(config)
   for t in targets:
     fan_in, fan_out = (math.prod(s) for s in shapes[t])
     if rank > min(fan_in, fan_out):
