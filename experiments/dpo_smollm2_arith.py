@@ -31,7 +31,7 @@ def get_config(arg=None):
   c.model.remat = "none"                  # rematerialisation: none, full (keep layer inputs), save_kv (inputs + K/V)
   #                                       # or offload_kv (save_kv with the saved arrays in host memory)
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
-  c.model.expert_matmul = "ragged_dot"    # a mixture of experts' grouped matmuls: ragged_dot, or tiled (kernels.grouped_matmul)
+  c.model.expert_matmul = "ragged_dot"    # a mixture of experts' grouped matmuls: ragged_dot, tiled (kernels.grouped_matmul) or pallas
 
   jsonl, smoke = "jsonl" in arg, "smoke" in arg
   c.data = ml_collections.ConfigDict()

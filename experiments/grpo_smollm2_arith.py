@@ -46,8 +46,9 @@ def get_config(arg=None):
   c.model.routing_replay = False          # a mixture of experts' update runs the sampler's recorded experts (R3): groups,
   #                                       # trees, episodes (history "tokens"); not packed trees
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
-  c.model.expert_matmul = "ragged_dot"    # a mixture of experts' grouped matmuls: ragged_dot, or tiled
+  c.model.expert_matmul = "ragged_dot"    # a mixture of experts' grouped matmuls: ragged_dot, tiled
   #                                       # (kernels.grouped_matmul: tiles of one expert's rows; any backend)
+  #                                       # or pallas (those tiles as Pallas kernels; one device)
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.rollout.tasks.TASKS (also gsm_symbolic)

@@ -1,6 +1,7 @@
 """Suffix attention for branch replay: a dense jnp reference (the oracle and CPU default) and
 Pallas FlashAttention-2 kernels with the same signature (`suffix_attention_pallas`, Triton on GPUs)
-and, for TPUs, JAX's splash attention behind that signature (`suffix_attention_splash`).
+and, for TPUs, JAX's splash attention behind that signature (`suffix_attention_splash`). A mixture of
+experts' grouped matmul in tiles (`grouped_matmul`: a scan; `grouped_matmul_pallas`: Pallas kernels).
 
 Installed as `branch_replay_jax.kernels` (see setup.cfg) so that it never shadows the unrelated
 top-level `kernels` package of the Hugging Face ecosystem.

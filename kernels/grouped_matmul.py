@@ -19,14 +19,60 @@ the tiles' outputs, (M + E · tile) · f. Exact: every row's output is the produ
 group's matrix, the dropped rows' cotangents are zero (equal to `ragged_dot` to float rounding;
 tests/test_moe.py).
 
-A Pallas kernel (megablox's gmm on TPU, a Triton grouped GEMM on GPU) would fuse the tiles into one
-launch; this lowering is what any backend compiles, the one the memory model measures.
+`kernels.grouped_matmul_pallas` runs the same tiles (`tile_plan`) as Pallas kernels, one program per tile and
+column block (Triton on GPU, the interpreter on the CPU); this lowering is what any backend compiles, the one
+the memory model measures.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+
+class TilePlan(NamedTuple):
+  """The tiles of M rows sorted into E groups (`tile_plan`); n = ceil(M / tile) + E tiles, int32.
+
+  owner: [n] each tile's group (the last group for the unused tiles at the end).
+  row0: [n] each tile's first row, in [0, M] (unused tiles: past their group's rows).
+  rows: [n] the tile's rows that are its group's, in [0, tile] (0 for unused tiles); the rest of its rows
+    belong to the next groups or are padding.
+  first_tile: [E] each group's first tile; count: [E] its tiles, ceil(size / tile).
+  starts: [E] each group's first row.
+  """
+  owner: jax.Array
+  row0: jax.Array
+  rows: jax.Array
+  first_tile: jax.Array
+  count: jax.Array
+  starts: jax.Array
+
+
+def tile_plan(group_sizes: jax.Array, m: int, tile: int) -> TilePlan:
+  """Each group's rows cut into tiles of `tile` rows (module docstring), computed on device from the traced
+  group_sizes [E] (summing to M); their number is the static bound ceil(M / tile) + E."""
+  e = group_sizes.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  starts = jnp.cumsum(sizes) - sizes                        # [E] each group's first row
+  count = (sizes + tile - 1) // tile                        # [E]
+  tile_ends = jnp.cumsum(count)
+  first_tile = tile_ends - count                            # [E] each group's first tile
+  i = jnp.arange(-(-m // tile) + e, dtype=jnp.int32)        # the static bound on the tile count
+  owner = jnp.minimum(jnp.searchsorted(tile_ends, i, side="right"), e - 1).astype(jnp.int32)
+  row0 = jnp.clip(starts[owner] + (i - first_tile[owner]) * tile, 0, m)   # unused tiles read the zero padding
+  rows = jnp.clip(starts[owner] + sizes[owner] - row0, 0, tile)
+  return TilePlan(owner, row0.astype(jnp.int32), rows.astype(jnp.int32), first_tile, count, starts)
+
+
+def rows_of_tiles(ys: jax.Array, plan: TilePlan, group_sizes: jax.Array, m: int, tile: int) -> jax.Array:
+  """[M, ...]: each of the M sorted rows' output read from its tile's, ys [n, tile, ...] (`tile_plan`'s tiles);
+  the rows a tile computed for the next group are never read."""
+  r = jnp.arange(m, dtype=jnp.int32)
+  g = jnp.searchsorted(jnp.cumsum(group_sizes.astype(jnp.int32)), r, side="right")   # each row's group
+  j = r - plan.starts[g]
+  return ys[plan.first_tile[g] + j // tile, j % tile]
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int = 128) -> jax.Array:
@@ -51,23 +97,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: 
                      f"group_sizes {group_sizes.shape}")
   if not isinstance(tile, int) or tile < 1:
     raise ValueError(f"grouped_matmul: tile={tile!r} must be an int >= 1")
-  m, e = x.shape[0], w.shape[0]
-  sizes = group_sizes.astype(jnp.int32)
-  starts = jnp.cumsum(sizes) - sizes                        # [E] each group's first row
-  tiles_per = (sizes + tile - 1) // tile                    # [E]
-  tile_ends = jnp.cumsum(tiles_per)
-  first_tile = tile_ends - tiles_per                        # [E] each group's first tile
-  i = jnp.arange(-(-m // tile) + e, dtype=jnp.int32)        # the static bound on the tile count
-  owner = jnp.minimum(jnp.searchsorted(tile_ends, i, side="right"), e - 1).astype(jnp.int32)
-  row0 = jnp.clip(starts[owner] + (i - first_tile[owner]) * tile, 0, m)   # unused tiles read the zero padding
+  m = x.shape[0]
+  plan = tile_plan(group_sizes, m, tile)
   x_pad = jnp.pad(x, ((0, tile), (0, 0)))
 
   def body(_, t):
     g, r = t
     return None, jax.lax.dynamic_slice_in_dim(x_pad, r, tile, axis=0) @ w[g]
 
-  _, ys = jax.lax.scan(jax.checkpoint(body), None, (owner, row0))     # [tiles, tile, f]
-  r = jnp.arange(m, dtype=jnp.int32)
-  g = jnp.searchsorted(jnp.cumsum(sizes), r, side="right")            # each row's group
-  j = r - starts[g]
-  return ys[first_tile[g] + j // tile, j % tile]
+  _, ys = jax.lax.scan(jax.checkpoint(body), None, (plan.owner, plan.row0))     # [tiles, tile, f]
+  return rows_of_tiles(ys, plan, group_sizes, m, tile)

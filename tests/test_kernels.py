@@ -328,21 +328,50 @@ def test_replay_with_pallas_equals_replay_with_xla(impl, head_dim):
   assert max_rel_err(g_pallas, g_xla) <= 1e-4
 
 
-@pytest.mark.parametrize("sizes", [(5, 0, 13, 2), (0, 0, 20, 0), (1, 1, 1, 1)])
-@pytest.mark.parametrize("tile", [1, 4, 32])
-def test_grouped_matmul_in_tiles_equals_ragged_dot_float64(x64, sizes, tile):
+def _grouped_matmuls():
+  from branch_replay_jax.kernels.grouped_matmul import grouped_matmul
+  from branch_replay_jax.kernels.grouped_matmul_pallas import grouped_matmul_pallas
+  return {"tiled": grouped_matmul, "pallas": grouped_matmul_pallas}
+
+
+SIZES = [(5, 0, 13, 2), (0, 0, 20, 0), (1, 1, 1, 1)]
+
+
+# The Pallas kernels (each case ~5 s of interpreter compiles) on two cases that hold an empty group, a group of
+# several tiles with a partial last one, and a tile longer than its group; the scan of tiles on all nine.
+@pytest.mark.parametrize("impl,sizes,tile", [("tiled", sizes, tile) for sizes in SIZES for tile in (1, 4, 32)]
+                         + [("pallas", SIZES[0], 4), ("pallas", SIZES[1], 32)],
+                         ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)) if isinstance(v, tuple)
+                         else f"tile{v}")
+def test_grouped_matmul_in_tiles_equals_ragged_dot_float64(x64, impl, sizes, tile):
   # Empty groups, a group in one tile or in several with a partial last tile, tiles longer than every group:
   # each row times its own group's matrix, as ragged_dot computes it, and the same gradients (the rows a
-  # group's last tile overlaps of the next group are computed and dropped; their cotangent is 0).
-  from branch_replay_jax.kernels.grouped_matmul import grouped_matmul
+  # group's last tile overlaps of the next group are computed and dropped; their cotangent is 0). The scan
+  # of tiles and the Pallas kernels (interpreted on the CPU: forward, dx by the same kernel on w transposed,
+  # dw by the per-group kernel) alike.
+  grouped = functools.partial(_grouped_matmuls()[impl], tile=tile)
   rng = np.random.default_rng(sum(sizes) + tile)
   x = jnp.asarray(rng.normal(size=(sum(sizes), 6)))
   w = jnp.asarray(rng.normal(size=(len(sizes), 6, 3)))
   g = jnp.asarray(sizes, jnp.int32)
-  np.testing.assert_allclose(grouped_matmul(x, w, g, tile=tile), jax.lax.ragged_dot(x, w, g), rtol=0, atol=1e-13)
+  np.testing.assert_allclose(grouped(x, w, g), jax.lax.ragged_dot(x, w, g), rtol=0, atol=1e-13)
   grads = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w, g))), argnums=(0, 1))(x, w)
-  for a, b in zip(grads(functools.partial(grouped_matmul, tile=tile)), grads(jax.lax.ragged_dot)):
+  for a, b in zip(grads(grouped), grads(jax.lax.ragged_dot)):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
+
+
+def test_pallas_grouped_matmul_accumulates_float32_in_float32():
+  # float32 rows of 256 columns in tiles of 16 (d and f in blocks of 128 and 64: the forward kernel's inner loop
+  # over d and its column blocks): within float32 rounding of ragged_dot (1e-5 relative; a dropped d block or a
+  # row of another group would be O(1) off), under jit.
+  from branch_replay_jax.kernels.grouped_matmul_pallas import grouped_matmul_pallas
+  rng = np.random.default_rng(3)
+  sizes = jnp.asarray([40, 7, 0, 30], jnp.int32)
+  x = jnp.asarray(rng.normal(size=(77, 256)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(4, 256, 192)) / 16, jnp.float32)
+  want = jax.lax.ragged_dot(x, w, sizes)
+  got = jax.jit(functools.partial(grouped_matmul_pallas, tile=16))(x, w, sizes)
+  assert got.dtype == jnp.float32 and max_rel_err(got, want) <= 1e-5
 
 
 def test_grouped_matmul_refuses_what_it_cannot_multiply():
@@ -352,3 +381,10 @@ def test_grouped_matmul_refuses_what_it_cannot_multiply():
     grouped_matmul(x, w, jnp.array([4, 0, 0]))
   with pytest.raises(ValueError, match="tile=0 must be an int >= 1"):
     grouped_matmul(x, w, jnp.array([4, 0]), tile=0)
+  pallas = _grouped_matmuls()["pallas"]
+  with pytest.raises(ValueError, match="needs x \\[M, d\\], w \\[E, d, f\\], group_sizes \\[E\\]"):
+    pallas(x, w, jnp.array([4, 0, 0]))
+  with pytest.raises(ValueError, match="tile=3 must be a power of two"):
+    pallas(x, w, jnp.array([4, 0]), tile=3)
+  with pytest.raises(ValueError, match="x is float32, w bfloat16"):
+    pallas(x, w.astype(jnp.bfloat16), jnp.array([4, 0]))

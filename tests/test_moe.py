@@ -197,6 +197,17 @@ def test_lora_on_a_moe_models_mlp_is_refused_by_target_before_loading(tmp_path):
                          r"attention's \('wq', 'wk', 'wv', 'wo'\)")
 
 
+def test_the_pallas_expert_matmul_is_refused_on_a_mesh(tmp_path):
+  # The Pallas grouped matmul runs on one device (inside the mesh step's shard_map its outputs state no varying
+  # mesh axes): refused by name before loading, and by the memory model, which compiles the mesh step.
+  from branch_replay_jax.benchmarks import sharded_memory
+  refused_before_loading(tmp_path, FIXTURE, "smoke", {"model.expert_matmul": "pallas", "mesh.data": 2,
+                                                      "mesh.branch": 2, "mesh.seq": 2},
+                         r"model.expert_matmul='pallas' on a mesh of 2 x 2 x 2: .* use 'tiled'")
+  with pytest.raises(ValueError, match="config.expert_matmul='pallas': the Pallas grouped matmul runs on one device"):
+    sharded_memory._architecture("tiny", "pallas")
+
+
 def test_a_moe_model_takes_the_prompt_split_over_seq(tmp_path):
   # The seq split is exact with experts (test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64), so
   # a MoE experiment on a data x branch x seq mesh with the load-balancing loss and routing replay passes the
@@ -338,7 +349,7 @@ def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
   refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"model.expert_matmul": "tiled"},
                          "model.expert_matmul='tiled': model.name=.* has no experts")
   refused_before_loading(tmp_path, FIXTURE, "smoke", {"model.expert_matmul": "dense"},
-                         r"model.expert_matmul='dense' is not one of \('ragged_dot', 'tiled'\)")
+                         r"model.expert_matmul='dense' is not one of \('ragged_dot', 'tiled', 'pallas'\)")
   from conftest import experiment_config
   from experiments import grpo_smollm2_calc, ppo_smollm2_arith
   from branch_replay_jax.algorithms import grpo, ppo
@@ -816,15 +827,21 @@ def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64
     lora.check_spec(3, 6.0, ("wq", "w_up"), model.config)
 
 
-def test_tiled_expert_matmuls_equal_ragged_dot_and_replay_stays_exact_float64(model64, x64):
-  # config.expert_matmul = "tiled" (kernels.grouped_matmul, tiles of 128 rows of one expert) is the same function
-  # as ragged_dot: the naive rows' loss and gradient within float64 rounding; replay against naive rows with it
-  # to 1e-10, the router's gradient included.
+@pytest.mark.parametrize("expert_matmul", [
+    "tiled",
+    # heavy (~80 s of interpreter compiles under load): CI holds the Pallas kernels to ragged_dot, forward and
+    # gradients, in tests/test_kernels.py, and the model's dispatch to them is the one "tiled" runs here.
+    pytest.param("pallas", marks=pytest.mark.heavy)])
+def test_tiled_expert_matmuls_equal_ragged_dot_and_replay_stays_exact_float64(model64, x64, expert_matmul):
+  # config.expert_matmul = "tiled" (kernels.grouped_matmul, tiles of 128 rows of one expert) and "pallas" (those
+  # tiles as Pallas kernels, interpreted on the CPU) are the same function as ragged_dot: the naive rows' loss and
+  # gradient within float64 rounding; replay against naive rows with it to 1e-10, the router's gradient included.
+  # (build_model takes the config's expert_matmul: until this stop its default "ragged_dot" replaced it here.)
   import dataclasses
   graphdef, params = model64
   m = nnx.merge(graphdef, params)
-  tiled = build_model(dataclasses.replace(m.config, expert_matmul="tiled"), nnx.to_pure_dict(nnx.state(m, nnx.Param)),
-                      dtype=jnp.float64)
+  tiled = build_model(dataclasses.replace(m.config, expert_matmul=expert_matmul),
+                      nnx.to_pure_dict(nnx.state(m, nnx.Param)), dtype=jnp.float64)
   tg, tp = nnx.split(tiled)
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
   l0, _, g0 = step(graphdef, params, arrays, objective, layout="naive")

@@ -113,7 +113,7 @@ def validate_layer_kinds(config) -> None:
   trees by level), with model.routing_replay episodes whose history is "template" (a rewritten history is not
   what the sampler fed); LoRA on their MLP (`models.lora.check_spec`, lora.targets). A model without
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
-  'ragged_dot'."""
+  'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
   aux = config.loss.get("router_aux_coef", 0.0) if "loss" in config else 0.0   # GRPO's (DPO has no loss section)
@@ -122,6 +122,10 @@ def validate_layer_kinds(config) -> None:
     raise ValueError(f"model.expert_matmul={matmul!r} is not one of {EXPERT_MATMULS}")
   if matmul != "ragged_dot" and (m.name == "tiny" or not architecture(m.name).moe):
     raise ValueError(f"model.expert_matmul={matmul!r}: model.name={m.name!r} has no experts; leave it 'ragged_dot'")
+  mesh = config.get("mesh")
+  if matmul == "pallas" and mesh is not None and mesh.data * mesh.branch * mesh.seq > 1:
+    raise ValueError(f"model.expert_matmul='pallas' on a mesh of {mesh.data} x {mesh.branch} x {mesh.seq}: the Pallas "
+                     "grouped matmul runs on one device (not inside the mesh step's shard_map); use 'tiled'")
   if m.name == "tiny" and config.model.get("routing_replay", False):
     raise ValueError("model.routing_replay=True: model.name='tiny' has no experts; set it to False")
   if aux and (m.name == "tiny" or not architecture(m.name).moe):

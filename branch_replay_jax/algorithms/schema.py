@@ -71,7 +71,8 @@ class ModelConfig:
   remat: str = _f("rematerialisation: none, full, save_kv or offload_kv")
   attention_impl: str = _f("suffix attention: xla, pallas, splash or auto (pallas on GPU, splash on TPU)")
   expert_matmul: str = _f("a mixture of experts' grouped matmuls: ragged_dot (jax.lax.ragged_dot: dense over every "
-                          "expert on XLA:CPU) or tiled (kernels.grouped_matmul: tiles of one expert's rows)",
+                          "expert on XLA:CPU), tiled (kernels.grouped_matmul: tiles of one expert's rows) or pallas "
+                          "(kernels.grouped_matmul_pallas: those tiles as Pallas kernels; one device)",
                           "ragged_dot")
 
 

@@ -64,7 +64,11 @@ GIB = 2 ** 30
 
 
 def _architecture(name: str, expert_matmul: str = "ragged_dot"):
-  """The named shapes (any P compiles); a mixture of experts' with the given `ModelConfig.expert_matmul`."""
+  """The named shapes (any P compiles); a mixture of experts' with the given `ModelConfig.expert_matmul`.
+  Raises ValueError for 'pallas' (its kernels run on one device; this model compiles the mesh step)."""
+  if expert_matmul == "pallas":
+    raise ValueError("config.expert_matmul='pallas': the Pallas grouped matmul runs on one device, and the memory "
+                     "model compiles the mesh step; use 'tiled' or 'ragged_dot'")
   cfg = tiny_config(vocab_size=256) if name == "tiny" else architecture_shape(name)
   return dataclasses.replace(cfg, max_positions=1 << 24, **({"expert_matmul": expert_matmul} if cfg.moe else {}))
 

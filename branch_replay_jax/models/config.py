@@ -8,7 +8,7 @@ import dataclasses
 import logging
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe")
-EXPERT_MATMULS = ("ragged_dot", "tiled")   # ModelConfig.expert_matmul
+EXPERT_MATMULS = ("ragged_dot", "tiled", "pallas")   # ModelConfig.expert_matmul
 # Attention layer kinds (transformers' `layer_types`): Gemma 3's sliding and full, Qwen3.5's linear and full.
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
@@ -100,7 +100,9 @@ class ModelConfig:
       norm_topk_prob (`models.llama`, "Mixture of experts" in docs/design.md); ffn_dim is then unused.
     expert_matmul: how the experts' grouped matmuls lower (a compute choice, not a checkpoint field):
       "ragged_dot" (`jax.lax.ragged_dot`: a grouped matmul on TPU, dense over every expert on XLA:CPU) or
-      "tiled" (`kernels.grouped_matmul`: tiles of one expert's rows, any backend); one of EXPERT_MATMULS.
+      "tiled" (`kernels.grouped_matmul`: tiles of one expert's rows, any backend) or "pallas"
+      (`kernels.grouped_matmul_pallas`: the same tiles as Pallas kernels, Triton on GPU, interpreted on the
+      CPU; one device only); one of EXPERT_MATMULS.
 
   `arch="gemma3_text"` also selects Gemma 3's block (Gemma Team 2025, arXiv 2503.19786; transformers'
   `Gemma3DecoderLayer`): RMSNorm scaled by (1 + w), norms after attention and MLP as well as before,

@@ -60,6 +60,7 @@ from jax.ad_checkpoint import checkpoint_name
 from branch_replay_jax.kernels import (GLOBAL_WINDOW, KVBlock, attention_fn, resolve_attention_impl,
                                        suffix_attention, windowed_suffix_attention)
 from branch_replay_jax.kernels.grouped_matmul import grouped_matmul
+from branch_replay_jax.kernels.grouped_matmul_pallas import grouped_matmul_pallas
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelConfig
 
@@ -284,8 +285,9 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
   W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1 with
   norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls: the (token, slot) pairs
   sorted by expert, each expert's rows one contiguous group, by `jax.lax.ragged_dot` (config.expert_matmul
-  "ragged_dot": a grouped matmul on TPU, dense over all E on XLA:CPU) or `kernels.grouped_matmul` ("tiled": tiles
-  of EXPERT_TILE rows of one expert, a token's k experts only, on any backend). The routing is a function of h
+  "ragged_dot": a grouped matmul on TPU, dense over all E on XLA:CPU), `kernels.grouped_matmul` ("tiled": tiles
+  of EXPERT_TILE rows of one expert, a token's k experts only, on any backend) or `kernels.grouped_matmul_pallas`
+  ("pallas": those tiles as Pallas kernels). The routing is a function of h
   alone, so a prefix's tokens route the same in replay and in naive rows; the router's gradient flows through
   the selected probabilities (the selection itself is piecewise constant). [B, T, d] -> ([B, T, d] in h's dtype,
   the `RouterStats` [B, E] of the tokens where valid_bt [B, T] (default: all) is True, the experts each token
@@ -319,8 +321,8 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
   order = jnp.argsort(flat, stable=True)                                         # sorted by expert
   sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
   rows = x[order // k]
-  grouped = (jax.lax.ragged_dot if config.expert_matmul == "ragged_dot" else
-             functools.partial(grouped_matmul, tile=EXPERT_TILE))
+  grouped = {"ragged_dot": jax.lax.ragged_dot, "tiled": functools.partial(grouped_matmul, tile=EXPERT_TILE),
+             "pallas": functools.partial(grouped_matmul_pallas, tile=EXPERT_TILE)}[config.expert_matmul]
   with jax.named_scope("moe experts"):
     gate = grouped(rows, p["w_gate"].astype(dt), sizes)
     up = grouped(rows, p["w_up"].astype(dt), sizes)

@@ -155,10 +155,11 @@ def decoder_class(config: ModelConfig) -> type[Llama]:
 
 
 def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: str = "none",
-                attention_impl: str = "xla", expert_matmul: str = "ragged_dot") -> Llama:
+                attention_impl: str = "xla", expert_matmul: str | None = None) -> Llama:
   """A `Llama` (a `qwen3_5.Qwen35` for Qwen3.5) holding exactly `params` (no random initialisation is run);
-  a mixture of experts' grouped matmuls lowered by `expert_matmul` (`ModelConfig.expert_matmul`)."""
-  if config.moe and expert_matmul != config.expert_matmul:
+  a mixture of experts' grouped matmuls lowered by `expert_matmul` (`ModelConfig.expert_matmul`; None: the
+  config's own)."""
+  if config.moe and expert_matmul is not None and expert_matmul != config.expert_matmul:
     config = dataclasses.replace(config, expert_matmul=expert_matmul)
   cls = decoder_class(config)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(config, dtype=dtype, remat=remat, attention_impl=attention_impl,
