@@ -337,10 +337,11 @@ def _grouped_matmuls():
 SIZES = [(5, 0, 13, 2), (0, 0, 20, 0), (1, 1, 1, 1)]
 
 
-# The Pallas kernels (each case ~5 s of interpreter compiles) on two cases that hold an empty group, a group of
-# several tiles with a partial last one, and a tile longer than its group; the scan of tiles on all nine.
+# The Pallas kernels (~5 s of interpreter compiles a case) on one case that holds an empty group, groups of
+# several tiles with a partial last one, and a tile longer than its group (2 rows in a tile of 4); the scan of
+# tiles on all nine.
 @pytest.mark.parametrize("impl,sizes,tile", [("tiled", sizes, tile) for sizes in SIZES for tile in (1, 4, 32)]
-                         + [("pallas", SIZES[0], 4), ("pallas", SIZES[1], 32)],
+                         + [("pallas", SIZES[0], 4)],
                          ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)) if isinstance(v, tuple)
                          else f"tile{v}")
 def test_grouped_matmul_in_tiles_equals_ragged_dot_float64(x64, impl, sizes, tile):
@@ -349,6 +350,8 @@ def test_grouped_matmul_in_tiles_equals_ragged_dot_float64(x64, impl, sizes, til
   # group's last tile overlaps of the next group are computed and dropped; their cotangent is 0). The scan
   # of tiles and the Pallas kernels (interpreted on the CPU: forward, dx by the same kernel on w transposed,
   # dw by the per-group kernel) alike.
+  if impl == "pallas" and jax.default_backend() != "cpu":
+    pytest.skip("Triton takes no float64 dots or blocks below 16; the float32 test runs the kernels there")
   grouped = functools.partial(_grouped_matmuls()[impl], tile=tile)
   rng = np.random.default_rng(sum(sizes) + tile)
   x = jnp.asarray(rng.normal(size=(sum(sizes), 6)))
@@ -360,18 +363,23 @@ def test_grouped_matmul_in_tiles_equals_ragged_dot_float64(x64, impl, sizes, til
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
 
 
-def test_pallas_grouped_matmul_accumulates_float32_in_float32():
-  # float32 rows of 256 columns in tiles of 16 (d and f in blocks of 128 and 64: the forward kernel's inner loop
-  # over d and its column blocks): within float32 rounding of ragged_dot (1e-5 relative; a dropped d block or a
-  # row of another group would be O(1) off), under jit.
+def test_pallas_grouped_matmul_and_its_gradients_in_float32():
+  # float32 rows of 256 columns in tiles of 16 (d and f in blocks of 128 and 64: the kernels' inner loop over d
+  # and their column and row blocks): output and both gradients within float32 rounding of ragged_dot (1e-5
+  # relative; a dropped d block or a row of another group would be O(1) off), under jit. The shapes Triton's
+  # blocks take: scripts/gpu_check.sh runs this test on a GPU with the kernels compiled.
   from branch_replay_jax.kernels.grouped_matmul_pallas import grouped_matmul_pallas
   rng = np.random.default_rng(3)
   sizes = jnp.asarray([40, 7, 0, 30], jnp.int32)
   x = jnp.asarray(rng.normal(size=(77, 256)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(4, 256, 192)) / 16, jnp.float32)
-  want = jax.lax.ragged_dot(x, w, sizes)
-  got = jax.jit(functools.partial(grouped_matmul_pallas, tile=16))(x, w, sizes)
-  assert got.dtype == jnp.float32 and max_rel_err(got, want) <= 1e-5
+  dy = jnp.asarray(rng.normal(size=(77, 192)), jnp.float32)
+  run = lambda f: jax.jit(lambda x, w: (lambda y, pull: (y, *pull(dy)))(*jax.vjp(f, x, w)))(x, w)
+  got = run(lambda x, w: grouped_matmul_pallas(x, w, sizes, tile=16))
+  want = run(lambda x, w: jax.lax.ragged_dot(x, w, sizes))
+  assert got[0].dtype == jnp.float32
+  for a, b in zip(got, want):
+    assert max_rel_err(a, b) <= 1e-5
 
 
 def test_grouped_matmul_refuses_what_it_cannot_multiply():
