@@ -16,8 +16,8 @@ rematerialised (`jax.checkpoint`), so the backward saves the tile indices only, 
 w[g_i]: its transpose accumulates dx and dw (each tile's row block and group matrix) as carries. Work:
 (M + E · tile) · d · f multiply-adds against ragged_dot's E · M · d · f on a dense lowering; buffers:
 the tiles' outputs, (M + E · tile) · f. Exact: every row's output is the product of its row and its
-group's matrix, the dropped rows' cotangents are zero (equal to `ragged_dot` to float rounding;
-tests/test_moe.py).
+group's matrix, and a tile's rows of the next group are zeroed before its product, so neither they nor their
+cotangents touch this group's (equal to `ragged_dot` to float rounding; tests/test_kernels.py, tests/test_moe.py).
 
 `kernels.grouped_matmul_pallas` runs the same tiles (`tile_plan`) as Pallas kernels, one program per tile and
 column block (Triton on GPU, the interpreter on the CPU); this lowering is what any backend compiles, the one
@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class TilePlan(NamedTuple):
@@ -68,11 +69,21 @@ def tile_plan(group_sizes: jax.Array, m: int, tile: int) -> TilePlan:
 
 def rows_of_tiles(ys: jax.Array, plan: TilePlan, group_sizes: jax.Array, m: int, tile: int) -> jax.Array:
   """[M, ...]: each of the M sorted rows' output read from its tile's, ys [n, tile, ...] (`tile_plan`'s tiles);
-  the rows a tile computed for the next group are never read."""
+  the rows a tile computed for the next group are never read. Rows past the groups' total (group_sizes summing
+  to less than M) are 0, as `ragged_dot` gives them."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
   r = jnp.arange(m, dtype=jnp.int32)
-  g = jnp.searchsorted(jnp.cumsum(group_sizes.astype(jnp.int32)), r, side="right")   # each row's group
+  g = jnp.minimum(jnp.searchsorted(ends, r, side="right"), group_sizes.shape[0] - 1)   # each row's group
   j = r - plan.starts[g]
-  return ys[plan.first_tile[g] + j // tile, j % tile]
+  out = ys[plan.first_tile[g] + j // tile, j % tile]
+  return jnp.where((r < ends[-1]).reshape((m,) + (1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
+
+
+def own_rows(x_tile: jax.Array, rows) -> jax.Array:
+  """x_tile [tile, ...] with its rows from `rows` on (another group's, or padding) zeroed: they take no part in
+  the tile's product, so an inf or NaN there never reaches this group's gradient."""
+  keep = jnp.arange(x_tile.shape[0]).reshape((-1,) + (1,) * (x_tile.ndim - 1)) < rows
+  return jnp.where(keep, x_tile, jnp.zeros((), x_tile.dtype))
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int = 128) -> jax.Array:
@@ -95,15 +106,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: 
   if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1] or group_sizes.shape != (w.shape[0],):
     raise ValueError(f"grouped_matmul: needs x [M, d], w [E, d, f], group_sizes [E]; got x {x.shape}, w {w.shape}, "
                      f"group_sizes {group_sizes.shape}")
-  if not isinstance(tile, int) or tile < 1:
+  if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
     raise ValueError(f"grouped_matmul: tile={tile!r} must be an int >= 1")
+  tile = int(tile)
   m = x.shape[0]
   plan = tile_plan(group_sizes, m, tile)
   x_pad = jnp.pad(x, ((0, tile), (0, 0)))
 
   def body(_, t):
-    g, r = t
-    return None, jax.lax.dynamic_slice_in_dim(x_pad, r, tile, axis=0) @ w[g]
+    g, r, n = t
+    return None, own_rows(jax.lax.dynamic_slice_in_dim(x_pad, r, tile, axis=0), n) @ w[g]
 
-  _, ys = jax.lax.scan(jax.checkpoint(body), None, (plan.owner, plan.row0))     # [tiles, tile, f]
+  _, ys = jax.lax.scan(jax.checkpoint(body), None, (plan.owner, plan.row0, plan.rows))   # [tiles, tile, f]
   return rows_of_tiles(ys, plan, group_sizes, m, tile)

@@ -1,12 +1,14 @@
 """The grouped matmul of a mixture of experts as Pallas kernels: `grouped_matmul`'s tiles, one program each.
 
     forward  y = x w[g]:      grid (tiles, f / bn); a program multiplies its tile's `tile` rows [tile, d]
-                              by its group's matrix w[g_i] [d, bn] (d in blocks of bk, accumulated in
-                              float32, float64 for float64 inputs) into its own output block [tile, bn];
+                              by its group's matrix w[g_i] [d, bn] (its rows of other groups zeroed;
+                              d in blocks of bk, accumulated in float32, float64 for float64 inputs)
+                              into its own output block [tile, bn];
                               each row's output is then read from its tile's (`rows_of_tiles`).
     backward dx = dy w[g]^T:  the same kernel on w transposed [E, f, d];
              dw[g] = Σ x^T dy: grid (E, d / bd, f / bn); a program loops over its group's tiles, their rows
-                              of other groups zeroed, and accumulates x_tile^T dy_tile [bd, bn].
+                              of other groups zeroed in x and dy (an inf or NaN there stays out),
+                              and accumulates x_tile^T dy_tile [bd, bn].
 
 The tiles are `kernels.grouped_matmul.tile_plan`'s: each group's rows cut into tiles of `tile` rows, at most
 ceil(M / tile) + E of them. No program writes where another does (each owns an output block), so the kernels
@@ -25,9 +27,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
-from branch_replay_jax.kernels.grouped_matmul import rows_of_tiles, tile_plan
+from branch_replay_jax.kernels.grouped_matmul import own_rows, rows_of_tiles, tile_plan
 
 MAX_BLOCK = 128   # columns (and d's rows) per program's block
 
@@ -44,14 +47,16 @@ def _acc(dtype) -> jnp.dtype:
   return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _gmm_kernel(owner_ref, row0_ref, x_ref, w_ref, y_ref, *, tile: int, bk: int):
+def _gmm_kernel(owner_ref, row0_ref, rows_ref, x_ref, w_ref, y_ref, *, tile: int, bk: int):
   i, j = pl.program_id(0), pl.program_id(1)
   g, r = owner_ref[i], row0_ref[i]
   bn = y_ref.shape[-1]
   acc = _acc(x_ref.dtype)
 
+  n = rows_ref[i]
+
   def body(k, total):
-    xs = x_ref[pl.ds(r, tile), pl.ds(k * bk, bk)]
+    xs = own_rows(x_ref[pl.ds(r, tile), pl.ds(k * bk, bk)], n)        # the next group's rows: 0
     ws = w_ref[g, pl.ds(k * bk, bk), pl.ds(j * bn, bn)]
     return total + jnp.dot(xs, ws, preferred_element_type=acc)
   total = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, jnp.zeros((tile, bn), acc))
@@ -64,22 +69,21 @@ def _gmm(x_pad, w, plan, tile: int, interpret: bool):
   bn, bk = _block(f), _block(d)
   return pl.pallas_call(
       functools.partial(_gmm_kernel, tile=tile, bk=bk), grid=(n, f // bn),
-      in_specs=[pl.no_block_spec] * 4,
+      in_specs=[pl.no_block_spec] * 5,
       out_specs=pl.BlockSpec((None, tile, bn), lambda i, j: (i, 0, j)),
       out_shape=jax.ShapeDtypeStruct((n, tile, f), jnp.result_type(x_pad.dtype, w.dtype)),
-      interpret=interpret)(plan.owner, plan.row0, x_pad, w)
+      interpret=interpret)(plan.owner, plan.row0, plan.rows, x_pad, w)
 
 
 def _tgmm_kernel(first_ref, count_ref, row0_ref, rows_ref, x_ref, dy_ref, dw_ref, *, tile: int):
   e, a, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bd, bn = dw_ref.shape
   acc = _acc(x_ref.dtype)
-  keep = jnp.arange(tile)[:, None]
 
   def body(t, total):
     r = row0_ref[t]
-    xs = jnp.where(keep < rows_ref[t], x_ref[pl.ds(r, tile), pl.ds(a * bd, bd)], 0)   # other groups' rows: 0
-    ds = dy_ref[pl.ds(r, tile), pl.ds(b * bn, bn)]
+    xs = own_rows(x_ref[pl.ds(r, tile), pl.ds(a * bd, bd)], rows_ref[t])   # other groups' rows: 0
+    ds = own_rows(dy_ref[pl.ds(r, tile), pl.ds(b * bn, bn)], rows_ref[t])
     return total + jax.lax.dot_general(xs, ds, (((0,), (0,)), ((), ())), preferred_element_type=acc)
   lo = first_ref[e]
   total = jax.lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((bd, bn), acc))
@@ -147,8 +151,9 @@ def grouped_matmul_pallas(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                      f"w {w.shape}, group_sizes {group_sizes.shape}")
   if x.dtype != w.dtype:
     raise ValueError(f"grouped_matmul_pallas: x is {x.dtype}, w {w.dtype}; cast w to x's dtype")
-  if not isinstance(tile, int) or tile < 1 or tile & (tile - 1):
+  if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1 or tile & (tile - 1):
     raise ValueError(f"grouped_matmul_pallas: tile={tile!r} must be a power of two >= 1")
+  tile = int(tile)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return _grouped(x, w, group_sizes, tile, interpret)

@@ -363,6 +363,28 @@ def test_grouped_matmul_in_tiles_equals_ragged_dot_float64(x64, impl, sizes, til
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize("impl", ["tiled", "pallas"])
+def test_a_tiles_rows_of_another_group_and_rows_past_the_groups_stay_out(x64, impl):
+  # Group 0's tile of 4 rows also holds row 3, group 1's, which is inf (and masked out of the loss): group 0's
+  # output and its matrix's gradient stay finite and equal ragged_dot's (inf x 0 would give NaN had the row
+  # entered the tile's product). Sizes summing to 6 of 8 rows: rows 6 and 7 are 0, as ragged_dot gives them.
+  if impl == "pallas" and jax.default_backend() != "cpu":
+    pytest.skip("float64: the interpreter's")
+  grouped = functools.partial(_grouped_matmuls()[impl], tile=4)
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(8, 4))).at[3].set(jnp.inf)
+  w = jnp.asarray(rng.normal(size=(3, 4, 2)))
+  g = jnp.asarray([3, 3, 0], jnp.int32)
+  keep = (jnp.arange(8) != 3)[:, None]
+  loss = lambda f: lambda w: jnp.sum(jnp.where(keep, jnp.sin(f(x, w, g)), 0.0))
+  got, want = grouped(x, w, g), jax.lax.ragged_dot(x, w, g)
+  np.testing.assert_allclose(got[:3], want[:3], rtol=0, atol=1e-13)
+  assert (np.asarray(got[6:]) == 0).all() and (np.asarray(want[6:]) == 0).all()
+  gw, gw_want = jax.grad(loss(grouped))(w), jax.grad(loss(jax.lax.ragged_dot))(w)
+  assert np.isfinite(gw[0]).all()
+  np.testing.assert_allclose(gw[0], gw_want[0], rtol=0, atol=1e-13)
+
+
 def test_pallas_grouped_matmul_and_its_gradients_in_float32():
   # float32 rows of 256 columns in tiles of 16 (d and f in blocks of 128 and 64: the kernels' inner loop over d
   # and their column and row blocks): output and both gradients within float32 rounding of ragged_dot (1e-5

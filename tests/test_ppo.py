@@ -193,6 +193,29 @@ def test_tree_columns_invert_its_rows():
     tree.rows(per_node, 3)
 
 
+def test_tree_rows_columns_and_unplace_refuse_what_does_not_fit_the_tree():
+  # Per-node values that do not match the tree's nodes, rows of another shape, levels of another layout: a
+  # ValueError naming what and the tree's own size, never a misaligned result. Trailing axes round-trip.
+  from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
+  tree = tree_from_trajectories(np.array([7, 8, 9]), np.array([[1, 2], [1, 3]]))   # a 2-D array of completions
+  per_node = [np.ones((len(s), 3)) for s in tree.segments]
+  back = tree.columns(tree.rows(per_node, 2))
+  assert [b.shape for b in back] == [(3, 2, 3), (1, 2, 3), (1, 2, 3), (1, 2, 3)]
+  with pytest.raises(ValueError, match=r"per_node\[1\] has shape \(5,\); node 1 has 1 tokens"):
+    tree.rows([np.zeros(3), np.zeros(5), np.zeros(1), np.zeros(1)], 8)
+  with pytest.raises(ValueError, match="per_node has 3 entries; the tree has 4 nodes"):
+    tree.rows(per_node[:3], 8)
+  with pytest.raises(ValueError, match=r"rows of shape \(1, 2\); expected \[G=2, width >= 2"):
+    tree.columns(np.zeros((1, 2)))
+  padded = pad_tree(tree)
+  levels = [padded.place([np.arange(len(s), dtype=np.float32) for s in tree.segments], d) for d in (1, 2)]
+  with pytest.raises(ValueError, match="1 levels; the layout has 2"):
+    padded.unplace(levels[:1])
+  with pytest.raises(ValueError, match=r"level 2 has shape \(1, 2, 1\); the layout's slots need at least"):
+    padded.unplace([levels[0], levels[1][..., :1]])
+  assert [b.tolist() for b in padded.unplace(levels)] == [[0.0, 0.0, 0.0], [0.0], [0.0], [0.0]]
+
+
 def test_padded_tree_unplace_inverts_place_and_reads_a_larger_layout():
   # place() scatters per-node values into level slots; unplace() reads them back per node (the root: zeros of
   # the prompt's length), also from the same levels padded at the end of every axis (a mesh's layout);

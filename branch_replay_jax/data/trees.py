@@ -85,6 +85,7 @@ class RolloutTree:
     Raises:
       ValueError: a trajectory longer than `width`.
     """
+    self._check_per_node(per_node, "RolloutTree.rows")
     paths = self.along(per_node)
     if max(len(r) for r in paths) > width:
       raise ValueError(f"RolloutTree.rows: width={width} is shorter than the longest trajectory "
@@ -94,11 +95,31 @@ class RolloutTree:
       out[g, :len(r)] = r
     return out
 
+  def _check_per_node(self, per_node: Sequence, where: str) -> None:
+    """Raise ValueError unless per_node holds one entry per node, each below the root (which no row reads) an
+    array whose first axis is the node's length."""
+    if len(per_node) != self.num_nodes:
+      raise ValueError(f"{where}: per_node has {len(per_node)} entries; the tree has {self.num_nodes} nodes")
+    bad = [n for n, (v, seg) in enumerate(zip(per_node, self.segments))
+           if n > 0 and np.shape(v)[:1] != (len(seg),)]
+    if bad:
+      n = bad[0]
+      raise ValueError(f"{where}: per_node[{n}] has shape {np.shape(per_node[n])}; node {n} has "
+                       f"{len(self.segments[n])} tokens")
+
   def columns(self, rows) -> list[np.ndarray]:
-    """Inverse of `rows` per trajectory: per node [L_n, G], row g's values at node n's positions of
-    trajectory g's path where g passes n, else 0 (the root's [L_0, G] is 0)."""
+    """Inverse of `rows` per trajectory: per node [L_n, G, ...], row g's values at node n's positions of
+    trajectory g's path where g passes n, else 0 (the root's is 0). rows: [G, width, ...].
+
+    Raises:
+      ValueError: rows not [G, width, ...] with this tree's G and width >= its longest trajectory.
+    """
     rows = np.asarray(rows)
-    out = [np.zeros((len(s), len(self.ends)), rows.dtype) for s in self.segments]
+    longest = int(self.completion_lengths().max())
+    if rows.ndim < 2 or rows.shape[0] != len(self.ends) or rows.shape[1] < longest:
+      raise ValueError(f"RolloutTree.columns: rows of shape {rows.shape}; expected [G={len(self.ends)}, width >= "
+                       f"{longest}, ...]")
+    out = [np.zeros((len(s), len(self.ends)) + rows.shape[2:], rows.dtype) for s in self.segments]
     for g, end in enumerate(self.ends):
       pos = 0
       for m in self.path(end)[1:]:
@@ -142,7 +163,7 @@ def tree_from_trajectories(prompt_ids: Sequence[int], completions: Sequence[Sequ
   prompt = np.asarray(prompt_ids, np.int32)
   if prompt.ndim != 1 or prompt.size == 0:
     raise ValueError("tree_from_trajectories: prompt_ids must be a non-empty 1-D sequence")
-  if not completions or any(len(c) == 0 for c in completions):
+  if len(completions) == 0 or any(len(c) == 0 for c in completions):
     raise ValueError("tree_from_trajectories: needs at least one completion, each with >= 1 token")
   comps = [tuple(int(t) for t in c) for c in completions]
   segments, parents, ends = [prompt], [-1], [0] * len(comps)
@@ -195,7 +216,8 @@ class PaddedTree:
     ids = self.node_ids[level - 1]
     t = self.tokens[level - 1].shape[-1]
     trailing = next(np.shape(per_node[n])[1:] for n in ids.reshape(-1) if n >= 0)
-    out = np.full(ids.shape + (t,) + trailing, fill, dtype=np.result_type(per_node[int(ids.max())]))
+    out = np.full(ids.shape + (t,) + trailing, fill,
+                  dtype=np.result_type(*[np.asarray(per_node[n]) for n in ids.reshape(-1) if n >= 0]))
     for slot in zip(*np.nonzero(ids >= 0)):
       value = np.asarray(per_node[ids[slot]])
       out[slot][:len(value)] = value
@@ -205,22 +227,41 @@ class PaddedTree:
   def unplace(self, levels: Sequence) -> list[np.ndarray]:
     """Inverse of `place` over every level: per node [L_n] (the root: zeros [prompt_len]) from per-level
     slot arrays [F_1..F_d, T_d] (a step's per-level outputs), or from a larger layout padded at the end of
-    each axis (`data.batches.pad_trees`, as on a mesh): this tree's slots come first on every axis."""
-    dtype = np.result_type(*[np.asarray(v).dtype for v in levels])
-    out = [np.zeros(self.prompt_len, dtype)] + [None] * max(int(ids.max()) for ids in self.node_ids)
+    each axis (`data.batches.pad_trees`, as on a mesh): this tree's slots come first on every axis. Trailing
+    axes after T_d are kept (the root's zeros have them too); one dtype for all, copies of the input.
+
+    Raises:
+      ValueError: fewer levels than this layout's, or a level smaller than its slots and length.
+    """
+    levels = self._check_levels(levels, "PaddedTree.unplace", with_t=True)
+    dtype = np.result_type(*[v.dtype for v in levels])
+    trailing = levels[0].shape[self.node_ids[0].ndim + 1:]
+    out = [np.zeros((self.prompt_len,) + trailing, dtype)] + [None] * max(int(ids.max()) for ids in self.node_ids)
     for ids, mask, values in zip(self.node_ids, self.mask, levels):
-      values = np.asarray(values)
       for slot in zip(*np.nonzero(ids >= 0)):
-        out[ids[slot]] = values[slot][:int(mask[slot].sum())]
+        out[ids[slot]] = values[slot][:int(mask[slot].sum())].astype(dtype, copy=True)
     return out
+
+  def _check_levels(self, levels: Sequence, where: str, with_t: bool) -> list[np.ndarray]:
+    """This layout's levels of `levels` (a larger layout may have more), as arrays; ValueError for fewer levels
+    or a level smaller than this layout's."""
+    levels = [np.asarray(v) for v in levels]
+    if len(levels) < len(self.node_ids):
+      raise ValueError(f"{where}: {len(levels)} levels; the layout has {len(self.node_ids)}")
+    levels = levels[:len(self.node_ids)]
+    for d, (ids, tokens, v) in enumerate(zip(self.node_ids, self.tokens, levels), start=1):
+      need = tokens.shape if with_t else ids.shape
+      if v.ndim < len(need) or any(a < b for a, b in zip(v.shape, need)):
+        raise ValueError(f"{where}: level {d} has shape {v.shape}; the layout's slots need at least {need}")
+    return levels
 
   def slot_values(self, levels: Sequence) -> np.ndarray:
     """[N]: per node the value of its slot (the root: 0) from per-level slot arrays [F_1..F_d] (a value per
     node, such as the critic's value after its last token), or a larger layout padded at the end of each axis."""
-    out = np.zeros(1 + max(int(ids.max()) for ids in self.node_ids),
-                   np.result_type(*[np.asarray(v).dtype for v in levels]))
+    levels = self._check_levels(levels, "PaddedTree.slot_values", with_t=False)
+    out = np.zeros(1 + max(int(ids.max()) for ids in self.node_ids), np.result_type(*[v.dtype for v in levels]))
     for ids, values in zip(self.node_ids, levels):
-      values = np.asarray(values)[tuple(slice(n) for n in ids.shape)]
+      values = values[tuple(slice(n) for n in ids.shape)]
       out[ids[ids >= 0]] = values[ids >= 0]
     return out
 

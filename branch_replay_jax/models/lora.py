@@ -109,16 +109,17 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
   if experts:
     raise ValueError(f"{field}.targets={targets!r}: {experts} are a mixture of experts' MLP (arch={config.arch!r}: "
                      f"its experts and router), which take no adapters; use the attention's {ATTENTION_TARGETS}")
-  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+  if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
     raise ValueError(f"{field}.rank={rank!r} must be an int >= 1")
   for t in targets:
     fan_in, fan_out = (math.prod(s) for s in shapes[t])
     if rank > min(fan_in, fan_out):
       raise ValueError(f"{field}.rank={rank} is larger than projection {t}'s dimensions (fan-in {fan_in}, fan-out "
                        f"{fan_out}): a rank-r update needs r <= {min(fan_in, fan_out)}")
-  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)) or \
+      not 0 < alpha < float("inf"):
     raise ValueError(f"{field}.alpha={alpha!r} must be a finite number > 0")
-  return LoraSpec(rank, float(alpha), targets)
+  return LoraSpec(int(rank), float(alpha), targets)
 
 
 def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
