@@ -41,7 +41,7 @@ class TilePlan(NamedTuple):
   rows: [n] the tile's rows that are its group's, in [0, tile] (0 for unused tiles); the rest of its rows
     belong to the next groups or are padding.
   first_tile: [E] each group's first tile; count: [E] its tiles, ceil(size / tile).
-  starts: [E] each group's first row.
+  starts: [E] each group's first row; ends: [E] the row after its last.
   """
   owner: jax.Array
   row0: jax.Array
@@ -49,6 +49,7 @@ class TilePlan(NamedTuple):
   first_tile: jax.Array
   count: jax.Array
   starts: jax.Array
+  ends: jax.Array
 
 
 def tile_plan(group_sizes: jax.Array, m: int, tile: int) -> TilePlan:
@@ -56,7 +57,8 @@ def tile_plan(group_sizes: jax.Array, m: int, tile: int) -> TilePlan:
   group_sizes [E] (summing to M); their number is the static bound ceil(M / tile) + E."""
   e = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
-  starts = jnp.cumsum(sizes) - sizes                        # [E] each group's first row
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes                                     # [E] each group's first row
   count = (sizes + tile - 1) // tile                        # [E]
   tile_ends = jnp.cumsum(count)
   first_tile = tile_ends - count                            # [E] each group's first tile
@@ -64,19 +66,18 @@ def tile_plan(group_sizes: jax.Array, m: int, tile: int) -> TilePlan:
   owner = jnp.minimum(jnp.searchsorted(tile_ends, i, side="right"), e - 1).astype(jnp.int32)
   row0 = jnp.clip(starts[owner] + (i - first_tile[owner]) * tile, 0, m)   # unused tiles read the zero padding
   rows = jnp.clip(starts[owner] + sizes[owner] - row0, 0, tile)
-  return TilePlan(owner, row0.astype(jnp.int32), rows.astype(jnp.int32), first_tile, count, starts)
+  return TilePlan(owner, row0.astype(jnp.int32), rows.astype(jnp.int32), first_tile, count, starts, ends)
 
 
-def rows_of_tiles(ys: jax.Array, plan: TilePlan, group_sizes: jax.Array, m: int, tile: int) -> jax.Array:
+def rows_of_tiles(ys: jax.Array, plan: TilePlan, m: int, tile: int) -> jax.Array:
   """[M, ...]: each of the M sorted rows' output read from its tile's, ys [n, tile, ...] (`tile_plan`'s tiles);
   the rows a tile computed for the next group are never read. Rows past the groups' total (group_sizes summing
   to less than M) are 0, as `ragged_dot` gives them."""
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
   r = jnp.arange(m, dtype=jnp.int32)
-  g = jnp.minimum(jnp.searchsorted(ends, r, side="right"), group_sizes.shape[0] - 1)   # each row's group
+  g = jnp.minimum(jnp.searchsorted(plan.ends, r, side="right"), plan.ends.shape[0] - 1)   # each row's group
   j = r - plan.starts[g]
   out = ys[plan.first_tile[g] + j // tile, j % tile]
-  return jnp.where((r < ends[-1]).reshape((m,) + (1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
+  return jnp.where((r < plan.ends[-1]).reshape((m,) + (1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
 
 
 def own_rows(x_tile: jax.Array, rows) -> jax.Array:
@@ -118,4 +119,4 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: 
     return None, own_rows(jax.lax.dynamic_slice_in_dim(x_pad, r, tile, axis=0), n) @ w[g]
 
   _, ys = jax.lax.scan(jax.checkpoint(body), None, (plan.owner, plan.row0, plan.rows))   # [tiles, tile, f]
-  return rows_of_tiles(ys, plan, group_sizes, m, tile)
+  return rows_of_tiles(ys, plan, m, tile)

@@ -50,10 +50,8 @@ def _acc(dtype) -> jnp.dtype:
 def _gmm_kernel(owner_ref, row0_ref, rows_ref, x_ref, w_ref, y_ref, *, tile: int, bk: int):
   i, j = pl.program_id(0), pl.program_id(1)
   g, r = owner_ref[i], row0_ref[i]
-  bn = y_ref.shape[-1]
+  n, bn = rows_ref[i], y_ref.shape[-1]
   acc = _acc(x_ref.dtype)
-
-  n = rows_ref[i]
 
   def body(k, total):
     xs = own_rows(x_ref[pl.ds(r, tile), pl.ds(k * bk, bk)], n)        # the next group's rows: 0
@@ -102,26 +100,30 @@ def _tgmm(x_pad, dy_pad, plan, e: int, tile: int, interpret: bool, dtype):
       interpret=interpret)(plan.first_tile, plan.count, plan.row0, plan.rows, x_pad, dy_pad)
 
 
+def _pad(a, tile: int):
+  return jnp.pad(a, ((0, tile), (0, 0)))   # every tile's rows in bounds
+
+
+def _forward(x, w, plan, tile, interpret):
+  return rows_of_tiles(_gmm(_pad(x, tile), w, plan, tile, interpret), plan, x.shape[0], tile)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped(x, w, group_sizes, tile, interpret):
-  plan = tile_plan(group_sizes, x.shape[0], tile)
-  ys = _gmm(jnp.pad(x, ((0, tile), (0, 0))), w, plan, tile, interpret)
-  return rows_of_tiles(ys, plan, group_sizes, x.shape[0], tile)
+  return _forward(x, w, tile_plan(group_sizes, x.shape[0], tile), tile, interpret)
 
 
 def _grouped_fwd(x, w, group_sizes, tile, interpret):
-  return _grouped(x, w, group_sizes, tile, interpret), (x, w, group_sizes)
+  plan = tile_plan(group_sizes, x.shape[0], tile)
+  return _forward(x, w, plan, tile, interpret), (x, w, plan)   # the plan saved for the backward
 
 
 def _grouped_bwd(tile, interpret, saved, dy):
-  x, w, group_sizes = saved
-  m = x.shape[0]
-  plan = tile_plan(group_sizes, m, tile)
-  pad = lambda a: jnp.pad(a, ((0, tile), (0, 0)))
-  dx = rows_of_tiles(_gmm(pad(dy.astype(x.dtype)), jnp.swapaxes(w, 1, 2).astype(x.dtype), plan, tile, interpret),
-                     plan, group_sizes, m, tile)
-  dw = _tgmm(pad(x), pad(dy.astype(x.dtype)), plan, w.shape[0], tile, interpret, w.dtype)
-  return dx.astype(x.dtype), dw, None
+  x, w, plan = saved
+  dy = dy.astype(x.dtype)
+  dx = _forward(dy, jnp.swapaxes(w, 1, 2), plan, tile, interpret)
+  dw = _tgmm(_pad(x, tile), _pad(dy, tile), plan, w.shape[0], tile, interpret, w.dtype)
+  return dx, dw, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -790,6 +790,21 @@ def test_episode_trees_replay_the_routes_their_samplers_recorded_float64(model64
       assert float(obj.grpo_aux_sums(aux)[2]["routing_mismatch"]) == 0.0
 
 
+def _attention_adapters(graphdef, params):
+  """(graphdef, adapters, base) of the float64 model with LoRA adapters (rank 3, scale 2) on its attention, their
+  B random (not the zero init), so they change every projection; adapters cast to float64 (add_adapters makes
+  float32)."""
+  from branch_replay_jax.models import lora
+  model = nnx.merge(graphdef, params)
+  spec = lora.LoraSpec(rank=3, alpha=6.0, targets=lora.ATTENTION_TARGETS)
+  lora.add_adapters(model, spec, rngs=nnx.Rngs(1))
+  for i, t in enumerate(spec.targets):
+    b = getattr(model.layers, t + "_lora_b")
+    b[...] = 0.2 * jax.random.normal(jax.random.key(100 + i), b.shape, b.dtype)
+  lgraph, adapters, base = lora.split(model)
+  return lgraph, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), adapters), base
+
+
 def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64(model64, x64):
   # LoRA adapters (rank 3, random B so they change every projection) on a mixture of experts' attention, the
   # experts and router frozen in the base: a group with recorded routes (30% flipped, 20% unrecorded) replayed
@@ -800,14 +815,7 @@ def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64
   from branch_replay_jax.gradients.step import value_and_grad
   from branch_replay_jax.models import lora
   graphdef, params = model64
-  model = nnx.merge(graphdef, params)
-  spec = lora.LoraSpec(rank=3, alpha=6.0, targets=lora.ATTENTION_TARGETS)
-  lora.add_adapters(model, spec, rngs=nnx.Rngs(1))
-  for i, t in enumerate(spec.targets):
-    b = getattr(model.layers, t + "_lora_b")
-    b[...] = 0.2 * jax.random.normal(jax.random.key(100 + i), b.shape, b.dtype)
-  lgraph, adapters, base = lora.split(model)
-  adapters = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), adapters)   # add_adapters makes float32
+  lgraph, adapters, base = _attention_adapters(graphdef, params)
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
   prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.3,
                                                  unrecorded=0.2)
@@ -824,7 +832,7 @@ def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64
     assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
     assert max_rel_err(gr, gn) <= 1e-10
   with pytest.raises(ValueError, match=r"lora.targets=.*\['w_up'\] are a mixture of experts' MLP"):
-    lora.check_spec(3, 6.0, ("wq", "w_up"), model.config)
+    lora.check_spec(3, 6.0, ("wq", "w_up"), nnx.merge(graphdef, params).config)
 
 
 @pytest.mark.parametrize("expert_matmul", [

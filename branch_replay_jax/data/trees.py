@@ -87,9 +87,9 @@ class RolloutTree:
     """
     self._check_per_node(per_node, "RolloutTree.rows")
     paths = self.along(per_node)
-    if max(len(r) for r in paths) > width:
-      raise ValueError(f"RolloutTree.rows: width={width} is shorter than the longest trajectory "
-                       f"({max(len(r) for r in paths)} tokens)")
+    longest = max(len(r) for r in paths)
+    if longest > width:
+      raise ValueError(f"RolloutTree.rows: width={width} is shorter than the longest trajectory ({longest} tokens)")
     out = np.zeros((len(paths), width) + paths[0].shape[1:], np.result_type(*paths))
     for g, r in enumerate(paths):
       out[g, :len(r)] = r
@@ -222,7 +222,6 @@ class PaddedTree:
       value = np.asarray(per_node[ids[slot]])
       out[slot][:len(value)] = value
     return out
-
 
   def unplace(self, levels: Sequence) -> list[np.ndarray]:
     """Inverse of `place` over every level: per node [L_n] (the root: zeros [prompt_len]) from per-level

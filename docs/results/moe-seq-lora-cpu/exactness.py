@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 from conftest import max_rel_err, random_group  # noqa: E402
 from families import arrays_of, objective  # noqa: E402
 from flax import nnx  # noqa: E402
-from test_moe import FIXTURE, _recorded_routes  # noqa: E402
+from test_moe import FIXTURE, _attention_adapters, _recorded_routes  # noqa: E402
 
 from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups  # noqa: E402
 from branch_replay_jax.gradients.heads import Policy  # noqa: E402
@@ -58,14 +58,7 @@ report("seq_mesh_2x2x2_fsdp", loss, sum(o[0] for o in outs), grads,
        jax.tree_util.tree_map(lambda *g: sum(g), *[o[2] for o in outs]))
 
 # 2. LoRA on the attention
-m = nnx.merge(graphdef, params)
-spec = lora.LoraSpec(rank=3, alpha=6.0, targets=lora.ATTENTION_TARGETS)
-lora.add_adapters(m, spec, rngs=nnx.Rngs(1))
-for i, t in enumerate(spec.targets):
-  b = getattr(m.layers, t + "_lora_b")
-  b[...] = 0.2 * jax.random.normal(jax.random.key(100 + i), b.shape, b.dtype)
-lgraph, adapters, base = lora.split(m)
-adapters = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), adapters)
+lgraph, adapters, base = _attention_adapters(graphdef, params)
 batch = with_routes(arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64), 0)
 run = jax.jit(lambda a, b, bt, layout, mb, fused: value_and_grad(head, lora.WithBase(lgraph, b), a, bt, objective,
                                                                    layout=layout, micro_batch=mb, fused=fused),
