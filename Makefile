@@ -12,6 +12,10 @@ $(STAMP): setup.cfg pyproject.toml
 	# GEM's environments (rollout.adapters.GemEnv): its pins of nltk and reasoning-gym are older than
 	# ours and its games need neither, so no deps either.
 	$(PY) -m pip install --quiet --no-deps 'gem-llm==0.1.0'
+	# OpenEnv (rollout.openenv_env.OpenEnvEnv): openenv-core requires gradio (its web UI; gradio pins
+	# pillow < 13, older than ours) and its CLI's packages, none of which its in-process Environment
+	# imports; what that imports (fastapi, fastmcp) comes with the test extra. So no deps.
+	$(PY) -m pip install --quiet --no-deps 'openenv-core==0.3.0'
 	touch $(STAMP)
 
 .PHONY: install run test test-all bench

@@ -27,8 +27,8 @@ def get_config(arg=None):
   c.rollout.group_size = 8                # G: episodes per problem, branching at the first turn
   c.rollout.episodes = ml_collections.ConfigDict()
   c.rollout.episodes.environment = "calculator"   # rollout/environments.py: ToolEnv with the calculator; or
-  #                                       # textarena:GAME-ID, gem:ENV-ID, verifiers:TASKSET-ID, FILE.py:NAME,
-  #                                       # python:package.module:NAME
+  #                                       # textarena:GAME-ID, gem:ENV-ID, verifiers:TASKSET-ID,
+  #                                       # openenv:package.module:NAME, FILE.py:NAME, python:package.module:NAME
   c.rollout.episodes.env_options = ml_collections.ConfigDict()   # keyword arguments of those (none here)
   c.rollout.episodes.max_turns = 3        # model turns per episode: call, (call,) answer
   c.rollout.episodes.max_turn_tokens = 48  # tokens per model turn

