@@ -92,13 +92,39 @@ def same_run(got_dir, want_dir):
   assert max_rel(got_params, want_params) <= 1e-5
 
 
+STALE = {"train.max_staleness": 1}
+
+
+@pytest.fixture(scope="module")
+def stale_one_process(tmp_path_factory):
+  """`one_process` at train.max_staleness = 1: both steps sampled by version 0, the second off-policy."""
+  run_dir = tmp_path_factory.mktemp("stale_one_process")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Task, "score", length_score)
+    train.train(experiment_config(grpo_smollm2_arith, "smoke", run_dir, **MESH, **STALE))
+  return run_dir
+
+
 @pytest.mark.slow
+@pytest.mark.heavy   # ~60 s; CI runs the k = 1 test below: the same two-process loop, its gathers and collectives
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_two_processes_train_as_one(one_process, tmp_path):
   two_processes(tmp_path)
   same_run(tmp_path, one_process)
   # process 0 alone wrote the logs: one record per step, not one per process
   assert len(lines(os.path.join(tmp_path, "metrics.jsonl"))) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_two_processes_with_stale_rollouts_train_as_one_process(stale_one_process, tmp_path):
+  # train.max_staleness = 1 as two processes: each samples in its loop's thread (producer.inline), one process
+  # in a producer thread; the versions are a function of the step, so the samples, metrics and parameters
+  # are the one process's (same_run's bounds), and both steps were sampled by version 0.
+  two_processes(tmp_path, **STALE)
+  same_run(tmp_path, stale_one_process)
+  got = lines(os.path.join(tmp_path, "metrics.jsonl"))
+  assert [r["policy_version"] for r in got] == [0, 0] and [r["staleness_max"] for r in got] == [0, 1]
 
 
 @pytest.mark.slow

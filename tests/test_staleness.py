@@ -18,17 +18,19 @@ from branch_replay_jax.rollout.tasks import Task
 from conftest import grpo_smoke, length_score
 
 
-def drive(k: int, start: int, steps: int):
+def drive(k: int, start: int, steps: int, inline: bool = False, events: list | None = None):
   """Run the update loop's side of a Producer whose collect records (step, the version it sampled with,
-  data_pos); each 'update' deletes the parameters it was given, as the train step's donation does."""
-  seen, lock = [], threading.Lock()
+  data_pos); each 'update' deletes the parameters it was given, as the train step's donation does.
+  `events` (if given) gets ("sample", step) and ("update", step) in the order they happen."""
+  seen, lock, events = [], threading.Lock(), [] if events is None else events
 
   def collect(params, step, data_pos):
     with lock:
       seen.append((step, int(params["version"]), data_pos))
+      events.append(("sample", step))
     return f"batch {step}", data_pos + 2
 
-  producer = Producer(collect, start=start, steps=steps, data_pos=10 * start, max_staleness=k)
+  producer = Producer(collect, start=start, steps=steps, data_pos=10 * start, max_staleness=k, inline=inline)
   params = {"version": jnp.asarray(start)}
   taken = []
   try:
@@ -36,6 +38,8 @@ def drive(k: int, start: int, steps: int):
     for step in range(start, steps):
       produced = producer.take(step)
       taken.append((step, produced.batch, produced.data_pos, produced.version, produced.metrics(step)))
+      with lock:
+        events.append(("update", step))
       new = {"version": params["version"] + 1}
       if k:
         params["version"].delete()   # donated: a producer still holding it without a copy would fail
@@ -46,12 +50,14 @@ def drive(k: int, start: int, steps: int):
   return sorted(seen), taken
 
 
+@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize("k", [0, 1, 2])
 @pytest.mark.parametrize("start", [0, 3])
-def test_each_step_samples_with_the_version_k_steps_back_and_positions_chain(k, start):
+def test_each_step_samples_with_the_version_k_steps_back_and_positions_chain(k, start, inline):
   # Version v(t) = max(start, t - k): the first k steps of a (resumed) run sample with the starting
   # version, every later one with the parameters after t - k updates; data positions 10 * start + 2i.
-  seen, taken = drive(k, start, steps=start + 6)
+  # Inline (several processes: no thread) gives the same batches, versions and positions.
+  seen, taken = drive(k, start, steps=start + 6, inline=inline)
   want = [(t, max(start, t - k), 10 * start + 2 * (t - start)) for t in range(start, start + 6)]
   assert seen == want
   assert [(t, b, pos, v) for t, b, pos, v, _ in taken] == [
@@ -59,6 +65,22 @@ def test_each_step_samples_with_the_version_k_steps_back_and_positions_chain(k, 
   assert [m for *_, m in taken] == [
       {"policy_version": max(start, t - k), "staleness_mean": float(min(k, t - start)),
        "staleness_max": min(k, t - start)} for t in range(start, start + 6)]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_inline_samples_up_to_step_t_plus_k_right_after_update_t(k):
+  # Several processes: the loop's thread samples step 0 on demand (no update yet to overlap), then right
+  # after dispatching update t every step up to t + k (versions <= t exist by then), so a step's batch is
+  # ready when the loop takes it; one fixed order, which is what makes the processes' collectives meet.
+  events = []
+  drive(k, 0, steps=6, inline=True, events=events)
+  want, sampled = [("sample", 0)], 1
+  for t in range(6):
+    want.append(("update", t))
+    while sampled <= min(t + k, 5):
+      want.append(("sample", sampled))
+      sampled += 1
+  assert events == want
 
 
 def test_no_batch_is_sampled_while_the_producer_is_held():
@@ -77,8 +99,9 @@ def test_no_batch_is_sampled_while_the_producer_is_held():
     producer.close()
 
 
+@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize("k", [0, 2])
-def test_a_producer_error_reaches_the_step_it_stopped_after_the_earlier_ones(k):
+def test_a_producer_error_reaches_the_step_it_stopped_after_the_earlier_ones(k, inline):
   # Steps 0 and 1 are taken (and would be trained, logged, checkpointed); step 2's collect raised, and
   # take(2) raises it; nothing is sampled past it.
   sampled = []
@@ -89,7 +112,7 @@ def test_a_producer_error_reaches_the_step_it_stopped_after_the_earlier_ones(k):
     sampled.append(step)
     return step, data_pos
 
-  producer = Producer(collect, start=0, steps=6, data_pos=0, max_staleness=k)
+  producer = Producer(collect, start=0, steps=6, data_pos=0, max_staleness=k, inline=inline)
   producer.publish(0, {"w": jnp.zeros(())})
   taken = []
   with pytest.raises(RuntimeError, match="environment failed at step 2"):
@@ -116,10 +139,6 @@ def test_a_negative_max_staleness_is_refused_before_the_model_loads(tmp_path):
     train.GRPO(grpo_smoke(tmp_path, **{"train.max_staleness": -1}))
 
 
-def test_staleness_with_several_processes_is_refused(tmp_path):
-  with pytest.raises(ValueError, match=r"train.max_staleness=1 with 2 processes"):
-    train.GRPO(grpo_smoke(tmp_path, **{"train.max_staleness": 1, "distributed.num_processes": 2,
-                                       "distributed.coordinator_address": "localhost:1234"}))
 
 
 def stale_smoke(run_dir, **overrides):

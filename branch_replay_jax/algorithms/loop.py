@@ -3,8 +3,9 @@
     start_run ─► setup ─► [eval] ─► for step: collect (sample, score) ─► update ─► log ─► [eval] ─► checkpoint
                                                                                               ─► plots
 
-With train.max_staleness = k > 0, collect runs ahead in a producer thread (algorithms/producer.py): step t's
-batch is sampled by the parameters after max(start, t - k) steps while earlier updates run.
+With train.max_staleness = k > 0, collect runs ahead in a producer thread (algorithms/producer.py; with several
+processes in this thread, right after each update is dispatched): step t's batch is sampled by the parameters
+after max(start, t - k) steps while earlier updates run.
 
 An algorithm plugs in as an `Algorithm` (algorithms/grpo.py, ppo.py, dpo.py): it supplies its
 batch (`collect`), its update (`update`: one jitted program per optimizer step,
@@ -136,7 +137,7 @@ def train(config, algorithm: Algorithm) -> list[dict]:
 
   rollouts = producer.Producer(collect, start=run.start,
                                steps=config.train.steps, data_pos=run.data_pos,
-                               max_staleness=producer.max_staleness(config))
+                               max_staleness=producer.max_staleness(config), inline=producer.inline(config))
   try:
     if evaluation is not None and run.start == 0:
       # A resumed run evaluated its checkpointed step before saving it (below).

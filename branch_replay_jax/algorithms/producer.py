@@ -27,8 +27,13 @@ sampled batches. An exception in the producer (an environment's, a reward functi
 update loop at the step whose batch it stopped, after every earlier step has been trained, logged
 and checkpointed as due.
 
-Several processes are refused with k > 0: the producer's gather across processes (`hosts.gather_items`)
-would interleave with the update's collectives in an order that differs between processes.
+With several processes the producer takes no thread (`inline`): a thread's gathers across processes
+(`hosts.gather_items`) would interleave with the update's collectives in an order that differs between
+processes, and a collective whose processes meet in different orders deadlocks. Instead the update
+loop's own thread samples step t + k with version t right after it dispatched update t
+(`publish(t + 1)`): the same versions, so the same batches as a thread's, in one order on every process.
+JAX dispatches the update asynchronously, so the sampling's host work (environments, reward functions,
+tokenisation) overlaps the update's compute until the sampler first needs a device result.
 """
 
 from __future__ import annotations
@@ -54,17 +59,16 @@ def max_staleness(config) -> int:
 
 
 def validate(config) -> None:
-  """Raise ValueError naming train.max_staleness when it is not an int >= 0, or > 0 in a run of
-  several processes (distributed.num_processes or its environment variable, `hosts.settings`;
-  module docstring)."""
+  """Raise ValueError naming train.max_staleness when it is not an int >= 0."""
   k = max_staleness(config)
   if isinstance(k, bool) or not isinstance(k, int) or k < 0:
     raise ValueError(f"{FIELD}={k!r} must be an int >= 0 (0: sample each step with the current policy)")
-  processes = hosts.settings(config)["num_processes"]
-  if k and (processes > 1 or jax.process_count() > 1):
-    raise ValueError(f"{FIELD}={k} with {max(processes, jax.process_count())} processes: the producer thread's "
-                     "gathers across processes would interleave with the update's collectives; use "
-                     f"{FIELD}=0 with several processes")
+
+
+def inline(config) -> bool:
+  """Whether the producer samples in the update loop's thread: a run of several processes
+  (distributed.num_processes or its environment variable, `hosts.settings`; module docstring)."""
+  return hosts.settings(config)["num_processes"] > 1 or jax.process_count() > 1
 
 
 @dataclasses.dataclass
@@ -95,17 +99,20 @@ class Producer:
       producer.close()                              # also on an exception (try / finally)
 
   collect(params, step, data_pos) -> (batch, next data_pos) is the algorithm's (`loop.Algorithm.collect`).
+  inline: sample in the caller's thread (several processes; module docstring): `publish(v)` samples every
+  step that versions before v sample, `take(t)` what is still missing; the same batches as a thread's.
   """
 
-  def __init__(self, collect: Callable, *, start: int, steps: int, data_pos: int, max_staleness: int):
+  def __init__(self, collect: Callable, *, start: int, steps: int, data_pos: int, max_staleness: int,
+               inline: bool = False):
     self.collect, self.start, self.steps, self.k = collect, start, steps, max_staleness
     self.data_pos = data_pos
     self.versions: dict[int, Any] = {}    # version -> parameters (k > 0: copies)
     self.ready: dict[int, Produced | BaseException] = {}
     self.closed = self.holding = self.collecting = False
     self.lock = threading.Condition()
-    self.thread = None
-    if self.k:
+    self.thread, self.inline, self.next_step, self.newest = None, bool(inline and self.k), start, start - 1
+    if self.k and not self.inline:
       self.thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
       self.thread.start()
 
@@ -118,12 +125,14 @@ class Producer:
     if not self.k:
       self.versions = {version: params}
       return
-    if version + self.k >= self.steps and version != self.start:
-      return   # no step left samples with it
-    copy = jax.tree.map(lambda x: x.copy(), params)
-    with self.lock:
-      self.versions[version] = copy
-      self.lock.notify_all()
+    if version + self.k < self.steps or version == self.start:   # else no step left samples with it
+      copy = jax.tree.map(lambda x: x.copy(), params)
+      with self.lock:
+        self.versions[version] = copy
+        self.newest = version
+        self.lock.notify_all()
+    if self.inline:   # version - 1 is computed; version itself may still be in flight (async dispatch)
+      self._produce_inline(version - 1, self.steps - 1)
 
   def take(self, step: int) -> Produced:
     """Step `step`'s batch (in order); re-raises the producer's exception at the step it stopped."""
@@ -131,6 +140,8 @@ class Producer:
     if not self.k:
       batch, self.data_pos = self.collect(self.versions[step], step, self.data_pos)
       return Produced(batch, self.data_pos, step, time.perf_counter() - t0)
+    if self.inline and step not in self.ready:
+      self._produce_inline(self.newest, step)
     with self.lock:
       self.lock.wait_for(lambda: step in self.ready)
       item = self.ready.pop(step)
@@ -163,6 +174,20 @@ class Producer:
       self.thread.join()
     self.versions.clear()
     self.ready.clear()   # batches sampled ahead of a stopped run (and a stored exception's frame)
+
+  def _produce_inline(self, newest: int, last: int) -> None:
+    """Sample, in order, every step up to `last` not yet sampled whose version is at most `newest` (inline)."""
+    while self.next_step <= last and self.version_of(self.next_step) <= newest and not self.closed:
+      step, version = self.next_step, self.version_of(self.next_step)
+      try:
+        batch, self.data_pos = self.collect(self.versions[version], step, self.data_pos)
+        self.ready[step] = Produced(batch, self.data_pos, version, wait_s=0.0)
+      except BaseException as error:   # raised by take(step), after the earlier steps
+        self.ready[step] = error
+        self.closed = True
+      self.next_step += 1
+      if self.version_of(step + 1) != version:
+        self.versions.pop(version, None)
 
   def _produce(self) -> None:
     data_pos = self.data_pos
