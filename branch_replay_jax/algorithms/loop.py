@@ -22,8 +22,8 @@ Wall-clock: each metrics record's `wall_s` is the run's training seconds so far:
 the first step to the end of this step's update, evaluations left out, continued across a resume
 (the resumed run starts from the checkpointed step's wall_s in metrics.jsonl). Start-up (model
 load, the step-0 evaluation) is not counted; compiles inside steps are. A record's step_s is the
-seconds the loop waited for the step's batch plus its update (with a producer ahead, the wait is
-what its sampling did not overlap); sample_s and score_s are the sampling's own seconds. Each eval.jsonl row
+seconds the loop waited for the step's batch (with a producer ahead, what its sampling did not overlap;
+with several processes also the later steps it sampled right after this update) plus its update; sample_s and score_s are the sampling's own seconds. Each eval.jsonl row
 carries the wall_s of its step, so held-out accuracy plots against training time alike in replay
 and naive mode whatever the evaluation costs.
 """
@@ -150,9 +150,10 @@ def train(config, algorithm: Algorithm) -> list[dict]:
       t1 = time.perf_counter()
       params, opt_state, stats = algorithm.update(params, opt_state, batch, step)
       t2 = time.perf_counter()
-      rollouts.publish(step + 1, params)
+      rollouts.publish(step + 1, params)   # several processes: samples here the steps that version `step` samples
       stats = {**stats, **produced.metrics(step), MATH_VERIFY_TIMEOUTS: timeouts}
-      record = algorithm.log(bar, step, batch, stats, rollout_s=produced.wait_s, update_s=t2 - t1,
+      rollout_s = produced.wait_s + time.perf_counter() - t2
+      record = algorithm.log(bar, step, batch, stats, rollout_s=rollout_s, update_s=t2 - t1,
                              wall_s=clock.seconds())
       history.append(record)
       if writer is not None:
