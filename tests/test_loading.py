@@ -688,3 +688,62 @@ def test_hf_config_without_rope_theta_is_refused_or_takes_the_llama_default(tmp_
   with caplog.at_level("WARNING"):
     model, _ = load(directory)
   assert model.config.rope_theta == expected and "rope_theta is missing" in caplog.text
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def _multimodal_copy(fixture: str, out: str, model_type: str, prefix: str, lm_head: str, drop=()) -> dict:
+  """The text fixture as a multimodal checkpoint of `model_type`: its config.json as text_config (less the
+  fields `drop`, left to the family's defaults as released config files leave them), its tensors
+  under `prefix` (the LM head as `lm_head`), plus a vision tower, a projector and a multi-token-prediction
+  layer the language model does not hold. Returns the tensors written."""
+  with open(os.path.join(FIXTURES, fixture, "config.json")) as f:
+    text = {k: v for k, v in json.load(f).items() if k not in drop}
+  os.makedirs(out)
+  cfg = {"model_type": model_type, "architectures": ["ForConditionalGeneration"], "text_config": text,
+         "vision_config": {}, "tie_word_embeddings": text["tie_word_embeddings"]}
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  tensors = hf_loader.read_tensors(os.path.join(FIXTURES, fixture))
+  renamed = {(lm_head if k == "lm_head.weight" else prefix + k[len("model."):]): v for k, v in tensors.items()}
+  rng = np.random.default_rng(0)
+  for extra in ("model.visual.blocks.0.attn.qkv.weight", "vision_tower.vision_model.embeddings.patch.weight",
+                "multi_modal_projector.mm_input_projection_weight", "mtp.fc.weight"):
+    renamed[extra] = rng.normal(size=(3, 5)).astype(np.float32)
+  save_file(renamed, os.path.join(out, "model.safetensors"))
+  return renamed
+
+
+# Gemma3TextConfig's defaults, which the released config files leave out
+GEMMA_DEFAULTS = ("attention_bias", "attention_dropout", "attn_logit_softcapping", "final_logit_softcapping",
+                  "hidden_activation", "rms_norm_eps", "use_bidirectional_attention")
+
+
+@pytest.mark.parametrize("fixture,model_type,prefix,lm_head,drop", [
+    ("qwen3_5_tiny", "qwen3_5", "model.language_model.", "lm_head.weight", ()),             # transformers 5's names
+    ("gemma3_tiny", "gemma3", "language_model.model.", "language_model.lm_head.weight",   # Gemma 3's released names
+     GEMMA_DEFAULTS),
+])
+def test_a_multimodal_checkpoint_loads_its_language_model_as_the_text_checkpoint(tmp_path, fixture, model_type,
+                                                                                 prefix, lm_head, drop):
+  # The released Qwen3.5 and Gemma 3 (4B+) checkpoints are multimodal: their language model is the text
+  # model's tensors under another prefix, with a vision tower (and Qwen3.5's mtp layers) beside it, and a
+  # text_config that may leave the family's defaults out. Loading the language model gives the text
+  # checkpoint's config and parameters exactly (the same float32 bytes).
+  out = str(tmp_path / "mm")
+  _multimodal_copy(fixture, out, model_type, prefix, lm_head, drop)
+  assert hf_loader.read_config(out) == hf_loader.read_config(os.path.join(FIXTURES, fixture))
+  got = nnx.state(loading.load_hf_model(out))
+  want = nnx.state(loading.load_hf_model(os.path.join(FIXTURES, fixture)))
+  got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+  assert len(got_leaves) == len(want_leaves) > 0
+  assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got_leaves, want_leaves))
+
+
+def test_a_multimodal_checkpoint_whose_text_config_is_another_family_is_refused(tmp_path):
+  out = str(tmp_path / "mm")
+  _multimodal_copy("gemma3_tiny", out, "qwen3_5", "model.language_model.", "lm_head.weight")
+  with pytest.raises(ValueError, match=r"model_type 'qwen3_5' with a text_config of model_type 'gemma3_text'; "
+                                       r"expected 'qwen3_5_text'"):
+    hf_loader.read_config(out)

@@ -133,23 +133,75 @@ def _qwen3_5_fields(cfg: dict, path: str) -> dict:
               tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
+# Multimodal checkpoints whose language model we train: {model_type: its text model's model_type}. The released
+# Qwen3.5 checkpoints and Gemma 3 from 4B up are these (transformers' Qwen3_5ForConditionalGeneration,
+# Gemma3ForConditionalGeneration); only their language model is read (`language_model_tensor`).
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text"}
+# A multimodal checkpoint's language-model tensors, named as the text model's: transformers 5 writes
+# model.language_model.*, Gemma 3's released files language_model.model.* and language_model.lm_head.*
+# (transformers' conversion_mapping.py renames them the same way).
+LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                           ("language_model.lm_head.", "lm_head."))
+# What the text model does not hold: the vision tower and its projector, and Qwen3.5's multi-token-prediction
+# layers (transformers' Qwen3_5ForCausalLM ignores ^mtp.* and ^model.visual.* alike).
+SKIPPED_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                    "multi_modal_projector.", "mtp.")
+
+
+def language_model_tensor(name: str, multimodal: bool) -> str | None:
+  """The text model's name of a checkpoint tensor: a multimodal checkpoint's language-model tensor renamed
+  (`LANGUAGE_MODEL_PREFIXES`), None for a tensor the text model does not hold (`SKIPPED_PREFIXES`; in a text
+  checkpoint only Qwen3.5's mtp.*), else the name itself (a tensor of neither kind is then refused by
+  `check_tensors` as unexpected)."""
+  if name.startswith(SKIPPED_PREFIXES if multimodal else ("mtp.",)):
+    return None
+  if multimodal:
+    for prefix, text in LANGUAGE_MODEL_PREFIXES:
+      if name.startswith(prefix):
+        return text + name[len(prefix):]
+  return name
+
+
+def text_config(directory: str) -> tuple[dict, bool]:
+  """(the text model's config.json fields, whether the checkpoint is multimodal): config.json as written, or
+  for a multimodal model_type (`MULTIMODAL`) its text_config with transformers' defaults filled in (released
+  files write only the fields that differ: `AutoConfig`, local files only, no torch) and the checkpoint's own
+  tie_word_embeddings (the multimodal model ties its lm_head to the language model's embeddings)."""
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    cfg = json.load(f)
+  if cfg.get("model_type") not in MULTIMODAL:
+    return cfg, False
+  written = (cfg.get("text_config") or {}).get("model_type", MULTIMODAL[cfg["model_type"]])
+  if written != MULTIMODAL[cfg["model_type"]]:   # AutoConfig would read it as the expected family's regardless
+    raise ValueError(f"{path}: model_type {cfg['model_type']!r} with a text_config of model_type {written!r}; "
+                     f"expected {MULTIMODAL[cfg['model_type']]!r}")
+  from transformers import AutoConfig
+
+  text = AutoConfig.from_pretrained(directory, local_files_only=True).get_text_config().to_dict()
+  if "tie_word_embeddings" in cfg:
+    text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+  return text, True
+
+
 def read_config(directory: str) -> ModelConfig:
-  """The `ModelConfig` of `directory/config.json`.
+  """The `ModelConfig` of `directory/config.json` (of its language model for a multimodal qwen3_5 or gemma3
+  checkpoint: `text_config`).
 
   Raises:
-    ValueError: a model_type other than llama/qwen2/qwen3/gemma3_text/qwen3_5_text (the multimodal "gemma3"
-      and "qwen3_5" are refused: their language models are a gemma3_text and a qwen3_5_text), or an option our model does not
+    ValueError: a model_type other than llama/qwen2/qwen3/gemma3_text/qwen3_5_text/qwen3_moe and the multimodal
+      gemma3/qwen3_5, or an option our model does not
       implement (attention/MLP bias on Llama, Qwen's sliding-window attention, a non-SiLU MLP,
       RoPE types other than default/linear/llama3; Gemma's soft-capping, bidirectional attention),
       or no rope_theta in a qwen2/qwen3 config (`config.default_rope_theta`; llama takes 10000
       with a warning).
   """
   path = os.path.join(directory, "config.json")
-  with open(path) as f:
-    cfg = json.load(f)
+  cfg, _ = text_config(directory)
   arch = cfg.get("model_type")
   if arch not in ARCHITECTURES:
-    raise ValueError(f"{path}: model_type {arch!r} is not supported; expected one of {ARCHITECTURES}")
+    raise ValueError(f"{path}: model_type {arch!r} is not supported; expected one of {ARCHITECTURES} or a "
+                     f"multimodal {tuple(MULTIMODAL)} (its language model)")
   heads = int(cfg["num_attention_heads"])
   common = dict(arch=arch, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]),
                 d_model=int(cfg["hidden_size"]), num_heads=heads,
@@ -294,16 +346,17 @@ def weight_files(directory: str) -> dict[str, list[str] | None]:
   return plan
 
 
-def read_tensors(directory: str) -> dict[str, np.ndarray]:
+def read_tensors(directory: str, multimodal: bool = False) -> dict[str, np.ndarray]:
   """The checkpoint's tensors (`weight_files`: what the index, or model.safetensors, names) as
-  float32 numpy arrays (bf16/f16 upcast exactly).
+  float32 numpy arrays (bf16/f16 upcast exactly), by the text model's names (`language_model_tensor`:
+  a multimodal checkpoint's vision tower and Qwen3.5's mtp.* layers are not read).
 
   Raises:
     ValueError: `weight_files`'; a truncated or corrupt file (`check_safetensors`: the file, the
       tensor and the bytes expected and found); a tensor the index puts in a shard that lacks it; a
       tensor name in two files (without an index).
   """
-  tensors = {}
+  tensors, skipped = {}, 0
   for file, names in weight_files(directory).items():
     check_safetensors(file)
     with safe_open(file, framework="np") as f:
@@ -311,9 +364,16 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
       for name in names if names is not None else sorted(keys):
         if name not in keys:
           raise ValueError(f"{file}: {INDEX} puts tensor {name!r} in this shard, but it is not there")
-        if name in tensors:
+        text = language_model_tensor(name, multimodal)
+        if text is None:
+          skipped += 1
+          continue
+        if text in tensors:
           raise ValueError(f"{file}: tensor {name!r} also appears in another safetensors file")
-        tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+        tensors[text] = np.asarray(f.get_tensor(name), dtype=np.float32)
+  if skipped:
+    logging.getLogger(__name__).info("%s: %d tensors the language model does not hold were not read (%s)", directory,
+                                     skipped, ", ".join(SKIPPED_PREFIXES if multimodal else ("mtp.",)))
   return tensors
 
 

@@ -205,7 +205,7 @@ def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attent
   """The decoder of an HF checkpoint directory (config.json + *.safetensors), without its tokenizer (`load`
   reads both). Raises ValueError as `load` does for the weights."""
   config = hf_loader.read_config(directory)
-  tensors = hf_loader.read_tensors(directory)
+  tensors = hf_loader.read_tensors(directory, multimodal=hf_loader.text_config(directory)[1])
   if config.tie_embeddings and "lm_head.weight" in tensors:
     # Some tied checkpoints store the (shared) output matrix anyway; accept only an exact copy.
     head = tensors.pop("lm_head.weight")
