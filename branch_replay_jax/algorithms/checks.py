@@ -107,8 +107,8 @@ def validate_layer_kinds(config) -> None:
   metadata) meets what those layers do not take. Sliding-window layers (Gemma 3): a Pallas kernel
   (model.attention_impl), the prompt split over mesh.seq (ring attention has no window), packed trees
   (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
-  prompt split over mesh.seq (the recurrent state would have to pass between seq devices), LoRA adapters
-  (`models.lora` adapts the Llama block), packed trees (the recurrence runs along a row). Mixtures of
+  prompt split over mesh.seq (the recurrent state would have to pass between seq devices), packed trees (the
+  recurrence runs along a row). Mixtures of
   experts (Qwen3-MoE): with loss.router_aux_coef > 0 or model.routing_replay packed trees (both are built for
   trees by level), with model.routing_replay episodes whose history is "template" (a rewritten history is not
   what the sampler fed); LoRA on their MLP (`models.lora.check_spec`, lora.targets). A model without
@@ -152,8 +152,7 @@ def validate_layer_kinds(config) -> None:
   if arch.hybrid:
     why = (f"mesh.seq={config.mesh.seq}: the prompt split over seq would have to pass the recurrent state from "
            "device to device, which is not built; use mesh.data and mesh.branch" if seq else
-           "lora: adapters are built for the Llama block; train the whole model" if config.get("lora") is not None
-           else "train.tree_schedule='packed': the recurrence runs along a row; use 'depth_first' or 'level'"
+           "train.tree_schedule='packed': the recurrence runs along a row; use 'depth_first' or 'level'"
            if packed else None)
     if why:
       raise ValueError(f"model.name={m.name!r} has linear-attention layers (Qwen3.5): {why}")

@@ -1,7 +1,9 @@
 """LoRA adapters on the stacked projections of `Llama` (Hu et al. 2021, arXiv 2106.09685).
 
 A mixture of experts (Qwen3-MoE) takes adapters on its attention projections only (ATTENTION_TARGETS):
-its MLP is E experts and a router, for which no adapter is built.
+its MLP is E experts and a router, for which no adapter is built. Qwen3.5 (`models.qwen3_5`) takes them on
+every layer's MLP and on its full-attention layers' wq, wk, wv, wo (stacked [Lf, ...] in `layers.full`, beside
+the adapted weight); its Gated DeltaNet layers' projections take none.
 
 A target projection W of the stacked layout (models/llama.py) gets two adapters, stacked on the
 same leading layer axis and typed `nnx.LoRAParam` (Flax NNX's LoRA variable type):
@@ -82,6 +84,7 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], t
   """name -> (input axes, output axes) of one layer's projection (without the layer axis) that can take adapters:
   every name of TARGETS, or for a mixture of experts (config.moe) those of ATTENTION_TARGETS."""
   d, hq, hkv, hd, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_dim
+  # (Qwen3.5: wq .. wo are its full-attention layers', of the same shapes, `target_weight`)
   attention = {"wq": ((d,), (hq, hd)), "wk": ((d,), (hkv, hd)), "wv": ((d,), (hkv, hd)), "wo": ((hq, hd), (d,))}
   if config.moe:
     return attention
@@ -122,6 +125,14 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
   return LoraSpec(int(rank), float(alpha), targets)
 
 
+def target_weight(model: Llama, target: str) -> tuple[Any, str]:
+  """(the module holding `target`'s weight, its attribute name): `model.layers`, or for Qwen3.5's attention
+  targets its full-attention layers' `model.layers.full` (their weights stacked [Lf, ...])."""
+  if model.config.hybrid and target in ATTENTION_TARGETS:
+    return model.layers.full, target
+  return model.layers, target
+
+
 def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
   """Add `spec`'s adapters to `model` in place (A he-uniform, B zero: the output is unchanged) and return it.
 
@@ -135,16 +146,19 @@ def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
   if model.lora is not None:
     raise ValueError(f"add_adapters: the model already has adapters ({model.lora})")
   check_spec(spec.rank, spec.alpha, spec.targets, model.config)
-  shapes, L, r = projection_shapes(model.config), model.config.num_layers, spec.rank
+  shapes, r = projection_shapes(model.config), spec.rank
   for t in spec.targets:
     ins, outs = shapes[t]
-    names = getattr(model.layers, t).get_metadata(AXES_KEY)   # W's: (layers, *in names, *out names)
+    module, _ = target_weight(model, t)
+    weight = getattr(module, t)
+    L = weight.shape[0]
+    names = weight.get_metadata(AXES_KEY)   # W's: (layers, *in names, *out names)
     names_a, names_b = names[:1 + len(ins)] + ("lora_rank",), ("layers", "lora_rank") + names[1 + len(ins):]
     init_a = nnx.initializers.variance_scaling(2.0, "fan_in", "uniform", in_axis=tuple(range(1, 1 + len(ins))),
                                                out_axis=-1, batch_axis=(0,))
-    setattr(model.layers, t + "_lora_a", annotated(init_a(rngs.params(), (L, *ins, r), jnp.float32), names_a,
-                                                   nnx.LoRAParam))
-    setattr(model.layers, t + "_lora_b", annotated(jnp.zeros((L, r, *outs), jnp.float32), names_b, nnx.LoRAParam))
+    setattr(module, t + "_lora_a", annotated(init_a(rngs.params(), (L, *ins, r), jnp.float32), names_a,
+                                             nnx.LoRAParam))
+    setattr(module, t + "_lora_b", annotated(jnp.zeros((L, r, *outs), jnp.float32), names_b, nnx.LoRAParam))
   model.lora = spec
   return model
 
@@ -187,16 +201,20 @@ def merged(model: Llama) -> Llama:
   spec = model.lora
   graphdef, state = nnx.split(model)
   pure = nnx.to_pure_dict(state)
-  layers = dict(pure["layers"])
+  pure["layers"] = dict(pure["layers"])
   for t in spec.targets:
+    layers = pure["layers"]
+    if target_weight(model, t)[0] is not model.layers:   # Qwen3.5's full-attention layers
+      layers = pure["layers"]["full"] = dict(pure["layers"]["full"])
     dtype = np.asarray(layers[t]).dtype
     a, b, w = (np.asarray(layers.pop(t + s), np.float64) for s in ("_lora_a", "_lora_b", ""))
     delta = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, spec.rank), b.reshape(b.shape[0], spec.rank, -1))
     layers[t] = (w + spec.scale * delta.reshape(w.shape)).astype(dtype)
-  pure["layers"] = layers
   cfg = model.config
-  plain = nnx.eval_shape(lambda: Llama(cfg, dtype=model.dtype, remat=model.remat,
-                                       attention_impl=model.attention_impl, rngs=nnx.Rngs(0)))
+  # the same class and options (Qwen3.5's chunk too), without adapters
+  options = {"chunk": model.chunk} if hasattr(model, "chunk") else {}
+  plain = nnx.eval_shape(lambda: type(model)(cfg, dtype=model.dtype, remat=model.remat,
+                                             attention_impl=model.attention_impl, rngs=nnx.Rngs(0), **options))
   plain_graph, plain_state = nnx.split(plain)
   nnx.replace_by_pure_dict(plain_state, jax.tree_util.tree_map(jnp.asarray, pure))
   return nnx.merge(plain_graph, plain_state)

@@ -139,19 +139,21 @@ class _Params(nnx.Module):
       setattr(self, name, value)
 
 
-def _full_layer(config, p, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], valid_bt, attention):
-  """A gated full-attention block's mixer: (output [B, T, d], (k, v))."""
+def _full_layer(config, p, x_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], valid_bt, attention,
+                lora_scale: float = 0.0):
+  """A gated full-attention block's mixer: (output [B, T, d], (k, v)); wq, wk, wv, wo with their LoRA adapters
+  where p holds them (`models.lora`, scaled by lora_scale)."""
   norm = lambda x, w: rms_norm(x, w, config.norm_eps, unit_offset=True)
-  q = norm(project(p, "wq", "btd,dhk->bthk", x_btd, 0.0), p["q_norm"])
+  q = norm(project(p, "wq", "btd,dhk->bthk", x_btd, lora_scale), p["q_norm"])
   gate = project(p, "wq_gate", "btd,dhk->bthk", x_btd, 0.0)
-  k = norm(project(p, "wk", "btd,dhk->bthk", x_btd, 0.0), p["k_norm"])
-  v = checkpoint_name(project(p, "wv", "btd,dhk->bthk", x_btd, 0.0), "v")
+  k = norm(project(p, "wk", "btd,dhk->bthk", x_btd, lora_scale), p["k_norm"])
+  v = checkpoint_name(project(p, "wv", "btd,dhk->bthk", x_btd, lora_scale), "v")
   rd = config.rotary_dim
   rope = lambda t: jnp.concatenate([apply_rope(t[..., :rd], positions_bt, inv_freq), t[..., rd:]], axis=-1)
   q, k = rope(q), checkpoint_name(rope(k), "k")
   attn, _ = attention(q, ancestors, KVBlock(k, v, valid_bt))
   attn = attn * jax.nn.sigmoid(gate.astype(accum_dtype(gate.dtype))).astype(attn.dtype)
-  return project(p, "wo", "bthk,hkd->btd", attn, 0.0), (k, v)
+  return project(p, "wo", "bthk,hkd->btd", attn, lora_scale), (k, v)
 
 
 def _linear_layer(config, p, x_btd, conv_state, state, valid_bt, chunk):
@@ -275,6 +277,7 @@ class Qwen35(Llama):
           per_rep((parent.conv, parent.recurrent), nl))
     anc_valid = [a.valid for a in ancestors]
     norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, unit_offset=True)
+    scale = 0.0 if self.lora is None else self.lora.scale   # LoRA (`models.lora`): the MLP's and full layers'
 
     def body(x, xs_r):
       shared_r, full_r, linear_r, anc_r, (conv_r, rec_r) = xs_r
@@ -289,7 +292,8 @@ class Qwen35(Llama):
         h = norm(x, shared_r["attn_norm"][i])
         if kind == FULL:
           blocks = [KVBlock(k[i_full], v[i_full], m) for (k, v), m in zip(anc_r, anc_valid)]
-          out, (k, v) = _full_layer(cfg, at(full_r, i_full), h, positions, inv_freq, blocks, valid_bt, attention)
+          out, (k, v) = _full_layer(cfg, at(full_r, i_full), h, positions, inv_freq, blocks, valid_bt, attention,
+                                    scale)
           ks.append(k), vs.append(v)
           i_full += 1
         else:
@@ -300,8 +304,8 @@ class Qwen35(Llama):
         x = x + out
         h = norm(x, shared_r["mlp_norm"][i])
         p = at(shared_r, i)
-        act = jax.nn.silu(project(p, "w_gate", "btd,df->btf", h, 0.0)) * project(p, "w_up", "btd,df->btf", h, 0.0)
-        x = x + project(p, "w_down", "btf,fd->btd", act, 0.0)
+        act = jax.nn.silu(project(p, "w_gate", "btd,df->btf", h, scale)) * project(p, "w_up", "btd,df->btf", h, scale)
+        x = x + project(p, "w_down", "btf,fd->btd", act, scale)
       stack = lambda arrays: jnp.stack(arrays) if arrays else None
       return x, (stack(ks), stack(vs), stack(convs), stack(recs))
 
