@@ -80,7 +80,7 @@ def game_seed(problem: Any, where: str = "game_seed") -> int:
   raise ValueError(f"{where}: problem={problem!r} must be an int >= 0 (the game's seed) or a task's Problem")
 
 
-class _OwnRandom:
+class OwnRandom:
   """Calls into a library that draws from the global `random` and `numpy.random`, with generator
   states of this object's own swapped in around each call."""
 
@@ -99,7 +99,7 @@ class _OwnRandom:
       np.random.set_state(outer_numpy)
 
 
-class TextArenaEnv(_OwnRandom):
+class TextArenaEnv(OwnRandom):
   """A single-player TextArena game as an `Environment` (see the module docstring for the mapping).
 
   Args:
@@ -169,7 +169,7 @@ class TextArenaEnv(_OwnRandom):
     return None, float(rewards[0]), True
 
 
-class GemEnv(_OwnRandom):
+class GemEnv(OwnRandom):
   """An environment of GEM (gem-llm, https://github.com/axon-rl/gem) as an `Environment`.
 
   GEM pins older nltk and reasoning-gym than this package uses; its games import neither, so install

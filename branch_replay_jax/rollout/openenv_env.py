@@ -61,7 +61,7 @@ import inspect
 import typing
 from typing import Any, Callable
 
-from branch_replay_jax.rollout.adapters import _OwnRandom, game_seed, import_optional
+from branch_replay_jax.rollout.adapters import OwnRandom, game_seed, import_optional
 from branch_replay_jax.rollout.environments import EpisodeEnd
 from branch_replay_jax.rollout.tasks.rewards import resolve
 
@@ -92,7 +92,7 @@ def _action_class(env, Action):
   return None
 
 
-class OpenEnvEnv(_OwnRandom):
+class OpenEnvEnv(OwnRandom):
   """An in-process OpenEnv environment as an `Environment` (see the module docstring for the mapping).
 
   Args:
