@@ -141,6 +141,12 @@ def test_moe_fields_are_checked_by_name():
     tiny_config(arch="qwen3_moe", num_experts=4, experts_per_token=2, qk_norm=True)
 
 
+# heavy (16 s; 36 s in CI at stop 61): CI covers its pieces with cheaper tests: LoRA with routing replay against
+# naive rows (test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64), the loop's routing
+# replay and routing_mismatch (test_grpo_trains_moe_episodes_with_routing_replay), the load-balancing loss
+# (test_group_replay_with_the_load_balancing_loss_equals_naive_float64) and the tiled experts
+# (test_tiled_expert_matmuls_equal_ragged_dot_and_replay_stays_exact_float64[tiled]).
+@pytest.mark.heavy
 def test_grpo_trains_lora_adapters_of_a_moe_directory_with_routing_replay_and_the_load_balancing_loss(
     tmp_path, monkeypatch):
   # A random Qwen3-MoE (2 layers, 4 experts, 2 per token) over SmolLM2's tokenizer, exported as a Hugging Face
@@ -164,6 +170,11 @@ def test_grpo_trains_lora_adapters_of_a_moe_directory_with_routing_replay_and_th
   assert 1.0 < record["router_aux"] < 4.0 and 0.0 <= record["routing_mismatch"] < 0.05
 
 
+# heavy (16 s; 31 s in CI at stop 61): CI covers its pieces: the tree sampler's routes
+# (test_the_tree_sampler_records_each_nodes_routes_the_trainer_computes_float64), the tree step replaying them
+# (test_tree_routing_replay_equals_naive_float64_and_logs_the_mismatch) and the loop handing a depth-first
+# tree step its samplers' routes (test_grpo_trains_moe_episodes_with_routing_replay).
+@pytest.mark.heavy
 def test_grpo_trains_a_moe_tree_with_routing_replay(tmp_path, monkeypatch):
   # The tree smoke experiment's trees (fan-outs 2, 2, segments of 4) on a random Qwen3-MoE directory with model.routing_replay: the
   # tree sampler records each node's experts once, the tree step (depth-first, the default) replays them, and the
@@ -544,7 +555,11 @@ def _tree_with_recorded_routes(model, rng, flip: float, unrecorded: float):
   return tree, routes, want
 
 
-@pytest.mark.parametrize("schedule,router_aux_coef", [("depth_first", 0.0), ("level", 0.5)])
+@pytest.mark.parametrize("schedule,router_aux_coef", [
+    # heavy (16 s): CI replays recorded routes on a depth-first episode tree against naive rows in float64
+    # (test_episode_trees_replay_the_routes_their_samplers_recorded_float64) and runs the level case here.
+    pytest.param("depth_first", 0.0, marks=pytest.mark.heavy),
+    ("level", 0.5)])
 def test_tree_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64, x64, schedule, router_aux_coef):
   # Each node's recorded routes (30% of its pairs flipped, 20% of its tokens unrecorded) replayed once on its
   # ancestors' K/V, against the naive rows that replay each path's routes: loss and gradient to float64 rounding,

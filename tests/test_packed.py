@@ -33,13 +33,14 @@ def _naive_arrays(tree, mode, dtype, seed=0):
                                  max_positions=256, completion_bucket=L_MAX, advantage=adv)
 
 
-def _check_equal(tree, graphdef, params, mode, dtype, loss_tol, grad_tol, length=None, seed=0):
+def _check_equal(tree, graphdef, params, mode, dtype, loss_tol, grad_tol, length=None, seed=0, floor=None):
   (packed,) = pack_trees([_grpo_tree_arrays(tree, mode, dtype, seed)], length=length)
   naive = _naive_arrays(tree, mode, dtype, seed)
   lp, ap, gp = _packed_step(graphdef, params, packed, _objective)
   ln, an, gn = _naive_step(graphdef, params, naive, _objective)
   assert abs(float(lp) - float(ln)) <= loss_tol * max(1.0, abs(float(ln))), mode
-  assert max_rel_err(gp, gn, floor=1e-5 if dtype == np.float32 else 0.0) <= grad_tol, mode
+  floor = (1e-5 if dtype == np.float32 else 0.0) if floor is None else floor
+  assert max_rel_err(gp, gn, floor=floor) <= grad_tol, mode
   (kl_p, clip_p), (kl_n, clip_n) = _sums(ap), _sums(an)
   assert clip_p == clip_n and abs(kl_p - kl_n) <= loss_tol * max(kl_n, 1e-30), mode   # what the step logs
   return packed, naive
@@ -49,12 +50,16 @@ def _check_equal(tree, graphdef, params, mode, dtype, loss_tol, grad_tol, length
 @given(tree=random_trees())
 def test_a_packed_tree_trains_as_its_naive_rows_float64(tree):
   # Random depths 1-4, ragged fan-outs and lengths, trajectories ending at any depth; float64, so the
-  # two layouts may differ by the order of float sums only (1e-10 relative on the gradient).
+  # two layouts may differ by the order of float sums only (1e-10 relative on the gradient). Each leaf's
+  # scale is at least 1e-6 of the largest gradient entry (as in tests/test_tree_replay.py): a one-token
+  # prompt under a one-token node gives wq and wk a true gradient of 0 (a softmax over one key), which
+  # either layout may compute as rounding noise (measured at XLA:CPU's optimisation level 0: 5.6e-20,
+  # against the largest entry's 0.15); every other leaf keeps its own 1e-10 bound.
   jax.clear_caches()
   with jax.enable_x64(True):
     graphdef, params = tiny_model(jnp.float64, jnp.float64)
     for mode in MODES:
-      packed, naive = _check_equal(tree, graphdef, params, mode, np.float64, 1e-12, 1e-10)
+      packed, naive = _check_equal(tree, graphdef, params, mode, np.float64, 1e-12, 1e-10, floor=1e-6)
     # Per-token log-probs: each packed row's token equals the same token of each trajectory through it.
     got = np.asarray(jax.jit(lambda p, b: forward(POLICY, graphdef, p, b))(params, packed))
     want = np.asarray(jax.jit(lambda p, b: forward(POLICY, graphdef, p, b, layout="naive"))(params, naive))
