@@ -209,3 +209,41 @@ def test_the_run_builds_the_named_environment_before_the_model_loads(tmp_path):
   overrides["rollout.episodes.environment"] = "openenv:oe_guess:Nope"
   with pytest.raises(ValueError, match=r"rollout.episodes.environment='openenv:oe_guess:Nope': .*has no attribute"):
     grpo.GRPO(experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **overrides))
+
+
+class _GuessingTurns:
+  """Scripted episodes (conftest.ScriptedSampler): branch 0 says the number the OpenEnv game hides (read off
+  the environment, reset for this branch), branch 1 writes no number, the others guess 1, 2, ... below it (or
+  10 above it), never the number."""
+
+  env = None
+
+  def text(self):
+    number, guess = self.env.env.number, self.turn + 1
+    return {0: str(number), 1: "no idea"}.get(self.g, str(guess if guess < number else 11))
+
+
+def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch):
+  # rollout.episodes.environment = "openenv:oe_guess:GuessNumberEnvironment": each problem of the task is a
+  # seeded game. Per problem the 4 episodes get the game's step rewards summed: 1 (the number at once), -0.2
+  # (no number in either of max_turns = 2 turns: -0.1 each) and 0, 0 (wrong guesses), so reward_mean is
+  # (1 - 0.2) / 4 = 0.2; one episode per problem ends "done", three at max_turns; the step trains (finite loss).
+  from conftest import ScriptedSampler, experiment_config
+
+  from branch_replay_jax.algorithms import grpo, loop
+  from branch_replay_jax.models.loading import load_tokenizer
+  from branch_replay_jax.rollout import collect
+  from experiments import grpo_smollm2_calc
+  config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{
+      "rollout.episodes.environment": NAME, "rollout.episodes.few_shot": 0, "train.steps": 1,
+      "rollout.episodes.max_turns": 2, "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024,
+      "eval.size": 0})
+  algorithm = grpo.GRPO(config)
+  turns = type("Turns", (_GuessingTurns, ScriptedSampler), {"env": algorithm.env,
+                                                            "tokenizer": load_tokenizer("smollm2-135m-instruct")})
+  monkeypatch.setattr(collect, "EpisodeSampler", turns)
+  record = loop.train(config, algorithm)[-1]
+  assert record["step"] == 1 and np.isfinite(record["loss"])
+  assert record["reward_mean"] == pytest.approx((1.0 - 0.2) / 4)
+  assert record["episodes_done"] == config.rollout.prompts_per_step
+  assert record["episodes_max_turns"] == 3 * config.rollout.prompts_per_step
