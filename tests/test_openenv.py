@@ -10,7 +10,7 @@ import random
 import jax
 import numpy as np
 import pytest
-from conftest import chain_model
+from conftest import chain_model, scripted_turns
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
 from branch_replay_jax.models.loading import stop_ids
@@ -33,17 +33,6 @@ NAME = "openenv:oe_guess:GuessNumberEnvironment"
 def number(seed, high=10):
   """The number tests/oe_guess.py hides for `seed`: random.seed(seed), then randint(1, high)."""
   return random.Random(seed).randint(1, high)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-  from branch_replay_jax.models.loading import load_tokenizer
-  return load_tokenizer("smollm2-135m-instruct")
-
-
-def scripted(tokenizer, texts):
-  queue = iter(texts)
-  return lambda ids, budget: tokenizer.encode(next(queue), add_special_tokens=False) + [stop_ids(tokenizer)[0]]
 
 
 def openenv_env(*args, **kwargs):
@@ -74,7 +63,8 @@ def test_a_scripted_episode_sums_openenvs_step_rewards(tokenizer):
   # "done" episode of three turns whose reward is the sum of the observations' rewards, 0.9.
   assert number(1) == 3
   result = run_episode(openenv_env(GuessNumberEnvironment()), 1, 0, tokenizer,
-                       scripted(tokenizer, ["no idea", "5", "3"]), max_turns=4, max_turn_tokens=16, max_context=1024)
+                       scripted_turns(tokenizer, ["no idea", "5", "3"]), max_turns=4, max_turn_tokens=16,
+                       max_context=1024)
   assert (result.status, result.turns) == ("done", 3) and result.reward == pytest.approx(0.9)
 
 
@@ -86,7 +76,7 @@ def test_text_the_action_refuses_ends_the_episode_invalid_action(tokenizer):
   with pytest.raises(EpisodeEnd, match=r"invalid_action: GuessNumberEnvironment: GuessAction refused the text "
                                        r"\(message: String should have at most 64 characters\)$"):
     env.step("7" * 65)
-  result = run_episode(env, 0, 0, tokenizer, scripted(tokenizer, ["x" * 80]), max_turns=2, max_turn_tokens=64,
+  result = run_episode(env, 0, 0, tokenizer, scripted_turns(tokenizer, ["x" * 80]), max_turns=2, max_turn_tokens=64,
                        max_context=1024)
   assert (result.status, result.reward, result.turns) == ("invalid_action", 0.0, 1)
 
@@ -223,7 +213,7 @@ class _GuessingTurns:
     return {0: str(number), 1: "no idea"}.get(self.g, str(guess if guess < number else 11))
 
 
-def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch):
+def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   # rollout.episodes.environment = "openenv:oe_guess:GuessNumberEnvironment": each problem of the task is a
   # seeded game. Per problem the 4 episodes get the game's step rewards summed: 1 (the number at once), -0.2
   # (no number in either of max_turns = 2 turns: -0.1 each) and 0, 0 (wrong guesses), so reward_mean is
@@ -231,7 +221,6 @@ def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch):
   from conftest import ScriptedSampler, experiment_config
 
   from branch_replay_jax.algorithms import grpo, loop
-  from branch_replay_jax.models.loading import load_tokenizer
   from branch_replay_jax.rollout import collect
   from experiments import grpo_smollm2_calc
   config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{
@@ -239,8 +228,7 @@ def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch):
       "rollout.episodes.max_turns": 2, "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024,
       "eval.size": 0})
   algorithm = grpo.GRPO(config)
-  turns = type("Turns", (_GuessingTurns, ScriptedSampler), {"env": algorithm.env,
-                                                            "tokenizer": load_tokenizer("smollm2-135m-instruct")})
+  turns = type("Turns", (_GuessingTurns, ScriptedSampler), {"env": algorithm.env, "tokenizer": tokenizer})
   monkeypatch.setattr(collect, "EpisodeSampler", turns)
   record = loop.train(config, algorithm)[-1]
   assert record["step"] == 1 and np.isfinite(record["loss"])

