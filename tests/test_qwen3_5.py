@@ -321,6 +321,29 @@ def test_lora_replay_equals_naive_float64_and_merging_keeps_the_function(small64
   assert float(jnp.abs(got - want).max()) <= 1e-12 * float(jnp.abs(want).max())
 
 
+def test_lora_on_the_fsdp_mesh_equals_naive_float64(small64):
+  # Two groups over data x branch = 2 x 2, the frozen base and the adapters both FSDP-sharded (the base's
+  # linear-attention and full-attention stacks split and gathered inside the scan, never differentiated):
+  # the loss and the adapters' summed gradient equal the two naive groups' to float64 rounding (<= 1e-10),
+  # and the gradient holds the adapters alone.
+  from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
+  with jax.enable_x64(True):
+    graphdef, adapters, base = _adapted64(small64, lora.LoraSpec(rank=2, alpha=4.0))
+    groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64)
+              for s in range(2)]
+    outs = [_lora_step(graphdef, adapters, base, g, layout="naive") for g in groups]
+    want = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
+    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+      batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
+      step = jax.jit(lambda a, b, x: value_and_grad(POLICY, lora.WithBase(graphdef, b), a, x, objective, mesh=mesh,
+                                                      micro_batch=1))
+      loss, _, grads = step(shard_params(adapters, mesh, "fsdp"), shard_params(base, mesh, "fsdp"), batch)
+  assert float(loss) == pytest.approx(float(outs[0][0] + outs[1][0]), rel=1e-10)
+  assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(adapters), "only adapters differentiated"
+  assert max_rel_err(grads, want) <= 1e-10
+
+
 # heavy (~45 s on one core): CI covers its parts by the float64 test above (Qwen3.5's adapter code) and
 # tests/test_lora.py's LoRA smoke run (the loop's adapter split, base record and merged export, family-independent).
 @pytest.mark.heavy
