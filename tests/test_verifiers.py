@@ -11,7 +11,7 @@ import pytest
 from conftest import ScriptedSampler, chain_model, scripted_turns
 
 from branch_replay_jax.data.episodes import MODEL, OBSERVATION
-from branch_replay_jax.models.loading import load_tokenizer, stop_ids
+from branch_replay_jax.models.loading import stop_ids
 from branch_replay_jax.rollout.chat import ChatTokens
 from branch_replay_jax.rollout.environments import make_environment, run_episode
 from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
@@ -181,7 +181,7 @@ class GuessingTurns(ScriptedSampler):
     return {0: str(secret), 1: "no idea"}.get(self.g, "1")
 
 
-def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch):
+def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   # rollout.episodes.environment = "verifiers:vf_guess": each problem of the task picks one of the
   # taskset's tasks. Per problem the 4 episodes pay the taskset's rewards 1 (the number at once) and
   # 0, 0, 0 (no number or wrong guesses until max_turns = 2; none of the tasks hides 1), so
@@ -196,7 +196,7 @@ def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch):
       "rollout.episodes.few_shot": 0, "train.steps": 1, "rollout.episodes.max_turns": 2,
       "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024, "eval.size": 0})
   algorithm = grpo.GRPO(config)
-  GuessingTurns.tokenizer, GuessingTurns.env = load_tokenizer("smollm2-135m-instruct"), algorithm.env
+  GuessingTurns.tokenizer, GuessingTurns.env = tokenizer, algorithm.env
   monkeypatch.setattr(collect, "EpisodeSampler", GuessingTurns)
   try:
     history = loop.train(config, algorithm)
