@@ -38,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from branch_replay_jax.data.batches import GroupBatch, PackedBatch, Segments, TreeBatch
+from branch_replay_jax.data.batches import PackedBatch, RolloutBatch, Segments, is_group
 
 CORRECTIONS = ("none", "tis", "mis", "icepop")
 LEVELS = ("token", "sequence")
@@ -88,7 +88,7 @@ def factor(log_ratio: jax.Array, correction: Correction) -> tuple[jax.Array, jax
 def _parts(batch) -> list[tuple[Segments, int | None]]:
   """Each Segments of `batch` and, for those whose fields carry a trajectory axis G, how many axes before
   G belong to one tree (a level d's slots F_1..F_d and T; a packed row's T); None for group rows."""
-  if isinstance(batch, GroupBatch):
+  if is_group(batch):
     return [(batch.branches, None)]
   if isinstance(batch, PackedBatch):
     return [(batch.row, 1)]
@@ -101,14 +101,14 @@ def has_sampler_logprobs(batch) -> bool:
 
 
 def _with(batch, parts: list[Segments]):
-  if isinstance(batch, GroupBatch):
-    return batch.replace(branches=parts[0])
+  if is_group(batch):
+    return batch.replace(levels=(parts[0],))
   if isinstance(batch, PackedBatch):
     return batch.replace(row=parts[0])
   return batch.replace(levels=tuple(parts))
 
 
-def correct(batch: GroupBatch | TreeBatch | PackedBatch, correction: Correction):
+def correct(batch: RolloutBatch | PackedBatch, correction: Correction):
   """The batch with `rollout_is` set to each (token, trajectory) pair's factor c(ρ) (0 off the loss),
   and the metrics {METRICS: scalar} over the pairs the loss weighs (weight > 0 on a real token): the
   mean and max of ρ at the correction's level, the fraction of pairs masked out, and the mean

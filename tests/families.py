@@ -45,7 +45,7 @@ step = jax.jit(functools.partial(value_and_grad, POLICY), static_argnums=(0, 3),
 
 
 def arrays_of(group, dtype, seed: int = 1):
-  """A group's `GroupBatch` with sequence-mean weights and random advantages, old and reference log-probs."""
+  """A group's `RolloutBatch` with sequence-mean weights and random advantages, old and reference log-probs."""
   rng = np.random.default_rng(seed)
   g, t = group.completion_ids.shape
   return group_arrays(group, weights=obj.token_weights(group.lengths, t, mode="sequence_mean").astype(dtype),

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay_jax.data.batches import (GroupBatch, Segments, TreeBatch, TreeLayouts, group_arrays,
+from branch_replay_jax.data.batches import (Segments, TreeLayouts, group_arrays, is_group, is_tree,
                                             num_branches, pad_trees, tree_arrays)
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
 from conftest import random_group
@@ -13,7 +13,7 @@ from conftest import random_group
 def test_group_batch_holds_the_group_and_only_the_fields_given():
   group = random_group([3, 5, 2])            # prompt 11 tokens -> bucket 16; completions -> bucket 8
   batch = group_arrays(group, advantage=np.array([1.0, -1.0, 0.0], np.float32))
-  assert isinstance(batch, GroupBatch) and isinstance(batch.branches, Segments)
+  assert is_group(batch) and isinstance(batch.branches, Segments)
   assert batch.prompt_ids.shape == (16,) and int(batch.prompt_len) == 11
   assert batch.branches.tokens.shape == (3, 8) and batch.branches.mask.sum() == 10
   assert batch.branches.weights is None and batch.branches.old_logp is None
@@ -21,6 +21,24 @@ def test_group_batch_holds_the_group_and_only_the_fields_given():
   # micro-batch splits see only the arrays a step was given.
   assert len(jax.tree_util.tree_leaves(batch)) == 5
   assert num_branches(batch) == 3
+
+
+def test_a_group_is_a_one_level_rollout_batch_whose_rows_are_trajectories():
+  # One batch type: a group and a tree are both RolloutBatch; the group's rows are its one level, and
+  # `rows` (static, in the pytree's structure, never a leaf) says where the trajectory axis lives.
+  group = group_arrays(random_group([3, 5]), advantage=np.array([1.0, -1.0], np.float32))
+  tree = RolloutTree((np.array([1, 2, 3]), np.array([4, 5]), np.array([6])), (-1, 0, 0), (1, 2))
+  one_level = tree_arrays(pad_tree(tree), {}, advantage=np.array([0.5, -0.5], np.float32))
+  assert type(group) is type(one_level) and group.levels == (group.branches,)
+  assert (group.rows, one_level.rows) == (True, False)
+  assert (is_group(group), is_tree(group), is_group(one_level), is_tree(one_level)) == (True, False, False, True)
+  # rows is structure: same leaves, another treedef, so a jitted step specialises on it as on a shape.
+  flipped = one_level.replace(rows=True)
+  assert len(jax.tree_util.tree_leaves(flipped)) == len(jax.tree_util.tree_leaves(one_level))
+  assert jax.tree_util.tree_structure(flipped) != jax.tree_util.tree_structure(one_level)
+  # A tree-only operation names what it got instead.
+  with pytest.raises(ValueError, match=r"needs one or more trees \(tree_arrays\), got \['a group'\]"):
+    pad_trees([group])
 
 
 def test_a_field_batches_lack_is_refused_by_name():
@@ -36,7 +54,7 @@ def test_tree_batch_levels_have_slot_axes_and_shared_fields_broadcast():
   # prompt -> node 1 (2 tokens) -> leaves 2, 3 (1 token each): level 1 has slots [1], level 2 [1, 2].
   tree = RolloutTree((np.array([1, 2, 3]), np.array([4, 5]), np.array([6]), np.array([7])), (-1, 0, 1, 1), (2, 3))
   batch = tree_arrays(pad_tree(tree), {}, advantage=np.array([0.5, -0.5], np.float32))
-  assert isinstance(batch, TreeBatch) and len(batch.levels) == 2
+  assert is_tree(batch) and len(batch.levels) == 2
   assert batch.levels[0].tokens.shape[:-1] == (1,) and batch.levels[1].tokens.shape[:-1] == (1, 2)
   assert batch.levels[1].advantage.shape == (1, 2, 2)           # [F_1, F_2, G]: the same G values per slot
   np.testing.assert_array_equal(batch.levels[1].advantage[0, 1], [0.5, -0.5])
@@ -47,7 +65,7 @@ def test_tree_batch_levels_have_slot_axes_and_shared_fields_broadcast():
 
 
 def _tree_batch(tree, ppo=False):
-  """A tree's TreeBatch with every kind of field: per token (old_logp), per (token, trajectory)
+  """A tree's RolloutBatch with every kind of field: per token (old_logp), per (token, trajectory)
   (weights; PPO's advantage, returns) and per trajectory (GRPO's advantage [G])."""
   g = len(tree.ends)
   rng = np.random.default_rng(len(tree.segments))
@@ -94,7 +112,7 @@ def test_pad_trees_pads_every_level_to_the_power_of_two_bucket_of_the_largest_sh
           x[corner] = 0
         assert not x.any(), (d, name)   # all padding beyond the original
   assert pa.levels[2].tokens.dtype == np.int32 and pa.levels[2].mask.dtype == bool
-  with pytest.raises(ValueError, match="one or more TreeBatches"):
+  with pytest.raises(ValueError, match="one or more trees"):
     pad_trees([])
   with pytest.raises(ValueError, match="different Segments fields"):
     pad_trees([a, b.replace(levels=tuple(x.replace(old_logp=None) for x in b.levels))])

@@ -13,7 +13,7 @@ from conftest import max_rel_err, tiny_model
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.tree_replay import SCHEDULES
-from branch_replay_jax.data.batches import TreeBatch, segments
+from branch_replay_jax.data.batches import is_tree, segments
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.data.episodes import (MODEL, OBSERVATION, Episode, episode_group_arrays, episode_tree,
                                              episode_tree_arrays, limit_depth, merge_short, prompt_only_tree)
@@ -122,7 +122,7 @@ _objective = functools.partial(obj.grpo_objective, clip_eps=0.2, kl_coef=0.05, o
 
 
 def _layouts(mode, dtype, advantage="grpo", seed=0, shape=lambda etree: etree):
-  """(EpisodeTree, replay TreeBatch, naive GroupBatch) of `_episodes()` with outcome rewards -> GRPO or
+  """(EpisodeTree, replay RolloutBatch, naive RolloutBatch) of `_episodes()` with outcome rewards -> GRPO or
   RLOO advantages [G], `mode`'s weights over each episode's model tokens, and old / reference log-probs
   per node (near a random model's -ln 64; the naive rows read the same values along each path).
   shape: applied to the episode tree first (e.g. `merge_short`)."""
@@ -143,7 +143,7 @@ def _layouts(mode, dtype, advantage="grpo", seed=0, shape=lambda etree: etree):
 def _pairs(batch) -> int:
   """(token, episode) pairs the loss weighs, read off a layout's arrays: the logged KL's and clip
   fraction's denominator (algorithms/grpo.py divides by it)."""
-  if isinstance(batch, TreeBatch):
+  if is_tree(batch):
     return sum(int(np.sum((np.asarray(s.weights) > 0) & np.asarray(s.mask)[..., None])) for s in batch.levels)
   return int(np.sum((np.asarray(batch.branches.weights) > 0) & np.asarray(batch.branches.mask)))
 
@@ -159,7 +159,7 @@ def _logged(out, batch) -> dict:
 
 
 def _replay_step(graphdef, params, batch, schedule="level"):
-  """Tree replay of an episode TreeBatch: the level schedule with all leaf siblings in one step, or
+  """Tree replay of an episode RolloutBatch: the level schedule with all leaf siblings in one step, or
   depth-first one leaf at a time."""
   f = batch.levels[-1].tokens.shape[-2]
   return _tree_step(graphdef, params, batch, _objective, schedule=schedule,
@@ -167,7 +167,7 @@ def _replay_step(graphdef, params, batch, schedule="level"):
 
 
 def _both(graphdef, params, mode, dtype, advantage="grpo", schedules=SCHEDULES):
-  """({schedule: replay's (loss, aux, grads)}, naive's, replay TreeBatch, naive GroupBatch)."""
+  """({schedule: replay's (loss, aux, grads)}, naive's, replay RolloutBatch, naive RolloutBatch)."""
   _, replay, naive = _layouts(mode, dtype, advantage)
   tree = {s: _replay_step(graphdef, params, replay, s) for s in schedules}
   return tree, _naive_step(graphdef, params, naive, _objective), replay, naive
@@ -333,7 +333,7 @@ def test_an_observation_token_has_weight_zero_and_its_advantage_and_ref_logp_do_
 
   cases = [(replay, lambda b, leak=False: b.replace(levels=tuple(perturb(s, o, leak) for s, o in zip(b.levels, obs_levels))),
             lambda b: _replay_step(graphdef, params, b)),
-           (naive, lambda b, leak=False: b.replace(branches=perturb(b.branches, obs_naive, leak)),
+           (naive, lambda b, leak=False: b.replace(levels=(perturb(b.branches, obs_naive, leak),)),
             lambda b: _naive_step(graphdef, params, b, _objective))]
   for batch, change, step in cases:
     loss, aux, grads = step(batch)

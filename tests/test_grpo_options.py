@@ -337,7 +337,7 @@ def test_tree_options_replay_equals_naive_float32():
 
 
 def test_step_token_mean_rescales_tree_batches():
-  # groups.step_token_mean on a tree's TreeBatch: every (token, trajectory) pair in the loss gets B / N.
+  # groups.step_token_mean on a tree's RolloutBatch: every (token, trajectory) pair in the loss gets B / N.
   # Tree lengths (7, 1, 10, 9) = 27 pairs, a second group of 4 pairs: B / N = 2 / 31. The tree's naive
   # layout (Group.naive_batch, the run-time exactness check's) gets the same weights: its 27 real
   # (token, trajectory) pairs weigh 2 / 31 each, so naive and replay losses stay equal.

@@ -417,7 +417,7 @@ def test_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64, x64,
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
   prompt_routes, routes, flipped, recorded = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0),
                                                               flip=0.3, unrecorded=0.2)
-  batch = arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes))
+  batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
   layers = nnx.merge(graphdef, params).config.num_layers
   want = np.mean(flipped.sum((1, 2)) / (layers * recorded.sum(1)))
   for replay in (True, False):
@@ -447,7 +447,7 @@ def test_routing_replay_of_the_routers_own_choice_changes_nothing_float64(model6
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
   prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.0,
                                                  unrecorded=0.0)
-  batch = arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes))
+  batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
   l0, _, g0 = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
   l1, a1, g1 = jax.jit(lambda p, b: value_and_grad(Policy(routing_replay=True), graphdef, p, b, objective,
                                                    micro_batch=1, fused=False))(params, batch)
@@ -492,7 +492,7 @@ def test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64(model64):
       arrays = arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
       prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
                                                      unrecorded=0.2)
-      groups.append(arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes)))
+      groups.append(arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),)))
     fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True), seq=2)
 
 
@@ -599,8 +599,8 @@ def test_tree_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64,
 
 
 def _padded_tree_cases(model, rng):
-  """(a tree's TreeBatch with recorded routes (`_tree_with_recorded_routes`), a layout builder: fan-outs and a
-  segment length -> another tree's TreeBatch with routes, the layout the first is padded to)."""
+  """(a tree's RolloutBatch with recorded routes (`_tree_with_recorded_routes`), a layout builder: fan-outs and a
+  segment length -> another tree's RolloutBatch with routes, the layout the first is padded to)."""
   from branch_replay_jax.data.batches import recorded_tree_routes
   tree, routes, _ = _tree_with_recorded_routes(model, rng, flip=0.3, unrecorded=0.2)
   w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
@@ -674,11 +674,11 @@ def _group_with_own_routes(model64, dtype):
     arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
     prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.0,
                                                    unrecorded=0.0)
-    batch = arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes))
+    batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
     exact = jax.tree_util.tree_map(np.asarray, value_and_grad(Policy(routing_replay=True), graphdef, params, batch,
                                                               objective, layout="naive")[2])
   low = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), dtype)
-  return low.replace(prompt_routes=prompt_routes, branches=low.branches.replace(routes=routes)), exact
+  return low.replace(prompt_routes=prompt_routes, levels=(low.branches.replace(routes=routes),)), exact
 
 
 def _low_precision_errors(model, batch, exact, dtype):
@@ -834,7 +834,7 @@ def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
   prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.3,
                                                  unrecorded=0.2)
-  batch = arrays.replace(prompt_routes=prompt_routes, branches=arrays.branches.replace(routes=routes))
+  batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
   head = Policy(router_aux_coef=0.5, routing_replay=True)
   run = jax.jit(lambda a, b, bt, layout, m, fused: value_and_grad(head, lora.WithBase(lgraph, b), a, bt, objective,
                                                                     layout=layout, micro_batch=m, fused=fused),

@@ -131,7 +131,7 @@ def test_packed_rows_are_refused_where_they_do_not_run():
     value_and_grad(ACTOR_CRITIC, graphdef, params, packed, _objective)
   with pytest.raises(ValueError, match="length=4 is shorter than a packed tree"):
     pack_trees([_grpo_tree_arrays(tree, "sequence_mean", np.float32)], length=4)
-  with pytest.raises(ValueError, match="needs one or more TreeBatches"):
+  with pytest.raises(ValueError, match="needs one or more trees"):
     pack_trees([packed])
 
 

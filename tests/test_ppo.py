@@ -18,8 +18,7 @@ from test_tree_replay import random_trees
 from branch_replay_jax import losses as obj
 from branch_replay_jax import main as entry
 from branch_replay_jax.algorithms import ppo
-from branch_replay_jax.data.batches import group_arrays, trajectory_group_arrays, tree_arrays
-from branch_replay_jax.data.batches import GroupBatch, Segments
+from branch_replay_jax.data.batches import Segments, group_arrays, group_batch, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.algorithms import runs
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.models import Llama, tiny_config
@@ -367,7 +366,7 @@ def test_ppo_group_advantages_bootstrap_only_the_truncated_completion(tmp_path):
   values = np.zeros((2, 8), np.float32)
   values[:, :3] = [0.3, 0.5, 0.7]
   mask = np.arange(8)[None] < 3
-  arrays = GroupBatch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((2, 8), np.int32),
+  arrays = group_batch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((2, 8), np.int32),
                                                                     np.broadcast_to(mask, (2, 8))))
   out = LogprobsValues(np.zeros((2, 8), np.float32), values, np.array([0.9, 0.9], np.float32))
   group = Group("group", arrays, np.zeros(2, np.float32), np.zeros(2, bool), np.array([3, 3]), {}, {}, 0.0, 0.0,
@@ -415,7 +414,7 @@ def test_ppo_whitening_of_a_constant_advantage_is_zero(tmp_path):
   from branch_replay_jax.algorithms.groups import Group
   mask = np.arange(8)[None] < 3
   values = np.where(mask, 0.1, 0.0).astype(np.float32).repeat(4, 0)
-  arrays = GroupBatch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((4, 8), np.int32),
+  arrays = group_batch(np.zeros(4, np.int32), np.int32(2), Segments(np.ones((4, 8), np.int32),
                                                                     np.broadcast_to(mask, (4, 8))))
   out = LogprobsValues(np.zeros((4, 8), np.float32), values, np.zeros(4, np.float32))
   rewards = np.full(4, 0.1, np.float32)   # reward 0.1 on the last token against V = 0.1 throughout

@@ -145,7 +145,7 @@ def test_the_metrics_alone_leave_the_loss_untouched():
   assert corrected.branches.rollout_is is None and float(metrics["is_masked_frac"]) == 0.0
   assert float(metrics["sampler_logp_diff_mean"]) > 0.1
   with pytest.raises(ValueError, match="needs old_logp"):
-    correct(batch.replace(branches=batch.branches.replace(sampler_logp=None)), Correction("tis"))
+    correct(batch.replace(levels=(batch.branches.replace(sampler_logp=None),)), Correction("tis"))
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from branch_replay_jax import losses as obj
 from branch_replay_jax.correction import Correction, correct
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import PackedBatch, TreeBatch, num_branches, pack_trees, with_logprobs
+from branch_replay_jax.data.batches import is_group, is_tree, num_branches, pack_trees, with_logprobs
 from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import PACKED, forward, value_and_grad
 from branch_replay_jax.models.lora import WithBase
@@ -96,7 +96,7 @@ class ExactnessCheck:
           b = with_logprobs(b, "old_logp", forward(head, graph, p, b, **kw))
         if self.correction is not None:
           b = correct(b, self.correction)[0]
-        objective = objectives["tree" if isinstance(b, (TreeBatch, PackedBatch)) else "group"]
+        objective = objectives["group" if is_group(b) else "tree"]
         loss, aux, g = value_and_grad(head, graph, p, b, objective, schedule=t.tree_schedule, **kw)
         return loss, obj.grpo_aux_sums(aux)[0], upcast(g)
       return jax.jit(fn)
@@ -119,7 +119,7 @@ class ExactnessCheck:
     """(loss, Σ k3 KL, gradient) of `group` in `layout` ("replay": `group.batch`; "naive": its naive
     layout), at `params` on one device, reference and old log-probs from the same layout."""
     if layout == "replay":
-      batch = pack_trees([group.batch])[0] if self.packed and isinstance(group.batch, TreeBatch) else group.batch
+      batch = pack_trees([group.batch])[0] if self.packed and is_tree(group.batch) else group.batch
       return self.replay(params, self.frozen, ref_params, batch)
     naive_batch = group.naive_batch if group.naive_batch is not None else group.batch
     return self.naive(params, self.frozen, ref_params, naive_batch)

@@ -10,8 +10,8 @@ everything the loss needs is built here, from the algorithm's fields (algorithms
     loss.overlong_penalty), group-relative advantages (loss.advantage, loss.advantage_eps), the
     truncated trajectories left out of the loss (loss.mask_truncated);
   - both: the per-(token, trajectory) loss weights of loss.weighting (losses.trajectory_weights;
-    docs/design.md, "Loss weightings"), and the layout: replay (a GroupBatch, or a tree's TreeBatch)
-    or, with train.gradient = "naive", the prompt repeated per trajectory;
+    docs/design.md, "Loss weightings"), and the layout: replay (a `RolloutBatch`: a group's rows or a tree's
+    levels) or, with train.gradient = "naive", the prompt repeated per trajectory;
   - GRPO / RLOO's step: dynamic sampling (rollout.dynamic_sampling) and, with loss.weighting =
     "step_token_mean", the step's scale B / N on every weight (losses.step_token_scale).
 PPO's advantages are GAE from its critic (algorithms/ppo.py, `prepare`), not built here.
@@ -19,7 +19,7 @@ PPO's advantages are GAE from its critic (algorithms/ppo.py, `prepare`), not bui
 Episodes (rollout.episodes; `build_episodes`, docs/design.md, "Episodes"): the G episodes of one
 problem get GRPO / RLOO advantages from their outcome rewards (one per episode), loss.weighting's
 weights over each episode's model tokens, and the episode tree's replay layout
-(`data.episodes.episode_tree_arrays`, a TreeBatch) or, with train.gradient = "naive", one row per
+(`data.episodes.episode_tree_arrays`, a tree's RolloutBatch) or, with train.gradient = "naive", one row per
 episode (`episode_group_arrays`); observation tokens have weight 0 and advantage 0 in both.
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import (GroupBatch, TreeBatch, group_arrays, pad_routes, recorded_routes,
+from branch_replay_jax.data.batches import (RolloutBatch, group_arrays, is_tree, pad_routes, recorded_routes,
                                             recorded_tree_routes, trajectory_group_arrays, tree_arrays)
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.episodes import (MODEL, episode_group_arrays, episode_tree, episode_tree_arrays,
@@ -47,8 +47,8 @@ from branch_replay_jax.rollout.collect import EpisodeTrajectories, Trajectories,
 class Group:
   """One prompt's rollouts after scoring: arrays for the update, figures and texts for the logs.
 
-  kind: "group" (batch: a `GroupBatch` from `group_arrays`, also a tree's trajectories laid out
-    naive) or "tree" (a `TreeBatch` from `tree_arrays`).
+  kind: "group" (batch: a group's rows, `group_arrays`, also a tree's trajectories laid out naive) or
+    "tree" (a tree's levels, `tree_arrays`); both a `data.batches.RolloutBatch`.
   truncated: [G] bool per trajectory (tree: in `tree.ends` order), the sampler's stop reason: True
     where the token budget cut it without EOS or a stop string (`Rollouts.truncated`,
     `TreeRollout.truncated`), False where it ended with one (also on the budget's last token). PPO's GAE bootstraps the truncated ones.
@@ -70,7 +70,7 @@ class Group:
     An episode's `lengths` entry is its model tokens (the loss's |o_g|), observations left out.
   """
   kind: str
-  batch: GroupBatch | TreeBatch
+  batch: RolloutBatch
   rewards: np.ndarray
   correct: np.ndarray
   lengths: np.ndarray
@@ -80,7 +80,7 @@ class Group:
   score_s: float
   truncated: np.ndarray
   tree: RolloutTree | None = None
-  naive_batch: GroupBatch | None = None
+  naive_batch: RolloutBatch | None = None
   in_loss: np.ndarray | None = None
   reward_terms: dict | None = None
   stop_reasons: np.ndarray | None = None
@@ -338,9 +338,9 @@ def step_token_mean(groups: list[Group]) -> list[Group]:
   scale = obj.step_token_scale(b, n)
   scaled = lambda w: w * jnp.asarray(scale, w.dtype)
   def rescaled(batch):
-    if isinstance(batch, TreeBatch):
+    if is_tree(batch):
       return batch.replace(levels=tuple(level.replace(weights=scaled(level.weights)) for level in batch.levels))
-    return batch.replace(branches=batch.branches.replace(weights=scaled(batch.branches.weights)))
+    return batch.replace(levels=(batch.branches.replace(weights=scaled(batch.branches.weights)),))
   return [g if g.batch is None else
           dataclasses.replace(g, batch=rescaled(g.batch),
                               naive_batch=None if g.naive_batch is None else rescaled(g.naive_batch))

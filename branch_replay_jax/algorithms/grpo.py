@@ -53,7 +53,7 @@ from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.placement import mesh_from
 from branch_replay_jax.algorithms.producer import max_staleness
 from branch_replay_jax.core.accumulate import fit_micro_batch
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, TreeLayouts, pack_trees, pad_trees, with_logprobs
+from branch_replay_jax.data.batches import RolloutBatch, TreeLayouts, pack_trees, pad_trees, with_logprobs
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import pad_prompts, shard_batch, stack_groups
 from branch_replay_jax.gradients.heads import Policy
@@ -222,7 +222,7 @@ class GRPOFunctions:
         head, graphdef, optimizer, self.objective, mesh=mesh, layout=layout, micro_batch=t.micro_batch,
         schedule=t.tree_schedule, reduce_aux=obj.grpo_aux_sums, cast=cast, upcast=upcast)
 
-  def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
+  def units(self, groups: list[Group]) -> list[tuple[str, RolloutBatch]]:
     """[(kind, arrays)]: the step's one update unit, its groups (trees) as one stacked batch. One
     device: `placement.stack_on_device`, or with train.tree_schedule = "packed" each tree one row
     (`pack_trees`: one row length and trajectory count for the step). A mesh: trees padded to one level layout by `pad_trees`,

@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from branch_replay_jax.algorithms import schema
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
+from branch_replay_jax.data.batches import RolloutBatch, is_tree, pad_trees
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import (make_mesh, pad_groups, pad_prompts, shard_batch, shard_params,
                                                stack_groups)
@@ -103,7 +103,7 @@ def on_mesh(batches: list, mesh):
   return shard_batch(stack_groups(pad_prompts(batches, mesh.shape["seq"])), mesh)
 
 
-def stack_on_device(batches: list, layouts=None) -> GroupBatch | TreeBatch:
+def stack_on_device(batches: list, layouts=None) -> RolloutBatch:
   """The step's group (or tree) batches as one batch stacked [B, ...] for the one-device step
   (`gradients.step.make_train_step`): trees padded to one level layout (data.batches.pad_trees), groups
   to the largest G and T (distributed.mesh.pad_groups: a no-op when they share them, as a step's
@@ -111,7 +111,7 @@ def stack_on_device(batches: list, layouts=None) -> GroupBatch | TreeBatch:
   loss, gradient and metric sums. Prompt buckets are powers of two (data.groups.bucket_length), so
   a step compiles one program per largest prompt bucket. layouts: the run's `data.batches.TreeLayouts`
   (trees go onto a layout compiled before when one holds them), or None."""
-  if isinstance(batches[0], TreeBatch):
+  if is_tree(batches[0]):
     return stack_groups(pad_prompts(pad_trees(batches, layouts)))
   return stack_groups(pad_groups(batches)[0])
 

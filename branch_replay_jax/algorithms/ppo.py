@@ -42,7 +42,7 @@ from branch_replay_jax.algorithms import checks, loop, placement, producer, runs
 from branch_replay_jax.algorithms.groups import Group
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.correction import correct, has_sampler_logprobs
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, pad_trees
+from branch_replay_jax.data.batches import RolloutBatch, pad_trees
 from branch_replay_jax.data.trees import pad_tree
 from branch_replay_jax.gradients.heads import ActorCritic as ActorCriticHead
 from branch_replay_jax.gradients.step import forward as step_forward
@@ -162,7 +162,7 @@ class PPOFunctions:
     self.correction = checks.rollout_correction(config)
     self.correct = jax.jit(functools.partial(correct, correction=self.correction))
 
-  def units(self, groups: list[Group]) -> list[tuple[str, GroupBatch | TreeBatch]]:
+  def units(self, groups: list[Group]) -> list[tuple[str, RolloutBatch]]:
     """[(kind, arrays)]: the groups (trees) as one stacked update unit (one device:
     `placement.stack_on_device`), on the mesh sharded, trees first padded to one level layout (`data.batches.pad_trees`: empty
     slots, weights, advantages and returns 0, so loss, gradient and metric sums are unchanged)."""
@@ -224,9 +224,9 @@ def prepare(config, fns: PPOFunctions, params, groups: list[Group]) -> dict:
   predicted = np.concatenate([v[m] for (_, v, m, _) in olds])
   for g, a, r, (logp, values, mask, nodes) in zip(groups, adv, ret, olds):
     if g.kind == "group":
-      g.batch = g.batch.replace(branches=g.batch.branches.replace(
+      g.batch = g.batch.replace(levels=(g.batch.branches.replace(
           old_logp=jnp.asarray(logp), old_values=jnp.asarray(values), advantage=jnp.asarray(a, jnp.float32),
-          returns=jnp.asarray(r, jnp.float32)))
+          returns=jnp.asarray(r, jnp.float32)),))
       continue
     padded = pad_tree(g.tree)
     fields = {"old_logp": nodes["logp"], "old_values": nodes["values"],

@@ -395,8 +395,8 @@ class Layout:
 
   @property
   def tree(self) -> bool:
-    """Whether a step trains trees (replay of a sampled tree or of an episode tree: TreeBatches, or packed
-    rows with train.tree_schedule = "packed"); otherwise GroupBatches (a group, or any rollout's rows)."""
+    """Whether a step trains trees (replay of a sampled tree or of an episode tree: trees' levels, or
+    packed rows with train.tree_schedule = "packed"); otherwise groups' rows (a group, or any rollout's rows)."""
     return self.gradient == "replay" and self.share == "tree"
 
 

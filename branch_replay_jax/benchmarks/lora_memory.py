@@ -44,7 +44,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import GroupBatch, Segments
+from branch_replay_jax.data.batches import RolloutBatch, Segments, group_batch
 from branch_replay_jax.models import Llama, lora
 from branch_replay_jax.models.config import architecture_shape, tiny_config
 from branch_replay_jax.gradients.heads import POLICY
@@ -63,10 +63,10 @@ def _bytes(tree) -> int:
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def _batch(g: int, p: int, t: int) -> GroupBatch:
+def _batch(g: int, p: int, t: int) -> RolloutBatch:
   f = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   i = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  return GroupBatch(i(p), i(), Segments(i(g, t), jax.ShapeDtypeStruct((g, t), bool), weights=f(g, t),
+  return group_batch(i(p), i(), Segments(i(g, t), jax.ShapeDtypeStruct((g, t), bool), weights=f(g, t),
                                         advantage=f(g)))
 
 
@@ -95,7 +95,7 @@ def case(c, name: str, mode: str, base_dtype: str = "float32") -> dict:
 
   def step(trained, frozen, reference, opt_state, batch):
     ref = forward(POLICY, bind(frozen), reference, batch, micro_batch=c.micro_batch, logprob_chunk=c.logprob_chunk)
-    batch = batch.replace(branches=batch.branches.replace(ref_logp=ref))
+    batch = batch.replace(levels=(batch.branches.replace(ref_logp=ref),))
     loss, _, grads = value_and_grad(POLICY, bind(frozen), trained, batch, OBJECTIVE, micro_batch=c.micro_batch,
                                            logprob_chunk=c.logprob_chunk)
     updates, opt_state = tx.update(grads, opt_state, trained)

@@ -51,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.benchmarks.replay import emitter, timing_lock  # noqa: E402
-from branch_replay_jax.data.batches import GroupBatch, group_arrays  # noqa: E402
+from branch_replay_jax.data.batches import RolloutBatch, group_arrays  # noqa: E402
 from branch_replay_jax.data.groups import make_group  # noqa: E402
 from branch_replay_jax.distributed.mesh import make_mesh, shard_batch, shard_params, stack_groups  # noqa: E402
 from branch_replay_jax.gradients import preference as pref  # noqa: E402
@@ -84,7 +84,7 @@ def random_groups(config: ModelConfig, groups: int, g: int, p: int, t: int, rng)
                      completion_bucket=t)
 
 
-def make_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[GroupBatch]:
+def make_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[RolloutBatch]:
   """`groups` GRPO groups of random tokens: prompt p tokens, g completions of t tokens."""
   rng = np.random.default_rng(0)
   out = []
@@ -96,7 +96,7 @@ def make_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list
   return out
 
 
-def ppo_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[GroupBatch]:
+def ppo_batch(config: ModelConfig, groups: int, g: int, p: int, t: int) -> list[RolloutBatch]:
   """`groups` PPO groups of random tokens: per-token weights, GAE advantages, returns, old log-probs and values."""
   rng = np.random.default_rng(1)
   out = []
@@ -139,7 +139,7 @@ def mesh_step(algorithm: str, graphdef, params, batch, mesh, micro_batch: int):
   return grad_step
 
 
-def one_device_step(algorithm: str, graphdef, params, batch: list[GroupBatch], micro_batch: int):
+def one_device_step(algorithm: str, graphdef, params, batch: list[RolloutBatch], micro_batch: int):
   """A zero-argument call of the one-device step of `algorithm` (grpo or ppo) on the groups ->
   (loss, grads): `value_and_grad` without a mesh per group, summed, in one jitted call (the mesh
   step's loss and gradients are these sums)."""

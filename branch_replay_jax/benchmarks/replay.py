@@ -59,7 +59,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, trajectory_group_arrays, tree_arrays
+from branch_replay_jax.data.batches import RolloutBatch, group_arrays, trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.groups import make_group
 from branch_replay_jax.data.trees import RolloutTree, pad_tree
@@ -135,7 +135,7 @@ def _full_tree(case, vocab, rng) -> RolloutTree:
   return RolloutTree(tuple(segments), tuple(parents), tuple(frontier))
 
 
-def case_inputs(config, case: dict, model_config) -> tuple[GroupBatch, GroupBatch | TreeBatch, dict]:
+def case_inputs(config, case: dict, model_config) -> tuple[RolloutBatch, RolloutBatch, dict]:
   """(naive batch, replay batch, counts) of one case: random tokens and advantages."""
   rng = np.random.default_rng(config.seed)
   v, g = model_config.vocab_size, case["G"]
@@ -156,7 +156,7 @@ def case_inputs(config, case: dict, model_config) -> tuple[GroupBatch, GroupBatc
   return naive, replay, {**tree_counts(tree, model_config), "padding_fraction": padded.padding_fraction}
 
 
-def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str, options: dict):
+def _ppo_step(config, graphdef, params, arrays: RolloutBatch, mode: str, options: dict):
   """(graphdef, params, fn, objective, arrays) of a PPO step (gradients/step.py, the ActorCritic head) on a group.
 
   The model is wrapped in an ActorCritic (critic config.ppo_critic) whose value head is random
@@ -175,7 +175,7 @@ def _ppo_step(config, graphdef, params, arrays: GroupBatch, mode: str, options: 
   branches = branches.replace(old_logp=old.logp, old_values=old.values, advantage=random(), returns=random())
   fn = (functools.partial(value_and_grad, ACTOR_CRITIC, layout="naive") if mode == "naive"
         else functools.partial(value_and_grad, ACTOR_CRITIC, **options))   # options: `replay_options`
-  return graphdef, params, fn, PPO_OBJECTIVE, arrays.replace(branches=branches)
+  return graphdef, params, fn, PPO_OBJECTIVE, arrays.replace(levels=(branches,))
 
 
 FUSED = {"auto": None, "on": True, "off": False}   # config.fused -> value_and_grad(fused=...)

@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from branch_replay_jax import losses as obj  # noqa: E402
-from branch_replay_jax.data.batches import GroupBatch, Segments  # noqa: E402
+from branch_replay_jax.data.batches import RolloutBatch, Segments, group_batch  # noqa: E402
 from branch_replay_jax.distributed.mesh import batch_specs, param_specs  # noqa: E402
 from branch_replay_jax.models.loading import decoder_class  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape, tiny_config  # noqa: E402
@@ -90,10 +90,10 @@ def _local_bytes(tree) -> int:
              for x in jax.tree_util.tree_leaves(tree))
 
 
-def _batch(groups: int, g: int, p: int, t: int, dtype=jnp.float32) -> GroupBatch:
+def _batch(groups: int, g: int, p: int, t: int, dtype=jnp.float32) -> RolloutBatch:
   f = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
   i = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  return GroupBatch(i(groups, p), i(groups), Segments(i(groups, g, t), jax.ShapeDtypeStruct((groups, g, t), bool),
+  return group_batch(i(groups, p), i(groups), Segments(i(groups, g, t), jax.ShapeDtypeStruct((groups, g, t), bool),
                                                       weights=f(groups, g, t), advantage=f(groups, g),
                                                       old_logp=f(groups, g, t), ref_logp=f(groups, g, t)))
 

@@ -2,18 +2,19 @@
 
     Segments      one completion per row (a group's branches, [G, T]) or one tree node per slot
                   (a tree level, [F_1..F_d, T_d]): tokens, mask and the fields a loss reads.
-    GroupBatch    prompt_ids [P_pad], prompt_len [], branches: Segments [G, T].
-    TreeBatch     prompt_ids [P_pad], prompt_len [], levels: tuple of Segments, level d = 1..D
-                  with leading slot axes [F_1..F_d] (docs/design.md, "Trees: slots and levels").
+    RolloutBatch  prompt_ids [P_pad], prompt_len [], levels: tuple of Segments, level d = 1..D
+                  with leading slot axes [F_1..F_d] (docs/design.md, "Trees: slots and levels"); a
+                  group is its one-level form whose rows are trajectories (`RolloutBatch.rows`).
+    PackedBatch   a tree packed into one row (train.tree_schedule = "packed").
 
 All three are `flax.struct` dataclasses, so they are pytrees: `jax.jit`, `jax.vmap`, `lax.scan`
 and `jax.tree_util.tree_map` (micro-batch splits, stacking on the mesh) see their arrays, and a
 field left `None` is no leaf. Builders:
 
-    group_arrays(group, **fields)              -> GroupBatch
-    tree_arrays(padded, per_node, **shared)    -> TreeBatch
-    trajectory_group_arrays(tree, ...)         -> GroupBatch of the tree's trajectories (the naive layout)
-    pad_trees(trees)                           -> TreeBatches of one shape (a mesh step stacks them)
+    group_arrays(group, **fields)              -> a group's RolloutBatch (rows)
+    tree_arrays(padded, per_node, **shared)    -> a tree's RolloutBatch (levels)
+    trajectory_group_arrays(tree, ...)         -> the tree's trajectories as a group's rows (the naive layout)
+    pad_trees(trees)                           -> trees of one shape (a mesh step stacks them)
     pack_trees(trees)                          -> PackedBatches of one shape: each tree as one row
                                                   (train.tree_layout = "packed")
 
@@ -66,7 +67,7 @@ class Segments:
     the node's path by (the load-balancing loss, `gradients.step`). None: each row ends one of the group's
     trajectories (a completion, a naive row).
   routes: [L, T, layers, k] int32, a Qwen3-MoE sampler's recorded experts per token and layer (-1: none, e.g.
-    a full-length completion's last token, drawn but never fed); `GroupBatch.prompt_routes` the prompt's.
+    a full-length completion's last token, drawn but never fed); `RolloutBatch.prompt_routes` the prompt's.
   """
   tokens: jax.Array
   mask: jax.Array
@@ -90,34 +91,56 @@ TRAJECTORY_FIELDS = ("weights", "advantage", "returns", "rollout_is")
 
 
 @struct.dataclass
-class GroupBatch:
-  """A rollout group: one prompt and its G completions.
+class RolloutBatch:
+  """One prompt and what was sampled from it, the one batch type of every step: a group is a tree of depth one.
 
   prompt_ids: [P_pad] int32, real tokens first (P_pad: bucketed, `data.groups.bucket_length`).
   prompt_len: [] int32, the prompt's real length P.
-  branches: Segments with L = [G]: the completions, each starting at position P.
-  prompt_routes: [P_pad, layers, k] int32, a Qwen3-MoE sampler's recorded experts of the prompt's tokens (-1 on
-    padding), with the completions' `Segments.routes`; None: none recorded.
-  A stack of B groups (`distributed.mesh.stack_groups`, `PreferenceBatch.naive`) adds a leading [B].
-  """
-  prompt_ids: jax.Array
-  prompt_len: jax.Array
-  branches: Segments
-  prompt_routes: jax.Array | None = None
-
-
-@struct.dataclass
-class TreeBatch:
-  """A padded rollout tree: the prompt (its root) and one Segments per level d = 1..D.
-
-  prompt_ids, prompt_len, prompt_routes: as `GroupBatch` (`recorded_tree_routes` sets the routes).
   levels: tuple of D Segments; level d has L = [F_1..F_d] (slot (i_1..i_d) is child i_d of slot
     (i_1..i_{d-1})) and T = T_d, its segment length; empty slots are all padding.
+  prompt_routes: [P_pad, layers, k] int32, a Qwen3-MoE sampler's recorded experts of the prompt's tokens (-1 on
+    padding), with the segments' `Segments.routes`; None: none recorded.
+  rows: static (part of the pytree's structure, not a leaf). True: a group (`group_batch`, `group_arrays`):
+    one level of G rows, each row one trajectory (a completion, or a tree's or episodes' trajectory laid out
+    naive), its fields per row (weights [G, T], GRPO's advantage [G]); the step's aux is per row. False: a
+    tree (`tree_arrays`): every node once, its per-trajectory fields with a trailing axis G, a node's
+    tokens shared by the trajectories below it; the step's aux is a list over levels of `NodeOutputs`.
+  A stack of B batches (`distributed.mesh.stack_groups`, `PreferenceBatch.naive`) adds a leading [B].
   """
   prompt_ids: jax.Array
   prompt_len: jax.Array
   levels: tuple
   prompt_routes: jax.Array | None = None
+  rows: bool = struct.field(pytree_node=False, default=False)
+
+  @property
+  def branches(self) -> Segments:
+    """A group's rows, its one level: L = [G] ([B, G] stacked)."""
+    return self.levels[0]
+
+
+def group_batch(prompt_ids, prompt_len, branches: Segments, prompt_routes=None) -> RolloutBatch:
+  """A group as a `RolloutBatch`: the prompt and its rows (`Segments` [G, T], each row one trajectory)."""
+  return RolloutBatch(prompt_ids, prompt_len, (branches,), prompt_routes, rows=True)
+
+
+def is_group(batch) -> bool:
+  """Whether `batch` is a group's rows (`RolloutBatch.rows`)."""
+  return isinstance(batch, RolloutBatch) and batch.rows
+
+
+def is_tree(batch) -> bool:
+  """Whether `batch` is a tree's levels (a `RolloutBatch` whose fields carry the trajectory axis)."""
+  return isinstance(batch, RolloutBatch) and not batch.rows
+
+
+def describe(batch) -> str:
+  """What `batch` is, for error messages: "a group", "a tree of D levels", "a packed row" or its type."""
+  if is_group(batch):
+    return "a group"
+  if is_tree(batch):
+    return f"a tree of {len(batch.levels)} levels"
+  return "a packed row" if isinstance(batch, PackedBatch) else type(batch).__name__
 
 
 @struct.dataclass
@@ -130,7 +153,7 @@ class PackedBatch:
   row: Segments with L = [] (one row) and T the row's padded length: tokens [T] int32; mask [T] bool,
     True on the tokens the loss scores (every real token but the prompt's); weights [T, G]; advantage
     [G] (per trajectory) or [T, G] (per token and trajectory: episodes); old_logp, ref_logp [T]: a
-    tree node's fields (`TreeBatch`), its tokens' rows.
+    tree node's fields (`RolloutBatch`), its tokens' rows.
   positions: [T] int32 each token's position in its trajectories (its node's offset + i).
   key_ends: [T] int32 the row after the last of the token's node's subtree: token j is a key of the
     tokens i with j <= i < key_ends[j] (its node's later tokens and its descendants'); 0 on padding.
@@ -156,26 +179,24 @@ def segments(tokens, mask, **fields) -> Segments:
   return Segments(jnp.asarray(tokens), jnp.asarray(mask), **{k: jnp.asarray(v) for k, v in fields.items()})
 
 
-def num_branches(batch: GroupBatch | TreeBatch | PackedBatch) -> int:
+def num_branches(batch: RolloutBatch | PackedBatch) -> int:
   """Siblings of the last level: G for a group, F_D (the last fan-out) for a tree, 1 for a packed row."""
-  if isinstance(batch, GroupBatch):
-    return batch.branches.tokens.shape[-2]
   if isinstance(batch, PackedBatch):
     return 1
   return batch.levels[-1].tokens.shape[-2]
 
 
-def with_logprobs(batch: GroupBatch | TreeBatch | PackedBatch, name: str, logp) -> GroupBatch | TreeBatch | PackedBatch:
+def with_logprobs(batch: RolloutBatch | PackedBatch, name: str, logp) -> RolloutBatch | PackedBatch:
   """The batch with per-token log-probs in field `name` ("ref_logp" or "old_logp"): logp [(B,) G, T]
   for a group's branches, a tree's per-level list [F_1..F_d, T_d], or a packed row's [(B,) T]."""
   if isinstance(batch, PackedBatch):
     return batch.replace(row=batch.row.replace(**{name: logp}))
-  if isinstance(batch, TreeBatch):
+  if is_tree(batch):
     return batch.replace(levels=tuple(level.replace(**{name: lp}) for level, lp in zip(batch.levels, logp)))
-  return batch.replace(branches=batch.branches.replace(**{name: logp}))
+  return batch.replace(levels=(batch.branches.replace(**{name: logp}),))
 
 
-def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
+def group_arrays(group: RolloutGroup, **fields) -> RolloutBatch:
   """The group as device arrays: prompt, completions and per-completion loss fields [G, ...].
 
   fields: `Segments` fields (weights, advantage, old_logp, ...), each with leading axis G.
@@ -187,7 +208,7 @@ def group_arrays(group: RolloutGroup, **fields) -> GroupBatch:
   for name, value in fields.items():
     if np.shape(value)[:1] != (g,):
       raise ValueError(f"group_arrays: field {name!r} has shape {np.shape(value)}; needs a leading axis G={g}")
-  return GroupBatch(jnp.asarray(group.prompt_ids), jnp.asarray(group.prompt_len, jnp.int32),
+  return group_batch(jnp.asarray(group.prompt_ids), jnp.asarray(group.prompt_len, jnp.int32),
                     segments(group.completion_ids, group.completion_mask, **fields))
 
 
@@ -196,7 +217,7 @@ def pad_routes(routes: np.ndarray, n: int) -> np.ndarray:
   return np.concatenate([routes[:n], np.full((max(n - routes.shape[0], 0),) + routes.shape[1:], -1, np.int32)])
 
 
-def recorded_routes(batch: GroupBatch, prompt_routes, routes) -> GroupBatch:
+def recorded_routes(batch: RolloutBatch, prompt_routes, routes) -> RolloutBatch:
   """`batch` with a sampler's recorded experts (`rollout.sampler.Rollouts`): prompt_routes [P, layers, k] padded
   to the batch's P_pad and routes, per completion [N_g, layers, k] (an array [G, N, layers, k] or a list of
   G), cut or padded to its T, both with -1 (none recorded).
@@ -210,10 +231,10 @@ def recorded_routes(batch: GroupBatch, prompt_routes, routes) -> GroupBatch:
     raise ValueError(f"recorded_routes: prompt_routes {prompt.shape} and routes of {len(rows)} completions do not "
                      f"fit a group of P_pad={p_pad}, G={g}")
   return batch.replace(prompt_routes=jnp.asarray(pad_routes(prompt, p_pad)),
-                       branches=batch.branches.replace(routes=jnp.asarray(np.stack([pad_routes(r, t) for r in rows]))))
+                       levels=(batch.branches.replace(routes=jnp.asarray(np.stack([pad_routes(r, t) for r in rows]))),))
 
 
-def recorded_tree_routes(batch: TreeBatch, padded: PaddedTree, node_routes: Sequence) -> TreeBatch:
+def recorded_tree_routes(batch: RolloutBatch, padded: PaddedTree, node_routes: Sequence) -> RolloutBatch:
   """`batch` (`tree_arrays(padded, ...)`) with a tree sampler's recorded experts (`TreeRollout.routes`): per node
   [L_n, layers, k] int32, node 0's the prompt's, padded to P_pad and placed in each level's slots [F.., T_d,
   layers, k], -1 (none recorded) on padding.
@@ -231,7 +252,7 @@ def recorded_tree_routes(batch: TreeBatch, padded: PaddedTree, node_routes: Sequ
   return batch.replace(prompt_routes=jnp.asarray(pad_routes(nodes[0], batch.prompt_ids.shape[0])), levels=levels)
 
 
-def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> TreeBatch:
+def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> RolloutBatch:
   """Device arrays of a padded tree: per level the tokens, mask and each per-node / shared field.
 
   per_node: field name -> list indexed by node id of arrays [L_n, ...] (e.g. "weights" [L_n, G],
@@ -247,12 +268,12 @@ def tree_arrays(padded: PaddedTree, per_node: dict[str, Sequence], **shared) -> 
     fields = {k: padded.place(v, d) for k, v in per_node.items()}
     fields.update({k: jnp.broadcast_to(jnp.asarray(v), slots + np.shape(v)) for k, v in shared.items()})
     levels.append(segments(padded.tokens[d - 1], padded.mask[d - 1], **fields))
-  return TreeBatch(jnp.asarray(padded.prompt_ids), jnp.asarray(padded.prompt_len, jnp.int32), tuple(levels))
+  return RolloutBatch(jnp.asarray(padded.prompt_ids), jnp.asarray(padded.prompt_len, jnp.int32), tuple(levels))
 
 
 def trajectory_group_arrays(tree: RolloutTree, per_node: dict[str, Sequence], trajectory_weights, *,
                             vocab_size: int, max_positions: int, completion_bucket: int | None = None,
-                            **shared) -> GroupBatch:
+                            **shared) -> RolloutBatch:
   """The naive counterpart of `tree_arrays`: every trajectory of `tree` as a completion of one group.
 
   Per-node fields [L_n] are concatenated along each trajectory's path; "weights" is
@@ -338,16 +359,16 @@ class TreeLayouts:
 
 def _tree_fields(where: str, trees) -> tuple:
   """The Segments fields every level of `trees` sets (one set for all), or ValueError naming `where`:
-  no trees, something other than a TreeBatch, or levels that set different fields."""
-  if not trees or not all(isinstance(t, TreeBatch) for t in trees):
-    raise ValueError(f"{where}: needs one or more TreeBatches, got {[type(t).__name__ for t in trees]}")
+  no trees, something other than a tree (a group's rows, a packed row), or levels that set different fields."""
+  if not trees or not all(is_tree(t) for t in trees):
+    raise ValueError(f"{where}: needs one or more trees (tree_arrays), got {[describe(t) for t in trees]}")
   names = {tuple(f for f in FIELDS if getattr(level, f) is not None) for t in trees for level in t.levels}
   if len(names) != 1:
     raise ValueError(f"{where}: the trees' levels set different Segments fields: {sorted(names)}")
   return names.pop()
 
 
-def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *, branch: int = 1) -> list[TreeBatch]:
+def pad_trees(trees: Sequence[RolloutBatch], layouts: TreeLayouts | None = None, *, branch: int = 1) -> list[RolloutBatch]:
   """Pad rollout trees to one level layout, so that `distributed.mesh.stack_groups` can stack them.
 
   Trees sampled with one config differ in shape (`rollout.tree_sampler.sample_tree`, `data.trees.pad_tree`):
@@ -374,7 +395,7 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
   the order of float sums may differ (tests/test_tree_replay.py: <= 1e-10 relative in float64).
 
   Args:
-    trees: TreeBatches (`tree_arrays`, unstacked: prompt_ids [P_pad], levels [F_1..F_d, T_d, ...]),
+    trees: trees (`tree_arrays`, unstacked: prompt_ids [P_pad], levels [F_1..F_d, T_d, ...]),
       each with the same Segments fields set. Per-trajectory fields (`TRAJECTORY_FIELDS`) carry
       their trailing axis G: weights [.., T_d, G], advantage [.., G] or [.., T_d, G], returns [.., T_d, G].
     layouts: the run's `TreeLayouts`: the trees then go onto the layout it chooses (one compiled
@@ -387,7 +408,7 @@ def pad_trees(trees: Sequence[TreeBatch], layouts: TreeLayouts | None = None, *,
     for GRPO's (the padding is generic over the fields).
 
   Raises:
-    ValueError: no trees, something other than a TreeBatch, or trees whose levels set different fields.
+    ValueError: no trees, something other than a tree, or trees whose levels set different fields.
   """
   names = _tree_fields("pad_trees", trees)
   own = max(len(t.levels) for t in trees)
@@ -429,9 +450,9 @@ PACKED_BUCKETS_PER_OCTAVE = 4
 doubling of the trees' size, padding under 1/4 of the row (a 2,688-token tree takes 3,072 rows)."""
 
 
-def _pack_one(tree: TreeBatch):
+def _pack_one(tree: RolloutBatch):
   """(per-row lists: tokens, positions, key_ends, predictor, scored; per-row field values {name: [rows]};
-  the per-trajectory advantage [G] or None) of one unstacked TreeBatch, depth-first over its slots."""
+  the per-trajectory advantage [G] or None) of one unstacked tree, depth-first over its slots."""
   t = jax.tree_util.tree_map(np.asarray, tree)
   p = int(t.prompt_len)
   names = [f for f in LOSS_FIELDS if getattr(t.levels[0], f) is not None]
@@ -467,7 +488,7 @@ def _pack_one(tree: TreeBatch):
   return tokens, positions, key_ends, predictor, scored, fields, shared[0]
 
 
-def pack_trees(trees: Sequence[TreeBatch], *, length: int | None = None) -> list[PackedBatch]:
+def pack_trees(trees: Sequence[RolloutBatch], *, length: int | None = None) -> list[PackedBatch]:
   """Each rollout tree as one row (`PackedBatch`), all padded to one length and one trajectory count.
 
   The row holds the prompt's real tokens (not its bucket's padding), then every node's real tokens
@@ -482,7 +503,7 @@ def pack_trees(trees: Sequence[TreeBatch], *, length: int | None = None) -> list
   exact zeros (never a key; weights 0).
 
   Args:
-    trees: unstacked TreeBatches (`tree_arrays`, `data.episodes.episode_tree_arrays`), each with the
+    trees: unstacked trees (`tree_arrays`, `data.episodes.episode_tree_arrays`), each with the
       same Segments fields set.
     length: the rows' padded length, or None (the bucket of the longest).
 
@@ -490,7 +511,7 @@ def pack_trees(trees: Sequence[TreeBatch], *, length: int | None = None) -> list
     The PackedBatches in order, of one shape.
 
   Raises:
-    ValueError: no trees, something other than a TreeBatch, trees that set different fields, or a
+    ValueError: no trees, something other than a tree, trees that set different fields, or a
       length shorter than a tree's row.
 
   A sampler's recorded routes (`recorded_tree_routes`) are left out: the packed row routes itself and logs no

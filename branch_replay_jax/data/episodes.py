@@ -17,8 +17,8 @@ weighs every per-token term and counts only tokens with weight > 0).
     prompt_only_tree(episodes)                               -> EpisodeTree (the prompt shared, nothing else)
     merge_short(tree, min_tokens)                            -> EpisodeTree (shared nodes < min_tokens unshared)
     limit_depth(tree, max_depth)                             -> EpisodeTree (sharing below max_depth dropped)
-    episode_tree_arrays(tree, advantage_g, weights_g, ...)   -> TreeBatch   (replay: every node once)
-    episode_group_arrays(episodes, advantage_g, weights_g, ...) -> GroupBatch (naive: one row per episode,
+    episode_tree_arrays(tree, advantage_g, weights_g, ...)   -> RolloutBatch, a tree (replay: every node once)
+    episode_group_arrays(episodes, advantage_g, weights_g, ...) -> RolloutBatch, a group's rows (naive: one row per episode,
                                                                 the layout verl and TRL train)
 
 Advantages are per episode (outcome reward; GRPO or RLOO over the G episodes of one problem,
@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch, group_arrays, tree_arrays
+from branch_replay_jax.data.batches import RolloutBatch, group_arrays, tree_arrays
 from branch_replay_jax.data.groups import check_token_ids, make_group
 from branch_replay_jax.data.trees import RolloutTree, pad_tree, tree_from_trajectories
 
@@ -343,8 +343,8 @@ def _per_episode(name, values, g):
 
 
 def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, vocab_size: int, max_positions: int,
-                        per_node: dict | None = None, prompt_bucket: int | None = None, pad_id: int = 0) -> TreeBatch:
-  """The replay layout: the episode tree's padded levels (`data.trees.pad_tree`) as a TreeBatch.
+                        per_node: dict | None = None, prompt_bucket: int | None = None, pad_id: int = 0) -> RolloutBatch:
+  """The replay layout: the episode tree's padded levels (`data.trees.pad_tree`) as a RolloutBatch.
 
   Args:
     advantage_g: [G] per-episode advantages; laid out per (token, episode) as advantage [.., T_d, G]
@@ -372,7 +372,7 @@ def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, vocab_size
 
 def episode_group_arrays(episodes: Sequence[Episode], advantage_g, weights_g, *, per_episode: dict | None = None,
                          vocab_size: int, max_positions: int, pad_id: int = 0, prompt_bucket: int | None = None,
-                         completion_bucket: int | None = None) -> GroupBatch:
+                         completion_bucket: int | None = None) -> RolloutBatch:
   """The naive layout: every episode as its own row (prompt repeated by the naive step), with a loss
   mask: weights [G, T] = w_g on model tokens, 0 on observations and padding; advantage [G, T] = A_g
   on model tokens, 0 elsewhere.

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from flax import nnx
 
-from branch_replay_jax.data.batches import GroupBatch, TreeBatch
+from branch_replay_jax.data.batches import RolloutBatch, is_group
 from branch_replay_jax.distributed.sharding import (MESH_AXES, PARAM_MODES, gather_dims, param_specs,  # noqa: F401
                                                     shard_params)
 from branch_replay_jax.models.llama import GATHER_KEY, Gather
@@ -77,8 +77,8 @@ def make_mesh(data: int, branch: int, seq: int = 1, devices=None) -> jax.shardin
   return jax.make_mesh((data, branch, seq), MESH_AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
 
 
-def stack_groups(groups: list[GroupBatch | TreeBatch]) -> GroupBatch | TreeBatch:
-  """Stack GroupBatches (or TreeBatches) of equal shapes on a leading axis [B, ...].
+def stack_groups(groups: list[RolloutBatch]) -> RolloutBatch:
+  """Stack groups (or trees) of equal shapes on a leading axis [B, ...].
 
   Raises:
     ValueError: groups whose shapes differ (bucket them to the same prompt/completion lengths).
@@ -90,8 +90,8 @@ def stack_groups(groups: list[GroupBatch | TreeBatch]) -> GroupBatch | TreeBatch
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *groups)
 
 
-def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
-                longest: int | None = None) -> list[GroupBatch | TreeBatch]:
+def pad_prompts(groups: list[RolloutBatch], multiple: int = 1, *,
+                longest: int | None = None) -> list[RolloutBatch]:
   """Right-pad every group's (or tree's) prompt_ids [P_pad] with token 0 to one length: the
   longest P_pad (or `longest`, when given: the longest over all processes' groups), rounded up
   to a multiple of `multiple` (the mesh's `seq` size), so that
@@ -108,13 +108,13 @@ def pad_prompts(groups: list[GroupBatch | TreeBatch], multiple: int = 1, *,
   p_pad = -(-longest // multiple) * multiple
   def pad(g):
     more = p_pad - g.prompt_ids.shape[0]
-    routes = getattr(g, "prompt_routes", None)   # a GroupBatch's recorded routes: -1 (none) on the padding
+    routes = getattr(g, "prompt_routes", None)   # a RolloutBatch's recorded routes: -1 (none) on the padding
     extra = {} if routes is None else {"prompt_routes": jnp.pad(routes, ((0, more), (0, 0), (0, 0)), constant_values=-1)}
     return g.replace(prompt_ids=jnp.pad(g.prompt_ids, (0, more)), **extra)
   return [pad(g) for g in groups]
 
 
-def pad_groups(groups: list[GroupBatch], mesh=None) -> tuple[list[GroupBatch], np.ndarray]:
+def pad_groups(groups: list[RolloutBatch], mesh=None) -> tuple[list[RolloutBatch], np.ndarray]:
   """Ragged groups (different G_j completions of different lengths T_j: DPO's one group per
   distinct prompt, a naive step's tree trajectories) padded so that `stack_groups` stacks them and
   `shard_batch` splits them on mesh (mesh None: one device, every mesh size 1):
@@ -142,11 +142,11 @@ def pad_groups(groups: list[GroupBatch], mesh=None) -> tuple[list[GroupBatch], n
   g_pad = -(-max(g.branches.tokens.shape[0] for g in groups) // sizes["branch"]) * sizes["branch"]
   t_pad = max(g.branches.tokens.shape[1] for g in groups)
 
-  def pad_branches(batch: GroupBatch, keep: bool) -> GroupBatch:
+  def pad_branches(batch: RolloutBatch, keep: bool) -> RolloutBatch:
     def pad(x):   # a branches field: [G_j] per completion or [G_j, T_j, ...] per token
       widths = [(0, g_pad - x.shape[0])] + ([(0, t_pad - x.shape[1])] if x.ndim > 1 else []) + [(0, 0)] * (x.ndim - 2)
       return jnp.pad(x if keep else jnp.zeros_like(x), widths)
-    return batch.replace(branches=jax.tree_util.tree_map(pad, batch.branches))
+    return batch.replace(levels=(jax.tree_util.tree_map(pad, batch.branches),))
 
   padded = [pad_branches(g, True) for g in pad_prompts(groups, sizes["seq"])]
   padded += [pad_branches(padded[0], False)] * (-len(padded) % sizes["data"])
@@ -154,7 +154,7 @@ def pad_groups(groups: list[GroupBatch], mesh=None) -> tuple[list[GroupBatch], n
   return padded, flat_index
 
 
-def batch_specs(batch: GroupBatch | TreeBatch, mesh):
+def batch_specs(batch: RolloutBatch, mesh):
   """PartitionSpecs of a stacked batch: prompt_ids [B, P_pad] and prompt_routes [B, P_pad, layers, k]
   P("data", "seq"); completions
   (branches [B, G, ...]) and tree levels (levels [B, F_1, ...]) P("data", "branch"); the rest P("data").
@@ -164,8 +164,8 @@ def batch_specs(batch: GroupBatch | TreeBatch, mesh):
   """
   def spec(path, x):
     keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
-    if "branches" in keys or "levels" in keys:
-      name, s = "branches" if "branches" in keys else "levels", P("data", "branch")
+    if "levels" in keys:   # a group's rows (its one level, `RolloutBatch.branches`) or a tree's levels
+      name, s = "branches" if is_group(batch) else "levels", P("data", "branch")
     elif "prompt_ids" in keys or "prompt_routes" in keys:
       name, s = keys[-1], P("data", "seq")
     else:
@@ -178,7 +178,7 @@ def batch_specs(batch: GroupBatch | TreeBatch, mesh):
   return jax.tree_util.tree_map_with_path(spec, batch)
 
 
-def shard_batch(batch: GroupBatch | TreeBatch, mesh, num_groups: int | None = None) -> GroupBatch | TreeBatch:
+def shard_batch(batch: RolloutBatch, mesh, num_groups: int | None = None) -> RolloutBatch:
   """Place a stacked batch on `mesh` with `batch_specs`.
 
   With several processes (distributed/hosts.py) `batch` holds this process's groups [B_local, ...]

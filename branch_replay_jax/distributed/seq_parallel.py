@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from branch_replay_jax.data.batches import GroupBatch
+from branch_replay_jax.data.batches import RolloutBatch
 from branch_replay_jax.kernels import attention_fn
 from branch_replay_jax.kernels.context_parallel import over_sharded_prompt, prompt_chunk_attention, ring_prompt_attention
 
@@ -46,7 +46,7 @@ def prompt_attention(attention_impl: str, axis: str = "seq"):
   return prompt_chunk_attention(attention_fn(attention_impl), axis)
 
 
-def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq", **routes):
+def chunk_prompt_forward(model, batch: RolloutBatch, axis: str = "seq", **routes):
   """(the local chunk's KVBlock, last hidden [d] of the prompt, the prompt's `RouterStats` [1, E] or None), the
   last two on every device of `axis`: one model's (a Llama's) forward of this device's prompt chunk
   batch.prompt_ids [C]. `routes` (a mixture of experts': routes [1, C, layers, k], this chunk's recorded
@@ -65,7 +65,7 @@ def chunk_prompt_forward(model, batch: GroupBatch, axis: str = "seq", **routes):
   return out.kv, jax.lax.psum(jnp.where(owner, last, jnp.zeros_like(last)), axis), router
 
 
-def prompt_split(attention_impl: str, batch: GroupBatch, *, axis: str = "seq") -> dict:
+def prompt_split(attention_impl: str, batch: RolloutBatch, *, axis: str = "seq") -> dict:
   """{"prompt_fn", "attention"} for `gradients.step`'s replay when batch.prompt_ids is this device's
   prompt chunk [C] over `axis`: prompt_fn(trunk, **routes) is each trunk's `chunk_prompt_forward`, and the
   completions' (tree nodes') attention runs over the sharded prompt K/V, merged by log-sum-exp

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.core.accumulate import fit_micro_batch, merge_micro_batches, scan_value_and_grad, split_micro_batches
-from branch_replay_jax.data.batches import GroupBatch, Segments, group_arrays
+from branch_replay_jax.data.batches import RolloutBatch, Segments, group_arrays
 from branch_replay_jax.data.counts import group_counts
 from branch_replay_jax.data.groups import bucket_length, make_group
 from branch_replay_jax.distributed import mesh as meshes
@@ -59,19 +59,19 @@ class PreferencePair:
 class PreferenceBatch:
   """K pairs laid out for replay (one group per distinct prompt) and for the naive step.
 
-  groups: one `data.batches.GroupBatch` per distinct prompt (branches: the prompt's distinct
+  groups: one group (`data.batches.RolloutBatch`, rows) per distinct prompt (branches: the prompt's distinct
     completions; pass 2 adds their weights [G_j, T_j]).
   chosen, rejected: [K] int, each pair's completions as indices into the concatenation of all
     groups' branches (group 0's first, then group 1's, ...).
-  naive: the pairs stacked for the naive step, a GroupBatch with a leading axis K: prompt_ids
+  naive: the pairs stacked for the naive step, a group's RolloutBatch with a leading axis K: prompt_ids
     [K, P_pad], prompt_len [K], branches.tokens / .mask [K, 2, T] (row 0 chosen, row 1 rejected).
   counts: token_positions_naive = Σ_k (2 P_k + |y_w| + |y_l|), token_positions_computed =
     Σ_groups (P + Σ distinct completion lengths) (tokens, real positions only).
   """
-  groups: list[GroupBatch]
+  groups: list[RolloutBatch]
   chosen: np.ndarray
   rejected: np.ndarray
-  naive: GroupBatch
+  naive: RolloutBatch
   counts: dict
 
   @property
@@ -163,7 +163,7 @@ class ReplaySteps:
     self.sums = lambda p, b: sums_jit(p, meshes.shard_batch(b, mesh))
     self.surrogate_grad = lambda p, b: grad_jit(p, meshes.shard_batch(b, mesh))
 
-  def layout(self, batch: PreferenceBatch) -> tuple[list[GroupBatch], np.ndarray, np.ndarray]:
+  def layout(self, batch: PreferenceBatch) -> tuple[list[RolloutBatch], np.ndarray, np.ndarray]:
     """`replay_layout` on this mesh."""
     return replay_layout(batch, self.mesh)
 
@@ -183,7 +183,7 @@ class ReplaySteps:
                                    beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
 
 
-def replay_layout(batch: PreferenceBatch, mesh=None) -> tuple[list[GroupBatch], np.ndarray, np.ndarray]:
+def replay_layout(batch: PreferenceBatch, mesh=None) -> tuple[list[RolloutBatch], np.ndarray, np.ndarray]:
   """(units, chosen [K], rejected [K]): the groups to run, each pair's completions as indices into
   the units' completions flattened in order (`two_pass_value_and_grad`). On a mesh, one unit: the
   padded groups stacked [B', G', ...] on the host."""
@@ -264,7 +264,7 @@ def make_preference_step(graphdef, tx, *, beta: float, loss_type: str = "sigmoid
   return step
 
 
-def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[GroupBatch], chosen, rejected,
+def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[RolloutBatch], chosen, rejected,
                             ref_sums: jax.Array, *, beta: float, loss_type: str = "sigmoid",
                             label_smoothing: float = 0.0, lengths=None):
   """(loss, metrics [K], grads) of mean_k ℓ_k by the two-pass scheme of the module docstring, on any
@@ -275,7 +275,7 @@ def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[
       branches.mask less the token axis (pass 1, forward only; e.g. `ReplaySteps.sums`).
     surrogate_grad_fn: (params, unit with branches.weights) -> grads of Σ_i -Σ_t w_{i,t} logp_{i,t}
       (pass 2, `surrogate_objective`).
-    units: GroupBatches: one per group ([G_j, T_j] completions), or groups stacked [B, G, T] on a
+    units: groups: one per group ([G_j, T_j] completions), or groups stacked [B, G, T] on a
       device mesh (`ReplaySteps` with a mesh); their completions in order
       (row-major) make the flat completion axis [N].
     chosen, rejected: [K] int, each pair's completions on that flat axis.
@@ -302,7 +302,7 @@ def two_pass_value_and_grad(sums_fn, surrogate_grad_fn, params, units: Sequence[
     n = int(np.prod(shape))
     weights = jnp.where(br.mask, -coef[start:start + n].reshape(shape)[..., None], 0.0)
     start += n
-    gr = surrogate_grad_fn(params, unit.replace(branches=br.replace(weights=weights)))
+    gr = surrogate_grad_fn(params, unit.replace(levels=(br.replace(weights=weights),)))
     grads = gr if grads is None else jax.tree_util.tree_map(jnp.add, grads, gr)
   return loss, metrics, grads
 
@@ -312,7 +312,7 @@ def _pair_sums(graphdef, params, naive_mb, chunk):
   return jax.vmap(lambda a: forward(POLICY, graphdef, params, a, layout="naive", logprob_chunk=chunk).sum(-1))(naive_mb)
 
 
-def naive_ref_sums(graphdef, params, naive: GroupBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
+def naive_ref_sums(graphdef, params, naive: RolloutBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
   """[K, 2] reference log-prob sums of the stacked pairs (`PreferenceBatch.naive`), forward only."""
   k = naive.prompt_len.shape[0]
   m = fit_micro_batch(micro_batch, k)
@@ -321,7 +321,7 @@ def naive_ref_sums(graphdef, params, naive: GroupBatch, *, micro_batch: int = 1,
   return sums.reshape(k, 2)
 
 
-def naive_value_and_grad(graphdef, params, naive: GroupBatch, ref_sums_k2: jax.Array, *, beta: float,
+def naive_value_and_grad(graphdef, params, naive: RolloutBatch, ref_sums_k2: jax.Array, *, beta: float,
                          loss_type: str = "sigmoid", label_smoothing: float = 0.0, micro_batch: int = 1,
                          logprob_chunk: int = 256):
   """(loss, metrics [K], grads) of mean_k ℓ_k, differentiated directly on full sequences.

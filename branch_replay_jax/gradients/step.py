@@ -5,13 +5,14 @@ over a rollout group or tree, and its forward-only twin.
     forward(head, graphdef, params, batch, layout=..., mesh=...)                 -> per-token outputs
 
   head    gradients/heads.py: Policy (log-probs) or ActorCritic (log-probs and values; PPO).
-  layout  "replay": the batch's own shape, a `GroupBatch` (prompt once, `core.replay.replay_vjp`, a
-            micro-batch of completions as rows of one batch; with all G in one batch on one device,
-            the fused replay: the prompt and the completions in one layer scan, `fused` below) or a
-            `TreeBatch` (every node once, `core.tree_replay.nested_replay_vjp`; a one-level tree is a
-            group whose completions are its nodes and takes the fused replay where a group would);
+  layout  "replay": the batch's own shape (`data.batches.RolloutBatch`): a group's rows (prompt once,
+            `core.replay.replay_vjp`, a micro-batch of completions as rows of one batch; with all G in
+            one batch on one device, the fused replay: the prompt and the completions in one layer
+            scan, `fused` below) or a tree's levels (every node once, `core.tree_replay.nested_replay_vjp`;
+            a one-level tree is a group whose completions are its nodes and takes the fused replay
+            where a group would);
           "naive": each completion appended to a copy of the prompt (the "[B] -> [B*G]" of today's
-            pipelines, the reference), a GroupBatch only (a tree's trajectories as a group:
+            pipelines, the reference), a group's rows only (a tree's trajectories as a group:
             `algorithms.groups.Group.naive_batch`).
   mesh    None: one group or tree on this device. A ("data", "branch", "seq") mesh
           (distributed/mesh.py): a batch of them stacked [B, ...], placed by `shard_batch`, under
@@ -44,7 +45,7 @@ from branch_replay_jax.core.accumulate import (fit_micro_batch, merge_micro_batc
                                               split_micro_batches)
 from branch_replay_jax.core.replay import replay_map, replay_vjp
 from branch_replay_jax.core.tree_replay import SCHEDULES, nested_replay_map, nested_replay_vjp
-from branch_replay_jax.data.batches import GroupBatch, PackedBatch, TreeBatch, num_branches
+from branch_replay_jax.data.batches import PackedBatch, RolloutBatch, describe, is_group, is_tree, num_branches
 from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.heads import Policy, SegmentOutputs
@@ -52,7 +53,7 @@ from branch_replay_jax.losses import load_balancing_loss
 from branch_replay_jax.models.lora import WithBase, merge
 
 LAYOUTS = ("replay", "naive")
-# How a tree step computes its tree (train.tree_schedule): core.tree_replay's schedules over a TreeBatch,
+# How a tree step computes its tree (train.tree_schedule): core.tree_replay's schedules over a tree's levels,
 # or "packed": each tree one row (`data.batches.pack_trees`, packed on the host before the step).
 TREE_SCHEDULES = SCHEDULES + ("packed",)
 PACKED = "packed"
@@ -174,7 +175,7 @@ def _shift(parent_last, h_btd, n_b):
   return jnp.concatenate([first, h_btd[:, :-1]], axis=1), last
 
 
-def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> SegmentOutputs:
+def _fused_outputs(head, model, batch: RolloutBatch, chunk, attention=None) -> SegmentOutputs:
   """`SegmentOutputs` [G, ...] of a group's completions, the prompt and the completions in one layer scan
   per trunk (`Llama.prompt_and_rows`): replay's values, with the prompt's K/V cotangent summed per layer."""
   p_pad = batch.prompt_ids.shape[0]
@@ -198,20 +199,19 @@ def _fused_outputs(head, model, batch: GroupBatch, chunk, attention=None) -> Seg
 
 
 def fused_applies(batch, layout: str = "replay", mesh=None, micro_batch: int | None = None) -> bool:
-  """Whether `value_and_grad` runs the fused replay (its `fused` argument): a GroupBatch, or a one-level
-  TreeBatch (a group whose completions are the tree's nodes, `_one_level_group`), in the replay layout on
+  """Whether `value_and_grad` runs the fused replay (its `fused` argument): a group, or a one-level
+  tree (a group whose completions are the tree's nodes, `_one_level_group`), in the replay layout on
   one device (on a mesh the prompt may be split over `seq` and its cotangent is reduced across devices),
   micro_batch covering all G completions (F_1 nodes)."""
-  one_level = isinstance(batch, TreeBatch) and len(batch.levels) == 1
-  return (layout == "replay" and mesh is None and (isinstance(batch, GroupBatch) or one_level)
+  return (layout == "replay" and mesh is None and isinstance(batch, RolloutBatch) and len(batch.levels) == 1
           and _micro_batch(micro_batch, batch) == num_branches(batch))
 
 
-def _one_level_group(batch: TreeBatch) -> GroupBatch:
+def _one_level_group(batch: RolloutBatch) -> RolloutBatch:
   """A one-level tree as the group whose completions are its F_1 nodes: the same rows on the same prompt.
   A node's fields keep their trajectory axis (advantage, weights [F_1, T, G]), which the objective reads
   as it does in the tree step (`losses.grpo_objective` takes both), so the lowering changes no value."""
-  return GroupBatch(batch.prompt_ids, batch.prompt_len, batch.levels[0])
+  return batch.replace(rows=True)
 
 
 def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
@@ -276,7 +276,7 @@ def _packed_value_and_grad(head, graphdef, params, batch: PackedBatch, objective
   return loss, aux, grads
 
 
-def naive_batch(batch: GroupBatch):
+def naive_batch(batch: RolloutBatch):
   """(tokens [G, P_pad + T], valid [G, P_pad + T], offset): full sequences, LEFT-padded so every
   completion starts at column P_pad; offset -(P_pad - prompt_len) puts the first real prompt token
   at position 0."""
@@ -292,7 +292,7 @@ def naive_batch(batch: GroupBatch):
   return tokens, valid, -shift
 
 
-def _naive_routes(batch: GroupBatch, completion_routes):
+def _naive_routes(batch: RolloutBatch, completion_routes):
   """The recorded routes of naive rows [B, P_pad + T, L, k]: the prompt's, left-padded as `naive_batch` lays it out
   (-1 on padding), then each row's completion's [B, T, L, k]; None where the batch carries none."""
   if batch.prompt_routes is None:
@@ -327,26 +327,26 @@ def _check(layout, batch, mesh, head=None):
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
   if head is not None and getattr(head, "routing_replay", False) and getattr(batch, "prompt_routes", None) is None:
-    raise ValueError(f"routing_replay: the step replays the sampler's recorded routes; this {type(batch).__name__} "
-                     "carries none (a GroupBatch's or TreeBatch's prompt_routes and its rows' routes: "
+    raise ValueError(f"routing_replay: the step replays the sampler's recorded routes; {describe(batch)} "
+                     "carries none (a RolloutBatch's prompt_routes and its segments' routes: "
                      "`data.batches.recorded_routes`, `recorded_tree_routes`)")
   if head is not None and _tracks_routes(head, batch):
-    levels = batch.levels if isinstance(batch, TreeBatch) else ()
+    levels = batch.levels if is_tree(batch) else ()
     what = (f"router_aux_coef={head.router_aux_coef}" if getattr(head, "router_aux_coef", 0.0) > 0 else
             "recorded routes")
     if isinstance(batch, PackedBatch):
       raise ValueError(f"{what}: the routing is followed for groups and trees by level, on one device or a mesh; "
                        "got a PackedBatch")
     if any(level.end_share is None for level in levels):
-      raise ValueError(f"{what}: a TreeBatch's nodes need end_share (the share of "
+      raise ValueError(f"{what}: a tree's nodes need end_share (the share of "
                        "trajectories ending at each node): tree_arrays(padded, {..., 'end_share': "
                        "tree.end_shares()})")
   if isinstance(batch, PackedBatch) and (layout != "replay" or mesh is not None):
     raise ValueError(f"a PackedBatch runs in layout='replay' on one device (got layout={layout!r}, "
                      f"mesh={'set' if mesh is not None else None})")
-  if layout == "naive" and not isinstance(batch, GroupBatch):
-    raise ValueError("layout='naive' takes a GroupBatch (a tree's trajectories as a group: Group.naive_batch), "
-                     f"got {type(batch).__name__}")
+  if layout == "naive" and not is_group(batch):
+    raise ValueError("layout='naive' takes a group's rows (a tree's trajectories as a group: Group.naive_batch), "
+                     f"got {describe(batch)}")
   if layout == "naive" and mesh is not None:
     raise ValueError("layout='naive' runs on one device; the mesh step is replay's")
 
@@ -355,16 +355,14 @@ def _micro_batch(micro_batch, batch):
   return num_branches(batch) if micro_batch is None else micro_batch
 
 
-def leaf_siblings(batch: GroupBatch | TreeBatch, mesh=None) -> int:
+def leaf_siblings(batch: RolloutBatch, mesh=None) -> int:
   """The count a micro_batch must divide on one device: a group's completions G, a tree's last fan-out
   F_D; on a mesh, of a stacked batch, G / branch, and F_1 / branch for a one-level tree (F_1 is split
   over `branch`, a deeper tree's last fan-out is not)."""
   branch = 1 if mesh is None else mesh.shape["branch"]
   if isinstance(batch, PackedBatch):
     return 1
-  if isinstance(batch, GroupBatch):
-    return batch.branches.tokens.shape[-2] // branch
-  f = batch.levels[-1].tokens.shape[-2]
+  f = batch.levels[-1].tokens.shape[-2]   # a group is one level: G
   return f // branch if len(batch.levels) == 1 else f
 
 
@@ -382,7 +380,7 @@ def _seq_split(head, graphdef, local, batch, mesh) -> dict:
   return prompt_split(head.attention_impl(merge(graphdef, local)), batch)
 
 
-def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, objective: Objective, *,
+def value_and_grad(head, graphdef, params, batch: RolloutBatch, objective: Objective, *,
                    layout: str = "replay", mesh=None, micro_batch: int | None = None,
                    schedule: str = "depth_first", logprob_chunk: int = 256, attention=None,
                    fused: bool | None = None):
@@ -390,7 +388,7 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
 
   Args:
     head: `heads.Policy` or `heads.ActorCritic` (its temperature τ divides the logits).
-    batch: a `GroupBatch` (`data.batches.group_arrays`) or `TreeBatch` (`tree_arrays`) with the
+    batch: a group's `RolloutBatch` (`data.batches.group_arrays`) or a tree's (`tree_arrays`) with the
       objective's fields; with a mesh, a stack of them [B, ...] placed by `mesh.shard_batch`.
     objective: the head's objective (`heads.Policy.loss`): one completion's or one tree node's
       (`losses.grpo_objective`, `losses.ppo_objective` take both).
@@ -403,7 +401,7 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
     fused: a group's replay as ONE layer scan of the prompt and its completions (`Llama.prompt_and_rows`)
       differentiated by `jax.value_and_grad`, so the prompt's K/V cotangent is summed and pulled back
       layer by layer (no [L, P] K/V cotangent; docs/design.md, "Memory and remat"). None: wherever it
-      applies (`fused_applies`: a GroupBatch or one-level TreeBatch on one device, micro_batch covering
+      applies (`fused_applies`: a group or one-level tree on one device, micro_batch covering
       G); True: required (ValueError where it does not apply); False: never (`core.replay.replay_vjp`:
       the prompt's forward, the completions, then one pullback; a tree's nested replay).
 
@@ -421,11 +419,11 @@ def value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, object
   _check(layout, batch, mesh, head)
   applies = fused_applies(batch, layout, mesh, micro_batch)
   if fused and not applies:
-    raise ValueError(f"value_and_grad: fused=True needs layout='replay' (got {layout!r}), a GroupBatch or a "
-                     f"one-level TreeBatch (got {type(batch).__name__}), no mesh, and micro_batch covering every "
+    raise ValueError(f"value_and_grad: fused=True needs layout='replay' (got {layout!r}), a group or a "
+                     f"one-level tree (got {describe(batch)}), no mesh, and micro_batch covering every "
                      f"completion (got {micro_batch!r})")
   if applies and fused is not False:
-    if isinstance(batch, TreeBatch):   # a tree of depth one is a group: its fastest lowering, the tree's aux
+    if is_tree(batch):   # a tree of depth one is a group: its fastest lowering, the tree's aux
       loss, aux, grads, out = _fused_value_and_grad(head, graphdef, params, _one_level_group(batch), objective,
                                                     logprob_chunk, attention)
       return loss, [NodeOutputs(out.logp, aux, out.values)], grads
@@ -458,7 +456,7 @@ def _replay_value_and_grad(head, graphdef, params, batch, objective, m, schedule
   prompt forward (`_prompt_state`), `trajectories` the group's completions on all devices (the
   load-balancing loss's mean; default: this batch's)."""
   root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
-  if isinstance(batch, TreeBatch):
+  if is_tree(batch):
     node_fn = _tree_node_fn(head, graphdef, chunk, objective, attention)
     return nested_replay_vjp(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m,
                              schedule=schedule, reduce_prefix_cotangent=reduce)
@@ -499,7 +497,7 @@ def _naive_value_and_grad(head, graphdef, params, batch, objective, m, chunk):
   return loss, merge_micro_batches(aux, g), grads
 
 
-def forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: str = "replay", mesh=None,
+def forward(head, graphdef, params, batch: RolloutBatch, *, layout: str = "replay", mesh=None,
             micro_batch: int | None = None, logprob_chunk: int = 256, attention=None):
   """The head's per-token outputs by a forward-only pass (reference and old log-probs, old values).
 
@@ -533,7 +531,7 @@ def _replay_forward(head, graphdef, params, batch, m, logprob_chunk, *, attentio
   """Replay's forward-only outputs of one group or tree on one device (or one device's shard in the
   mesh wrapper, `prompt_fn` the seq split's prompt forward)."""
   root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
-  if isinstance(batch, TreeBatch):
+  if is_tree(batch):
     node_fn = _tree_node_fn(head, graphdef, logprob_chunk, attention=attention)
     return nested_replay_map(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m)
 
@@ -543,7 +541,7 @@ def _replay_forward(head, graphdef, params, batch, m, logprob_chunk, *, attentio
   return replay_map(root_fn, branch_fn, params, batch.branches, micro_batch=m, vectorized=True)
 
 
-def batch_value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, objective: Objective, *,
+def batch_value_and_grad(head, graphdef, params, batch: RolloutBatch, objective: Objective, *,
                          layout: str = "replay", mesh=None, micro_batch: int | None = None,
                          schedule: str = "depth_first", logprob_chunk: int = 256, reduce_aux=None, upcast=None,
                          keep=None):
@@ -591,7 +589,7 @@ def batch_value_and_grad(head, graphdef, params, batch: GroupBatch | TreeBatch, 
   return losses, aux, grads, kept
 
 
-def batch_forward(head, graphdef, params, batch: GroupBatch | TreeBatch, *, layout: str = "replay", mesh=None,
+def batch_forward(head, graphdef, params, batch: RolloutBatch, *, layout: str = "replay", mesh=None,
                   micro_batch: int | None = None, logprob_chunk: int = 256):
   """`forward` of a batch of groups (trees) stacked [B, ...]: outputs stacked [B, ...]; on one device a
   `lax.map` over the groups, on a mesh `forward` with the mesh. Raises as `forward`."""
