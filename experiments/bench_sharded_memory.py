@@ -16,6 +16,7 @@ def get_config(arg=None):
   c.attention_impl = "xla"            # xla (dense [P, P] scores) or pallas (FlashAttention-2 blocks, interpreted on CPU)
   c.expert_matmul = "ragged_dot"      # a mixture of experts' grouped matmuls (models.config.EXPERT_MATMULS): ragged_dot
   #                                   # (dense over every expert on XLA:CPU) or tiled (kernels.grouped_matmul)
+  c.expert = ""                       # a mixture of experts' expert-parallel axis (mesh.expert): "", data or branch
   c.mesh = (1, 8, 1)                  # data, branch, seq over 8 fake CPU devices: one group, G over 8
   c.G = 16                            # completions per group
   c.T = 1024                          # completion tokens

@@ -86,6 +86,7 @@ def get_config(arg=None):
   c.mesh.branch = 1                       # each group's completions split over devices
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
+  c.mesh.expert = ""                      # a mixture of experts: the axis its experts are split over (data or branch)
   c.mesh.rollout_devices = 0              # a rollout sub-mesh samples for GRPO only
   #                                       # groups are padded to the mesh: padding completions have zero weight
 

@@ -141,6 +141,8 @@ def get_config(arg=None):
   #                                       # must divide group_size (tree_fanouts[0])
   c.mesh.seq = 1                          # each prompt's tokens split over devices (context parallelism)
   c.mesh.params = "replicated"            # replicated, or fsdp (parameters and optimizer state sharded at rest)
+  c.mesh.expert = ""                      # a mixture of experts: the axis its experts are split over (data or
+  #                                       # branch; the tokens are sent to them); "": none
   c.mesh.rollout_devices = 0              # devices beside the mesh that only sample (a rollout sub-mesh; with
   #                                       # train.max_staleness > 0 they sample while the mesh updates)
 

@@ -219,6 +219,35 @@ def test_the_pallas_expert_matmul_is_refused_on_a_mesh(tmp_path):
     sharded_memory._architecture("tiny", "pallas")
 
 
+def test_grpo_trains_a_moe_with_its_experts_split_over_branch(tmp_path, monkeypatch):
+  # The smoke experiment on a 2 x 2 x 2 mesh, FSDP, its 4 experts split over branch (2 per device) with the
+  # load-balancing loss: the loop places the experts by mesh.expert, the step sends the tokens to them, and the
+  # run-time exactness check (one device: replay against naive rows) holds to float32 rounding. The update's own
+  # exactness on the mesh: test_expert_parallel_mesh_step_with_routing_replay_equals_naive_float64.
+  cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
+                    expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
+  record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(2)), tmp_path, monkeypatch, **{
+      "mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2, "mesh.params": "fsdp", "mesh.expert": "branch",
+      "train.micro_batch": 1, "loss.router_aux_coef": 0.01})
+  assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
+  assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and 1.0 < record["router_aux"] < 4.0
+
+
+def test_the_expert_axis_is_checked_by_name_before_loading(tmp_path):
+  # mesh.expert names the axis the experts are split over: data or branch (seq holds one prompt's chunks), and
+  # only for a model with experts. Each refused by name before the model loads.
+  from conftest import experiment_config
+  from experiments import grpo_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  mesh = {"mesh.data": 2, "mesh.branch": 2, "mesh.seq": 2}
+  refused_before_loading(tmp_path, FIXTURE, "smoke", {**mesh, "mesh.expert": "seq"},
+                         r"mesh.expert='seq' is not one of \('data', 'branch'\)")
+  with pytest.raises(ValueError, match=r"mesh.expert='data': model.name='tiny' has no experts"):
+    grpo.validate(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "tiny", **mesh, **{"mesh.expert": "data"}))
+  grpo.validate(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "ok", **mesh, **{
+      "model.name": FIXTURE, "mesh.expert": "branch", "mesh.params": "fsdp"}))
+
+
 def test_a_moe_model_takes_the_prompt_split_over_seq(tmp_path):
   # The seq split is exact with experts (test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64), so
   # a MoE experiment on a data x branch x seq mesh with the load-balancing loss and routing replay passes the
@@ -238,6 +267,27 @@ def test_fsdp_mesh_step_equals_naive_float64(model64):
     groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
               for s in range(2)]
     fsdp_step_equals_naive(*model64, groups)
+
+
+@pytest.mark.parametrize("expert, mode, seq", [("data", "fsdp", 1), ("branch", "replicated", 2)])
+def test_expert_parallel_mesh_step_with_routing_replay_equals_naive_float64(model64, expert, mode, seq):
+  # The fixture's 8 experts split over mesh.expert (4 per device), the tokens sent to them by all-gather and
+  # their partial sums reduce-scattered back (models.llama._dispatched_expert_sum): over data, the two groups'
+  # tokens meet on each device; over branch, a group's completions do, and the prompt (every branch device's
+  # copy, its cotangent summed over branch) is sent too, with the seq split. With recorded routes (30% flipped,
+  # 20% unrecorded) and the load-balancing loss, the loss and summed gradient equal the naive groups' (a missing
+  # or doubled sum of the experts' gradients over the expert axis, or of the router's, would move them).
+  from branch_replay_jax.gradients.heads import Policy
+  graphdef, params = model64
+  with jax.enable_x64(True):
+    groups = []
+    for s in range(2):
+      arrays = arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
+      prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
+                                                     unrecorded=0.2)
+      groups.append(arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),)))
+    fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True), seq=seq,
+                           mode=mode, expert=expert)
 
 
 def _transformers_load_balancing_loss(logits_lte, top_k, mask_t):

@@ -15,6 +15,7 @@ from branch_replay_jax.algorithms import placement, schema
 from branch_replay_jax.correction import Correction
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.distributed.mesh import PARAM_MODES
+from branch_replay_jax.distributed.sharding import EXPERT_AXES
 from branch_replay_jax.gradients.step import PACKED, TREE_SCHEDULES
 from branch_replay_jax.models import lora, tiny_config
 from branch_replay_jax.models.config import EXPERT_MATMULS
@@ -113,7 +114,8 @@ def validate_layer_kinds(config) -> None:
   trees by level), with model.routing_replay episodes whose history is "template" (a rewritten history is not
   what the sampler fed); LoRA on their MLP (`models.lora.check_spec`, lora.targets). A model without
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
-  'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh."""
+  'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh. mesh.expert: one of the EXPERT_AXES, a
+  model with experts, an axis size that divides their count."""
   from branch_replay_jax.models.loading import architecture
   m = config.model
   aux = config.loss.get("router_aux_coef", 0.0) if "loss" in config else 0.0   # GRPO's (DPO has no loss section)
@@ -126,6 +128,15 @@ def validate_layer_kinds(config) -> None:
   if matmul == "pallas" and mesh is not None and mesh.data * mesh.branch * mesh.seq > 1:
     raise ValueError(f"model.expert_matmul='pallas' on a mesh of {mesh.data} x {mesh.branch} x {mesh.seq}: the Pallas "
                      "grouped matmul runs on one device (not inside the mesh step's shard_map); use 'tiled'")
+  expert = placement.expert_axis(config)
+  if expert:
+    if expert not in EXPERT_AXES:
+      raise ValueError(f"mesh.expert={expert!r} is not one of {EXPERT_AXES} (or '' for none)")
+    if m.name == "tiny" or not architecture(m.name).moe:
+      raise ValueError(f"mesh.expert={expert!r}: model.name={m.name!r} has no experts; leave it ''")
+    n, e = mesh[expert], architecture(m.name).num_experts
+    if e % n:
+      raise ValueError(f"mesh.expert={expert!r}: mesh.{expert}={n} must divide the model's {e} experts")
   if m.name == "tiny" and config.model.get("routing_replay", False):
     raise ValueError("model.routing_replay=True: model.name='tiny' has no experts; set it to False")
   if aux and (m.name == "tiny" or not architecture(m.name).moe):

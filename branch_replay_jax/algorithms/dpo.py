@@ -223,7 +223,7 @@ class DPOFunctions:
 
   def __init__(self, config, graphdef, optimizer):
     t, p = config.train, config.dpo
-    self.mesh, self.param_mode = placement.mesh_from(config), config.mesh.params
+    self.mesh, self.param_mode = placement.mesh_from(config), placement.param_layout(config)
     self.train_step = pref.make_preference_step(graphdef, optimizer, beta=p.beta, loss_type=p.loss,
                                                 label_smoothing=p.label_smoothing, layout=t.gradient, mesh=self.mesh,
                                                 micro_batch=t.micro_batch)

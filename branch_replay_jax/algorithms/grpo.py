@@ -189,7 +189,7 @@ class GRPOFunctions:
     self.correction = correction = checks.rollout_correction(config)
     self.correct = jax.jit(functools.partial(correct, correction=correction))
     naive = layout.gradient == "naive"
-    self.mesh, self.param_mode = mesh_from(config), config.mesh.params
+    self.mesh, self.param_mode = mesh_from(config), placement.param_layout(config)
     self.objective = objective(config, layout.tree)
     # The level layouts the step compiled: a later step's trees pad onto one that holds them. With
     # train.tree_schedule = "packed" each tree is one row instead (data.batches.pack_trees, one device).

@@ -8,6 +8,7 @@ without a mesh."""
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import jax
 from flax import nnx
@@ -37,10 +38,27 @@ def mesh_from(config):
   return mesh
 
 
-def place(tree, mesh, mode: str):
-  """Parameters or optimizer state onto `mesh` in layout `mode` (mesh.params: distributed.mesh.shard_params);
-  unchanged without a mesh."""
-  return tree if mesh is None else shard_params(tree, mesh, mode)
+class ParamLayout(NamedTuple):
+  """How parameters lie on the mesh: mode (mesh.params: "replicated" or "fsdp") and expert, the axis a mixture
+  of experts' experts are split over (mesh.expert; "": none)."""
+  mode: str
+  expert: str = ""
+
+
+def param_layout(config) -> ParamLayout:
+  """config.mesh's `ParamLayout`."""
+  return ParamLayout(config.mesh.params, expert_axis(config))
+
+
+def expert_axis(config) -> str:
+  """mesh.expert, its schema default ("") when the experiment leaves it out."""
+  return config.mesh.get("expert", schema.defaults(schema.MeshConfig)["expert"]) if "mesh" in config else ""
+
+
+def place(tree, mesh, layout: ParamLayout):
+  """Parameters or optimizer state onto `mesh` in `layout` (distributed.mesh.shard_params); unchanged without a
+  mesh."""
+  return tree if mesh is None else shard_params(tree, mesh, layout.mode, expert=layout.expert)
 
 
 def rollout_device_count(config) -> int:

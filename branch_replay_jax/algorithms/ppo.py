@@ -136,7 +136,7 @@ class PPOFunctions:
     t, p = config.train, config.ppo
     layout = layout or schema.layout_of(schema.parse(config, expect="ppo"))
     self.naive = layout.gradient == "naive"
-    self.mesh, self.param_mode = placement.mesh_from(config), config.mesh.params
+    self.mesh, self.param_mode = placement.mesh_from(config), placement.param_layout(config)
     objective = functools.partial(obj.ppo_objective, clip_eps=config.loss.clip_eps, vf_coef=p.vf_coef,
                                   value_clip=p.value_clip)
     cast, upcast = runs.param_casts(config)

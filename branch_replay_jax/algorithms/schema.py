@@ -274,6 +274,8 @@ class MeshConfig:
   branch: int = _f("devices each group's completions (a tree's first-level subtrees) are split over")
   seq: int = _f("devices each prompt's tokens are split over (context parallelism)")
   params: str = _f("replicated, or fsdp (parameters and optimizer state sharded at rest)")
+  expert: str = _f("a mixture of experts' expert parallelism: the axis its experts are split over, 'data' or "
+                   "'branch' (the tokens are sent to them; docs/design.md, \"Expert parallelism\"); '': none", "")
   rollout_devices: int = _f("GRPO: devices beside the training mesh that sample (the rollout sub-mesh): the mesh takes "
                             "the first data x branch x seq devices, the sampler the last rollout_devices, each with a "
                             "full copy of the parameters sent device to device before each step's sampling; 0: the "

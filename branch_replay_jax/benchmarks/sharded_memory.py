@@ -113,7 +113,7 @@ def loop_config(c, layout: str):
   from experiments import grpo_smollm2_arith
   run = grpo_smollm2_arith.get_config()
   run.mesh.data, run.mesh.branch, run.mesh.seq = c.mesh
-  run.mesh.params = layout
+  run.mesh.params, run.mesh.expert = layout, c.expert
   run.train.micro_batch, run.train.inner_epochs, run.loss.kl_coef = c.micro_batch, 2, 0.05
   run.rollout.group_size = c.G
   return run
@@ -129,9 +129,9 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   fns = grpo.GRPOFunctions(run, graphdef, optimizer=tx)
   mesh = fns.mesh
   with jax.set_mesh(mesh):
-    params = _placed(params, param_specs(params, mesh, layout), mesh)
+    params = _placed(params, param_specs(params, mesh, layout, expert=c.expert), mesh)
     opt_state = jax.eval_shape(tx.init, params)
-    opt_state = _placed(opt_state, param_specs(opt_state, mesh, layout), mesh)
+    opt_state = _placed(opt_state, param_specs(opt_state, mesh, layout, expert=c.expert), mesh)
     batch = _batch(mesh.shape["data"], c.G, p, c.T)
     batch = _placed(batch, batch_specs(batch, mesh), mesh)
     t0 = time.perf_counter()
@@ -143,7 +143,8 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   state, grad = _local_bytes((params, opt_state)), _local_bytes(params)
   n = mesh.size
   target = 4 * total_params / n + layer   # params + gradient + AdamW mu, nu: 4 copies, split n ways
-  return {"study": "replay", "model": name, "params": layout, "remat": remat, "mesh": "x".join(map(str, c.mesh)),
+  return {"study": "replay", "model": name, "params": layout, "expert": c.expert, "remat": remat,
+          "mesh": "x".join(map(str, c.mesh)),
           "P": p, "T": c.T, "G": c.G, "dtype": c.dtype, "attention_impl": c.attention_impl,
           **({"expert_matmul": cfg.expert_matmul} if cfg.moe else {}), **_memory(compiled),
           "state_bytes": state, "grad_bytes": grad, "state_target_bytes": target, "state_ratio": (state + grad) / target,

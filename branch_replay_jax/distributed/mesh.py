@@ -55,9 +55,9 @@ from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 from branch_replay_jax.data.batches import RolloutBatch, is_group
-from branch_replay_jax.distributed.sharding import (MESH_AXES, PARAM_MODES, gather_dims, param_specs,  # noqa: F401
+from branch_replay_jax.distributed.sharding import (MESH_AXES, PARAM_MODES, gathers, param_specs,  # noqa: F401
                                                     shard_params)
-from branch_replay_jax.models.llama import GATHER_KEY, Gather
+from branch_replay_jax.models.llama import GATHER_KEY
 
 
 def make_mesh(data: int, branch: int, seq: int = 1, devices=None) -> jax.sharding.Mesh:
@@ -207,40 +207,51 @@ def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+def unsummed_axes(gather) -> tuple[str, ...]:
+  """The mesh axes a parameter's gradient still has to be summed over inside the mesh step: all of them for a
+  replicated one (None), the others for one split over some (its gather's transpose, or the token dispatch's,
+  already summed over its own)."""
+  return tuple(a for a in MESH_AXES if gather is None or a not in gather.axes)
+
+
 def _over_mesh(per_device, params, batch, mesh, out_specs):
-  """`shard_map` of per_device(local params, this device's part of the batch, dims) on `mesh`.
+  """`shard_map` of per_device(local params, this device's part of the batch, gathers) on `mesh`.
 
   Replicated parameters enter whole (P()) and are cast to varying over every mesh axis inside:
   their gradients then stay per-device until an explicit psum (no implicit one; module docstring),
   and the layer scan's carry keeps one type while mixing the prompt (varying over `seq`) with the
   completions (varying over `branch`). FSDP parameters enter as this device's shard (already
-  varying), and each one's nnx.Variable gets the static metadata GATHER_KEY = Gather(dim, MESH_AXES)
-  (`sharding.gather_dims`, from its spec): the model then all-gathers it just before use
+  varying), and each one's nnx.Variable gets the static metadata GATHER_KEY = its `Gather`
+  (`sharding.gathers`, from its spec): the model then all-gathers it just before use
   (`models.llama.param_value`; a layer's slice inside the layer scan), so no device holds more than
   one layer's gathered weights beyond the embedding; the all-gather's transpose reduce-scatters
-  their gradients, already summed over the mesh. per_device gets `dims` (`gather_dims`'s list, in
-  the order of `_leaves`): its caller must not psum the gradients of the gathered ones again (the
-  over-count trap, docs/design.md "Pitfalls"), and must hand back gradients in params' own tree
-  structure (without the Gather metadata), which the out_specs are.
+  their gradients, already summed over the gather's axes. Expert parallelism's leaves (split over one
+  axis, mesh.expert) enter as this device's shard too, cast to varying over the other axes; an expert
+  weight is never gathered (`Gather.dispatch`), the tokens are sent to it. per_device gets `gathers`
+  (`sharding.gathers`'s list, in the order of `_leaves`): its caller sums a gradient over the axes its
+  gather did not already sum over (`unsummed_axes`; psum on top would be the over-count trap,
+  docs/design.md "Pitfalls"), and must hand back gradients in params' own tree structure (without
+  the Gather metadata), which the out_specs are.
   """
-  dims = gather_dims(params)
+  split = gathers(params)
   specs = jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, params)
 
-  def local(x, dim):
-    if dim is not None:
-      return x.copy(x[...], **{GATHER_KEY: Gather(dim, MESH_AXES)})
-    cast = lambda v: jax.lax.pcast(v, MESH_AXES, to="varying")
+  def local(x, gather):
+    cast = lambda v: jax.lax.pcast(v, unsummed_axes(gather), to="varying") if unsummed_axes(gather) else v
+    if gather is not None:
+      return x.copy(cast(x[...]), **{GATHER_KEY: gather})
     return x.copy(cast(x[...])) if _is_variable(x) else cast(x)
 
   def body(params, batch):
     leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_variable)
-    return per_device(jax.tree_util.tree_unflatten(treedef, [local(x, d) for x, d in zip(leaves, dims)]), batch, dims)
+    return per_device(jax.tree_util.tree_unflatten(treedef, [local(x, g) for x, g in zip(leaves, split)]), batch,
+                      split)
   return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch_specs(batch, mesh)),
                        out_specs=out_specs(specs) if callable(out_specs) else out_specs, check_vma=True)(params, batch)
 
 
 def _leaves(tree) -> list:
-  """tree's nnx.Variables (or bare arrays), the order of `sharding.gather_dims`."""
+  """tree's nnx.Variables (or bare arrays), the order of `sharding.gathers`."""
   return jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)
 
 
@@ -264,7 +275,7 @@ def mesh_value_and_grad(per_group, params, batch, mesh, frozen=None):
 
   treedef = jax.tree_util.tree_structure(params)   # without the gather metadata `_over_mesh` adds
 
-  def per_device(local, batch, dims):   # dims: params' leaves first, then frozen's (`_leaves` order)
+  def per_device(local, batch, split):   # split: params' leaves' gathers first, then frozen's (`_leaves` order)
     local, extra = (local, {}) if frozen is None else (local[0], {"frozen": local[1]})
 
     def one_group(carry, batch):
@@ -276,10 +287,10 @@ def mesh_value_and_grad(per_group, params, batch, mesh, frozen=None):
     loss0 = jnp.zeros_like(leaf, shape=(), dtype=jnp.promote_types(leaf.dtype, jnp.float32))
     (loss, grads), aux = jax.lax.scan(one_group, (loss0, zeros), batch)
     loss = jax.lax.psum(loss, MESH_AXES)
-    # A gathered (FSDP) parameter's gradient left the backward reduce-scattered, summed over the
-    # mesh already: a psum on top would count it mesh.size times.
-    grads = [g if dim is not None else jax.tree_util.tree_map(lambda x: jax.lax.psum(x, MESH_AXES), g)
-             for g, dim in zip(_leaves(grads), dims)]
+    # A gathered (FSDP) parameter's gradient left the backward reduce-scattered, summed over the gather's
+    # axes already: a psum over them on top would count it that many times.
+    grads = [jax.tree_util.tree_map(lambda x: jax.lax.psum(x, unsummed_axes(gather)), g) if unsummed_axes(gather)
+             else g for g, gather in zip(_leaves(grads), split)]
     grads = jax.tree_util.tree_unflatten(treedef, jax.tree_util.tree_leaves(grads))
     if n_seq > 1:   # every seq device computed the whole loss (module docstring)
       loss, grads = loss / n_seq, jax.tree_util.tree_map(lambda g: g / n_seq, grads)
@@ -294,8 +305,8 @@ def mesh_map(per_group, params, batch, mesh, frozen=None):
   """Forward-only `shard_map` of per_group(local params, one group's or tree's batch) over a stacked
   batch (the forward twin of `mesh_value_and_grad`, `frozen` as there). Returns its outputs stacked
   [B, G (F_1), ...], sharded P("data", "branch")."""
-  def per_device(local, batch, dims):
-    del dims
+  def per_device(local, batch, split):
+    del split
     local, extra = (local, {}) if frozen is None else (local[0], {"frozen": local[1]})
     return _invariant_over_seq(jax.lax.scan(lambda _, one: (None, per_group(local, one, **extra)), None, batch)[1])
   return _over_mesh(per_device, params if frozen is None else (params, frozen), batch, mesh,

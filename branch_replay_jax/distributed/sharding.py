@@ -20,6 +20,13 @@ fallback for sizes the mesh does not divide).
                   a stacked parameter and all-gathers that slice (distributed/mesh.py). ZeRO
                   stage 3 (Rajbhandari et al. 2020, arXiv 1910.02054).
 
+Expert parallelism (mesh.expert = "data" or "branch", a mixture of experts): one rule more, first,
+("experts", (that axis,)). The experts' weights (w_gate, w_up, w_down: "experts" and "mlp") are split
+over the axis on their experts dimension and never gathered: the MoE layer sends the tokens to them
+(`models.llama.moe_mlp`, `Gather.dispatch`); the router (w_router: "experts", no "mlp") is split
+alike and all-gathered over the axis before use. The rule takes the axis, so the FSDP rules (all
+axes) skip those leaves; every other parameter is laid out as without it.
+
 An optimizer state gets its parameter's spec the same way: `tx.init` (and every `jax.tree_util`
 map) keeps each parameter's nnx.Variable node, metadata included, so a moment of Adam, or of an
 `optax.multi_transform` label (PPO's, LoRA's adapters), carries its parameter's logical names; a
@@ -35,10 +42,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from branch_replay_jax.models.llama import AXES_KEY, LOGICAL_AXES
+from branch_replay_jax.models.llama import AXES_KEY, LOGICAL_AXES, Gather
 
 MESH_AXES = ("data", "branch", "seq")
 PARAM_MODES = ("replicated", "fsdp")
+EXPERT_AXES = ("data", "branch")   # the mesh axes mesh.expert may name
 
 LOGICAL_AXIS_RULES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "replicated": (),
@@ -79,9 +87,23 @@ def _where(path) -> str:
   return repr("".join(parts) or "the tree's root")
 
 
-def param_specs(params, mesh, mode: str = "replicated", rules=None):
+def axis_rules(mode: str = "replicated", expert: str = "") -> tuple:
+  """The rules table of a parameter mode and, with `expert` ("data" or "branch"), expert parallelism over that
+  axis (the module docstring).
+
+  Raises:
+    ValueError: a mode outside PARAM_MODES or an expert axis outside EXPERT_AXES.
+  """
+  if mode not in PARAM_MODES:
+    raise ValueError(f"param_specs: mode={mode!r} is not one of {PARAM_MODES}")
+  if expert and expert not in EXPERT_AXES:
+    raise ValueError(f"mesh.expert={expert!r} is not one of {EXPERT_AXES} (or '' for none)")
+  return ((("experts", (expert,)),) if expert else ()) + LOGICAL_AXIS_RULES[mode]
+
+
+def param_specs(params, mesh, mode: str = "replicated", rules=None, *, expert: str = ""):
   """PartitionSpecs of parameters, or of an optimizer state shaped like them: each nnx.Variable's
-  logical axis names (models.llama.annotated) through `rules` (default LOGICAL_AXIS_RULES[mode]).
+  logical axis names (models.llama.annotated) through `rules` (default `axis_rules(mode, expert)`).
   The result has params' tree structure, nnx.Variable nodes included (their values are the specs).
 
   Raises:
@@ -89,9 +111,7 @@ def param_specs(params, mesh, mode: str = "replicated", rules=None):
       names, with names not one per dimension or outside LOGICAL_AXES, or an array of rank >= 1
       outside any Variable (the path of each is named).
   """
-  if mode not in PARAM_MODES:
-    raise ValueError(f"param_specs: mode={mode!r} is not one of {PARAM_MODES}")
-  rules = LOGICAL_AXIS_RULES[mode] if rules is None else tuple(rules)
+  rules = axis_rules(mode, expert) if rules is None else tuple(rules)
   unknown = [name for name, _ in rules if name not in LOGICAL_AXES]
   if unknown:
     raise ValueError(f"param_specs: rules name {unknown}, not logical axes of {LOGICAL_AXES}")
@@ -117,41 +137,48 @@ def param_specs(params, mesh, mode: str = "replicated", rules=None):
   return jax.tree_util.tree_map_with_path(spec, params, is_leaf=_is_variable)
 
 
-def shard_params(params, mesh, mode: str = "replicated", rules=None):
+def shard_params(params, mesh, mode: str = "replicated", rules=None, *, expert: str = ""):
   """Place parameters (or an optimizer state shaped like them) with `param_specs`, from a whole
   copy in this process (with several processes, each process's own identical copy, e.g. the
   initialised or restored state: each places its devices' shards from it, no cross-host copy)."""
   def place(x, spec):
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
-  specs = jax.tree_util.tree_leaves(param_specs(params, mesh, mode, rules), is_leaf=lambda s: isinstance(s, P))
+  specs = jax.tree_util.tree_leaves(param_specs(params, mesh, mode, rules, expert=expert),
+                                    is_leaf=lambda s: isinstance(s, P))
   leaves, treedef = jax.tree_util.tree_flatten(params)
   assert len(leaves) == len(specs), (len(leaves), len(specs))
   return jax.tree_util.tree_unflatten(treedef, [place(x, s) for x, s in zip(leaves, specs)])
 
 
-def gather_dims(params) -> list:
+def gathers(params) -> list:
   """[one per nnx.Variable (or bare array) of params, in `jax.tree_util.tree_leaves(params,
-  is_leaf=nnx.Variable)` order]: the dimension split over all of MESH_AXES (FSDP: the mesh step
-  all-gathers it just before use), or None for a replicated leaf.
+  is_leaf=nnx.Variable)` order]: None for a replicated leaf, else its `models.llama.Gather`: the
+  dimension split over all of MESH_AXES (FSDP: the mesh step all-gathers it just before use), or the
+  "experts" dimension split over one of EXPERT_AXES (expert parallelism: an expert weight, with "mlp"
+  among its names, is dispatched to, `Gather.dispatch`; the router is all-gathered over that axis).
 
   Raises:
     ValueError: a leaf sharded otherwise (over some mesh axes only, on several dimensions, on a
       "layers" dimension, or a bare array, which has no Variable metadata for the model to read
       its gather from), naming its path and spec: the step gathers only `param_specs`'s layouts.
   """
-  dims = []
+  out = []
   for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]:
     value = x[...] if _is_variable(x) else x
     spec = tuple(jax.typeof(value).sharding.spec)
     split = [(d, a if isinstance(a, tuple) else (a,)) for d, a in enumerate(spec) if a is not None]
     names = x.get_metadata(AXES_KEY, None) if _is_variable(x) else None
     if not split:
-      dims.append(None)
+      out.append(None)
     elif len(split) == 1 and split[0][1] == MESH_AXES and names is not None and names[split[0][0]] != "layers":
-      dims.append(split[0][0])
+      out.append(Gather(split[0][0], MESH_AXES))
+    elif (len(split) == 1 and len(split[0][1]) == 1 and split[0][1][0] in EXPERT_AXES and names is not None
+          and names[split[0][0]] == "experts"):
+      out.append(Gather(split[0][0], split[0][1], dispatch="mlp" in names))
     else:
       raise ValueError(f"parameter {_where(path)} has spec {spec}: the mesh step takes parameters replicated (P()) "
                        f"or, as annotated nnx.Variables, split on one dimension other than 'layers' over all of "
-                       f"{MESH_AXES} (param_specs(..., 'fsdp'))")
-  return dims
+                       f"{MESH_AXES} (param_specs(..., 'fsdp')), or on 'experts' over one of {EXPERT_AXES} "
+                       "(param_specs(..., expert=...))")
+  return out

@@ -84,6 +84,11 @@ class Gather(NamedTuple):
 
   dim: int
   axes: tuple[str, ...]
+  dispatch: bool = False   # an expert weight split over `axes` on its experts dimension (expert parallelism,
+                           # mesh.expert): never gathered; the MoE layer sends the tokens to the experts (`moe_mlp`)
+
+
+EXPERT_AXES = "expert_axes"   # key of a layer's parameter dict holding the mesh axes its experts are split over
 
 
 def annotated(value, names: Sequence[str], kind=nnx.Param) -> nnx.Variable:
@@ -105,7 +110,7 @@ def gathered(x: jax.Array, gather: Gather | None, *, sliced: int = 0) -> jax.Arr
   """x whole: x itself, or x all-gathered as `gather` says (its transpose reduce-scatters the
   gradient); `sliced` leading axes of the stored parameter are gone from x (1 for a layer's slice of
   a stacked parameter, read inside the layer scan)."""
-  if gather is None:
+  if gather is None or gather.dispatch:
     return x
   return jax.lax.all_gather(x, gather.axes, axis=gather.dim - sliced, tiled=True)
 
@@ -317,6 +322,21 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
       weights = jnp.take_along_axis(probs, experts, axis=-1)
   if config.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  axes = p.get(EXPERT_AXES)
+  y = (_expert_sum(config, p, x, experts, weights) if axes is None else
+       _dispatched_expert_sum(config, p, x, experts, weights, axes))
+  real = (jnp.ones((b, t), bool) if valid_bt is None else valid_bt > 0).reshape(b, t, 1)
+  chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=1).reshape(b, t, e)   # 1 where e is among the top k
+  per_row = lambda x: jnp.sum(jnp.where(real, x.reshape(b, t, -1), 0), axis=1)
+  route = RouterStats(per_row(chosen), per_row(probs), per_row(recorded)[:, 0], per_row(mismatch)[:, 0])
+  return y.reshape(b, t, d), route, experts.reshape(b, t, k)
+
+
+def _expert_sum(config: ModelConfig, p: dict, x, experts, weights):
+  """Σ_k w_k · SwiGLU_{experts_k}(x) [N, d] of N tokens x [N, d] over the E experts p holds (w_gate, w_up
+  [E, d, F_e], w_down [E, F_e, d]), their ids experts [N, k] in 0..E-1 and weights [N, k]: the (token, slot)
+  pairs sorted by expert, each expert's rows one group of config.expert_matmul's grouped matmul."""
+  k, e, dt = experts.shape[1], p["w_gate"].shape[0], x.dtype
   flat = experts.reshape(-1)                                                     # [N·k], (token, slot) order
   order = jnp.argsort(flat, stable=True)                                         # sorted by expert
   sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
@@ -327,12 +347,34 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
     gate = grouped(rows, p["w_gate"].astype(dt), sizes)
     up = grouped(rows, p["w_up"].astype(dt), sizes)
     out = grouped(jax.nn.silu(gate) * up, p["w_down"].astype(dt), sizes)   # [N·k, d], sorted
-  out = out[jnp.argsort(order)].reshape(b * t, k, d)                             # back to (token, slot) order
-  real = (jnp.ones((b, t), bool) if valid_bt is None else valid_bt > 0).reshape(b, t, 1)
-  chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=1).reshape(b, t, e)   # 1 where e is among the top k
-  per_row = lambda x: jnp.sum(jnp.where(real, x.reshape(b, t, -1), 0), axis=1)
-  route = RouterStats(per_row(chosen), per_row(probs), per_row(recorded)[:, 0], per_row(mismatch)[:, 0])
-  return jnp.einsum("nkd,nk->nd", out, weights.astype(dt)).reshape(b, t, d), route, experts.reshape(b, t, k)
+  out = out[jnp.argsort(order)].reshape(x.shape[0], k, -1)                     # back to (token, slot) order
+  return jnp.einsum("nkd,nk->nd", out, weights.astype(dt))
+
+
+def _varying(x, axes):
+  """x cast to varying over the mesh axes `axes` where it is not yet (a collective over them needs it)."""
+  aval = jax.typeof(x)
+  have = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
+  missing = tuple(a for a in axes if a not in have)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, axes):
+  """`_expert_sum` under expert parallelism (mesh.expert; inside the mesh step's `shard_map`): this device holds
+  experts [i·E_l, (i+1)·E_l) of the E (w_gate, w_up, w_down [E_l, ...], i its index over `axes`). The tokens of
+  the n devices along `axes` are all-gathered, each device runs its own experts on the (token, slot) pairs routed
+  to them (the other pairs run its expert 0 with weight 0: exactly 0, and no gradient), and the partial
+  sums are reduce-scattered back to each device's own tokens, so each token gets Σ_k w_k · SwiGLU_{experts_k}
+  over all n devices' experts: the one-device value, summed in another order. Megatron-LM's "allgather" token
+  dispatcher (`moe_token_dispatcher_type`); its transpose (reduce-scatter of the cotangents, all-gather of the
+  partial sums' cotangents) brings each expert the gradient of every token routed to it."""
+  e_local = p["w_gate"].shape[0]
+  x, experts, weights = (_varying(a, axes) for a in (x, experts, weights))
+  gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)
+  local = gather(experts) - jax.lax.axis_index(axes) * e_local                    # [n·N, k] this device's ids
+  mine = (local >= 0) & (local < e_local)
+  y = _expert_sum(config, p, gather(x), jnp.where(mine, local, 0), jnp.where(mine, gather(weights), 0))
+  return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
 
 
 def _per_layer(config: ModelConfig, routes):
@@ -620,6 +662,7 @@ class Llama(nnx.Module):
       p, xs_l = layer_xs
       if gathering:   # FSDP: one layer's weights all-gathered here, just before use
         p = {k: checkpoint_name(gathered(v, gathers[k], sliced=1), "gathered_weights") for k, v in p.items()}
+        p.update({EXPERT_AXES: g.axes for g in gathers.values() if g is not None and g.dispatch})
       # every use below reads the named copy, so "offload_kv" can offload it
       x = jax.tree_util.tree_map(lambda a: checkpoint_name(a, "layer_input"), x)
       return layer(p, x, xs_l)
