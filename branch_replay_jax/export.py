@@ -38,7 +38,7 @@ from branch_replay_jax.outputs.checkpoints import read_run_record
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "gemma3_text": "Gemma3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-              "qwen3_moe": "Qwen3MoeForCausalLM"}
+              "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
 
 
@@ -68,7 +68,11 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
                query_pre_attn_scalar=int(q) if (q := c.query_pre_attn_scalar).is_integer() else q,   # an int there
                rope_parameters={FULL: full, SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta}},
                final_logit_softcapping=None, attn_logit_softcapping=None)
-  if c.moe:   # Qwen3MoeConfig's fields (`models.hf_loader.read_config` reads them)
+  if c.moe and c.shared_expert:   # Qwen3_5MoeTextConfig's (the shared expert's width is our ffn_dim)
+    out.update(num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
+               moe_intermediate_size=c.expert_ffn_dim, shared_expert_intermediate_size=out.pop("intermediate_size"),
+               output_router_logits=False)
+  elif c.moe:   # Qwen3MoeConfig's fields (`models.hf_loader.read_config` reads them)
     out.update(num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
                moe_intermediate_size=c.expert_ffn_dim, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
                mlp_only_layers=[], output_router_logits=False)

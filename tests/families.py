@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import group_arrays
@@ -102,3 +103,29 @@ def fsdp_step_equals_naive(graphdef, params, groups, head=POLICY, seq: int = 1, 
                                                                          batch)
   assert float(loss) == pytest.approx(float(sum(o[0] for o in outs)), rel=1e-10)
   assert max_rel_err(grads, naive_grads) <= 1e-10
+
+
+def sampler_routes(graphdef, params, arrays, rng, flip: float, unrecorded: float):
+  """The group's routes as a sampler would record them: each real token's own experts per layer (from one naive
+  forward), a `flip` fraction of the (layer, token) pairs swapped to another expert (a sampler that routed
+  otherwise) and an `unrecorded` fraction of the completions' tokens -1 (none recorded). Returns (prompt_routes
+  [P_pad, L, k], completion routes [G, T, L, k], flipped [G, P_pad + T, L] in naive-row layout, recorded mask)."""
+  from branch_replay_jax.gradients.step import naive_batch
+  tokens, valid, offset = naive_batch(arrays)
+  own = np.asarray(nnx.merge(graphdef, params)(tokens, offset, valid_bt=valid).experts)     # [G, P_pad + T, L, k]
+  e = nnx.merge(graphdef, params).config.num_experts
+  p_pad, shift = arrays.prompt_ids.shape[0], arrays.prompt_ids.shape[0] - int(arrays.prompt_len)
+  flip_mask = rng.random(own.shape[:3]) < flip
+  flip_mask[:, p_pad:] &= np.asarray(arrays.branches.mask)[:, :, None]
+  flip_mask[:, :p_pad] = flip_mask[:1, :p_pad]                                   # the prompt is one sequence
+  flip_mask[:, :shift] = False
+  other = lambda s: [s[0], min(x for x in range(e) if x not in s)]
+  routes = own.copy()
+  for g, t, layer in zip(*np.nonzero(flip_mask)):
+    routes[g, t, layer] = other(list(own[g, t, layer]))
+  routes[:, :shift] = -1
+  skip = (rng.random(routes.shape[:2]) < unrecorded) & (np.arange(routes.shape[1]) >= p_pad)[None]
+  routes[skip] = -1
+  recorded = np.asarray(valid) & ~skip
+  prompt = np.roll(routes[0, :p_pad], -shift, axis=0)
+  return jnp.asarray(prompt), jnp.asarray(routes[:, p_pad:]), flip_mask & recorded[:, :, None], recorded

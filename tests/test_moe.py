@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective, read_reference,
-                      refused_before_loading, step)
+                      refused_before_loading, sampler_routes, step)
 from flax import nnx
 
 from branch_replay_jax import losses as obj
@@ -133,7 +133,8 @@ def test_tree_replay_equals_naive_float64(model64, x64):
 
 
 def test_moe_fields_are_checked_by_name():
-  with pytest.raises(ValueError, match="num_experts is Qwen3-MoE's"):
+  with pytest.raises(ValueError, match=r"num_experts is a mixture of experts' \(arch='qwen3_moe' or 'qwen3_5_moe_text'\); "
+                                       r"arch='llama' has none"):
     tiny_config(num_experts=4)
   with pytest.raises(ValueError, match="experts_per_token=5 exceeds num_experts=4"):
     tiny_config(arch="qwen3_moe", num_experts=4, experts_per_token=5, expert_ffn_dim=8, qk_norm=True)
@@ -283,7 +284,7 @@ def test_expert_parallel_mesh_step_with_routing_replay_equals_naive_float64(mode
     groups = []
     for s in range(2):
       arrays = arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
-      prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
+      prompt_routes, routes, _, _ = sampler_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
                                                      unrecorded=0.2)
       groups.append(arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),)))
     fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True), seq=seq,
@@ -424,32 +425,6 @@ def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
         "train.tree_schedule": "depth_first"}))
 
 
-def _recorded_routes(graphdef, params, arrays, rng, flip: float, unrecorded: float):
-  """The group's routes as a sampler would record them: each real token's own experts per layer (from one naive
-  forward), a `flip` fraction of the (layer, token) pairs swapped to another expert (a sampler that routed
-  otherwise) and an `unrecorded` fraction of the completions' tokens -1 (none recorded). Returns (prompt_routes
-  [P_pad, L, k], completion routes [G, T, L, k], flipped [G, P_pad + T, L] in naive-row layout, recorded mask)."""
-  from branch_replay_jax.gradients.step import naive_batch
-  tokens, valid, offset = naive_batch(arrays)
-  own = np.asarray(nnx.merge(graphdef, params)(tokens, offset, valid_bt=valid).experts)     # [G, P_pad + T, L, k]
-  e = nnx.merge(graphdef, params).config.num_experts
-  p_pad, shift = arrays.prompt_ids.shape[0], arrays.prompt_ids.shape[0] - int(arrays.prompt_len)
-  flip_mask = rng.random(own.shape[:3]) < flip
-  flip_mask[:, p_pad:] &= np.asarray(arrays.branches.mask)[:, :, None]
-  flip_mask[:, :p_pad] = flip_mask[:1, :p_pad]                                   # the prompt is one sequence
-  flip_mask[:, :shift] = False
-  other = lambda s: [s[0], min(x for x in range(e) if x not in s)]
-  routes = own.copy()
-  for g, t, layer in zip(*np.nonzero(flip_mask)):
-    routes[g, t, layer] = other(list(own[g, t, layer]))
-  routes[:, :shift] = -1
-  skip = (rng.random(routes.shape[:2]) < unrecorded) & (np.arange(routes.shape[1]) >= p_pad)[None]
-  routes[skip] = -1
-  recorded = np.asarray(valid) & ~skip
-  prompt = np.roll(routes[0, :p_pad], -shift, axis=0)
-  return jnp.asarray(prompt), jnp.asarray(routes[:, p_pad:]), flip_mask & recorded[:, :, None], recorded
-
-
 @pytest.mark.parametrize("router_aux_coef", [
     0.0,
     # heavy (30 s): CI replays a group's routes with the load-balancing loss in
@@ -465,7 +440,7 @@ def test_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64, x64,
   from branch_replay_jax.gradients.step import value_and_grad
   graphdef, params = model64
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
-  prompt_routes, routes, flipped, recorded = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0),
+  prompt_routes, routes, flipped, recorded = sampler_routes(graphdef, params, arrays, np.random.default_rng(0),
                                                               flip=0.3, unrecorded=0.2)
   batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
   layers = nnx.merge(graphdef, params).config.num_layers
@@ -495,7 +470,7 @@ def test_routing_replay_of_the_routers_own_choice_changes_nothing_float64(model6
   from branch_replay_jax.gradients.step import value_and_grad
   graphdef, params = model64
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
-  prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.0,
+  prompt_routes, routes, _, _ = sampler_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.0,
                                                  unrecorded=0.0)
   batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
   l0, _, g0 = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
@@ -540,7 +515,7 @@ def test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64(model64):
     groups = []
     for s in range(2):
       arrays = arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
-      prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
+      prompt_routes, routes, _, _ = sampler_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
                                                      unrecorded=0.2)
       groups.append(arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),)))
     fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True), seq=2)
@@ -722,7 +697,7 @@ def _group_with_own_routes(model64, dtype):
   graphdef, params = model64
   with jax.enable_x64(True):
     arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
-    prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.0,
+    prompt_routes, routes, _, _ = sampler_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.0,
                                                    unrecorded=0.0)
     batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
     exact = jax.tree_util.tree_map(np.asarray, value_and_grad(Policy(routing_replay=True), graphdef, params, batch,
@@ -882,7 +857,7 @@ def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64
   graphdef, params = model64
   lgraph, adapters, base = _attention_adapters(graphdef, params)
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
-  prompt_routes, routes, _, _ = _recorded_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.3,
+  prompt_routes, routes, _, _ = sampler_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.3,
                                                  unrecorded=0.2)
   batch = arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),))
   head = Policy(router_aux_coef=0.5, routing_replay=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text")
 EXPERT_MATMULS = ("ragged_dot", "tiled", "pallas")   # ModelConfig.expert_matmul
 # Attention layer kinds (transformers' `layer_types`): Gemma 3's sliding and full, Qwen3.5's linear and full.
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
@@ -98,6 +98,9 @@ class ModelConfig:
       layer's MLP is `num_experts` SwiGLU experts of width expert_ffn_dim, each token routed to the top
       experts_per_token of softmax(x W_router), their probabilities renormalised to sum 1 when
       norm_topk_prob (`models.llama`, "Mixture of experts" in docs/design.md); ffn_dim is then unused.
+      Qwen3.5-MoE (arch="qwen3_5_moe_text") has them too, beside Qwen3.5's fields: its layers are Qwen3.5's
+      with this mixture of experts as the MLP, plus a shared expert (a SwiGLU of width ffn_dim, its output
+      scaled by sigmoid(x w)) every token runs (transformers' `Qwen3_5MoeSparseMoeBlock`).
     expert_matmul: how the experts' grouped matmuls lower (a compute choice, not a checkpoint field):
       "ragged_dot" (`jax.lax.ragged_dot`: a grouped matmul on TPU, dense over every expert on XLA:CPU) or
       "tiled" (`kernels.grouped_matmul`: tiles of one expert's rows, any backend) or "pallas"
@@ -156,14 +159,15 @@ class ModelConfig:
       for name in moe_fields:
         value = getattr(self, name)
         if not isinstance(value, int) or value <= 0:
-          raise ValueError(f"ModelConfig.{name} must be a positive int for arch='qwen3_moe', got {value!r}")
+          raise ValueError(f"ModelConfig.{name} must be a positive int for arch={self.arch!r}, got {value!r}")
       if self.experts_per_token > self.num_experts:
         raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} exceeds "
                          f"num_experts={self.num_experts}")
     else:
       for name in moe_fields:
         if getattr(self, name) is not None:
-          raise ValueError(f"ModelConfig.{name} is Qwen3-MoE's (arch='qwen3_moe'); arch={self.arch!r} has none")
+          raise ValueError(f"ModelConfig.{name} is a mixture of experts' (arch='qwen3_moe' or 'qwen3_5_moe_text'); "
+                           f"arch={self.arch!r} has none")
     if self.hybrid:
       self._check_hybrid()
       return
@@ -213,26 +217,34 @@ class ModelConfig:
 
   @property
   def moe(self) -> bool:
-    """Qwen3-MoE's decoder: a Qwen3 block whose MLP is a mixture of experts."""
-    return self.arch == "qwen3_moe"
+    """A mixture of experts as every layer's MLP: Qwen3-MoE's (a Qwen3 block) or Qwen3.5-MoE's (a Qwen3.5 block,
+    with a shared expert)."""
+    return self.arch in ("qwen3_moe", "qwen3_5_moe_text")
 
   @property
   def hybrid(self) -> bool:
-    """Qwen3.5's decoder: Gated DeltaNet layers beside gated full attention (`models.qwen3_5`)."""
-    return self.arch == "qwen3_5_text"
+    """Qwen3.5's decoder: Gated DeltaNet layers beside gated full attention (`models.qwen3_5`); Qwen3.5-MoE's too."""
+    return self.arch in ("qwen3_5_text", "qwen3_5_moe_text")
+
+  @property
+  def shared_expert(self) -> bool:
+    """Qwen3.5-MoE: a shared expert of width ffn_dim beside the routed ones (the class docstring)."""
+    return self.arch == "qwen3_5_moe_text"
 
   @property
   def params_per_token_linear(self) -> int:
     """Multiply-adds per token of the dense layers (projections, MLP, output head), no attention."""
     d, hq, hkv, hd, f = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.ffn_dim
-    per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
-    if self.moe:   # the router and the experts a token runs (active parameters)
-      per_layer += d * self.num_experts + 3 * d * self.expert_ffn_dim * self.experts_per_token - 3 * d * f
+    mlp = 3 * d * f
+    if self.moe:   # the router and the experts a token runs (active parameters); Qwen3.5-MoE's shared expert
+      mlp = (d * self.num_experts + 3 * d * self.expert_ffn_dim * self.experts_per_token
+             + (3 * d * f + d if self.shared_expert else 0))
+    per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + mlp
     if not self.hybrid:
       return self.num_layers * per_layer + d * self.vocab_size
     la = self.linear_attention   # Qwen3.5: the full layers' query gate; the linear layers' q, k, v, z, a, b, out
     full = per_layer + d * hq * hd
-    linear = d * (la.conv_channels + 2 * la.num_value_heads * la.value_head_dim + 2 * la.num_value_heads) + 3 * d * f
+    linear = d * (la.conv_channels + 2 * la.num_value_heads * la.value_head_dim + 2 * la.num_value_heads) + mlp
     n_full = self.layer_types.count(FULL)
     return n_full * full + (self.num_layers - n_full) * linear + d * self.vocab_size
 

@@ -136,7 +136,7 @@ def _qwen3_5_fields(cfg: dict, path: str) -> dict:
 # Multimodal checkpoints whose language model we train: {model_type: its text model's model_type}. The released
 # Qwen3.5 checkpoints and Gemma 3 from 4B up are these (transformers' Qwen3_5ForConditionalGeneration,
 # Gemma3ForConditionalGeneration); only their language model is read (`language_model_tensor`).
-MULTIMODAL = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text"}
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
 # A multimodal checkpoint's language-model tensors, named as the text model's: transformers 5 writes
 # model.language_model.*, Gemma 3's released files language_model.model.* and language_model.lm_head.*
 # (transformers' conversion_mapping.py renames them the same way).
@@ -206,7 +206,8 @@ def read_config(directory: str) -> ModelConfig:
   common = dict(arch=arch, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]),
                 d_model=int(cfg["hidden_size"]), num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads), ffn_dim=int(cfg["intermediate_size"]),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                ffn_dim=int(cfg["shared_expert_intermediate_size" if arch == "qwen3_5_moe_text" else "intermediate_size"]),
                 norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_positions=int(cfg.get("max_position_embeddings", 8192)))
   if arch == "gemma3_text":
@@ -215,6 +216,10 @@ def read_config(directory: str) -> ModelConfig:
     return ModelConfig(**common, **_gemma_fields(cfg, path))
   if arch == "qwen3_5_text":
     return ModelConfig(**common, **_qwen3_5_fields(cfg, path))
+  if arch == "qwen3_5_moe_text":   # Qwen3.5's layers, every MLP experts plus a shared expert; the router renormalises
+    return ModelConfig(**common, **_qwen3_5_fields(cfg, path), num_experts=int(cfg["num_experts"]),
+                       experts_per_token=int(cfg["num_experts_per_tok"]),
+                       expert_ffn_dim=int(cfg["moe_intermediate_size"]), norm_topk_prob=True)
   unsupported = {
       "attention_bias": arch != "qwen2" and cfg.get("attention_bias", False),
       "mlp_bias": cfg.get("mlp_bias", False),

@@ -377,7 +377,7 @@ def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, ax
   return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
 
 
-def _per_layer(config: ModelConfig, routes):
+def per_layer_routes(config: ModelConfig, routes):
   """Recorded routes [B, T, L, k] as the layer scan's xs [L, B, T, k] (None stays None; ValueError for a model
   without experts)."""
   if routes is None:
@@ -388,7 +388,7 @@ def _per_layer(config: ModelConfig, routes):
   return jnp.moveaxis(jnp.asarray(routes, jnp.int32), 2, 0)
 
 
-def _over_layers(route: RouterStats | None) -> RouterStats | None:
+def summed_over_layers(route: RouterStats | None) -> RouterStats | None:
   """A scan's per-layer `RouterStats` [L, B, E] summed over the layers (None stays None)."""
   return None if route is None else RouterStats(*(jnp.sum(x, axis=0) for x in route))
 
@@ -556,10 +556,10 @@ class Llama(nnx.Module):
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, positions)
       return _layer(cfg, p, x, positions, freq, blocks, valid_bt, attn, lora_scale, layer_routes, replay_routes)
 
-    x, (k, v, route, experts) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs(), _per_layer(cfg, routes)))
+    x, (k, v, route, experts) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs(), per_layer_routes(cfg, routes)))
     hidden = self._final_norm(x)
     experts = None if experts is None else jnp.moveaxis(experts, 0, 2)   # [L, B, T, k] -> [B, T, L, k]
-    return SegmentOutput(KVBlock(k, v, valid_bt), hidden, _over_layers(route), experts)
+    return SegmentOutput(KVBlock(k, v, valid_bt), hidden, summed_over_layers(route), experts)
 
   def _embed(self, tokens_bt):
     """[B, T, d] token embeddings in the compute dtype (Gemma's times sqrt(d), taken in that dtype as
@@ -645,10 +645,10 @@ class Llama(nnx.Module):
                                           rows_valid_bt, attn, lora_scale, rows_routes, replay_routes)
       return (x_prompt, x_rows), (prompt_route, rows_route)
 
-    xs = (self._layer_xs(), tuple(_per_layer(cfg, r) for r in routes))
+    xs = (self._layer_xs(), tuple(per_layer_routes(cfg, r) for r in routes))
     (x_prompt, x_rows), routes = self._scan_layers(layer, x, xs)
     x_last = jax.lax.dynamic_index_in_dim(x_prompt[0], prompt_last, keepdims=False)
-    return self._final_norm(x_last), self._final_norm(x_rows), tuple(_over_layers(r) for r in routes)
+    return self._final_norm(x_last), self._final_norm(x_rows), tuple(summed_over_layers(r) for r in routes)
 
   def _scan_layers(self, layer, x, xs):
     """`jax.lax.scan` of layer(p, x, xs_l) -> (x, ys_l) over the L layers, p one layer's parameters

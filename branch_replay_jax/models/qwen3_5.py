@@ -16,6 +16,9 @@ key/value heads of width Dk/Dv, K conv taps), logical axis names as in `llama.py
 
     embed [V, d], lm_head [d, V] (absent when tied), final_norm [d]
     layers.attn_norm, layers.mlp_norm [L, d]; layers.w_gate, w_up [L, d, F]; layers.w_down [L, F, d]
+      Qwen3.5-MoE instead (arch "qwen3_5_moe_text"): layers.w_router [L, d, E]; layers.w_gate, w_up [L, E, d, F_e],
+      layers.w_down [L, E, F_e, d] (the experts, as Qwen3-MoE's in `llama.py`); the shared expert layers.ws_gate,
+      ws_up [L, d, F], ws_down [L, F, d] and its gate layers.ws_scale [L, d]
     full.wq, full.wq_gate [Lf, d, Hq, D]; full.wk, full.wv [Lf, d, Hkv, D]; full.wo [Lf, Hq, D, d];
     full.q_norm, full.k_norm [Lf, D]
     linear.wq, linear.wk [Ll, d, Hk, Dk]; linear.wv, linear.wz [Ll, d, Hv, Dv]; linear.wb, linear.wa [Ll, d, Hv];
@@ -25,7 +28,9 @@ key/value heads of width Dk/Dv, K conv taps), logical axis names as in `llama.py
 Formulas (transformers' `Qwen3_5DecoderLayer`): RMSNorms scale by (1 + w) (Gemma's form), except the
 linear layers' gated output norm (w, then × silu(z)); the full layers' query projection also yields a
 per-head gate, output × sigmoid(gate) (Qiu et al. 2025, "Gated Attention", arXiv 2505.06708); Q/K
-RMSNorm; RoPE on the first `rotary_dim` of each head; SwiGLU MLP. Linear layers: q, k, v through a
+RMSNorm; RoPE on the first `rotary_dim` of each head; SwiGLU MLP. Qwen3.5-MoE (transformers'
+`modeling_qwen3_5_moe`, `Qwen3_5MoeSparseMoeBlock`): the MLP is `llama.moe_mlp`'s mixture of experts (top-k of
+softmax(x W_router), renormalised) plus sigmoid(x · ws_scale) · SwiGLU_shared(x). Linear layers: q, k, v through a
 depthwise causal convolution of K taps and SiLU, q and k l2-normalised, β = sigmoid(x W_b), g =
 -exp(A_log) softplus(x W_a + dt_bias), the gated delta rule (`models.gated_delta`), out_proj.
 """
@@ -45,9 +50,9 @@ from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models import gated_delta
 from branch_replay_jax.models.hf_loader import check_tensors
 from branch_replay_jax.models.config import FULL, LINEAR, ModelConfig
-from branch_replay_jax.models.llama import (GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, annotated, apply_rope,
-                                            gathered, project, rematerialized, rms_norm, rope_inv_freq,
-                                            segment_positions)
+from branch_replay_jax.models.llama import (EXPERT_AXES, GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, annotated,
+                                            apply_rope, gathered, moe_mlp, per_layer_routes, project, rematerialized,
+                                            rms_norm, rope_inv_freq, segment_positions, summed_over_layers)
 
 CHUNK = 64   # tokens per chunk of the chunked gated delta rule (transformers' chunk_size)
 
@@ -77,8 +82,8 @@ def pattern(config: ModelConfig) -> tuple[str, ...]:
 
 
 class HybridLayers(nnx.Module):
-  """Parameters of the L layers, stacked per kind: `shared` norms and MLP [L, ...], `full` [Lf, ...],
-  `linear` [Ll, ...]."""
+  """Parameters of the L layers, stacked per kind: `shared` norms and MLP [L, ...] (Qwen3.5-MoE: its router,
+  experts and shared expert, the module docstring), `full` [Lf, ...], `linear` [Ll, ...]."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c, la = config, config.linear_attention
@@ -90,9 +95,20 @@ class HybridLayers(nnx.Module):
     const = lambda value, *ns: annotated(jnp.full(tuple(s for _, s in ns), value, jnp.float32), [n for n, _ in ns])
     self.attn_norm = const(0.0, ("layers", L), ("embed", c.d_model))
     self.mlp_norm = const(0.0, ("layers", L), ("embed", c.d_model))
-    self.w_gate = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
-    self.w_up = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
-    self.w_down = normal(("layers", L), ("mlp", c.ffn_dim), ("embed", c.d_model))
+    if c.moe:   # Qwen3.5-MoE: the router, E experts of width expert_ffn_dim, and the shared expert of width ffn_dim
+      e, fe = c.num_experts, c.expert_ffn_dim
+      self.w_router = normal(("layers", L), ("embed", c.d_model), ("experts", e))
+      self.w_gate = normal(("layers", L), ("experts", e), ("embed", c.d_model), ("mlp", fe))
+      self.w_up = normal(("layers", L), ("experts", e), ("embed", c.d_model), ("mlp", fe))
+      self.w_down = normal(("layers", L), ("experts", e), ("mlp", fe), ("embed", c.d_model))
+      self.ws_gate = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
+      self.ws_up = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
+      self.ws_down = normal(("layers", L), ("mlp", c.ffn_dim), ("embed", c.d_model))
+      self.ws_scale = normal(("layers", L), ("embed", c.d_model))
+    else:
+      self.w_gate = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
+      self.w_up = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
+      self.w_down = normal(("layers", L), ("mlp", c.ffn_dim), ("embed", c.d_model))
     self.full = _Params(
         wq=normal(("layers", lf), ("embed", c.d_model), ("heads", c.num_heads), ("head_dim", c.head_dim)),
         wq_gate=normal(("layers", lf), ("embed", c.d_model), ("heads", c.num_heads), ("head_dim", c.head_dim)),
@@ -223,7 +239,8 @@ class Qwen35(Llama):
                                  accum_dtype(self.dtype)))
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[HybridState] = (),
-               valid_bt: jax.Array | None = None, attention=None) -> SegmentOutput:
+               valid_bt: jax.Array | None = None, attention=None, routes=None,
+               replay_routes: bool = True) -> SegmentOutput:
     """Forward of one segment on its ancestors' states (`Llama.__call__`'s contract).
 
     Args:
@@ -234,9 +251,11 @@ class Qwen35(Llama):
       valid_bt: [B, T] bool, a prefix of each row (right padding) or, for a whole sequence, a suffix
         (left padding); default all True. Padded positions leave the linear layers' state unchanged.
       attention: a `suffix_attention`-compatible function for the full layers (default: the model's own).
+      routes, replay_routes: Qwen3.5-MoE only, the sampler's recorded experts [B, T, L, k] (`Llama.__call__`).
 
     Returns:
-      SegmentOutput(kv: this segment's `HybridState` [.., B, ..], hidden_btd [B, T, d]).
+      SegmentOutput(kv: this segment's `HybridState` [.., B, ..], hidden_btd [B, T, d]; Qwen3.5-MoE: router, its
+      `llama.RouterStats` [B, E] summed over the layers, experts [B, T, L, k] int32).
 
     Raises:
       ValueError: int32 key ends in valid_bt (a packed tree: the recurrence has no per-token ancestry).
@@ -249,21 +268,25 @@ class Qwen35(Llama):
                        "layers' recurrence runs along a row; use the level or depth-first tree layout")
     positions = segment_positions(offset, b, t)
     parent = ancestors[-1] if ancestors else self.initial_state(1)
-    x, state = self._layers(self._embed(tokens_bt), positions, list(ancestors), parent, valid_bt,
-                            self._attention(attention))
-    return SegmentOutput(HybridState(*state[:2], valid_bt, *state[2:]), self._final_norm(x))
+    x, state, route, experts = self._layers(self._embed(tokens_bt), positions, list(ancestors), parent, valid_bt,
+                                            self._attention(attention), per_layer_routes(self.config, routes), replay_routes)
+    return SegmentOutput(HybridState(*state[:2], valid_bt, *state[2:]), self._final_norm(x), route, experts)
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
-                      attention=None):
+                      attention=None, routes=(None, None), replay_routes: bool = True):
     """`Llama.prompt_and_rows`'s values: the prompt's forward, then the rows on its state (two layer scans;
-    the fused single scan is Llama's only)."""
-    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, attention=attention)
-    rows = self(rows_bt, rows_offset, ancestors=[prompt.kv], valid_bt=rows_valid_bt, attention=attention)
+    the fused single scan is Llama's only); Qwen3.5-MoE's routing of each as Llama's."""
+    kw = dict(attention=attention, replay_routes=replay_routes)
+    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, routes=routes[0], **kw)
+    rows = self(rows_bt, rows_offset, ancestors=[prompt.kv], valid_bt=rows_valid_bt, routes=routes[1], **kw)
     last = jax.lax.dynamic_index_in_dim(prompt.hidden_btd[0], prompt_last, keepdims=False)
-    return last, rows.hidden_btd, (None, None)
+    return last, rows.hidden_btd, (prompt.router, rows.router)
 
-  def _layers(self, x, positions, ancestors, parent: HybridState, valid_bt, attention):
-    """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Lf, ...], conv, recurrent [Ll, ...]))."""
+  def _layers(self, x, positions, ancestors, parent: HybridState, valid_bt, attention, routes=None,
+              replay_routes: bool = True):
+    """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Lf, ...], conv, recurrent [Ll, ...]), and of
+    Qwen3.5-MoE the `RouterStats` [B, E] summed over the layers and the experts [B, T, L, k]; else None, None).
+    routes: [L, B, T, k] recorded experts or None (`moe_mlp`)."""
     cfg = self.config
     unit = pattern(cfg)
     reps = cfg.num_layers // len(unit)
@@ -274,18 +297,19 @@ class Qwen35(Llama):
     per_rep = lambda tree, n: jax.tree_util.tree_map(lambda a: a.reshape(reps, n, *a.shape[1:]), tree)
     xs = (per_rep(shared, len(unit)), per_rep(full, nf), per_rep(linear, nl),
           per_rep([(a.k.astype(self.dtype), a.v.astype(self.dtype)) for a in ancestors], nf),
-          per_rep((parent.conv, parent.recurrent), nl))
+          per_rep((parent.conv, parent.recurrent), nl), None if routes is None else per_rep(routes, len(unit)))
+    dispatch = {g.axes for g in gathers[0].values() if g is not None and g.dispatch}   # expert parallelism
     anc_valid = [a.valid for a in ancestors]
     norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, unit_offset=True)
     scale = 0.0 if self.lora is None else self.lora.scale   # LoRA (`models.lora`): the MLP's and full layers'
 
     def body(x, xs_r):
-      shared_r, full_r, linear_r, anc_r, (conv_r, rec_r) = xs_r
+      shared_r, full_r, linear_r, anc_r, (conv_r, rec_r), routes_r = xs_r
       if gathering:   # FSDP: one repetition's weights all-gathered just before use (the layer axis is never split)
         gather = lambda d, g: {k: checkpoint_name(gathered(v, g[k]), "gathered_weights") for k, v in d.items()}
         shared_r, full_r, linear_r = (gather(d, g) for d, g in zip((shared_r, full_r, linear_r), gathers))
       x = checkpoint_name(x, "layer_input")
-      ks, vs, convs, recs = [], [], [], []
+      ks, vs, convs, recs, router, experts = [], [], [], [], [], []
       i_full = i_lin = 0
       for i, kind in enumerate(unit):
         at = lambda tree, j: jax.tree_util.tree_map(lambda a: a[j], tree)
@@ -304,16 +328,28 @@ class Qwen35(Llama):
         x = x + out
         h = norm(x, shared_r["mlp_norm"][i])
         p = at(shared_r, i)
-        act = jax.nn.silu(project(p, "w_gate", "btd,df->btf", h, scale)) * project(p, "w_up", "btd,df->btf", h, scale)
-        x = x + project(p, "w_down", "btf,fd->btd", act, scale)
-      stack = lambda arrays: jnp.stack(arrays) if arrays else None
-      return x, (stack(ks), stack(vs), stack(convs), stack(recs))
+        if cfg.moe:   # Qwen3.5-MoE: the routed experts plus the gated shared expert
+          p.update({EXPERT_AXES: axes for axes in dispatch})
+          out, route, chosen = moe_mlp(cfg, p, h, valid_bt, None if routes_r is None else routes_r[i], replay_routes)
+          router.append(route), experts.append(chosen)
+          act = jax.nn.silu(project(p, "ws_gate", "btd,df->btf", h, 0.0)) * project(p, "ws_up", "btd,df->btf", h, 0.0)
+          gate = jax.nn.sigmoid(jnp.einsum("btd,d->bt", h, p["ws_scale"].astype(h.dtype)))[..., None]
+          x = x + out + gate * project(p, "ws_down", "btf,fd->btd", act, 0.0)
+        else:
+          act = (jax.nn.silu(project(p, "w_gate", "btd,df->btf", h, scale))
+                 * project(p, "w_up", "btd,df->btf", h, scale))
+          x = x + project(p, "w_down", "btf,fd->btd", act, scale)
+      stack = lambda arrays: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *arrays) if arrays else None
+      return x, (stack(ks), stack(vs), stack(convs), stack(recs), stack(router), stack(experts))
 
     x, ys = jax.lax.scan(rematerialized(body, self.remat, gathering), x, xs)
     b = x.shape[0]
     merge = lambda a, like: (a.reshape(-1, *a.shape[2:]) if a is not None else like)
     empty = self.initial_state(b)
-    return x, tuple(merge(a, e) for a, e in zip(ys, (empty.k, empty.v, empty.conv, empty.recurrent)))
+    state = tuple(merge(a, e) for a, e in zip(ys[:4], (empty.k, empty.v, empty.conv, empty.recurrent)))
+    route = None if ys[4] is None else summed_over_layers(jax.tree_util.tree_map(lambda a: merge(a, None), ys[4]))
+    experts = None if ys[5] is None else jnp.moveaxis(merge(ys[5], None), 0, 2)   # [L, B, T, k] -> [B, T, L, k]
+    return x, state, route, experts
 
 
 # --- Hugging Face checkpoints (transformers' Qwen3_5ForCausalLM, model_type "qwen3_5_text") -----------------
@@ -321,6 +357,11 @@ class Qwen35(Llama):
 HF_LAYER = "model.layers.{}."
 HF_SHARED = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
              "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down"}
+HF_NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm"}
+# Qwen3.5-MoE's MLP: the router (canonical "router"), each expert e's projections ("gate.e", "up.e", "down.e", as
+# Qwen3-MoE's) and the shared expert with its gate.
+HF_SHARED_EXPERT = {"mlp.shared_expert.gate_proj.weight": "ws_gate", "mlp.shared_expert.up_proj.weight": "ws_up",
+                    "mlp.shared_expert.down_proj.weight": "ws_down", "mlp.shared_expert_gate.weight": "ws_scale"}
 HF_FULL = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
            "self_attn.q_norm.weight", "self_attn.k_norm.weight")
 HF_LINEAR = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
@@ -329,7 +370,7 @@ HF_LINEAR = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "
 
 
 def _expected(config: ModelConfig) -> dict[str, tuple]:
-  """{HF tensor name: shape} of a qwen3_5_text checkpoint of `config`."""
+  """{HF tensor name: shape} of a qwen3_5_text (or qwen3_5_moe_text) checkpoint of `config`."""
   c, la = config, config.linear_attention
   out = {"model.embed_tokens.weight": (c.vocab_size, c.d_model), "model.norm.weight": (c.d_model,)}
   if not c.tie_embeddings:
@@ -337,8 +378,17 @@ def _expected(config: ModelConfig) -> dict[str, tuple]:
   vd = la.num_value_heads * la.value_head_dim
   for i, kind in enumerate(c.layer_types):
     pre = HF_LAYER.format(i)
-    out.update({pre + n: s for n, s in zip(HF_SHARED, ((c.d_model,), (c.d_model,), (c.ffn_dim, c.d_model),
-                                                         (c.ffn_dim, c.d_model), (c.d_model, c.ffn_dim)))})
+    d, f = c.d_model, c.ffn_dim
+    mlp = dict(zip(HF_SHARED, ((d,), (d,), (f, d), (f, d), (d, f))))
+    if c.moe:   # the router, the experts and the shared expert with its gate in place of the dense MLP
+      mlp = {n: s for n, s in mlp.items() if n in HF_NORMS}
+      mlp.update(dict(zip(HF_SHARED_EXPERT, ((f, d), (f, d), (d, f), (1, d)))))
+      mlp["mlp.gate.weight"] = (c.num_experts, d)
+      for e in range(c.num_experts):
+        fe = c.expert_ffn_dim
+        mlp.update({f"mlp.experts.{e}.gate_proj.weight": (fe, d), f"mlp.experts.{e}.up_proj.weight": (fe, d),
+                    f"mlp.experts.{e}.down_proj.weight": (d, fe)})
+    out.update({pre + n: s for n, s in mlp.items()})
     if kind == FULL:
       q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
       shapes = ((2 * q, c.d_model), (kv, c.d_model), (kv, c.d_model), (c.d_model, q), (c.head_dim,), (c.head_dim,))
@@ -361,7 +411,9 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> dict:
   c, la = config, config.linear_attention
   f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)
   heads = lambda w, h, d: w.T.reshape(c.d_model, h, d)                       # [h·d, d_model] -> [d_model, h, d]
-  shared = {ours: [] for ours in HF_SHARED.values()}
+  mlp = ({**HF_NORMS, **HF_SHARED_EXPERT} if c.moe else HF_SHARED)
+  shared = {ours: [] for ours in mlp.values()}
+  experts = {n: [] for n in ("w_router", "w_gate", "w_up", "w_down")} if c.moe else {}
   full = {n: [] for n in ("wq", "wq_gate", "wk", "wv", "wo", "q_norm", "k_norm")}
   linear = {n: [] for n in ("wq", "wk", "wv", "wz", "wb", "wa", "conv_q", "conv_k", "conv_v", "dt_bias", "a_log",
                             "norm", "wo")}
@@ -369,8 +421,13 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> dict:
       la.value_head_dim
   for i, kind in enumerate(c.layer_types):
     t = lambda name: tensors[HF_LAYER.format(i) + name]
-    for hf, ours in HF_SHARED.items():
-      shared[ours].append(t(hf) if ours.endswith("norm") else t(hf).T)
+    for hf, ours in mlp.items():
+      shared[ours].append(t(hf) if ours.endswith("norm") else t(hf).T[:, 0] if ours == "ws_scale" else t(hf).T)
+    if c.moe:   # [E, d] -> [d, E]; each expert's [F_e, d] (down: [d, F_e]) transposed and stacked over E
+      experts["w_router"].append(t("mlp.gate.weight").T)
+      for proj in ("gate", "up", "down"):
+        experts["w_" + proj].append(np.stack([t(f"mlp.experts.{e}.{proj}_proj.weight").T
+                                              for e in range(c.num_experts)]))
     if kind == FULL:
       q = t("self_attn.q_proj.weight").reshape(c.num_heads, 2, c.head_dim, c.d_model)   # per head: query, gate
       full["wq"].append(q[:, 0].transpose(2, 0, 1))
@@ -398,7 +455,7 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> dict:
       linear["wo"].append(t("linear_attn.out_proj.weight").T.reshape(hv, dv, c.d_model))
   stack = lambda d: {k: f32(np.stack(v)) for k, v in d.items() if v}
   params = {"embed": f32(tensors["model.embed_tokens.weight"]), "final_norm": f32(tensors["model.norm.weight"]),
-            "layers": {**stack(shared), "full": stack(full), "linear": stack(linear)}}
+            "layers": {**stack(shared), **stack(experts), "full": stack(full), "linear": stack(linear)}}
   if not c.tie_embeddings:
     params["lm_head"] = f32(tensors["lm_head.weight"].T)
   return params
@@ -414,11 +471,17 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     out["lm_head.weight"] = f32(np.asarray(params["lm_head"]).T)
   lay = params["layers"]
   i_full = i_lin = 0
+  mlp = ({**HF_NORMS, **HF_SHARED_EXPERT} if c.moe else HF_SHARED)
   for i, kind in enumerate(c.layer_types):
     pre = HF_LAYER.format(i)
-    for hf, ours in HF_SHARED.items():
+    for hf, ours in mlp.items():
       w = np.asarray(lay[ours][i])
-      out[pre + hf] = f32(w if ours.endswith("norm") else w.T)
+      out[pre + hf] = f32(w if ours.endswith("norm") else w[None] if ours == "ws_scale" else w.T)
+    if c.moe:
+      out[pre + "mlp.gate.weight"] = f32(np.asarray(lay["w_router"][i]).T)
+      for proj in ("gate", "up", "down"):
+        for e in range(c.num_experts):
+          out[pre + f"mlp.experts.{e}.{proj}_proj.weight"] = f32(np.asarray(lay["w_" + proj][i][e]).T)
     if kind == FULL:
       p = {k: np.asarray(v[i_full]) for k, v in lay["full"].items()}
       q = np.stack([p["wq"].transpose(1, 2, 0), p["wq_gate"].transpose(1, 2, 0)], axis=1)   # [Hq, 2, D, d]
@@ -445,7 +508,7 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 
 def hf_config_fields(config: ModelConfig) -> dict:
-  """The qwen3_5_text fields of config.json (`config_fields` inverted), beside `export.hf_config`'s common ones."""
+  """The qwen3_5_text (and qwen3_5_moe_text) fields of config.json (`config_fields` inverted), beside `export.hf_config`'s common ones."""
   la = config.linear_attention
   return dict(layer_types=list(config.layer_types), linear_num_key_heads=la.num_key_heads,
               linear_num_value_heads=la.num_value_heads, linear_key_head_dim=la.key_head_dim,
