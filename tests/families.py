@@ -129,3 +129,46 @@ def sampler_routes(graphdef, params, arrays, rng, flip: float, unrecorded: float
   recorded = np.asarray(valid) & ~skip
   prompt = np.roll(routes[0, :p_pad], -shift, axis=0)
   return jnp.asarray(prompt), jnp.asarray(routes[:, p_pad:]), flip_mask & recorded[:, :, None], recorded
+
+
+def tree_and_rows(tree, rng, end_share: bool = False):
+  """(the tree's batch, its trajectories as naive rows, advantages) of `tree` with random GRPO fields: an
+  advantage per trajectory, old and reference log-probs per node, sequence-mean weights (max length 16); with
+  end_share, the nodes' shares of ending trajectories (the load-balancing loss's weights)."""
+  from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
+  from branch_replay_jax.data.trees import pad_tree
+  adv = rng.normal(size=len(tree.ends))
+  old = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
+  ref = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
+  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
+  per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": ref,
+              **({"end_share": tree.end_shares()} if end_share else {})}
+  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
+                                 completion_bucket=16, advantage=adv)
+  return tree_arrays(pad_tree(tree), per_node, advantage=adv), rows, adv
+
+
+def greedy_reproduces(model, reference: dict, min_gap: float) -> None:
+  """The fixture's greedy continuation (transformers' argmax of full forwards, every top-1/top-2 logit gap above
+  `min_gap`) equals our sampler's at temperature 0 (the K/V cache or recurrent state, one token at a time)."""
+  from branch_replay_jax.rollout.sampler import sample_group
+  g = reference["greedy"]
+  assert min(g["top1_minus_top2"]) > min_gap
+  out = sample_group(model, np.asarray(g["prompt_ids"]), num_samples=1, max_new_tokens=len(g["ids"]),
+                     key=jax.random.key(0), temperature=0.0)
+  assert np.asarray(out.tokens).tolist() == [g["ids"]]
+
+
+def export_round_trip(model, fixture: str, tmp_path) -> None:
+  """`model` exported and loaded back: the same config and parameters, and the tensors' names and shapes those
+  transformers wrote in `fixture`."""
+  from safetensors import safe_open
+  from branch_replay_jax.export import export_model
+  from branch_replay_jax.models.loading import load_hf_model
+  export_model(model, None, str(tmp_path / "out"))
+  back = load_hf_model(str(tmp_path / "out"))
+  assert back.config == model.config
+  want, got = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(back, nnx.Param))
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
+  shapes = lambda path: {k: f.get_slice(k).get_shape() for f in [safe_open(path, "np")] for k in f.keys()}
+  assert shapes(str(tmp_path / "out" / "model.safetensors")) == shapes(os.path.join(fixture, "model.safetensors"))

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective, read_reference,
-                      refused_before_loading, sampler_routes, step)
+from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
+                      grpo_on_exported, next_logprobs, objective, read_reference, refused_before_loading,
+                      sampler_routes, step, tree_and_rows)
 from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
 from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
-from branch_replay_jax.export import export_model
 from branch_replay_jax.models import Llama
 from branch_replay_jax.models.config import tiny_config
 from branch_replay_jax.models.llama import moe_mlp
@@ -53,11 +53,7 @@ def test_logprobs_match_transformers_float32(model, reference):
 def test_greedy_sampling_reproduces_transformers(model, reference):
   # 16 argmax steps of transformers' full forwards against our sampler at temperature 0 (the prompt's bucket,
   # the K/V cache, one token at a time through the router). Smallest top-1/top-2 gap 0.028.
-  g = reference["greedy"]
-  assert min(g["top1_minus_top2"]) > 1e-2
-  out = sample_group(model, np.asarray(g["prompt_ids"]), num_samples=1, max_new_tokens=len(g["ids"]),
-                     key=jax.random.key(0), temperature=0.0)
-  assert np.asarray(out.tokens).tolist() == [g["ids"]]
+  greedy_reproduces(model, reference, min_gap=1e-2)
 
 
 def test_grouped_experts_equal_every_expert_on_every_token_float64(model, x64):
@@ -79,14 +75,7 @@ def test_grouped_experts_equal_every_expert_on_every_token_float64(model, x64):
 
 
 def test_export_round_trip_gives_the_same_tensors_as_transformers_wrote(model, tmp_path):
-  export_model(model, None, str(tmp_path / "out"))
-  back = load_hf_model(str(tmp_path / "out"))
-  assert back.config == model.config
-  want, got = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(back, nnx.Param))
-  assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
-  from safetensors import safe_open
-  shapes = lambda path: {k: f.get_slice(k).get_shape() for f in [safe_open(path, "np")] for k in f.keys()}
-  assert shapes(str(tmp_path / "out" / "model.safetensors")) == shapes(os.path.join(FIXTURE, "model.safetensors"))
+  export_round_trip(model, FIXTURE, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -117,24 +106,16 @@ def test_tree_replay_equals_naive_float64(model64, x64):
   seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
   one = {a: seg(10 + a, 2 + 2 * a) for a in range(2)}
   trajectories = [one[a] + seg(20 + b, 1 + 2 * b) for a in range(2) for b in range(2)]
-  tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
-  adv = rng.normal(size=len(trajectories))
-  old = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
-  ref = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
-  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
-  per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": ref}
-  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
-                                 completion_bucket=16, advantage=adv)
+  nodes, rows, _ = tree_and_rows(tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories), rng)
   ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
-  lt, _, gt = step(graphdef, params, tree_arrays(pad_tree(tree), per_node, advantage=adv), objective,
-                    schedule="level", micro_batch=None)
+  lt, _, gt = step(graphdef, params, nodes, objective, schedule="level", micro_batch=None)
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= 1e-10
 
 
 def test_moe_fields_are_checked_by_name():
-  with pytest.raises(ValueError, match=r"num_experts is a mixture of experts' \(arch='qwen3_moe' or 'qwen3_5_moe_text'\); "
-                                       r"arch='llama' has none"):
+  with pytest.raises(ValueError, match=r"num_experts is a mixture of experts' \(arch='qwen3_moe' or "
+                                       r"'qwen3_5_moe_text'\); arch='llama' has none"):
     tiny_config(num_experts=4)
   with pytest.raises(ValueError, match="experts_per_token=5 exceeds num_experts=4"):
     tiny_config(arch="qwen3_moe", num_experts=4, experts_per_token=5, expert_ffn_dim=8, qk_norm=True)
@@ -224,7 +205,7 @@ def test_grpo_trains_a_moe_with_its_experts_split_over_branch(tmp_path, monkeypa
   # The smoke experiment on a 2 x 2 x 2 mesh, FSDP, its 4 experts split over branch (2 per device) with the
   # load-balancing loss: the loop places the experts by mesh.expert, the step sends the tokens to them, and the
   # run-time exactness check (one device: replay against naive rows) holds to float32 rounding. The update's own
-  # exactness on the mesh: test_expert_parallel_mesh_step_with_routing_replay_equals_naive_float64.
+  # exactness on the mesh: test_mesh_step_with_routing_replay_equals_naive_float64.
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
                     expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
   record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(2)), tmp_path, monkeypatch, **{
@@ -250,7 +231,7 @@ def test_the_expert_axis_is_checked_by_name_before_loading(tmp_path):
 
 
 def test_a_moe_model_takes_the_prompt_split_over_seq(tmp_path):
-  # The seq split is exact with experts (test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64), so
+  # The seq split is exact with experts (test_mesh_step_with_routing_replay_equals_naive_float64[-fsdp-2]), so
   # a MoE experiment on a data x branch x seq mesh with the load-balancing loss and routing replay passes the
   # model checks (it was refused before the split carried the routes).
   from conftest import experiment_config
@@ -270,14 +251,17 @@ def test_fsdp_mesh_step_equals_naive_float64(model64):
     fsdp_step_equals_naive(*model64, groups)
 
 
-@pytest.mark.parametrize("expert, mode, seq", [("data", "fsdp", 1), ("branch", "replicated", 2)])
-def test_expert_parallel_mesh_step_with_routing_replay_equals_naive_float64(model64, expert, mode, seq):
-  # The fixture's 8 experts split over mesh.expert (4 per device), the tokens sent to them by all-gather and
-  # their partial sums reduce-scattered back (models.llama._dispatched_expert_sum): over data, the two groups'
-  # tokens meet on each device; over branch, a group's completions do, and the prompt (every branch device's
-  # copy, its cotangent summed over branch) is sent too, with the seq split. With recorded routes (30% flipped,
-  # 20% unrecorded) and the load-balancing loss, the loss and summed gradient equal the naive groups' (a missing
-  # or doubled sum of the experts' gradients over the expert axis, or of the router's, would move them).
+@pytest.mark.parametrize("expert, mode, seq", [("", "fsdp", 2), ("data", "fsdp", 1), ("branch", "replicated", 2)])
+def test_mesh_step_with_routing_replay_equals_naive_float64(model64, expert, mode, seq):
+  # Two groups over data x branch (x seq = 2: the prompt and its routes, padded to the stacked P_pad with -1,
+  # split over seq, each chunk's routing sums added over seq; a wrong or missing sum moves the auxiliary loss),
+  # each with recorded routes (30% of the pairs otherwise than the router would choose, 20% of the completion
+  # tokens unrecorded), replayed with the load-balancing loss. With mesh.expert the fixture's 8 experts are split
+  # over that axis (4 per device), the tokens sent to them by all-gather and their partial sums reduce-scattered
+  # back (models.llama._dispatched_expert_sum): over data, the two groups' tokens meet on each device; over
+  # branch, a group's completions do, and the prompt (every branch device's copy, its cotangent averaged over
+  # branch) is sent too. The loss and summed gradient equal the naive groups' (a missing or doubled sum of the
+  # experts' gradients over the expert axis, or of the router's, would move them).
   from branch_replay_jax.gradients.heads import Policy
   graphdef, params = model64
   with jax.enable_x64(True):
@@ -428,7 +412,7 @@ def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
 @pytest.mark.parametrize("router_aux_coef", [
     0.0,
     # heavy (30 s): CI replays a group's routes with the load-balancing loss in
-    # test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64, a tree's in the ("level", 0.5) tree case.
+    # test_mesh_step_with_routing_replay_equals_naive_float64[-fsdp-2], a tree's in the ("level", 0.5) tree case.
     pytest.param(0.5, marks=pytest.mark.heavy)])
 def test_routing_replay_equals_naive_float64_and_logs_the_mismatch(model64, x64, router_aux_coef):
   # The sampler's routes replayed: 30% of the (layer, token) pairs recorded with another expert (the prompt's
@@ -501,24 +485,6 @@ def test_the_sampler_records_the_routes_the_trainer_computes_float64(model64, x6
     np.testing.assert_array_equal(np.sort(out.prompt_routes, -1), np.sort(own[:9], -1))
     np.testing.assert_array_equal(np.sort(out.routes[g, :fed], -1), np.sort(own[9:9 + fed], -1))
     assert (np.asarray(out.routes[g, fed:]) == -1).all()
-
-
-def test_fsdp_seq_mesh_step_with_routing_replay_equals_naive_float64(model64):
-  # Two groups over data x branch x seq = 2 x 2 x 2 with FSDP parameters, each with recorded routes (30% of the
-  # pairs otherwise than the router would choose, 20% of the completion tokens unrecorded), replayed with the
-  # load-balancing loss: the prompt and its routes (padded to the stacked P_pad with -1) split over seq, each
-  # chunk's routing sums added over seq (a wrong or missing sum moves the auxiliary loss), the completions'
-  # routes split over branch: the loss and summed gradient equal the two naive groups'.
-  from branch_replay_jax.gradients.heads import Policy
-  graphdef, params = model64
-  with jax.enable_x64(True):
-    groups = []
-    for s in range(2):
-      arrays = arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64, seed=s)
-      prompt_routes, routes, _, _ = sampler_routes(graphdef, params, arrays, np.random.default_rng(s), flip=0.3,
-                                                     unrecorded=0.2)
-      groups.append(arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),)))
-    fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True), seq=2)
 
 
 def _own_node_routes(model, tree) -> list:

@@ -10,20 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective,
-                      read_reference, sampler_routes)
+from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
+                      grpo_on_exported, next_logprobs, objective, read_reference, sampler_routes, tree_and_rows)
 from flax import nnx
 
-from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import trajectory_group_arrays, tree_arrays
-from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
-from branch_replay_jax.export import export_model
+from branch_replay_jax.data.trees import tree_from_trajectories
 from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.models.config import GatedDeltaNetShape, tiny_config
 from branch_replay_jax.models.loading import build_model, load_hf_model
 from branch_replay_jax.models.qwen3_5 import Qwen35
-from branch_replay_jax.rollout.sampler import sample_group
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_5_moe_tiny")
 
@@ -74,23 +70,13 @@ def test_logprobs_match_transformers_float32(model, reference):
 
 def test_greedy_sampling_reproduces_transformers(model, reference):
   # 16 argmax steps of transformers' full forwards against our sampler at temperature 0 (the recurrent state and
-  # the full layers' K/V carried token by token, each token routed through its experts).
-  g = reference["greedy"]
-  assert min(g["top1_minus_top2"]) > 1e-3
-  out = sample_group(model, np.asarray(g["prompt_ids"]), num_samples=1, max_new_tokens=len(g["ids"]),
-                     key=jax.random.key(0), temperature=0.0)
-  assert np.asarray(out.tokens).tolist() == [g["ids"]]
+  # the full layers' K/V carried token by token, each token routed through its experts). Smallest top-1/top-2
+  # gap 0.047.
+  greedy_reproduces(model, reference, min_gap=1e-2)
 
 
 def test_export_round_trip_gives_the_same_tensors_as_transformers_wrote(model, tmp_path):
-  export_model(model, None, str(tmp_path / "out"))
-  back = load_hf_model(str(tmp_path / "out"))
-  assert back.config == model.config
-  want, got = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(back, nnx.Param))
-  assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
-  from safetensors import safe_open
-  shapes = lambda path: {k: f.get_slice(k).get_shape() for f in [safe_open(path, "np")] for k in f.keys()}
-  assert shapes(str(tmp_path / "out" / "model.safetensors")) == shapes(os.path.join(FIXTURE, "model.safetensors"))
+  export_round_trip(model, FIXTURE, tmp_path)
 
 
 def test_group_replay_with_routing_replay_and_the_load_balancing_loss_equals_naive_float64(model64, x64):
@@ -126,17 +112,11 @@ def test_tree_replay_with_the_load_balancing_loss_equals_naive_float64(model64, 
   seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
   one = {a: seg(10 + a, 2 + 2 * a) for a in range(2)}
   trajectories = [one[a] + seg(20 + b, 1 + 2 * b) for a in range(2) for b in range(2)]
-  tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
-  adv = rng.normal(size=len(trajectories))
-  old = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
-  ref = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
-  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
-  per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": ref, "end_share": tree.end_shares()}
-  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
-                                 completion_bucket=16, advantage=adv)
+  nodes, rows, _ = tree_and_rows(tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories), rng,
+                                 end_share=True)
   head = Policy(router_aux_coef=0.5)
   ln, _, gn = run(head, graphdef, params, rows, layout="naive")
-  lt, _, gt = run(head, graphdef, params, tree_arrays(pad_tree(tree), per_node, advantage=adv), schedule="level")
+  lt, _, gt = run(head, graphdef, params, nodes, schedule="level")
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= 1e-10
 
