@@ -124,7 +124,7 @@ def test_moe_fields_are_checked_by_name():
 
 
 # heavy (16 s; 36 s in CI at stop 61): CI covers its pieces with cheaper tests: LoRA with routing replay against
-# naive rows (test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64), the loop's routing
+# naive rows (test_lora_replays_as_naive_rows_with_routing_replay_float64[attention]), the loop's routing
 # replay and routing_mismatch (test_grpo_trains_moe_episodes_with_routing_replay), the load-balancing loss
 # (test_group_replay_with_the_load_balancing_loss_equals_naive_float64) and the tiled experts
 # (test_tiled_expert_matmuls_equal_ragged_dot_and_replay_stays_exact_float64[tiled]).
@@ -182,12 +182,15 @@ def test_a_moe_model_refuses_what_it_does_not_take_before_loading(tmp_path, vari
   refused_before_loading(tmp_path, FIXTURE, variant, overrides, f"is a mixture of experts \\(Qwen3-MoE\\): {message}")
 
 
-def test_lora_on_a_moe_models_mlp_is_refused_by_target_before_loading(tmp_path):
-  # The LoRA smoke experiment adapts every projection by default; a mixture of experts' MLP is its experts and
-  # router, which take no adapters: lora.targets is named, with the attention's targets to use instead.
-  refused_before_loading(tmp_path, FIXTURE, "lora_smoke", {},
-                         r"lora.targets=.*\['w_gate', 'w_up', 'w_down'\] are a mixture of experts' MLP .*use the "
-                         r"attention's \('wq', 'wk', 'wv', 'wo'\)")
+def test_lora_on_a_moe_models_experts_passes_the_checks(tmp_path):
+  # The LoRA smoke experiment adapts every projection by default: on a mixture of experts the MLP targets are its
+  # experts (one adapter pair per expert), which the checks accept; a rank above one expert's width is refused.
+  from conftest import experiment_config
+  from experiments import grpo_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  grpo.validate(experiment_config(grpo_smollm2_arith, "lora_smoke", tmp_path / "run", **{"model.name": FIXTURE}))
+  refused_before_loading(tmp_path, FIXTURE, "lora_smoke", {"lora.rank": 25},
+                         r"lora.rank=25 is larger than projection w_gate's dimensions \(fan-in 48, fan-out 24\)")
 
 
 def test_the_pallas_expert_matmul_is_refused_on_a_mesh(tmp_path):
@@ -796,13 +799,13 @@ def test_episode_trees_replay_the_routes_their_samplers_recorded_float64(model64
       assert float(obj.grpo_aux_sums(aux)[2]["routing_mismatch"]) == 0.0
 
 
-def _attention_adapters(graphdef, params):
-  """(graphdef, adapters, base) of the float64 model with LoRA adapters (rank 3, scale 2) on its attention, their
+def _adapters(graphdef, params, targets):
+  """(graphdef, adapters, base) of the float64 model with LoRA adapters (rank 3, scale 2) on `targets`, their
   B random (not the zero init), so they change every projection; adapters cast to float64 (add_adapters makes
   float32)."""
   from branch_replay_jax.models import lora
   model = nnx.merge(graphdef, params)
-  spec = lora.LoraSpec(rank=3, alpha=6.0, targets=lora.ATTENTION_TARGETS)
+  spec = lora.LoraSpec(rank=3, alpha=6.0, targets=targets)
   lora.add_adapters(model, spec, rngs=nnx.Rngs(1))
   for i, t in enumerate(spec.targets):
     b = getattr(model.layers, t + "_lora_b")
@@ -811,17 +814,21 @@ def _attention_adapters(graphdef, params):
   return lgraph, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), adapters), base
 
 
-def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64(model64, x64):
-  # LoRA adapters (rank 3, random B so they change every projection) on a mixture of experts' attention, the
-  # experts and router frozen in the base: a group with recorded routes (30% flipped, 20% unrecorded) replayed
-  # with the load-balancing loss. Replay (fused and one completion per micro-batch) equals naive rows to float64
+@pytest.mark.parametrize("targets", ["attention", "experts"])
+def test_lora_replays_as_naive_rows_with_routing_replay_float64(model64, x64, targets):
+  # LoRA adapters (rank 3, random B so they change every projection) on a mixture of experts' attention, or on
+  # its experts (one pair per expert, [L, E, ...], run in the experts' grouped matmul on the rows routed to each),
+  # the rest frozen in the base: a group with recorded routes (30% flipped, 20% unrecorded) replayed with the
+  # load-balancing loss. Replay (fused and one completion per micro-batch) equals naive rows to float64
   # rounding; only the adapters are differentiated, and each of them gets a gradient (the load-balancing loss's
-  # reaches the attention through the router probabilities of the layers above). The MLP's names are refused.
+  # reaches the attention through the router probabilities of the layers above; every expert's adapters get
+  # the tokens routed to it).
   from branch_replay_jax.gradients.heads import Policy
   from branch_replay_jax.gradients.step import value_and_grad
   from branch_replay_jax.models import lora
   graphdef, params = model64
-  lgraph, adapters, base = _attention_adapters(graphdef, params)
+  lgraph, adapters, base = _adapters(graphdef, params, {"attention": lora.ATTENTION_TARGETS,
+                                                        "experts": lora.EXPERT_TARGETS}[targets])
   arrays = arrays_of(random_group([3, 6, 9, 2], prompt_len=7, seed=4, vocab=96), np.float64)
   prompt_routes, routes, _, _ = sampler_routes(graphdef, params, arrays, np.random.default_rng(0), flip=0.3,
                                                  unrecorded=0.2)
@@ -833,12 +840,37 @@ def test_lora_on_the_attention_replays_as_naive_rows_with_routing_replay_float64
   ln, _, gn = run(adapters, base, batch, "naive", None, None)
   assert jax.tree_util.tree_structure(gn) == jax.tree_util.tree_structure(adapters)
   assert min(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(gn)) > 1e-8
+  if targets == "experts":   # one adapter pair per expert; an expert learns from the tokens routed to it (here all
+    # but one of the 24 (layer, expert) pairs get some; the one that gets none has exactly 0)
+    a = np.abs(np.asarray(gn["layers"]["w_gate_lora_a"][...])).max(axis=(2, 3))
+    assert a.shape == (3, 8) and (a > 1e-10).sum() >= 20 and np.all((a == 0) | (a > 1e-10))
+    # export merges each expert's W_e + (alpha / r) A_e B_e (lora.merged): the same function
+    adapted = lora.merge(lora.WithBase(lgraph, base), adapters)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, 96, (2, 11)))
+    want, got = adapted(tokens, 0).hidden_btd, lora.merged(adapted)(tokens, 0).hidden_btd
+    assert float(jnp.abs(got - want).max()) <= 1e-12 * float(jnp.abs(want).max())
   for m, fused in ((1, False), (None, True)):
     lr, _, gr = run(adapters, base, batch, "replay", m, fused)
     assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
     assert max_rel_err(gr, gn) <= 1e-10
-  with pytest.raises(ValueError, match=r"lora.targets=.*\['w_up'\] are a mixture of experts' MLP"):
-    lora.check_spec(3, 6.0, ("wq", "w_up"), nnx.merge(graphdef, params).config)
+
+
+def test_expert_adapters_are_split_and_dispatched_with_their_experts(model):
+  # Under expert parallelism over branch (FSDP for the rest) the experts' adapters [L, E, ..., r] are split on E
+  # with their experts and dispatched to (never gathered), the router gathered over branch; the attention's
+  # adapters follow the FSDP rules. Placement only: nothing is compiled.
+  from branch_replay_jax.distributed.mesh import gathers, make_mesh, shard_params
+  from branch_replay_jax.models import lora
+  m = nnx.merge(*nnx.split(model))
+  lora.add_adapters(m, lora.LoraSpec(rank=2, alpha=2.0, targets=("wq",) + lora.EXPERT_TARGETS), rngs=nnx.Rngs(0))
+  mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+  placed = shard_params(nnx.state(m, nnx.Param), mesh, "fsdp", expert="branch")
+  flat = jax.tree_util.tree_flatten_with_path(placed, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  by_name = {jax.tree_util.keystr(p).split("'")[-2]: g for (p, _), g in zip(flat, gathers(placed))}
+  for name in ("w_gate", "w_gate_lora_a", "w_gate_lora_b", "w_down_lora_b"):
+    assert by_name[name].axes == ("branch",) and by_name[name].dispatch and by_name[name].dim == 1, name
+  assert by_name["w_router"].axes == ("branch",) and not by_name["w_router"].dispatch
+  assert by_name["wq_lora_a"].axes == ("data", "branch", "seq")
 
 
 @pytest.mark.parametrize("expert_matmul", [

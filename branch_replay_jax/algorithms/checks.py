@@ -110,9 +110,9 @@ def validate_layer_kinds(config) -> None:
   (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
   prompt split over mesh.seq (the recurrent state would have to pass between seq devices), packed trees (the
   recurrence runs along a row). Mixtures of
-  experts (Qwen3-MoE): with loss.router_aux_coef > 0 or model.routing_replay packed trees (both are built for
-  trees by level), with model.routing_replay episodes whose history is "template" (a rewritten history is not
-  what the sampler fed); LoRA on their MLP (`models.lora.check_spec`, lora.targets). A model without
+  experts (Qwen3-MoE, Qwen3.5-MoE): with loss.router_aux_coef > 0 or model.routing_replay packed trees (both
+  are built for trees by level), with model.routing_replay episodes whose history is "template" (a rewritten
+  history is not what the sampler fed). A model without
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
   'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh. mesh.expert: one of the EXPERT_AXES, a
   model with experts, an axis size that divides their count."""

@@ -21,9 +21,9 @@ fallback for sizes the mesh does not divide).
                   stage 3 (Rajbhandari et al. 2020, arXiv 1910.02054).
 
 Expert parallelism (mesh.expert = "data" or "branch", a mixture of experts): one rule more, first,
-("experts", (that axis,)). The experts' weights (w_gate, w_up, w_down: "experts" and "mlp") are split
+("experts", (that axis,)). The experts' weights (w_gate, w_up, w_down) and their adapters are split
 over the axis on their experts dimension and never gathered: the MoE layer sends the tokens to them
-(`models.llama.moe_mlp`, `Gather.dispatch`); the router (w_router: "experts", no "mlp") is split
+(`models.llama.moe_mlp`, `Gather.dispatch`); the router (w_router, whose last axis is "experts") is split
 alike and all-gathered over the axis before use. The rule takes the axis, so the FSDP rules (all
 axes) skip those leaves; every other parameter is laid out as without it.
 
@@ -155,8 +155,9 @@ def gathers(params) -> list:
   """[one per nnx.Variable (or bare array) of params, in `jax.tree_util.tree_leaves(params,
   is_leaf=nnx.Variable)` order]: None for a replicated leaf, else its `models.llama.Gather`: the
   dimension split over all of MESH_AXES (FSDP: the mesh step all-gathers it just before use), or the
-  "experts" dimension split over one of EXPERT_AXES (expert parallelism: an expert weight, with "mlp"
-  among its names, is dispatched to, `Gather.dispatch`; the router is all-gathered over that axis).
+  "experts" dimension split over one of EXPERT_AXES (expert parallelism: an array per expert, whose experts
+  axis is not its last (the experts' weights and their adapters), is dispatched to, `Gather.dispatch`; the
+  router, whose last axis is the experts, is all-gathered over that axis).
 
   Raises:
     ValueError: a leaf sharded otherwise (over some mesh axes only, on several dimensions, on a
@@ -174,8 +175,8 @@ def gathers(params) -> list:
     elif len(split) == 1 and split[0][1] == MESH_AXES and names is not None and names[split[0][0]] != "layers":
       out.append(Gather(split[0][0], MESH_AXES))
     elif (len(split) == 1 and len(split[0][1]) == 1 and split[0][1][0] in EXPERT_AXES and names is not None
-          and names[split[0][0]] == "experts"):
-      out.append(Gather(split[0][0], split[0][1], dispatch="mlp" in names))
+          and names[split[0][0]] == "experts"):   # an array per expert (experts not its last axis) is dispatched to
+      out.append(Gather(split[0][0], split[0][1], dispatch=names[-1] != "experts"))
     else:
       raise ValueError(f"parameter {_where(path)} has spec {spec}: the mesh step takes parameters replicated (P()) "
                        f"or, as annotated nnx.Variables, split on one dimension other than 'layers' over all of "

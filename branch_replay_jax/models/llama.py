@@ -260,7 +260,7 @@ def _layer(config: ModelConfig, p: dict, x_btd, positions_bt, inv_freq, ancestor
   x_btd = x_btd + (norm(out, p["post_attn_norm"]) if gemma else out)
   h = norm(x_btd, p["mlp_norm"])
   if config.moe:
-    out, route, experts = moe_mlp(config, p, h, own_valid_bt, routes, replay_routes)
+    out, route, experts = moe_mlp(config, p, h, own_valid_bt, routes, replay_routes, lora_scale)
     return x_btd + out, (k, v, route, experts)
   gate = project(p, "w_gate", "btd,df->btf", h, lora_scale)
   up = project(p, "w_up", "btd,df->btf", h, lora_scale)
@@ -285,7 +285,8 @@ class RouterStats(NamedTuple):
   mismatch: jax.Array
 
 
-def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, replay_routes: bool = True):
+def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, replay_routes: bool = True,
+            lora_scale: float = 0.0):
   """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities softmax(h
   W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1 with
   norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls: the (token, slot) pairs
@@ -303,7 +304,8 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
   NeMo-RL #2590) a token with recorded routes runs those experts, weighted by the current router's
   probabilities of them (renormalised where norm_topk_prob), so the router's gradient flows through the
   weights as it does through its own choice; without, it runs its own top k and the routes are only compared
-  (`RouterStats.mismatch`)."""
+  (`RouterStats.mismatch`). Where p holds the experts' adapters (w_gate_lora_a [E, d, r], .._lora_b [E, r, F_e],
+  models/lora.py) each expert adds lora_scale · (x A_e) B_e to its projection."""
   b, t, d = h_btd.shape
   k, e = config.experts_per_token, config.num_experts
   dt, acc = h_btd.dtype, accum_dtype(h_btd.dtype)
@@ -323,8 +325,8 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
   if config.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   axes = p.get(EXPERT_AXES)
-  y = (_expert_sum(config, p, x, experts, weights) if axes is None else
-       _dispatched_expert_sum(config, p, x, experts, weights, axes))
+  y = (_expert_sum(config, p, x, experts, weights, lora_scale) if axes is None else
+       _dispatched_expert_sum(config, p, x, experts, weights, axes, lora_scale))
   real = (jnp.ones((b, t), bool) if valid_bt is None else valid_bt > 0).reshape(b, t, 1)
   chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=1).reshape(b, t, e)   # 1 where e is among the top k
   per_row = lambda x: jnp.sum(jnp.where(real, x.reshape(b, t, -1), 0), axis=1)
@@ -332,10 +334,11 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
   return y.reshape(b, t, d), route, experts.reshape(b, t, k)
 
 
-def _expert_sum(config: ModelConfig, p: dict, x, experts, weights):
+def _expert_sum(config: ModelConfig, p: dict, x, experts, weights, lora_scale: float = 0.0):
   """Σ_k w_k · SwiGLU_{experts_k}(x) [N, d] of N tokens x [N, d] over the E experts p holds (w_gate, w_up
-  [E, d, F_e], w_down [E, F_e, d]), their ids experts [N, k] in 0..E-1 and weights [N, k]: the (token, slot)
-  pairs sorted by expert, each expert's rows one group of config.expert_matmul's grouped matmul."""
+  [E, d, F_e], w_down [E, F_e, d], and their adapters where present), their ids experts [N, k] in 0..E-1 and
+  weights [N, k]: the (token, slot) pairs sorted by expert, each expert's rows one group of
+  config.expert_matmul's grouped matmul."""
   k, e, dt = experts.shape[1], p["w_gate"].shape[0], x.dtype
   flat = experts.reshape(-1)                                                     # [N·k], (token, slot) order
   order = jnp.argsort(flat, stable=True)                                         # sorted by expert
@@ -343,10 +346,16 @@ def _expert_sum(config: ModelConfig, p: dict, x, experts, weights):
   rows = x[order // k]
   grouped = {"ragged_dot": jax.lax.ragged_dot, "tiled": functools.partial(grouped_matmul, tile=EXPERT_TILE),
              "pallas": functools.partial(grouped_matmul_pallas, tile=EXPERT_TILE)}[config.expert_matmul]
+  def project_experts(rows, name):   # each row by its expert's weight, plus its adapters' rank-r update
+    y = grouped(rows, p[name].astype(dt), sizes)
+    if name + "_lora_a" not in p:
+      return y
+    xa = grouped(rows, p[name + "_lora_a"].astype(dt), sizes)
+    return y + lora_scale * grouped(xa, p[name + "_lora_b"].astype(dt), sizes)
   with jax.named_scope("moe experts"):
-    gate = grouped(rows, p["w_gate"].astype(dt), sizes)
-    up = grouped(rows, p["w_up"].astype(dt), sizes)
-    out = grouped(jax.nn.silu(gate) * up, p["w_down"].astype(dt), sizes)   # [N·k, d], sorted
+    gate = project_experts(rows, "w_gate")
+    up = project_experts(rows, "w_up")
+    out = project_experts(jax.nn.silu(gate) * up, "w_down")   # [N·k, d], sorted
   out = out[jnp.argsort(order)].reshape(x.shape[0], k, -1)                     # back to (token, slot) order
   return jnp.einsum("nkd,nk->nd", out, weights.astype(dt))
 
@@ -359,7 +368,7 @@ def _varying(x, axes):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, axes):
+def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, axes, lora_scale: float = 0.0):
   """`_expert_sum` under expert parallelism (mesh.expert; inside the mesh step's `shard_map`): this device holds
   experts [i·E_l, (i+1)·E_l) of the E (w_gate, w_up, w_down [E_l, ...], i its index over `axes`). The tokens of
   the n devices along `axes` are all-gathered, each device runs its own experts on the (token, slot) pairs routed
@@ -373,7 +382,7 @@ def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, ax
   gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)
   local = gather(experts) - jax.lax.axis_index(axes) * e_local                    # [n·N, k] this device's ids
   mine = (local >= 0) & (local < e_local)
-  y = _expert_sum(config, p, gather(x), jnp.where(mine, local, 0), jnp.where(mine, gather(weights), 0))
+  y = _expert_sum(config, p, gather(x), jnp.where(mine, local, 0), jnp.where(mine, gather(weights), 0), lora_scale)
   return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
 
 

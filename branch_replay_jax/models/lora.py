@@ -1,7 +1,10 @@
 """LoRA adapters on the stacked projections of `Llama` (Hu et al. 2021, arXiv 2106.09685).
 
-A mixture of experts (Qwen3-MoE) takes adapters on its attention projections only (ATTENTION_TARGETS):
-its MLP is E experts and a router, for which no adapter is built. Qwen3.5 (`models.qwen3_5`) takes them on
+A mixture of experts (Qwen3-MoE, Qwen3.5-MoE) takes them on its attention and on its experts: the MLP
+targets w_gate, w_up, w_down are its E experts [L, E, *in, *out], and each expert gets its own pair,
+A [L, E, *in, r] and B [L, E, r, *out], applied by the same grouped matmul as its weight
+(`llama._expert_sum`: x A_e then B_e on the rows routed to expert e). The router and Qwen3.5-MoE's shared
+expert take none. Qwen3.5 (`models.qwen3_5`) takes them on
 every layer's MLP and on its full-attention layers' wq, wk, wv, wo (stacked [Lf, ...] in `layers.full`, beside
 the adapted weight); its Gated DeltaNet layers' projections take none.
 
@@ -57,9 +60,10 @@ from branch_replay_jax.models.llama import AXES_KEY, Llama, annotated
 # Projection name -> number of its input axes after the layer axis (the rest are output axes).
 IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 TARGETS = tuple(IN_AXES)
-# A mixture of experts' (Qwen3-MoE's) projections that take adapters: the attention's. Its MLP is its experts
-# [L, E, d, F_e] and router, which take none (a per-expert adapter is not built).
+# The attention's projections (Qwen3.5: its full-attention layers', `target_weight`).
 ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
+# A mixture of experts' MLP targets: its experts, stacked [L, E, ...], one adapter pair per expert.
+EXPERT_TARGETS = ("w_gate", "w_up", "w_down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +85,21 @@ class LoraSpec:
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-  """name -> (input axes, output axes) of one layer's projection (without the layer axis) that can take adapters:
-  every name of TARGETS, or for a mixture of experts (config.moe) those of ATTENTION_TARGETS."""
+  """name -> (input axes, output axes) of one layer's projection (without the layer axis) that can take adapters,
+  every name of TARGETS; for a mixture of experts (config.moe) the MLP's are one expert's (without its experts
+  axis: `expert_axes`)."""
   d, hq, hkv, hd, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_dim
   # (Qwen3.5: wq .. wo are its full-attention layers', of the same shapes, `target_weight`)
   attention = {"wq": ((d,), (hq, hd)), "wk": ((d,), (hkv, hd)), "wv": ((d,), (hkv, hd)), "wo": ((hq, hd), (d,))}
   if config.moe:
-    return attention
+    f = config.expert_ffn_dim
   return {**attention, "w_gate": ((d,), (f,)), "w_up": ((d,), (f,)), "w_down": ((f,), (d,))}
+
+
+def expert_axes(config: ModelConfig, target: str) -> int:
+  """Axes between a target's layer axis and its input axes: 1 for a mixture of experts' expert weights (their
+  experts axis E, which the adapters share), else 0."""
+  return int(config.moe and target in EXPERT_TARGETS)
 
 
 def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora") -> LoraSpec:
@@ -96,8 +107,7 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
 
   Raises:
     ValueError (naming `field`.rank / .alpha / .targets and the value): targets empty, repeated or
-      not in TARGETS, or for a mixture of experts an MLP projection (its experts take no adapters:
-      ATTENTION_TARGETS); rank not an int >= 1 or larger than min(fan-in, fan-out) of a target (fan-in
+      not in TARGETS; rank not an int >= 1 or larger than min(fan-in, fan-out) of a target (fan-in
       and fan-out are the products of the projection's input and output axes); alpha not a finite
       number > 0.
   """
@@ -108,10 +118,6 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
   if unknown:
     raise ValueError(f"{field}.targets={targets!r}: {unknown} are not projections; expected names of {TARGETS}")
   shapes = projection_shapes(config)
-  experts = [t for t in targets if t not in shapes]
-  if experts:
-    raise ValueError(f"{field}.targets={targets!r}: {experts} are a mixture of experts' MLP (arch={config.arch!r}: "
-                     f"its experts and router), which take no adapters; use the attention's {ATTENTION_TARGETS}")
   if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
     raise ValueError(f"{field}.rank={rank!r} must be an int >= 1")
   for t in targets:
@@ -137,8 +143,9 @@ def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
   """Add `spec`'s adapters to `model` in place (A he-uniform, B zero: the output is unchanged) and return it.
 
   Sets `model.lora = spec` (read by the forward for the scale) and, per target W,
-  `model.layers.W_lora_a` [L, *in, r] and `W_lora_b` [L, r, *out], float32 `nnx.LoRAParam` annotated
-  with W's logical axis names and "lora_rank" (module docstring).
+  `model.layers.W_lora_a` [L, *in, r] and `W_lora_b` [L, r, *out] (an expert weight's: [L, E, *in, r] and
+  [L, E, r, *out]), float32 `nnx.LoRAParam` annotated with W's logical axis names and "lora_rank" (module
+  docstring).
 
   Raises:
     ValueError: the model already has adapters, or `spec` does not fit its shapes (`check_spec`).
@@ -151,14 +158,16 @@ def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
     ins, outs = shapes[t]
     module, _ = target_weight(model, t)
     weight = getattr(module, t)
-    L = weight.shape[0]
-    names = weight.get_metadata(AXES_KEY)   # W's: (layers, *in names, *out names)
-    names_a, names_b = names[:1 + len(ins)] + ("lora_rank",), ("layers", "lora_rank") + names[1 + len(ins):]
-    init_a = nnx.initializers.variance_scaling(2.0, "fan_in", "uniform", in_axis=tuple(range(1, 1 + len(ins))),
-                                               out_axis=-1, batch_axis=(0,))
-    setattr(module, t + "_lora_a", annotated(init_a(rngs.params(), (L, *ins, r), jnp.float32), names_a,
+    lead = 1 + expert_axes(model.config, t)   # the layer axis, and an expert weight's experts axis
+    batch = tuple(weight.shape[:lead])
+    names = weight.get_metadata(AXES_KEY)   # W's: (layers, [experts,] *in names, *out names)
+    names_a = names[:lead + len(ins)] + ("lora_rank",)
+    names_b = names[:lead] + ("lora_rank",) + names[lead + len(ins):]
+    init_a = nnx.initializers.variance_scaling(2.0, "fan_in", "uniform", in_axis=tuple(range(lead, lead + len(ins))),
+                                               out_axis=-1, batch_axis=tuple(range(lead)))
+    setattr(module, t + "_lora_a", annotated(init_a(rngs.params(), (*batch, *ins, r), jnp.float32), names_a,
                                              nnx.LoRAParam))
-    setattr(module, t + "_lora_b", annotated(jnp.zeros((L, r, *outs), jnp.float32), names_b, nnx.LoRAParam))
+    setattr(module, t + "_lora_b", annotated(jnp.zeros((*batch, r, *outs), jnp.float32), names_b, nnx.LoRAParam))
   model.lora = spec
   return model
 
@@ -208,7 +217,9 @@ def merged(model: Llama) -> Llama:
       layers = pure["layers"]["full"] = dict(pure["layers"]["full"])
     dtype = np.asarray(layers[t]).dtype
     a, b, w = (np.asarray(layers.pop(t + s), np.float64) for s in ("_lora_a", "_lora_b", ""))
-    delta = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, spec.rank), b.reshape(b.shape[0], spec.rank, -1))
+    batch = w.shape[:1 + expert_axes(model.config, t)]   # [L] or an expert weight's [L, E]
+    delta = np.einsum("nir,nro->nio", a.reshape(-1, math.prod(a.shape[len(batch):-1]), spec.rank),
+                      b.reshape(-1, spec.rank, math.prod(b.shape[len(batch) + 1:])))
     layers[t] = (w + spec.scale * delta.reshape(w.shape)).astype(dtype)
   cfg = model.config
   # the same class and options (Qwen3.5's chunk too), without adapters

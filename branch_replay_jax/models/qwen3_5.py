@@ -330,7 +330,8 @@ class Qwen35(Llama):
         p = at(shared_r, i)
         if cfg.moe:   # Qwen3.5-MoE: the routed experts plus the gated shared expert
           p.update({EXPERT_AXES: axes for axes in dispatch})
-          out, route, chosen = moe_mlp(cfg, p, h, valid_bt, None if routes_r is None else routes_r[i], replay_routes)
+          out, route, chosen = moe_mlp(cfg, p, h, valid_bt, None if routes_r is None else routes_r[i], replay_routes,
+                                       scale)
           router.append(route), experts.append(chosen)
           act = jax.nn.silu(project(p, "ws_gate", "btd,df->btf", h, 0.0)) * project(p, "ws_up", "btd,df->btf", h, 0.0)
           gate = jax.nn.sigmoid(jnp.einsum("btd,d->bt", h, p["ws_scale"].astype(h.dtype)))[..., None]
