@@ -132,8 +132,9 @@ def test_moe_fields_are_checked_by_name():
 def test_grpo_trains_lora_adapters_of_a_moe_directory_with_routing_replay_and_the_load_balancing_loss(
     tmp_path, monkeypatch):
   # A random Qwen3-MoE (2 layers, 4 experts, 2 per token) over SmolLM2's tokenizer, exported as a Hugging Face
-  # directory and trained by the GRPO LoRA smoke experiment (adapters on the attention, lora.targets; the experts
-  # and router frozen; the fused replay: a group's 4 completions in one step) with loss.router_aux_coef = 0.01 and
+  # directory and trained by the GRPO LoRA smoke experiment (its default targets: adapters on the attention and
+  # on each expert; the router frozen; the fused replay: a group's 4 completions in one step) with
+  # loss.router_aux_coef = 0.01 and
   # model.routing_replay: the sampler records each token's experts, the update runs them. The run-time exactness
   # check (replay's adapter gradient against naive rows', both replaying the routes, the load-balancing loss in
   # both) to float32 rounding; the logged router_aux is the mean over the step's groups of
@@ -143,10 +144,9 @@ def test_grpo_trains_lora_adapters_of_a_moe_directory_with_routing_replay_and_th
   # "tiled", kernels.grouped_matmul): sampler, update and check alike.
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
                     expert_ffn_dim=16, max_positions=2048, tie_embeddings=False)
-  from branch_replay_jax.models.lora import ATTENTION_TARGETS
   record = grpo_on_exported(Llama(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, variant="lora_smoke",
                             **{"train.micro_batch": 4, "loss.router_aux_coef": 0.01, "model.routing_replay": True,
-                               "model.expert_matmul": "tiled", "lora.targets": ATTENTION_TARGETS})
+                               "model.expert_matmul": "tiled"})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
   assert 1.0 < record["router_aux"] < 4.0 and 0.0 <= record["routing_mismatch"] < 0.05
