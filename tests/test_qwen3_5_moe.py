@@ -131,18 +131,21 @@ def test_expert_parallel_fsdp_mesh_step_equals_naive_float64(model64):
     fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5), expert="branch")
 
 
-def test_grpo_trains_a_qwen3_5_moe_directory_with_routing_replay(tmp_path, monkeypatch):
+def test_grpo_trains_a_qwen3_5_moe_directory_on_a_mesh_with_its_experts_split(tmp_path, monkeypatch):
   # A random Qwen3.5-MoE over SmolLM2's tokenizer, exported as a Hugging Face directory and trained one GRPO smoke
-  # step with routing replay and the load-balancing loss: the sampler records each token's experts through the
-  # hybrid cache, the update replays them, and the run-time exactness check (replay against naive rows, both
-  # replaying the routes) holds to float32 rounding.
+  # step on a 2 x 4 x 1 mesh (FSDP, its 4 experts split over branch: one per device) with routing replay and the
+  # load-balancing loss: the sampler records each token's experts through the hybrid cache, the mesh step
+  # replays them with the tokens sent to their experts, and the run-time exactness check (one device: replay
+  # against naive rows, both replaying the routes) holds to float32 rounding. One device's fused step:
+  # test_group_replay_with_routing_replay_and_the_load_balancing_loss_equals_naive_float64.
   la = GatedDeltaNetShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_5_moe_text", num_layers=2, qk_norm=True,
                     layer_types=("linear_attention", "full_attention"), linear_attention=la, rotary_dim=4,
                     num_experts=4, experts_per_token=2, expert_ffn_dim=16, norm_topk_prob=True, max_positions=2048,
                     tie_embeddings=False)
   record = grpo_on_exported(Qwen35(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, **{
-      "train.micro_batch": 4, "loss.router_aux_coef": 0.01, "model.routing_replay": True})
+      "mesh.data": 2, "mesh.branch": 4, "mesh.params": "fsdp", "mesh.expert": "branch", "train.micro_batch": 1,
+      "loss.router_aux_coef": 0.01, "model.routing_replay": True})
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and 1.0 < record["router_aux"] < 4.0
   assert 0.0 <= record["routing_mismatch"] < 0.05
