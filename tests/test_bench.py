@@ -145,7 +145,7 @@ def test_sharded_memory_fsdp_state_is_an_eighth_plus_one_layer():
   import ml_collections
   from branch_replay_jax.benchmarks import sharded_memory
   c = ml_collections.ConfigDict(dict(mesh=(1, 8, 1), dtype="float32", G=8, T=16, micro_batch=1, logprob_chunk=16,
-                                     attention_impl="xla", expert_matmul="ragged_dot"))
+                                     attention_impl="xla", expert_matmul="ragged_dot", expert=""))
   rep = sharded_memory.replay_case(c, "tiny", "replicated", "save_kv", 64)
   fsdp = sharded_memory.replay_case(c, "tiny", "fsdp", "save_kv", 64)
   assert fsdp["state_ratio"] <= 1.25 < rep["state_ratio"]

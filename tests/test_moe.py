@@ -204,6 +204,11 @@ def test_the_pallas_expert_matmul_is_refused_on_a_mesh(tmp_path):
     sharded_memory._architecture("tiny", "pallas")
 
 
+# heavy (42 s in CI under load at stop 63): CI covers its pieces: the mesh step with the experts split, exact
+# (test_mesh_step_with_routing_replay_equals_naive_float64[data-fsdp-1], [branch-replicated-2]), and the loop
+# placing the experts by mesh.expert and training on that mesh
+# (tests/test_qwen3_5_moe.py::test_grpo_trains_a_qwen3_5_moe_directory_on_a_mesh_with_its_experts_split).
+@pytest.mark.heavy
 def test_grpo_trains_a_moe_with_its_experts_split_over_branch(tmp_path, monkeypatch):
   # The smoke experiment on a 2 x 2 x 2 mesh, FSDP, its 4 experts split over branch (2 per device) with the
   # load-balancing loss: the loop places the experts by mesh.expert, the step sends the tokens to them, and the

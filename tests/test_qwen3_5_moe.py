@@ -104,6 +104,13 @@ def test_group_replay_with_routing_replay_and_the_load_balancing_loss_equals_nai
     assert float(jnp.abs(gn["layers"][name][...]).max()) > 1e-6, name
 
 
+# heavy (36 s in CI under load at stop 63): CI covers its pieces: Qwen3.5-MoE's segments on their ancestors'
+# states with routing sums (the unfused group case of
+# test_group_replay_with_routing_replay_and_the_load_balancing_loss_equals_naive_float64 runs the same `_segment`),
+# a tree's nodes with the load-balancing loss (tests/test_moe.py::
+# test_tree_replay_with_the_load_balancing_loss_equals_naive_float64) and Qwen3.5's trees (tests/test_qwen3_5.py::
+# test_tree_replay_equals_naive_float64_each_node_from_its_parents_state).
+@pytest.mark.heavy
 def test_tree_replay_with_the_load_balancing_loss_equals_naive_float64(model64, x64):
   # Depth 2 (prompt 5, nodes of 2-4 then 1-3 tokens: shorter than the convolution window), the level schedule,
   # router_aux_coef = 0.5: each node hands its children its recurrent state and its path's routing sums.
