@@ -368,7 +368,8 @@ def _tree_fields(where: str, trees) -> tuple:
   return names.pop()
 
 
-def pad_trees(trees: Sequence[RolloutBatch], layouts: TreeLayouts | None = None, *, branch: int = 1) -> list[RolloutBatch]:
+def pad_trees(trees: Sequence[RolloutBatch], layouts: TreeLayouts | None = None, *,
+              branch: int = 1) -> list[RolloutBatch]:
   """Pad rollout trees to one level layout, so that `distributed.mesh.stack_groups` can stack them.
 
   Trees sampled with one config differ in shape (`rollout.tree_sampler.sample_tree`, `data.trees.pad_tree`):

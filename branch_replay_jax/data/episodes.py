@@ -18,8 +18,8 @@ weighs every per-token term and counts only tokens with weight > 0).
     merge_short(tree, min_tokens)                            -> EpisodeTree (shared nodes < min_tokens unshared)
     limit_depth(tree, max_depth)                             -> EpisodeTree (sharing below max_depth dropped)
     episode_tree_arrays(tree, advantage_g, weights_g, ...)   -> RolloutBatch, a tree (replay: every node once)
-    episode_group_arrays(episodes, advantage_g, weights_g, ...) -> RolloutBatch, a group's rows (naive: one row per episode,
-                                                                the layout verl and TRL train)
+    episode_group_arrays(episodes, advantage_g, weights_g, ...) -> RolloutBatch, a group's rows (naive: one row
+                                                                per episode, the layout verl and TRL train)
 
 Advantages are per episode (outcome reward; GRPO or RLOO over the G episodes of one problem,
 `losses.group_advantages`, `losses.rloo_advantages`) and laid out per token: A_g on episode g's
@@ -343,7 +343,8 @@ def _per_episode(name, values, g):
 
 
 def episode_tree_arrays(tree: EpisodeTree, advantage_g, weights_g, *, vocab_size: int, max_positions: int,
-                        per_node: dict | None = None, prompt_bucket: int | None = None, pad_id: int = 0) -> RolloutBatch:
+                        per_node: dict | None = None, prompt_bucket: int | None = None,
+                        pad_id: int = 0) -> RolloutBatch:
   """The replay layout: the episode tree's padded levels (`data.trees.pad_tree`) as a RolloutBatch.
 
   Args:

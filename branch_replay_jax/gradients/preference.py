@@ -312,7 +312,8 @@ def _pair_sums(graphdef, params, naive_mb, chunk):
   return jax.vmap(lambda a: forward(POLICY, graphdef, params, a, layout="naive", logprob_chunk=chunk).sum(-1))(naive_mb)
 
 
-def naive_ref_sums(graphdef, params, naive: RolloutBatch, *, micro_batch: int = 1, logprob_chunk: int = 256) -> jax.Array:
+def naive_ref_sums(graphdef, params, naive: RolloutBatch, *, micro_batch: int = 1,
+                   logprob_chunk: int = 256) -> jax.Array:
   """[K, 2] reference log-prob sums of the stacked pairs (`PreferenceBatch.naive`), forward only."""
   k = naive.prompt_len.shape[0]
   m = fit_micro_batch(micro_batch, k)

@@ -207,7 +207,8 @@ def read_config(directory: str) -> ModelConfig:
                 d_model=int(cfg["hidden_size"]), num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                ffn_dim=int(cfg["shared_expert_intermediate_size" if arch == "qwen3_5_moe_text" else "intermediate_size"]),
+                ffn_dim=int(cfg["shared_expert_intermediate_size" if arch == "qwen3_5_moe_text"
+                                else "intermediate_size"]),
                 norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_positions=int(cfg.get("max_position_embeddings", 8192)))
   if arch == "gemma3_text":

@@ -565,7 +565,8 @@ class Llama(nnx.Module):
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, positions)
       return _layer(cfg, p, x, positions, freq, blocks, valid_bt, attn, lora_scale, layer_routes, replay_routes)
 
-    x, (k, v, route, experts) = self._scan_layers(layer, x, (anc_k, anc_v, self._layer_xs(), per_layer_routes(cfg, routes)))
+    xs = (anc_k, anc_v, self._layer_xs(), per_layer_routes(cfg, routes))
+    x, (k, v, route, experts) = self._scan_layers(layer, x, xs)
     hidden = self._final_norm(x)
     experts = None if experts is None else jnp.moveaxis(experts, 0, 2)   # [L, B, T, k] -> [B, T, L, k]
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden, summed_over_layers(route), experts)

@@ -269,7 +269,8 @@ class Qwen35(Llama):
     positions = segment_positions(offset, b, t)
     parent = ancestors[-1] if ancestors else self.initial_state(1)
     x, state, route, experts = self._layers(self._embed(tokens_bt), positions, list(ancestors), parent, valid_bt,
-                                            self._attention(attention), per_layer_routes(self.config, routes), replay_routes)
+                                            self._attention(attention), per_layer_routes(self.config, routes),
+                                            replay_routes)
     return SegmentOutput(HybridState(*state[:2], valid_bt, *state[2:]), self._final_norm(x), route, experts)
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
@@ -509,7 +510,8 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 
 def hf_config_fields(config: ModelConfig) -> dict:
-  """The qwen3_5_text (and qwen3_5_moe_text) fields of config.json (`config_fields` inverted), beside `export.hf_config`'s common ones."""
+  """The qwen3_5_text (and qwen3_5_moe_text) fields of config.json (`config_fields` inverted), beside
+  `export.hf_config`'s common ones."""
   la = config.linear_attention
   return dict(layer_types=list(config.layer_types), linear_num_key_heads=la.num_key_heads,
               linear_num_value_heads=la.num_value_heads, linear_key_head_dim=la.key_head_dim,
