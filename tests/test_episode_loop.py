@@ -15,7 +15,6 @@ from conftest import ScriptedSampler, experiment_config
 from flax import nnx
 
 from branch_replay_jax.algorithms import grpo, loop, runs
-from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.groups import rollout_group
 from branch_replay_jax.models.loading import stop_ids
 from branch_replay_jax.rollout import collect

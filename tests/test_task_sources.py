@@ -8,14 +8,12 @@ import os
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # nothing here may reach the hub
 
-import math
 
-import ml_collections
 import numpy as np
 import pytest
 
 from branch_replay_jax.algorithms import grpo, runs
-from branch_replay_jax.rollout.tasks import DEFAULT_INSTRUCTION, Problem, make_task
+from branch_replay_jax.rollout.tasks import DEFAULT_INSTRUCTION, make_task
 from branch_replay_jax.rollout.tasks import rewards as builtin
 from branch_replay_jax.rollout.tasks.rewards import RewardError
 from branch_replay_jax.rollout.tasks.sources import make_task_from_fields

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx

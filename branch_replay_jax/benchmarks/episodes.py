@@ -50,7 +50,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.benchmarks.replay import (GRPO_OBJECTIVE, architecture_of, cpu_seconds, emitter,
+from branch_replay_jax.benchmarks.replay import (GRPO_OBJECTIVE, cpu_seconds, emitter,
                                                  load_model)
 from branch_replay_jax.core.tree_replay import SCHEDULES
 from branch_replay_jax.data.batches import pack_trees

@@ -26,7 +26,6 @@ replay / torch_naive, with the load average.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time

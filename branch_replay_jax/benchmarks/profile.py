@@ -37,7 +37,6 @@ import statistics
 import time
 
 import jax
-import ml_collections
 from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags

@@ -30,7 +30,6 @@ config.prompt_attention, passed as `value_and_grad(..., attention=...)`).
 
 from __future__ import annotations
 
-import json
 import time
 
 import jax
