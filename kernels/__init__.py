@@ -7,10 +7,12 @@ Installed as `branch_replay_jax.kernels` (see setup.cfg) so that it never shadow
 top-level `kernels` package of the Hugging Face ecosystem.
 """
 
-from branch_replay_jax.kernels.dispatch import ATTENTION_IMPLS, attention_fn, resolve_attention_impl
+from branch_replay_jax.kernels.dispatch import (ATTENTION_IMPLS, attention_fn, causal_block_attention,
+                                                resolve_attention_impl)
 from branch_replay_jax.kernels.pallas_attention import suffix_attention_pallas
 from branch_replay_jax.kernels.reference import GLOBAL_WINDOW, KVBlock, suffix_attention, windowed_suffix_attention
 from branch_replay_jax.kernels.splash_attention import suffix_attention_splash
 
-__all__ = ["ATTENTION_IMPLS", "GLOBAL_WINDOW", "KVBlock", "attention_fn", "resolve_attention_impl", "suffix_attention",
+__all__ = ["ATTENTION_IMPLS", "GLOBAL_WINDOW", "KVBlock", "attention_fn", "causal_block_attention",
+           "resolve_attention_impl", "suffix_attention",
            "suffix_attention_pallas", "suffix_attention_splash", "windowed_suffix_attention"]

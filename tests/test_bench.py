@@ -267,7 +267,7 @@ def test_causal_block_attention_sends_the_prompt_to_dot_product_attention_and_th
   # ancestors goes to the given function unchanged (here the reference itself: equal bit for bit).
   import numpy as np
   import jax.numpy as jnp
-  from branch_replay_jax.benchmarks.prompt_attention import causal_block_attention
+  from branch_replay_jax.kernels import causal_block_attention
   from branch_replay_jax.kernels import KVBlock, suffix_attention
   rng = np.random.default_rng(0)
   n = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)

@@ -22,7 +22,7 @@ over the visible pairs, `data.counts.forward_flops`'s pair term), forward+backwa
 (FlashAttention-2's count, Dao 2023, arXiv 2307.08691, section 4.1: the backward recomputes
 QKᵀ, 2.5x the forward), and max_abs_diff vs the first implementation that ran (`baseline`).
 
-`causal_block_attention` is the same choice inside a training step: a `suffix_attention`-compatible
+`kernels.causal_block_attention` is the same choice inside a training step: a `suffix_attention`-compatible
 function that sends blocks with no ancestors (the prompt; a naive sequence) to
 `jax.nn.dot_product_attention` and everything else to the model's kernel (benchmarks/replay.py's
 config.prompt_attention, passed as `value_and_grad(..., attention=...)`).
@@ -43,39 +43,6 @@ from branch_replay_jax.benchmarks.replay import emitter
 from branch_replay_jax.kernels import KVBlock, suffix_attention, suffix_attention_pallas
 
 IMPLS = ("pallas", "reference", "dpa_xla", "dpa_cudnn")
-DPA_IMPLEMENTATIONS = ("xla", "cudnn")
-
-
-def causal_block_attention(implementation: str, suffix):
-  """A `suffix_attention`-compatible function: `jax.nn.dot_product_attention(implementation=...)`
-  for a block with no ancestors, `suffix(q, ancestors, own)` otherwise.
-
-  The block's own keys must be right-padded (valid a prefix of each row, the layout of
-  data.groups): they are masked by `key_value_seq_lengths`, causally. Queries at padded positions
-  get garbage, as `Llama.__call__` allows. The returned lse is the implementation's log-sum-exp
-  (`return_residual`); cuDNN's backward takes no cotangent for it (the model's layer discards it),
-  so this function is not for the context-parallel merge, which differentiates through lse.
-
-  Args:
-    implementation: "xla" or "cudnn" (cuDNN's flash attention: GPU, bf16/fp16, head dim <= 128).
-    suffix: the function for blocks with ancestors (e.g. `kernels.attention_fn("pallas")`).
-
-  Raises:
-    ValueError: an implementation not in DPA_IMPLEMENTATIONS.
-  """
-  if implementation not in DPA_IMPLEMENTATIONS:
-    raise ValueError(f"causal_block_attention: implementation={implementation!r}; expected one of {DPA_IMPLEMENTATIONS}")
-
-  def attention(q_bthd, ancestors, own, *, scale=None):
-    if len(ancestors):
-      return suffix(q_bthd, ancestors, own, scale=scale)
-    lengths = jnp.sum(own.valid, axis=-1, dtype=jnp.int32)
-    lengths = jnp.broadcast_to(lengths, (q_bthd.shape[0],))
-    out, lse = jax.nn.dot_product_attention(q_bthd, own.k.astype(q_bthd.dtype), own.v.astype(q_bthd.dtype),
-                                            scale=scale, is_causal=True, key_value_seq_lengths=lengths,
-                                            implementation=implementation, return_residual=True)
-    return out, lse
-  return attention
 
 
 def make_impls():

@@ -28,7 +28,7 @@ Method:
 - Replay variants: config.fused ("auto": `value_and_grad`'s default, the fused replay wherever it
   applies; "on"; "off": `core.replay.replay_vjp`) and config.prompt_attention ("model": the model's
   attention_impl; "xla" / "cudnn": blocks with no ancestors, the prompt's own causal block, through
-  `jax.nn.dot_product_attention`, `prompt_attention.causal_block_attention`; the naive step keeps the model's).
+  `jax.nn.dot_product_attention`, `kernels.causal_block_attention`; the naive step keeps the model's).
 - MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM, arXiv 2204.02311, appendix B): model
   FLOPs of a step = 3 x its forward FLOPs by `data.counts.forward_flops` (the same model as
   ideal_flop_ratio; rematerialisation not counted), over its median seconds, over config.peak_tflops:
@@ -205,8 +205,7 @@ def replay_options(config, case: dict, attention_impl: str) -> dict:
     raise ValueError(f"config.prompt_attention={prompt!r}; expected one of {PROMPT_ATTENTION}")
   options = {} if case["kind"] == "tree" else {"fused": FUSED[fused]}
   if prompt != "model":
-    from branch_replay_jax.benchmarks.prompt_attention import causal_block_attention   # it imports this module
-    from branch_replay_jax.kernels import attention_fn
+    from branch_replay_jax.kernels import attention_fn, causal_block_attention
     options["attention"] = causal_block_attention(prompt, attention_fn(attention_impl))
   return options
 
