@@ -205,7 +205,7 @@ def test_the_pallas_expert_matmul_is_refused_on_a_mesh(tmp_path):
 
 
 # heavy (42 s in CI under load at stop 63): CI covers its pieces: the mesh step with the experts split, exact
-# (test_mesh_step_with_routing_replay_equals_naive_float64[data-fsdp-1], [branch-replicated-2]), and the loop
+# (test_mesh_step_with_routing_replay_equals_naive_float64[branch-replicated-2]), and the loop
 # placing the experts by mesh.expert and training on that mesh
 # (tests/test_qwen3_5_moe.py::test_grpo_trains_a_qwen3_5_moe_directory_on_a_mesh_with_its_experts_split).
 @pytest.mark.heavy
@@ -259,7 +259,11 @@ def test_fsdp_mesh_step_equals_naive_float64(model64):
     fsdp_step_equals_naive(*model64, groups)
 
 
-@pytest.mark.parametrize("expert, mode, seq", [("", "fsdp", 2), ("data", "fsdp", 1), ("branch", "replicated", 2)])
+@pytest.mark.parametrize("expert, mode, seq", [
+    ("", "fsdp", 2),
+    # heavy (~20 s): the same dispatch over another axis is CI's [branch-replicated-2], FSDP with experts its [-fsdp-2]
+    pytest.param("data", "fsdp", 1, marks=pytest.mark.heavy),
+    ("branch", "replicated", 2)])
 def test_mesh_step_with_routing_replay_equals_naive_float64(model64, expert, mode, seq):
   # Two groups over data x branch (x seq = 2: the prompt and its routes, padded to the stacked P_pad with -1,
   # split over seq, each chunk's routing sums added over seq; a wrong or missing sum moves the auxiliary loss),

@@ -128,6 +128,11 @@ def test_tree_replay_with_the_load_balancing_loss_equals_naive_float64(model64, 
   assert max_rel_err(gt, gn) <= 1e-10
 
 
+# heavy (36 s in CI at stop 63): CI covers its pieces: the dispatch's exactness on the mesh
+# (tests/test_moe.py::test_mesh_step_with_routing_replay_equals_naive_float64[branch-replicated-2]) and Qwen3.5-MoE's
+# layer scan handing the expert axis to it in a mesh step
+# (test_grpo_trains_a_qwen3_5_moe_directory_on_a_mesh_with_its_experts_split).
+@pytest.mark.heavy
 def test_expert_parallel_fsdp_mesh_step_equals_naive_float64(model64):
   # Two groups over data x branch = 2 x 2, FSDP, the 8 experts split over branch (the shared expert and the linear
   # layers FSDP-gathered): the hybrid layers' scan hands the expert axis to `moe_mlp` as Llama's does.
