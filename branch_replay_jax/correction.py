@@ -101,8 +101,7 @@ def has_sampler_logprobs(batch) -> bool:
 
 
 def _with(batch, parts: list[Segments]):
-  if is_group(batch):
-    return batch.replace(levels=(parts[0],))
+  """`batch` with `_parts`' segments replaced (a group's one level is its rows)."""
   if isinstance(batch, PackedBatch):
     return batch.replace(row=parts[0])
   return batch.replace(levels=tuple(parts))

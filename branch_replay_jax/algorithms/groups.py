@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import (RolloutBatch, group_arrays, is_tree, pad_routes, recorded_routes,
+from branch_replay_jax.data.batches import (RolloutBatch, group_arrays, pad_routes, recorded_routes,
                                             recorded_tree_routes, trajectory_group_arrays, tree_arrays)
 from branch_replay_jax.data.counts import group_counts, tree_counts
 from branch_replay_jax.data.episodes import (MODEL, episode_group_arrays, episode_tree, episode_tree_arrays,
@@ -337,10 +337,8 @@ def step_token_mean(groups: list[Group]) -> list[Group]:
     return groups
   scale = obj.step_token_scale(b, n)
   scaled = lambda w: w * jnp.asarray(scale, w.dtype)
-  def rescaled(batch):
-    if is_tree(batch):
-      return batch.replace(levels=tuple(level.replace(weights=scaled(level.weights)) for level in batch.levels))
-    return batch.replace(levels=(batch.branches.replace(weights=scaled(batch.branches.weights)),))
+  def rescaled(batch):   # a group's rows are its one level
+    return batch.replace(levels=tuple(level.replace(weights=scaled(level.weights)) for level in batch.levels))
   return [g if g.batch is None else
           dataclasses.replace(g, batch=rescaled(g.batch),
                               naive_batch=None if g.naive_batch is None else rescaled(g.naive_batch))

@@ -57,6 +57,7 @@ from flax import nnx
 from branch_replay_jax.data.batches import RolloutBatch, is_group
 from branch_replay_jax.distributed.sharding import (MESH_AXES, PARAM_MODES, gathers, param_specs,  # noqa: F401
                                                     shard_params)
+from branch_replay_jax.kernels.vma import varying_axes
 from branch_replay_jax.models.llama import GATHER_KEY
 
 
@@ -197,10 +198,7 @@ def shard_batch(batch: RolloutBatch, mesh, num_groups: int | None = None) -> Rol
 def _invariant_over_seq(tree):
   """Every `seq` device holds the same completion values (module docstring): mark them invariant
   over `seq` (pmax of equal values is exact) so that out_specs may omit the axis."""
-  def varying(x):   # the value's varying manual axes (`.vma` in older JAX releases)
-    aval = jax.typeof(x)
-    return aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
-  return jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, "seq") if "seq" in varying(x) else x, tree)
+  return jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, "seq") if "seq" in varying_axes(x) else x, tree)
 
 
 def _is_variable(x) -> bool:

@@ -38,14 +38,23 @@ GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm.weight": "post_att
                      "post_feedforward_layernorm.weight": "post_mlp_norm"}
 
 
+ROUTER_TENSOR = "mlp.gate.weight"   # a mixture of experts' router [E, d] (Qwen3-MoE, Qwen3.5-MoE)
+
+
+def expert_tensor(e: int, proj: str) -> str:
+  """The layer-relative name of expert e's projection `proj` ("gate", "up" or "down") in a mixture of experts'
+  checkpoint (Qwen3-MoE's and Qwen3.5-MoE's, as transformers writes them)."""
+  return f"mlp.experts.{e}.{proj}_proj.weight"
+
+
 def layer_names(arch: str, num_experts: int | None = None) -> dict[str, str]:
   """{HF layer tensor suffix: canonical name} of a family (`ModelConfig.arch`); Qwen3-MoE's MLP is its router
   ("mlp.gate", canonical "router") and each expert e's projections (canonical "gate.e", "up.e", "down.e")."""
   if arch == "qwen3_moe":
     names = {k: v for k, v in LAYER_NAMES.items() if not k.startswith("mlp.")}
-    names["mlp.gate.weight"] = "router"
+    names[ROUTER_TENSOR] = "router"
     for e in range(num_experts):
-      names.update({f"mlp.experts.{e}.{kind}_proj.weight": f"{kind}.{e}" for kind in ("gate", "up", "down")})
+      names.update({expert_tensor(e, kind): f"{kind}.{e}" for kind in ("gate", "up", "down")})
     return names
   return GEMMA_LAYER_NAMES if arch == "gemma3_text" else LAYER_NAMES
 

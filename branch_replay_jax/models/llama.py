@@ -62,6 +62,7 @@ from branch_replay_jax.kernels import (GLOBAL_WINDOW, KVBlock, attention_fn, res
 from branch_replay_jax.kernels.grouped_matmul import grouped_matmul
 from branch_replay_jax.kernels.grouped_matmul_pallas import grouped_matmul_pallas
 from branch_replay_jax.kernels.reference import accum_dtype
+from branch_replay_jax.kernels.vma import varying_axes
 from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelConfig
 
 
@@ -362,9 +363,7 @@ def _expert_sum(config: ModelConfig, p: dict, x, experts, weights, lora_scale: f
 
 def _varying(x, axes):
   """x cast to varying over the mesh axes `axes` where it is not yet (a collective over them needs it)."""
-  aval = jax.typeof(x)
-  have = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
-  missing = tuple(a for a in axes if a not in have)
+  missing = tuple(a for a in axes if a not in varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

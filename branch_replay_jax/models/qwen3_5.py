@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 from branch_replay_jax.kernels import KVBlock
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.models import gated_delta
-from branch_replay_jax.models.hf_loader import check_tensors
+from branch_replay_jax.models.hf_loader import ROUTER_TENSOR, check_tensors, expert_tensor
 from branch_replay_jax.models.config import FULL, LINEAR, ModelConfig
 from branch_replay_jax.models.llama import (EXPERT_AXES, GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, annotated,
                                             apply_rope, gathered, moe_mlp, per_layer_routes, project, rematerialized,
@@ -357,10 +357,10 @@ class Qwen35(Llama):
 # --- Hugging Face checkpoints (transformers' Qwen3_5ForCausalLM, model_type "qwen3_5_text") -----------------
 
 HF_LAYER = "model.layers.{}."
-HF_SHARED = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
-             "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down"}
 HF_NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm"}
-# Qwen3.5-MoE's MLP: the router (canonical "router"), each expert e's projections ("gate.e", "up.e", "down.e", as
+HF_SHARED = {**HF_NORMS, "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
+             "mlp.down_proj.weight": "w_down"}
+# Qwen3.5-MoE's MLP: the router and each expert's projections (`hf_loader.ROUTER_TENSOR`, `expert_tensor`, as
 # Qwen3-MoE's) and the shared expert with its gate.
 HF_SHARED_EXPERT = {"mlp.shared_expert.gate_proj.weight": "ws_gate", "mlp.shared_expert.up_proj.weight": "ws_up",
                     "mlp.shared_expert.down_proj.weight": "ws_down", "mlp.shared_expert_gate.weight": "ws_scale"}
@@ -385,11 +385,11 @@ def _expected(config: ModelConfig) -> dict[str, tuple]:
     if c.moe:   # the router, the experts and the shared expert with its gate in place of the dense MLP
       mlp = {n: s for n, s in mlp.items() if n in HF_NORMS}
       mlp.update(dict(zip(HF_SHARED_EXPERT, ((f, d), (f, d), (d, f), (1, d)))))
-      mlp["mlp.gate.weight"] = (c.num_experts, d)
+      mlp[ROUTER_TENSOR] = (c.num_experts, d)
+      fe = c.expert_ffn_dim
       for e in range(c.num_experts):
-        fe = c.expert_ffn_dim
-        mlp.update({f"mlp.experts.{e}.gate_proj.weight": (fe, d), f"mlp.experts.{e}.up_proj.weight": (fe, d),
-                    f"mlp.experts.{e}.down_proj.weight": (d, fe)})
+        mlp.update({expert_tensor(e, "gate"): (fe, d), expert_tensor(e, "up"): (fe, d),
+                    expert_tensor(e, "down"): (d, fe)})
     out.update({pre + n: s for n, s in mlp.items()})
     if kind == FULL:
       q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -426,10 +426,9 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> dict:
     for hf, ours in mlp.items():
       shared[ours].append(t(hf) if ours.endswith("norm") else t(hf).T[:, 0] if ours == "ws_scale" else t(hf).T)
     if c.moe:   # [E, d] -> [d, E]; each expert's [F_e, d] (down: [d, F_e]) transposed and stacked over E
-      experts["w_router"].append(t("mlp.gate.weight").T)
+      experts["w_router"].append(t(ROUTER_TENSOR).T)
       for proj in ("gate", "up", "down"):
-        experts["w_" + proj].append(np.stack([t(f"mlp.experts.{e}.{proj}_proj.weight").T
-                                              for e in range(c.num_experts)]))
+        experts["w_" + proj].append(np.stack([t(expert_tensor(e, proj)).T for e in range(c.num_experts)]))
     if kind == FULL:
       q = t("self_attn.q_proj.weight").reshape(c.num_heads, 2, c.head_dim, c.d_model)   # per head: query, gate
       full["wq"].append(q[:, 0].transpose(2, 0, 1))
@@ -480,10 +479,10 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
       w = np.asarray(lay[ours][i])
       out[pre + hf] = f32(w if ours.endswith("norm") else w[None] if ours == "ws_scale" else w.T)
     if c.moe:
-      out[pre + "mlp.gate.weight"] = f32(np.asarray(lay["w_router"][i]).T)
+      out[pre + ROUTER_TENSOR] = f32(np.asarray(lay["w_router"][i]).T)
       for proj in ("gate", "up", "down"):
         for e in range(c.num_experts):
-          out[pre + f"mlp.experts.{e}.{proj}_proj.weight"] = f32(np.asarray(lay["w_" + proj][i][e]).T)
+          out[pre + expert_tensor(e, proj)] = f32(np.asarray(lay["w_" + proj][i][e]).T)
     if kind == FULL:
       p = {k: np.asarray(v[i_full]) for k, v in lay["full"].items()}
       q = np.stack([p["wq"].transpose(1, 2, 0), p["wq_gate"].transpose(1, 2, 0)], axis=1)   # [Hq, 2, D, d]
