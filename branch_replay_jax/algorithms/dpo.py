@@ -34,7 +34,7 @@ import os
 import numpy as np
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import checks, loop, placement, producer, runs, schema
+from branch_replay_jax.algorithms import base, checks, loop, placement, producer, runs, schema
 from branch_replay_jax.algorithms.checks import GRADIENTS, SCHEDULES
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.gradients import preference as pref
@@ -241,7 +241,7 @@ class DPOFunctions:
     return params, opt_state, stats
 
 
-class DPO(loop.Algorithm):
+class DPO(base.Algorithm):
   """DPO / IPO on preference pairs sampled and scored on the fly (data.source = "task") or read from
   a JSON-lines file ("jsonl"); the reference is the frozen initial policy."""
 

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
-
 import jax
 from tqdm import tqdm
 
+from branch_replay_jax.algorithms.base import Algorithm
 from branch_replay_jax.algorithms.runs import Run, make_episode_environment, make_task_from
 from branch_replay_jax.distributed import hosts
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout import evaluate as held_out
 from branch_replay_jax.rollout.collect import completion_budget
-
-if TYPE_CHECKING:
-  from branch_replay_jax.algorithms.loop import Algorithm
 
 # fold_in tag of the evaluation's keys ("eval" in ASCII): training keys fold in the step first, and
 # no run reaches step 1.7e9, so the two streams never share a key.
@@ -61,7 +57,7 @@ class Evaluation:
     """True at step 0, every eval.every steps and at train.steps (steps counted as in metrics.jsonl)."""
     return step == 0 or step % self.every == 0 or step == self.config.train.steps
 
-  def run(self, algorithm: Algorithm, run: "Run", params, step: int, wall_s: float, writer=None) -> dict:
+  def run(self, algorithm: Algorithm, run: Run, params, step: int, wall_s: float, writer=None) -> dict:
     """Evaluate `params` (after `step` updates); process 0 appends the row to eval.jsonl and
     `writer` (TensorBoard, eval/NAME). Returns the row (the same on every process)."""
     t0 = time.perf_counter()

@@ -48,7 +48,7 @@ from flax import nnx
 
 from branch_replay_jax import losses as obj
 from branch_replay_jax.correction import correct, has_sampler_logprobs
-from branch_replay_jax.algorithms import checks, loop, placement, runs, schema
+from branch_replay_jax.algorithms import base, checks, loop, placement, runs, schema
 from branch_replay_jax.algorithms.exactness import ExactnessCheck
 from branch_replay_jax.algorithms.placement import mesh_from
 from branch_replay_jax.algorithms.producer import max_staleness
@@ -299,7 +299,7 @@ def update_on_batch(config, fns: GRPOFunctions, params, ref_params, opt_state, g
   return params, opt_state, stats, kept
 
 
-class GRPO(loop.Algorithm):
+class GRPO(base.Algorithm):
   """GRPO / RLOO: groups or trees sampled by the current policy, reference log-probs of the initial one
   (with LoRA: of the base model, the adapters set to zero, `models.lora.adapters_off`)."""
 

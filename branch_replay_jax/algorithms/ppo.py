@@ -38,7 +38,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from branch_replay_jax import losses as obj
-from branch_replay_jax.algorithms import checks, loop, placement, producer, runs, schema
+from branch_replay_jax.algorithms import base, checks, loop, placement, producer, runs, schema
 from branch_replay_jax.algorithms.groups import Group
 from branch_replay_jax.core.accumulate import fit_micro_batch
 from branch_replay_jax.correction import correct, has_sampler_logprobs
@@ -286,7 +286,7 @@ def update_on_batch(config, fns: PPOFunctions, params, opt_state, groups: list[G
   return params, opt_state, stats
 
 
-class PPO(loop.Algorithm):
+class PPO(base.Algorithm):
   """PPO with a critic (value head or separate trunk) and GAE, on groups or trees."""
 
   name = "ppo"

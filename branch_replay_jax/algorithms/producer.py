@@ -98,7 +98,7 @@ class Producer:
         producer.publish(t + 1, params)
       producer.close()                              # also on an exception (try / finally)
 
-  collect(params, step, data_pos) -> (batch, next data_pos) is the algorithm's (`loop.Algorithm.collect`).
+  collect(params, step, data_pos) -> (batch, next data_pos) is the algorithm's (`base.Algorithm.collect`).
   inline: sample in the caller's thread (several processes; module docstring): `publish(v)` samples every
   step that versions before v sample, `take(t)` what is still missing; the same batches as a thread's.
   """

@@ -25,7 +25,6 @@ import os
 import re
 from typing import Mapping, Sequence
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -373,7 +372,7 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     return with_generation_config(hf_loader.load_tokenizer(path), hf_loader.generation_config(path))
   if not (os.path.isfile(path) and path.endswith(".gguf")):
     raise ValueError(f"{name!r} is neither a known model {KNOWN_MODELS}, a .gguf file, nor a checkpoint directory")
-  reader = gguf.GGUFReader(path)
+  reader = gguf_loader.open_gguf(path)   # parsed once per file and process, shared with `load`
   metadata = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("tokenizer.")}
   return with_generation_config(gguf_loader.build_tokenizer(gguf_loader.read_config(reader, path).arch, metadata,
                                                             path), gguf_loader.generation_config(metadata))
