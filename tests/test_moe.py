@@ -823,7 +823,10 @@ def _adapters(graphdef, params, targets):
   return lgraph, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), adapters), base
 
 
-@pytest.mark.parametrize("targets", ["attention", "experts"])
+# "attention" is heavy (9 s): a mixture of experts' attention adapters run the dense families' attention code
+# (tests/test_lora.py's float64 replay tests); CI runs "experts", the same routes, router gradient and
+# load-balancing loss with the adapters inside the experts' grouped matmul.
+@pytest.mark.parametrize("targets", [pytest.param("attention", marks=pytest.mark.heavy), "experts"])
 def test_lora_replays_as_naive_rows_with_routing_replay_float64(model64, x64, targets):
   # LoRA adapters (rank 3, random B so they change every projection) on a mixture of experts' attention, or on
   # its experts (one pair per expert, [L, E, ...], run in the experts' grouped matmul on the rows routed to each),

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective,
-                      read_reference, refused_before_loading, step)
+                      read_reference, refused_before_loading, step, tree_and_rows)
 from flax import nnx
 
-from branch_replay_jax import losses as obj
-from branch_replay_jax.data.batches import pack_trees, trajectory_group_arrays, tree_arrays
-from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
+from branch_replay_jax.data.batches import pack_trees
+from branch_replay_jax.data.trees import tree_from_trajectories
 from branch_replay_jax.export import export_model
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
@@ -220,14 +219,7 @@ def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small
   two = {(a, b): seg(20 + b, 1 + b) for a in range(2) for b in range(2)}
   trajectories = [one[a] + two[a, b] + seg(30 + c, 2 + 3 * c) for a in range(2) for b in range(2) for c in range(2)]
   tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
-  adv = rng.normal(size=len(trajectories))
-  old = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
-  ref = [(-4.5 + 0.3 * rng.normal(size=len(s))) for s in tree.segments]
-  w = obj.trajectory_weights(tree.completion_lengths(), mode="sequence_mean", max_length=16)
-  per_node = {"weights": list(tree.node_weights(w)), "old_logp": old, "ref_logp": ref}
-  tree_batch = tree_arrays(pad_tree(tree), per_node, advantage=adv)
-  rows = trajectory_group_arrays(tree, {"old_logp": old, "ref_logp": ref}, w, vocab_size=96, max_positions=128,
-                                 completion_bucket=16, advantage=adv)
+  tree_batch, rows, _ = tree_and_rows(tree, rng)   # the same draws, in the same order, as every family
   ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
   lt, _, gt = step(graphdef, params, tree_batch, objective, schedule="level", micro_batch=None)
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))

@@ -94,6 +94,9 @@ def test_next_token_logprobs_and_top5_match_reference(loaded, reference, name):
   np.testing.assert_allclose(np.take_along_axis(logits, ref_ids, axis=1), ref_logits, atol=LOGPROB_TOL, rtol=0)
 
 
+@pytest.mark.heavy   # 20 uncached forwards of the real model (27 s); CI runs the same 20 ids through the sampler
+# (tests/test_sampling.py::test_smollm2_greedy_matches_transformers_reference) and this forward's logits against
+# the reference (test_next_token_logprobs_and_top5_match_reference)
 def test_greedy_decode_reproduces_reference(loaded, reference):
   # 20 argmax steps of full forwards (no cache, no stop at EOS). The reference's smallest top-1/top-2 logit
   # gap over these steps is 0.097, a thousand times our logit error, so the tokens must match exactly.

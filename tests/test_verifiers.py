@@ -183,9 +183,9 @@ class GuessingTurns(ScriptedSampler):
 
 def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   # rollout.episodes.environment = "verifiers:vf_guess": each problem of the task picks one of the
-  # taskset's tasks. Per problem the 4 episodes pay the taskset's rewards 1 (the number at once) and
-  # 0, 0, 0 (no number or wrong guesses until max_turns = 2; none of the tasks hides 1), so
-  # reward_mean is 0.25; the step trains (finite loss).
+  # taskset's tasks. Per problem the 2 episodes (group_size 2: each episode runs verifiers' harness in a
+  # subprocess, ~5 s) pay the taskset's rewards 1 (the number at once) and 0 (no number until
+  # max_turns = 2), so reward_mean is 0.5; the step trains (finite loss).
   from conftest import experiment_config
 
   from branch_replay_jax.algorithms import grpo, loop
@@ -194,7 +194,8 @@ def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{
       "rollout.episodes.environment": "verifiers:vf_guess", "rollout.episodes.env_options": {"num_tasks": 4},
       "rollout.episodes.few_shot": 0, "train.steps": 1, "rollout.episodes.max_turns": 2,
-      "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024, "eval.size": 0})
+      "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024, "eval.size": 0,
+      "rollout.group_size": 2})
   algorithm = grpo.GRPO(config)
   GuessingTurns.tokenizer, GuessingTurns.env = tokenizer, algorithm.env
   monkeypatch.setattr(collect, "EpisodeSampler", GuessingTurns)
@@ -204,9 +205,9 @@ def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
     algorithm.env.close()
   record = history[-1]
   assert record["step"] == 1 and np.isfinite(record["loss"])
-  assert record["reward_mean"] == pytest.approx(1 / 4)
+  assert record["reward_mean"] == pytest.approx(1 / 2)
   assert record["episodes_done"] == config.rollout.prompts_per_step
-  assert record["episodes_max_turns"] == 3 * config.rollout.prompts_per_step
+  assert record["episodes_max_turns"] == config.rollout.prompts_per_step
 
 
 class _ScriptedWithLogprobs:
