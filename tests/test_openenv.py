@@ -235,3 +235,120 @@ def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   assert record["reward_mean"] == pytest.approx((1.0 - 0.2) / 4)
   assert record["episodes_done"] == config.rollout.prompts_per_step
   assert record["episodes_max_turns"] == 3 * config.rollout.prompts_per_step
+
+
+# ---- an environment served by OpenEnv's own server (ServedOpenEnv) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def served():
+  """tests/oe_guess.py's GuessNumberEnvironment behind OpenEnv's own server (`create_app`, as its Docker images
+  run it) under uvicorn on a free local port, for this module: its URL."""
+  import socket
+  import threading
+  import time
+
+  import uvicorn
+  from openenv.core.env_server.http_server import create_app
+  from oe_guess import GuessObservation
+  sock = socket.socket()
+  sock.bind(("127.0.0.1", 0))
+  server = uvicorn.Server(uvicorn.Config(create_app(GuessNumberEnvironment, GuessAction, GuessObservation),
+                                         log_level="critical"))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not server.started:
+    assert thread.is_alive() and time.monotonic() < deadline, "the OpenEnv server did not start"
+    time.sleep(0.05)
+  yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+  server.should_exit = True
+  thread.join(30)
+
+
+def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
+  # The same seeds and turns through OpenEnv's server (WebSocket, dicts) and in process (its classes): the same
+  # messages, rewards and ends. Seed 0 hides 7: "5" Higher. (0), "no idea" (-0.1), "It is 7" ends it with 1. A
+  # step after the end is the environment's RuntimeError, reported by the server and named with the URL; text
+  # longer than GuessAction's max_length=64 is refused by the server's Action: invalid_action, reward 0. Through
+  # run_episode, seed 1 (hides 3): "no idea", "5", "3" is done in 3 turns with reward 0.9, as in process.
+  from branch_replay_jax.rollout.openenv_env import ServedOpenEnv
+  env = ServedOpenEnv(served, action_field="message", system="Play well.")
+  local = openenv_env(GuessNumberEnvironment(), system="Play well.")
+  try:
+    assert env.reset(0) == local.reset(0) == [{"role": "system", "content": "Play well."},
+                                              {"role": "user", "content": PROMPT}]
+    for text in ("5", "no idea", "It is 7"):
+      assert env.step(text) == local.step(text)
+    assert env.observation == {"prompt": "Correct!", "guesses_left": 0}   # the server sends no metadata
+    with pytest.raises(RuntimeError, match=rf"ServedOpenEnv\('{served}'\): step failed: .*the game is over; reset it"):
+      env.step("7")
+    env.reset(3)
+    with pytest.raises(EpisodeEnd, match=r"invalid_action: .*the server's Action refused the text"):
+      env.step("7" * 65)
+    turns = ["no idea", "5", "3"]
+    got, want = [run_episode(e, 1, 0, tokenizer, scripted_turns(tokenizer, turns), max_turns=4, max_turn_tokens=16,
+                             max_context=1024) for e in (env, local)]
+    assert (got.status, got.turns, got.reward) == (want.status, want.turns, want.reward)
+    assert (got.status, got.turns) == ("done", 3) and got.reward == pytest.approx(0.9)
+  finally:
+    env.close()
+
+
+def test_a_served_environment_is_refused_by_name_before_the_model_loads(served, tmp_path):
+  # Without action_field (the client has no Action class to read it from), or at a URL where no server
+  # listens (a bound port that accepts nothing): ValueError naming the field, the value and the URL.
+  import socket
+
+  import ml_collections
+  from conftest import experiment_config
+
+  from branch_replay_jax.algorithms import grpo
+  from experiments import grpo_smollm2_calc
+  quiet = socket.socket()
+  quiet.bind(("127.0.0.1", 0))
+  nowhere = f"http://127.0.0.1:{quiet.getsockname()[1]}"
+  for target, options, match in [
+      (served, {}, r"action_field=None must name the Action field"),
+      (nowhere, {"action_field": "message", "connect_timeout_s": 5.0}, rf"no OpenEnv server answers at '{nowhere}'")]:
+    overrides = {"rollout.episodes.environment": f"openenv:{target}", "rollout.episodes.few_shot": 0,
+                 "rollout.episodes.env_options": ml_collections.ConfigDict(options)}
+    with pytest.raises(ValueError, match=rf"rollout.episodes.environment='openenv:{target}': .*{match}"):
+      grpo.GRPO(experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **overrides))
+  quiet.close()
+
+
+class _BlindTurns:
+  """Scripted episodes that cannot see the served game's number: branch 0 writes no number, the others
+  guess 11, above every number (1 to 10)."""
+
+  def text(self):
+    return "no idea" if self.g == 0 else "11"
+
+
+def test_a_served_environment_trains_in_the_loop_by_its_url(served, tmp_path, monkeypatch, tokenizer):
+  # rollout.episodes.environment = "openenv:URL": per problem the 4 episodes get -0.2 (no number in either of
+  # max_turns = 2 turns) and 0, 0, 0 ("Lower." twice), so reward_mean is -0.05, every episode ends at
+  # max_turns, and the step trains (finite loss).
+  import ml_collections
+  from conftest import experiment_config
+
+  from branch_replay_jax.algorithms import grpo, loop
+  from branch_replay_jax.rollout import collect
+  from branch_replay_jax.rollout.openenv_env import ServedOpenEnv
+  from experiments import grpo_smollm2_calc
+  config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{
+      "rollout.episodes.environment": f"openenv:{served}", "rollout.episodes.few_shot": 0, "train.steps": 1,
+      "rollout.episodes.env_options": ml_collections.ConfigDict({"action_field": "message"}),
+      "rollout.episodes.max_turns": 2, "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024,
+      "eval.size": 0})
+  algorithm = grpo.GRPO(config)
+  assert isinstance(algorithm.env, ServedOpenEnv)
+  turns = type("Turns", (_BlindTurns, ScriptedSampler), {"tokenizer": tokenizer})
+  monkeypatch.setattr(collect, "EpisodeSampler", turns)
+  try:
+    record = loop.train(config, algorithm)[-1]
+  finally:
+    algorithm.env.close()
+  assert record["step"] == 1 and np.isfinite(record["loss"])
+  assert record["reward_mean"] == pytest.approx(-0.2 / 4)
+  assert record["episodes_max_turns"] == 4 * config.rollout.prompts_per_step

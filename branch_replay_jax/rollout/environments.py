@@ -162,7 +162,7 @@ FIELD = "rollout.episodes.environment"
 # rollout.episodes.environment's forms besides a name of ENVIRONMENTS (`make_environment`): a library's
 # id after its prefix (the adapter's module in rollout/ and class), or an import path.
 ADAPTERS = {"textarena:": ("adapters", "TextArenaEnv"), "gem:": ("adapters", "GemEnv"),
-            "verifiers:": ("verifiers_env", "VerifiersEnv"), "openenv:": ("openenv_env", "OpenEnvEnv")}
+            "verifiers:": ("verifiers_env", "VerifiersEnv"), "openenv:": ("openenv_env", "openenv_environment")}
 PYTHON = "python:"
 
 
@@ -183,7 +183,8 @@ def environment_kind(spec) -> str:
       spec.startswith(PYTHON) or path.split(":")[0].endswith(".py")):
     return "import"
   raise ValueError(f"{FIELD}={spec!r} is not one of {sorted(ENVIRONMENTS)}, 'textarena:GAME-ID', 'gem:ENV-ID', "
-                   "'verifiers:TASKSET-ID', 'openenv:package.module:NAME', 'FILE.py:NAME' or "
+                   "'verifiers:TASKSET-ID', 'openenv:package.module:NAME', 'openenv:http://HOST:PORT', "
+                   "'FILE.py:NAME' or "
                    "'python:package.module:NAME' (a class or factory of the protocol in rollout/environments.py)")
 
 
@@ -201,6 +202,9 @@ def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence
                            `rollout.openenv_env.OpenEnvEnv("package.module:NAME", **options)`
                            (openenv-core 0.3.0 installed): NAME an OpenEnv Environment subclass or
                            factory, run in process; a problem is the seed of its reset;
+    "openenv:http://HOST:PORT" (or https, ws, wss)
+                           `rollout.openenv_env.ServedOpenEnv(URL, **options)`: an environment served
+                           by OpenEnv's server, options naming its action_field;
     "FILE.py:NAME", "python:package.module:NAME"
                            NAME(**options), NAME a class or factory (`rollout.tasks.rewards.resolve`'s
                            import rules), given `task=task` too when it takes a parameter named task.

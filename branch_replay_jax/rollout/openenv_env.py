@@ -21,6 +21,12 @@ In the training loop: `rollout.episodes.environment = "openenv:package.module:NA
 `"openenv:FILE.py:NAME"`), NAME an `Environment` subclass or a factory, built with
 `rollout.episodes.env_options` as keyword arguments (the adapter's own options below taken out).
 
+An environment that runs elsewhere, served by OpenEnv's own server (`openenv.core.env_server.create_app`
+in a Docker container, a Hugging Face Space or `uvicorn` on a host): `ServedOpenEnv(URL, action_field=...)`,
+in the loop `rollout.episodes.environment = "openenv:http://HOST:PORT"` (or https://, ws://, wss://) with
+`rollout.episodes.env_options = {"action_field": ...}`. It talks through OpenEnv's `GenericEnvClient`
+(WebSocket), which sends and receives plain dicts, so the mapping below holds with dicts for the classes.
+
 What maps to what:
 
     reset(problem) -> env.reset(seed=game_seed(problem)) (with no seed when the environment's reset
@@ -65,6 +71,7 @@ from branch_replay_jax.rollout.adapters import OwnRandom, game_seed, import_opti
 from branch_replay_jax.rollout.environments import EpisodeEnd
 from branch_replay_jax.rollout.tasks.rewards import resolve
 
+URL_SCHEMES = ("http://", "https://", "ws://", "wss://")   # `openenv_environment`: a served environment's target
 VERSION = "0.3.0"
 INSTALL = (f"pip install --no-deps openenv-core=={VERSION} && pip install 'fastapi>=0.104' 'fastmcp>=3' "
            "(make install does)")
@@ -241,3 +248,115 @@ class OpenEnvEnv(OwnRandom):
   def close(self) -> None:
     """The environment's close() (its resources; the adapter holds none of its own)."""
     self.env.close()
+
+
+def openenv_environment(target, **options):
+  """rollout.episodes.environment = "openenv:TARGET" (rollout.environments.make_environment): a served
+  environment's URL (`URL_SCHEMES`) -> `ServedOpenEnv(TARGET, **options)`, anything else -> `OpenEnvEnv`."""
+  if isinstance(target, str) and target.startswith(URL_SCHEMES):
+    return ServedOpenEnv(target, **options)
+  return OpenEnvEnv(target, **options)
+
+
+class ServedOpenEnv:
+  """An OpenEnv environment served by OpenEnv's server, as an `Environment`, through OpenEnv's own
+  `GenericEnvClient` on one WebSocket session: the server keeps one environment per session, so the
+  episodes play one after another, each starting with a reset. The mapping is `OpenEnvEnv`'s (module
+  docstring) with the server's dicts for the classes:
+
+    reset(problem) -> reset(seed=game_seed(problem)) (the server passes `seed` on when the environment's
+                      reset takes it); [system?, user: observation[observation_field]]
+    step(message)  -> step({action_field: message}): not done: ([user: its text], its reward, False);
+                      done: (None, its reward, True); a reward of None counts 0
+    an action the server's Action class refuses (OpenEnv's error code VALIDATION_ERROR)
+                   -> `EpisodeEnd("invalid_action")`, reward 0
+    any other error the server reports (the environment raised: EXECUTION_ERROR; a lost connection)
+                   -> RuntimeError naming the URL and the server's message; run_episode stops the step
+
+  Randomness is the server's: a game is as reproducible as the environment makes its seed.
+
+  Args:
+    url: the server's base URL, http(s):// or ws(s):// (OpenEnv's client connects to its /ws endpoint).
+    action_field: the Action field that receives the model's text (the client has no Action class to
+      infer it from).
+    observation_field: the observation's field shown to the model; None: its one str value.
+    system: a system message before the first observation, or None.
+    connect_timeout_s, message_timeout_s: OpenEnv's client's timeouts, seconds.
+
+  Attributes:
+    env_id: the URL. observation: the last observation (the server's dict), or None.
+
+  Raises:
+    ImportError: openenv-core is not installed (naming the package and the install commands).
+    ValueError: a URL of another scheme, action_field not a non-empty str, a server that does not accept
+      the connection within connect_timeout_s (naming the URL): at construction, before any model loads.
+      (On reset) a problem that is not a seed, an observation with no text to show (or several str
+      fields and no observation_field), an observation already done.
+  """
+
+  def __init__(self, url: str, *, action_field: str | None = None, observation_field: str | None = None,
+               system: str | None = None, connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0):
+    import_optional("openenv.core", INSTALL)
+    from openenv.core.generic_client import GenericEnvClient
+    if not (isinstance(url, str) and url.startswith(URL_SCHEMES)):
+      raise ValueError(f"ServedOpenEnv: url={url!r} must start with one of {URL_SCHEMES}")
+    if not (isinstance(action_field, str) and action_field):
+      raise ValueError(f"ServedOpenEnv({url!r}): action_field={action_field!r} must name the Action field that "
+                       "receives the model's text (rollout.episodes.env_options = {'action_field': ...})")
+    self.env_id, self.system, self.observation = url, system, None
+    self._action_field, self._observation_field = action_field, observation_field
+    self.client = GenericEnvClient(base_url=url, connect_timeout_s=connect_timeout_s,
+                                   message_timeout_s=message_timeout_s).sync()
+    try:
+      self.client.connect()
+    except ConnectionError as e:
+      self.client.close()
+      raise ValueError(f"ServedOpenEnv: no OpenEnv server answers at {url!r}: {e}") from None
+
+  def _call(self, what: str, *args, **kwargs):
+    try:
+      result = getattr(self.client, what)(*args, **kwargs)
+    except RuntimeError as e:
+      # OpenEnv 0.3.0's client raises RuntimeError("Server error: MESSAGE (code: CODE)") for an error response
+      if what == "step" and "(code: VALIDATION_ERROR)" in str(e):
+        raise EpisodeEnd("invalid_action", f"{self.env_id}: the server's Action refused the text ({e})") from None
+      raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): {what} failed: {e}") from e
+    except (ConnectionError, OSError, TimeoutError) as e:
+      raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): {what} failed: {type(e).__name__}: {e}") from e
+    self.observation = result.observation
+    return result
+
+  def _text(self, observation: dict) -> str:
+    field = self._observation_field
+    if field is None:
+      candidates = [k for k, v in observation.items() if isinstance(v, str) and k not in BASE_FIELDS]
+      if len(candidates) != 1:
+        raise ValueError(f"ServedOpenEnv({self.env_id!r}): the observation has the str fields {candidates}; name "
+                         "the text for the model with observation_field=")
+      field = candidates[0]
+    text = observation.get(field)
+    if not isinstance(text, str):
+      raise ValueError(f"ServedOpenEnv({self.env_id!r}): observation_field={field!r} is {str(text)[:80]!r} in the "
+                       f"observation (fields {sorted(observation)}), not text")
+    return text
+
+  def reset(self, problem: Any) -> list[dict[str, str]]:
+    """A new episode on the server with seed `game_seed(problem)`; see the class docstring."""
+    result = self._call("reset", seed=game_seed(problem, "ServedOpenEnv"))
+    text = self._text(result.observation)
+    if result.done:
+      raise ValueError(f"ServedOpenEnv({self.env_id!r}): reset returned an observation that is already done")
+    system = [{"role": "system", "content": self.system}] if self.system is not None else []
+    return system + [{"role": "user", "content": text}]
+
+  def step(self, assistant_message: str):
+    """Play the model's message as the action; see the class docstring for what comes back."""
+    result = self._call("step", {self._action_field: assistant_message})
+    reward = 0.0 if result.reward is None else float(result.reward)
+    if result.done:
+      return None, reward, True
+    return [{"role": "user", "content": self._text(result.observation)}], reward, False
+
+  def close(self) -> None:
+    """Close the session (the server drops its environment)."""
+    self.client.close()
