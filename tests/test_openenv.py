@@ -272,9 +272,11 @@ def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
   # longer than GuessAction's max_length=64 is refused by the server's Action: invalid_action, reward 0. Through
   # run_episode, seed 1 (hides 3): "no idea", "5", "3" is done in 3 turns with reward 0.9, as in process.
   from branch_replay_jax.rollout.openenv_env import ServedOpenEnv
-  env = ServedOpenEnv(served, action_field="message", system="Play well.")
+  env = ServedOpenEnv(served, system="Play well.")
   local = openenv_env(GuessNumberEnvironment(), system="Play well.")
   try:
+    # the fields the in-process adapter infers from the classes, read off the server's /schema
+    assert (env.action_field, env.observation_field) == ("message", "prompt")
     assert env.reset(0) == local.reset(0) == [{"role": "system", "content": "Play well."},
                                               {"role": "user", "content": PROMPT}]
     for text in ("5", "no idea", "It is 7"):
@@ -295,8 +297,9 @@ def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
 
 
 def test_a_served_environment_is_refused_by_name_before_the_model_loads(served, tmp_path):
-  # Without action_field (the client has no Action class to read it from), or at a URL where no server
-  # listens (a bound port that accepts nothing): ValueError naming the field, the value and the URL.
+  # An action_field or observation_field that is not a str field of the server's schemas (a misnamed field
+  # would otherwise make the server refuse every action, and every episode end invalid_action), or a URL where
+  # no server listens (a bound port that accepts nothing): ValueError naming the field, the value and the URL.
   import socket
 
   import ml_collections
@@ -308,8 +311,10 @@ def test_a_served_environment_is_refused_by_name_before_the_model_loads(served, 
   quiet.bind(("127.0.0.1", 0))
   nowhere = f"http://127.0.0.1:{quiet.getsockname()[1]}"
   for target, options, match in [
-      (served, {}, r"action_field=None must name the Action field"),
-      (nowhere, {"action_field": "message", "connect_timeout_s": 5.0}, rf"no OpenEnv server answers at '{nowhere}'")]:
+      (served, {"action_field": "msg"}, r"action_field='msg' is not a str field of the server's Action \(GuessAction; "
+                                        r"its fields: \['message', 'metadata'\]\)"),
+      (served, {"observation_field": "guesses_left"}, r"observation_field='guesses_left' is not a str field"),
+      (nowhere, {"connect_timeout_s": 5.0}, rf"no OpenEnv server answers at '{nowhere}' \(GET {nowhere}/schema")]:
     overrides = {"rollout.episodes.environment": f"openenv:{target}", "rollout.episodes.few_shot": 0,
                  "rollout.episodes.env_options": ml_collections.ConfigDict(options)}
     with pytest.raises(ValueError, match=rf"rollout.episodes.environment='openenv:{target}': .*{match}"):
@@ -329,7 +334,6 @@ def test_a_served_environment_trains_in_the_loop_by_its_url(served, tmp_path, mo
   # rollout.episodes.environment = "openenv:URL": per problem the 4 episodes get -0.2 (no number in either of
   # max_turns = 2 turns) and 0, 0, 0 ("Lower." twice), so reward_mean is -0.05, every episode ends at
   # max_turns, and the step trains (finite loss).
-  import ml_collections
   from conftest import experiment_config
 
   from branch_replay_jax.algorithms import grpo, loop
@@ -338,7 +342,6 @@ def test_a_served_environment_trains_in_the_loop_by_its_url(served, tmp_path, mo
   from experiments import grpo_smollm2_calc
   config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{
       "rollout.episodes.environment": f"openenv:{served}", "rollout.episodes.few_shot": 0, "train.steps": 1,
-      "rollout.episodes.env_options": ml_collections.ConfigDict({"action_field": "message"}),
       "rollout.episodes.max_turns": 2, "rollout.episodes.max_turn_tokens": 8, "rollout.episodes.max_context": 1024,
       "eval.size": 0})
   algorithm = grpo.GRPO(config)

@@ -22,10 +22,10 @@ In the training loop: `rollout.episodes.environment = "openenv:package.module:NA
 `rollout.episodes.env_options` as keyword arguments (the adapter's own options below taken out).
 
 An environment that runs elsewhere, served by OpenEnv's own server (`openenv.core.env_server.create_app`
-in a Docker container, a Hugging Face Space or `uvicorn` on a host): `ServedOpenEnv(URL, action_field=...)`,
-in the loop `rollout.episodes.environment = "openenv:http://HOST:PORT"` (or https://, ws://, wss://) with
-`rollout.episodes.env_options = {"action_field": ...}`. It talks through OpenEnv's `GenericEnvClient`
-(WebSocket), which sends and receives plain dicts, so the mapping below holds with dicts for the classes.
+in a Docker container, a Hugging Face Space or `uvicorn` on a host): `ServedOpenEnv(URL)`, in
+the loop `rollout.episodes.environment = "openenv:http://HOST:PORT"` (or https://, ws://, wss://). It talks
+through OpenEnv's `GenericEnvClient` (WebSocket), which sends and receives plain dicts, so the mapping
+below holds with dicts for the classes, and the fields are chosen from the server's published schemas.
 
 What maps to what:
 
@@ -259,16 +259,18 @@ def openenv_environment(target, **options):
 
 
 class ServedOpenEnv:
-  """An OpenEnv environment served by OpenEnv's server, as an `Environment`, through OpenEnv's own
+  """An OpenEnv environment served by OpenEnv's own server, as an `Environment`, through OpenEnv's own
   `GenericEnvClient` on one WebSocket session: the server keeps one environment per session, so the
   episodes play one after another, each starting with a reset. The mapping is `OpenEnvEnv`'s (module
-  docstring) with the server's dicts for the classes:
+  docstring), read on the server's dicts, and the fields are chosen as `OpenEnvEnv` chooses them, from the
+  JSON schemas the server publishes (GET URL/schema) instead of the classes:
 
     reset(problem) -> reset(seed=game_seed(problem)) (the server passes `seed` on when the environment's
                       reset takes it); [system?, user: observation[observation_field]]
     step(message)  -> step({action_field: message}): not done: ([user: its text], its reward, False);
                       done: (None, its reward, True); a reward of None counts 0
-    an action the server's Action class refuses (OpenEnv's error code VALIDATION_ERROR)
+    an action the server's Action class refuses (OpenEnv's error code VALIDATION_ERROR: with the field
+    checked against the schema at construction, only the text can fail it)
                    -> `EpisodeEnd("invalid_action")`, reward 0
     any other error the server reports (the environment raised: EXECUTION_ERROR; a lost connection)
                    -> RuntimeError naming the URL and the server's message; run_episode stops the step
@@ -277,21 +279,24 @@ class ServedOpenEnv:
 
   Args:
     url: the server's base URL, http(s):// or ws(s):// (OpenEnv's client connects to its /ws endpoint).
-    action_field: the Action field that receives the model's text (the client has no Action class to
-      infer it from).
-    observation_field: the observation's field shown to the model; None: its one str value.
+    action_field: the Action's str field that receives the model's text; None: its one str field
+      (`metadata` aside).
+    observation_field: the observation's str field shown to the model; None: its one str field
+      (`done`, `reward`, `metadata` aside).
     system: a system message before the first observation, or None.
-    connect_timeout_s, message_timeout_s: OpenEnv's client's timeouts, seconds.
+    connect_timeout_s, message_timeout_s: the schema request's and OpenEnv's client's timeouts, seconds.
 
   Attributes:
-    env_id: the URL. observation: the last observation (the server's dict), or None.
+    env_id: the URL. action_field, observation_field: the fields chosen. observation: the last
+    observation (the server's dict, without `metadata`, which OpenEnv's server does not send), or None.
 
   Raises:
     ImportError: openenv-core is not installed (naming the package and the install commands).
-    ValueError: a URL of another scheme, action_field not a non-empty str, a server that does not accept
-      the connection within connect_timeout_s (naming the URL): at construction, before any model loads.
-      (On reset) a problem that is not a seed, an observation with no text to show (or several str
-      fields and no observation_field), an observation already done.
+    ValueError: at construction, before any model loads, naming the URL: a URL of another scheme; no
+      OpenEnv server answering there (its /schema within connect_timeout_s, then the WebSocket); an
+      action_field or observation_field that is not a str field of the server's Action or Observation
+      (or several candidates and none named); an Action with other required fields. (On reset) a problem
+      that is not a seed, an observation already done.
   """
 
   def __init__(self, url: str, *, action_field: str | None = None, observation_field: str | None = None,
@@ -300,11 +305,16 @@ class ServedOpenEnv:
     from openenv.core.generic_client import GenericEnvClient
     if not (isinstance(url, str) and url.startswith(URL_SCHEMES)):
       raise ValueError(f"ServedOpenEnv: url={url!r} must start with one of {URL_SCHEMES}")
-    if not (isinstance(action_field, str) and action_field):
-      raise ValueError(f"ServedOpenEnv({url!r}): action_field={action_field!r} must name the Action field that "
-                       "receives the model's text (rollout.episodes.env_options = {'action_field': ...})")
     self.env_id, self.system, self.observation = url, system, None
-    self._action_field, self._observation_field = action_field, observation_field
+    schemas = self._schemas(connect_timeout_s)
+    action, observation = schemas.get("action", {}), schemas.get("observation", {})
+    self.action_field = self._field(action, action_field, ("metadata",), "action_field", "Action")
+    others = sorted(set(action.get("required", ())) - {self.action_field})
+    if others:
+      raise ValueError(f"ServedOpenEnv({url!r}): the server's Action ({action.get('title')}) also needs {others}, "
+                       "which the model's text does not fill")
+    self.observation_field = self._field(observation, observation_field, BASE_FIELDS, "observation_field",
+                                         "Observation")
     self.client = GenericEnvClient(base_url=url, connect_timeout_s=connect_timeout_s,
                                    message_timeout_s=message_timeout_s).sync()
     try:
@@ -312,6 +322,36 @@ class ServedOpenEnv:
     except ConnectionError as e:
       self.client.close()
       raise ValueError(f"ServedOpenEnv: no OpenEnv server answers at {url!r}: {e}") from None
+
+  def _schemas(self, timeout: float) -> dict:
+    """The server's GET /schema: {"action": JSON schema, "observation": ..., "state": ...}."""
+    import json
+    import urllib.request
+    base = self.env_id.rstrip("/")
+    for ws, http in (("ws://", "http://"), ("wss://", "https://")):
+      if base.startswith(ws):
+        base = http + base[len(ws):]
+    try:
+      with urllib.request.urlopen(base + "/schema", timeout=timeout) as response:
+        return json.load(response)
+    except (OSError, ValueError) as e:   # URLError, HTTPError, timeouts, a reply that is not JSON
+      raise ValueError(f"ServedOpenEnv: no OpenEnv server answers at {self.env_id!r} (GET {base}/schema: "
+                       f"{type(e).__name__}: {e})") from None
+
+  def _field(self, schema: dict, name: str | None, skip, option: str, what: str) -> str:
+    """`name`, checked to be a str property of the JSON `schema`, or its one str property outside `skip`."""
+    properties = schema.get("properties", {})
+    strings = [n for n, p in properties.items() if p.get("type") == "string"]
+    if name is None:
+      candidates = [n for n in strings if n not in skip]
+      if len(candidates) != 1:
+        raise ValueError(f"ServedOpenEnv({self.env_id!r}): the server's {what} ({schema.get('title')}) has the str "
+                         f"fields {candidates}; name one with {option}=")
+      return candidates[0]
+    if name not in strings:
+      raise ValueError(f"ServedOpenEnv({self.env_id!r}): {option}={name!r} is not a str field of the server's {what} "
+                       f"({schema.get('title')}; its fields: {sorted(properties)})")
+    return name
 
   def _call(self, what: str, *args, **kwargs):
     try:
@@ -327,17 +367,10 @@ class ServedOpenEnv:
     return result
 
   def _text(self, observation: dict) -> str:
-    field = self._observation_field
-    if field is None:
-      candidates = [k for k, v in observation.items() if isinstance(v, str) and k not in BASE_FIELDS]
-      if len(candidates) != 1:
-        raise ValueError(f"ServedOpenEnv({self.env_id!r}): the observation has the str fields {candidates}; name "
-                         "the text for the model with observation_field=")
-      field = candidates[0]
-    text = observation.get(field)
+    text = observation.get(self.observation_field)
     if not isinstance(text, str):
-      raise ValueError(f"ServedOpenEnv({self.env_id!r}): observation_field={field!r} is {str(text)[:80]!r} in the "
-                       f"observation (fields {sorted(observation)}), not text")
+      raise ValueError(f"ServedOpenEnv({self.env_id!r}): observation_field={self.observation_field!r} is "
+                       f"{str(text)[:80]!r} in the observation (fields {sorted(observation)}), not text")
     return text
 
   def reset(self, problem: Any) -> list[dict[str, str]]:
@@ -351,7 +384,7 @@ class ServedOpenEnv:
 
   def step(self, assistant_message: str):
     """Play the model's message as the action; see the class docstring for what comes back."""
-    result = self._call("step", {self._action_field: assistant_message})
+    result = self._call("step", {self.action_field: assistant_message})
     reward = 0.0 if result.reward is None else float(result.reward)
     if result.done:
       return None, reward, True
