@@ -292,6 +292,15 @@ def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
                              max_context=1024) for e in (env, local)]
     assert (got.status, got.turns, got.reward) == (want.status, want.turns, want.reward)
     assert (got.status, got.turns) == ("done", 3) and got.reward == pytest.approx(0.9)
+    # run_episode ended the episode's session: a second object (the held-out evaluation's beside the training
+    # run's) plays on a server that allows one session (create_app's default), also after an episode cut short.
+    assert env.client is None
+    cut = run_episode(env, 2, 0, tokenizer, scripted_turns(tokenizer, ["11"]), max_turns=1, max_turn_tokens=16,
+                      max_context=1024)
+    other = ServedOpenEnv(served)
+    again = run_episode(other, 1, 0, tokenizer, scripted_turns(tokenizer, turns), max_turns=4, max_turn_tokens=16,
+                        max_context=1024)
+    assert cut.status == "max_turns" and (again.status, again.reward) == (got.status, got.reward)
   finally:
     env.close()
 

@@ -8,7 +8,9 @@ The protocol (ours; duck-typed):
 Optional: `env.turn_tokens(prompt_ids, completion_ids, completion_logprobs)`, called by `run_episode`
 before each step with the turn's context ids, its sampled ids (stop id included) and their log-probs
 (the sampler's `logprobs`, `EpisodeSampler.logprobs`; [] for a sampler that records none), for an
-environment that keeps the tokens (`VerifiersEnv` hands them to verifiers' trace).
+environment that keeps the tokens (`VerifiersEnv` hands them to verifiers' trace). Optional:
+`env.end_episode()`, called once the episode is over for any reason (done, `EpisodeEnd`, a budget, an
+error), for an environment that holds something per episode (`ServedOpenEnv` its server session).
 
 An environment ends an episode early, marked, by raising `EpisodeEnd(status, detail)` from step
 (a tool call that does not parse, a tool that errors); `run_episode` records the status and the
@@ -349,6 +351,19 @@ def run_episode(env: Environment, problem, index: int, tokenizer, sample_turn: C
   for name, value in budgets:
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"run_episode: {name}={value!r} must be an int >= 1")
+  end_episode = getattr(env, "end_episode", None)
+  try:
+    return _play(env, problem, index, tokenizer, sample_turn, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
+                 max_context=max_context, max_episode_tokens=max_episode_tokens, chat_template=chat_template,
+                 history=history)
+  finally:
+    if callable(end_episode):
+      end_episode()
+
+
+def _play(env, problem, index, tokenizer, sample_turn, *, max_turns, max_turn_tokens, max_context, max_episode_tokens,
+          chat_template, history) -> EpisodeResult:
+  """`run_episode`'s episode, its budgets checked."""
   try:
     messages = env.reset(problem)
   except Exception as e:

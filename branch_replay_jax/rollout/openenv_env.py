@@ -260,8 +260,10 @@ def openenv_environment(target, **options):
 
 class ServedOpenEnv:
   """An OpenEnv environment served by OpenEnv's own server, as an `Environment`, through OpenEnv's own
-  `GenericEnvClient` on one WebSocket session: the server keeps one environment per session, so the
-  episodes play one after another, each starting with a reset. The mapping is `OpenEnvEnv`'s (module
+  `GenericEnvClient`, one WebSocket session per episode: opened by reset, closed by `end_episode` (which
+  `run_episode` calls however the episode ended), so an object holds at most one of the server's sessions
+  (OpenEnv's server allows one unless the environment supports more) and only while an episode plays: the
+  training run's and the held-out evaluation's environments (two objects) take turns. The mapping is `OpenEnvEnv`'s (module
   docstring), read on the server's dicts, and the fields are chosen as `OpenEnvEnv` chooses them, from the
   JSON schemas the server publishes (GET URL/schema) instead of the classes:
 
@@ -315,12 +317,12 @@ class ServedOpenEnv:
                        "which the model's text does not fill")
     self.observation_field = self._field(observation, observation_field, BASE_FIELDS, "observation_field",
                                          "Observation")
-    self.client = GenericEnvClient(base_url=url, connect_timeout_s=connect_timeout_s,
-                                   message_timeout_s=message_timeout_s).sync()
-    try:
-      self.client.connect()
+    self._client = lambda: GenericEnvClient(base_url=url, connect_timeout_s=connect_timeout_s,
+                                            message_timeout_s=message_timeout_s).sync()
+    self.client = None   # the session of the episode in play (reset to end_episode)
+    try:   # the WebSocket endpoint answers too: a session opened and closed
+      self._client().connect().close()
     except ConnectionError as e:
-      self.client.close()
       raise ValueError(f"ServedOpenEnv: no OpenEnv server answers at {url!r}: {e}") from None
 
   def _schemas(self, timeout: float) -> dict:
@@ -355,7 +357,7 @@ class ServedOpenEnv:
 
   def _call(self, what: str, *args, **kwargs):
     try:
-      result = getattr(self.client, what)(*args, **kwargs)
+      result = getattr(self.client, what)(*args, **kwargs)   # connects on its first message
     except RuntimeError as e:
       # OpenEnv 0.3.0's client raises RuntimeError("Server error: MESSAGE (code: CODE)") for an error response
       if what == "step" and "(code: VALIDATION_ERROR)" in str(e):
@@ -374,8 +376,11 @@ class ServedOpenEnv:
     return text
 
   def reset(self, problem: Any) -> list[dict[str, str]]:
-    """A new episode on the server with seed `game_seed(problem)`; see the class docstring."""
-    result = self._call("reset", seed=game_seed(problem, "ServedOpenEnv"))
+    """A new episode on the server, in a new session, with seed `game_seed(problem)`; see the class docstring."""
+    seed = game_seed(problem, "ServedOpenEnv")
+    self.end_episode()
+    self.client = self._client()
+    result = self._call("reset", seed=seed)
     text = self._text(result.observation)
     if result.done:
       raise ValueError(f"ServedOpenEnv({self.env_id!r}): reset returned an observation that is already done")
@@ -384,12 +389,23 @@ class ServedOpenEnv:
 
   def step(self, assistant_message: str):
     """Play the model's message as the action; see the class docstring for what comes back."""
+    if self.client is None:
+      raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): step before reset (or after end_episode)")
     result = self._call("step", {self.action_field: assistant_message})
     reward = 0.0 if result.reward is None else float(result.reward)
     if result.done:
       return None, reward, True
     return [{"role": "user", "content": self._text(result.observation)}], reward, False
 
+  def end_episode(self) -> None:
+    """Close the episode's session, if one is open (the server drops its environment); idempotent."""
+    client, self.client = self.client, None
+    if client is not None:
+      try:
+        client.close()
+      except (ConnectionError, OSError, RuntimeError):   # a session the server or the network already ended
+        pass
+
   def close(self) -> None:
-    """Close the session (the server drops its environment)."""
-    self.client.close()
+    """`end_episode`: the object holds nothing else."""
+    self.end_episode()
