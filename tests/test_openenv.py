@@ -3,6 +3,7 @@ number-guessing game (a real subclass of openenv-core 0.3.0's Environment, run i
 played by scripted turns and by a model through the episode sampler; resolution by name and its
 refusals."""
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -239,10 +240,10 @@ def test_openenv_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
 
 # ---- an environment served by OpenEnv's own server (ServedOpenEnv) -----------------------------------------
 
-@pytest.fixture(scope="module")
-def served():
-  """tests/oe_guess.py's GuessNumberEnvironment behind OpenEnv's own server (`create_app`, as its Docker images
-  run it) under uvicorn on a free local port, for this module: its URL."""
+@contextlib.contextmanager
+def serving(environment, action=None, observation=None):
+  """`environment` (tests/oe_guess.py's game by default) behind OpenEnv's own server (`create_app`, as its Docker
+  images run it) under uvicorn on a free local port: yields (its URL, the uvicorn server)."""
   import socket
   import threading
   import time
@@ -252,17 +253,26 @@ def served():
   from oe_guess import GuessObservation
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
-  server = uvicorn.Server(uvicorn.Config(create_app(GuessNumberEnvironment, GuessAction, GuessObservation),
-                                         log_level="critical"))
+  server = uvicorn.Server(uvicorn.Config(create_app(environment, action or GuessAction,
+                                                    observation or GuessObservation), log_level="critical"))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()
   deadline = time.monotonic() + 60
   while not server.started:
     assert thread.is_alive() and time.monotonic() < deadline, "the OpenEnv server did not start"
     time.sleep(0.05)
-  yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-  server.should_exit = True
-  thread.join(30)
+  try:
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+  finally:
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served():
+  """tests/oe_guess.py's GuessNumberEnvironment served on a local port for this module: its URL."""
+  with serving(GuessNumberEnvironment) as (url, _):
+    yield url
 
 
 def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
@@ -271,7 +281,7 @@ def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
   # step after the end is the environment's RuntimeError, reported by the server and named with the URL; text
   # longer than GuessAction's max_length=64 is refused by the server's Action: invalid_action, reward 0. Through
   # run_episode, seed 1 (hides 3): "no idea", "5", "3" is done in 3 turns with reward 0.9, as in process.
-  from branch_replay_jax.rollout.openenv_env import ServedOpenEnv
+  from branch_replay_jax.rollout.openenv_served import ServedOpenEnv
   env = ServedOpenEnv(served, system="Play well.")
   local = openenv_env(GuessNumberEnvironment(), system="Play well.")
   try:
@@ -285,7 +295,8 @@ def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
     with pytest.raises(RuntimeError, match=rf"ServedOpenEnv\('{served}'\): step failed: .*the game is over; reset it"):
       env.step("7")
     env.reset(3)
-    with pytest.raises(EpisodeEnd, match=r"invalid_action: .*the server's Action refused the text"):
+    with pytest.raises(EpisodeEnd, match=r"invalid_action: .*the server's Action refused the text \(Invalid message "
+                                         r"\(code: VALIDATION_ERROR; message: String should have at most 64"):
       env.step("7" * 65)
     turns = ["no idea", "5", "3"]
     got, want = [run_episode(e, 1, 0, tokenizer, scripted_turns(tokenizer, turns), max_turns=4, max_turn_tokens=16,
@@ -347,7 +358,7 @@ def test_a_served_environment_trains_in_the_loop_by_its_url(served, tmp_path, mo
 
   from branch_replay_jax.algorithms import grpo, loop
   from branch_replay_jax.rollout import collect
-  from branch_replay_jax.rollout.openenv_env import ServedOpenEnv
+  from branch_replay_jax.rollout.openenv_served import ServedOpenEnv
   from experiments import grpo_smollm2_calc
   config = experiment_config(grpo_smollm2_calc, "smoke", tmp_path, **{
       "rollout.episodes.environment": f"openenv:{served}", "rollout.episodes.few_shot": 0, "train.steps": 1,
@@ -364,3 +375,36 @@ def test_a_served_environment_trains_in_the_loop_by_its_url(served, tmp_path, mo
   assert record["step"] == 1 and np.isfinite(record["loss"])
   assert record["reward_mean"] == pytest.approx(-0.2 / 4)
   assert record["episodes_max_turns"] == 4 * config.rollout.prompts_per_step
+
+
+class _ModelErrors(GuessNumberEnvironment if importlib.util.find_spec("openenv") else object):
+  """The guessing game whose step builds an invalid observation of its own when told "break": a pydantic
+  ValidationError inside the environment, which OpenEnv's server reports with the same code as an Action's
+  refusal of the text."""
+
+  def step(self, action, timeout_s=None, **kwargs):
+    if action.message == "break":
+      from oe_guess import GuessObservation
+      return GuessObservation(prompt="?", guesses_left="many")
+    return super().step(action, timeout_s, **kwargs)
+
+
+def test_a_served_environments_own_errors_and_a_lost_server_stop_the_step():
+  # VALIDATION_ERROR at another field than the action's (the environment's own model) is the environment's
+  # fault, not the text's: a RuntimeError naming the URL and the field, not invalid_action (which would train
+  # on reward 0 silently). A server that went away mid-episode: a RuntimeError naming the URL, not the
+  # websockets library's own exception; the session is dropped, and the next reset reports the refusal.
+  from branch_replay_jax.rollout.openenv_served import ServedOpenEnv
+  with serving(_ModelErrors) as (url, _):
+    env = ServedOpenEnv(url)
+    env.reset(0)
+    assert env.step("5") == ([{"role": "user", "content": "Higher."}], 0.0, False)
+    with pytest.raises(RuntimeError, match=rf"ServedOpenEnv\('{url}'\): step failed: .*VALIDATION_ERROR; "
+                                           r"guesses_left: Input should be a valid integer"):
+      env.step("break")
+    env.reset(0)   # the session stays open while the server shuts down (the block's end joins its thread)
+  with pytest.raises(RuntimeError, match=rf"ServedOpenEnv\('{url}'\): step failed"):
+    env.step("5")
+  assert env.client is None
+  with pytest.raises(RuntimeError, match=rf"ServedOpenEnv\('{url}'\): reset failed"):
+    env.reset(0)

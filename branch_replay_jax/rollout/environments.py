@@ -164,7 +164,7 @@ FIELD = "rollout.episodes.environment"
 # rollout.episodes.environment's forms besides a name of ENVIRONMENTS (`make_environment`): a library's
 # id after its prefix (the adapter's module in rollout/ and class), or an import path.
 ADAPTERS = {"textarena:": ("adapters", "TextArenaEnv"), "gem:": ("adapters", "GemEnv"),
-            "verifiers:": ("verifiers_env", "VerifiersEnv"), "openenv:": ("openenv_env", "openenv_environment")}
+            "verifiers:": ("verifiers_env", "VerifiersEnv"), "openenv:": ("openenv_served", "openenv_environment")}
 PYTHON = "python:"
 
 
@@ -205,8 +205,8 @@ def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence
                            (openenv-core 0.3.0 installed): NAME an OpenEnv Environment subclass or
                            factory, run in process; a problem is the seed of its reset;
     "openenv:http://HOST:PORT" (or https, ws, wss)
-                           `rollout.openenv_env.ServedOpenEnv(URL, **options)`: an environment served
-                           by OpenEnv's server, options naming its action_field;
+                           `rollout.openenv_served.ServedOpenEnv(URL, **options)`: an environment
+                           served by OpenEnv's server;
     "FILE.py:NAME", "python:package.module:NAME"
                            NAME(**options), NAME a class or factory (`rollout.tasks.rewards.resolve`'s
                            import rules), given `task=task` too when it takes a parameter named task.

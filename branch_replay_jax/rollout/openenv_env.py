@@ -21,11 +21,9 @@ In the training loop: `rollout.episodes.environment = "openenv:package.module:NA
 `"openenv:FILE.py:NAME"`), NAME an `Environment` subclass or a factory, built with
 `rollout.episodes.env_options` as keyword arguments (the adapter's own options below taken out).
 
-An environment that runs elsewhere, served by OpenEnv's own server (`openenv.core.env_server.create_app`
-in a Docker container, a Hugging Face Space or `uvicorn` on a host): `ServedOpenEnv(URL)`, in
-the loop `rollout.episodes.environment = "openenv:http://HOST:PORT"` (or https://, ws://, wss://). It talks
-through OpenEnv's `GenericEnvClient` (WebSocket), which sends and receives plain dicts, so the mapping
-below holds with dicts for the classes, and the fields are chosen from the server's published schemas.
+An environment that runs elsewhere, served by OpenEnv's own server (a Docker container, a Hugging
+Face Space, `uvicorn` on a host), is rollout/openenv_served.py's `ServedOpenEnv`, in the loop
+`rollout.episodes.environment = "openenv:http://HOST:PORT"`: the mapping below, read on the server's dicts.
 
 What maps to what:
 
@@ -71,7 +69,6 @@ from branch_replay_jax.rollout.adapters import OwnRandom, game_seed, import_opti
 from branch_replay_jax.rollout.environments import EpisodeEnd
 from branch_replay_jax.rollout.tasks.rewards import resolve
 
-URL_SCHEMES = ("http://", "https://", "ws://", "wss://")   # `openenv_environment`: a served environment's target
 VERSION = "0.3.0"
 INSTALL = (f"pip install --no-deps openenv-core=={VERSION} && pip install 'fastapi>=0.104' 'fastmcp>=3' "
            "(make install does)")
@@ -248,164 +245,3 @@ class OpenEnvEnv(OwnRandom):
   def close(self) -> None:
     """The environment's close() (its resources; the adapter holds none of its own)."""
     self.env.close()
-
-
-def openenv_environment(target, **options):
-  """rollout.episodes.environment = "openenv:TARGET" (rollout.environments.make_environment): a served
-  environment's URL (`URL_SCHEMES`) -> `ServedOpenEnv(TARGET, **options)`, anything else -> `OpenEnvEnv`."""
-  if isinstance(target, str) and target.startswith(URL_SCHEMES):
-    return ServedOpenEnv(target, **options)
-  return OpenEnvEnv(target, **options)
-
-
-class ServedOpenEnv:
-  """An OpenEnv environment served by OpenEnv's own server, as an `Environment`, through OpenEnv's own
-  `GenericEnvClient`, one WebSocket session per episode: opened by reset, closed by `end_episode` (which
-  `run_episode` calls however the episode ended), so an object holds at most one of the server's sessions
-  (OpenEnv's server allows one unless the environment supports more) and only while an episode plays: the
-  training run's and the held-out evaluation's environments (two objects) take turns. The mapping is `OpenEnvEnv`'s (module
-  docstring), read on the server's dicts, and the fields are chosen as `OpenEnvEnv` chooses them, from the
-  JSON schemas the server publishes (GET URL/schema) instead of the classes:
-
-    reset(problem) -> reset(seed=game_seed(problem)) (the server passes `seed` on when the environment's
-                      reset takes it); [system?, user: observation[observation_field]]
-    step(message)  -> step({action_field: message}): not done: ([user: its text], its reward, False);
-                      done: (None, its reward, True); a reward of None counts 0
-    an action the server's Action class refuses (OpenEnv's error code VALIDATION_ERROR: with the field
-    checked against the schema at construction, only the text can fail it)
-                   -> `EpisodeEnd("invalid_action")`, reward 0
-    any other error the server reports (the environment raised: EXECUTION_ERROR; a lost connection)
-                   -> RuntimeError naming the URL and the server's message; run_episode stops the step
-
-  Randomness is the server's: a game is as reproducible as the environment makes its seed.
-
-  Args:
-    url: the server's base URL, http(s):// or ws(s):// (OpenEnv's client connects to its /ws endpoint).
-    action_field: the Action's str field that receives the model's text; None: its one str field
-      (`metadata` aside).
-    observation_field: the observation's str field shown to the model; None: its one str field
-      (`done`, `reward`, `metadata` aside).
-    system: a system message before the first observation, or None.
-    connect_timeout_s, message_timeout_s: the schema request's and OpenEnv's client's timeouts, seconds.
-
-  Attributes:
-    env_id: the URL. action_field, observation_field: the fields chosen. observation: the last
-    observation (the server's dict, without `metadata`, which OpenEnv's server does not send), or None.
-
-  Raises:
-    ImportError: openenv-core is not installed (naming the package and the install commands).
-    ValueError: at construction, before any model loads, naming the URL: a URL of another scheme; no
-      OpenEnv server answering there (its /schema within connect_timeout_s, then the WebSocket); an
-      action_field or observation_field that is not a str field of the server's Action or Observation
-      (or several candidates and none named); an Action with other required fields. (On reset) a problem
-      that is not a seed, an observation already done.
-  """
-
-  def __init__(self, url: str, *, action_field: str | None = None, observation_field: str | None = None,
-               system: str | None = None, connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0):
-    import_optional("openenv.core", INSTALL)
-    from openenv.core.generic_client import GenericEnvClient
-    if not (isinstance(url, str) and url.startswith(URL_SCHEMES)):
-      raise ValueError(f"ServedOpenEnv: url={url!r} must start with one of {URL_SCHEMES}")
-    self.env_id, self.system, self.observation = url, system, None
-    schemas = self._schemas(connect_timeout_s)
-    action, observation = schemas.get("action", {}), schemas.get("observation", {})
-    self.action_field = self._field(action, action_field, ("metadata",), "action_field", "Action")
-    others = sorted(set(action.get("required", ())) - {self.action_field})
-    if others:
-      raise ValueError(f"ServedOpenEnv({url!r}): the server's Action ({action.get('title')}) also needs {others}, "
-                       "which the model's text does not fill")
-    self.observation_field = self._field(observation, observation_field, BASE_FIELDS, "observation_field",
-                                         "Observation")
-    self._client = lambda: GenericEnvClient(base_url=url, connect_timeout_s=connect_timeout_s,
-                                            message_timeout_s=message_timeout_s).sync()
-    self.client = None   # the session of the episode in play (reset to end_episode)
-    try:   # the WebSocket endpoint answers too: a session opened and closed
-      self._client().connect().close()
-    except ConnectionError as e:
-      raise ValueError(f"ServedOpenEnv: no OpenEnv server answers at {url!r}: {e}") from None
-
-  def _schemas(self, timeout: float) -> dict:
-    """The server's GET /schema: {"action": JSON schema, "observation": ..., "state": ...}."""
-    import json
-    import urllib.request
-    base = self.env_id.rstrip("/")
-    for ws, http in (("ws://", "http://"), ("wss://", "https://")):
-      if base.startswith(ws):
-        base = http + base[len(ws):]
-    try:
-      with urllib.request.urlopen(base + "/schema", timeout=timeout) as response:
-        return json.load(response)
-    except (OSError, ValueError) as e:   # URLError, HTTPError, timeouts, a reply that is not JSON
-      raise ValueError(f"ServedOpenEnv: no OpenEnv server answers at {self.env_id!r} (GET {base}/schema: "
-                       f"{type(e).__name__}: {e})") from None
-
-  def _field(self, schema: dict, name: str | None, skip, option: str, what: str) -> str:
-    """`name`, checked to be a str property of the JSON `schema`, or its one str property outside `skip`."""
-    properties = schema.get("properties", {})
-    strings = [n for n, p in properties.items() if p.get("type") == "string"]
-    if name is None:
-      candidates = [n for n in strings if n not in skip]
-      if len(candidates) != 1:
-        raise ValueError(f"ServedOpenEnv({self.env_id!r}): the server's {what} ({schema.get('title')}) has the str "
-                         f"fields {candidates}; name one with {option}=")
-      return candidates[0]
-    if name not in strings:
-      raise ValueError(f"ServedOpenEnv({self.env_id!r}): {option}={name!r} is not a str field of the server's {what} "
-                       f"({schema.get('title')}; its fields: {sorted(properties)})")
-    return name
-
-  def _call(self, what: str, *args, **kwargs):
-    try:
-      result = getattr(self.client, what)(*args, **kwargs)   # connects on its first message
-    except RuntimeError as e:
-      # OpenEnv 0.3.0's client raises RuntimeError("Server error: MESSAGE (code: CODE)") for an error response
-      if what == "step" and "(code: VALIDATION_ERROR)" in str(e):
-        raise EpisodeEnd("invalid_action", f"{self.env_id}: the server's Action refused the text ({e})") from None
-      raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): {what} failed: {e}") from e
-    except (ConnectionError, OSError, TimeoutError) as e:
-      raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): {what} failed: {type(e).__name__}: {e}") from e
-    self.observation = result.observation
-    return result
-
-  def _text(self, observation: dict) -> str:
-    text = observation.get(self.observation_field)
-    if not isinstance(text, str):
-      raise ValueError(f"ServedOpenEnv({self.env_id!r}): observation_field={self.observation_field!r} is "
-                       f"{str(text)[:80]!r} in the observation (fields {sorted(observation)}), not text")
-    return text
-
-  def reset(self, problem: Any) -> list[dict[str, str]]:
-    """A new episode on the server, in a new session, with seed `game_seed(problem)`; see the class docstring."""
-    seed = game_seed(problem, "ServedOpenEnv")
-    self.end_episode()
-    self.client = self._client()
-    result = self._call("reset", seed=seed)
-    text = self._text(result.observation)
-    if result.done:
-      raise ValueError(f"ServedOpenEnv({self.env_id!r}): reset returned an observation that is already done")
-    system = [{"role": "system", "content": self.system}] if self.system is not None else []
-    return system + [{"role": "user", "content": text}]
-
-  def step(self, assistant_message: str):
-    """Play the model's message as the action; see the class docstring for what comes back."""
-    if self.client is None:
-      raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): step before reset (or after end_episode)")
-    result = self._call("step", {self.action_field: assistant_message})
-    reward = 0.0 if result.reward is None else float(result.reward)
-    if result.done:
-      return None, reward, True
-    return [{"role": "user", "content": self._text(result.observation)}], reward, False
-
-  def end_episode(self) -> None:
-    """Close the episode's session, if one is open (the server drops its environment); idempotent."""
-    client, self.client = self.client, None
-    if client is not None:
-      try:
-        client.close()
-      except (ConnectionError, OSError, RuntimeError):   # a session the server or the network already ended
-        pass
-
-  def close(self) -> None:
-    """`end_episode`: the object holds nothing else."""
-    self.end_episode()

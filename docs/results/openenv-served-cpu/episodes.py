@@ -22,7 +22,8 @@ from oe_guess import GuessAction, GuessNumberEnvironment, GuessObservation  # no
 
 from branch_replay_jax.models.loading import load_tokenizer, stop_ids  # noqa: E402
 from branch_replay_jax.rollout.environments import run_episode  # noqa: E402
-from branch_replay_jax.rollout.openenv_env import OpenEnvEnv, ServedOpenEnv  # noqa: E402
+from branch_replay_jax.rollout.openenv_env import OpenEnvEnv  # noqa: E402
+from branch_replay_jax.rollout.openenv_served import ServedOpenEnv  # noqa: E402
 
 
 def main(episodes: int) -> None:
