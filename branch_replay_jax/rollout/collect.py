@@ -196,6 +196,8 @@ def rollout_episodes(rollout_config, model, tokenizer, task, env, data_pos: int,
   problem = task[data_pos % len(task)]
   t0 = time.perf_counter()
   ids = encode_chat(tokenizer, env.reset(problem))   # the prompt run_episode's reset renders (ChatTokens)
+  if callable(getattr(env, "end_episode", None)):
+    env.end_episode()   # this reset plays no turn (rollout/environments.py: the optional hook)
   stops = stop_ids(tokenizer)
   samplers = EpisodeSampler.branches(model, ids, r.group_size, key=key, temperature=r.temperature, top_p=r.top_p,
                                      eos_ids=stops, pad_id=tokenizer.pad_token_id or 0,
