@@ -180,6 +180,14 @@ def test_grpo_trains_a_moe_tree_with_routing_replay(tmp_path, monkeypatch):
 ])
 def test_a_moe_model_refuses_what_it_does_not_take_before_loading(tmp_path, variant, overrides, message):
   refused_before_loading(tmp_path, FIXTURE, variant, overrides, f"is a mixture of experts \\(Qwen3-MoE\\): {message}")
+  # Where nothing is packed (groups; trees under the naive gradient) the schedule is inert and not refused.
+  from conftest import experiment_config
+  from experiments import grpo_smollm2_arith, grpo_tree_smollm2_arith
+  from branch_replay_jax.algorithms import grpo
+  moe = {k: v for k, v in overrides.items() if k != "rollout.tree_fanouts"}
+  grpo.validate(experiment_config(grpo_smollm2_arith, variant, tmp_path / "groups", **{"model.name": FIXTURE, **moe}))
+  grpo.validate(experiment_config(grpo_tree_smollm2_arith, variant, tmp_path / "naive", **{
+      "model.name": FIXTURE, **moe, "train.gradient": "naive"}))
 
 
 def test_lora_on_a_moe_models_experts_passes_the_checks(tmp_path):
@@ -236,6 +244,43 @@ def test_the_expert_axis_is_checked_by_name_before_loading(tmp_path):
     grpo.validate(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "tiny", **mesh, **{"mesh.expert": "data"}))
   grpo.validate(experiment_config(grpo_smollm2_arith, "smoke", tmp_path / "ok", **mesh, **{
       "model.name": FIXTURE, "mesh.expert": "branch", "mesh.params": "fsdp"}))
+  # An axis of size 1 would leave every device all the experts: refused rather than accepted and ignored.
+  refused_before_loading(tmp_path, FIXTURE, "smoke", {"mesh.data": 2, "mesh.branch": 1, "mesh.seq": 1,
+                                                      "mesh.expert": "branch"},
+                         r"mesh.expert='branch': mesh.branch=1 splits nothing")
+  # DPO on pairs from a file (no rollout section) gets the same model checks as every algorithm: the fixture's
+  # 8 experts do not split over 3 devices, and the Pallas grouped matmul takes no mesh.
+  from branch_replay_jax.algorithms import dpo
+  from experiments import dpo_smollm2_arith
+  for overrides, match in [({"mesh.data": 1, "mesh.branch": 3, "mesh.seq": 1, "mesh.expert": "branch"},
+                            r"mesh.expert='branch': mesh.branch=3 must divide the model's 8 experts"),
+                           ({**mesh, "model.expert_matmul": "pallas"}, r"model.expert_matmul='pallas' on a mesh")]:
+    with pytest.raises(ValueError, match=match):
+      dpo.validate(experiment_config(dpo_smollm2_arith, "jsonl_smoke", tmp_path / "dpo", **{"model.name": FIXTURE,
+                                                                                           **overrides}))
+
+
+def test_a_directory_without_its_expert_counts_is_refused_naming_the_key(tmp_path):
+  # The fixture's config.json without num_experts_per_tok, or with a fractional expert count: a ValueError naming
+  # the file and the key (not a KeyError, nor 8.7 experts read as 8).
+  import json
+  import shutil
+
+  from branch_replay_jax.models.hf_loader import read_config
+  for key, value, match in [("num_experts_per_tok", None, "no num_experts_per_tok"),
+                            ("num_experts", 8.7, "num_experts=8.7 must be an int")]:
+    directory = tmp_path / key
+    shutil.copytree(FIXTURE, directory)
+    with open(directory / "config.json") as f:
+      cfg = json.load(f)
+    if value is None:
+      del cfg[key]
+    else:
+      cfg[key] = value
+    with open(directory / "config.json", "w") as f:
+      json.dump(cfg, f)
+    with pytest.raises(ValueError, match=rf"config.json: {match}"):
+      read_config(str(directory))
 
 
 def test_a_moe_model_takes_the_prompt_split_over_seq(tmp_path):
@@ -400,8 +445,9 @@ def test_the_load_balancing_loss_is_refused_where_it_cannot_apply(tmp_path):
   # A dense model has no routers: refused by name before loading. A negative coefficient: refused by grpo.validate.
   refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"loss.router_aux_coef": 0.01},
                          "loss.router_aux_coef=0.01: model.name=.* has no experts")
-  refused_before_loading(tmp_path, FIXTURE, "smoke", {"loss.router_aux_coef": -1.0},
-                         "loss.router_aux_coef=-1.0 must be >= 0")
+  for coef in (-1.0, float("inf")):   # an infinite coefficient made the first step's loss inf, then NaN parameters
+    refused_before_loading(tmp_path, FIXTURE, "smoke", {"loss.router_aux_coef": coef},
+                           rf"loss.router_aux_coef={coef} must be a finite number >= 0")
   refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"model.routing_replay": True},
                          "model.routing_replay=True: model.name=.* has no experts")
   refused_before_loading(tmp_path, "smollm2-135m-instruct", "smoke", {"model.expert_matmul": "tiled"},

@@ -79,6 +79,7 @@ def validate_common(config) -> None:
     check_number("task.format_bonus", k.format_bonus, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
   if "eval" in config:
     validate_eval(config)
+  validate_layer_kinds(config)   # every algorithm and data source (DPO's pairs from a file have no rollout)
   if "rollout" in config:
     r = config.rollout
     # 0 would be greedy decoding: G identical completions, equal rewards, no advantage.
@@ -86,7 +87,6 @@ def validate_common(config) -> None:
     check_number("rollout.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     check_stop_strings(r.get("stop_strings", ()))
     context = TINY_MAX_POSITIONS if m.name == "tiny" else model_context(m.name)
-    validate_layer_kinds(config)
     episodes = r.get("episodes")
     if episodes is not None:   # an episode's budget is its whole context, prompt and observations included
       if isinstance(episodes.max_context, int) and episodes.max_context > context:
@@ -107,7 +107,7 @@ def validate_layer_kinds(config) -> None:
   """Raise ValueError, naming the field, where a model whose layers are not the Llama block's (read from its
   metadata) meets what those layers do not take. Sliding-window layers (Gemma 3): a Pallas kernel
   (model.attention_impl), the prompt split over mesh.seq (ring attention has no window), packed trees
-  (train.tree_schedule='packed': their key ends take no window). Linear-attention layers (Qwen3.5): the
+  (`packs_trees`: their key ends take no window). Linear-attention layers (Qwen3.5): the
   prompt split over mesh.seq (the recurrent state would have to pass between seq devices), packed trees (the
   recurrence runs along a row). Mixtures of
   experts (Qwen3-MoE, Qwen3.5-MoE): with loss.router_aux_coef > 0 or model.routing_replay packed trees (both
@@ -135,6 +135,9 @@ def validate_layer_kinds(config) -> None:
     if m.name == "tiny" or not architecture(m.name).moe:
       raise ValueError(f"mesh.expert={expert!r}: model.name={m.name!r} has no experts; leave it ''")
     n, e = mesh[expert], architecture(m.name).num_experts
+    if n == 1:
+      raise ValueError(f"mesh.expert={expert!r}: mesh.{expert}=1 splits nothing (the experts would stay whole on "
+                       f"every device); make mesh.{expert} > 1 or leave mesh.expert ''")
     if e % n:
       raise ValueError(f"mesh.expert={expert!r}: mesh.{expert}={n} must divide the model's {e} experts")
   if m.name == "tiny" and config.model.get("routing_replay", False):
@@ -146,13 +149,13 @@ def validate_layer_kinds(config) -> None:
     return
   arch = architecture(m.name)
   seq = config.get("mesh") is not None and config.mesh.seq > 1
-  packed = config.train.get("tree_schedule") == PACKED
+  packed = packs_trees(config)
   replay = config.model.get("routing_replay", False)
   if replay and not arch.moe:
     raise ValueError(f"model.routing_replay=True: model.name={m.name!r} has no experts (routing replay replays a "
                      "mixture of experts' routes); set it to False")
   if arch.moe:
-    episodes = config.rollout.get("episodes")
+    episodes = config.rollout.get("episodes") if "rollout" in config else None
     why = ("rollout.episodes.history='template': model.routing_replay replays the routes of the ids the sampler "
            "fed, which a rewritten history no longer holds; use history='tokens'" if replay and episodes is not None
            and episodes.get("history", "tokens") == "template" else
@@ -213,6 +216,16 @@ def validate_eval(config) -> None:
                      "so seeds at least task.size apart share no items)")
 
 
+def packs_trees(config) -> bool:
+  """Whether the run packs trees into rows (train.tree_schedule = 'packed' with the replay gradient on trees:
+  rollout.tree_fanouts, or episodes shared as a tree); on groups, naive rows or DPO's pairs the field is inert."""
+  t, r = config.train, config.get("rollout")
+  if t.get("tree_schedule") != PACKED or t.get("gradient", "replay") != "replay" or r is None:
+    return False
+  episodes = r.get("episodes")
+  return bool(r.get("tree_fanouts")) or (episodes is not None and _episodes_field(episodes, "share") == "tree")
+
+
 def _episodes_field(episodes, name: str):
   """rollout.episodes.NAME, or the schema's default where the config leaves it out (not written again here)."""
   return episodes.get(name, schema.defaults(schema.EpisodesConfig)[name])
@@ -253,9 +266,7 @@ def validate(config) -> None:
   if t.tree_schedule not in TREE_SCHEDULES:
     raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
   episodes = r.get("episodes")
-  trees = t.gradient == "replay" and (bool(r.get("tree_fanouts")) or (
-      episodes is not None and _episodes_field(episodes, "share") == "tree"))
-  if t.tree_schedule == PACKED and trees:   # each tree one row with the tree as its attention mask (pack_trees)
+  if packs_trees(config):   # each tree one row with the tree as its attention mask (pack_trees)
     impl = config.model.attention_impl   # "auto" is the jnp attention on a CPU, kernels elsewhere
     why = ("PPO's critic needs a value per tree node" if config.algorithm == "ppo" else
            f"model.attention_impl={impl!r}: its kernels take no tree mask; use 'xla'"

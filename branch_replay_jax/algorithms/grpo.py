@@ -143,8 +143,8 @@ def validate(config, experiment=None):
     raise ValueError(f"loss.advantage_eps={l.advantage_eps!r} must be >= 0")
   if l.kl_coef < 0:
     raise ValueError(f"loss.kl_coef={l.kl_coef} must be >= 0")
-  if not l.get("router_aux_coef", 0.0) >= 0:
-    raise ValueError(f"loss.router_aux_coef={l.router_aux_coef!r} must be >= 0")
+  checks.check_number("loss.router_aux_coef", l.get("router_aux_coef", 0.0), lambda v: 0 <= v < float("inf"),
+                      "a finite number >= 0")
   k = config.train.exactness_check_every
   if k < 0:
     raise ValueError(f"train.exactness_check_every={k!r} must be an int >= 0 (0: off)")

@@ -193,6 +193,19 @@ def text_config(directory: str) -> tuple[dict, bool]:
   return text, True
 
 
+def _int(cfg: dict, path: str, key: str, *fallbacks: str, default=None) -> int:
+  """config.json's int field `key` (else the first of `fallbacks` present; a null counts as absent), or `default`.
+
+  Raises:
+    ValueError: naming the file and the key: absent with no default, or not an int (a bool, 8.7, "8")."""
+  value = next((cfg[k] for k in (key, *fallbacks) if cfg.get(k) is not None), default)
+  if value is None:
+    raise ValueError(f"{path}: no {' or '.join((key, *fallbacks))}; our decoder needs it")
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ValueError(f"{path}: {key}={value!r} must be an int")
+  return value
+
+
 def read_config(directory: str) -> ModelConfig:
   """The `ModelConfig` of `directory/config.json` (of its language model for a multimodal qwen3_5 or gemma3
   checkpoint: `text_config`).
@@ -211,15 +224,14 @@ def read_config(directory: str) -> ModelConfig:
   if arch not in ARCHITECTURES:
     raise ValueError(f"{path}: model_type {arch!r} is not supported; expected one of {ARCHITECTURES} or a "
                      f"multimodal {tuple(MULTIMODAL)} (its language model)")
-  heads = int(cfg["num_attention_heads"])
-  common = dict(arch=arch, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                d_model=int(cfg["hidden_size"]), num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                ffn_dim=int(cfg["shared_expert_intermediate_size" if arch == "qwen3_5_moe_text"
-                                else "intermediate_size"]),
+  heads, d = _int(cfg, path, "num_attention_heads"), _int(cfg, path, "hidden_size")
+  common = dict(arch=arch, vocab_size=_int(cfg, path, "vocab_size"), num_layers=_int(cfg, path, "num_hidden_layers"),
+                d_model=d, num_heads=heads, num_kv_heads=_int(cfg, path, "num_key_value_heads", default=heads),
+                head_dim=_int(cfg, path, "head_dim", default=d // heads),
+                ffn_dim=_int(cfg, path, "shared_expert_intermediate_size" if arch == "qwen3_5_moe_text"
+                             else "intermediate_size"),
                 norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_positions=int(cfg.get("max_position_embeddings", 8192)))
+                max_positions=_int(cfg, path, "max_position_embeddings", default=8192))
   if arch == "gemma3_text":
     if cfg.get("attention_bias", False):
       raise ValueError(f"{path}: attention_bias is not supported by our gemma3_text decoder")
@@ -227,9 +239,9 @@ def read_config(directory: str) -> ModelConfig:
   if arch == "qwen3_5_text":
     return ModelConfig(**common, **_qwen3_5_fields(cfg, path))
   if arch == "qwen3_5_moe_text":   # Qwen3.5's layers, every MLP experts plus a shared expert; the router renormalises
-    return ModelConfig(**common, **_qwen3_5_fields(cfg, path), num_experts=int(cfg["num_experts"]),
-                       experts_per_token=int(cfg["num_experts_per_tok"]),
-                       expert_ffn_dim=int(cfg["moe_intermediate_size"]), norm_topk_prob=True)
+    return ModelConfig(**common, **_qwen3_5_fields(cfg, path), num_experts=_int(cfg, path, "num_experts"),
+                       experts_per_token=_int(cfg, path, "num_experts_per_tok"),
+                       expert_ffn_dim=_int(cfg, path, "moe_intermediate_size"), norm_topk_prob=True)
   unsupported = {
       "attention_bias": arch != "qwen2" and cfg.get("attention_bias", False),
       "mlp_bias": cfg.get("mlp_bias", False),
@@ -241,12 +253,13 @@ def read_config(directory: str) -> ModelConfig:
       raise ValueError(f"{path}: {option} is not supported by our {arch} decoder")
   moe = {}
   if arch == "qwen3_moe":
-    every, dense = int(cfg.get("decoder_sparse_step", 1)), list(cfg.get("mlp_only_layers") or [])
+    every, dense = _int(cfg, path, "decoder_sparse_step", default=1), list(cfg.get("mlp_only_layers") or [])
     if every != 1 or dense:
       raise ValueError(f"{path}: decoder_sparse_step={every}, mlp_only_layers={dense}: dense MLP layers among the "
                        "experts are not supported by our qwen3_moe decoder (every layer a mixture of experts)")
-    moe = dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts"))),
-               experts_per_token=int(cfg["num_experts_per_tok"]), expert_ffn_dim=int(cfg["moe_intermediate_size"]),
+    moe = dict(num_experts=_int(cfg, path, "num_experts", "num_local_experts"),
+               experts_per_token=_int(cfg, path, "num_experts_per_tok"),
+               expert_ffn_dim=_int(cfg, path, "moe_intermediate_size"),
                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
   theta, scaling = _rope(cfg, arch, path)
   return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
