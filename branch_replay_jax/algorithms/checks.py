@@ -265,7 +265,6 @@ def validate(config) -> None:
     raise ValueError(f"loss.weighting={l.weighting!r} is not one of {obj.WEIGHTINGS}")
   if t.tree_schedule not in TREE_SCHEDULES:
     raise ValueError(f"train.tree_schedule={t.tree_schedule!r} is not one of {TREE_SCHEDULES}")
-  episodes = r.get("episodes")
   if packs_trees(config):   # each tree one row with the tree as its attention mask (pack_trees)
     impl = config.model.attention_impl   # "auto" is the jnp attention on a CPU, kernels elsewhere
     why = ("PPO's critic needs a value per tree node" if config.algorithm == "ppo" else
