@@ -116,13 +116,12 @@ def validate_layer_kinds(config) -> None:
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
   'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh. mesh.expert: one of the EXPERT_AXES, a
   model with experts, an axis size that divides their count."""
-  from branch_replay_jax.models.loading import architecture
   m = config.model
   aux = config.loss.get("router_aux_coef", 0.0) if "loss" in config else 0.0   # GRPO's (DPO has no loss section)
   matmul = m.get("expert_matmul", "ragged_dot")
   if matmul not in EXPERT_MATMULS:
     raise ValueError(f"model.expert_matmul={matmul!r} is not one of {EXPERT_MATMULS}")
-  if matmul != "ragged_dot" and (m.name == "tiny" or not architecture(m.name).moe):
+  if matmul != "ragged_dot" and (m.name == "tiny" or not model_architecture(m.name).moe):
     raise ValueError(f"model.expert_matmul={matmul!r}: model.name={m.name!r} has no experts; leave it 'ragged_dot'")
   mesh = config.get("mesh")
   if matmul == "pallas" and mesh is not None and mesh.data * mesh.branch * mesh.seq > 1:
@@ -132,9 +131,9 @@ def validate_layer_kinds(config) -> None:
   if expert:
     if expert not in EXPERT_AXES:
       raise ValueError(f"mesh.expert={expert!r} is not one of {EXPERT_AXES} (or '' for none)")
-    if m.name == "tiny" or not architecture(m.name).moe:
+    if m.name == "tiny" or not model_architecture(m.name).moe:
       raise ValueError(f"mesh.expert={expert!r}: model.name={m.name!r} has no experts; leave it ''")
-    n, e = mesh[expert], architecture(m.name).num_experts
+    n, e = mesh[expert], model_architecture(m.name).num_experts
     if n == 1:
       raise ValueError(f"mesh.expert={expert!r}: mesh.{expert}=1 splits nothing (the experts would stay whole on "
                        f"every device); make mesh.{expert} > 1 or leave mesh.expert ''")
@@ -142,12 +141,12 @@ def validate_layer_kinds(config) -> None:
       raise ValueError(f"mesh.expert={expert!r}: mesh.{expert}={n} must divide the model's {e} experts")
   if m.name == "tiny" and config.model.get("routing_replay", False):
     raise ValueError("model.routing_replay=True: model.name='tiny' has no experts; set it to False")
-  if aux and (m.name == "tiny" or not architecture(m.name).moe):
+  if aux and (m.name == "tiny" or not model_architecture(m.name).moe):
     raise ValueError(f"loss.router_aux_coef={aux}: model.name={m.name!r} has no experts (the load-balancing loss is "
                      "a mixture of experts'); set it to 0")
   if m.name == "tiny":
     return
-  arch = architecture(m.name)
+  arch = model_architecture(m.name)
   seq = config.get("mesh") is not None and config.mesh.seq > 1
   packed = packs_trees(config)
   replay = config.model.get("routing_replay", False)
@@ -180,6 +179,19 @@ def validate_layer_kinds(config) -> None:
          if packed else None)
   if why:
     raise ValueError(f"model.name={m.name!r} has sliding-window layers (Gemma 3): {why}")
+
+
+def model_architecture(name: str):
+  """model.name's `models.loading.architecture` (its layer kinds and expert count, from its metadata alone).
+
+  Raises:
+    ValueError: naming model.name and its value, as `model_context`.
+  """
+  from branch_replay_jax.models.loading import architecture
+  try:
+    return architecture(name)
+  except ValueError as e:
+    raise ValueError(f"model.name={name!r}: {e}") from e
 
 
 def model_context(name: str) -> int:
