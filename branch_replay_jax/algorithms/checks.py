@@ -115,7 +115,7 @@ def validate_layer_kinds(config) -> None:
   history is not what the sampler fed). A model without
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
   'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh. mesh.expert: one of the EXPERT_AXES, a
-  model with experts, an axis size that divides their count."""
+  model with experts, an axis of size > 1 that divides their count. Runs for every algorithm and data source."""
   m = config.model
   aux = config.loss.get("router_aux_coef", 0.0) if "loss" in config else 0.0   # GRPO's (DPO has no loss section)
   matmul = m.get("expert_matmul", "ragged_dot")
