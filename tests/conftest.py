@@ -56,10 +56,10 @@ def _release_compiled_executables(request):
   after every module kept the count low but made each module trace and compile again what the previous one
   had (the smoke runs' programs): keeping the caches across tests/test_train.py, test_checkpoints.py,
   test_evaluation.py, test_export.py and test_config_fields.py ran them in 134 s instead of 146 s (one core each)."""
-  before = _mapped_regions()
+  log = os.environ.get("MAPPED_REGIONS_LOG")   # the measurement of docs/results/test-suite, "Stop 64"
+  before = _mapped_regions() if log else None
   yield
   after = _mapped_regions()
-  log = os.environ.get("MAPPED_REGIONS_LOG")   # the measurement of docs/results/test-suite, "Stop 64"
   if log:
     with open(log, "a") as f:
       f.write(f"{os.getpid()} {request.module.__name__} {before} {after}\n")

@@ -121,7 +121,9 @@ def validate_layer_kinds(config) -> None:
   matmul = m.get("expert_matmul", "ragged_dot")
   if matmul not in EXPERT_MATMULS:
     raise ValueError(f"model.expert_matmul={matmul!r} is not one of {EXPERT_MATMULS}")
-  if matmul != "ragged_dot" and (m.name == "tiny" or not model_architecture(m.name).moe):
+  arch = None if m.name == "tiny" else model_architecture(m.name)   # its metadata, read once
+  moe = arch is not None and arch.moe
+  if matmul != "ragged_dot" and not moe:
     raise ValueError(f"model.expert_matmul={matmul!r}: model.name={m.name!r} has no experts; leave it 'ragged_dot'")
   mesh = config.get("mesh")
   if matmul == "pallas" and mesh is not None and mesh.data * mesh.branch * mesh.seq > 1:
@@ -131,9 +133,9 @@ def validate_layer_kinds(config) -> None:
   if expert:
     if expert not in EXPERT_AXES:
       raise ValueError(f"mesh.expert={expert!r} is not one of {EXPERT_AXES} (or '' for none)")
-    if m.name == "tiny" or not model_architecture(m.name).moe:
+    if not moe:
       raise ValueError(f"mesh.expert={expert!r}: model.name={m.name!r} has no experts; leave it ''")
-    n, e = mesh[expert], model_architecture(m.name).num_experts
+    n, e = mesh[expert], arch.num_experts
     if n == 1:
       raise ValueError(f"mesh.expert={expert!r}: mesh.{expert}=1 splits nothing (the experts would stay whole on "
                        f"every device); make mesh.{expert} > 1 or leave mesh.expert ''")
@@ -141,12 +143,11 @@ def validate_layer_kinds(config) -> None:
       raise ValueError(f"mesh.expert={expert!r}: mesh.{expert}={n} must divide the model's {e} experts")
   if m.name == "tiny" and config.model.get("routing_replay", False):
     raise ValueError("model.routing_replay=True: model.name='tiny' has no experts; set it to False")
-  if aux and (m.name == "tiny" or not model_architecture(m.name).moe):
+  if aux and not moe:
     raise ValueError(f"loss.router_aux_coef={aux}: model.name={m.name!r} has no experts (the load-balancing loss is "
                      "a mixture of experts'); set it to 0")
-  if m.name == "tiny":
+  if arch is None:
     return
-  arch = model_architecture(m.name)
   seq = config.get("mesh") is not None and config.mesh.seq > 1
   packed = packs_trees(config)
   replay = config.model.get("routing_replay", False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+
 import jax
 from tqdm import tqdm
 

@@ -80,6 +80,11 @@ def game_seed(problem: Any, where: str = "game_seed") -> int:
   raise ValueError(f"{where}: problem={problem!r} must be an int >= 0 (the game's seed) or a task's Problem")
 
 
+def first_messages(system: str | None, text: str) -> list[dict[str, str]]:
+  """An environment's reset messages: [system?, user: text] (the system message when `system` is not None)."""
+  return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+
+
 class OwnRandom:
   """Calls into a library that draws from the global `random` and `numpy.random`, with generator
   states of this object's own swapped in around each call."""
@@ -154,8 +159,7 @@ class TextArenaEnv(OwnRandom):
       self._call(self.env.reset, num_players=1, seed=seed)
     except AssertionError as e:   # textarena's states assert their number of players
       raise ValueError(f"TextArenaEnv: {self.game_id} did not start with one player: {e}") from e
-    system = [{"role": "system", "content": self.system}] if self.system is not None else []
-    return system + [{"role": "user", "content": self._observation()}]
+    return first_messages(self.system, self._observation())
 
   def step(self, assistant_message: str):
     """Play the model's message as the action; see the module docstring for what comes back."""
@@ -226,8 +230,7 @@ class GemEnv(OwnRandom):
     """Start the environment with seed `game_seed(problem)`; see the class docstring."""
     seed = game_seed(problem, "GemEnv")
     observation, info = self._call(self.env.reset, seed=seed)
-    system = [{"role": "system", "content": self.system}] if self.system is not None else []
-    return system + [{"role": "user", "content": self._text(observation, info)}]
+    return first_messages(self.system, self._text(observation, info))
 
   def step(self, assistant_message: str):
     """Play the model's message as the action; see the class docstring for what comes back."""

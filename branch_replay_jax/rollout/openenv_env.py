@@ -65,7 +65,7 @@ import inspect
 import typing
 from typing import Any, Callable
 
-from branch_replay_jax.rollout.adapters import OwnRandom, game_seed, import_optional
+from branch_replay_jax.rollout.adapters import OwnRandom, first_messages, game_seed, import_optional
 from branch_replay_jax.rollout.environments import EpisodeEnd
 from branch_replay_jax.rollout.tasks.rewards import resolve
 
@@ -73,6 +73,13 @@ VERSION = "0.3.0"
 INSTALL = (f"pip install --no-deps openenv-core=={VERSION} && pip install 'fastapi>=0.104' 'fastmcp>=3' "
            "(make install does)")
 BASE_FIELDS = ("done", "reward", "metadata")
+
+
+def step_outcome(reward, done: bool, text: Callable[[], str]):
+  """`Environment.step`'s (observation, reward, done) of an OpenEnv step: OpenEnv's reward (None counts 0);
+  not done: [user: text()], done: None (the module docstring's mapping, in process and served)."""
+  reward = 0.0 if reward is None else float(reward)
+  return (None, reward, True) if done else ([{"role": "user", "content": text()}], reward, False)
 
 
 def _str_fields(cls, skip=BASE_FIELDS) -> list[str]:
@@ -225,8 +232,7 @@ class OpenEnvEnv(OwnRandom):
     text = self._text(observation)
     if observation.done:
       raise ValueError(f"OpenEnvEnv: {self.env_id}'s reset returned an observation that is already done")
-    system = [{"role": "system", "content": self.system}] if self.system is not None else []
-    return system + [{"role": "user", "content": text}]
+    return first_messages(self.system, text)
 
   def step(self, assistant_message: str):
     """Play the model's message as the action; see the module docstring for what comes back."""
@@ -237,10 +243,7 @@ class OpenEnvEnv(OwnRandom):
       why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
       raise EpisodeEnd("invalid_action", f"{self.env_id}: {e.title} refused the text ({why})") from None
     observation = self._checked(self._call(self.env.step, action), "step")
-    reward = 0.0 if observation.reward is None else float(observation.reward)
-    if observation.done:
-      return None, reward, True
-    return [{"role": "user", "content": self._text(observation)}], reward, False
+    return step_outcome(observation.reward, observation.done, lambda: self._text(observation))
 
   def close(self) -> None:
     """The environment's close() (its resources; the adapter holds none of its own)."""

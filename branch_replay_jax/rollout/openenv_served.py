@@ -15,6 +15,7 @@ OpenEnv's and move with its releases) and chooses its fields from the schemas by
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import numbers
@@ -23,9 +24,9 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable
 
-from branch_replay_jax.rollout.adapters import game_seed, import_optional
+from branch_replay_jax.rollout.adapters import first_messages, game_seed, import_optional
 from branch_replay_jax.rollout.environments import EpisodeEnd
-from branch_replay_jax.rollout.openenv_env import BASE_FIELDS, INSTALL, OpenEnvEnv
+from branch_replay_jax.rollout.openenv_env import BASE_FIELDS, INSTALL, OpenEnvEnv, step_outcome
 
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 
@@ -53,6 +54,7 @@ class ServerError(Exception):
     super().__init__(f"{self.message} (code: {self.code}{'; ' + details if details else ''})")
 
 
+@functools.cache
 def _client_class():
   """`GenericEnvClient` whose error responses raise `ServerError` with the server's code and errors (the stock
   client raises a RuntimeError with the message alone, dropping the errors that tell an Action's refusal of
@@ -210,18 +212,14 @@ class ServedOpenEnv:
     if result.done:
       self.end_episode()
       raise ValueError(f"ServedOpenEnv({self.env_id!r}): reset returned an observation that is already done")
-    system = [{"role": "system", "content": self.system}] if self.system is not None else []
-    return system + [{"role": "user", "content": text}]
+    return first_messages(self.system, text)
 
   def step(self, assistant_message: str):
     """Play the model's message as the action; see the class docstring for what comes back."""
     if self.client is None:
       raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): step before reset (or after end_episode)")
     result = self._call("step", {self.action_field: assistant_message})
-    reward = 0.0 if result.reward is None else float(result.reward)
-    if result.done:
-      return None, reward, True
-    return [{"role": "user", "content": self._text(result.observation)}], reward, False
+    return step_outcome(result.reward, result.done, lambda: self._text(result.observation))
 
   def end_episode(self) -> None:
     """Close the episode's session, if one is open (the server drops its environment); idempotent."""
