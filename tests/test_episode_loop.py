@@ -263,7 +263,9 @@ class EchoEnv:
   """Asks the task's question; any answer ends the episode with reward `bonus` (env_options). While
   the file `fail_flag` exists, every step after the first 8 raises (a bug in the environment)."""
   def __init__(self, task, bonus=0.0, fail_flag=None):
-    self.task, self.bonus, self.fail_flag, self.resets, self.steps = task, bonus, fail_flag, 0, 0
+    self.task, self.bonus, self.fail_flag, self.resets, self.steps, self.closes = task, bonus, fail_flag, 0, 0, 0
+  def close(self):
+    self.closes += 1
   def reset(self, problem):
     self.resets += 1
     return list(self.task.messages(problem))
@@ -324,12 +326,15 @@ def test_an_environment_by_file_path_trains_with_its_options_and_resumes_once_fi
     loop.train(config, algorithm)
   r = config.rollout
   assert algorithm.env.resets >= r.prompts_per_step * r.group_size
+  assert algorithm.env.closes == 1   # the protocol's close: once, also when the run stopped on a raise
   with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
     assert [json.loads(line)["step"] for line in f] == [1]
   flag.unlink()
   config.resume = True
-  history = loop.train(config, grpo.GRPO(config))
+  algorithm = grpo.GRPO(config)
+  history = loop.train(config, algorithm)
   assert [rec["step"] for rec in history] == [2]
+  assert algorithm.env.closes == 1   # and once when the run ends normally
   with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   assert [rec["step"] for rec in records] == [1, 2]

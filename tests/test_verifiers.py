@@ -201,6 +201,8 @@ def test_verifiers_trains_in_the_loop_by_name(tmp_path, monkeypatch, tokenizer):
   monkeypatch.setattr(collect, "EpisodeSampler", GuessingTurns)
   try:
     history = loop.train(config, algorithm)
+    # the run's end closed the environment (rollout/environments.py's optional close): its thread is gone
+    assert not algorithm.env._thread.is_alive()
   finally:
     algorithm.env.close()
   record = history[-1]

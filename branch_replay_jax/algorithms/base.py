@@ -65,5 +65,9 @@ class Algorithm:
     each problem (rollout.evaluate.evaluate)."""
     return nnx.merge(run.graphdef, params), None
 
+  def close(self) -> None:
+    """Release what the algorithm holds for the run (an environment's thread, subprocess or connection);
+    `train` calls it once the run ends, however it ends. Default: nothing."""
+
   def write_plots(self) -> None:
     plots.write_plots(self.config.run_dir)

@@ -16,6 +16,7 @@ from branch_replay_jax.distributed import hosts
 from branch_replay_jax.outputs import plots
 from branch_replay_jax.rollout import evaluate as held_out
 from branch_replay_jax.rollout.collect import completion_budget
+from branch_replay_jax.rollout.environments import close_environment
 
 # fold_in tag of the evaluation's keys ("eval" in ASCII): training keys fold in the step first, and
 # no run reaches step 1.7e9, so the two streams never share a key.
@@ -53,6 +54,10 @@ class Evaluation:
                                                             training_items=items)
     # Episodes (rollout.episodes): the environment over the held-out task, greedy episodes only.
     self.env = make_episode_environment(config, self.task)
+
+  def close(self) -> None:
+    """Close the held-out environment (the protocol's optional close, rollout/environments.py)."""
+    close_environment(self.env)
 
   def due(self, step: int) -> bool:
     """True at step 0, every eval.every steps and at train.steps (steps counted as in metrics.jsonl)."""

@@ -61,6 +61,7 @@ from branch_replay_jax.gradients.step import PACKED, batch_forward, compiled_pro
 from branch_replay_jax.models.lora import WithBase, adapters_off
 from branch_replay_jax.algorithms.groups import Group, logprob_temperature, step_groups
 from branch_replay_jax.rollout.collect import completion_budget
+from branch_replay_jax.rollout.environments import close_environment
 
 LOGPROB_TEMPERATURES = ("one", "sampling")
 
@@ -313,6 +314,9 @@ class GRPO(base.Algorithm):
     self.env = runs.make_episode_environment(config, self.task)   # None without rollout.episodes
     self.draw_metrics = {}   # step -> dynamic sampling's metrics, from collect (a producer thread's) to log
     self.rollout = placement.rollout_devices(config)   # the rollout sub-mesh (mesh.rollout_devices), or []
+
+  def close(self) -> None:
+    close_environment(self.env)   # the protocol's optional close (rollout/environments.py)
 
   def setup(self, run):
     self.run = run

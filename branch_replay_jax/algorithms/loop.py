@@ -110,6 +110,9 @@ def train(config, algorithm: Algorithm) -> list[dict]:
       run.ckpt.close()   # the last asynchronous save lands on disk, also when a step raised
       if writer is not None:
         writer.close()
+      for holder in (evaluation, algorithm):   # environments' threads, subprocesses, connections
+        if holder is not None:
+          holder.close()
   if hosts.is_primary():
     algorithm.write_plots()
   return history

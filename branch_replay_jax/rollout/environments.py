@@ -10,7 +10,10 @@ before each step with the turn's context ids, its sampled ids (stop id included)
 (the sampler's `logprobs`, `EpisodeSampler.logprobs`; [] for a sampler that records none), for an
 environment that keeps the tokens (`VerifiersEnv` hands them to verifiers' trace). Optional:
 `env.end_episode()`, called once the episode is over for any reason (done, `EpisodeEnd`, a budget, an
-error), for an environment that holds something per episode (`ServedOpenEnv` its server session).
+error), for an environment that holds something per episode (`ServedOpenEnv` its server session). Optional:
+`env.close()`, called once when the training run that made the environment ends, however it ends
+(`algorithms.loop.train`, `close_environment`), for an environment that holds a thread, a subprocess or a
+connection (`VerifiersEnv`, the OpenEnv adapters).
 
 An environment ends an episode early, marked, by raising `EpisodeEnd(status, detail)` from step
 (a tool call that does not parse, a tool that errors); `run_episode` records the status and the
@@ -188,6 +191,14 @@ def environment_kind(spec) -> str:
                    "'verifiers:TASKSET-ID', 'openenv:package.module:NAME', 'openenv:http://HOST:PORT', "
                    "'FILE.py:NAME' or "
                    "'python:package.module:NAME' (a class or factory of the protocol in rollout/environments.py)")
+
+
+def close_environment(env) -> None:
+  """env.close() where env has one (the protocol's optional hook, module docstring); nothing for None or an
+  environment without it."""
+  close = getattr(env, "close", None)
+  if callable(close):
+    close()
 
 
 def make_environment(spec: str, task, *, max_tool_calls: int, examples: Sequence[dict[str, str]] = (),
