@@ -23,6 +23,7 @@ from branch_replay_jax.gradients.step import fused_applies, value_and_grad
 from branch_replay_jax.models import Llama, tiny_config
 from branch_replay_jax.models.config import FULL, SLIDING
 from branch_replay_jax.models.loading import build_model, load_hf_model
+from branch_replay_jax.models.window_kv import WindowedPrompt
 from branch_replay_jax.rollout.sampler import sample_group
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma3_tiny")
@@ -148,6 +149,33 @@ def test_group_replay_bfloat16_error_at_most_twice_naive(model):
   naive_err = max_rel_err(step(graphdef, params, arrays, objective, layout="naive")[2], exact)
   replay_err = max_rel_err(step(graphdef, params, arrays, objective, micro_batch=1, fused=False)[2], exact)
   assert replay_err <= 2 * naive_err, (replay_err, naive_err)
+
+
+@pytest.mark.parametrize("prompt_len", [6, 2])
+def test_replay_hands_the_branches_only_the_prompt_keys_a_window_reaches(model, x64, prompt_len):
+  # A prompt of prompt_len real tokens in a bucket of 8, window 4: no branch token (positions >= prompt_len)
+  # reaches a sliding layer's prompt key before prompt_len - 3, so replay keeps the one global layer's 8 keys
+  # and every layer's last 3 (4 x 8 = 32 -> 1 x 8 + 4 x 3 = 20 key slots per row); with prompt_len 2 the tail
+  # starts at 0 and holds the 2 real keys and a padded one. Branches on the trimmed K/V compute the same
+  # hidden states as on the whole prompt's (float64: the softmax's sums in another order, <= 1e-12).
+  m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+  rng = np.random.default_rng(5)
+  prompt = jnp.asarray(rng.integers(3, 96, (1, 8)), jnp.int32)
+  kv = m64(prompt, 0, valid_bt=(jnp.arange(8) < prompt_len)[None]).kv
+  trimmed = m64.branch_kv(kv)
+  assert isinstance(trimmed, WindowedPrompt)
+  assert trimmed.full.k.shape[:3] == (1, 1, 8) and trimmed.tail.k.shape[:3] == (4, 1, 3)
+  start = max(prompt_len - 3, 0)
+  assert int(trimmed.start[0]) == start
+  np.testing.assert_array_equal(trimmed.tail.k, kv.k[:, :, start:start + 3])
+  np.testing.assert_array_equal(trimmed.full.v[0], kv.v[2])   # layer 2 is the global one
+  rows = jnp.asarray(rng.integers(3, 96, (3, 7)), jnp.int32)
+  valid = jnp.arange(7)[None] < jnp.asarray([[7], [4], [1]])
+  whole = m64(rows, prompt_len, ancestors=[kv], valid_bt=valid).hidden_btd
+  cut = m64(rows, prompt_len, ancestors=[trimmed], valid_bt=valid).hidden_btd
+  assert float(jnp.max(jnp.abs(jnp.where(valid[..., None], cut - whole, 0.0)))) <= 1e-12
+  # a prompt no longer than the window keeps its K/V as it is (nothing to cut)
+  assert m64.branch_kv(jax.tree_util.tree_map(lambda x: x[:, :, :3] if x.ndim == 5 else x[:, :3], kv)).k.shape[2] == 3
 
 
 def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model, x64):

@@ -133,7 +133,7 @@ def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
     else:
       p_pad = batch.prompt_ids.shape[0]
       out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None], **kw)
-      kv[name], router = out.kv, out.router
+      kv[name], router = trunk.branch_kv(out.kv), out.router   # a sliding window's: only the keys it reaches
       last[name] = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
     if name == "policy" and _tracks_routes(head, batch):
       state["router"] = None if router is None else jax.tree_util.tree_map(lambda x: x[0], router)

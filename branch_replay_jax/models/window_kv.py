@@ -1,0 +1,86 @@
+"""A sliding-window model's prompt K/V as replay hands it to the branches: only the keys a window still reaches.
+
+Gemma 3's sliding layers (`ModelConfig.layer_types`, window W) let a query at position q see the keys at
+positions q - W < k <= q. Every branch starts at the prompt's end n (its first query sits at n), so on a
+sliding layer no branch token reaches a prompt key before position n - W + 1: of the prompt's K/V, a
+sliding layer hands on its last W - 1 real keys, a global layer all of them. `trim` cuts the prompt's
+stacked K/V [L, B, P, ...] to that (`WindowedPrompt`), so what replay keeps for the branches and the
+cotangent it sums for the prompt's pullback (core/replay.py: prefix_out and its cotangent) take
+
+    Lg x P + L x (W - 1)   key/value positions per row instead of   L x P
+
+(Lg global layers of L). `layer_blocks` rebuilds one layer's ancestor blocks from it inside the layer scan
+(`Llama.__call__`) with the positions the window needs (`kernels.key_positions`: the number of valid keys
+before a key):
+- a global layer: the whole prompt (`full`, its slot among the global layers), and the tail masked out;
+- a sliding layer: a head block whose first `start` slots count as valid keys, so the tail's keys get
+  their positions start, start + 1, ..., but that no window reaches (its keys are another layer's; their
+  probabilities are exactly 0 and the tiled attention skips their tiles, `tiled_attention`'s reach), then
+  the tail.
+Either way the keys before the next segment number n, so a branch's positions are unchanged. The values a
+branch computes equal those on the untrimmed K/V up to the order of the softmax's sums (docs/design.md,
+"Sliding windows (Gemma 3)"). A prompt's valid keys must be a prefix of its slots (`valid = arange(P) < n`,
+how every prompt is padded here).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay_jax.kernels import KVBlock
+from branch_replay_jax.models.config import FULL, SLIDING
+
+
+class WindowedPrompt(NamedTuple):
+  """A prompt's K/V trimmed to what a window reaches (module docstring).
+
+  full: the global layers' K/V of the whole prompt, k, v [Lg, B, P, Hkv, D], valid [B, P] bool.
+  tail: every layer's K/V of the W - 1 slots from `start`, k, v [L, B, W - 1, Hkv, D], valid [B, W - 1].
+  start: [B] int32, the position of each row's first tail key: max(n - (W - 1), 0), n its real keys.
+  """
+
+  full: KVBlock
+  tail: KVBlock
+  start: jax.Array
+
+
+def layer_slots(layer_types: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+  """(global [L] bool: a layer is FULL; slot [L] int32: a global layer's index among the global layers, 0 for a
+  sliding one), scanned with the layers."""
+  is_global = np.asarray([kind == FULL for kind in layer_types], bool)
+  return is_global, np.maximum(np.cumsum(is_global) - 1, 0).astype(np.int32)
+
+
+def trim(kv: KVBlock, layer_types: Sequence[str] | None, window: int | None) -> KVBlock | WindowedPrompt:
+  """The prompt's stacked K/V (k, v [L, B, P, Hkv, D], valid [B, P] a prefix of real keys per row) as replay hands
+  it on: a `WindowedPrompt` where the model has both sliding and global layers and P > W - 1, else kv itself
+  (nothing to cut: no sliding layer, a prompt shorter than the window, or no global layer to keep it whole)."""
+  if not layer_types or SLIDING not in layer_types or FULL not in layer_types:
+    return kv
+  keep = window - 1
+  if kv.k.shape[2] <= keep:
+    return kv
+  is_global, _ = layer_slots(layer_types)
+  start = jnp.maximum(jnp.sum(kv.valid.astype(jnp.int32), axis=-1) - keep, 0)            # [B]; <= P - keep
+  rows = lambda x: jax.vmap(lambda xb, s: jax.lax.dynamic_slice_in_dim(xb, s, keep, axis=1),
+                            in_axes=(1, 0), out_axes=1)(x, start)                       # [L, B, keep, ...]
+  valid = jax.vmap(lambda vb, s: jax.lax.dynamic_slice_in_dim(vb, s, keep))(kv.valid, start)
+  index = np.flatnonzero(is_global)
+  full = KVBlock(jnp.take(kv.k, index, axis=0), jnp.take(kv.v, index, axis=0), kv.valid)
+  return WindowedPrompt(full, KVBlock(rows(kv.k), rows(kv.v), valid), start)
+
+
+def layer_blocks(prompt: WindowedPrompt, full_k, full_v, layer_xs) -> list[KVBlock]:
+  """One layer's two ancestor blocks of the prompt (module docstring): full_k, full_v the prompt's `full` K/V in
+  the compute dtype [Lg, B, P, Hkv, D] (read at the layer's slot); layer_xs = (tail k, v [B, W - 1, Hkv, D] in the
+  compute dtype, global [] bool, slot [] int32), the layer's entries of the scanned (tail k, v, `layer_slots`)."""
+  tail_k, tail_v, is_global, slot = layer_xs
+  k = jax.lax.dynamic_index_in_dim(full_k, slot, keepdims=False)
+  v = jax.lax.dynamic_index_in_dim(full_v, slot, keepdims=False)
+  before_tail = jnp.arange(prompt.full.valid.shape[-1])[None] < prompt.start[:, None]   # [B, P]
+  head_valid = jnp.where(is_global, prompt.full.valid, before_tail)
+  return [KVBlock(k, v, head_valid), KVBlock(tail_k, tail_v, prompt.tail.valid & ~is_global)]
