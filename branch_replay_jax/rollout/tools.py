@@ -105,8 +105,9 @@ def _arguments(i: int, arguments) -> dict:
   return arguments
 
 
-def parse_tool_calls(text: str, tools: Mapping[str, Tool]) -> list[ToolCall]:
-  """The tool calls in a model turn, in order; [] when it has none (a final answer).
+def parse_tool_calls(text: str, tools: Mapping[str, Any]) -> list[ToolCall]:
+  """The tool calls in a model turn, in order; [] when it has none (a final answer). `tools`' keys are the
+  names a call may use (its values, `Tool`s or schemas, are not read).
 
   Raises:
     ToolCallError: an unclosed <tool_call>, a call that is not JSON (or text between its JSON and
@@ -144,8 +145,14 @@ def call_tool(tool: Tool, call: ToolCall) -> str:
 
 def tools_system_prompt(tools: Sequence[Tool]) -> str:
   """The system message that lists the tools' schemas and the call format."""
-  schemas = "\n".join(json.dumps(t.schema()) for t in tools)
-  return ("You can call tools. Their JSON schemas:\n<tools>\n" + schemas + "\n</tools>\n"
+  return schemas_system_prompt([t.schema() for t in tools])
+
+
+def schemas_system_prompt(schemas: Sequence[dict]) -> str:
+  """`tools_system_prompt` of tools known by their schemas only ({"type": "function", "function": {name,
+  description, parameters}}, `Tool.schema`'s format): an MCP server's (rollout/openenv_env.py)."""
+  listed = "\n".join(json.dumps(schema) for schema in schemas)
+  return ("You can call tools. Their JSON schemas:\n<tools>\n" + listed + "\n</tools>\n"
           "To call one, write <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> and stop; the result "
           "comes back in a tool message. When you know the answer, write it without a tool call.")
 
