@@ -106,7 +106,7 @@ def stale_one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.heavy   # ~60 s; CI runs the k = 1 test below: the same two-process loop, its gathers and collectives
+@pytest.mark.heavy   # ~60 s; CI runs the rollout sub-mesh test below: the same two-process loop, its gathers and collectives
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_two_processes_train_as_one(one_process, tmp_path):
   two_processes(tmp_path)
@@ -115,7 +115,11 @@ def test_two_processes_train_as_one(one_process, tmp_path):
   assert len(lines(os.path.join(tmp_path, "metrics.jsonl"))) == 2
 
 
+# heavy: ~60 s. CI runs test_two_processes_sample_on_a_rollout_sub_mesh_of_their_own_devices below: the same stale
+# two-process loop (inline producer, gathers, collectives) against the same one-process run, whose held-out
+# evaluation samples on the training mesh's devices across both processes.
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_two_processes_with_stale_rollouts_train_as_one_process(stale_one_process, tmp_path):
   # train.max_staleness = 1 as two processes: each samples in its loop's thread (producer.inline), one process
@@ -125,6 +129,51 @@ def test_two_processes_with_stale_rollouts_train_as_one_process(stale_one_proces
   same_run(tmp_path, stale_one_process)
   got = lines(os.path.join(tmp_path, "metrics.jsonl"))
   assert [r["policy_version"] for r in got] == [0, 0] and [r["staleness_max"] for r in got] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_two_processes_sample_on_a_rollout_sub_mesh_of_their_own_devices(stale_one_process, tmp_path):
+  # mesh.rollout_devices = 4 as two processes of 4 devices: each keeps its last 2 for the sampler (2, 3 and 6, 7) and
+  # trains on a 2 x 2 x 1 mesh of the others (rows 0, 1 and 4, 5), each rollout device's parameters copied from its
+  # own process's training devices. At k = 1 both steps sample with version 0, which no mesh changes, so the
+  # samples equal one process's on a 2 x 4 x 1 mesh with no sub-mesh; metrics and parameters within same_run's
+  # rounding bounds (the gradients are reduced over other devices, in another order).
+  two_processes(tmp_path, **STALE, **{"mesh.branch": 2, "mesh.rollout_devices": 4})
+  same_run(tmp_path, stale_one_process)
+  got = lines(os.path.join(tmp_path, "metrics.jsonl"))
+  assert [r["policy_version"] for r in got] == [0, 0] and [r["staleness_max"] for r in got] == [0, 1]
+
+
+def test_a_rollout_sub_mesh_takes_an_equal_share_of_each_processs_devices(monkeypatch):
+  # 2 processes x 4 devices (faked: the process index of device i is i // 4), mesh.rollout_devices = 4: the sampler
+  # takes devices 2, 3, 6, 7 and the 2 x 2 x 1 training mesh 0, 1, 4, 5 (each data row in one process); 3 does not
+  # split over 2 processes and is refused naming the field.
+  from branch_replay_jax.algorithms import checks, placement
+  from conftest import experiment_config
+
+  class Device:
+    def __init__(self, i):
+      self.id, self.process_index = i, i // 4
+
+    def __repr__(self):
+      return f"d{self.id}"
+  devices = [Device(i) for i in range(8)]
+  monkeypatch.setattr(jax, "devices", lambda: devices)
+  config = experiment_config(grpo_smollm2_arith, "smoke", "/tmp/unused", **{"mesh.data": 2, "mesh.branch": 2,
+                                                                              "mesh.rollout_devices": 4})
+  rollout = placement.rollout_devices(config)
+  assert [d.id for d in rollout] == [2, 3, 6, 7]
+  # each process samples the groups its training rows hold: 4 groups over data rows 0, 0, 1, 1 (processes 0, 0,
+  # 1, 1) sample on devices 2, 3, 6, 7; 2 groups (one per row) on 2 and 6.
+  rows = np.asarray([devices[i] for i in (0, 1, 4, 5)], object).reshape(2, 2, 1)
+  mesh = type("Mesh", (), {"devices": rows, "shape": {"data": 2}})()
+  assert [d.id for d in placement.sampling_devices(mesh, 4, rollout)] == [2, 3, 6, 7]
+  assert [d.id for d in placement.sampling_devices(mesh, 2, rollout)] == [2, 6]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  config.mesh.rollout_devices = 3
+  with pytest.raises(ValueError, match=r"mesh.rollout_devices=3 with 2 processes: .* use a multiple of 2"):
+    checks.validate_mesh_shape(config)
 
 
 @pytest.mark.slow

@@ -410,7 +410,7 @@ def validate_mesh(config) -> None:
 def validate_mesh_shape(config) -> bool:
   """Whether config.mesh is a mesh (data x branch x seq > 1); raise ValueError, naming the field, for
   sizes that are not positive ints or whose product (when > 1) is not the device count (with
-  mesh.rollout_devices r > 0: the product + r; GRPO in one process only), an unknown
+  mesh.rollout_devices r > 0: the product + r, r a multiple of the process count; GRPO only), an unknown
   mesh.params, naive gradients or splash attention (TPU) on a mesh. Every algorithm's check (GRPO and PPO
   through `validate_mesh`; DPO, whose ragged groups are padded to the mesh, directly)."""
   m, t = config.mesh, config.train
@@ -426,10 +426,10 @@ def validate_mesh_shape(config) -> bool:
     if config.algorithm != "grpo":
       raise ValueError(f"mesh.rollout_devices={r} with algorithm={config.algorithm!r}: a rollout sub-mesh samples "
                        "for GRPO only; set mesh.rollout_devices=0")
-    processes = hosts.settings(config)["num_processes"]
-    if processes > 1 or jax.process_count() > 1:
-      raise ValueError(f"mesh.rollout_devices={r} with {max(processes, jax.process_count())} processes: the rollout "
-                       "sub-mesh runs in one process; set mesh.rollout_devices=0")
+    processes = max(hosts.settings(config)["num_processes"], jax.process_count())
+    if r % processes:
+      raise ValueError(f"mesh.rollout_devices={r} with {processes} processes: each process keeps an equal share of its "
+                       f"devices for the sampler; use a multiple of {processes}")
     if n + r != jax.device_count():
       raise ValueError(f"mesh.data x mesh.branch x mesh.seq + mesh.rollout_devices = {n} + {r} must equal the device "
                        f"count {jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n + r})")

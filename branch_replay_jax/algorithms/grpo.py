@@ -388,12 +388,13 @@ class GRPO(base.Algorithm):
     return self.fns.for_sampling(run.graphdef, params, devices), devices
 
   def one_device_policy(self, run, params):
-    """Episodes on a mesh sample one after another on this process's first device (the rollout sub-mesh's
-    first, with mesh.rollout_devices), from a full copy of
+    """Episodes on a mesh sample one after another on this process's first device (its first of the rollout
+    sub-mesh, with mesh.rollout_devices), from a full copy of
     the parameters: the run has one environment object, which an episode's reset and steps change
     (and TextArena and GEM swap the global `random` state around each call), so the threads that
     sample groups on every device at once would interleave its episodes. Same keys as one device."""
-    device = (self.rollout or jax.local_devices())[0]   # the rollout sub-mesh's first device, if any
+    mine = [d for d in self.rollout if d.process_index == jax.process_index()]
+    device = (mine or jax.local_devices())[0]   # this process's first device of the rollout sub-mesh, if any
     return self.fns.for_sampling(run.graphdef, params, [device])[device]
 
   def log(self, bar, step, groups, stats, *, rollout_s, update_s, wall_s):

@@ -22,8 +22,7 @@ from branch_replay_jax.distributed.mesh import (make_mesh, pad_groups, pad_promp
 
 def mesh_from(config):
   """The ("data", "branch", "seq") mesh of config.mesh, or None for 1 x 1 x 1 (one device: the first).
-  With mesh.rollout_devices r > 0 the mesh takes the first data x branch x seq devices (`rollout_devices`
-  the last r).
+  With mesh.rollout_devices r > 0 the mesh takes the devices `rollout_devices` leaves (each process's first).
 
   Raises:
     ValueError: with several processes, a `data` row spanning processes (hosts.check_rows_local).
@@ -32,7 +31,8 @@ def mesh_from(config):
   n = m.data * m.branch * m.seq
   if n == 1:
     return None
-  mesh = make_mesh(m.data, m.branch, m.seq, devices=jax.devices()[:n] if rollout_device_count(config) else None)
+  rollout = set(rollout_devices(config))
+  mesh = make_mesh(m.data, m.branch, m.seq, devices=[d for d in jax.devices() if d not in rollout] if rollout else None)
   if jax.process_count() > 1:
     hosts.check_rows_local(mesh)
   return mesh
@@ -67,19 +67,36 @@ def rollout_device_count(config) -> int:
 
 
 def rollout_devices(config) -> list:
-  """The rollout sub-mesh: the last mesh.rollout_devices devices ([] for 0; validated by
-  `checks.validate_mesh_shape`: they follow the training mesh's devices, in one process)."""
+  """The rollout sub-mesh ([] for mesh.rollout_devices = 0): the last r / (process count) devices of each
+  process, process 0's first (one process: the last r devices). Each process then samples its groups on
+  devices of its own, from a parameter copy of its own training devices, and no parameters cross processes
+  (`sampling_policy`). Validated by `checks.validate_mesh_shape` (r a multiple of the process count)."""
   r = rollout_device_count(config)
-  return list(jax.devices()[-r:]) if r else []
+  if not r:
+    return []
+  per_process: dict[int, list] = {}
+  for device in jax.devices():
+    per_process.setdefault(device.process_index, []).append(device)
+  share = r // len(per_process)
+  return [d for process in sorted(per_process) for d in per_process[process][-share:]]
 
 
 def sampling_devices(mesh, num_groups: int, rollout=()):
-  """[num_groups] the device that samples each of a step's groups: with `rollout` devices (the rollout
-  sub-mesh), group i on rollout[i mod len(rollout)]; else None without a mesh (every group samples on
-  this process's default device) or on its `data` row of the mesh (`hosts.sampling_devices`)."""
-  if rollout:
-    return [rollout[i % len(rollout)] for i in range(num_groups)]
-  return None if mesh is None else hosts.sampling_devices(mesh, num_groups)
+  """[num_groups] the device that samples each of a step's groups: None without a mesh (every group samples
+  on this process's default device), else on its `data` row of the mesh (`hosts.sampling_devices`); with
+  `rollout` devices (the rollout sub-mesh) on one of them in the process that holds that row, a process's
+  k-th group on its k-th rollout device (mod their number; one process: group i on rollout[i mod r]), so
+  that each process samples the groups it places on the mesh (`GRPOFunctions.units`)."""
+  if not rollout:
+    return None if mesh is None else hosts.sampling_devices(mesh, num_groups)
+  owners = [0] * num_groups if mesh is None else [d.process_index for d in hosts.sampling_devices(mesh, num_groups)]
+  own = {p: [d for d in rollout if d.process_index == p] for p in set(owners)}
+  taken = dict.fromkeys(own, 0)
+  devices = []
+  for p in owners:
+    devices.append(own[p][taken[p] % len(own[p])])
+    taken[p] += 1
+  return devices
 
 
 def spread_devices(mesh, num_items: int):
@@ -94,7 +111,7 @@ def sampling_policy(graphdef, params, mesh, devices, select=None, frozen=None):
   `devices` ([n] from `sampling_devices` or `eval_devices`, on `mesh`), {device: the model on a
   full copy of the parameters on that device} for this process's devices (`hosts.device_copies`:
   FSDP parameters all-gathered once, a collective every process joins); a device outside the mesh (the
-  rollout sub-mesh, `rollout_devices`) gets its copy by `jax.device_put` from a training device. `select` picks the module
+  rollout sub-mesh, `rollout_devices`) gets its copy by `jax.device_put` from a training device of its process. `select` picks the module
   that samples out of the merged one (PPO: the actor-critic's `.policy`); default the model itself.
   frozen: LoRA's base state (params are then the adapters), merged with them and copied alike."""
   select = select or (lambda model: model)
@@ -107,7 +124,8 @@ def sampling_policy(graphdef, params, mesh, devices, select=None, frozen=None):
   copies = {}
   if mesh is not None:
     with jax.set_mesh(mesh):
-      copies = hosts.device_copies(states, mesh, [d for d in mine if d in inside] or list(mesh.devices.flat[:1]))
+      own = [d for d in mesh.devices.flat if d.process_index == jax.process_index()][:1]   # a training device here
+      copies = hosts.device_copies(states, mesh, [d for d in mine if d in inside] or own)
   source = next(iter(copies.values())) if copies else states
   # Device to device: a full copy from a training device onto each rollout device.
   copies.update({d: jax.device_put(source, d) for d in outside})

@@ -276,10 +276,12 @@ class MeshConfig:
   params: str = _f("replicated, or fsdp (parameters and optimizer state sharded at rest)")
   expert: str = _f("a mixture of experts' expert parallelism: the axis its experts are split over, 'data' or "
                    "'branch' (the tokens are sent to them; docs/design.md, \"Expert parallelism\"); '': none", "")
-  rollout_devices: int = _f("GRPO: devices beside the training mesh that sample (the rollout sub-mesh): the mesh takes "
-                            "the first data x branch x seq devices, the sampler the last rollout_devices, each with a "
-                            "full copy of the parameters sent device to device before each step's sampling; 0: the "
-                            "sampler runs on the training devices (docs/design.md, \"Bounded staleness\")", 0)
+  rollout_devices: int = _f("GRPO: devices beside the training mesh that sample (the rollout sub-mesh): the sampler "
+                            "takes the last rollout_devices / (process count) devices of each process, the mesh the "
+                            "others, each sampling device with a full copy of the parameters sent device to device "
+                            "from a training device of its process before each step's sampling; a multiple of the "
+                            "process count; 0: the sampler runs on the training devices (docs/design.md, "
+                            "\"Bounded staleness\")", 0)
 
 
 @_frozen
