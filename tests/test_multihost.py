@@ -1,6 +1,7 @@
 """The GRPO loop as two processes (jax.distributed, CPU collectives over gloo) of 4 devices each,
 against one process of 8 devices: same samples, metrics and parameters, and a resume across the
-two layouts (docs/design.md, "Several processes"); PPO and DPO the same way (heavy); data-parallel
+two layouts (docs/design.md, "Several processes"); the stale loop with each process's sampler on devices of its
+own (a rollout sub-mesh); PPO and DPO the same way (heavy); data-parallel
 sampling on one process's mesh (GRPO's groups, DPO's pairs) equal to one device's.
 
 Each two-process run starts tests/multihost_worker.py twice (process 0 and 1, XLA_FLAGS giving each 4
