@@ -180,7 +180,9 @@ def test_replay_hands_the_branches_only_the_prompt_keys_a_window_reaches(model, 
 
 def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model, x64):
   # Depth 3: prompt 5, then nodes of 2-4 tokens. With window 4 a level-3 token sees part of its parent
-  # and none of its grandparent or the prompt; the window is measured in positions across the segments.
+  # and none of its grandparent or the prompt; the window is measured in positions across the segments. The
+  # prompt's bucket (16) and the level nodes' (8) exceed the window's 3 reachable keys, so each hands its
+  # descendants trimmed K/V (models/window_kv.py).
   m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
   graphdef, params = _params(m64, jnp.float64)
   rng = np.random.default_rng(7)

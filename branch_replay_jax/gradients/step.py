@@ -154,7 +154,7 @@ def _segment(head, model, ancestors, rows, chunk, attention=None):
     out = trunk(tokens_bt, parent["end"], ancestors=[a["kv"][name] for a in ancestors], valid_bt=mask_bt,
                 attention=attention, **_routes_kw(head, name, rows.routes))
     shifted[name], last[name] = _shift(parent["last"][name], out.hidden_btd, n)
-    kv[name], routes[name] = out.kv, out.router
+    kv[name], routes[name] = trunk.branch_kv(out.kv), out.router   # a sliding window's: only the keys it reaches
   outputs = head.outputs(model, shifted, tokens_bt, mask_bt, chunk, last)
   state = {"kv": kv, "last": last, "end": parent["end"] + n}
   if "router" in ancestors[0]:   # the path's routing: the parent's (its own path's) plus the rows' own
@@ -233,9 +233,14 @@ def _tree_node_fn(head, graphdef, chunk, objective=None, attention=None):
 
 
 def _relayout(block, layered, valid):
-  """A segment's state block (a `KVBlock`, or Qwen3.5's `HybridState` with its linear layers' state) with
-  `layered` applied to every field that leads with the layer axis and `valid` to its valid mask."""
-  return type(block)(**{f: valid(x) if f == "valid" else layered(x) for f, x in block._asdict().items()})
+  """A segment's state block (a `KVBlock`, Qwen3.5's `HybridState` with its linear layers' state, or Gemma 3's
+  `WindowedPrompt`, whose blocks are relaid in turn) with `layered` applied to every field that leads with the
+  layer axis and `valid` to its valid mask and a windowed block's per-row `start`."""
+  def one(field, x):
+    if hasattr(x, "_asdict"):
+      return _relayout(x, layered, valid)
+    return valid(x) if field in ("valid", "start") else layered(x)
+  return type(block)(**{f: one(f, x) for f, x in block._asdict().items()})
 
 
 def _row_ancestor(state: dict) -> dict:

@@ -64,7 +64,7 @@ from branch_replay_jax.kernels.grouped_matmul_pallas import grouped_matmul_palla
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.kernels.vma import varying_axes
 from branch_replay_jax.models.config import SLIDING, LinearRopeScaling, ModelConfig
-from branch_replay_jax.models.window_kv import WindowedPrompt, layer_blocks, layer_slots, trim
+from branch_replay_jax.models.window_kv import WindowedPrompt, ancestor_blocks, trim
 
 
 REMAT_POLICIES = ("none", "full", "save_kv", "offload_kv")
@@ -531,8 +531,8 @@ class Llama(nnx.Module):
         ancestors' lengths). RoPE uses offset + i. Or [B, T] int: each token's position (a packed
         tree, `data.batches.PackedBatch`: positions restart at every branch).
       ancestors: stacked KV blocks of the ancestors, k, v [L, B or 1, S, Hkv, D], valid
-        [B or 1, S]; every ancestor key is visible to every query of the segment. The first may be a
-        `window_kv.WindowedPrompt` (a Gemma 3 prompt's K/V as `branch_kv` trims it).
+        [B or 1, S]; every ancestor key is visible to every query of the segment. Any may be a
+        `window_kv.WindowedPrompt` (a Gemma 3 segment's K/V as `branch_kv` trims it).
       valid_bt: [B, T] bool, False on padding; default all True. Padded positions are masked
         out as keys; their own outputs are garbage that callers must mask. Or [B, T] int32 key
         ends (a packed tree): token j is a key of the tokens i with j <= i < valid_bt[j], its
@@ -554,37 +554,26 @@ class Llama(nnx.Module):
     positions = segment_positions(offset, b, t)
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
     x = self._embed(tokens_bt)
-    windowed = ancestors[0] if ancestors and isinstance(ancestors[0], WindowedPrompt) else None
-    ancestors = ancestors[1:] if windowed is not None else ancestors
-    anc_k = [blk.k.astype(self.dtype) for blk in ancestors]
-    anc_v = [blk.v.astype(self.dtype) for blk in ancestors]
-    anc_valid = [blk.valid for blk in ancestors]
+    anc_xs, ancestor_blocks_of = ancestor_blocks(ancestors, self.dtype, cfg.layer_types)
     attention = self._attention(attention)
     lora_scale = 0.0 if self.lora is None else self.lora.scale
-    window_xs = None
-    if windowed is not None:   # a trimmed prompt (`branch_kv`): its global layers' K/V read per layer, its tail scanned
-      full_k, full_v = windowed.full.k.astype(self.dtype), windowed.full.v.astype(self.dtype)
-      window_xs = (windowed.tail.k.astype(self.dtype), windowed.tail.v.astype(self.dtype),
-                   *map(jnp.asarray, layer_slots(cfg.layer_types)))
 
     def layer(p, x, xs):
-      ks, vs, win, layer_xs, layer_routes = xs
-      blocks = [KVBlock(k, v, m) for k, v, m in zip(ks, vs, anc_valid)]
-      if windowed is not None:
-        blocks = layer_blocks(windowed, full_k, full_v, win) + blocks
+      anc, layer_xs, layer_routes = xs
       freq, attn = _layer_attention(cfg, layer_xs, inv_freq, attention, positions)
-      return _layer(cfg, p, x, positions, freq, blocks, valid_bt, attn, lora_scale, layer_routes, replay_routes)
+      return _layer(cfg, p, x, positions, freq, ancestor_blocks_of(anc), valid_bt, attn, lora_scale, layer_routes,
+                    replay_routes)
 
-    xs = (anc_k, anc_v, window_xs, self._layer_xs(), per_layer_routes(cfg, routes))
+    xs = (anc_xs, self._layer_xs(), per_layer_routes(cfg, routes))
     x, (k, v, route, experts) = self._scan_layers(layer, x, xs)
     hidden = self._final_norm(x)
     experts = None if experts is None else jnp.moveaxis(experts, 0, 2)   # [L, B, T, k] -> [B, T, L, k]
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden, summed_over_layers(route), experts)
 
   def branch_kv(self, kv: KVBlock) -> KVBlock | WindowedPrompt:
-    """A prompt's K/V (`SegmentOutput.kv`, its valid keys a prefix of its slots) as replay hands it to the
-    branches, which take it back as their first ancestor: a sliding-window model's trimmed to the keys a window
-    still reaches (`window_kv.trim`), else kv itself."""
+    """A segment's K/V (`SegmentOutput.kv`, its valid keys a prefix of its slots: a prompt, a tree node, an
+    episode's turn) as replay hands it to its descendants, which take it back as an ancestor: a sliding-window
+    model's trimmed to the keys a window still reaches (`window_kv.trim`), else kv itself."""
     return trim(kv, self.config.layer_types, self.config.sliding_window) if self.config.gemma else kv
 
   def _embed(self, tokens_bt):

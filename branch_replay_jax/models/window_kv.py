@@ -1,26 +1,27 @@
-"""A sliding-window model's prompt K/V as replay hands it to the branches: only the keys a window still reaches.
+"""A sliding-window model's segment K/V as replay hands it to the descendants: only the keys a window still reaches.
 
 Gemma 3's sliding layers (`ModelConfig.layer_types`, window W) let a query at position q see the keys at
-positions q - W < k <= q. Every branch starts at the prompt's end n (its first query sits at n), so on a
-sliding layer no branch token reaches a prompt key before position n - W + 1: of the prompt's K/V, a
-sliding layer hands on its last W - 1 real keys, a global layer all of them. `trim` cuts the prompt's
-stacked K/V [L, B, P, ...] to that (`WindowedPrompt`), so what replay keeps for the branches and the
-cotangent it sums for the prompt's pullback (core/replay.py: prefix_out and its cotangent) take
+positions q - W < k <= q. A segment (the prompt, a tree node, an episode's turn) of n real tokens is attended
+to by its descendants only, all at positions >= its end, so on a sliding layer none of them reaches its keys
+before its n - W + 1st: of its K/V, a sliding layer hands on its last W - 1 real keys, a global layer all of
+them. `trim` cuts a segment's stacked K/V [L, B, T, ...] to that (`WindowedPrompt`), so what replay keeps for
+the descendants and the cotangent it sums for the segment's pullback (core/replay.py: prefix_out and its
+cotangent; core/tree_replay.py's node states) take
 
-    Lg x P + L x (W - 1)   key/value positions per row instead of   L x P
+    Lg x T + L x (W - 1)   key/value positions per row instead of   L x T
 
-(Lg global layers of L). `layer_blocks` rebuilds one layer's ancestor blocks from it inside the layer scan
+(Lg global layers of L). `ancestor_blocks` rebuilds one layer's ancestor blocks from it inside the layer scan
 (`Llama.__call__`) with the positions the window needs (`kernels.key_positions`: the number of valid keys
 before a key):
-- a global layer: the whole prompt (`full`, its slot among the global layers), and the tail masked out;
+- a global layer: the whole segment (`full`, its slot among the global layers), and the tail masked out;
 - a sliding layer: a head block whose first `start` slots count as valid keys, so the tail's keys get
   their positions start, start + 1, ..., but that no window reaches (its keys are another layer's; their
   probabilities are exactly 0 and the tiled attention skips their tiles, `tiled_attention`'s reach), then
   the tail.
-Either way the keys before the next segment number n, so a branch's positions are unchanged. The values a
-branch computes equal those on the untrimmed K/V up to the order of the softmax's sums (docs/design.md,
-"Sliding windows (Gemma 3)"). A prompt's valid keys must be a prefix of its slots (`valid = arange(P) < n`,
-how every prompt is padded here).
+Either way the keys before the next block number n, so a descendant's positions are unchanged. The values it
+computes equal those on the untrimmed K/V up to the order of the softmax's sums (docs/design.md, "Sliding
+windows (Gemma 3)"). A segment's valid keys must be a prefix of its slots (`valid = arange(T) < n`, how every
+prompt and node is padded here).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from branch_replay_jax.models.config import FULL, SLIDING
 
 
 class WindowedPrompt(NamedTuple):
-  """A prompt's K/V trimmed to what a window reaches (module docstring).
+  """A segment's K/V trimmed to what a window reaches (module docstring; the prompt's first, hence the name).
 
-  full: the global layers' K/V of the whole prompt, k, v [Lg, B, P, Hkv, D], valid [B, P] bool.
+  full: the global layers' K/V of the whole segment, k, v [Lg, B, P, Hkv, D], valid [B, P] bool.
   tail: every layer's K/V of the W - 1 slots from `start`, k, v [L, B, W - 1, Hkv, D], valid [B, W - 1].
   start: [B] int32, the position of each row's first tail key: max(n - (W - 1), 0), n its real keys.
   """
@@ -56,7 +57,7 @@ def layer_slots(layer_types: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def trim(kv: KVBlock, layer_types: Sequence[str] | None, window: int | None) -> KVBlock | WindowedPrompt:
-  """The prompt's stacked K/V (k, v [L, B, P, Hkv, D], valid [B, P] a prefix of real keys per row) as replay hands
+  """A segment's stacked K/V (k, v [L, B, P, Hkv, D], valid [B, P] a prefix of real keys per row) as replay hands
   it on: a `WindowedPrompt` where the model has both sliding and global layers and P > W - 1, else kv itself
   (nothing to cut: no sliding layer, a prompt shorter than the window, or no global layer to keep it whole)."""
   if not layer_types or SLIDING not in layer_types or FULL not in layer_types:
@@ -74,8 +75,28 @@ def trim(kv: KVBlock, layer_types: Sequence[str] | None, window: int | None) -> 
   return WindowedPrompt(full, KVBlock(rows(kv.k), rows(kv.v), valid), start)
 
 
+def ancestor_blocks(ancestors: Sequence[KVBlock | WindowedPrompt], dtype, layer_types: Sequence[str] | None):
+  """(xs, blocks) for a layer scan over a segment's ancestors, oldest first, each a `KVBlock` (k, v [L, B or 1, S,
+  Hkv, D]) or a `WindowedPrompt`: xs, scanned with the layers, holds their per-layer K/V in `dtype` (a windowed
+  one's tail) and, where one is windowed, `layer_slots`; blocks(xs_l) is one layer's ancestor blocks in order (a
+  windowed one's two, `layer_blocks`, its `full` K/V read at the layer's slot)."""
+  cast = lambda x: x.astype(dtype)
+  windowed = [isinstance(a, WindowedPrompt) for a in ancestors]
+  kvs = [(cast(a.tail.k), cast(a.tail.v)) if w else (cast(a.k), cast(a.v)) for a, w in zip(ancestors, windowed)]
+  fulls = [(cast(a.full.k), cast(a.full.v)) if w else None for a, w in zip(ancestors, windowed)]
+  slots = tuple(map(jnp.asarray, layer_slots(layer_types))) if any(windowed) else None
+
+  def blocks(xs_l) -> list[KVBlock]:
+    layer_kvs, slot = xs_l
+    out = []
+    for a, (k, v), full in zip(ancestors, layer_kvs, fulls):
+      out += [KVBlock(k, v, a.valid)] if full is None else layer_blocks(a, *full, (k, v, *slot))
+    return out
+  return (kvs, slots), blocks
+
+
 def layer_blocks(prompt: WindowedPrompt, full_k, full_v, layer_xs) -> list[KVBlock]:
-  """One layer's two ancestor blocks of the prompt (module docstring): full_k, full_v the prompt's `full` K/V in
+  """One layer's two ancestor blocks of a trimmed segment (module docstring): full_k, full_v its `full` K/V in
   the compute dtype [Lg, B, P, Hkv, D] (read at the layer's slot); layer_xs = (tail k, v [B, W - 1, Hkv, D] in the
   compute dtype, global [] bool, slot [] int32), the layer's entries of the scanned (tail k, v, `layer_slots`)."""
   tail_k, tail_v, is_global, slot = layer_xs
