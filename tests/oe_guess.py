@@ -164,12 +164,18 @@ class SubmitGuessEnvironment(HintedGuessEnvironment):
       """Your final answer."""
       return "submitted"
 
-  def step(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
-    observation = super().step(action, timeout_s=timeout_s, **kwargs)
+  def _scored(self, action: Action, observation: Observation) -> Observation:
     if isinstance(action, CallToolAction) and action.tool_name == "submit" and observation.error is None:
       observation.done = True
       observation.reward = 1.0 if action.arguments.get("number") == self.number else 0.0
     return observation
+
+  def step(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+    return self._scored(action, super().step(action, timeout_s=timeout_s, **kwargs))
+
+  async def step_async(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+    # OpenEnv's server steps an MCPEnvironment through step_async
+    return self._scored(action, await super().step_async(action, timeout_s=timeout_s, **kwargs))
 
   def _step_impl(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
     raise RuntimeError("SubmitGuessEnvironment takes tool calls only")

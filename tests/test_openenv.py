@@ -375,6 +375,35 @@ def test_a_served_environment_plays_what_it_plays_in_process(served, tokenizer):
     env.close()
 
 
+def test_a_served_mcp_environment_takes_the_tool_calls_it_takes_in_process():
+  # SubmitGuessEnvironment served with OpenEnv's base Action (how an MCP environment is served: the server then takes
+  # list_tools and call_tool steps only): the same tools listed in the same system message, the same hints, tool
+  # errors and submissions as in process; a plain answer ends the episode (reward 0). Seed 1 hides 3.
+  from openenv.core.env_server.types import Action
+  from oe_guess import GuessObservation
+
+  from branch_replay_jax.rollout.openenv_served import ServedOpenEnv
+  with serving(SubmitGuessEnvironment, Action, GuessObservation) as (url, _):
+    env, local = ServedOpenEnv(url, system="Play well."), openenv_env(SubmitGuessEnvironment(), system="Play well.")
+    try:
+      assert env.mcp and env.action_field is None
+      assert env.reset(1) == local.reset(1) and env.tools == local.tools and len(env.tools) == 3
+      for text in (_call("compare", number=5), _call("compare", number=1) + _call("compare", number=3)):
+        assert env.step(text) == local.step(text)
+      for e in (env, local):
+        with pytest.raises(EpisodeEnd, match=r"tool_error: .*: fail: Error calling tool 'fail': the hint service is "
+                                             r"down$"):
+          e.step(_call("fail"))
+      assert env.step(_call("submit", number=3)) == local.step(_call("submit", number=3)) == (None, 1.0, True)
+      env.reset(1)
+      assert env.step("3") == (None, 0.0, True)
+      with pytest.raises(ValueError, match=r"action_field='message': the server takes tool calls only"):
+        ServedOpenEnv(url, action_field="message")
+    finally:
+      env.close()
+      local.close()
+
+
 def test_a_served_environment_is_refused_by_name_before_the_model_loads(served, tmp_path):
   # An action_field or observation_field that is not a str field of the server's schemas (a misnamed field
   # would otherwise make the server refuse every action, and every episode end invalid_action), or a URL where

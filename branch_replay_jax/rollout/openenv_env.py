@@ -56,7 +56,7 @@ one whose step annotates a Union with it) exposes tools; the adapter then plays 
                    -> `EpisodeEnd("malformed_tool_call")`; a call whose observation has an error (OpenEnv's
                       `ToolError`, or a result marked is_error) -> `EpisodeEnd("tool_error")`, as `ToolEnv`'s
 
-In process only: a served MCP environment (`ServedOpenEnv`) takes the model's text as its Action as above.
+Served (`ServedOpenEnv`), a server hosting an MCP environment takes tool calls only: a final answer ends the episode.
 
 The Action: `action` names it, an `Action` subclass (or its import path) whose `action_field` (a
 str field; None: the class's one field annotated `str`, `metadata` aside) receives the model's
@@ -142,15 +142,49 @@ def _action_class(env, Action):
   return None
 
 
-def _result_text(result) -> str:
-  """A tool result as the "tool" message's text: a str as is, fastmcp's `CallToolResult` the text of its content
-  items (one per line), None "", anything else its JSON."""
+def _get(x, name: str):
+  """x's field `name`: a dict's key (a served environment's observation) or an object's attribute (in process)."""
+  return x.get(name) if isinstance(x, dict) else getattr(x, name, None)
+
+
+def result_text(result) -> str:
+  """A tool result as the "tool" message's text: a str as is, fastmcp's `CallToolResult` (or its dict, served) the
+  text of its content items (one per line), None "", anything else its JSON."""
   if isinstance(result, str):
     return result
-  content = getattr(result, "content", None)
+  content = _get(result, "content") if result is not None else None
   if isinstance(content, list):
-    return "\n".join(getattr(item, "text", None) or str(item) for item in content)
+    return "\n".join(_get(item, "text") or str(item) for item in content)
   return "" if result is None else json.dumps(result, default=str)
+
+
+def tool_schemas(tools) -> dict[str, dict]:
+  """{name: schema in `Tool.schema`'s format} of a `ListToolsObservation`'s tools (objects or, served, dicts)."""
+  return {_get(t, "name"): {"type": "function", "function": {"name": _get(t, "name"), "description": _get(t, "description"),
+                                                              "parameters": _get(t, "input_schema")}} for t in tools}
+
+
+def tool_turn(env_id: str, text: str, tools: dict, call_tool: Callable, final_answer: Callable | None):
+  """`Environment.step`'s (observation, reward, done) of a turn on an environment's MCP tools (the module
+  docstring's mapping, in process and served): call_tool(name, arguments) -> the call's observation's (result,
+  error, reward, done); final_answer(text) plays a turn without a call, None ends the episode (reward 0)."""
+  try:
+    calls = parse_tool_calls(text, tools)
+  except ToolCallError as e:
+    raise EpisodeEnd("malformed_tool_call", f"{env_id}: {e}") from None
+  if not calls:
+    return (None, 0.0, True) if final_answer is None else final_answer(text)
+  out, reward = [], 0.0
+  for call in calls:
+    result, error, call_reward, done = call_tool(call.name, call.arguments)
+    if error is not None or (result is not None and _get(result, "is_error")):
+      why = _get(error, "message") if error is not None else result_text(result)
+      raise EpisodeEnd("tool_error", f"{env_id}: {call.name}: {why}")
+    reward += 0.0 if call_reward is None else float(call_reward)
+    if done:
+      return None, reward, True
+    out.append({"role": "tool", "content": result_text(result)})
+  return out, reward, False
 
 
 class OpenEnvEnv(OwnRandom):
@@ -303,33 +337,21 @@ class OpenEnvEnv(OwnRandom):
     if error or not getattr(listed, "tools", None):
       raise ValueError(f"OpenEnvEnv: {self.env_id} lists no tools ({error or 'an empty list'}); an environment "
                        "that takes tool calls needs at least one")
-    return {t.name: {"type": "function", "function": {"name": t.name, "description": t.description,
-                                                      "parameters": t.input_schema}} for t in listed.tools}
+    return tool_schemas(listed.tools)
 
   def step(self, assistant_message: str):
     """Play the model's message (its tool calls, or it as the action); see the module docstring."""
     if not self.mcp:
       return self._play(assistant_message)
-    try:
-      calls = parse_tool_calls(assistant_message, self.tools)
-    except ToolCallError as e:
-      raise EpisodeEnd("malformed_tool_call", f"{self.env_id}: {e}") from None
-    if not calls:   # a final answer
-      return (None, 0.0, True) if self._make_action is None else self._play(assistant_message)
     from openenv.core.env_server.mcp_types import CallToolAction
-    out, reward = [], 0.0
-    for call in calls:
-      observation = self._checked(self._call(self.env.step, CallToolAction(tool_name=call.name,
-                                                                            arguments=call.arguments)), "step")
-      result, error = getattr(observation, "result", None), getattr(observation, "error", None)
-      if error is not None or getattr(result, "is_error", False):
-        why = getattr(error, "message", None) or _result_text(result)
-        raise EpisodeEnd("tool_error", f"{self.env_id}: {call.name}: {why}")
-      reward += 0.0 if observation.reward is None else float(observation.reward)
-      if observation.done:
-        return None, reward, True
-      out.append({"role": "tool", "content": _result_text(result)})
-    return out, reward, False
+
+    def call_tool(name, arguments):
+      observation = self._checked(self._call(self.env.step, CallToolAction(tool_name=name, arguments=arguments)),
+                                  "step")
+      return (getattr(observation, "result", None), getattr(observation, "error", None), observation.reward,
+              observation.done)
+    return tool_turn(self.env_id, assistant_message, self.tools, call_tool,
+                     None if self._make_action is None else self._play)
 
   def _play(self, assistant_message: str):
     """The model's message as the environment's own Action (the module docstring's mapping)."""

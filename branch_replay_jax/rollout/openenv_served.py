@@ -26,9 +26,13 @@ from typing import Any, Callable
 
 from branch_replay_jax.rollout.adapters import first_messages, game_seed, import_optional
 from branch_replay_jax.rollout.environments import EpisodeEnd
-from branch_replay_jax.rollout.openenv_env import BASE_FIELDS, INSTALL, OpenEnvEnv, step_outcome
+from branch_replay_jax.rollout.openenv_env import BASE_FIELDS, INSTALL, OpenEnvEnv, step_outcome, tool_schemas, tool_turn
+from branch_replay_jax.rollout.tools import schemas_system_prompt
 
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
+# A server whose Action is one of these hosts an MCP environment (`create_app(env, Action, ...)`): OpenEnv's server
+# then takes {"type": "list_tools"} and {"type": "call_tool", ...} as steps (its `deserialize_action`), nothing else.
+MCP_ACTIONS = ("Action", "CallToolAction", "ListToolsAction")
 
 
 def openenv_environment(target, **options):
@@ -91,6 +95,10 @@ class ServedOpenEnv:
     any other error (the environment raised, its own validation error, a timeout, a lost connection)
                    -> RuntimeError naming the URL and the server's message and code; run_episode stops
                       the step naming the problem
+    a server that hosts an MCP environment (its Action OpenEnv's base, `MCP_ACTIONS`): `OpenEnvEnv`'s tools
+                      mapping (`tool_turn`): the tools listed at reset ({"type": "list_tools"}), each tool call
+                      a {"type": "call_tool"} step; a turn without a call ends the episode (reward 0): such a
+                      server takes no Action of the environment's own
 
   Args:
     url: the server's base URL, http(s):// or ws(s)://, without a query (a trailing /ws is the client's
@@ -104,7 +112,8 @@ class ServedOpenEnv:
     message_timeout_s: seconds for a reply to reset or step.
 
   Attributes:
-    env_id: the URL. action_field, observation_field: the fields chosen. observation: the last
+    env_id: the URL. action_field, observation_field: the fields chosen (action_field None for an MCP server).
+    mcp: whether the server takes tool calls; tools: {name: schema} as the last reset listed them. observation: the last
     observation (the server's dict, without `metadata`, which OpenEnv's server does not send), or None.
     client: the episode's session (OpenEnv's sync client), None between episodes.
 
@@ -134,8 +143,13 @@ class ServedOpenEnv:
     self._timeouts = (float(connect_timeout_s), float(message_timeout_s))
     schemas = self._schemas()
     action, observation = schemas.get("action", {}), schemas.get("observation", {})
-    self.action_field = self._field(action, action_field, ("metadata",), "action_field", "Action")
-    others = sorted(set(action.get("required", ())) - {self.action_field})
+    self.mcp, self.tools = action.get("title") in MCP_ACTIONS, {}
+    if self.mcp and action_field is not None:
+      raise ValueError(f"ServedOpenEnv({url!r}): action_field={action_field!r}: the server takes tool calls only "
+                       f"(its Action is {action.get('title')})")
+    self.action_field = None if self.mcp else self._field(action, action_field, ("metadata",), "action_field",
+                                                          "Action")
+    others = [] if self.mcp else sorted(set(action.get("required", ())) - {self.action_field})
     if others:
       raise ValueError(f"ServedOpenEnv({url!r}): the server's Action ({action.get('title')}) also needs {others}, "
                        "which the model's text does not fill")
@@ -212,12 +226,26 @@ class ServedOpenEnv:
     if result.done:
       self.end_episode()
       raise ValueError(f"ServedOpenEnv({self.env_id!r}): reset returned an observation that is already done")
-    return first_messages(self.system, text)
+    if not self.mcp:
+      return first_messages(self.system, text)
+    listed = self._call("step", {"type": "list_tools"}).observation.get("tools")
+    if not listed:
+      self.end_episode()
+      raise ValueError(f"ServedOpenEnv({self.env_id!r}): the server lists no tools; an environment that takes tool "
+                       "calls needs at least one")
+    self.tools = tool_schemas(listed)
+    system = schemas_system_prompt(list(self.tools.values()))
+    return first_messages(f"{system}\n\n{self.system}" if self.system else system, text)
 
   def step(self, assistant_message: str):
-    """Play the model's message as the action; see the class docstring for what comes back."""
+    """Play the model's message as the action (or its tool calls); see the class docstring for what comes back."""
     if self.client is None:
       raise RuntimeError(f"ServedOpenEnv({self.env_id!r}): step before reset (or after end_episode)")
+    if self.mcp:
+      def call_tool(name, arguments):
+        result = self._call("step", {"type": "call_tool", "tool_name": name, "arguments": arguments})
+        return result.observation.get("result"), result.observation.get("error"), result.reward, result.done
+      return tool_turn(self.env_id, assistant_message, self.tools, call_tool, None)
     result = self._call("step", {self.action_field: assistant_message})
     return step_outcome(result.reward, result.done, lambda: self._text(result.observation))
 
