@@ -78,7 +78,7 @@ def rollout_devices(config) -> list:
   for device in jax.devices():
     per_process.setdefault(device.process_index, []).append(device)
   share = r // len(per_process)
-  return [d for process in sorted(per_process) for d in per_process[process][-share:]]
+  return [d for process in sorted(per_process) for d in per_process[process][len(per_process[process]) - share:]]
 
 
 def sampling_devices(mesh, num_groups: int, rollout=()):
