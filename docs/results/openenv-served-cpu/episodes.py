@@ -26,19 +26,24 @@ from branch_replay_jax.rollout.openenv_env import OpenEnvEnv  # noqa: E402
 from branch_replay_jax.rollout.openenv_served import ServedOpenEnv  # noqa: E402
 
 
-def main(episodes: int) -> None:
+def serve(environment, action, observation):
+  """(URL, uvicorn server) of `environment` behind OpenEnv's own server (`create_app`) on a free local port."""
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
-  server = uvicorn.Server(uvicorn.Config(create_app(GuessNumberEnvironment, GuessAction, GuessObservation),
-                                         log_level="critical"))
+  server = uvicorn.Server(uvicorn.Config(create_app(environment, action, observation), log_level="critical"))
   threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
   while not server.started:
     time.sleep(0.05)
+  return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+
+
+def main(episodes: int) -> None:
+  url, server = serve(GuessNumberEnvironment, GuessAction, GuessObservation)
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   stop = stop_ids(tokenizer)[0]
   turns = [tokenizer.encode(t, add_special_tokens=False) + [stop] for t in ("no idea", "5", "11")]
   envs = {"in_process": OpenEnvEnv(GuessNumberEnvironment()),
-          "served": ServedOpenEnv(f"http://127.0.0.1:{sock.getsockname()[1]}")}
+          "served": ServedOpenEnv(url)}
   for name, env in envs.items():
     rewards, cpu, wall = [], resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for seed in range(episodes):

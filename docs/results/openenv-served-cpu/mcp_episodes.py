@@ -9,16 +9,13 @@ submission: three turns, three tool calls), side by side in one process. Prints 
 import json
 import os
 import resource
-import socket
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
 
-import uvicorn  # noqa: E402
-from openenv.core.env_server.http_server import create_app  # noqa: E402
+from episodes import serve  # noqa: E402
 from openenv.core.env_server.types import Action  # noqa: E402
 from oe_guess import GuessObservation, SubmitGuessEnvironment  # noqa: E402
 
@@ -31,19 +28,13 @@ CALL = '<tool_call>{{"name": "{}", "arguments": {{"number": {}}}}}</tool_call>'
 
 
 def main(episodes: int) -> None:
-  sock = socket.socket()
-  sock.bind(("127.0.0.1", 0))
-  server = uvicorn.Server(uvicorn.Config(create_app(SubmitGuessEnvironment, Action, GuessObservation),
-                                         log_level="critical"))
-  threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-  while not server.started:
-    time.sleep(0.05)
+  url, server = serve(SubmitGuessEnvironment, Action, GuessObservation)
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   stop = stop_ids(tokenizer)[0]
   texts = (CALL.format("compare", 5), CALL.format("compare", 8), CALL.format("submit", 3))
   turns = [tokenizer.encode(t, add_special_tokens=False) + [stop] for t in texts]
   envs = {"in_process": OpenEnvEnv(SubmitGuessEnvironment()),
-          "served": ServedOpenEnv(f"http://127.0.0.1:{sock.getsockname()[1]}")}
+          "served": ServedOpenEnv(url)}
   for name, env in envs.items():
     rewards, calls, cpu, wall = [], 0, resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for seed in range(episodes):
