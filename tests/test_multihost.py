@@ -107,7 +107,8 @@ def stale_one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.heavy   # ~60 s; CI runs the rollout sub-mesh test below: the same two-process loop, its gathers and collectives
+# heavy: ~60 s; CI runs the rollout sub-mesh test below: the same two-process loop, its gathers and collectives
+@pytest.mark.heavy
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 def test_two_processes_train_as_one(one_process, tmp_path):
   two_processes(tmp_path)

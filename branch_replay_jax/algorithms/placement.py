@@ -111,8 +111,9 @@ def sampling_policy(graphdef, params, mesh, devices, select=None, frozen=None):
   `devices` ([n] from `sampling_devices` or `eval_devices`, on `mesh`), {device: the model on a
   full copy of the parameters on that device} for this process's devices (`hosts.device_copies`:
   FSDP parameters all-gathered once, a collective every process joins); a device outside the mesh (the
-  rollout sub-mesh, `rollout_devices`) gets its copy by `jax.device_put` from a training device of its process. `select` picks the module
-  that samples out of the merged one (PPO: the actor-critic's `.policy`); default the model itself.
+  rollout sub-mesh, `rollout_devices`) gets its copy by `jax.device_put` from a training device of its
+  process. `select` picks the module that samples out of the merged one (PPO: the actor-critic's `.policy`);
+  default the model itself.
   frozen: LoRA's base state (params are then the adapters), merged with them and copied alike."""
   select = select or (lambda model: model)
   states = (params,) if frozen is None else (params, frozen)

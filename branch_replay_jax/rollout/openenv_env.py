@@ -160,8 +160,16 @@ def result_text(result) -> str:
 
 def tool_schemas(tools) -> dict[str, dict]:
   """{name: schema in `Tool.schema`'s format} of a `ListToolsObservation`'s tools (objects or, served, dicts)."""
-  return {_get(t, "name"): {"type": "function", "function": {"name": _get(t, "name"), "description": _get(t, "description"),
-                                                              "parameters": _get(t, "input_schema")}} for t in tools}
+  return {_get(t, "name"): {"type": "function", "function": {
+      "name": _get(t, "name"), "description": _get(t, "description"), "parameters": _get(t, "input_schema")}}
+      for t in tools}
+
+
+def tools_first_messages(tools: dict, system: str | None, text: str) -> list[dict[str, str]]:
+  """An MCP environment's reset messages (the module docstring's mapping, in process and served): the system
+  message listing `tools`' schemas (`tool_schemas`), then `system` if given, then the observation's text."""
+  listed = schemas_system_prompt(list(tools.values()))
+  return first_messages(f"{listed}\n\n{system}" if system else listed, text)
 
 
 def tool_turn(env_id: str, text: str, tools: dict, call_tool: Callable, final_answer: Callable | None):
@@ -205,9 +213,10 @@ class OpenEnvEnv(OwnRandom):
 
   Attributes:
     env: the OpenEnv environment. env_id: its class name. action_class: its Action class (None with a
-    factory, or for a tools-only environment). seeded: whether its reset takes the seed. mcp: whether it takes
-    tool calls; tools: {name: schema} of its tools as the last reset listed them. observation: the last observation (OpenEnv's
-    object, its fields and `metadata` for inspection; `env.state` is the environment's), or None.
+    factory, or for a tools-only environment). seeded: whether its reset takes the seed. mcp: whether it
+    takes tool calls; tools: {name: schema} of its tools as the last reset listed them. observation: the last
+    observation (OpenEnv's object, its fields and `metadata` for inspection; `env.state` is the environment's),
+    or None.
 
   Raises:
     ImportError: openenv-core is not installed (naming the package and the install commands).
@@ -326,8 +335,7 @@ class OpenEnvEnv(OwnRandom):
     if not self.mcp:
       return first_messages(self.system, text)
     self.tools = self._list_tools()
-    system = schemas_system_prompt(list(self.tools.values()))
-    return first_messages(f"{system}\n\n{self.system}" if self.system else system, text)
+    return tools_first_messages(self.tools, self.system, text)
 
   def _list_tools(self) -> dict[str, dict]:
     """{name: schema} of the environment's MCP tools (`ListToolsAction`), in `Tool.schema`'s format."""

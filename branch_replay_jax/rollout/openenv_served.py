@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 from branch_replay_jax.rollout.adapters import first_messages, game_seed, import_optional
 from branch_replay_jax.rollout.environments import EpisodeEnd
-from branch_replay_jax.rollout.openenv_env import BASE_FIELDS, INSTALL, OpenEnvEnv, step_outcome, tool_schemas, tool_turn
-from branch_replay_jax.rollout.tools import schemas_system_prompt
+from branch_replay_jax.rollout.openenv_env import (BASE_FIELDS, INSTALL, OpenEnvEnv, step_outcome, tool_schemas,
+                                                   tool_turn, tools_first_messages)
 
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 # A server whose Action is one of these hosts an MCP environment (`create_app(env, Action, ...)`): OpenEnv's server
@@ -113,8 +113,8 @@ class ServedOpenEnv:
 
   Attributes:
     env_id: the URL. action_field, observation_field: the fields chosen (action_field None for an MCP server).
-    mcp: whether the server takes tool calls; tools: {name: schema} as the last reset listed them. observation: the last
-    observation (the server's dict, without `metadata`, which OpenEnv's server does not send), or None.
+    mcp: whether the server takes tool calls; tools: {name: schema} as the last reset listed them. observation:
+    the last observation (the server's dict, without `metadata`, which OpenEnv's server does not send), or None.
     client: the episode's session (OpenEnv's sync client), None between episodes.
 
   Raises:
@@ -234,8 +234,7 @@ class ServedOpenEnv:
       raise ValueError(f"ServedOpenEnv({self.env_id!r}): the server lists no tools; an environment that takes tool "
                        "calls needs at least one")
     self.tools = tool_schemas(listed)
-    system = schemas_system_prompt(list(self.tools.values()))
-    return first_messages(f"{system}\n\n{self.system}" if self.system else system, text)
+    return tools_first_messages(self.tools, self.system, text)
 
   def step(self, assistant_message: str):
     """Play the model's message as the action (or its tool calls); see the class docstring for what comes back."""
