@@ -9,7 +9,8 @@ the model, tokenizer and chat template come from its experiment.json, and a conf
 model.name is refused), restores the checkpoint of `--step` (default: the latest) and writes the
 policy (PPO: the policy trunk, without the critic); `--base` writes config.model.name as loaded,
 with no run. The layout is the one transformers, vLLM and our own `models.load` read
-(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma3ForCausalLM`). The tensors are the inverse of
+(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma3ForCausalLM`, `Gemma4ForCausalLM`, ...). The
+tensors are the inverse of
 `models.loading.assemble_params`: projections transposed back to [out, in] and heads flattened.
 A LoRA run (config.lora) is written with its adapters merged into the base weights
 (`models.lora.merged`: W + alpha / r A B), after checking that the checkpoint's base record
@@ -30,14 +31,15 @@ from flax import nnx
 from ml_collections import config_flags
 from safetensors.numpy import save_file
 
-from branch_replay_jax.models import Llama, lora, qwen3_5
+from branch_replay_jax.models import Llama, gemma4, lora, qwen3_5
 from branch_replay_jax.models.config import FULL, SLIDING, LinearRopeScaling, ModelConfig
 from branch_replay_jax.models.hf_loader import GLOBAL_NAMES, LAYER_PREFIX, layer_names
 from branch_replay_jax.models.loading import LAYER_PARAMS, generation_config, stop_ids
 from branch_replay_jax.outputs.checkpoints import read_run_record
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gemma3_text": "Gemma3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+              "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+              "qwen3_5_text": "Qwen3_5ForCausalLM",
               "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
 
@@ -51,7 +53,7 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
          "hidden_act": "silu", "max_position_embeddings": c.max_positions, "rms_norm_eps": c.norm_eps,
          "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings, "torch_dtype": dtype,
          "attention_bias": c.qkv_bias, "mlp_bias": False}
-  if c.rope_scaling is not None and not c.gemma:
+  if c.rope_scaling is not None and not c.sliding:
     s = c.rope_scaling
     out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                            "high_freq_factor": s.high_freq_factor,
@@ -79,6 +81,9 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
   if c.hybrid:   # transformers-5 Qwen3_5TextConfig fields (`models.hf_loader._qwen3_5_fields` reads them)
     del out["rope_theta"], out["mlp_bias"]
     out.update(qwen3_5.hf_config_fields(c))
+  if c.gemma4:   # Gemma4TextConfig's fields (`models.hf_loader._gemma4_fields` reads them)
+    del out["hidden_act"], out["mlp_bias"], out["rope_theta"]
+    out.update(gemma4.hf_config_fields(c))
   return out
 
 
@@ -102,6 +107,8 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   c = config
   if c.hybrid:
     return qwen3_5.hf_tensors(c, params)
+  if c.gemma4:
+    return gemma4.hf_tensors(c, params)
   to_hf = {
       "q": lambda w: w.reshape(c.d_model, c.num_heads * c.head_dim).T,
       "k": lambda w: w.reshape(c.d_model, c.num_kv_heads * c.head_dim).T,

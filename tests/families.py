@@ -33,7 +33,8 @@ def next_logprobs(m, ids) -> np.ndarray:
   """[len(ids) - 1] log-probs of each next id under model m (one forward of the whole sequence)."""
   out = m(jnp.asarray([ids]), 0)
   w, axis = m.output_weights()
-  return np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis)[0])
+  return np.asarray(token_logprobs(out.hidden_btd[:, :-1], w, jnp.asarray([ids[1:]]), vocab_axis=axis,
+                                   softcap=m.logit_softcap)[0])
 
 
 def objective(logp, br):

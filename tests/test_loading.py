@@ -725,10 +725,11 @@ GEMMA_DEFAULTS = ("attention_bias", "attention_dropout", "attn_logit_softcapping
     ("qwen3_5_moe_tiny", "qwen3_5_moe", "model.language_model.", "lm_head.weight", ()),     # its experts alike
     ("gemma3_tiny", "gemma3", "language_model.model.", "language_model.lm_head.weight",   # Gemma 3's released names
      GEMMA_DEFAULTS),
+    ("gemma4_tiny", "gemma4", "model.language_model.", "lm_head.weight", ()),               # Gemma 4's (tied)
 ])
 def test_a_multimodal_checkpoint_loads_its_language_model_as_the_text_checkpoint(tmp_path, fixture, model_type,
                                                                                  prefix, lm_head, drop):
-  # The released Qwen3.5, Qwen3.5-MoE and Gemma 3 (4B+) checkpoints are multimodal: their language model is the text
+  # The released Qwen3.5, Qwen3.5-MoE, Gemma 3 (4B+) and Gemma 4 checkpoints are multimodal: their language model is the text
   # model's tensors under another prefix, with a vision tower (and Qwen3.5's mtp layers) beside it, and a
   # text_config that may leave the family's defaults out. Loading the language model gives the text
   # checkpoint's config and parameters exactly (the same float32 bytes).

@@ -170,8 +170,12 @@ def validate_layer_kinds(config) -> None:
            if packed else None)
     if why:
       raise ValueError(f"model.name={m.name!r} has linear-attention layers (Qwen3.5): {why}")
-  if not arch.gemma:
+  if not arch.sliding:
     return
+  family = "Gemma 4" if arch.gemma4 else "Gemma 3"
+  if arch.gemma4 and config.get("lora") is not None and config.lora.get("rank", 0):
+    raise ValueError(f"lora.rank={config.lora.rank}: model.name={m.name!r} is Gemma 4, whose adapters are not built "
+                     "(its sliding and global layers' weights are stacked apart); train it without lora")
   why = (f"model.attention_impl={m.attention_impl!r}: no Pallas kernel takes a window yet; use 'xla'"
          if m.attention_impl not in ("xla", "auto") else
          f"mesh.seq={config.mesh.seq}: the prompt split over seq (ring attention) takes no window; use mesh.data and "
@@ -179,7 +183,7 @@ def validate_layer_kinds(config) -> None:
          "train.tree_schedule='packed': a packed row's key ends take no window; use 'depth_first' or 'level'"
          if packed else None)
   if why:
-    raise ValueError(f"model.name={m.name!r} has sliding-window layers (Gemma 3): {why}")
+    raise ValueError(f"model.name={m.name!r} has sliding-window layers ({family}): {why}")
 
 
 def model_architecture(name: str):

@@ -56,7 +56,8 @@ class LogprobsValues:
 
 def _logp(policy, shifted_btd, tokens_bt, mask_bt, chunk: int, temperature: float):
   w, vocab_axis = policy.output_weights()
-  logp = token_logprobs(shifted_btd, w, tokens_bt, chunk=chunk, vocab_axis=vocab_axis, temperature=temperature)
+  logp = token_logprobs(shifted_btd, w, tokens_bt, chunk=chunk, vocab_axis=vocab_axis, temperature=temperature,
+                        softcap=policy.logit_softcap)
   return jnp.where(mask_bt, logp, 0.0)
 
 

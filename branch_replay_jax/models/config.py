@@ -1,13 +1,14 @@
 """Architecture description of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Qwen3), of
-Gemma 3's text decoder (sliding-window layers beside global ones) and of Qwen3.5's (Gated DeltaNet
-linear-attention layers beside gated full-attention ones)."""
+Gemma 3's and Gemma 4's text decoders (sliding-window layers beside global ones) and of Qwen3.5's (Gated
+DeltaNet linear-attention layers beside gated full-attention ones)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_moe",
+                 "qwen3_5_moe_text")
 EXPERT_MATMULS = ("ragged_dot", "tiled", "pallas")   # ModelConfig.expert_matmul
 # Attention layer kinds (transformers' `layer_types`): Gemma 3's sliding and full, Qwen3.5's linear and full.
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
@@ -82,12 +83,12 @@ class ModelConfig:
     qkv_bias: Q/K/V projections carry a bias (Qwen2/2.5).
     qk_norm: per-head RMSNorm on Q and K before RoPE (Qwen3).
     max_positions: the context length the weights were trained for (tokens).
-    layer_types: Gemma 3 only: one of SLIDING, FULL per layer. A sliding layer's query at position p
+    layer_types: Gemma 3 and 4 only: one of SLIDING, FULL per layer. A sliding layer's query at position p
       attends to the keys at positions p - sliding_window < q <= p (transformers' `sliding_window_overlay`),
       with RoPE base rope_local_theta and no scaling; a full layer to every earlier key, with
       rope_theta and rope_scaling.
-    sliding_window: Gemma 3 only: the window W (tokens) of the sliding layers.
-    rope_local_theta: Gemma 3 only: the sliding layers' RoPE base.
+    sliding_window: Gemma 3 and 4 only: the window W (tokens) of the sliding layers.
+    rope_local_theta: Gemma 3 and 4 only: the sliding layers' RoPE base.
     query_pre_attn_scalar: Gemma 3 only: the logit scale is query_pre_attn_scalar ** -0.5 (else
       head_dim ** -0.5).
     linear_attention: Qwen3.5 only: the shape of its Gated DeltaNet layers (`GatedDeltaNetShape`);
@@ -106,6 +107,13 @@ class ModelConfig:
       "tiled" (`kernels.grouped_matmul`: tiles of one expert's rows, any backend) or "pallas"
       (`kernels.grouped_matmul_pallas`: the same tiles as Pallas kernels, Triton on GPU, interpreted on the
       CPU; one device only); one of EXPERT_MATMULS.
+    global_head_dim, global_kv_heads, k_eq_v, global_rope_fraction, final_logit_softcap, layer_scalars: Gemma 4
+      only (arch="gemma4_text", `models.gemma4`): its global layers' head width and K/V heads (head_dim and
+      num_kv_heads are the sliding layers'), whether their values are their keys' projection (attention_k_eq_v),
+      the fraction of each global head RoPE rotates (proportional RoPE: the first global_rope_fraction ·
+      global_head_dim / 2 frequencies of the rotate-half pairs, the rest unrotated; rope_theta and rope_scaling
+      its base and scaling), the cap c of the output logits (c · tanh(logits / c); None: none) and each
+      layer's output scalar (transformers' `layer_scalar` buffer, not trained; None: all 1).
 
   `arch="gemma3_text"` also selects Gemma 3's block (Gemma Team 2025, arXiv 2503.19786; transformers'
   `Gemma3DecoderLayer`): RMSNorm scaled by (1 + w), norms after attention and MLP as well as before,
@@ -138,6 +146,12 @@ class ModelConfig:
   expert_ffn_dim: int | None = None
   norm_topk_prob: bool = True
   expert_matmul: str = "ragged_dot"
+  global_head_dim: int | None = None
+  global_kv_heads: int | None = None
+  k_eq_v: bool = False
+  global_rope_fraction: float | None = None
+  final_logit_softcap: float | None = None
+  layer_scalars: tuple[float, ...] | None = None
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -168,6 +182,14 @@ class ModelConfig:
         if getattr(self, name) is not None:
           raise ValueError(f"ModelConfig.{name} is a mixture of experts' (arch='qwen3_moe' or 'qwen3_5_moe_text'); "
                            f"arch={self.arch!r} has none")
+    gemma4_fields = ("global_head_dim", "global_kv_heads", "global_rope_fraction", "final_logit_softcap",
+                     "layer_scalars")
+    if self.gemma4:
+      self._check_gemma4()
+    else:
+      for name in gemma4_fields + ("k_eq_v",):
+        if getattr(self, name) not in (None, False):
+          raise ValueError(f"ModelConfig.{name} is Gemma 4's (arch='gemma4_text'); arch={self.arch!r} has none")
     if self.hybrid:
       self._check_hybrid()
       return
@@ -175,7 +197,7 @@ class ModelConfig:
       if getattr(self, name) is not None:
         raise ValueError(f"ModelConfig.{name} is Qwen3.5's (arch='qwen3_5_text'); arch={self.arch!r} has none")
     gemma_fields = ("layer_types", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
-    if not self.gemma:
+    if not self.sliding:
       for name in gemma_fields:
         if getattr(self, name) is not None:
           raise ValueError(f"ModelConfig.{name} is Gemma 3's (arch='gemma3_text'); arch={self.arch!r} has none")
@@ -189,6 +211,29 @@ class ModelConfig:
                        f"{self.sliding_window!r}")
     if SLIDING in types and self.rope_local_theta is None:
       raise ValueError("ModelConfig.rope_local_theta (the sliding layers' RoPE base) is missing")
+
+  def _check_gemma4(self):
+    for name in ("global_head_dim", "global_kv_heads"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive int for arch='gemma4_text', got {value!r}")
+    if self.global_head_dim % 2:
+      raise ValueError(f"ModelConfig.global_head_dim={self.global_head_dim} must be even for RoPE")
+    if self.num_heads % self.global_kv_heads:
+      raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                       f"global_kv_heads={self.global_kv_heads}")
+    f = self.global_rope_fraction
+    if not isinstance(f, (int, float)) or not 0 < f <= 1:
+      raise ValueError(f"ModelConfig.global_rope_fraction must be in (0, 1], got {f!r}")
+    cap = self.final_logit_softcap
+    if cap is not None and (not isinstance(cap, (int, float)) or cap <= 0):
+      raise ValueError(f"ModelConfig.final_logit_softcap must be None or > 0, got {cap!r}")
+    scalars = self.layer_scalars
+    if scalars is not None and (not isinstance(scalars, tuple) or len(scalars) != self.num_layers):
+      raise ValueError(f"ModelConfig.layer_scalars must be None or a tuple of {self.num_layers} floats, got "
+                       f"{scalars!r}")
+    if self.query_pre_attn_scalar is not None:
+      raise ValueError("ModelConfig.query_pre_attn_scalar is Gemma 3's: Gemma 4's attention has no logit scale")
 
   def _check_hybrid(self):
     types = self.layer_types
@@ -209,6 +254,16 @@ class ModelConfig:
   def gemma(self) -> bool:
     """Gemma 3's block and attention layers (the class docstring)."""
     return self.arch == "gemma3_text"
+
+  @property
+  def gemma4(self) -> bool:
+    """Gemma 4's decoder (`models.gemma4`): sliding and global layers of different shapes (the fields above)."""
+    return self.arch == "gemma4_text"
+
+  @property
+  def sliding(self) -> bool:
+    """Sliding-window layers beside global ones (layer_types of SLIDING and FULL): Gemma 3's or Gemma 4's."""
+    return self.gemma or self.gemma4
 
   @property
   def unit_offset_norms(self) -> bool:
@@ -240,6 +295,11 @@ class ModelConfig:
       mlp = (d * self.num_experts + 3 * d * self.expert_ffn_dim * self.experts_per_token
              + (3 * d * f + d if self.shared_expert else 0))
     per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + mlp
+    if self.gemma4:   # its global layers' own head width and K/V heads (one K/V projection with k_eq_v)
+      gd, gkv = self.global_head_dim, self.global_kv_heads
+      glob = 2 * d * hq * gd + (1 if self.k_eq_v else 2) * d * gkv * gd + mlp
+      n_full = self.layer_types.count(FULL)
+      return n_full * glob + (self.num_layers - n_full) * per_layer + d * self.vocab_size
     if not self.hybrid:
       return self.num_layers * per_layer + d * self.vocab_size
     la = self.linear_attention   # Qwen3.5: the full layers' query gate; the linear layers' q, k, v, z, a, b, out
@@ -297,6 +357,14 @@ ARCHITECTURE_SHAPES = {
                                norm_eps=1e-6, tie_embeddings=True, max_positions=131072, arch="gemma3_text",
                                layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(48)),
                                sliding_window=1024, rope_local_theta=10000.0, query_pre_attn_scalar=256.0),
+    # google/gemma-4-31B's text_config: five sliding layers (W = 1024; 16 K/V heads of 256) to one global layer
+    # (4 K/V heads of 512 whose values are their keys, a quarter of each head turned by RoPE), every sixth.
+    "gemma-4-31b": ModelConfig(vocab_size=262144, num_layers=60, d_model=5376, num_heads=32, num_kv_heads=16,
+                               head_dim=256, ffn_dim=21504, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+                               max_positions=262144, arch="gemma4_text",
+                               layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(60)),
+                               sliding_window=1024, rope_local_theta=10000.0, global_head_dim=512, global_kv_heads=4,
+                               k_eq_v=True, global_rope_fraction=0.25, final_logit_softcap=30.0),
     # transformers' Qwen3_5TextConfig defaults ("the Qwen3.5-9B style configuration"): three Gated DeltaNet
     # layers then one gated full-attention layer, eight times.
     # Qwen/Qwen3-30B-A3B's config.json: 48 layers, each a mixture of 128 experts (8 per token) of width 768.

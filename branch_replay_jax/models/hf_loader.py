@@ -112,6 +112,57 @@ def _gemma_fields(cfg: dict, path: str) -> dict:
               tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
 
 
+def _gemma4_fields(cfg: dict, path: str) -> dict:
+  """ModelConfig fields of a Gemma 4 text config (`Gemma4TextConfig`, models/gemma4.py): the sliding layers'
+  shape (the common fields) and the global layers' (global_head_dim and num_global_key_value_heads, or the
+  per_layer_config transformers 5 writes of them; the K/V heads are the global ones only with
+  attention_k_eq_v, as in transformers), each layer type's RoPE, the logit cap. Refuses what our decoder does
+  not implement, naming it."""
+  refused = {"hidden_size_per_layer_input (per-layer embeddings)": bool(cfg.get("hidden_size_per_layer_input")),
+             "num_kv_shared_layers (K/V shared across layers)": bool(cfg.get("num_kv_shared_layers")),
+             "enable_moe_block (the mixture-of-experts block)": bool(cfg.get("enable_moe_block")),
+             "use_bidirectional_attention": bool(cfg.get("use_bidirectional_attention")),
+             "attention_bias": bool(cfg.get("attention_bias")),
+             "hidden_activation != gelu_pytorch_tanh":
+                 cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+             "tie_word_embeddings=false": not cfg.get("tie_word_embeddings", True)}
+  for option, present in refused.items():
+    if present:
+      raise ValueError(f"{path}: {option} is not supported by our gemma4_text decoder")
+  layers = int(cfg["num_hidden_layers"])
+  types = list(cfg.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(layers)])
+  types[-1] = FULL   # transformers forces the last layer global
+  overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+  first_global = types.index(FULL)
+  written = overrides.get(first_global, {})
+  k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+  head_dim = _int(cfg, path, "head_dim", default=256)
+  kv_heads = _int(cfg, path, "num_key_value_heads")
+  global_head_dim = written.get("head_dim", _int(cfg, path, "global_head_dim", default=512))
+  global_kv = written.get("num_key_value_heads", cfg.get("num_global_key_value_heads") if k_eq_v else None)
+  for i, kind in enumerate(types):   # every global layer the same shape, every sliding one the common one
+    want = {"head_dim": global_head_dim, "num_key_value_heads": global_kv or kv_heads} if kind == FULL else {}
+    got = {k: v for k, v in overrides.get(i, {}).items() if k in ("head_dim", "num_key_value_heads")}
+    if any(got.get(k, v) != v for k, v in want.items()) or (kind != FULL and got):
+      raise ValueError(f"{path}: per_layer_config[{i}]={overrides[i]} differs from the other {kind} layers'; our "
+                       "gemma4_text decoder takes one shape per layer type")
+  rope = cfg.get("rope_parameters") or {}
+  full = dict(rope.get(FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6})
+  local = dict(rope.get(SLIDING) or {"rope_type": "default", "rope_theta": 10000.0})
+  if full.get("rope_type") != "proportional" or local.get("rope_type", "default") != "default":
+    raise ValueError(f"{path}: rope_parameters {rope}: our gemma4_text decoder takes 'proportional' on "
+                     "full_attention and 'default' on sliding_attention layers")
+  factor = float(full.get("factor", 1.0))
+  cap = cfg.get("final_logit_softcapping")
+  return dict(layer_types=tuple(types), sliding_window=_int(cfg, path, "sliding_window", default=512),
+              rope_theta=float(full.get("rope_theta", 1e6)),
+              rope_scaling=None if factor == 1.0 else LinearRopeScaling(factor),
+              rope_local_theta=float(local.get("rope_theta", 10000.0)), head_dim=head_dim, num_kv_heads=kv_heads,
+              global_head_dim=int(global_head_dim), global_kv_heads=int(global_kv or kv_heads), k_eq_v=k_eq_v,
+              global_rope_fraction=float(full.get("partial_rotary_factor", 1.0)),
+              final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True)
+
+
 def _qwen3_5_fields(cfg: dict, path: str) -> dict:
   """`ModelConfig` fields of a transformers `Qwen3_5TextConfig` (config.json), beside the common ones
   `read_config` reads; refuses what the decoder does not implement, naming it.
@@ -145,7 +196,8 @@ def _qwen3_5_fields(cfg: dict, path: str) -> dict:
 # Multimodal checkpoints whose language model we train: {model_type: its text model's model_type}. The released
 # Qwen3.5 checkpoints and Gemma 3 from 4B up are these (transformers' Qwen3_5ForConditionalGeneration,
 # Gemma3ForConditionalGeneration); only their language model is read (`language_model_tensor`).
-MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text",
+              "gemma4": "gemma4_text"}
 # A multimodal checkpoint's language-model tensors, named as the text model's: transformers 5 writes
 # model.language_model.*, Gemma 3's released files language_model.model.* and language_model.lm_head.*
 # (transformers' conversion_mapping.py renames them the same way).
@@ -236,6 +288,8 @@ def read_config(directory: str) -> ModelConfig:
     if cfg.get("attention_bias", False):
       raise ValueError(f"{path}: attention_bias is not supported by our gemma3_text decoder")
     return ModelConfig(**common, **_gemma_fields(cfg, path))
+  if arch == "gemma4_text":
+    return ModelConfig(**{**common, **_gemma4_fields(cfg, path)})
   if arch == "qwen3_5_text":
     return ModelConfig(**common, **_qwen3_5_fields(cfg, path))
   if arch == "qwen3_5_moe_text":   # Qwen3.5's layers, every MLP experts plus a shared expert; the router renormalises

@@ -508,10 +508,10 @@ class Llama(nnx.Module):
     if remat == "offload_kv":
       _check_host_memory(remat)
     self.remat = remat
-    if config.gemma and attention_impl not in ("xla", "auto"):
-      raise ValueError(f"Llama: attention_impl={attention_impl!r}: Gemma 3's layers run the jnp windowed attention "
+    if config.sliding and attention_impl not in ("xla", "auto"):
+      raise ValueError(f"Llama: attention_impl={attention_impl!r}: Gemma's layers run the jnp windowed attention "
                        "(kernels.windowed_suffix_attention); no Pallas kernel takes a window yet; use 'xla'")
-    self.attention_impl = "xla" if config.gemma else resolve_attention_impl(attention_impl, config.head_dim)
+    self.attention_impl = "xla" if config.sliding else resolve_attention_impl(attention_impl, config.head_dim)
     normal = nnx.initializers.normal(0.02)
     self.embed = annotated(normal(rngs.params(), (config.vocab_size, config.d_model)), ("vocab", "embed"))
     self.layers = self.layers_class(config, rngs=rngs)
@@ -580,15 +580,15 @@ class Llama(nnx.Module):
     """[B, T, d] token embeddings in the compute dtype (Gemma's times sqrt(d), taken in that dtype as
     transformers' `Gemma3TextScaledWordEmbedding` does)."""
     x = param_value(self.embed)[tokens_bt].astype(self.dtype)
-    return x * jnp.asarray(self.config.d_model ** 0.5, self.dtype) if self.config.gemma else x
+    return x * jnp.asarray(self.config.d_model ** 0.5, self.dtype) if self.config.sliding else x
 
   def _final_norm(self, x):
     return rms_norm(x, param_value(self.final_norm), self.config.norm_eps, unit_offset=self.config.unit_offset_norms)
 
   def _attention(self, attention):
     """The suffix attention a forward uses: the model's own, or the caller's (not for Gemma 3)."""
-    if attention is not None and self.config.gemma:
-      raise ValueError("Llama: Gemma 3's layers take no attention= override (context parallelism, a kernel): their "
+    if attention is not None and self.config.sliding:
+      raise ValueError("Llama: Gemma's layers take no attention= override (context parallelism, a kernel): their "
                        "sliding windows run in kernels.windowed_suffix_attention only")
     return attention_fn(self.attention_impl) if attention is None else attention
 
@@ -699,6 +699,11 @@ class Llama(nnx.Module):
       return param_value(self.embed), 0
     return param_value(self.lm_head), 1
 
+  @property
+  def logit_softcap(self) -> float | None:
+    """The cap of the output logits (`token_logprobs`' softcap): None here, Gemma 4's in `gemma4.Gemma4`."""
+    return None
+
   def logits(self, hidden_btd: jax.Array) -> jax.Array:
     """[B, T, V] float32 (float64 for float64 compute) logits. Only for short segments; long ones use `token_logprobs`."""
     w = self.unembedding().astype(hidden_btd.dtype)
@@ -706,8 +711,8 @@ class Llama(nnx.Module):
 
 
 def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *, chunk: int = 256,
-                   vocab_axis: int = 1, temperature: float = 1.0) -> jax.Array:
-  """log softmax(h_t W / τ)[target_t] without holding [T, V] logits for the whole segment.
+                   vocab_axis: int = 1, temperature: float = 1.0, softcap: float | None = None) -> jax.Array:
+  """log softmax(cap(h_t W) / τ)[target_t] without holding [T, V] logits for the whole segment.
 
   Positions are processed in n = ceil(T / chunk) equal chunks of ceil(T / n) <= chunk positions with
   `jax.lax.map` (the last padded by fewer than n positions); when there are several chunks each
@@ -723,6 +728,8 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
     vocab_axis: 0 or 1, the axis of w that indexes the vocabulary.
     temperature: τ > 0, a Python float: the logits are divided by it before the softmax, as the
       sampler draws (docs/design.md, "Log-prob temperature"); 1 (the default) skips the division.
+    softcap: None, or c > 0: the logits soft-capped first, cap(z) = c · tanh(z / c) (Gemma 4's
+      final_logit_softcapping, `Llama.logit_softcap`); None (the default) leaves them as they are.
 
   Returns:
     [B, T] float32 log-probabilities (float64 for float64 hidden states).
@@ -744,6 +751,8 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
   def one(args):
     h_bcd, y_bc = args
     logits = jnp.einsum(spec, h_bcd.reshape(-1, d), w, preferred_element_type=accum_dtype(h_bcd.dtype))
+    if softcap is not None:
+      logits = softcap * jnp.tanh(logits / softcap)
     if temperature != 1.0:
       logits = logits / temperature
     picked = jnp.take_along_axis(logits, y_bc.reshape(-1, 1), axis=-1)[:, 0]

@@ -32,7 +32,7 @@ from flax import nnx
 
 from branch_replay_jax.models import gguf_loader, hf_loader
 from branch_replay_jax.models.config import ModelConfig
-from branch_replay_jax.models import qwen3_5
+from branch_replay_jax.models import gemma4, qwen3_5
 from branch_replay_jax.models.llama import Llama
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -149,8 +149,9 @@ def assemble_params(config: ModelConfig, globs: dict, layers: dict) -> dict:
 
 
 def decoder_class(config: ModelConfig) -> type[Llama]:
-  """The decoder class of an architecture: `qwen3_5.Qwen35` for Qwen3.5 (`ModelConfig.hybrid`), else `Llama`."""
-  return qwen3_5.Qwen35 if config.hybrid else Llama
+  """The decoder class of an architecture: `qwen3_5.Qwen35` for Qwen3.5 (`ModelConfig.hybrid`), `gemma4.Gemma4`
+  for Gemma 4, else `Llama`."""
+  return qwen3_5.Qwen35 if config.hybrid else gemma4.Gemma4 if config.gemma4 else Llama
 
 
 def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: str = "none",
@@ -215,6 +216,9 @@ def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attent
   if config.hybrid:
     return build_model(config, qwen3_5.params_from_hf(tensors, config, directory), dtype=dtype, remat=remat,
                        attention_impl=attention_impl, expert_matmul=expert_matmul)
+  if config.gemma4:
+    config, params = gemma4.params_from_hf(tensors, config, directory)
+    return build_model(config, params, dtype=dtype, remat=remat, attention_impl=attention_impl)
   globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
                                     layer_prefix=hf_loader.LAYER_PREFIX,
                                     layer_names=hf_loader.layer_names(config.arch, config.num_experts),

@@ -134,6 +134,9 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
 def target_weight(model: Llama, target: str) -> tuple[Any, str]:
   """(the module holding `target`'s weight, its attribute name): `model.layers`, or for Qwen3.5's attention
   targets its full-attention layers' `model.layers.full` (their weights stacked [Lf, ...])."""
+  if model.config.gemma4:
+    raise ValueError("lora: Gemma 4's adapters are not built (its sliding and global layers' weights are stacked "
+                     "apart, models/gemma4.py); train it without lora")
   if model.config.hybrid and target in ATTENTION_TARGETS:
     return model.layers.full, target
   return model.layers, target

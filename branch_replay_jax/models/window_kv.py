@@ -62,17 +62,23 @@ def trim(kv: KVBlock, layer_types: Sequence[str] | None, window: int | None) -> 
   (nothing to cut: no sliding layer, a prompt shorter than the window, or no global layer to keep it whole)."""
   if not layer_types or SLIDING not in layer_types or FULL not in layer_types:
     return kv
-  keep = window - 1
-  if kv.k.shape[2] <= keep:
+  if kv.k.shape[2] <= window - 1:
     return kv
   is_global, _ = layer_slots(layer_types)
+  index = np.flatnonzero(is_global)
+  full = KVBlock(jnp.take(kv.k, index, axis=0), jnp.take(kv.v, index, axis=0), kv.valid)
+  return WindowedPrompt(full, *last_keys(kv, window))
+
+
+def last_keys(kv: KVBlock, window: int) -> tuple[KVBlock, jax.Array]:
+  """(the W - 1 slots of stacked K/V [L, B, P, ...] from each row's `start`, start [B] int32 = max(n - (W - 1),
+  0), n its real keys): what a window of W still reaches of a segment (P > W - 1), `WindowedPrompt`'s tail."""
+  keep = window - 1
   start = jnp.maximum(jnp.sum(kv.valid.astype(jnp.int32), axis=-1) - keep, 0)            # [B]; <= P - keep
   rows = lambda x: jax.vmap(lambda xb, s: jax.lax.dynamic_slice_in_dim(xb, s, keep, axis=1),
                             in_axes=(1, 0), out_axes=1)(x, start)                       # [L, B, keep, ...]
   valid = jax.vmap(lambda vb, s: jax.lax.dynamic_slice_in_dim(vb, s, keep))(kv.valid, start)
-  index = np.flatnonzero(is_global)
-  full = KVBlock(jnp.take(kv.k, index, axis=0), jnp.take(kv.v, index, axis=0), kv.valid)
-  return WindowedPrompt(full, KVBlock(rows(kv.k), rows(kv.v), valid), start)
+  return KVBlock(rows(kv.k), rows(kv.v), valid), start
 
 
 def ancestor_blocks(ancestors: Sequence[KVBlock | WindowedPrompt], dtype, layer_types: Sequence[str] | None):

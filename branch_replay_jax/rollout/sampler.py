@@ -95,8 +95,11 @@ def init_cache(model: Llama, batch: int, length: int, context=None) -> KVBlock:
   """An empty generated-token cache: k, v [L, batch, length, Hkv, D] zeros in the model's compute
   dtype, valid [batch, length] all False. Qwen3.5's (`models.qwen3_5.HybridState`) holds its full layers'
   K/V so and its linear layers' running state beside them, starting from `context`'s (the last ancestor:
-  the state after the context's last token, broadcast to the batch)."""
+  the state after the context's last token, broadcast to the batch). Gemma 4's (`models.gemma4.Gemma4KV`) its
+  sliding and its global layers' K/V side by side."""
   cfg = model.config
+  if cfg.gemma4:
+    return model.initial_state(batch, length)
   if cfg.hybrid:
     empty = model.initial_state(batch)
     shape = (empty.k.shape[0], batch, length, cfg.num_kv_heads, cfg.head_dim)
@@ -152,10 +155,11 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
   out = model(tokens_b[:, None], offset, ancestors=[*ancestors, cache])
   zero = jnp.zeros((), jnp.int32)
   start = (zero, zero, jnp.asarray(step, jnp.int32), zero, zero)
-  k = jax.lax.dynamic_update_slice(cache.k, out.kv.k.astype(cache.k.dtype), start)
-  v = jax.lax.dynamic_update_slice(cache.v, out.kv.v.astype(cache.v.dtype), start)
+  write = lambda name: jax.lax.dynamic_update_slice(getattr(cache, name),
+                                                    getattr(out.kv, name).astype(getattr(cache, name).dtype), start)
+  keyed = [f for f in ("k", "v", "gk", "gv") if f in cache._fields]   # Gemma 4: its global layers' too
   valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((tokens_b.shape[0], 1), bool), start[1:3])
-  cache = cache._replace(k=k, v=v, valid=valid)
+  cache = cache._replace(valid=valid, **{f: write(f) for f in keyed})
   if isinstance(cache, HybridState):   # the linear layers' running state: this token's
     cache = cache._replace(conv=out.kv.conv, recurrent=out.kv.recurrent)
   return model.logits(out.hidden_btd)[:, 0], cache, None if out.experts is None else out.experts[:, 0]

@@ -1,0 +1,265 @@
+"""Gemma 4's text decoder: parity with transformers on a tiny random checkpoint (tests/fixtures/gemma4_tiny,
+written by tools/make_gemma4_reference.py), and branch replay exact with sliding and global layers of
+different shapes (models/gemma4.py)."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_rel_err, random_group
+from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
+                      grpo_on_exported, next_logprobs, objective, read_reference, refused_before_loading, step,
+                      tree_and_rows)
+from flax import nnx
+
+from branch_replay_jax.data.batches import pack_trees
+from branch_replay_jax.data.trees import tree_from_trajectories
+from branch_replay_jax.gradients.heads import POLICY
+from branch_replay_jax.gradients.step import value_and_grad
+from branch_replay_jax.models import tiny_config
+from branch_replay_jax.models.config import FULL, SLIDING
+from branch_replay_jax.models.gemma4 import Gemma4, Gemma4KV, global_inv_freq
+from branch_replay_jax.models.loading import build_model, load_hf_model
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4_tiny")
+WINDOW = 4   # the fixture's sliding_window: shorter than every input and segment path below
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return read_reference(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_hf_model(FIXTURE)
+
+
+def _params64(model):
+  """(graphdef, float64 params) of `model` rebuilt in float64 compute (call under x64)."""
+  m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+  graphdef, params = nnx.split(m64)
+  return graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+
+
+def test_config_reads_both_layer_shapes_the_proportional_rope_the_cap_and_the_layer_scalars(model):
+  c = model.config
+  assert c.arch == "gemma4_text" and c.sliding_window == WINDOW and c.layer_types == (SLIDING, SLIDING, FULL) * 2
+  assert (c.num_kv_heads, c.head_dim, c.global_kv_heads, c.global_head_dim, c.k_eq_v) == (2, 16, 1, 32, True)
+  assert (c.rope_theta, c.rope_local_theta, c.global_rope_fraction, c.final_logit_softcap) == (1e6, 1e4, 0.25, 3.0)
+  # the fixture's random scalars in [0.5, 1.5), read from the checkpoint's layer_scalar buffers
+  assert len(c.layer_scalars) == 6 and all(0.5 <= s < 1.5 for s in c.layer_scalars)
+  assert len(set(c.layer_scalars)) == 6
+  # proportional RoPE: 16 frequency pairs of which int(0.25 * 32 / 2) = 4 turn, at base^(-2i/32)
+  inv = np.asarray(global_inv_freq(c))
+  np.testing.assert_allclose(inv[:4], 1e6 ** (-np.arange(0, 8, 2) / 32), rtol=1e-6)
+  assert inv.shape == (16,) and not inv[4:].any()
+  # no v_proj in the global layers (values are the key projection); one per sliding layer
+  assert "wv" not in model.layers.full.__dict__ and model.layers.sliding.wv.shape == (4, 48, 2, 16)
+
+
+def test_logprobs_match_transformers_float32(model, reference):
+  # Same weights through transformers' Gemma4ForCausalLM (eager attention, float32) and our decoder, the
+  # logits soft-capped at 3. Inputs of 23 and 40 tokens against a window of 4. The fixture is rounded to 1e-6;
+  # float32 reassociation adds ~1e-6 (measured 6.9e-6).
+  for item in reference["inputs"]:
+    got = next_logprobs(model, item["input_ids"])
+    assert np.abs(got - np.asarray(item["next_token_logprobs"])).max() <= 1e-5
+
+
+@pytest.mark.parametrize("change", [
+    dict(final_logit_softcap=None), dict(layer_scalars=None), dict(global_rope_fraction=1.0),
+    dict(sliding_window=1000),
+])
+def test_each_gemma4_part_is_what_the_parity_measures(model, reference, change):
+  # The same weights without the cap, the layer scalars, the proportional RoPE's unturned pairs or the window
+  # differ from transformers by far more than the parity bound (1e-5): each is what the test above checks.
+  other = build_model(dataclasses.replace(model.config, **change), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  item = reference["inputs"][1]
+  assert np.abs(next_logprobs(other, item["input_ids"]) - np.asarray(item["next_token_logprobs"])).max() > 1e-3
+
+
+def test_greedy_sampling_through_both_kv_caches_reproduces_transformers(model, reference):
+  # transformers: 16 argmax steps of full forwards. Ours: sample_group at temperature 0, each token decoded on
+  # the sliding layers' and the global layers' K/V caches (`Gemma4KV`). The smallest top-1/top-2 gap, 0.0044,
+  # is ~1e3 times our logit error.
+  greedy_reproduces(model, reference, min_gap=4e-3)
+
+
+def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path):
+  # config.json + model.safetensors load back into the same config (the layer scalars included) and parameters,
+  # with transformers' tensor names and shapes (the fixture's: no v_proj in a global layer).
+  export_round_trip(model, FIXTURE, tmp_path)
+
+
+def test_group_replay_equals_naive_float64_with_the_window_across_the_prompt(model, x64):
+  # Prompt of 6, completions of 2, 5 and 9 tokens, window 4; replay (the prompt once, the completions on its
+  # sliding and global K/V; the two-scan prompt_and_rows) and naive rows: float64 rounding.
+  graphdef, params = _params64(model)
+  arrays = arrays_of(random_group([2, 5, 9], prompt_len=6, seed=3), np.float64)
+  ln, _, gn = step(graphdef, params, arrays, objective, layout="naive")
+  for kw in (dict(micro_batch=1, fused=False), dict(micro_batch=None, fused=True)):
+    lr, _, gr = step(graphdef, params, arrays, objective, **kw)
+    assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln))), kw
+    assert max_rel_err(gr, gn) <= 1e-10, kw
+
+
+def test_group_replay_float32_within_rounding_of_naive(model):
+  # float32: replay against naive within 1e-4 relative (rounding order only).
+  arrays = arrays_of(random_group([2, 5, 9], prompt_len=6, seed=3), np.float32)
+  graphdef, params = nnx.split(model)
+  _, _, gn = step(graphdef, params, arrays, objective, layout="naive")
+  _, _, gr = step(graphdef, params, arrays, objective, micro_batch=1, fused=False)
+  assert max_rel_err(gr, gn) <= 1e-4
+
+
+@pytest.mark.parametrize("prompt_len", [6, 2])
+def test_replay_hands_the_branches_only_the_keys_a_window_reaches(model, x64, prompt_len):
+  # A prompt of prompt_len real tokens in a bucket of 8, window 4: no branch token (positions >= prompt_len)
+  # reaches a sliding layer's prompt key before prompt_len - 3, so replay keeps the 2 global layers' 8 keys
+  # (1 head of 32) and the 4 sliding layers' last 3 (2 heads of 16): 4 x 8 x 32 + 2 x 8 x 32 = 1536 -> 4 x 3 x 32
+  # + 2 x 8 x 32 = 896 K values per row. Branches on the trimmed K/V compute the same hidden states as on the
+  # whole prompt's (float64: the softmax's sums in another order, <= 1e-12).
+  m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+  rng = np.random.default_rng(5)
+  prompt = jnp.asarray(rng.integers(3, 96, (1, 8)), jnp.int32)
+  kv = m64(prompt, 0, valid_bt=(jnp.arange(8) < prompt_len)[None]).kv
+  trimmed = m64.branch_kv(kv)
+  assert trimmed.full.k.shape == (2, 1, 8, 1, 32) and trimmed.tail.k.shape == (4, 1, 3, 2, 16)
+  start = max(prompt_len - 3, 0)
+  assert int(trimmed.start[0]) == start
+  np.testing.assert_array_equal(trimmed.tail.k, kv.k[:, :, start:start + 3])
+  np.testing.assert_array_equal(trimmed.full.v, kv.gv)
+  rows = jnp.asarray(rng.integers(3, 96, (3, 7)), jnp.int32)
+  valid = jnp.arange(7)[None] < jnp.asarray([[7], [4], [1]])
+  whole = m64(rows, prompt_len, ancestors=[kv], valid_bt=valid)
+  cut = m64(rows, prompt_len, ancestors=[trimmed], valid_bt=valid)
+  assert float(jnp.max(jnp.abs(jnp.where(valid[..., None], cut.hidden_btd - whole.hidden_btd, 0.0)))) <= 1e-12
+  # a row's own K/V (what its descendants see next) are the same too; a trimmed block then a whole one
+  assert float(jnp.max(jnp.abs(jnp.where(valid[None, ..., None, None], cut.kv.k - whole.kv.k, 0.0)))) <= 1e-12
+  after = jnp.asarray(rng.integers(3, 96, (3, 2)), jnp.int32)
+  both = lambda first: m64(after, prompt_len + 7, ancestors=[first, whole.kv]).hidden_btd
+  assert float(jnp.max(jnp.abs(both(trimmed) - both(kv)))) <= 1e-12
+  # a prompt no longer than the window keeps its K/V as it is (nothing to cut)
+  short = jax.tree_util.tree_map(lambda x: x[:, :, :3] if x.ndim == 5 else x[:, :3], kv)
+  assert isinstance(m64.branch_kv(short), Gemma4KV)
+
+
+def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model, x64):
+  # Depth 3 (prompt 5, nodes of 2-4 tokens), window 4: a level-3 token sees part of its parent on the sliding
+  # layers and every ancestor on the global ones. Depth-first replay equals the naive rows (float64).
+  graphdef, params = _params64(model)
+  rng = np.random.default_rng(7)
+  seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
+  one = {a: seg(10 + a, 3 + a) for a in range(2)}
+  two = {(a, b): seg(20 + b, 2 + 2 * b) for a in range(2) for b in range(2)}
+  trajectories = [one[a] + two[a, b] + seg(30 + c, 2 + c) for a in range(2) for b in range(2) for c in range(2)]
+  tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
+  tree_batch, rows, _ = tree_and_rows(tree, rng)
+  ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
+  lt, _, gt = step(graphdef, params, tree_batch, objective, schedule="depth_first", micro_batch=2)
+  assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max_rel_err(gt, gn) <= 1e-10
+  with pytest.raises(ValueError, match="packed tree"):   # the packed row's key ends take no window
+    value_and_grad(POLICY, graphdef, params, pack_trees([tree_batch])[0], objective)
+
+
+def test_a_segment_hands_on_the_sliding_and_the_global_layers_kv_in_their_own_shapes(model):
+  out = model(jnp.arange(3, 10)[None], 0)
+  assert isinstance(out.kv, Gemma4KV)
+  assert out.kv.k.shape == out.kv.v.shape == (4, 1, 7, 2, 16)       # 4 sliding layers, 2 heads of 16
+  assert out.kv.gk.shape == out.kv.gv.shape == (2, 1, 7, 1, 32)     # 2 global layers, 1 head of 32
+
+
+def test_fsdp_mesh_step_equals_naive_float64():
+  # Two groups over data x branch = 2 x 2 with FSDP parameters (the sliding and global layers' weights split and
+  # gathered per repetition of the layer pattern): the summed gradient equals the naive groups' (<= 1e-10).
+  with jax.enable_x64(True):
+    graphdef, params = _params64(load_hf_model(FIXTURE))
+    groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s), np.float64) for s in range(2)]
+    fsdp_step_equals_naive(graphdef, params, groups)
+
+
+def _tiny_gemma4(**overrides):
+  base = dict(arch="gemma4_text", layer_types=(SLIDING, FULL), sliding_window=8, rope_local_theta=1e4,
+              global_head_dim=16, global_kv_heads=1, k_eq_v=True, global_rope_fraction=0.25,
+              final_logit_softcap=30.0, layer_scalars=(0.9, 1.1))
+  return tiny_config(**{**base, **overrides})
+
+
+def test_gemma4_config_fields_are_refused_by_name():
+  with pytest.raises(ValueError, match="global_head_dim is Gemma 4's"):
+    tiny_config(global_head_dim=16)
+  with pytest.raises(ValueError, match="global_kv_heads must be a positive int"):
+    _tiny_gemma4(global_kv_heads=None)
+  with pytest.raises(ValueError, match="num_heads=4 is not a multiple of global_kv_heads=3"):
+    _tiny_gemma4(global_kv_heads=3)
+  with pytest.raises(ValueError, match="layer_scalars must be None or a tuple of 2"):
+    _tiny_gemma4(layer_scalars=(1.0,))
+  with pytest.raises(ValueError, match="attention_impl='pallas'"):
+    Gemma4(_tiny_gemma4(), attention_impl="pallas")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
+    ("num_kv_shared_layers", 2, "K/V shared across layers"),
+    ("enable_moe_block", True, "the mixture-of-experts block"),
+])
+def test_what_our_gemma4_does_not_build_is_refused_by_name_before_loading(tmp_path, field, value, message):
+  import json
+  import shutil
+  directory = tmp_path / "g4"
+  shutil.copytree(FIXTURE, directory)
+  cfg = json.load(open(directory / "config.json"))
+  json.dump({**cfg, field: value}, open(directory / "config.json", "w"))
+  refused_before_loading(tmp_path, str(directory), "smoke", {}, f"{field} \\({message}\\) is not supported")
+
+
+def test_a_gemma4_model_refuses_lora_before_loading(tmp_path):
+  refused_before_loading(tmp_path, FIXTURE, "lora_smoke", {},
+                         "lora.rank=4: .* is Gemma 4, whose adapters are not built")
+
+
+def test_grpo_trains_a_gemma4_directory_by_replay_and_checks_it_against_naive_rows(tmp_path, monkeypatch):
+  # A random two-layer Gemma 4 (a sliding layer of window 8, a global layer of another head width whose values
+  # are its keys, logits capped at 30) over SmolLM2's tokenizer, exported as a Hugging Face directory and
+  # trained by the GRPO smoke experiment: every prompt (~40 tokens) is longer than the window. The step's
+  # run-time exactness check computes one group's gradient by replay and by naive rows: equal to float32
+  # rounding (exactness_ok, the bound of algorithms/exactness.py).
+  cfg = _tiny_gemma4(vocab_size=SMOLLM2_VOCAB, max_positions=2048)
+  record = grpo_on_exported(Gemma4(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch)
+  assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
+  assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
+
+
+def test_episode_turns_on_the_kept_kv_sample_what_a_full_reprefill_samples(model):
+  # The fixture over the 64-id setting of tests/test_episode_sampler.py: three branches of three turns, the
+  # prompt's K/V shared, each turn decoded on both kinds of K/V cache and the observations prefilled on them;
+  # turns of up to 6 tokens against a window of 4. Same key, same draws as re-prefilling the whole history every
+  # turn; log-probs to float32 rounding.
+  from test_episode_sampler import _episodes
+  kept = _episodes(model, keep_cache=True, temperature=1.0)
+  full = _episodes(model, keep_cache=False, temperature=1.0)
+  assert kept[0] == full[0] and kept[1] == full[1]
+  for a, b in zip(kept[2], full[2]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_samplers_logprobs_are_the_trainers_of_the_capped_logits(model):
+  # Sampled at temperature 1 on the K/V caches, each token's recorded log-prob is log softmax(cap(z)) of a full
+  # forward (what the loss takes: token_logprobs with the model's softcap) to float32 rounding; without the cap
+  # on either side they would differ by ~0.2 (the parity test's change0).
+  from branch_replay_jax.rollout.sampler import sample_group
+  prompt = np.arange(5, 14)
+  out = sample_group(model, prompt, num_samples=3, max_new_tokens=12, key=jax.random.key(3), temperature=1.0)
+  for tokens, logprobs in zip(np.asarray(out.tokens), np.asarray(out.logprobs)):
+    full = next_logprobs(model, prompt.tolist() + tokens.tolist())[len(prompt) - 1:]
+    assert np.abs(full - logprobs).max() <= 2e-5
+
+
+def test_a_gemma4_model_refuses_the_seq_axis_before_loading(tmp_path):
+  refused_before_loading(tmp_path, FIXTURE, "smoke", {"mesh.seq": 8, "rollout.prompts_per_step": 1},
+                         "has sliding-window layers \\(Gemma 4\\): .*ring attention\\) takes no window")
