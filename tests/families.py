@@ -149,6 +149,18 @@ def tree_and_rows(tree, rng, end_share: bool = False):
   return tree_arrays(pad_tree(tree), per_node, advantage=adv), rows, adv
 
 
+def window_tree(rng):
+  """A depth-3 tree over a vocabulary of 96 for the sliding-window families (tests/test_gemma.py, test_gemma4.py):
+  a prompt of 5, then two nodes of 3-4 tokens, two children each of 2 or 4, two leaves each of 2 or 3: with a
+  window of 4 a leaf token sees part of its parent and none of its grandparent or the prompt."""
+  from branch_replay_jax.data.trees import tree_from_trajectories
+  seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
+  one = {a: seg(10 + a, 3 + a) for a in range(2)}
+  two = {(a, b): seg(20 + b, 2 + 2 * b) for a in range(2) for b in range(2)}
+  trajectories = [one[a] + two[a, b] + seg(30 + c, 2 + c) for a in range(2) for b in range(2) for c in range(2)]
+  return tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
+
+
 def greedy_reproduces(model, reference: dict, min_gap: float) -> None:
   """The fixture's greedy continuation (transformers' argmax of full forwards, every top-1/top-2 logit gap above
   `min_gap`) equals our sampler's at temperature 0 (the K/V cache or recurrent state, one token at a time)."""

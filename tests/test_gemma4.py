@@ -12,11 +12,10 @@ import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
                       grpo_on_exported, next_logprobs, objective, read_reference, refused_before_loading, step,
-                      tree_and_rows)
+                      tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
-from branch_replay_jax.data.trees import tree_from_trajectories
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.models import tiny_config
@@ -153,11 +152,7 @@ def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestor
   # layers and every ancestor on the global ones. Depth-first replay equals the naive rows (float64).
   graphdef, params = _params64(model)
   rng = np.random.default_rng(7)
-  seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
-  one = {a: seg(10 + a, 3 + a) for a in range(2)}
-  two = {(a, b): seg(20 + b, 2 + 2 * b) for a in range(2) for b in range(2)}
-  trajectories = [one[a] + two[a, b] + seg(30 + c, 2 + c) for a in range(2) for b in range(2) for c in range(2)]
-  tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
+  tree = window_tree(rng)
   tree_batch, rows, _ = tree_and_rows(tree, rng)
   ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
   lt, _, gt = step(graphdef, params, tree_batch, objective, schedule="depth_first", micro_batch=2)

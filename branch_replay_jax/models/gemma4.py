@@ -52,10 +52,10 @@ from branch_replay_jax.kernels import GLOBAL_WINDOW, KVBlock
 from branch_replay_jax.kernels.reference import accum_dtype, windowed_suffix_attention
 from branch_replay_jax.models.config import FULL, SLIDING, ModelConfig
 from branch_replay_jax.models.hf_loader import check_tensors
-from branch_replay_jax.models.llama import (GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, annotated, apply_rope,
+from branch_replay_jax.models.llama import (REMAT_POLICIES, Llama, SegmentOutput, annotated, apply_rope,
                                             gathered, project, rematerialized, rms_norm, rope_inv_freq,
                                             segment_positions)
-from branch_replay_jax.models.qwen3_5 import _params, _Params, pattern
+from branch_replay_jax.models.qwen3_5 import _Params, pattern, stacked_kinds
 from branch_replay_jax.models.window_kv import WindowedPrompt, last_keys
 
 
@@ -142,10 +142,7 @@ class Gemma4Layers(nnx.Module):
   def stacked(self) -> tuple[tuple[dict, dict, dict], tuple[dict, dict, dict]]:
     """(values, gathers): ({shared name: [L, ...]}, {sliding name: [Ls, ...]}, {full name: [Lg, ...]}) and the
     same dicts of each parameter's `Gather` or None (FSDP, as `DecoderLayers.stacked`)."""
-    own = {n: v for n, v in vars(self).items() if isinstance(v, nnx.Param)}
-    kinds = (own, _params(self.sliding), _params(self.full))
-    return (tuple({n: v[...] for n, v in d.items()} for d in kinds),
-            tuple({n: v.get_metadata(GATHER_KEY, None) for n, v in d.items()} for d in kinds))
+    return stacked_kinds(self, self.sliding, self.full)
 
 
 def _attention(config: ModelConfig, p: dict, h_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], valid_bt,

@@ -137,14 +137,19 @@ class HybridLayers(nnx.Module):
   def stacked(self) -> tuple[tuple[dict, dict, dict], tuple[dict, dict, dict]]:
     """(values, gathers): ({shared name: [L, ...]}, {full name: [Lf, ...]}, {linear name: [Ll, ...]}) and the
     same dicts of each parameter's `Gather` or None (FSDP, as `DecoderLayers.stacked`)."""
-    own = {n: v for n, v in vars(self).items() if isinstance(v, nnx.Param)}
-    kinds = (own, _params(self.full), _params(self.linear))
-    return (tuple({n: v[...] for n, v in d.items()} for d in kinds),
-            tuple({n: v.get_metadata(GATHER_KEY, None) for n, v in d.items()} for d in kinds))
+    return stacked_kinds(self, self.full, self.linear)
 
 
 def _params(module) -> dict:
   return {n: v for n, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+
+def stacked_kinds(*modules) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
+  """(values, gathers) of the parameters each module holds directly (its own, not its submodules'), one dict per
+  module, and the same dicts of each parameter's `Gather` or None (FSDP, as `DecoderLayers.stacked`)."""
+  kinds = tuple(_params(m) for m in modules)
+  return (tuple({n: v[...] for n, v in d.items()} for d in kinds),
+          tuple({n: v.get_metadata(GATHER_KEY, None) for n, v in d.items()} for d in kinds))
 
 
 class _Params(nnx.Module):
