@@ -147,6 +147,25 @@ def test_replay_hands_the_branches_only_the_keys_a_window_reaches(model, x64, pr
   assert isinstance(m64.branch_kv(short), Gemma4KV)
 
 
+# heavy: ~25 s of compiles (a float64 reference, bfloat16 naive and replay). CI covers the same code in float64
+# (test_group_replay_equals_naive_float64_with_the_window_across_the_prompt) and float32 (above).
+@pytest.mark.heavy
+def test_group_replay_bfloat16_error_at_most_twice_naive(model):
+  # bfloat16 compute: replay's error against the float64 gradient at most twice naive's, as for Llama
+  # (tests/test_replay.py) and Gemma 3.
+  group = random_group([2, 5, 9], prompt_len=6, seed=3)
+  with jax.enable_x64(True):
+    graph64, params64 = _params64(model)
+    exact = jax.tree_util.tree_map(np.asarray, step(graph64, params64, arrays_of(group, np.float64), objective,
+                                                    layout="naive")[2])
+  arrays = arrays_of(group, np.float32)
+  graphdef, params = nnx.split(build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                                           dtype=jnp.bfloat16))
+  naive_err = max_rel_err(step(graphdef, params, arrays, objective, layout="naive")[2], exact)
+  replay_err = max_rel_err(step(graphdef, params, arrays, objective, micro_batch=1, fused=False)[2], exact)
+  assert replay_err <= 2 * naive_err, (replay_err, naive_err)
+
+
 def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model, x64):
   # Depth 3 (prompt 5, nodes of 2-4 tokens), window 4: a level-3 token sees part of its parent on the sliding
   # layers and every ancestor on the global ones. Depth-first replay equals the naive rows (float64).
