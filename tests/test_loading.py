@@ -709,7 +709,8 @@ def _multimodal_copy(fixture: str, out: str, model_type: str, prefix: str, lm_he
   renamed = {(lm_head if k == "lm_head.weight" else prefix + k[len("model."):]): v for k, v in tensors.items()}
   rng = np.random.default_rng(0)
   for extra in ("model.visual.blocks.0.attn.qkv.weight", "vision_tower.vision_model.embeddings.patch.weight",
-                "multi_modal_projector.mm_input_projection_weight", "mtp.fc.weight"):
+                "multi_modal_projector.mm_input_projection_weight", "mtp.fc.weight",
+                "model.embed_vision.embedding_projection.weight", "model.audio_tower.output_proj.weight"):
     renamed[extra] = rng.normal(size=(3, 5)).astype(np.float32)
   save_file(renamed, os.path.join(out, "model.safetensors"))
   return renamed

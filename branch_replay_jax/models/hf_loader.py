@@ -203,10 +203,11 @@ MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gem
 # (transformers' conversion_mapping.py renames them the same way).
 LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                            ("language_model.lm_head.", "lm_head."))
-# What the text model does not hold: the vision tower and its projector, and Qwen3.5's multi-token-prediction
-# layers (transformers' Qwen3_5ForCausalLM ignores ^mtp.* and ^model.visual.* alike).
+# What the text model does not hold: the vision tower and its projector (Gemma 4's embed_vision), Gemma 4's audio
+# tower and its embed_audio, and Qwen3.5's multi-token-prediction layers (transformers' Qwen3_5ForCausalLM
+# ignores ^mtp.* and ^model.visual.* alike).
 SKIPPED_PREFIXES = ("model.visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                    "multi_modal_projector.", "mtp.")
+                    "multi_modal_projector.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.", "mtp.")
 
 
 def language_model_tensor(name: str, multimodal: bool) -> str | None:
