@@ -277,3 +277,34 @@ def test_the_samplers_logprobs_are_the_trainers_of_the_capped_logits(model):
 def test_a_gemma4_model_refuses_the_seq_axis_before_loading(tmp_path):
   refused_before_loading(tmp_path, FIXTURE, "smoke", {"mesh.seq": 8, "rollout.prompts_per_step": 1},
                          "has sliding-window layers \\(Gemma 4\\): .*ring attention\\) takes no window")
+
+
+@pytest.mark.parametrize("edit,expected", [
+    # the released files' fields in place of per_layer_config: the same model
+    (lambda c: {**{k: v for k, v in c.items() if k != "per_layer_config"}, "global_head_dim": 32,
+                "num_global_key_value_heads": 1}, None),
+    # transformers gives a layer per_layer_config leaves out the common shape: layer 5 then differs from layer 2
+    (lambda c: {**c, "per_layer_config": {"2": c["per_layer_config"]["2"]}}, "gives layer 5 \\(full_attention\\)"),
+    (lambda c: {**c, "per_layer_config": {**c["per_layer_config"], "0": {"head_dim": 32}}},
+     "gives layer 0 \\(sliding_attention\\)"),
+])
+def test_the_global_layers_shape_is_read_as_transformers_reads_it(tmp_path, model, edit, expected):
+  import json
+  import shutil
+  directory = tmp_path / "g4"
+  shutil.copytree(FIXTURE, directory)
+  cfg = json.load(open(directory / "config.json"))
+  json.dump(edit(cfg), open(directory / "config.json", "w"))
+  if expected is None:
+    assert load_hf_model(str(directory)).config == model.config
+  else:
+    with pytest.raises(ValueError, match=expected):
+      load_hf_model(str(directory))
+
+
+def test_global_kv_heads_of_their_own_need_k_eq_v():
+  # transformers' Gemma4TextConfig reads num_global_key_value_heads only with attention_k_eq_v: a config with
+  # other global K/V heads and k_eq_v False would export a checkpoint no one reads back
+  with pytest.raises(ValueError, match="global_kv_heads=1 differs from num_kv_heads=2 with k_eq_v=False"):
+    _tiny_gemma4(k_eq_v=False)
+  assert _tiny_gemma4(k_eq_v=False, global_kv_heads=2).global_kv_heads == 2

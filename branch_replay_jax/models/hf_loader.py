@@ -132,20 +132,25 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
   layers = int(cfg["num_hidden_layers"])
   types = list(cfg.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(layers)])
   types[-1] = FULL   # transformers forces the last layer global
-  overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
-  first_global = types.index(FULL)
-  written = overrides.get(first_global, {})
   k_eq_v = bool(cfg.get("attention_k_eq_v", False))
   head_dim = _int(cfg, path, "head_dim", default=256)
   kv_heads = _int(cfg, path, "num_key_value_heads")
-  global_head_dim = written.get("head_dim", _int(cfg, path, "global_head_dim", default=512))
-  global_kv = written.get("num_key_value_heads", cfg.get("num_global_key_value_heads") if k_eq_v else None)
+  common = {"head_dim": head_dim, "num_key_value_heads": kv_heads}
+  if "per_layer_config" in cfg:   # as transformers 5 writes it: a layer it leaves out has the common shape
+    overrides = {int(k): v for k, v in (cfg["per_layer_config"] or {}).items()}
+  else:   # the released files' global_head_dim / num_global_key_value_heads, as transformers' __post_init__ reads them
+    glob = {"head_dim": _int(cfg, path, "global_head_dim", default=512)}
+    if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
+      glob["num_key_value_heads"] = _int(cfg, path, "num_global_key_value_heads")
+    overrides = {i: glob for i, kind in enumerate(types) if kind == FULL}
+  shape = lambda i: {**common, **{k: v for k, v in overrides.get(i, {}).items() if k in common}}
+  first_global = types.index(FULL)
   for i, kind in enumerate(types):   # every global layer the same shape, every sliding one the common one
-    want = {"head_dim": global_head_dim, "num_key_value_heads": global_kv or kv_heads} if kind == FULL else {}
-    got = {k: v for k, v in overrides.get(i, {}).items() if k in ("head_dim", "num_key_value_heads")}
-    if any(got.get(k, v) != v for k, v in want.items()) or (kind != FULL and got):
-      raise ValueError(f"{path}: per_layer_config[{i}]={overrides[i]} differs from the other {kind} layers'; our "
-                       "gemma4_text decoder takes one shape per layer type")
+    want, whose = (shape(first_global), f"layer {first_global}'s") if kind == FULL else (common, "the common one")
+    if shape(i) != want:
+      raise ValueError(f"{path}: per_layer_config gives layer {i} ({kind}) the shape {shape(i)}, not {whose} {want}; "
+                       "our gemma4_text decoder takes one shape per layer type")
+  global_head_dim, global_kv = shape(first_global)["head_dim"], shape(first_global)["num_key_value_heads"]
   rope = cfg.get("rope_parameters") or {}
   full = dict(rope.get(FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6})
   local = dict(rope.get(SLIDING) or {"rope_type": "default", "rope_theta": 10000.0})
@@ -158,7 +163,7 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
               rope_theta=float(full.get("rope_theta", 1e6)),
               rope_scaling=None if factor == 1.0 else LinearRopeScaling(factor),
               rope_local_theta=float(local.get("rope_theta", 10000.0)), head_dim=head_dim, num_kv_heads=kv_heads,
-              global_head_dim=int(global_head_dim), global_kv_heads=int(global_kv or kv_heads), k_eq_v=k_eq_v,
+              global_head_dim=int(global_head_dim), global_kv_heads=int(global_kv), k_eq_v=k_eq_v,
               global_rope_fraction=float(full.get("partial_rotary_factor", 1.0)),
               final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True)
 
