@@ -85,12 +85,17 @@ def test_next_token_logprobs_and_top5_match_reference(loaded, reference, name):
 
   # Top-5: our id at rank r must be one whose reference logit is within TIE_TOL of the reference rank-r
   # logit (the same id unless two candidates are tied to float32 noise; the random input has a 2e-4 tie).
+  # At rank 5 our id may also be the reference's 6th, which the fixture does not list: then our logit for it
+  # must be within TIE_TOL of the reference's 5th (the random input's position 88: ids 378 and 314 are 1.9e-5
+  # apart, and either wins by the order of a float32 sum: seen both on one machine, under 1 and 2 workers).
   ref_ids, ref_logits = np.asarray(ref["top5_ids"]), np.asarray(ref["top5_logits"])
   our_ids = np.argsort(-logits, axis=-1, kind="stable")[:, :5]
   for t in range(len(ids)):
     for r in range(5):
       allowed = ref_ids[t][np.abs(ref_logits[t] - ref_logits[t, r]) < TIE_TOL]
-      assert our_ids[t, r] in allowed, (t, r, our_ids[t].tolist(), ref_ids[t].tolist())
+      ours_r = our_ids[t, r]
+      sixth = r == 4 and ours_r not in ref_ids[t] and abs(logits[t, ours_r] - ref_logits[t, r]) < TIE_TOL
+      assert ours_r in allowed or sixth, (t, r, our_ids[t].tolist(), ref_ids[t].tolist())
   np.testing.assert_allclose(np.take_along_axis(logits, ref_ids, axis=1), ref_logits, atol=LOGPROB_TOL, rtol=0)
 
 

@@ -55,7 +55,7 @@ from branch_replay_jax.models.hf_loader import check_tensors
 from branch_replay_jax.models.llama import (REMAT_POLICIES, Llama, SegmentOutput, annotated, apply_rope,
                                             gathered, project, rematerialized, rms_norm, rope_inv_freq,
                                             segment_positions)
-from branch_replay_jax.models.qwen3_5 import _Params, pattern, stacked_kinds
+from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stacked_kinds
 from branch_replay_jax.models.window_kv import WindowedPrompt, last_keys
 
 
@@ -130,7 +130,7 @@ class Gemma4Layers(nnx.Module):
     self.w_down = normal(("layers", L), ("mlp", c.ffn_dim), ("embed", d))
 
     def attention(n, kv_heads, width, values: bool):
-      return _Params(wq=normal(("layers", n), ("embed", d), ("heads", hq), ("head_dim", width)),
+      return ParamBag(wq=normal(("layers", n), ("embed", d), ("heads", hq), ("head_dim", width)),
                      wk=normal(("layers", n), ("embed", d), ("kv_heads", kv_heads), ("head_dim", width)),
                      **({"wv": normal(("layers", n), ("embed", d), ("kv_heads", kv_heads), ("head_dim", width))}
                         if values else {}),

@@ -109,7 +109,7 @@ class HybridLayers(nnx.Module):
       self.w_gate = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
       self.w_up = normal(("layers", L), ("embed", c.d_model), ("mlp", c.ffn_dim))
       self.w_down = normal(("layers", L), ("mlp", c.ffn_dim), ("embed", c.d_model))
-    self.full = _Params(
+    self.full = ParamBag(
         wq=normal(("layers", lf), ("embed", c.d_model), ("heads", c.num_heads), ("head_dim", c.head_dim)),
         wq_gate=normal(("layers", lf), ("embed", c.d_model), ("heads", c.num_heads), ("head_dim", c.head_dim)),
         wk=normal(("layers", lf), ("embed", c.d_model), ("kv_heads", c.num_kv_heads), ("head_dim", c.head_dim)),
@@ -118,7 +118,7 @@ class HybridLayers(nnx.Module):
         q_norm=const(0.0, ("layers", lf), ("head_dim", c.head_dim)),
         k_norm=const(0.0, ("layers", lf), ("head_dim", c.head_dim)))
     hk, hv, dk, dv, k = (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel)
-    self.linear = _Params(
+    self.linear = ParamBag(
         wq=normal(("layers", ll), ("embed", c.d_model), ("kv_heads", hk), ("head_dim", dk)),
         wk=normal(("layers", ll), ("embed", c.d_model), ("kv_heads", hk), ("head_dim", dk)),
         wv=normal(("layers", ll), ("embed", c.d_model), ("heads", hv), ("head_dim", dv)),
@@ -152,7 +152,7 @@ def stacked_kinds(*modules) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
           tuple({n: v.get_metadata(GATHER_KEY, None) for n, v in d.items()} for d in kinds))
 
 
-class _Params(nnx.Module):
+class ParamBag(nnx.Module):
   """A named bag of stacked parameters."""
 
   def __init__(self, **params):
