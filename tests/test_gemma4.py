@@ -302,6 +302,24 @@ def test_the_global_layers_shape_is_read_as_transformers_reads_it(tmp_path, mode
       load_hf_model(str(directory))
 
 
+def test_a_null_window_and_a_nan_layer_scalar_are_refused_by_name(tmp_path):
+  import json
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  directory = tmp_path / "g4"
+  shutil.copytree(FIXTURE, directory)
+  cfg = json.load(open(directory / "config.json"))
+  json.dump({**cfg, "sliding_window": None}, open(directory / "config.json", "w"))
+  with pytest.raises(ValueError, match="sliding_window=null"):
+    load_hf_model(str(directory))
+  json.dump(cfg, open(directory / "config.json", "w"))
+  tensors = load_file(str(directory / "model.safetensors"))
+  tensors["model.layers.3.layer_scalar"] = np.asarray([np.nan], np.float32)
+  save_file(tensors, str(directory / "model.safetensors"))
+  with pytest.raises(ValueError, match="model.layers.3.layer_scalar is nan; a layer scalar must be finite"):
+    load_hf_model(str(directory))
+
+
 def test_global_kv_heads_of_their_own_need_k_eq_v():
   # transformers' Gemma4TextConfig reads num_global_key_value_heads only with attention_k_eq_v: a config with
   # other global K/V heads and k_eq_v False would export a checkpoint no one reads back

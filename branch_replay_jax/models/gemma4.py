@@ -343,7 +343,8 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[Mod
   checkpoint's HF-named tensors.
 
   Raises:
-    ValueError: naming `source`, every missing and unexpected tensor and every shape mismatch (the first 8).
+    ValueError: naming `source`, every missing and unexpected tensor and every shape mismatch (the first 8); a
+      layer scalar that is not finite.
   """
   check_tensors(tensors, _expected(config), config, source)
   c = config
@@ -356,6 +357,8 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[Mod
     for hf, ours in HF_SHARED.items():
       shared[ours].append(t(hf) if ours.endswith("norm") else t(hf).T)
     scalars.append(float(np.asarray(t(SCALAR)).reshape(())))
+    if not np.isfinite(scalars[-1]):
+      raise ValueError(f"{source}: {HF_LAYER.format(i) + SCALAR} is {scalars[-1]}; a layer scalar must be finite")
     hkv, w, values = _layer_shape(c, kind)
     heads = lambda m, h: m.T.reshape(c.d_model, h, w)                          # [h·w, d] -> [d, h, w]
     own = {"wq": heads(t("self_attn.q_proj.weight"), c.num_heads), "wk": heads(t("self_attn.k_proj.weight"), hkv),

@@ -129,6 +129,8 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
   for option, present in refused.items():
     if present:
       raise ValueError(f"{path}: {option} is not supported by our gemma4_text decoder")
+  if "sliding_window" in cfg and cfg["sliding_window"] is None:   # transformers refuses it too
+    raise ValueError(f"{path}: sliding_window=null; Gemma 4's sliding layers need a window (an int)")
   layers = int(cfg["num_hidden_layers"])
   types = list(cfg.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(layers)])
   types[-1] = FULL   # transformers forces the last layer global
