@@ -219,8 +219,9 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be a positive int for arch='gemma4_text', got {value!r}")
     if self.global_head_dim % 2:
       raise ValueError(f"ModelConfig.global_head_dim={self.global_head_dim} must be even for RoPE")
-    if not self.k_eq_v and self.global_kv_heads != self.num_kv_heads:   # transformers' Gemma4TextConfig: other
-      raise ValueError(f"ModelConfig.global_kv_heads={self.global_kv_heads} differs from num_kv_heads="   # K/V heads
+    # transformers' Gemma4TextConfig gives the global layers K/V heads of their own only with attention_k_eq_v
+    if not self.k_eq_v and self.global_kv_heads != self.num_kv_heads:
+      raise ValueError(f"ModelConfig.global_kv_heads={self.global_kv_heads} differs from num_kv_heads="
                        f"{self.num_kv_heads} with k_eq_v=False; Gemma 4 gives the global layers their own K/V heads "
                        "only with attention_k_eq_v")
     if self.num_heads % self.global_kv_heads:

@@ -13,8 +13,8 @@ by tests/fixtures/gemma4_tiny (tools/make_gemma4_reference.py):
   global_rope_fraction · D/2 turn at base^(-2i/D), the rest not at all (zero frequency);
 - every layer's output, residual included, is multiplied by a fixed per-layer scalar (`layer_scalar`, a
   buffer transformers does not train; `ModelConfig.layer_scalars`);
-- the output logits are soft-capped, c · tanh(logits / c) (`ModelConfig.final_logit_softcap`;
-  `llama.token_logprobs`' softcap).
+- the output logits are soft-capped, c · tanh(logits / c) (`ModelConfig.final_logit_softcap`; `llama.soft_cap`,
+  applied by `Llama.logits` and `llama.token_logprobs`).
 Per-layer embeddings (the E2B/E4B models), K/V sharing across layers and the mixture-of-experts block
 (26B-A4B) are not built: the loader refuses them by name (`models.hf_loader`).
 
@@ -52,7 +52,7 @@ from branch_replay_jax.kernels import GLOBAL_WINDOW, KVBlock
 from branch_replay_jax.kernels.reference import accum_dtype, windowed_suffix_attention
 from branch_replay_jax.models.config import FULL, SLIDING, ModelConfig
 from branch_replay_jax.models.hf_loader import check_tensors
-from branch_replay_jax.models.llama import (REMAT_POLICIES, Llama, SegmentOutput, annotated, apply_rope,
+from branch_replay_jax.models.llama import (Llama, SegmentOutput, annotated, apply_rope,
                                             gathered, project, rematerialized, rms_norm, rope_inv_freq,
                                             segment_positions)
 from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stacked_kinds
@@ -165,11 +165,11 @@ def _attention(config: ModelConfig, p: dict, h_btd, positions_bt, inv_freq, ance
 
 class Gemma4(Llama):
   """Gemma 4's text decoder (the module docstring); a `Llama` past the layers (embedding times sqrt(d), final
-  norm, tied unembedding), with the logits soft-capped (`logits`, `logit_softcap`).
+  norm, tied unembedding, `logits` soft-capped at its `logit_softcap`).
 
   Args:
     config: a `ModelConfig` with arch 'gemma4_text'.
-    dtype, remat: as `Llama` ("offload_kv" too).
+    dtype, remat: as `Llama` ("offload_kv" too; Llama refuses another policy).
     attention_impl: "xla" or "auto" (the jnp windowed attention; ValueError otherwise, as Gemma 3).
   """
 
@@ -181,12 +181,11 @@ class Gemma4(Llama):
       raise ValueError(f"Gemma4: config.arch={config.arch!r}; expected 'gemma4_text'")
     if not config.tie_embeddings:
       raise ValueError("Gemma4: tie_embeddings=False; Gemma 4's output projection is its embedding")
-    if remat not in REMAT_POLICIES:
-      raise ValueError(f"Gemma4: remat={remat!r} is not one of {REMAT_POLICIES}")
     super().__init__(config, dtype=dtype, remat=remat, attention_impl=attention_impl, rngs=rngs)
 
   @property
   def logit_softcap(self) -> float | None:
+    """final_logit_softcap: the cap `Llama.logits` and `token_logprobs` apply (`llama.soft_cap`)."""
     return self.config.final_logit_softcap
 
   def initial_state(self, batch: int, length: int = 0) -> Gemma4KV:
@@ -241,13 +240,6 @@ class Gemma4(Llama):
   def branch_kv(self, kv: Gemma4KV) -> Gemma4KV | WindowedPrompt:
     """A segment's K/V as replay hands it to its descendants: trimmed to what a window reaches (`trim`)."""
     return trim(kv, self.config.sliding_window)
-
-  def logits(self, hidden_btd: jax.Array) -> jax.Array:
-    """`Llama.logits` soft-capped: c · tanh(logits / c), c = final_logit_softcap (transformers'
-    `Gemma4ForCausalLM.forward`)."""
-    logits = super().logits(hidden_btd)
-    c = self.logit_softcap
-    return logits if c is None else c * jnp.tanh(logits / c)
 
   def _layers(self, x, positions, ancestors: list, valid_bt):
     """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Ls, ...], gk, gv [Lg, ...]))."""

@@ -705,9 +705,17 @@ class Llama(nnx.Module):
     return None
 
   def logits(self, hidden_btd: jax.Array) -> jax.Array:
-    """[B, T, V] float32 (float64 for float64 compute) logits. Only for short segments; long ones use `token_logprobs`."""
+    """[B, T, V] float32 (float64 for float64 compute) logits, soft-capped where the model caps them
+    (`logit_softcap`). Only for short segments; long ones use `token_logprobs`."""
     w = self.unembedding().astype(hidden_btd.dtype)
-    return jnp.einsum("btd,dv->btv", hidden_btd, w, preferred_element_type=accum_dtype(hidden_btd.dtype))
+    return soft_cap(jnp.einsum("btd,dv->btv", hidden_btd, w, preferred_element_type=accum_dtype(hidden_btd.dtype)),
+                    self.logit_softcap)
+
+
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+  """c · tanh(logits / c) for a cap c (Gemma 4's final_logit_softcapping, transformers' `Gemma4ForCausalLM`);
+  the logits themselves for None."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *, chunk: int = 256,
@@ -751,8 +759,7 @@ def token_logprobs(hidden_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, *
   def one(args):
     h_bcd, y_bc = args
     logits = jnp.einsum(spec, h_bcd.reshape(-1, d), w, preferred_element_type=accum_dtype(h_bcd.dtype))
-    if softcap is not None:
-      logits = softcap * jnp.tanh(logits / softcap)
+    logits = soft_cap(logits, softcap)
     if temperature != 1.0:
       logits = logits / temperature
     picked = jnp.take_along_axis(logits, y_bc.reshape(-1, 1), axis=-1)[:, 0]
