@@ -74,7 +74,7 @@ def hf_config(config: ModelConfig, dtype: str = "float32") -> dict:
     out.update(num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
                moe_intermediate_size=c.expert_ffn_dim, shared_expert_intermediate_size=out.pop("intermediate_size"),
                output_router_logits=False)
-  elif c.moe:   # Qwen3MoeConfig's fields (`models.hf_loader.read_config` reads them)
+  elif c.arch == "qwen3_moe":   # Qwen3MoeConfig's fields (`models.hf_loader.read_config` reads them)
     out.update(num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
                moe_intermediate_size=c.expert_ffn_dim, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
                mlp_only_layers=[], output_router_logits=False)

@@ -17,6 +17,8 @@ def get_config(arg=None):
   c.expert_matmul = "ragged_dot"      # a mixture of experts' grouped matmuls (models.config.EXPERT_MATMULS): ragged_dot
   #                                   # (dense over every expert on XLA:CPU) or tiled (kernels.grouped_matmul)
   c.expert = ""                       # a mixture of experts' expert-parallel axis (mesh.expert): "", data or branch
+  c.lora_rank = 0                     # > 0: train LoRA adapters of this rank (every target) on a frozen base
+  c.base_dtype = "bfloat16"           # the frozen base's dtype with lora_rank > 0 (model.param_dtype)
   c.mesh = (1, 8, 1)                  # data, branch, seq over 8 fake CPU devices: one group, G over 8
   c.G = 16                            # completions per group
   c.T = 1024                          # completion tokens

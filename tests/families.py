@@ -1,6 +1,7 @@
 """What the model-family tests (test_gemma.py, test_qwen3_5.py, test_moe.py) share: the transformers fixture's
 reference, next-token log-probs, the off-policy GRPO objective and its jitted step, a group's arrays, GRPO on
-an exported directory, a refusal before loading, and the FSDP mesh step against naive groups."""
+an exported directory, a refusal before loading, the FSDP mesh step against naive groups, and LoRA adapters with
+random B on a float64 model with their jitted step."""
 
 import functools
 import json
@@ -16,6 +17,7 @@ from branch_replay_jax import losses as obj
 from branch_replay_jax.data.batches import group_arrays
 from branch_replay_jax.gradients.heads import POLICY
 from branch_replay_jax.gradients.step import value_and_grad
+from branch_replay_jax.models import lora
 from branch_replay_jax.models.llama import token_logprobs
 from conftest import max_rel_err
 
@@ -185,3 +187,26 @@ def export_round_trip(model, fixture: str, tmp_path) -> None:
   assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
   shapes = lambda path: {k: f.get_slice(k).get_shape() for f in [safe_open(path, "np")] for k in f.keys()}
   assert shapes(str(tmp_path / "out" / "model.safetensors")) == shapes(os.path.join(fixture, "model.safetensors"))
+
+
+def adapted64(graphdef, params, spec):
+  """(graphdef, adapters, base) of the float64 model (graphdef, params) with `spec`'s adapters, each B random (the
+  zero init would leave the adapted model the base model, so a misplaced adapter would change nothing), float64."""
+  with jax.enable_x64(True):
+    m = nnx.merge(graphdef, params)
+    lora.add_adapters(m, spec, rngs=nnx.Rngs(1))
+    pairs = [(module, t) for t in spec.targets for module, _ in lora.target_weights(m, t)]
+    for i, (module, name) in enumerate(pairs):
+      b = getattr(module, name + "_lora_b")
+      b[...] = 0.3 * jax.random.normal(jax.random.key(10 + i), b.shape, b.dtype)
+    graphdef, adapters, base = lora.split(m)
+    f64 = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), tree)
+    return graphdef, f64(adapters), f64(base)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("layout", "micro_batch", "fused", "schedule"))
+def lora_step(graphdef, adapters, base, batch, layout="replay", micro_batch=None, fused=None, schedule=None):
+  """`step` with the base bound by `lora.WithBase` as a traced argument (as GRPO's step binds it)."""
+  kw = {} if schedule is None else {"schedule": schedule}
+  return value_and_grad(POLICY, lora.WithBase(graphdef, base), adapters, batch, objective, layout=layout,
+                        micro_batch=micro_batch, fused=fused, **kw)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 
 import pytest
 
@@ -145,7 +146,8 @@ def test_sharded_memory_fsdp_state_is_an_eighth_plus_one_layer():
   import ml_collections
   from branch_replay_jax.benchmarks import sharded_memory
   c = ml_collections.ConfigDict(dict(mesh=(1, 8, 1), dtype="float32", G=8, T=16, micro_batch=1, logprob_chunk=16,
-                                     attention_impl="xla", expert_matmul="ragged_dot", expert=""))
+                                     attention_impl="xla", expert_matmul="ragged_dot", expert="", lora_rank=0,
+                                     base_dtype="bfloat16"))
   rep = sharded_memory.replay_case(c, "tiny", "replicated", "save_kv", 64)
   fsdp = sharded_memory.replay_case(c, "tiny", "fsdp", "save_kv", 64)
   assert fsdp["state_ratio"] <= 1.25 < rep["state_ratio"]
@@ -153,6 +155,16 @@ def test_sharded_memory_fsdp_state_is_an_eighth_plus_one_layer():
   assert 0 <= rep["state_bytes"] - 3 * rep["parameter_bytes_total"] <= 16
   assert abs(8 * fsdp["state_bytes"] - rep["state_bytes"]) <= 8 * 16
   assert fsdp["argument_bytes"] < rep["argument_bytes"] / 4
+  # LoRA (rank 2, every target) on a bfloat16 base: the adapters with their mu and nu, and the base once, each an
+  # eighth per device under FSDP (the loop's `frozen`, placed like the parameters)
+  c.lora_rank = 2
+  low = sharded_memory.replay_case(c, "tiny", "fsdp", "save_kv", 64)
+  _, adapters, base = sharded_memory._abstract_model(sharded_memory._architecture("tiny"), "float32", "save_kv",
+                                                     "xla", 2, "bfloat16")
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(base))
+  assert 0 <= 8 * low["state_bytes"] - (3 * nbytes(adapters) + nbytes(base)) <= 8 * 16
+  assert low["lora_rank"] == 2 and low["grad_bytes"] * 8 == nbytes(adapters)
 
 
 def test_lora_memory_accounts_adapters_base_and_reference():

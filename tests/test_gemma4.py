@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, next_logprobs, objective, read_reference, refused_before_loading, step,
-                      tree_and_rows, window_tree)
+from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive,
+                      greedy_reproduces, grpo_on_exported, lora_step, next_logprobs, objective, read_reference,
+                      refused_before_loading, step, tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -220,7 +220,6 @@ def test_gemma4_config_fields_are_refused_by_name():
 @pytest.mark.parametrize("field,value,message", [
     ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
     ("num_kv_shared_layers", 2, "K/V shared across layers"),
-    ("enable_moe_block", True, "the mixture-of-experts block"),
 ])
 def test_what_our_gemma4_does_not_build_is_refused_by_name_before_loading(tmp_path, field, value, message):
   import json
@@ -232,11 +231,44 @@ def test_what_our_gemma4_does_not_build_is_refused_by_name_before_loading(tmp_pa
   refused_before_loading(tmp_path, str(directory), "smoke", {}, f"{field} \\({message}\\) is not supported")
 
 
-def test_a_gemma4_model_refuses_lora_before_loading(tmp_path):
-  refused_before_loading(tmp_path, FIXTURE, "lora_smoke", {},
-                         "lora.rank=4: .* is Gemma 4, whose adapters are not built")
+def test_lora_replay_equals_naive_float64_and_merging_keeps_the_function(model, x64):
+  # Adapters (rank 2, random B) on the dense MLP and on both attention kinds: the sliding layers' wq, wk, wv, wo
+  # and the global layers' wq, wk, wo (no wv: their values are their keys' projection), 10 stacks of two.
+  # Replay (trimmed windows) and naive rows are the same function of the adapters (float64 rounding), every
+  # adapter gets a gradient, and the merged model (W + s A B, for export) computes the adapted model's hidden
+  # states to float64 rounding.
+  from branch_replay_jax.models import lora
+  spec = lora.LoraSpec(rank=2, alpha=4.0)
+  graphdef, adapters, base = adapted64(*_params64(model), spec)
+  arrays = arrays_of(random_group([2, 5, 9], prompt_len=6, seed=3), np.float64)
+  ln, _, gn = lora_step(graphdef, adapters, base, arrays, layout="naive")
+  lr, _, gr = lora_step(graphdef, adapters, base, arrays, micro_batch=1, fused=False)
+  assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
+  assert max_rel_err(gr, gn) <= 1e-10
+  flat = {jax.tree_util.keystr(k): np.abs(np.asarray(v)).max() for k, v in jax.tree_util.tree_leaves_with_path(gr)}
+  assert len(flat) == 20 and min(flat.values()) > 1e-8, flat
+  assert not any("'full']['wv_lora" in k for k in flat)
+  adapted = nnx.merge(graphdef, adapters, base)
+  ids = jnp.arange(3, 20)[None]   # 17 tokens: past the window of 4
+  want = adapted(ids, 0).hidden_btd
+  got = lora.merged(adapted)(ids, 0).hidden_btd
+  assert float(jnp.abs(got - want).max()) <= 1e-12 * float(jnp.abs(want).max())
 
 
+def test_lora_rank_is_bounded_by_the_global_layers_shapes_too():
+  # The global layers' wk maps d = 32 to 1 head of 16 (fan-out 16): rank 20 fits the sliding layers' wq (fan-out
+  # 32) but not it, and is refused naming the projection.
+  from branch_replay_jax.models import lora
+  cfg = _tiny_gemma4(d_model=32)
+  with pytest.raises(ValueError, match="lora.rank=20 is larger than projection wk's dimensions"):
+    lora.check_spec(20, 8.0, ("wq", "wk"), cfg)
+  assert lora.check_spec(16, 8.0, ("wq", "wk"), cfg).rank == 16
+
+
+# heavy (~30 s): CI runs the loop on Gemma 4 with full parameters in
+# tests/test_gemma4_moe.py::test_grpo_trains_a_gemma4_moe_directory_with_routing_replay (the same layers, experts
+# beside the MLP) and on this model's adapters in test_grpo_trains_lora_adapters_of_a_gemma4_directory.
+@pytest.mark.heavy
 def test_grpo_trains_a_gemma4_directory_by_replay_and_checks_it_against_naive_rows(tmp_path, monkeypatch):
   # A random two-layer Gemma 4 (a sliding layer of window 8, a global layer of another head width whose values
   # are its keys, logits capped at 30) over SmolLM2's tokenizer, exported as a Hugging Face directory and
@@ -247,6 +279,15 @@ def test_grpo_trains_a_gemma4_directory_by_replay_and_checks_it_against_naive_ro
   record = grpo_on_exported(Gemma4(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch)
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
+
+
+def test_grpo_trains_lora_adapters_of_a_gemma4_directory(tmp_path, monkeypatch):
+  # The same directory trained by the LoRA smoke experiment (adapters on the attention of both kinds and the MLP):
+  # the run-time exactness check holds replay's adapter gradient to naive rows' (float32 rounding).
+  cfg = _tiny_gemma4(vocab_size=SMOLLM2_VOCAB, max_positions=2048)
+  record = grpo_on_exported(Gemma4(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, variant="lora_smoke")
+  assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
+  assert np.isfinite(record["loss"]) and record["grad_norm"] > 0
 
 
 def test_episode_turns_on_the_kept_kv_sample_what_a_full_reprefill_samples(model):

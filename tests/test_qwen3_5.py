@@ -2,7 +2,6 @@
 tools/make_qwen3_5_reference.py wrote, the chunked rule against the token-by-token one, a segment continued
 from its parent's state, and branch replay through the recurrent state exact against naive rows."""
 
-import functools
 import os
 
 import jax
@@ -10,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, next_logprobs, objective,
-                      read_reference, refused_before_loading, step, tree_and_rows)
+from families import (SMOLLM2_VOCAB, adapted64, arrays_of, fsdp_step_equals_naive, grpo_on_exported, lora_step,
+                      next_logprobs, objective, read_reference, refused_before_loading, step, tree_and_rows)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -268,39 +267,16 @@ def test_grpo_trains_a_qwen3_5_directory_by_replay_and_checks_it_against_naive_r
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
 
 
-def _adapted64(small64, spec):
-  """(graphdef, adapters, base) of small64's model with `spec`'s adapters, each B random (the zero init would
-  leave the adapted model the base model, so a misplaced adapter would change nothing), float64."""
-  graphdef, params = small64
-  with jax.enable_x64(True):
-    m = nnx.merge(graphdef, params)
-    lora.add_adapters(m, spec, rngs=nnx.Rngs(1))
-    for i, t in enumerate(spec.targets):
-      module, name = lora.target_weight(m, t)
-      b = getattr(module, name + "_lora_b")
-      b[...] = 0.3 * jax.random.normal(jax.random.key(10 + i), b.shape, b.dtype)
-    graphdef, adapters, base = lora.split(m)
-    f64 = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), tree)
-    return graphdef, f64(adapters), f64(base)
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("layout", "micro_batch", "fused"))
-def _lora_step(graphdef, adapters, base, batch, layout="replay", micro_batch=None, fused=None):
-  """`step` with the base bound by `lora.WithBase` as a traced argument (as GRPO's step binds it)."""
-  return value_and_grad(POLICY, lora.WithBase(graphdef, base), adapters, batch, objective, layout=layout,
-                        micro_batch=micro_batch, fused=fused)
-
-
 def test_lora_replay_equals_naive_float64_and_merging_keeps_the_function(small64, x64):
   # Adapters on every layer's MLP and on the full-attention layers' wq, wk, wv, wo (the Gated DeltaNet layers take
   # none): replay through the recurrent state and naive rows are the same function of the adapters (float64
   # rounding), every adapter gets a gradient, and the merged model (W + s A B, for export) computes the adapted
   # model's hidden states to float64 rounding.
   spec = lora.LoraSpec(rank=2, alpha=4.0)
-  graphdef, adapters, base = _adapted64(small64, spec)
+  graphdef, adapters, base = adapted64(*small64, spec)
   arrays = arrays_of(_group(), np.float64)
-  ln, _, gn = _lora_step(graphdef, adapters, base, arrays, layout="naive")
-  lr, _, gr = _lora_step(graphdef, adapters, base, arrays, micro_batch=1, fused=False)
+  ln, _, gn = lora_step(graphdef, adapters, base, arrays, layout="naive")
+  lr, _, gr = lora_step(graphdef, adapters, base, arrays, micro_batch=1, fused=False)
   assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gr, gn) <= 1e-10
   flat = {"/".join(map(str, k)): np.abs(np.asarray(v)).max() for k, v in jax.tree_util.tree_leaves_with_path(gr)}
@@ -320,10 +296,10 @@ def test_lora_on_the_fsdp_mesh_equals_naive_float64(small64):
   # and the gradient holds the adapters alone.
   from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
   with jax.enable_x64(True):
-    graphdef, adapters, base = _adapted64(small64, lora.LoraSpec(rank=2, alpha=4.0))
+    graphdef, adapters, base = adapted64(*small64, lora.LoraSpec(rank=2, alpha=4.0))
     groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64)
               for s in range(2)]
-    outs = [_lora_step(graphdef, adapters, base, g, layout="naive") for g in groups]
+    outs = [lora_step(graphdef, adapters, base, g, layout="naive") for g in groups]
     want = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
     mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
     with jax.set_mesh(mesh):

@@ -162,7 +162,7 @@ def validate_layer_kinds(config) -> None:
            f"train.tree_schedule='packed': {'the load-balancing loss' if aux else 'routing replay'} is built for trees "
            "by level; use 'depth_first' or 'level'" if (aux or replay) and packed else None)
     if why:
-      raise ValueError(f"model.name={m.name!r} is a mixture of experts (Qwen3-MoE): {why}")
+      raise ValueError(f"model.name={m.name!r} is a mixture of experts: {why}")
   if arch.hybrid:
     why = (f"mesh.seq={config.mesh.seq}: the prompt split over seq would have to pass the recurrent state from "
            "device to device, which is not built; use mesh.data and mesh.branch" if seq else
@@ -173,9 +173,6 @@ def validate_layer_kinds(config) -> None:
   if not arch.sliding:
     return
   family = "Gemma 4" if arch.gemma4 else "Gemma 3"
-  if arch.gemma4 and config.get("lora") is not None and config.lora.get("rank", 0):
-    raise ValueError(f"lora.rank={config.lora.rank}: model.name={m.name!r} is Gemma 4, whose adapters are not built "
-                     "(its sliding and global layers' weights are stacked apart); train it without lora")
   why = (f"model.attention_impl={m.attention_impl!r}: no Pallas kernel takes a window yet; use 'xla'"
          if m.attention_impl not in ("xla", "auto") else
          f"mesh.seq={config.mesh.seq}: the prompt split over seq (ring attention) takes no window; use mesh.data and "

@@ -17,6 +17,11 @@ parameters, optimizer state and batch shard), outputs (new parameters and state)
                           weights (the issue's FSDP target: state_bytes + grad_bytes within 1.25x);
     peak_estimate_bytes   argument + output + temp - alias bytes: the step's device footprint.
 
+With config.lora_rank > 0 the step trains LoRA adapters (models/lora.py: rank config.lora_rank, alpha 2r, every
+target) on a frozen base held in config.base_dtype and placed like the parameters (the loop's `frozen`): state_bytes
+then counts the adapters, their AdamW state and the base shard; the search, the table and the naive step are
+otherwise the same (the naive step compiles full fine-tuning).
+
 Then, per (model, layout, remat), the largest P whose peak estimate fits each budget in
 `config.budgets_gib` (96 GiB: H20; 141 GiB: H200), by bisection over compiles, and the token
 positions G (P + T) one group of that P gives. The naive step (prompt repeated per completion,
@@ -52,6 +57,7 @@ from ml_collections import config_flags  # noqa: E402
 from branch_replay_jax import losses as obj  # noqa: E402
 from branch_replay_jax.data.batches import RolloutBatch, Segments, group_batch  # noqa: E402
 from branch_replay_jax.distributed.mesh import batch_specs, param_specs  # noqa: E402
+from branch_replay_jax.models import lora  # noqa: E402
 from branch_replay_jax.models.loading import decoder_class  # noqa: E402
 from branch_replay_jax.models.config import architecture_shape, tiny_config  # noqa: E402
 from branch_replay_jax.gradients.heads import POLICY  # noqa: E402
@@ -72,10 +78,23 @@ def _architecture(name: str, expert_matmul: str = "ragged_dot"):
   return dataclasses.replace(cfg, max_positions=1 << 24, **({"expert_matmul": expert_matmul} if cfg.moe else {}))
 
 
-def _abstract_model(cfg, dtype: str, remat: str, attention_impl: str):
-  model = nnx.eval_shape(lambda: decoder_class(cfg)(cfg, dtype=jnp.dtype(dtype), remat=remat,
-                                                     attention_impl=attention_impl, rngs=nnx.Rngs(0)))
-  return nnx.split(model)
+def _abstract_model(cfg, dtype: str, remat: str, attention_impl: str, lora_rank: int = 0,
+                    base_dtype: str = "bfloat16"):
+  """(graphdef, abstract params) of the architecture; with lora_rank > 0 (graphdef, adapters, base in
+  base_dtype): every target adapted at that rank, alpha 2 r."""
+  def build():
+    model = decoder_class(cfg)(cfg, dtype=jnp.dtype(dtype), remat=remat, attention_impl=attention_impl,
+                               rngs=nnx.Rngs(0))
+    if lora_rank:
+      lora.add_adapters(model, lora.check_spec(lora_rank, 2.0 * lora_rank, lora.TARGETS, cfg, field="config.lora"),
+                        rngs=nnx.Rngs(1))
+    return model
+  model = nnx.eval_shape(build)
+  if not lora_rank:
+    return nnx.split(model)
+  graphdef, adapters, base = lora.split(model)
+  return graphdef, adapters, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(base_dtype)),
+                                                    base)
 
 
 def _placed(tree, specs, mesh):
@@ -123,26 +142,31 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
   replay and the clipped AdamW update in one program) once; per-device bytes and the state accounting."""
   cfg = _architecture(name, c.expert_matmul)
   run = loop_config(c, layout)
-  graphdef, params = _abstract_model(cfg, c.dtype, remat, c.attention_impl)
+  graphdef, params, *frozen = _abstract_model(cfg, c.dtype, remat, c.attention_impl, c.lora_rank, c.base_dtype)
   tx = runs.make_optimizer(run)
   fns = grpo.GRPOFunctions(run, graphdef, optimizer=tx)
   mesh = fns.mesh
   with jax.set_mesh(mesh):
-    params = _placed(params, param_specs(params, mesh, layout, expert=c.expert), mesh)
+    place = lambda tree: _placed(tree, param_specs(tree, mesh, layout, expert=c.expert), mesh)
+    frozen = place(frozen[0]) if frozen else None   # LoRA: the base, placed as the loop places it
+    params = place(params)
     opt_state = jax.eval_shape(tx.init, params)
     opt_state = _placed(opt_state, param_specs(opt_state, mesh, layout, expert=c.expert), mesh)
     batch = _batch(mesh.shape["data"], c.G, p, c.T)
     batch = _placed(batch, batch_specs(batch, mesh), mesh)
     t0 = time.perf_counter()
-    compiled = fns.train_step.lower(params, opt_state, batch, mesh.shape["data"]).compile()
+    compiled = fns.train_step.lower(params, opt_state, batch, mesh.shape["data"], frozen).compile()
     compile_s = time.perf_counter() - t0
-  total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
-  layer = sum(math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize
-              for x in jax.tree_util.tree_leaves(nnx.state(nnx.merge(graphdef, params).layers)))
-  state, grad = _local_bytes((params, opt_state)), _local_bytes(params)
+  nbytes = lambda tree: sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+  total_params, frozen_bytes = nbytes((params, frozen)), nbytes(frozen)
+  layer = sum(math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(
+      nnx.state((nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)).layers)))
+  state, grad = _local_bytes((params, opt_state, frozen)), _local_bytes(params)
   n = mesh.size
-  target = 4 * total_params / n + layer   # params + gradient + AdamW mu, nu: 4 copies, split n ways
+  # trained params + gradient + AdamW mu, nu (4 copies) and the frozen base (LoRA), split n ways
+  target = (4 * (total_params - frozen_bytes) + frozen_bytes) / n + layer
   return {"study": "replay", "model": name, "params": layout, "expert": c.expert, "remat": remat,
+          **({"lora_rank": c.lora_rank, "base_dtype": c.base_dtype} if c.lora_rank else {}),
           "mesh": "x".join(map(str, c.mesh)),
           "P": p, "T": c.T, "G": c.G, "dtype": c.dtype, "attention_impl": c.attention_impl,
           **({"expert_matmul": cfg.expert_matmul} if cfg.moe else {}), **_memory(compiled),

@@ -101,7 +101,10 @@ class ModelConfig:
       norm_topk_prob (`models.llama`, "Mixture of experts" in docs/design.md); ffn_dim is then unused.
       Qwen3.5-MoE (arch="qwen3_5_moe_text") has them too, beside Qwen3.5's fields: its layers are Qwen3.5's
       with this mixture of experts as the MLP, plus a shared expert (a SwiGLU of width ffn_dim, its output
-      scaled by sigmoid(x w)) every token runs (transformers' `Qwen3_5MoeSparseMoeBlock`).
+      scaled by sigmoid(x w)) every token runs (transformers' `Qwen3_5MoeSparseMoeBlock`). Gemma 4 (arch=
+      "gemma4_text") has them where its checkpoint enables the MoE block (26B-A4B): each layer runs its dense
+      GeGLU MLP and, beside it, experts of width expert_ffn_dim (GeGLU too) routed by Gemma 4's router
+      (`models.gemma4`); norm_topk_prob is then True, as its router always renormalises.
     expert_matmul: how the experts' grouped matmuls lower (a compute choice, not a checkpoint field):
       "ragged_dot" (`jax.lax.ragged_dot`: a grouped matmul on TPU, dense over every expert on XLA:CPU) or
       "tiled" (`kernels.grouped_matmul`: tiles of one expert's rows, any backend) or "pallas"
@@ -177,11 +180,14 @@ class ModelConfig:
       if self.experts_per_token > self.num_experts:
         raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} exceeds "
                          f"num_experts={self.num_experts}")
+      if self.gemma4 and not self.norm_topk_prob:
+        raise ValueError("ModelConfig.norm_topk_prob=False: Gemma 4's router always renormalises its top k")
     else:
       for name in moe_fields:
         if getattr(self, name) is not None:
-          raise ValueError(f"ModelConfig.{name} is a mixture of experts' (arch='qwen3_moe' or 'qwen3_5_moe_text'); "
-                           f"arch={self.arch!r} has none")
+          raise ValueError(f"ModelConfig.{name} is a mixture of experts' (arch='qwen3_moe', 'qwen3_5_moe_text', or "
+                           f"'gemma4_text' with num_experts); arch={self.arch!r} has none" + (
+                               " without num_experts" if self.gemma4 else ""))
     gemma4_fields = ("global_head_dim", "global_kv_heads", "global_rope_fraction", "final_logit_softcap",
                      "layer_scalars")
     if self.gemma4:
@@ -277,9 +283,9 @@ class ModelConfig:
 
   @property
   def moe(self) -> bool:
-    """A mixture of experts as every layer's MLP: Qwen3-MoE's (a Qwen3 block) or Qwen3.5-MoE's (a Qwen3.5 block,
-    with a shared expert)."""
-    return self.arch in ("qwen3_moe", "qwen3_5_moe_text")
+    """A mixture of experts in every layer: Qwen3-MoE's (a Qwen3 block), Qwen3.5-MoE's (a Qwen3.5 block, with a
+    shared expert) or Gemma 4's where num_experts is set (beside the dense MLP)."""
+    return self.arch in ("qwen3_moe", "qwen3_5_moe_text") or (self.gemma4 and self.num_experts is not None)
 
   @property
   def hybrid(self) -> bool:
@@ -298,7 +304,7 @@ class ModelConfig:
     mlp = 3 * d * f
     if self.moe:   # the router and the experts a token runs (active parameters); Qwen3.5-MoE's shared expert
       mlp = (d * self.num_experts + 3 * d * self.expert_ffn_dim * self.experts_per_token
-             + (3 * d * f + d if self.shared_expert else 0))
+             + (3 * d * f + d if self.shared_expert else 0) + (3 * d * f if self.gemma4 else 0))
     per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + mlp
     if self.gemma4:   # its global layers' own head width and K/V heads (one K/V projection with k_eq_v)
       gd, gkv = self.global_head_dim, self.global_kv_heads
@@ -370,6 +376,17 @@ ARCHITECTURE_SHAPES = {
                                layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(60)),
                                sliding_window=1024, rope_local_theta=10000.0, global_head_dim=512, global_kv_heads=4,
                                k_eq_v=True, global_rope_fraction=0.25, final_logit_softcap=30.0),
+    # google/gemma-4-26B-A4B's text_config: 30 layers, five sliding (W = 1024; 8 K/V heads of 256) to one global
+    # (2 K/V heads of 512, values their keys); each layer a dense GeGLU MLP of 2,112 beside 128 experts of 704
+    # (8 per token).
+    "gemma-4-26b-a4b": ModelConfig(vocab_size=262144, num_layers=30, d_model=2816, num_heads=16, num_kv_heads=8,
+                                   head_dim=256, ffn_dim=2112, rope_theta=1000000.0, norm_eps=1e-6,
+                                   tie_embeddings=True, max_positions=262144, arch="gemma4_text",
+                                   layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(30)),
+                                   sliding_window=1024, rope_local_theta=10000.0, global_head_dim=512,
+                                   global_kv_heads=2, k_eq_v=True, global_rope_fraction=0.25,
+                                   final_logit_softcap=30.0, num_experts=128, experts_per_token=8,
+                                   expert_ffn_dim=704),
     # transformers' Qwen3_5TextConfig defaults ("the Qwen3.5-9B style configuration"): three Gated DeltaNet
     # layers then one gated full-attention layer, eight times.
     # Qwen/Qwen3-30B-A3B's config.json: 48 layers, each a mixture of 128 experts (8 per token) of width 768.

@@ -15,8 +15,14 @@ by tests/fixtures/gemma4_tiny (tools/make_gemma4_reference.py):
   buffer transformers does not train; `ModelConfig.layer_scalars`);
 - the output logits are soft-capped, c · tanh(logits / c) (`ModelConfig.final_logit_softcap`; `llama.soft_cap`,
   applied by `Llama.logits` and `llama.token_logprobs`).
-Per-layer embeddings (the E2B/E4B models), K/V sharing across layers and the mixture-of-experts block
-(26B-A4B) are not built: the loader refuses them by name (`models.hf_loader`).
+- with enable_moe_block (26B-A4B; `ModelConfig.moe`), each layer runs its dense MLP and, beside it, a mixture of
+  GeGLU experts (transformers' `Gemma4TextDecoderLayer`): the router reads the residual stream (RMS-normalised
+  without a weight, times router_scale · d^-1/2), the experts read it through their own norm (experts_norm), the
+  top-k weights renormalised then multiplied by expert_scale (per_expert_scale), and the MLP's output is
+  mlp_out_norm(dense) + experts_out_norm(experts) before post_mlp_norm (`llama.moe_mlp` with Gemma 4's router;
+  routing replay, the load-balancing loss and expert parallelism as for Qwen3-MoE, docs/design.md).
+Per-layer embeddings (the E2B/E4B models) and K/V sharing across layers are not built: the loader refuses them
+by name (`models.hf_loader`).
 
 A segment's K/V is a `Gemma4KV`: the sliding layers' and the global layers' side by side. Replay hands its
 descendants only what a window still reaches (`Gemma4.branch_kv`, `trim`): a `window_kv.WindowedPrompt` of the
@@ -35,6 +41,10 @@ global Hg heads of width Dg; F MLP width), logical axis names as in `llama.py`:
     layers.sliding.wq [Ls, d, Hq, D]; wk, wv [Ls, d, Hkv, D]; wo [Ls, Hq, D, d]; q_norm, k_norm [Ls, D]
     layers.full.wq [Lg, d, Hq, Dg]; wk (and wv without k_eq_v) [Lg, d, Hg, Dg]; wo [Lg, Hq, Dg, d];
       q_norm, k_norm [Lg, Dg]
+    with experts (E of width F_e): layers.w_router [L, d, E], router_scale [L, d], expert_scale [L, E];
+      layers.e_gate, e_up [L, E, d, F_e], e_down [L, E, F_e, d]; experts_norm, mlp_out_norm, experts_out_norm [L, d]
+    with LoRA adapters (`models.lora`): each target's W_lora_a, W_lora_b beside its weight (an attention target's in
+      `sliding` and in `full`)
 """
 
 from __future__ import annotations
@@ -52,11 +62,19 @@ from branch_replay_jax.kernels import GLOBAL_WINDOW, KVBlock
 from branch_replay_jax.kernels.reference import accum_dtype, windowed_suffix_attention
 from branch_replay_jax.models.config import FULL, SLIDING, ModelConfig
 from branch_replay_jax.models.hf_loader import check_tensors
-from branch_replay_jax.models.llama import (Llama, SegmentOutput, annotated, apply_rope,
-                                            gathered, project, rematerialized, rms_norm, rope_inv_freq,
-                                            segment_positions)
+from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, annotated, apply_rope, gathered,
+                                            moe_mlp, per_layer_routes, project, rematerialized, rms_norm,
+                                            rope_inv_freq, segment_positions, summed_over_layers)
 from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stacked_kinds
 from branch_replay_jax.models.window_kv import WindowedPrompt, last_keys
+
+
+# The mixture-of-experts block's norms (transformers' pre_feedforward_layernorm_2 of the experts' input,
+# post_feedforward_layernorm_1 of the dense MLP's output, post_feedforward_layernorm_2 of the experts' output).
+MOE_NORMS = ("experts_norm", "mlp_out_norm", "experts_out_norm")
+# The experts' parameters as `llama.moe_mlp` names them: {ours: moe_mlp's}.
+MOE_PARAMS = {"w_router": "w_router", "router_scale": "router_scale", "expert_scale": "expert_scale",
+              "e_gate": "w_gate", "e_up": "w_up", "e_down": "w_down"}
 
 
 class Gemma4KV(NamedTuple):
@@ -128,6 +146,16 @@ class Gemma4Layers(nnx.Module):
     self.w_gate = normal(("layers", L), ("embed", d), ("mlp", c.ffn_dim))
     self.w_up = normal(("layers", L), ("embed", d), ("mlp", c.ffn_dim))
     self.w_down = normal(("layers", L), ("mlp", c.ffn_dim), ("embed", d))
+    if c.moe:   # 26B-A4B: the router, E GeGLU experts of width F_e and their three norms (module docstring)
+      e, fe = c.num_experts, c.expert_ffn_dim
+      self.w_router = normal(("layers", L), ("embed", d), ("experts", e))
+      self.router_scale = ones(("layers", L), ("embed", d))
+      self.expert_scale = ones(("layers", L), ("experts", e))
+      self.e_gate = normal(("layers", L), ("experts", e), ("embed", d), ("mlp", fe))
+      self.e_up = normal(("layers", L), ("experts", e), ("embed", d), ("mlp", fe))
+      self.e_down = normal(("layers", L), ("experts", e), ("mlp", fe), ("embed", d))
+      for name in MOE_NORMS:
+        setattr(self, name, ones(("layers", L), ("embed", d)))
 
     def attention(n, kv_heads, width, values: bool):
       return ParamBag(wq=normal(("layers", n), ("embed", d), ("heads", hq), ("head_dim", width)),
@@ -146,13 +174,14 @@ class Gemma4Layers(nnx.Module):
 
 
 def _attention(config: ModelConfig, p: dict, h_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], valid_bt,
-               window):
+               window, lora_scale: float = 0.0):
   """One layer's attention (transformers' `Gemma4TextAttention`): (output [B, T, d], (k, v)). Values are the
-  key projection where p has no wv (attention_k_eq_v)."""
+  key projection where p has no wv (attention_k_eq_v). wq, wk, wv, wo with their LoRA adapters where p holds them
+  (`models.lora`, scaled by lora_scale)."""
   eps = config.norm_eps
-  q = rms_norm(project(p, "wq", "btd,dhk->bthk", h_btd, 0.0), p["q_norm"], eps)
-  k_raw = project(p, "wk", "btd,dhk->bthk", h_btd, 0.0)
-  v_raw = project(p, "wv", "btd,dhk->bthk", h_btd, 0.0) if "wv" in p else k_raw
+  q = rms_norm(project(p, "wq", "btd,dhk->bthk", h_btd, lora_scale), p["q_norm"], eps)
+  k_raw = project(p, "wk", "btd,dhk->bthk", h_btd, lora_scale)
+  v_raw = project(p, "wv", "btd,dhk->bthk", h_btd, lora_scale) if "wv" in p else k_raw
   k = rms_norm(k_raw, p["k_norm"], eps)
   v = rms_norm(v_raw, jnp.ones((), accum_dtype(v_raw.dtype)), eps)   # v_norm: no scale
   q = apply_rope(q, positions_bt, inv_freq)
@@ -160,7 +189,7 @@ def _attention(config: ModelConfig, p: dict, h_btd, positions_bt, inv_freq, ance
   v = checkpoint_name(v, "v")
   attn, _ = windowed_suffix_attention(q, ancestors, KVBlock(k, v, valid_bt), window=window,
                                       query_positions=positions_bt, scale=1.0)
-  return project(p, "wo", "bthk,hkd->btd", attn, 0.0), (k, v)
+  return project(p, "wo", "bthk,hkd->btd", attn, lora_scale), (k, v)
 
 
 class Gemma4(Llama):
@@ -207,14 +236,17 @@ class Gemma4(Llama):
       ancestors: the ancestors' `Gemma4KV`s, oldest first (batch B or 1), each layer attending to its own kind's;
         any may be trimmed (`trim`, a `WindowedPrompt`).
       valid_bt: [B, T] bool, False on padding; default all True.
-      attention, routes: must be None (the windowed attention is the layers' own; no experts).
+      attention: must be None (the windowed attention is the layers' own).
+      routes, replay_routes: with experts (26B-A4B) only, the sampler's recorded experts [B, T, L, k] int32
+        (`Llama.__call__`, `llama.moe_mlp`).
 
     Returns:
-      SegmentOutput(kv: this segment's `Gemma4KV` [.., B, T, ..], hidden_btd [B, T, d]).
+      SegmentOutput(kv: this segment's `Gemma4KV` [.., B, T, ..], hidden_btd [B, T, d]; with experts: router, its
+      `llama.RouterStats` [B, E] summed over the layers, experts [B, T, L, k] int32).
 
     Raises:
-      ValueError: an attention override, routes, or int32 key ends in valid_bt (a packed tree: the window
-        takes no key ends; use the level or depth-first tree layout).
+      ValueError: an attention override, routes to a model without experts, or int32 key ends in valid_bt (a
+        packed tree: the window takes no key ends; use the level or depth-first tree layout).
     """
     b, t = tokens_bt.shape
     if valid_bt is None:
@@ -222,27 +254,32 @@ class Gemma4(Llama):
     if valid_bt.dtype != jnp.bool_ or jnp.ndim(offset) == 2:
       raise ValueError("Gemma4: a packed tree (per-token positions and key ends) is not supported: the sliding "
                        "window takes no key ends; use the level or depth-first tree layout")
-    if routes is not None:
-      raise ValueError("Gemma4: routes= is a mixture of experts' (routing replay); Gemma 4 here has no experts")
+    if routes is not None and not self.config.moe:
+      raise ValueError("Gemma4: routes= is a mixture of experts' (routing replay); this Gemma 4 has no experts "
+                       "(num_experts=None)")
     self._attention(attention)   # refuses an override
     positions = segment_positions(offset, b, t)
-    x, (k, v, gk, gv) = self._layers(self._embed(tokens_bt), positions, list(ancestors), valid_bt)
-    return SegmentOutput(Gemma4KV(k, v, valid_bt, gk, gv), self._final_norm(x))
+    x, (k, v, gk, gv), route, experts = self._layers(self._embed(tokens_bt), positions, list(ancestors), valid_bt,
+                                                     per_layer_routes(self.config, routes), replay_routes)
+    return SegmentOutput(Gemma4KV(k, v, valid_bt, gk, gv), self._final_norm(x), route, experts)
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
                       attention=None, routes=(None, None), replay_routes: bool = True):
     """`Llama.prompt_and_rows`'s values: the prompt's forward, then the rows on its K/V (two layer scans)."""
-    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, attention=attention)
-    rows = self(rows_bt, rows_offset, ancestors=[prompt.kv], valid_bt=rows_valid_bt, attention=attention)
+    kw = dict(attention=attention, replay_routes=replay_routes)
+    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, routes=routes[0], **kw)
+    rows = self(rows_bt, rows_offset, ancestors=[prompt.kv], valid_bt=rows_valid_bt, routes=routes[1], **kw)
     last = jax.lax.dynamic_index_in_dim(prompt.hidden_btd[0], prompt_last, keepdims=False)
-    return last, rows.hidden_btd, (None, None)
+    return last, rows.hidden_btd, (prompt.router, rows.router)
 
   def branch_kv(self, kv: Gemma4KV) -> Gemma4KV | WindowedPrompt:
     """A segment's K/V as replay hands it to its descendants: trimmed to what a window reaches (`trim`)."""
     return trim(kv, self.config.sliding_window)
 
-  def _layers(self, x, positions, ancestors: list, valid_bt):
-    """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Ls, ...], gk, gv [Lg, ...]))."""
+  def _layers(self, x, positions, ancestors: list, valid_bt, routes=None, replay_routes: bool = True):
+    """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Ls, ...], gk, gv [Lg, ...]), and with experts
+    the `RouterStats` [B, E] summed over the layers and the experts [B, T, L, k]; else None, None). routes:
+    [L, B, T, k] recorded experts or None (`moe_mlp`)."""
     cfg = self.config
     unit = pattern(cfg)
     reps = cfg.num_layers // len(unit)
@@ -255,14 +292,17 @@ class Gemma4(Llama):
     scalars = np.ones(cfg.num_layers) if cfg.layer_scalars is None else np.asarray(cfg.layer_scalars)
     parts = [_ancestor(a, self.dtype) for a in ancestors]
     xs = (per_rep(shared, len(unit)), per_rep(sliding, ns), per_rep(full, nf), per_rep([p[0] for p in parts], ns),
-          per_rep([p[2] for p in parts], nf), jnp.asarray(scalars.reshape(reps, len(unit)), self.dtype))
+          per_rep([p[2] for p in parts], nf), jnp.asarray(scalars.reshape(reps, len(unit)), self.dtype),
+          None if routes is None else per_rep(routes, len(unit)))
+    dispatch = {g.axes for g in gathers[0].values() if g is not None and g.dispatch}   # expert parallelism
     sliding_masks, global_valid = [p[1] for p in parts], [p[3] for p in parts]
     norm = lambda x, w: rms_norm(x, w, cfg.norm_eps)
+    scale = 0.0 if self.lora is None else self.lora.scale   # LoRA (`models.lora`): both attention kinds and the MLP
 
     def body(x, xs_r):
-      shared_r, sliding_r, full_r, anc_s, anc_f, scalar_r = xs_r
+      shared_r, sliding_r, full_r, anc_s, anc_f, scalar_r, routes_r = xs_r
       x = checkpoint_name(x, "layer_input")
-      out_s, out_f = [], []
+      out_s, out_f, router, experts = [], [], [], []
 
       def at(tree, j, g):   # layer j of a repetition's stacked weights; FSDP: all-gathered here, one layer at a time
         return {k: checkpoint_name(gathered(v[j], g[k], sliced=1), "gathered_weights") if gathering else v[j]
@@ -276,24 +316,36 @@ class Gemma4(Llama):
         if kind == FULL:
           blocks = [KVBlock(k[j], v[j], m) for (k, v), m in zip(anc_f, global_valid)]
           out, kv = _attention(cfg, at(full_r, j, gathers[2]), h, positions, glob_freq, blocks, valid_bt,
-                               GLOBAL_WINDOW)
+                               GLOBAL_WINDOW, scale)
           out_f.append(kv)
         else:
           blocks = [b for (k, v), m in zip(anc_s, sliding_masks) for b in _sliding_blocks(k[j], v[j], m)]
           out, kv = _attention(cfg, at(sliding_r, j, gathers[1]), h, positions, local_freq, blocks, valid_bt,
-                               cfg.sliding_window)
+                               cfg.sliding_window, scale)
           out_s.append(kv)
         x = x + norm(out, p["post_attn_norm"])
         h = norm(x, p["mlp_norm"])
-        act = (jax.nn.gelu(project(p, "w_gate", "btd,df->btf", h, 0.0), approximate=True)
-               * project(p, "w_up", "btd,df->btf", h, 0.0))
-        x = x + norm(project(p, "w_down", "btf,fd->btd", act, 0.0), p["post_mlp_norm"])
+        act = (jax.nn.gelu(project(p, "w_gate", "btd,df->btf", h, scale), approximate=True)
+               * project(p, "w_up", "btd,df->btf", h, scale))
+        out = project(p, "w_down", "btf,fd->btd", act, scale)
+        if cfg.moe:   # the experts beside the dense MLP, routed by the residual stream (transformers' decoder layer)
+          moe_p = {theirs: p[ours] for ours, theirs in MOE_PARAMS.items()}
+          moe_p.update({EXPERT_AXES: axes for axes in dispatch})
+          y, route, chosen = moe_mlp(cfg, moe_p, norm(x, p["experts_norm"]), valid_bt,
+                                     None if routes_r is None else routes_r[i], replay_routes, router_btd=x)
+          router.append(route), experts.append(chosen)
+          out = norm(out, p["mlp_out_norm"]) + norm(y, p["experts_out_norm"])
+        x = x + norm(out, p["post_mlp_norm"])
         x = x * scalar_r[i]
       stack = lambda kvs: tuple(jnp.stack(a) for a in zip(*kvs))
-      return x, (*stack(out_s), *stack(out_f))
+      stack_tree = lambda arrays: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *arrays) if arrays else None
+      return x, (*stack(out_s), *stack(out_f), stack_tree(router), stack_tree(experts))
 
     x, ys = jax.lax.scan(rematerialized(body, self.remat, gathering), x, xs)
-    return x, tuple(a.reshape(-1, *a.shape[2:]) for a in ys)
+    merge = lambda a: a.reshape(-1, *a.shape[2:])
+    route = None if ys[4] is None else summed_over_layers(jax.tree_util.tree_map(merge, ys[4]))
+    experts = None if ys[5] is None else jnp.moveaxis(merge(ys[5]), 0, 2)   # [L, B, T, k] -> [B, T, L, k]
+    return x, tuple(merge(a) for a in ys[:4]), route, experts
 
 
 # --- Hugging Face checkpoints (transformers' Gemma4ForCausalLM, model_type "gemma4_text") -----------------------
@@ -306,6 +358,15 @@ HF_ATTENTION = {"self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk"
                 "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm",
                 "self_attn.k_norm.weight": "k_norm"}
 SCALAR = "layer_scalar"
+# The mixture-of-experts block (transformers' Gemma4TextRouter and Gemma4TextExperts, 26B-A4B): router.proj [E, d],
+# router.scale [d], router.per_expert_scale [E], experts.gate_up_proj [E, 2 F_e, d] (the gate's rows first),
+# experts.down_proj [E, d, F_e], and its three norms.
+HF_MOE_NORMS = {"pre_feedforward_layernorm_2.weight": "experts_norm",
+                "post_feedforward_layernorm_1.weight": "mlp_out_norm",
+                "post_feedforward_layernorm_2.weight": "experts_out_norm"}
+HF_ROUTER = {"router.proj.weight": "w_router", "router.scale": "router_scale",
+             "router.per_expert_scale": "expert_scale"}
+HF_EXPERTS_GATE_UP, HF_EXPERTS_DOWN = "experts.gate_up_proj", "experts.down_proj"
 
 
 def _layer_shape(c: ModelConfig, kind: str) -> tuple[int, int, bool]:
@@ -323,6 +384,11 @@ def _expected(c: ModelConfig) -> dict[str, tuple]:
     pre = HF_LAYER.format(i)
     out.update({pre + n: s for n, s in zip(HF_SHARED, ((d,),) * 4 + ((f, d), (f, d), (d, f)))})
     out[pre + SCALAR] = (1,)
+    if c.moe:
+      e, fe = c.num_experts, c.expert_ffn_dim
+      out.update({pre + n: (d,) for n in HF_MOE_NORMS})
+      out.update({pre + "router.proj.weight": (e, d), pre + "router.scale": (d,), pre + "router.per_expert_scale": (e,),
+                  pre + HF_EXPERTS_GATE_UP: (e, 2 * fe, d), pre + HF_EXPERTS_DOWN: (e, d, fe)})
     hkv, w, values = _layer_shape(c, kind)
     shapes = {"wq": (c.num_heads * w, d), "wk": (hkv * w, d), "wv": (hkv * w, d), "wo": (d, c.num_heads * w),
               "q_norm": (w,), "k_norm": (w,)}
@@ -341,13 +407,21 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[Mod
   check_tensors(tensors, _expected(config), config, source)
   c = config
   f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)
-  shared = {ours: [] for ours in HF_SHARED.values()}
+  moe_names = {**HF_MOE_NORMS, **HF_ROUTER} if c.moe else {}
+  shared = {ours: [] for ours in (*HF_SHARED.values(), *moe_names.values(),
+                                  *(("e_gate", "e_up", "e_down") if c.moe else ()))}
   kinds = {SLIDING: {}, FULL: {}}
   scalars = []
   for i, kind in enumerate(c.layer_types):
     t = lambda name: tensors[HF_LAYER.format(i) + name]
     for hf, ours in HF_SHARED.items():
       shared[ours].append(t(hf) if ours.endswith("norm") else t(hf).T)
+    for hf, ours in moe_names.items():   # w_router [E, d] -> [d, E]; the norms and scales as they are
+      shared[ours].append(t(hf).T if ours == "w_router" else t(hf))
+    if c.moe:   # gate_up [E, 2 F_e, d] -> e_gate, e_up [E, d, F_e]; down [E, d, F_e] -> e_down [E, F_e, d]
+      gate_up = np.swapaxes(t(HF_EXPERTS_GATE_UP), 1, 2)
+      shared["e_gate"].append(gate_up[..., :c.expert_ffn_dim]), shared["e_up"].append(gate_up[..., c.expert_ffn_dim:])
+      shared["e_down"].append(np.swapaxes(t(HF_EXPERTS_DOWN), 1, 2))
     scalars.append(float(np.asarray(t(SCALAR)).reshape(())))
     if not np.isfinite(scalars[-1]):
       raise ValueError(f"{source}: {HF_LAYER.format(i) + SCALAR} is {scalars[-1]}; a layer scalar must be finite")
@@ -381,6 +455,13 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
       w = np.asarray(lay[ours][i])
       out[pre + hf] = f32(w if ours.endswith("norm") else w.T)
     out[pre + SCALAR] = f32([scalars[i]])
+    if c.moe:
+      for hf, ours in {**HF_MOE_NORMS, **HF_ROUTER}.items():
+        w = np.asarray(lay[ours][i])
+        out[pre + hf] = f32(w.T if ours == "w_router" else w)
+      gate_up = np.concatenate([np.asarray(lay["e_gate"][i]), np.asarray(lay["e_up"][i])], axis=-1)
+      out[pre + HF_EXPERTS_GATE_UP] = f32(np.swapaxes(gate_up, 1, 2))
+      out[pre + HF_EXPERTS_DOWN] = f32(np.swapaxes(np.asarray(lay["e_down"][i]), 1, 2))
     p = {k: np.asarray(v[counts[kind]]) for k, v in lay["full" if kind == FULL else "sliding"].items()}
     counts[kind] += 1
     flat = lambda m: m.reshape(c.d_model, -1).T                                  # [d, h, w] -> [h·w, d]
@@ -399,6 +480,8 @@ def hf_config_fields(config: ModelConfig) -> dict:
   return dict(layer_types=list(c.layer_types), sliding_window=c.sliding_window, global_head_dim=c.global_head_dim,
               num_global_key_value_heads=c.global_kv_heads, attention_k_eq_v=c.k_eq_v,
               final_logit_softcapping=c.final_logit_softcap, hidden_activation="gelu_pytorch_tanh",
-              hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=False,
+              hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=c.moe,
+              **(dict(num_experts=c.num_experts, top_k_experts=c.experts_per_token,
+                      moe_intermediate_size=c.expert_ffn_dim) if c.moe else {}),
               rope_parameters={FULL: full_rope,
                                SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta}})

@@ -116,11 +116,11 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
   """ModelConfig fields of a Gemma 4 text config (`Gemma4TextConfig`, models/gemma4.py): the sliding layers'
   shape (the common fields) and the global layers' (global_head_dim and num_global_key_value_heads, or the
   per_layer_config transformers 5 writes of them; the K/V heads are the global ones only with
-  attention_k_eq_v, as in transformers), each layer type's RoPE, the logit cap. Refuses what our decoder does
+  attention_k_eq_v, as in transformers), each layer type's RoPE, the logit cap, and with enable_moe_block the
+  experts' count, top k and width (26B-A4B). Refuses what our decoder does
   not implement, naming it."""
   refused = {"hidden_size_per_layer_input (per-layer embeddings)": bool(cfg.get("hidden_size_per_layer_input")),
              "num_kv_shared_layers (K/V shared across layers)": bool(cfg.get("num_kv_shared_layers")),
-             "enable_moe_block (the mixture-of-experts block)": bool(cfg.get("enable_moe_block")),
              "use_bidirectional_attention": bool(cfg.get("use_bidirectional_attention")),
              "attention_bias": bool(cfg.get("attention_bias")),
              "hidden_activation != gelu_pytorch_tanh":
@@ -167,7 +167,10 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
               rope_local_theta=float(local.get("rope_theta", 10000.0)), head_dim=head_dim, num_kv_heads=kv_heads,
               global_head_dim=int(global_head_dim), global_kv_heads=int(global_kv), k_eq_v=k_eq_v,
               global_rope_fraction=float(full.get("partial_rotary_factor", 1.0)),
-              final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True)
+              final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True,
+              **(dict(num_experts=_int(cfg, path, "num_experts"), experts_per_token=_int(cfg, path, "top_k_experts"),
+                      expert_ffn_dim=_int(cfg, path, "moe_intermediate_size"), norm_topk_prob=True)
+                 if cfg.get("enable_moe_block") else {}))
 
 
 def _qwen3_5_fields(cfg: dict, path: str) -> dict:

@@ -288,7 +288,7 @@ class RouterStats(NamedTuple):
 
 
 def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, replay_routes: bool = True,
-            lora_scale: float = 0.0):
+            lora_scale: float = 0.0, router_btd=None):
   """Qwen3-MoE's sparse MLP (transformers' `Qwen3MoeSparseMoeBlock`): each token's router probabilities softmax(h
   W_router) (float32), its top experts_per_token experts, their probabilities renormalised to sum 1 with
   norm_topk_prob, and Σ_k w_k · SwiGLU_expert_k(h). The experts run as grouped matmuls: the (token, slot) pairs
@@ -307,12 +307,20 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
   probabilities of them (renormalised where norm_topk_prob), so the router's gradient flows through the
   weights as it does through its own choice; without, it runs its own top k and the routes are only compared
   (`RouterStats.mismatch`). Where p holds the experts' adapters (w_gate_lora_a [E, d, r], .._lora_b [E, r, F_e],
-  models/lora.py) each expert adds lora_scale · (x A_e) B_e to its projection."""
+  models/lora.py) each expert adds lora_scale · (x A_e) B_e to its projection.
+
+  Gemma 4 (config.gemma4; transformers' `Gemma4TextRouter`, `Gemma4TextExperts`): the router reads router_btd
+  [B, T, d] (the residual stream; the experts read h_btd), RMS-normalised without a weight and multiplied by
+  p["router_scale"] [d] · d^-1/2; the renormalised top-k weights are multiplied by p["expert_scale"] [E] of their
+  experts (per_expert_scale); the experts are GeGLU (tanh-approximated GELU) rather than SwiGLU."""
   b, t, d = h_btd.shape
   k, e = config.experts_per_token, config.num_experts
   dt, acc = h_btd.dtype, accum_dtype(h_btd.dtype)
   x = h_btd.reshape(b * t, d)
-  logits = jnp.matmul(x, p["w_router"].astype(dt))
+  r = x if router_btd is None else router_btd.reshape(b * t, d)
+  if config.gemma4:
+    r = rms_norm(r, jnp.ones((), acc), config.norm_eps) * p["router_scale"].astype(dt) * (d ** -0.5)
+  logits = jnp.matmul(r, p["w_router"].astype(dt))
   probs = jax.nn.softmax(logits.astype(acc), axis=-1)
   weights, experts = jax.lax.top_k(probs, k)                                     # [N, k]
   recorded = mismatch = jnp.zeros((b * t,), jnp.int32)
@@ -326,6 +334,8 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
       weights = jnp.take_along_axis(probs, experts, axis=-1)
   if config.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  if config.gemma4:
+    weights = weights * p["expert_scale"].astype(acc)[experts]
   axes = p.get(EXPERT_AXES)
   y = (_expert_sum(config, p, x, experts, weights, lora_scale) if axes is None else
        _dispatched_expert_sum(config, p, x, experts, weights, axes, lora_scale))
@@ -337,7 +347,7 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
 
 
 def _expert_sum(config: ModelConfig, p: dict, x, experts, weights, lora_scale: float = 0.0):
-  """Σ_k w_k · SwiGLU_{experts_k}(x) [N, d] of N tokens x [N, d] over the E experts p holds (w_gate, w_up
+  """Σ_k w_k · SwiGLU_{experts_k}(x) (Gemma 4: GeGLU) [N, d] of N tokens x [N, d] over the E experts p holds (w_gate, w_up
   [E, d, F_e], w_down [E, F_e, d], and their adapters where present), their ids experts [N, k] in 0..E-1 and
   weights [N, k]: the (token, slot) pairs sorted by expert, each expert's rows one group of
   config.expert_matmul's grouped matmul."""
@@ -357,7 +367,8 @@ def _expert_sum(config: ModelConfig, p: dict, x, experts, weights, lora_scale: f
   with jax.named_scope("moe experts"):
     gate = project_experts(rows, "w_gate")
     up = project_experts(rows, "w_up")
-    out = project_experts(jax.nn.silu(gate) * up, "w_down")   # [N·k, d], sorted
+    act = jax.nn.gelu(gate, approximate=True) if config.gemma4 else jax.nn.silu(gate)
+    out = project_experts(act * up, "w_down")   # [N·k, d], sorted
   out = out[jnp.argsort(order)].reshape(x.shape[0], k, -1)                     # back to (token, slot) order
   return jnp.einsum("nkd,nk->nd", out, weights.astype(dt))
 

@@ -6,7 +6,10 @@ A [L, E, *in, r] and B [L, E, r, *out], applied by the same grouped matmul as it
 (`llama._expert_sum`: x A_e then B_e on the rows routed to expert e). The router and Qwen3.5-MoE's shared
 expert take none. Qwen3.5 (`models.qwen3_5`) takes them on
 every layer's MLP and on its full-attention layers' wq, wk, wv, wo (stacked [Lf, ...] in `layers.full`, beside
-the adapted weight); its Gated DeltaNet layers' projections take none.
+the adapted weight); its Gated DeltaNet layers' projections take none. Gemma 4 (`models.gemma4`) takes them on
+every layer's dense MLP and on both attention kinds: an attention target gets one pair per stack, its sliding
+layers' in `layers.sliding` and its global layers' (of their own head width and K/V heads) in `layers.full`; a
+global layer without v_proj (attention_k_eq_v) has no wv to adapt. Gemma 4's experts and router take none.
 
 A target projection W of the stacked layout (models/llama.py) gets two adapters, stacked on the
 same leading layer axis and typed `nnx.LoRAParam` (Flax NNX's LoRA variable type):
@@ -86,20 +89,30 @@ class LoraSpec:
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
   """name -> (input axes, output axes) of one layer's projection (without the layer axis) that can take adapters,
-  every name of TARGETS; for a mixture of experts (config.moe) the MLP's are one expert's (without its experts
-  axis: `expert_axes`)."""
+  every name of TARGETS; for a mixture of experts whose MLP is its experts the MLP's are one expert's (without its
+  experts axis: `expert_axes`). Gemma 4's attention targets: its sliding layers' (`global_shapes` the others')."""
   d, hq, hkv, hd, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_dim
-  # (Qwen3.5: wq .. wo are its full-attention layers', of the same shapes, `target_weight`)
+  # (Qwen3.5: wq .. wo are its full-attention layers', of the same shapes, `target_weights`)
   attention = {"wq": ((d,), (hq, hd)), "wk": ((d,), (hkv, hd)), "wv": ((d,), (hkv, hd)), "wo": ((hq, hd), (d,))}
-  if config.moe:
+  if config.moe and not config.gemma4:
     f = config.expert_ffn_dim
   return {**attention, "w_gate": ((d,), (f,)), "w_up": ((d,), (f,)), "w_down": ((f,), (d,))}
 
 
+def global_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+  """Gemma 4's global layers' attention projections as `projection_shapes` gives them (no wv with k_eq_v); {}
+  for another model."""
+  if not config.gemma4:
+    return {}
+  d, hq, hg, dg = config.d_model, config.num_heads, config.global_kv_heads, config.global_head_dim
+  out = {"wq": ((d,), (hq, dg)), "wk": ((d,), (hg, dg)), "wv": ((d,), (hg, dg)), "wo": ((hq, dg), (d,))}
+  return {k: v for k, v in out.items() if k != "wv" or not config.k_eq_v}
+
+
 def expert_axes(config: ModelConfig, target: str) -> int:
   """Axes between a target's layer axis and its input axes: 1 for a mixture of experts' expert weights (their
-  experts axis E, which the adapters share), else 0."""
-  return int(config.moe and target in EXPERT_TARGETS)
+  experts axis E, which the adapters share), else 0 (Gemma 4's MLP targets are its dense MLP's)."""
+  return int(config.moe and not config.gemma4 and target in EXPERT_TARGETS)
 
 
 def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora") -> LoraSpec:
@@ -117,11 +130,11 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
   unknown = [t for t in targets if t not in TARGETS]
   if unknown:
     raise ValueError(f"{field}.targets={targets!r}: {unknown} are not projections; expected names of {TARGETS}")
-  shapes = projection_shapes(config)
   if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
     raise ValueError(f"{field}.rank={rank!r} must be an int >= 1")
-  for t in targets:
-    fan_in, fan_out = (math.prod(s) for s in shapes[t])
+  for t, shape in [(t, shapes[t]) for shapes in (projection_shapes(config), global_shapes(config))
+                   for t in targets if t in shapes]:
+    fan_in, fan_out = (math.prod(s) for s in shape)
     if rank > min(fan_in, fan_out):
       raise ValueError(f"{field}.rank={rank} is larger than projection {t}'s dimensions (fan-in {fan_in}, fan-out "
                        f"{fan_out}): a rank-r update needs r <= {min(fan_in, fan_out)}")
@@ -131,15 +144,14 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
   return LoraSpec(int(rank), float(alpha), targets)
 
 
-def target_weight(model: Llama, target: str) -> tuple[Any, str]:
-  """(the module holding `target`'s weight, its attribute name): `model.layers`, or for Qwen3.5's attention
-  targets its full-attention layers' `model.layers.full` (their weights stacked [Lf, ...])."""
-  if model.config.gemma4:
-    raise ValueError("lora: Gemma 4's adapters are not built (its sliding and global layers' weights are stacked "
-                     "apart, models/gemma4.py); train it without lora")
-  if model.config.hybrid and target in ATTENTION_TARGETS:
-    return model.layers.full, target
-  return model.layers, target
+def target_weights(model: Llama, target: str) -> list[tuple[Any, tuple[str, ...]]]:
+  """[(a module holding a stack of `target`'s weight, its path in the model's pure dict)]: `model.layers`; for
+  Qwen3.5's attention targets its full-attention layers' `model.layers.full` (stacked [Lf, ...]); for Gemma 4's
+  its sliding layers' `layers.sliding` and its global layers' `layers.full` (where it has that weight)."""
+  if target not in ATTENTION_TARGETS or not (model.config.hybrid or model.config.gemma4):
+    return [(model.layers, ("layers",))]
+  kinds = ("sliding", "full") if model.config.gemma4 else ("full",)
+  return [(getattr(model.layers, k), ("layers", k)) for k in kinds if hasattr(getattr(model.layers, k), target)]
 
 
 def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
@@ -156,13 +168,12 @@ def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
   if model.lora is not None:
     raise ValueError(f"add_adapters: the model already has adapters ({model.lora})")
   check_spec(spec.rank, spec.alpha, spec.targets, model.config)
-  shapes, r = projection_shapes(model.config), spec.rank
-  for t in spec.targets:
-    ins, outs = shapes[t]
-    module, _ = target_weight(model, t)
+  r = spec.rank
+  for t, (module, _) in [(t, m) for t in spec.targets for m in target_weights(model, t)]:
     weight = getattr(module, t)
     lead = 1 + expert_axes(model.config, t)   # the layer axis, and an expert weight's experts axis
     batch = tuple(weight.shape[:lead])
+    ins, outs = weight.shape[lead:lead + IN_AXES[t]], weight.shape[lead + IN_AXES[t]:]
     names = weight.get_metadata(AXES_KEY)   # W's: (layers, [experts,] *in names, *out names)
     names_a = names[:lead + len(ins)] + ("lora_rank",)
     names_b = names[:lead] + ("lora_rank",) + names[lead + len(ins):]
@@ -214,10 +225,10 @@ def merged(model: Llama) -> Llama:
   graphdef, state = nnx.split(model)
   pure = nnx.to_pure_dict(state)
   pure["layers"] = dict(pure["layers"])
-  for t in spec.targets:
+  for t, (_, path) in [(t, m) for t in spec.targets for m in target_weights(model, t)]:
     layers = pure["layers"]
-    if target_weight(model, t)[0] is not model.layers:   # Qwen3.5's full-attention layers
-      layers = pure["layers"]["full"] = dict(pure["layers"]["full"])
+    if len(path) == 2:   # Qwen3.5's full-attention layers, Gemma 4's sliding or global ones
+      layers = pure["layers"][path[1]] = dict(pure["layers"][path[1]])
     dtype = np.asarray(layers[t]).dtype
     a, b, w = (np.asarray(layers.pop(t + s), np.float64) for s in ("_lora_a", "_lora_b", ""))
     batch = w.shape[:1 + expert_axes(model.config, t)]   # [L] or an expert weight's [L, E]
