@@ -177,6 +177,22 @@ def test_gemma4_expert_fields_are_checked_by_name():
     dense(jnp.arange(3)[None], 0, routes=jnp.zeros((1, 3, 2, 2), jnp.int32))
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"top_k_experts": 5}, "top_k_experts=5 must be in 1..num_experts=4"),
+    ({"num_experts": None}, "no num_experts; our decoder needs it"),
+    ({"moe_intermediate_size": 24.0}, "moe_intermediate_size=24.0 must be an int"),
+])
+def test_a_bad_expert_field_is_refused_naming_the_file_and_the_key(tmp_path, edit, message):
+  import json
+  import shutil
+  directory = tmp_path / "g4"
+  shutil.copytree(FIXTURE, directory)
+  cfg = json.load(open(directory / "config.json"))
+  json.dump({**cfg, **edit}, open(directory / "config.json", "w"))
+  with pytest.raises(ValueError, match=f"config.json: {message}"):
+    load_hf_model(str(directory))
+
+
 def test_the_26b_a4b_shapes_hold_its_published_parameter_counts():
   # Google's model card: 25.2B parameters, 3.8B active per token. Ours by jax.eval_shape (no weights): 25.23B in
   # all; active (dense layers, the router, 8 of 128 experts, the tied embedding as the output projection) 3.82B.

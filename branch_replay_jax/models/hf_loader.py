@@ -161,16 +161,20 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
                      "full_attention and 'default' on sliding_attention layers")
   factor = float(full.get("factor", 1.0))
   cap = cfg.get("final_logit_softcapping")
+  moe = {}
+  if cfg.get("enable_moe_block"):   # 26B-A4B: experts beside every layer's MLP; the router always renormalises
+    moe = dict(num_experts=_int(cfg, path, "num_experts"), experts_per_token=_int(cfg, path, "top_k_experts"),
+               expert_ffn_dim=_int(cfg, path, "moe_intermediate_size"), norm_topk_prob=True)
+    if not 0 < moe["experts_per_token"] <= moe["num_experts"]:
+      raise ValueError(f"{path}: top_k_experts={moe['experts_per_token']} must be in 1..num_experts="
+                       f"{moe['num_experts']}")
   return dict(layer_types=tuple(types), sliding_window=_int(cfg, path, "sliding_window", default=512),
               rope_theta=float(full.get("rope_theta", 1e6)),
               rope_scaling=None if factor == 1.0 else LinearRopeScaling(factor),
               rope_local_theta=float(local.get("rope_theta", 10000.0)), head_dim=head_dim, num_kv_heads=kv_heads,
               global_head_dim=int(global_head_dim), global_kv_heads=int(global_kv), k_eq_v=k_eq_v,
               global_rope_fraction=float(full.get("partial_rotary_factor", 1.0)),
-              final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True,
-              **(dict(num_experts=_int(cfg, path, "num_experts"), experts_per_token=_int(cfg, path, "top_k_experts"),
-                      expert_ffn_dim=_int(cfg, path, "moe_intermediate_size"), norm_topk_prob=True)
-                 if cfg.get("enable_moe_block") else {}))
+              final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True, **moe)
 
 
 def _qwen3_5_fields(cfg: dict, path: str) -> dict:
