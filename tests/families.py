@@ -189,6 +189,15 @@ def export_round_trip(model, fixture: str, tmp_path) -> None:
   assert shapes(str(tmp_path / "out" / "model.safetensors")) == shapes(os.path.join(fixture, "model.safetensors"))
 
 
+def params64(model):
+  """(graphdef, float64 params) of `model` rebuilt in float64 compute (x64 on while it runs)."""
+  from branch_replay_jax.models.loading import build_model
+  with jax.enable_x64(True):
+    m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
+    graphdef, params = nnx.split(m64)
+    return graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+
+
 def adapted64(graphdef, params, spec):
   """(graphdef, adapters, base) of the float64 model (graphdef, params) with `spec`'s adapters, each B random (the
   zero init would leave the adapted model the base model, so a misplaced adapter would change nothing), float64."""

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive,
-                      greedy_reproduces, grpo_on_exported, lora_step, next_logprobs, objective, read_reference,
+from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
+                      grpo_on_exported, lora_step, next_logprobs, objective, params64, read_reference,
                       refused_before_loading, step, tree_and_rows, window_tree)
 from flax import nnx
 
@@ -35,13 +35,6 @@ def reference():
 @pytest.fixture(scope="module")
 def model():
   return load_hf_model(FIXTURE)
-
-
-def _params64(model):
-  """(graphdef, float64 params) of `model` rebuilt in float64 compute (call under x64)."""
-  m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
-  graphdef, params = nnx.split(m64)
-  return graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
 
 
 def test_config_reads_both_layer_shapes_the_proportional_rope_the_cap_and_the_layer_scalars(model):
@@ -97,7 +90,7 @@ def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path):
 def test_group_replay_equals_naive_float64_with_the_window_across_the_prompt(model, x64):
   # Prompt of 6, completions of 2, 5 and 9 tokens, window 4; replay (the prompt once, the completions on its
   # sliding and global K/V; the two-scan prompt_and_rows) and naive rows: float64 rounding.
-  graphdef, params = _params64(model)
+  graphdef, params = params64(model)
   arrays = arrays_of(random_group([2, 5, 9], prompt_len=6, seed=3), np.float64)
   ln, _, gn = step(graphdef, params, arrays, objective, layout="naive")
   for kw in (dict(micro_batch=1, fused=False), dict(micro_batch=None, fused=True)):
@@ -155,7 +148,7 @@ def test_group_replay_bfloat16_error_at_most_twice_naive(model):
   # (tests/test_replay.py) and Gemma 3.
   group = random_group([2, 5, 9], prompt_len=6, seed=3)
   with jax.enable_x64(True):
-    graph64, params64 = _params64(model)
+    graph64, params64 = params64(model)
     exact = jax.tree_util.tree_map(np.asarray, step(graph64, params64, arrays_of(group, np.float64), objective,
                                                     layout="naive")[2])
   arrays = arrays_of(group, np.float32)
@@ -169,7 +162,7 @@ def test_group_replay_bfloat16_error_at_most_twice_naive(model):
 def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model, x64):
   # Depth 3 (prompt 5, nodes of 2-4 tokens), window 4: a level-3 token sees part of its parent on the sliding
   # layers and every ancestor on the global ones. Depth-first replay equals the naive rows (float64).
-  graphdef, params = _params64(model)
+  graphdef, params = params64(model)
   rng = np.random.default_rng(7)
   tree = window_tree(rng)
   tree_batch, rows, _ = tree_and_rows(tree, rng)
@@ -192,7 +185,7 @@ def test_fsdp_mesh_step_equals_naive_float64():
   # Two groups over data x branch = 2 x 2 with FSDP parameters (the sliding and global layers' weights split and
   # gathered per repetition of the layer pattern): the summed gradient equals the naive groups' (<= 1e-10).
   with jax.enable_x64(True):
-    graphdef, params = _params64(load_hf_model(FIXTURE))
+    graphdef, params = params64(load_hf_model(FIXTURE))
     groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s), np.float64) for s in range(2)]
     fsdp_step_equals_naive(graphdef, params, groups)
 
@@ -239,7 +232,7 @@ def test_lora_replay_equals_naive_float64_and_merging_keeps_the_function(model, 
   # states to float64 rounding.
   from branch_replay_jax.models import lora
   spec = lora.LoraSpec(rank=2, alpha=4.0)
-  graphdef, adapters, base = adapted64(*_params64(model), spec)
+  graphdef, adapters, base = adapted64(*params64(model), spec)
   arrays = arrays_of(random_group([2, 5, 9], prompt_len=6, seed=3), np.float64)
   ln, _, gn = lora_step(graphdef, adapters, base, arrays, layout="naive")
   lr, _, gr = lora_step(graphdef, adapters, base, arrays, micro_batch=1, fused=False)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, next_logprobs, objective, read_reference, sampler_routes, step,
+                      grpo_on_exported, next_logprobs, objective, params64, read_reference, sampler_routes, step,
                       tree_and_rows, window_tree)
 from flax import nnx
 from test_moe import (group_routing_replay_equals_naive, sampler_records_the_trainers_routes,
@@ -39,10 +39,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def model64(model):
-  with jax.enable_x64(True):
-    m = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
-    graphdef, params = nnx.split(m)
-    return graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+  return params64(model)
 
 
 def test_config_reads_the_experts_beside_the_dense_mlp(model):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, next_logprobs, objective, read_reference, refused_before_loading,
+                      grpo_on_exported, next_logprobs, objective, params64, read_reference, refused_before_loading,
                       sampler_routes, step, tree_and_rows)
 from flax import nnx
 
@@ -80,10 +80,7 @@ def test_export_round_trip_gives_the_same_tensors_as_transformers_wrote(model, t
 
 @pytest.fixture(scope="module")
 def model64(model):
-  with jax.enable_x64(True):
-    m = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
-    graphdef, params = nnx.split(m)
-    return graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+  return params64(model)
 
 
 def test_group_replay_equals_naive_float64_with_the_routers_gradient(model64, x64):

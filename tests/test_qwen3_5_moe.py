@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, next_logprobs, objective, read_reference, sampler_routes, tree_and_rows)
+                      grpo_on_exported, next_logprobs, objective, params64, read_reference, sampler_routes,
+                      tree_and_rows)
 from flax import nnx
 
 from branch_replay_jax.data.trees import tree_from_trajectories
 from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.models.config import GatedDeltaNetShape, tiny_config
-from branch_replay_jax.models.loading import build_model, load_hf_model
+from branch_replay_jax.models.loading import load_hf_model
 from branch_replay_jax.models.qwen3_5 import Qwen35
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_5_moe_tiny")
@@ -41,10 +42,7 @@ def run(head, graphdef, params, batch, **kw):
 
 @pytest.fixture(scope="module")
 def model64(model):
-  with jax.enable_x64(True):
-    m = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
-    graphdef, params = nnx.split(m)
-    return graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
+  return params64(model)
 
 
 def test_config_reads_the_experts_and_the_shared_expert(model):
