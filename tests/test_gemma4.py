@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, lora_step, next_logprobs, objective, params64, read_reference,
-                      refused_before_loading, step, tree_and_rows, window_tree)
+                      grpo_on_exported, lora_fsdp_step_equals_naive, lora_step, next_logprobs, objective, params64,
+                      read_reference, refused_before_loading, step, tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -246,6 +246,15 @@ def test_lora_replay_equals_naive_float64_and_merging_keeps_the_function(model, 
   want = adapted(ids, 0).hidden_btd
   got = lora.merged(adapted)(ids, 0).hidden_btd
   assert float(jnp.abs(got - want).max()) <= 1e-12 * float(jnp.abs(want).max())
+
+
+def test_lora_on_the_fsdp_mesh_equals_naive_float64(model):
+  # tests/test_qwen3_5.py's check on Gemma 4: two groups over data x branch = 2 x 2, the adapters of both attention
+  # stacks and the MLP and the frozen base FSDP-sharded, gathered layer by layer inside the pattern's scan.
+  from branch_replay_jax.models import lora
+  with jax.enable_x64(True):
+    groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s), np.float64) for s in range(2)]
+    lora_fsdp_step_equals_naive(*adapted64(*params64(model), lora.LoraSpec(rank=2, alpha=4.0)), groups)
 
 
 def test_lora_rank_is_bounded_by_the_global_layers_shapes_too():

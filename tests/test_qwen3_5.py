@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, adapted64, arrays_of, fsdp_step_equals_naive, grpo_on_exported, lora_step,
-                      next_logprobs, objective, read_reference, refused_before_loading, step, tree_and_rows)
+from families import (SMOLLM2_VOCAB, adapted64, arrays_of, fsdp_step_equals_naive, grpo_on_exported,
+                      lora_fsdp_step_equals_naive, lora_step, next_logprobs, objective, read_reference,
+                      refused_before_loading, step, tree_and_rows)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -294,22 +295,10 @@ def test_lora_on_the_fsdp_mesh_equals_naive_float64(small64):
   # linear-attention and full-attention stacks split and gathered inside the scan, never differentiated):
   # the loss and the adapters' summed gradient equal the two naive groups' to float64 rounding (<= 1e-10),
   # and the gradient holds the adapters alone.
-  from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
   with jax.enable_x64(True):
-    graphdef, adapters, base = adapted64(*small64, lora.LoraSpec(rank=2, alpha=4.0))
     groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64)
               for s in range(2)]
-    outs = [lora_step(graphdef, adapters, base, g, layout="naive") for g in groups]
-    want = jax.tree_util.tree_map(jnp.add, outs[0][2], outs[1][2])
-    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
-    with jax.set_mesh(mesh):
-      batch = shard_batch(stack_groups(pad_prompts(groups, 1)), mesh)
-      step = jax.jit(lambda a, b, x: value_and_grad(POLICY, lora.WithBase(graphdef, b), a, x, objective, mesh=mesh,
-                                                      micro_batch=1))
-      loss, _, grads = step(shard_params(adapters, mesh, "fsdp"), shard_params(base, mesh, "fsdp"), batch)
-  assert float(loss) == pytest.approx(float(outs[0][0] + outs[1][0]), rel=1e-10)
-  assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(adapters), "only adapters differentiated"
-  assert max_rel_err(grads, want) <= 1e-10
+    lora_fsdp_step_equals_naive(*adapted64(*small64, lora.LoraSpec(rank=2, alpha=4.0)), groups)
 
 
 # heavy (~45 s on one core): CI covers its parts by the float64 test above (Qwen3.5's adapter code) and
