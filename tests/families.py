@@ -39,6 +39,11 @@ def next_logprobs(m, ids) -> np.ndarray:
                                    softcap=m.logit_softcap)[0])
 
 
+def reference_error(m, item: dict) -> float:
+  """max |log-prob of each next id under model m - the fixture's| for one of reference.json's inputs."""
+  return float(np.abs(next_logprobs(m, item["input_ids"]) - np.asarray(item["next_token_logprobs"])).max())
+
+
 def objective(logp, br):
   """GRPO's clipped objective with a KL term, off-policy (old log-probs given): every term has a gradient."""
   return obj.grpo_objective(logp, br, clip_eps=0.2, kl_coef=0.05, on_policy=False)

@@ -12,7 +12,7 @@ import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
                       grpo_on_exported, lora_fsdp_step_equals_naive, lora_step, next_logprobs, objective, params64,
-                      read_reference, refused_before_loading, step, tree_and_rows, window_tree)
+                      read_reference, reference_error, refused_before_loading, step, tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -58,8 +58,7 @@ def test_logprobs_match_transformers_float32(model, reference):
   # logits soft-capped at 3. Inputs of 23 and 40 tokens against a window of 4. The fixture is rounded to 1e-6;
   # float32 reassociation adds ~1e-6 (measured 6.9e-6).
   for item in reference["inputs"]:
-    got = next_logprobs(model, item["input_ids"])
-    assert np.abs(got - np.asarray(item["next_token_logprobs"])).max() <= 1e-5
+    assert reference_error(model, item) <= 1e-5
 
 
 @pytest.mark.parametrize("change", [
@@ -71,7 +70,7 @@ def test_each_gemma4_part_is_what_the_parity_measures(model, reference, change):
   # differ from transformers by far more than the parity bound (1e-5): each is what the test above checks.
   other = build_model(dataclasses.replace(model.config, **change), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   item = reference["inputs"][1]
-  assert np.abs(next_logprobs(other, item["input_ids"]) - np.asarray(item["next_token_logprobs"])).max() > 1e-3
+  assert reference_error(other, item) > 1e-3
 
 
 def test_greedy_sampling_through_both_kv_caches_reproduces_transformers(model, reference):

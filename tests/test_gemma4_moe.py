@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, next_logprobs, objective, params64, read_reference, sampler_routes, step,
+                      grpo_on_exported, objective, params64, read_reference, reference_error, sampler_routes, step,
                       tree_and_rows, window_tree)
 from flax import nnx
 from test_moe import (group_routing_replay_equals_naive, sampler_records_the_trainers_routes,
@@ -57,8 +57,7 @@ def test_logprobs_match_transformers_float32(model, reference):
   # Measured 9.5e-6 and 1.2e-5 on the two inputs; transformers' own float32 result differs from its float64 one
   # by 2.0e-5 on this fixture (tools/make_gemma4_moe_reference.py's model run in both), so the bound is that.
   for item in reference["inputs"]:
-    got = next_logprobs(model, item["input_ids"])
-    assert np.abs(got - np.asarray(item["next_token_logprobs"])).max() <= 2.5e-5
+    assert reference_error(model, item) <= 2.5e-5
 
 
 @pytest.mark.parametrize("part", ["router_scale", "expert_scale", "e_down", "mlp_out_norm", "experts_out_norm"])
@@ -70,7 +69,7 @@ def test_each_part_of_the_block_is_what_the_parity_measures(model, reference, pa
   params["layers"][part] = np.zeros_like(w) if part == "e_down" else np.ones_like(w)
   other = build_model(model.config, params)
   item = reference["inputs"][1]
-  assert np.abs(next_logprobs(other, item["input_ids"]) - np.asarray(item["next_token_logprobs"])).max() > 1e-3
+  assert reference_error(other, item) > 1e-3
 
 
 def test_greedy_sampling_reproduces_transformers(model, reference):
