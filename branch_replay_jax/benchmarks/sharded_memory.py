@@ -102,6 +102,11 @@ def _placed(tree, specs, mesh):
                                 tree, specs)
 
 
+def _total_bytes(tree) -> int:
+  """Bytes of every leaf of an abstract pytree, whole (all devices together)."""
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
 def _local_bytes(tree) -> int:
   """Bytes of this device's shard of every leaf of an abstract, placed pytree."""
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
@@ -150,15 +155,13 @@ def replay_case(c, name: str, layout: str, remat: str, p: int) -> dict:
     place = lambda tree: _placed(tree, param_specs(tree, mesh, layout, expert=c.expert), mesh)
     frozen = place(frozen[0]) if frozen else None   # LoRA: the base, placed as the loop places it
     params = place(params)
-    opt_state = jax.eval_shape(tx.init, params)
-    opt_state = _placed(opt_state, param_specs(opt_state, mesh, layout, expert=c.expert), mesh)
+    opt_state = place(jax.eval_shape(tx.init, params))
     batch = _batch(mesh.shape["data"], c.G, p, c.T)
     batch = _placed(batch, batch_specs(batch, mesh), mesh)
     t0 = time.perf_counter()
     compiled = fns.train_step.lower(params, opt_state, batch, mesh.shape["data"], frozen).compile()
     compile_s = time.perf_counter() - t0
-  nbytes = lambda tree: sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
-  total_params, frozen_bytes = nbytes((params, frozen)), nbytes(frozen)
+  total_params, frozen_bytes = _total_bytes((params, frozen)), _total_bytes(frozen)
   layer = sum(math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(
       nnx.state((nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)).layers)))
   state, grad = _local_bytes((params, opt_state, frozen)), _local_bytes(params)
@@ -187,7 +190,7 @@ def naive_case(c, name: str, remat: str, p: int) -> dict:
                                                      logprob_chunk=c.logprob_chunk, layout="naive"))
   compiled = step.lower(params, batch).compile()
   mem = _memory(compiled)
-  total_params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
+  total_params = _total_bytes(params)
   return {"study": "naive", "model": name, "remat": remat, "P": p, "T": c.T, "dtype": c.dtype,
           "attention_impl": c.attention_impl, **({"expert_matmul": cfg.expert_matmul} if cfg.moe else {}), **mem,
           "peak_estimate_bytes": mem["peak_estimate_bytes"] + 2 * total_params,   # + AdamW mu, nu

@@ -65,7 +65,7 @@ from branch_replay_jax.models.hf_loader import check_tensors
 from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, annotated, apply_rope, gathered,
                                             moe_mlp, per_layer_routes, project, rematerialized, rms_norm,
                                             rope_inv_freq, segment_positions, summed_over_layers)
-from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stacked_kinds
+from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stack_layers, stacked_kinds
 from branch_replay_jax.models.window_kv import WindowedPrompt, last_keys
 
 
@@ -338,8 +338,7 @@ class Gemma4(Llama):
         x = x + norm(out, p["post_mlp_norm"])
         x = x * scalar_r[i]
       stack = lambda kvs: tuple(jnp.stack(a) for a in zip(*kvs))
-      stack_tree = lambda arrays: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *arrays) if arrays else None
-      return x, (*stack(out_s), *stack(out_f), stack_tree(router), stack_tree(experts))
+      return x, (*stack(out_s), *stack(out_f), stack_layers(router), stack_layers(experts))
 
     x, ys = jax.lax.scan(rematerialized(body, self.remat, gathering), x, xs)
     merge = lambda a: a.reshape(-1, *a.shape[2:])

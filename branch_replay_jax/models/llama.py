@@ -347,9 +347,9 @@ def moe_mlp(config: ModelConfig, p: dict, h_btd, valid_bt=None, routes=None, rep
 
 
 def _expert_sum(config: ModelConfig, p: dict, x, experts, weights, lora_scale: float = 0.0):
-  """Σ_k w_k · SwiGLU_{experts_k}(x) (Gemma 4: GeGLU) [N, d] of N tokens x [N, d] over the E experts p holds (w_gate, w_up
-  [E, d, F_e], w_down [E, F_e, d], and their adapters where present), their ids experts [N, k] in 0..E-1 and
-  weights [N, k]: the (token, slot) pairs sorted by expert, each expert's rows one group of
+  """Σ_k w_k · SwiGLU_{experts_k}(x) (Gemma 4: GeGLU) [N, d] of N tokens x [N, d] over the E experts p holds
+  (w_gate, w_up [E, d, F_e], w_down [E, F_e, d], and their adapters where present), their ids experts [N, k] in
+  0..E-1 and weights [N, k]: the (token, slot) pairs sorted by expert, each expert's rows one group of
   config.expert_matmul's grouped matmul."""
   k, e, dt = experts.shape[1], p["w_gate"].shape[0], x.dtype
   flat = experts.reshape(-1)                                                     # [N·k], (token, slot) order

@@ -152,6 +152,12 @@ def stacked_kinds(*modules) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
           tuple({n: v.get_metadata(GATHER_KEY, None) for n, v in d.items()} for d in kinds))
 
 
+def stack_layers(outputs: list):
+  """A scan body's per-layer outputs (pytrees of like shapes, in layer order) stacked leaf by leaf on a new
+  leading layer axis; None for no layers."""
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outputs) if outputs else None
+
+
 class ParamBag(nnx.Module):
   """A named bag of stacked parameters."""
 
@@ -346,8 +352,7 @@ class Qwen35(Llama):
           act = (jax.nn.silu(project(p, "w_gate", "btd,df->btf", h, scale))
                  * project(p, "w_up", "btd,df->btf", h, scale))
           x = x + project(p, "w_down", "btf,fd->btd", act, scale)
-      stack = lambda arrays: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *arrays) if arrays else None
-      return x, (stack(ks), stack(vs), stack(convs), stack(recs), stack(router), stack(experts))
+      return x, tuple(stack_layers(o) for o in (ks, vs, convs, recs, router, experts))
 
     x, ys = jax.lax.scan(rematerialized(body, self.remat, gathering), x, xs)
     b = x.shape[0]
