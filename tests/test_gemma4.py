@@ -210,8 +210,7 @@ def test_gemma4_config_fields_are_refused_by_name():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
-    ("num_kv_shared_layers", 2, "K/V shared across layers"),
+    ("attention_bias", True, "attention_bias"), ("hidden_activation", "silu", "hidden_activation != gelu_pytorch_tanh"),
 ])
 def test_what_our_gemma4_does_not_build_is_refused_by_name_before_loading(tmp_path, field, value, message):
   import json
@@ -220,7 +219,7 @@ def test_what_our_gemma4_does_not_build_is_refused_by_name_before_loading(tmp_pa
   shutil.copytree(FIXTURE, directory)
   cfg = json.load(open(directory / "config.json"))
   json.dump({**cfg, field: value}, open(directory / "config.json", "w"))
-  refused_before_loading(tmp_path, str(directory), "smoke", {}, f"{field} \\({message}\\) is not supported")
+  refused_before_loading(tmp_path, str(directory), "smoke", {}, f"{message} is not supported")
 
 
 def test_lora_replay_equals_naive_float64_and_merging_keeps_the_function(model, x64):

@@ -117,6 +117,11 @@ class ModelConfig:
       global_head_dim / 2 frequencies of the rotate-half pairs, the rest unrotated; rope_theta and rope_scaling
       its base and scaling), the cap c of the output logits (c · tanh(logits / c); None: none) and each
       layer's output scalar (transformers' `layer_scalar` buffer, not trained; None: all 1).
+    per_layer_input_dim, kv_shared_layers, double_wide_mlp: Gemma 4's small models (E2B, E4B; `models.gemma4`):
+      the width Dp of the per-layer embeddings (hidden_size_per_layer_input; None: none), the number of last
+      layers that compute no K/V of their own and read the last earlier layer's of their kind
+      (num_kv_shared_layers; the layers before them repeat the layer pattern whole), and whether those layers'
+      MLP is 2 · ffn_dim wide (use_double_wide_mlp; needs kv_shared_layers).
 
   `arch="gemma3_text"` also selects Gemma 3's block (Gemma Team 2025, arXiv 2503.19786; transformers'
   `Gemma3DecoderLayer`): RMSNorm scaled by (1 + w), norms after attention and MLP as well as before,
@@ -155,6 +160,9 @@ class ModelConfig:
   global_rope_fraction: float | None = None
   final_logit_softcap: float | None = None
   layer_scalars: tuple[float, ...] | None = None
+  per_layer_input_dim: int | None = None
+  kv_shared_layers: int = 0
+  double_wide_mlp: bool = False
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -189,12 +197,12 @@ class ModelConfig:
                            f"'gemma4_text' with num_experts); arch={self.arch!r} has none" + (
                                " without num_experts" if self.gemma4 else ""))
     gemma4_fields = ("global_head_dim", "global_kv_heads", "global_rope_fraction", "final_logit_softcap",
-                     "layer_scalars")
+                     "layer_scalars", "per_layer_input_dim")
     if self.gemma4:
       self._check_gemma4()
     else:
-      for name in gemma4_fields + ("k_eq_v",):
-        if getattr(self, name) not in (None, False):
+      for name in gemma4_fields + ("k_eq_v", "kv_shared_layers", "double_wide_mlp"):
+        if getattr(self, name) not in (None, False, 0):
           raise ValueError(f"ModelConfig.{name} is Gemma 4's (arch='gemma4_text'); arch={self.arch!r} has none")
     if self.hybrid:
       self._check_hybrid()
@@ -245,6 +253,28 @@ class ModelConfig:
                        f"{scalars!r}")
     if self.query_pre_attn_scalar is not None:
       raise ValueError("ModelConfig.query_pre_attn_scalar is Gemma 3's: Gemma 4's attention has no logit scale")
+    dp = self.per_layer_input_dim
+    if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp <= 0):
+      raise ValueError(f"ModelConfig.per_layer_input_dim must be None or a positive int, got {dp!r}")
+    self._check_kv_sharing()
+
+  def _check_kv_sharing(self):
+    n = self.kv_shared_layers
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < self.num_layers:
+      raise ValueError(f"ModelConfig.kv_shared_layers must be an int in [0, num_layers={self.num_layers}), got {n!r}")
+    if self.double_wide_mlp and not n:
+      raise ValueError("ModelConfig.double_wide_mlp=True widens the K/V-sharing layers' MLP; kv_shared_layers=0 has "
+                       "none")
+    if not n or not isinstance(self.layer_types, tuple):   # (layer_types is checked below)
+      return
+    if self.moe:
+      raise ValueError(f"ModelConfig.kv_shared_layers={n} with num_experts={self.num_experts}: no Gemma 4 has both "
+                       "and our decoder does not build it")
+    types = self.layer_types
+    unit = next(k for k in range(1, len(types) + 1) if len(types) % k == 0 and types == types[:k] * (len(types) // k))
+    if (self.num_layers - n) % unit:
+      raise ValueError(f"ModelConfig.kv_shared_layers={n}: the first {self.num_layers - n} layers are not whole "
+                       f"repetitions of the layer pattern ({unit} layers); our layer scans run whole repetitions")
 
   def _check_hybrid(self):
     types = self.layer_types
@@ -288,6 +318,12 @@ class ModelConfig:
     return self.arch in ("qwen3_moe", "qwen3_5_moe_text") or (self.gemma4 and self.num_experts is not None)
 
   @property
+  def kv_layer_types(self) -> tuple[str, ...] | None:
+    """layer_types of the layers that compute K/V (a segment's K/V holds theirs): all but Gemma 4's last
+    kv_shared_layers."""
+    return None if self.layer_types is None else self.layer_types[:self.num_layers - self.kv_shared_layers]
+
+  @property
   def hybrid(self) -> bool:
     """Qwen3.5's decoder: Gated DeltaNet layers beside gated full attention (`models.qwen3_5`); Qwen3.5-MoE's too."""
     return self.arch in ("qwen3_5_text", "qwen3_5_moe_text")
@@ -308,9 +344,13 @@ class ModelConfig:
     per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + mlp
     if self.gemma4:   # its global layers' own head width and K/V heads (one K/V projection with k_eq_v)
       gd, gkv = self.global_head_dim, self.global_kv_heads
-      glob = 2 * d * hq * gd + (1 if self.k_eq_v else 2) * d * gkv * gd + mlp
-      n_full = self.layer_types.count(FULL)
-      return n_full * glob + (self.num_layers - n_full) * per_layer + d * self.vocab_size
+      kv = {SLIDING: 2 * d * hkv * hd, FULL: (1 if self.k_eq_v else 2) * d * gkv * gd}
+      qo = {SLIDING: 2 * d * hq * hd, FULL: 2 * d * hq * gd}
+      dp, n_own = self.per_layer_input_dim or 0, self.num_layers - self.kv_shared_layers
+      wide = 2 if self.double_wide_mlp else 1   # (K/V-sharing layers: no K/V projections, a wider MLP)
+      layers = sum(qo[t] + (kv[t] + mlp if i < n_own else wide * mlp) + 2 * d * dp
+                   for i, t in enumerate(self.layer_types))
+      return layers + d * self.num_layers * dp + d * self.vocab_size   # (the per-layer embeddings' projection)
     if not self.hybrid:
       return self.num_layers * per_layer + d * self.vocab_size
     la = self.linear_attention   # Qwen3.5: the full layers' query gate; the linear layers' q, k, v, z, a, b, out
@@ -376,6 +416,23 @@ ARCHITECTURE_SHAPES = {
                                layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(60)),
                                sliding_window=1024, rope_local_theta=10000.0, global_head_dim=512, global_kv_heads=4,
                                k_eq_v=True, global_rope_fraction=0.25, final_logit_softcap=30.0),
+    # google/gemma-4-E2B's and google/gemma-4-E4B's text_config: per-layer embeddings of 256 per layer, the last 20
+    # (E2B) or 18 (E4B) layers reading the K/V of the last earlier layer of their kind (E2B's with a double-wide
+    # MLP); four (E2B) or five (E4B) sliding layers (W = 512) to one global layer (head width 512, own values).
+    "gemma-4-e2b": ModelConfig(vocab_size=262144, num_layers=35, d_model=1536, num_heads=8, num_kv_heads=1,
+                               head_dim=256, ffn_dim=6144, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+                               max_positions=131072, arch="gemma4_text",
+                               layer_types=tuple(FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35)),
+                               sliding_window=512, rope_local_theta=10000.0, global_head_dim=512, global_kv_heads=1,
+                               global_rope_fraction=0.25, final_logit_softcap=30.0, per_layer_input_dim=256,
+                               kv_shared_layers=20, double_wide_mlp=True),
+    "gemma-4-e4b": ModelConfig(vocab_size=262144, num_layers=42, d_model=2560, num_heads=8, num_kv_heads=2,
+                               head_dim=256, ffn_dim=10240, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+                               max_positions=131072, arch="gemma4_text",
+                               layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(42)),
+                               sliding_window=512, rope_local_theta=10000.0, global_head_dim=512, global_kv_heads=2,
+                               global_rope_fraction=0.25, final_logit_softcap=30.0, per_layer_input_dim=256,
+                               kv_shared_layers=18),
     # google/gemma-4-26B-A4B's text_config: 30 layers, five sliding (W = 1024; 8 K/V heads of 256) to one global
     # (2 K/V heads of 512, values their keys); each layer a dense GeGLU MLP of 2,112 beside 128 experts of 704
     # (8 per token).

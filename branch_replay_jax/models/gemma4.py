@@ -21,8 +21,13 @@ by tests/fixtures/gemma4_tiny (tools/make_gemma4_reference.py):
   top-k weights renormalised then multiplied by expert_scale (per_expert_scale), and the MLP's output is
   mlp_out_norm(dense) + experts_out_norm(experts) before post_mlp_norm (`llama.moe_mlp` with Gemma 4's router;
   routing replay, the load-balancing loss and expert parallelism as for Qwen3-MoE, docs/design.md).
-Per-layer embeddings (the E2B/E4B models) and K/V sharing across layers are not built: the loader refuses them
-by name (`models.hf_loader`).
+- the small models (E2B, E4B; tests/fixtures/gemma4_e2b_tiny): per-layer embeddings, an input of width Dp to each
+  layer made from the token and its embedding (`Gemma4._per_layer_inputs`), added after the MLP through a gate
+  (transformers' `per_layer_input_gate`); and the last kv_shared_layers layers computing queries only, each
+  attending to the K/V of the last earlier layer of its kind, their MLP 2F wide with double_wide_mlp. Those layers
+  are a second parameter group (`layers.reuse`) and a second layer scan; a segment's K/V holds only the computing
+  layers' (`ModelConfig.kv_layer_types`), so trimming, caches and trees carry it unchanged (docs/design.md,
+  "Gemma 4's small models").
 
 A segment's K/V is a `Gemma4KV`: the sliding layers' and the global layers' side by side. Replay hands its
 descendants only what a window still reaches (`Gemma4.branch_kv`, `trim`): a `window_kv.WindowedPrompt` of the
@@ -43,8 +48,13 @@ global Hg heads of width Dg; F MLP width), logical axis names as in `llama.py`:
       q_norm, k_norm [Lg, Dg]
     with experts (E of width F_e): layers.w_router [L, d, E], router_scale [L, d], expert_scale [L, E];
       layers.e_gate, e_up [L, E, d, F_e], e_down [L, E, F_e, d]; experts_norm, mlp_out_norm, experts_out_norm [L, d]
+    with per-layer embeddings (Dp wide): embed_per_layer [V, L, Dp], per_layer_projection [d, L, Dp],
+      per_layer_projection_norm [Dp]; layers.ple_gate [L, d, Dp], ple_proj [L, Dp, d], ple_norm [L, d]
+    with K/V-sharing layers (the last Lr): the layers.* above are the first L - Lr layers'; layers.reuse holds the
+      last Lr layers' in the same names, its sliding and full bags with wq, wo, q_norm only, its MLP 2F wide with
+      double_wide_mlp
     with LoRA adapters (`models.lora`): each target's W_lora_a, W_lora_b beside its weight (an attention target's in
-      `sliding` and in `full`)
+      `sliding` and in `full`, and in `reuse`'s)
 """
 
 from __future__ import annotations
@@ -63,8 +73,8 @@ from branch_replay_jax.kernels.reference import accum_dtype, windowed_suffix_att
 from branch_replay_jax.models.config import FULL, SLIDING, ModelConfig
 from branch_replay_jax.models.hf_loader import check_tensors
 from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, annotated, apply_rope, gathered,
-                                            moe_mlp, per_layer_routes, project, rematerialized, rms_norm,
-                                            rope_inv_freq, segment_positions, summed_over_layers)
+                                            moe_mlp, param_value, per_layer_routes, project, rematerialized,
+                                            rms_norm, rope_inv_freq, segment_positions, summed_over_layers)
 from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stack_layers, stacked_kinds
 from branch_replay_jax.models.window_kv import WindowedPrompt, last_keys
 
@@ -132,20 +142,28 @@ def global_inv_freq(config: ModelConfig, dtype=jnp.float32) -> jax.Array:
 
 
 class Gemma4Layers(nnx.Module):
-  """Parameters of the L layers (module docstring): norms and MLP [L, ...], `sliding` [Ls, ...], `full` [Lg, ...]."""
+  """Parameters of the layers that compute K/V (module docstring): norms and MLP [L0, ...], `sliding` [Ls, ...],
+  `full` [Lg, ...]; with kv_shared_layers, `reuse`: the K/V-sharing layers' own (a `Gemma4Layers` built with
+  reuse=True: their attention has no K/V projections, their MLP is 2 · F wide with double_wide_mlp)."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, reuse: bool = False):
     c = config
-    L, d, hq = c.num_layers, c.d_model, c.num_heads
-    lg = c.layer_types.count(FULL)
+    types = c.layer_types[len(c.kv_layer_types):] if reuse else c.kv_layer_types
+    L, d, hq, f = len(types), c.d_model, c.num_heads, c.ffn_dim * (2 if reuse and c.double_wide_mlp else 1)
+    lg = types.count(FULL)
     init = nnx.initializers.normal(0.02)
     normal = lambda *ns: annotated(init(rngs.params(), tuple(s for _, s in ns)), [n for n, _ in ns])
     ones = lambda *ns: annotated(jnp.ones(tuple(s for _, s in ns), jnp.float32), [n for n, _ in ns])
     for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"):
       setattr(self, name, ones(("layers", L), ("embed", d)))
-    self.w_gate = normal(("layers", L), ("embed", d), ("mlp", c.ffn_dim))
-    self.w_up = normal(("layers", L), ("embed", d), ("mlp", c.ffn_dim))
-    self.w_down = normal(("layers", L), ("mlp", c.ffn_dim), ("embed", d))
+    self.w_gate = normal(("layers", L), ("embed", d), ("mlp", f))
+    self.w_up = normal(("layers", L), ("embed", d), ("mlp", f))
+    self.w_down = normal(("layers", L), ("mlp", f), ("embed", d))
+    if c.per_layer_input_dim:   # E2B/E4B: the per-layer embedding's gate, projection and norm
+      dp = c.per_layer_input_dim
+      self.ple_gate = normal(("layers", L), ("embed", d), ("ple", dp))
+      self.ple_proj = normal(("layers", L), ("ple", dp), ("embed", d))
+      self.ple_norm = ones(("layers", L), ("embed", d))
     if c.moe:   # 26B-A4B: the router, E GeGLU experts of width F_e and their three norms (module docstring)
       e, fe = c.num_experts, c.expert_ffn_dim
       self.w_router = normal(("layers", L), ("embed", d), ("experts", e))
@@ -158,35 +176,43 @@ class Gemma4Layers(nnx.Module):
         setattr(self, name, ones(("layers", L), ("embed", d)))
 
     def attention(n, kv_heads, width, values: bool):
+      own_kv = {} if reuse else dict(
+          wk=normal(("layers", n), ("embed", d), ("kv_heads", kv_heads), ("head_dim", width)),
+          k_norm=ones(("layers", n), ("head_dim", width)),
+          **({"wv": normal(("layers", n), ("embed", d), ("kv_heads", kv_heads), ("head_dim", width))}
+             if values else {}))
       return ParamBag(wq=normal(("layers", n), ("embed", d), ("heads", hq), ("head_dim", width)),
-                     wk=normal(("layers", n), ("embed", d), ("kv_heads", kv_heads), ("head_dim", width)),
-                     **({"wv": normal(("layers", n), ("embed", d), ("kv_heads", kv_heads), ("head_dim", width))}
-                        if values else {}),
                      wo=normal(("layers", n), ("heads", hq), ("head_dim", width), ("embed", d)),
-                     q_norm=ones(("layers", n), ("head_dim", width)), k_norm=ones(("layers", n), ("head_dim", width)))
+                     q_norm=ones(("layers", n), ("head_dim", width)), **own_kv)
     self.sliding = attention(L - lg, c.num_kv_heads, c.head_dim, True)
     self.full = attention(lg, c.global_kv_heads, c.global_head_dim, not c.k_eq_v)
+    if c.kv_shared_layers and not reuse:
+      self.reuse = Gemma4Layers(c, rngs=rngs, reuse=True)
 
   def stacked(self) -> tuple[tuple[dict, dict, dict], tuple[dict, dict, dict]]:
     """(values, gathers): ({shared name: [L, ...]}, {sliding name: [Ls, ...]}, {full name: [Lg, ...]}) and the
-    same dicts of each parameter's `Gather` or None (FSDP, as `DecoderLayers.stacked`)."""
+    same dicts of each parameter's `Gather` or None (FSDP, as `DecoderLayers.stacked`); `reuse`'s not included."""
     return stacked_kinds(self, self.sliding, self.full)
 
 
 def _attention(config: ModelConfig, p: dict, h_btd, positions_bt, inv_freq, ancestors: Sequence[KVBlock], valid_bt,
-               window, lora_scale: float = 0.0):
+               window, lora_scale: float = 0.0, donor=None):
   """One layer's attention (transformers' `Gemma4TextAttention`): (output [B, T, d], (k, v)). Values are the
-  key projection where p has no wv (attention_k_eq_v). wq, wk, wv, wo with their LoRA adapters where p holds them
-  (`models.lora`, scaled by lora_scale)."""
+  key projection where p has no wv (attention_k_eq_v). A K/V-sharing layer (p without wk) attends to donor =
+  (k, v) [B, T, H, D], the segment's keys and values of the last earlier layer of its kind, and `ancestors` are
+  that layer's. wq, wk, wv, wo with their LoRA adapters where p holds them (`models.lora`, scaled by lora_scale)."""
   eps = config.norm_eps
   q = rms_norm(project(p, "wq", "btd,dhk->bthk", h_btd, lora_scale), p["q_norm"], eps)
-  k_raw = project(p, "wk", "btd,dhk->bthk", h_btd, lora_scale)
-  v_raw = project(p, "wv", "btd,dhk->bthk", h_btd, lora_scale) if "wv" in p else k_raw
-  k = rms_norm(k_raw, p["k_norm"], eps)
-  v = rms_norm(v_raw, jnp.ones((), accum_dtype(v_raw.dtype)), eps)   # v_norm: no scale
   q = apply_rope(q, positions_bt, inv_freq)
-  k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "k")
-  v = checkpoint_name(v, "v")
+  if "wk" in p:
+    k_raw = project(p, "wk", "btd,dhk->bthk", h_btd, lora_scale)
+    v_raw = project(p, "wv", "btd,dhk->bthk", h_btd, lora_scale) if "wv" in p else k_raw
+    k = rms_norm(k_raw, p["k_norm"], eps)
+    v = rms_norm(v_raw, jnp.ones((), accum_dtype(v_raw.dtype)), eps)   # v_norm: no scale
+    k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "k")
+    v = checkpoint_name(v, "v")
+  else:
+    k, v = donor
   attn, _ = windowed_suffix_attention(q, ancestors, KVBlock(k, v, valid_bt), window=window,
                                       query_positions=positions_bt, scale=1.0)
   return project(p, "wo", "bthk,hkd->btd", attn, lora_scale), (k, v)
@@ -210,7 +236,16 @@ class Gemma4(Llama):
       raise ValueError(f"Gemma4: config.arch={config.arch!r}; expected 'gemma4_text'")
     if not config.tie_embeddings:
       raise ValueError("Gemma4: tie_embeddings=False; Gemma 4's output projection is its embedding")
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
     super().__init__(config, dtype=dtype, remat=remat, attention_impl=attention_impl, rngs=rngs)
+    dp = config.per_layer_input_dim
+    if dp:   # E2B/E4B's per-layer embeddings: a table and a projection of the embedding, Dp per layer
+      c, init = config, nnx.initializers.normal(0.02)
+      self.embed_per_layer = annotated(init(rngs.params(), (c.vocab_size, c.num_layers, dp)),
+                                       ("vocab", "layers", "ple"))
+      self.per_layer_projection = annotated(init(rngs.params(), (c.d_model, c.num_layers, dp)),
+                                            ("embed", "layers", "ple"))
+      self.per_layer_projection_norm = annotated(jnp.ones((dp,), jnp.float32), ("ple",))
 
   @property
   def logit_softcap(self) -> float | None:
@@ -220,9 +255,10 @@ class Gemma4(Llama):
   def initial_state(self, batch: int, length: int = 0) -> Gemma4KV:
     """An empty state of `length` slots: K/V zeros in the compute dtype, valid all False."""
     c = self.config
-    lg = c.layer_types.count(FULL)
+    types = c.kv_layer_types   # (K/V-sharing layers keep none)
     z = lambda n, h, d: jnp.zeros((n, batch, length, h, d), self.dtype)
-    ks, gs = z(c.num_layers - lg, c.num_kv_heads, c.head_dim), z(lg, c.global_kv_heads, c.global_head_dim)
+    ks, gs = z(types.count(SLIDING), c.num_kv_heads, c.head_dim), z(types.count(FULL), c.global_kv_heads,
+                                                                      c.global_head_dim)
     return Gemma4KV(ks, ks, jnp.zeros((batch, length), bool), gs, gs)
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[Gemma4KV] = (),
@@ -259,8 +295,10 @@ class Gemma4(Llama):
                        "(num_experts=None)")
     self._attention(attention)   # refuses an override
     positions = segment_positions(offset, b, t)
-    x, (k, v, gk, gv), route, experts = self._layers(self._embed(tokens_bt), positions, list(ancestors), valid_bt,
-                                                     per_layer_routes(self.config, routes), replay_routes)
+    x = self._embed(tokens_bt)
+    x, (k, v, gk, gv), route, experts = self._layers(x, positions, list(ancestors), valid_bt,
+                                                     per_layer_routes(self.config, routes), replay_routes,
+                                                     self._per_layer_inputs(tokens_bt, x))
     return SegmentOutput(Gemma4KV(k, v, valid_bt, gk, gv), self._final_norm(x), route, experts)
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
@@ -276,31 +314,67 @@ class Gemma4(Llama):
     """A segment's K/V as replay hands it to its descendants: trimmed to what a window reaches (`trim`)."""
     return trim(kv, self.config.sliding_window)
 
-  def _layers(self, x, positions, ancestors: list, valid_bt, routes=None, replay_routes: bool = True):
-    """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Ls, ...], gk, gv [Lg, ...]), and with experts
-    the `RouterStats` [B, E] summed over the layers and the experts [B, T, L, k]; else None, None). routes:
-    [L, B, T, k] recorded experts or None (`moe_mlp`)."""
+  def _per_layer_inputs(self, tokens_bt, x_btd):
+    """[L, B, T, Dp] each layer's per-layer input (E2B/E4B; transformers' `get_per_layer_inputs` and
+    `project_per_layer_inputs`): (norm(x P · d^-1/2) + table[tokens] · sqrt(Dp)) · 2^-1/2 of the embedded
+    segment x (times sqrt(d) already); None without per-layer embeddings."""
+    c = self.config
+    if not c.per_layer_input_dim:
+      return None
+    dt = self.dtype
+    table = param_value(self.embed_per_layer)[tokens_bt].astype(dt)
+    token = table * jnp.asarray(c.per_layer_input_dim ** 0.5, dt)
+    proj = jnp.einsum("btd,dlp->btlp", x_btd, param_value(self.per_layer_projection).astype(dt))
+    proj = rms_norm(proj * jnp.asarray(c.d_model ** -0.5, dt), param_value(self.per_layer_projection_norm),
+                    c.norm_eps)
+    return jnp.moveaxis((proj + token) * jnp.asarray(2.0 ** -0.5, dt), 2, 0)
+
+  def _layers(self, x, positions, ancestors: list, valid_bt, routes=None, replay_routes: bool = True, ple=None):
+    """The layers that compute K/V, then the K/V-sharing ones (`_scan` each): (x [B, T, d], (k, v [Ls, ...], gk,
+    gv [Lg, ...]) of the former, and with experts the `RouterStats` [B, E] summed over the layers and the experts
+    [B, T, L, k]; else None, None). routes: [L, B, T, k] recorded experts or None (`moe_mlp`); ple: [L, B, T, Dp]
+    per-layer inputs or None."""
+    cfg = self.config
+    n = len(cfg.kv_layer_types)
+    scalars = np.ones(cfg.num_layers) if cfg.layer_scalars is None else np.asarray(cfg.layer_scalars)
+    parts = [_ancestor(a, self.dtype) for a in ancestors]
+    head = lambda a: None if a is None else a[:n]
+    x, kv, route, experts = self._scan(self.layers, x, positions, parts, valid_bt, head(routes), replay_routes,
+                                       head(ple), scalars[:n])
+    if cfg.kv_shared_layers:   # each reads the last computing layer of its kind: its K/V here and its ancestors'
+      last = lambda p: ((p[0][0][-1:], p[0][1][-1:]), p[1], (p[2][0][-1:], p[2][1][-1:]), p[3])
+      x = self._scan(self.layers.reuse, x, positions, [last(p) for p in parts], valid_bt, None, replay_routes,
+                     None if ple is None else ple[n:], scalars[n:], donor=tuple(a[-1] for a in kv))[0]
+    return x, kv, route, experts
+
+  def _scan(self, group: Gemma4Layers, x, positions, parts: list, valid_bt, routes, replay_routes: bool, ple,
+            scalars, donor=None):
+    """Scan over the repetitions of `pattern` of one group of layers (`Gemma4Layers`): (x, (k, v [Ls, ...], gk, gv
+    [Lg, ...]), route stats, experts) as `_layers`. parts: the ancestors' `_ancestor`s. donor: for the K/V-sharing
+    group, the segment's (k, v, gk, gv) [B, T, H, D] of the last computing layer of each kind (the parts are then
+    theirs, [1, ...] too); this group then returns no K/V (None)."""
     cfg = self.config
     unit = pattern(cfg)
-    reps = cfg.num_layers // len(unit)
+    reps = len(scalars) // len(unit)
     ns, nf = unit.count(SLIDING), unit.count(FULL)
     acc = accum_dtype(self.dtype)
     local_freq, glob_freq = rope_inv_freq(cfg, acc, local=True), global_inv_freq(cfg, acc)
-    (shared, sliding, full), gathers = self.layers.stacked()
+    (shared, sliding, full), gathers = group.stacked()
     gathering = any(g is not None for d in gathers for g in d.values())
     per_rep = lambda tree, n: jax.tree_util.tree_map(lambda a: a.reshape(reps, n, *a.shape[1:]), tree)
-    scalars = np.ones(cfg.num_layers) if cfg.layer_scalars is None else np.asarray(cfg.layer_scalars)
-    parts = [_ancestor(a, self.dtype) for a in ancestors]
-    xs = (per_rep(shared, len(unit)), per_rep(sliding, ns), per_rep(full, nf), per_rep([p[0] for p in parts], ns),
-          per_rep([p[2] for p in parts], nf), jnp.asarray(scalars.reshape(reps, len(unit)), self.dtype),
-          None if routes is None else per_rep(routes, len(unit)))
+    if donor is None:   # each layer its own ancestors' K/V (scanned over)
+      anc = (per_rep([p[0] for p in parts], ns), per_rep([p[2] for p in parts], nf))
+    xs = (per_rep(shared, len(unit)), per_rep(sliding, ns), per_rep(full, nf), None if donor else anc,
+          jnp.asarray(np.reshape(scalars, (reps, len(unit))), self.dtype),
+          None if routes is None else per_rep(routes, len(unit)), None if ple is None else per_rep(ple, len(unit)))
     dispatch = {g.axes for g in gathers[0].values() if g is not None and g.dispatch}   # expert parallelism
     sliding_masks, global_valid = [p[1] for p in parts], [p[3] for p in parts]
     norm = lambda x, w: rms_norm(x, w, cfg.norm_eps)
     scale = 0.0 if self.lora is None else self.lora.scale   # LoRA (`models.lora`): both attention kinds and the MLP
 
     def body(x, xs_r):
-      shared_r, sliding_r, full_r, anc_s, anc_f, scalar_r, routes_r = xs_r
+      shared_r, sliding_r, full_r, anc_r, scalar_r, routes_r, ple_r = xs_r
+      anc_s, anc_f = anc_r if donor is None else ([p[0] for p in parts], [p[2] for p in parts])
       x = checkpoint_name(x, "layer_input")
       out_s, out_f, router, experts = [], [], [], []
 
@@ -311,17 +385,18 @@ class Gemma4(Llama):
       for i, kind in enumerate(unit):
         j = counts[kind]
         counts[kind] += 1
+        a = 0 if donor else j   # the ancestors' layer this one attends to
         p = at(shared_r, i, gathers[0])
         h = norm(x, p["attn_norm"])
         if kind == FULL:
-          blocks = [KVBlock(k[j], v[j], m) for (k, v), m in zip(anc_f, global_valid)]
+          blocks = [KVBlock(k[a], v[a], m) for (k, v), m in zip(anc_f, global_valid)]
           out, kv = _attention(cfg, at(full_r, j, gathers[2]), h, positions, glob_freq, blocks, valid_bt,
-                               GLOBAL_WINDOW, scale)
+                               GLOBAL_WINDOW, scale, None if donor is None else donor[2:])
           out_f.append(kv)
         else:
-          blocks = [b for (k, v), m in zip(anc_s, sliding_masks) for b in _sliding_blocks(k[j], v[j], m)]
+          blocks = [b for (k, v), m in zip(anc_s, sliding_masks) for b in _sliding_blocks(k[a], v[a], m)]
           out, kv = _attention(cfg, at(sliding_r, j, gathers[1]), h, positions, local_freq, blocks, valid_bt,
-                               cfg.sliding_window, scale)
+                               cfg.sliding_window, scale, None if donor is None else donor[:2])
           out_s.append(kv)
         x = x + norm(out, p["post_attn_norm"])
         h = norm(x, p["mlp_norm"])
@@ -336,15 +411,19 @@ class Gemma4(Llama):
           router.append(route), experts.append(chosen)
           out = norm(out, p["mlp_out_norm"]) + norm(y, p["experts_out_norm"])
         x = x + norm(out, p["post_mlp_norm"])
+        if ple_r is not None:   # E2B/E4B: the layer's per-layer input, gated by the stream (transformers' layer)
+          gate = jax.nn.gelu(project(p, "ple_gate", "btd,dp->btp", x, 0.0), approximate=True) * ple_r[i]
+          x = x + norm(project(p, "ple_proj", "btp,pd->btd", gate, 0.0), p["ple_norm"])
         x = x * scalar_r[i]
       stack = lambda kvs: tuple(jnp.stack(a) for a in zip(*kvs))
-      return x, (*stack(out_s), *stack(out_f), stack_layers(router), stack_layers(experts))
+      kvs = None if donor is not None else (*stack(out_s), *stack(out_f))
+      return x, (kvs, stack_layers(router), stack_layers(experts))
 
-    x, ys = jax.lax.scan(rematerialized(body, self.remat, gathering), x, xs)
+    x, (kvs, route, experts) = jax.lax.scan(rematerialized(body, self.remat, gathering), x, xs)
     merge = lambda a: a.reshape(-1, *a.shape[2:])
-    route = None if ys[4] is None else summed_over_layers(jax.tree_util.tree_map(merge, ys[4]))
-    experts = None if ys[5] is None else jnp.moveaxis(merge(ys[5]), 0, 2)   # [L, B, T, k] -> [B, T, L, k]
-    return x, tuple(merge(a) for a in ys[:4]), route, experts
+    route = None if route is None else summed_over_layers(jax.tree_util.tree_map(merge, route))
+    experts = None if experts is None else jnp.moveaxis(merge(experts), 0, 2)   # [L, B, T, k] -> [B, T, L, k]
+    return x, None if kvs is None else tuple(merge(a) for a in kvs), route, experts
 
 
 # --- Hugging Face checkpoints (transformers' Gemma4ForCausalLM, model_type "gemma4_text") -----------------------
@@ -366,6 +445,12 @@ HF_MOE_NORMS = {"pre_feedforward_layernorm_2.weight": "experts_norm",
 HF_ROUTER = {"router.proj.weight": "w_router", "router.scale": "router_scale",
              "router.per_expert_scale": "expert_scale"}
 HF_EXPERTS_GATE_UP, HF_EXPERTS_DOWN = "experts.gate_up_proj", "experts.down_proj"
+# Per-layer embeddings (E2B/E4B; transformers' Gemma4TextModel): the table [V, L·Dp], the projection of the
+# embedding [L·Dp, d] and its norm [Dp]; in each layer the gate [Dp, d], the projection [d, Dp] and its norm [d].
+HF_PLE_TABLE, HF_PLE_PROJECTION = "model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight"
+HF_PLE_NORM = "model.per_layer_projection_norm.weight"
+HF_PLE_LAYER = ("per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight")
+PLE_LAYER = ("ple_gate", "ple_proj", "ple_norm")
 
 
 def _layer_shape(c: ModelConfig, kind: str) -> tuple[int, int, bool]:
@@ -375,14 +460,26 @@ def _layer_shape(c: ModelConfig, kind: str) -> tuple[int, int, bool]:
   return c.num_kv_heads, c.head_dim, True
 
 
+def _reuses(c: ModelConfig, i: int) -> bool:
+  """Layer i is a K/V-sharing one (no k_proj, v_proj, k_norm; its MLP 2 · F wide with double_wide_mlp)."""
+  return i >= len(c.kv_layer_types)
+
+
 def _expected(c: ModelConfig) -> dict[str, tuple]:
   """{HF tensor name: shape} of a gemma4_text checkpoint of `c`."""
-  d, f = c.d_model, c.ffn_dim
+  d = c.d_model
   out = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
+  dp = c.per_layer_input_dim
+  if dp:
+    out.update({HF_PLE_TABLE: (c.vocab_size, c.num_layers * dp), HF_PLE_PROJECTION: (c.num_layers * dp, d),
+                HF_PLE_NORM: (dp,)})
   for i, kind in enumerate(c.layer_types):
     pre = HF_LAYER.format(i)
+    f = c.ffn_dim * (2 if _reuses(c, i) and c.double_wide_mlp else 1)
     out.update({pre + n: s for n, s in zip(HF_SHARED, ((d,),) * 4 + ((f, d), (f, d), (d, f)))})
     out[pre + SCALAR] = (1,)
+    if dp:
+      out.update({pre + n: s for n, s in zip(HF_PLE_LAYER, ((dp, d), (d, dp), (d,)))})
     if c.moe:
       e, fe = c.num_experts, c.expert_ffn_dim
       out.update({pre + n: (d,) for n in HF_MOE_NORMS})
@@ -391,29 +488,23 @@ def _expected(c: ModelConfig) -> dict[str, tuple]:
     hkv, w, values = _layer_shape(c, kind)
     shapes = {"wq": (c.num_heads * w, d), "wk": (hkv * w, d), "wv": (hkv * w, d), "wo": (d, c.num_heads * w),
               "q_norm": (w,), "k_norm": (w,)}
-    out.update({pre + hf: shapes[ours] for hf, ours in HF_ATTENTION.items() if values or ours != "wv"})
+    own = ("wq", "wo", "q_norm") if _reuses(c, i) else ("wq", "wk", "wo", "q_norm", "k_norm") + (("wv",) * values)
+    out.update({pre + hf: shapes[ours] for hf, ours in HF_ATTENTION.items() if ours in own})
   return out
 
 
-def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[ModelConfig, dict]:
-  """(config with the checkpoint's layer scalars, the pure dict of `Gemma4`'s parameters in float32) from a
-  checkpoint's HF-named tensors.
-
-  Raises:
-    ValueError: naming `source`, every missing and unexpected tensor and every shape mismatch (the first 8); a
-      layer scalar that is not finite.
-  """
-  check_tensors(tensors, _expected(config), config, source)
-  c = config
+def _group_from_hf(tensors: dict, c: ModelConfig, layers: range) -> dict:
+  """The pure dict of one `Gemma4Layers` group (the layers computing K/V, or the K/V-sharing ones) in float32."""
   f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)
   moe_names = {**HF_MOE_NORMS, **HF_ROUTER} if c.moe else {}
-  shared = {ours: [] for ours in (*HF_SHARED.values(), *moe_names.values(),
+  ple_names = dict(zip(HF_PLE_LAYER, PLE_LAYER)) if c.per_layer_input_dim else {}
+  shared = {ours: [] for ours in (*HF_SHARED.values(), *moe_names.values(), *ple_names.values(),
                                   *(("e_gate", "e_up", "e_down") if c.moe else ()))}
   kinds = {SLIDING: {}, FULL: {}}
-  scalars = []
-  for i, kind in enumerate(c.layer_types):
+  for i in layers:
+    kind = c.layer_types[i]
     t = lambda name: tensors[HF_LAYER.format(i) + name]
-    for hf, ours in HF_SHARED.items():
+    for hf, ours in {**HF_SHARED, **ple_names}.items():   # matrices [out, in] -> [in, out]; norms as they are
       shared[ours].append(t(hf) if ours.endswith("norm") else t(hf).T)
     for hf, ours in moe_names.items():   # w_router [E, d] -> [d, E]; the norms and scales as they are
       shared[ours].append(t(hf).T if ours == "w_router" else t(hf))
@@ -421,21 +512,51 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[Mod
       gate_up = np.swapaxes(t(HF_EXPERTS_GATE_UP), 1, 2)
       shared["e_gate"].append(gate_up[..., :c.expert_ffn_dim]), shared["e_up"].append(gate_up[..., c.expert_ffn_dim:])
       shared["e_down"].append(np.swapaxes(t(HF_EXPERTS_DOWN), 1, 2))
-    scalars.append(float(np.asarray(t(SCALAR)).reshape(())))
-    if not np.isfinite(scalars[-1]):
-      raise ValueError(f"{source}: {HF_LAYER.format(i) + SCALAR} is {scalars[-1]}; a layer scalar must be finite")
     hkv, w, values = _layer_shape(c, kind)
     heads = lambda m, h: m.T.reshape(c.d_model, h, w)                          # [h·w, d] -> [d, h, w]
-    own = {"wq": heads(t("self_attn.q_proj.weight"), c.num_heads), "wk": heads(t("self_attn.k_proj.weight"), hkv),
+    own = {"wq": heads(t("self_attn.q_proj.weight"), c.num_heads),
            "wo": t("self_attn.o_proj.weight").T.reshape(c.num_heads, w, c.d_model),
-           "q_norm": t("self_attn.q_norm.weight"), "k_norm": t("self_attn.k_norm.weight")}
-    if values:
-      own["wv"] = heads(t("self_attn.v_proj.weight"), hkv)
+           "q_norm": t("self_attn.q_norm.weight")}
+    if not _reuses(c, i):
+      own.update(wk=heads(t("self_attn.k_proj.weight"), hkv), k_norm=t("self_attn.k_norm.weight"))
+      if values:
+        own["wv"] = heads(t("self_attn.v_proj.weight"), hkv)
     for name, value in own.items():
       kinds[kind].setdefault(name, []).append(value)
   stack = lambda d: {k: f32(np.stack(v)) for k, v in d.items()}
+  return {**stack(shared), "sliding": stack(kinds[SLIDING]), "full": stack(kinds[FULL])}
+
+
+def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[ModelConfig, dict]:
+  """(config with the checkpoint's layer scalars, the pure dict of `Gemma4`'s parameters in float32) from a
+  checkpoint's HF-named tensors. A K/V-sharing layer's k_proj, v_proj, k_norm and v_norm, where a file holds
+  them, are not read (transformers ignores them too: `_keys_to_ignore_on_load_unexpected`).
+
+  Raises:
+    ValueError: naming `source`, every missing and unexpected tensor and every shape mismatch (the first 8); a
+      layer scalar that is not finite.
+  """
+  c = config
+  unused = {HF_LAYER.format(i) + f"self_attn.{n}.weight" for i in range(len(c.kv_layer_types), c.num_layers)
+            for n in ("k_proj", "v_proj", "k_norm", "v_norm")}
+  tensors = {k: v for k, v in tensors.items() if k not in unused}
+  check_tensors(tensors, _expected(config), config, source)
+  f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)
+  scalars = []
+  for i in range(c.num_layers):
+    scalars.append(float(np.asarray(tensors[HF_LAYER.format(i) + SCALAR]).reshape(())))
+    if not np.isfinite(scalars[-1]):
+      raise ValueError(f"{source}: {HF_LAYER.format(i) + SCALAR} is {scalars[-1]}; a layer scalar must be finite")
+  n = len(c.kv_layer_types)
   params = {"embed": f32(tensors["model.embed_tokens.weight"]), "final_norm": f32(tensors["model.norm.weight"]),
-            "layers": {**stack(shared), "sliding": stack(kinds[SLIDING]), "full": stack(kinds[FULL])}}
+            "layers": _group_from_hf(tensors, c, range(n))}
+  if c.kv_shared_layers:
+    params["layers"]["reuse"] = _group_from_hf(tensors, c, range(n, c.num_layers))
+  dp = c.per_layer_input_dim
+  if dp:   # table [V, L·Dp] -> [V, L, Dp]; projection [L·Dp, d] -> [d, L, Dp]
+    params.update(embed_per_layer=f32(tensors[HF_PLE_TABLE]).reshape(c.vocab_size, c.num_layers, dp),
+                  per_layer_projection=f32(tensors[HF_PLE_PROJECTION].T).reshape(c.d_model, c.num_layers, dp),
+                  per_layer_projection_norm=f32(tensors[HF_PLE_NORM]))
   return dataclasses.replace(c, layer_scalars=tuple(scalars)), params
 
 
@@ -445,27 +566,38 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   c = config
   f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
   out = {"model.embed_tokens.weight": f32(params["embed"]), "model.norm.weight": f32(params["final_norm"])}
-  lay = params["layers"]
+  dp = c.per_layer_input_dim
+  if dp:
+    out[HF_PLE_TABLE] = f32(np.asarray(params["embed_per_layer"]).reshape(c.vocab_size, -1))
+    out[HF_PLE_PROJECTION] = f32(np.asarray(params["per_layer_projection"]).reshape(c.d_model, -1).T)
+    out[HF_PLE_NORM] = f32(params["per_layer_projection_norm"])
   scalars = c.layer_scalars or (1.0,) * c.num_layers
+  n = len(c.kv_layer_types)
+  ple_names = dict(zip(HF_PLE_LAYER, PLE_LAYER)) if dp else {}
   counts = {SLIDING: 0, FULL: 0}
   for i, kind in enumerate(c.layer_types):
+    if i == n:   # the K/V-sharing layers: their own group, counted from 0
+      counts = {SLIDING: 0, FULL: 0}
+    lay = params["layers"]["reuse"] if i >= n else params["layers"]
+    at = i - n if i >= n else i
     pre = HF_LAYER.format(i)
-    for hf, ours in HF_SHARED.items():
-      w = np.asarray(lay[ours][i])
+    for hf, ours in {**HF_SHARED, **ple_names}.items():
+      w = np.asarray(lay[ours][at])
       out[pre + hf] = f32(w if ours.endswith("norm") else w.T)
     out[pre + SCALAR] = f32([scalars[i]])
     if c.moe:
       for hf, ours in {**HF_MOE_NORMS, **HF_ROUTER}.items():
-        w = np.asarray(lay[ours][i])
+        w = np.asarray(lay[ours][at])
         out[pre + hf] = f32(w.T if ours == "w_router" else w)
-      gate_up = np.concatenate([np.asarray(lay["e_gate"][i]), np.asarray(lay["e_up"][i])], axis=-1)
+      gate_up = np.concatenate([np.asarray(lay["e_gate"][at]), np.asarray(lay["e_up"][at])], axis=-1)
       out[pre + HF_EXPERTS_GATE_UP] = f32(np.swapaxes(gate_up, 1, 2))
-      out[pre + HF_EXPERTS_DOWN] = f32(np.swapaxes(np.asarray(lay["e_down"][i]), 1, 2))
+      out[pre + HF_EXPERTS_DOWN] = f32(np.swapaxes(np.asarray(lay["e_down"][at]), 1, 2))
     p = {k: np.asarray(v[counts[kind]]) for k, v in lay["full" if kind == FULL else "sliding"].items()}
     counts[kind] += 1
     flat = lambda m: m.reshape(c.d_model, -1).T                                  # [d, h, w] -> [h·w, d]
-    own = {"wq": flat(p["wq"]), "wk": flat(p["wk"]), "wo": p["wo"].reshape(-1, c.d_model).T,
-           "q_norm": p["q_norm"], "k_norm": p["k_norm"], **({"wv": flat(p["wv"])} if "wv" in p else {})}
+    own = {"wq": flat(p["wq"]), "wo": p["wo"].reshape(-1, c.d_model).T, "q_norm": p["q_norm"],
+           **({"wk": flat(p["wk"]), "k_norm": p["k_norm"]} if "wk" in p else {}),
+           **({"wv": flat(p["wv"])} if "wv" in p else {})}
     out.update({pre + hf: f32(own[ours]) for hf, ours in HF_ATTENTION.items() if ours in own})
   return out
 
@@ -479,7 +611,8 @@ def hf_config_fields(config: ModelConfig) -> dict:
   return dict(layer_types=list(c.layer_types), sliding_window=c.sliding_window, global_head_dim=c.global_head_dim,
               num_global_key_value_heads=c.global_kv_heads, attention_k_eq_v=c.k_eq_v,
               final_logit_softcapping=c.final_logit_softcap, hidden_activation="gelu_pytorch_tanh",
-              hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=c.moe,
+              hidden_size_per_layer_input=c.per_layer_input_dim or 0, vocab_size_per_layer_input=c.vocab_size,
+              num_kv_shared_layers=c.kv_shared_layers, use_double_wide_mlp=c.double_wide_mlp, enable_moe_block=c.moe,
               **(dict(num_experts=c.num_experts, top_k_experts=c.experts_per_token,
                       moe_intermediate_size=c.expert_ffn_dim) if c.moe else {}),
               rope_parameters={FULL: full_rope,

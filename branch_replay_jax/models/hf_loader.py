@@ -116,11 +116,12 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
   """ModelConfig fields of a Gemma 4 text config (`Gemma4TextConfig`, models/gemma4.py): the sliding layers'
   shape (the common fields) and the global layers' (global_head_dim and num_global_key_value_heads, or the
   per_layer_config transformers 5 writes of them; the K/V heads are the global ones only with
-  attention_k_eq_v, as in transformers), each layer type's RoPE, the logit cap, and with enable_moe_block the
-  experts' count, top k and width (26B-A4B). Refuses what our decoder does
-  not implement, naming it."""
-  refused = {"hidden_size_per_layer_input (per-layer embeddings)": bool(cfg.get("hidden_size_per_layer_input")),
-             "num_kv_shared_layers (K/V shared across layers)": bool(cfg.get("num_kv_shared_layers")),
+  attention_k_eq_v, as in transformers), each layer type's RoPE, the logit cap, with enable_moe_block the
+  experts' count, top k and width (26B-A4B), and E2B/E4B's per-layer embedding width, K/V-sharing layers and
+  double-wide MLP. Refuses what our decoder does not implement, naming it."""
+  ple = cfg.get("hidden_size_per_layer_input") or None
+  refused = {"vocab_size_per_layer_input != vocab_size (a per-layer embedding table of another vocabulary)":
+                 ple is not None and cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]) != cfg["vocab_size"],
              "use_bidirectional_attention": bool(cfg.get("use_bidirectional_attention")),
              "attention_bias": bool(cfg.get("attention_bias")),
              "hidden_activation != gelu_pytorch_tanh":
@@ -168,13 +169,16 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
     if not 0 < moe["experts_per_token"] <= moe["num_experts"]:
       raise ValueError(f"{path}: top_k_experts={moe['experts_per_token']} must be in 1..num_experts="
                        f"{moe['num_experts']}")
+  shared = _int(cfg, path, "num_kv_shared_layers", default=0)
+  small = dict(per_layer_input_dim=None if ple is None else _int(cfg, path, "hidden_size_per_layer_input"),
+               kv_shared_layers=shared, double_wide_mlp=bool(cfg.get("use_double_wide_mlp")) and shared > 0)
   return dict(layer_types=tuple(types), sliding_window=_int(cfg, path, "sliding_window", default=512),
               rope_theta=float(full.get("rope_theta", 1e6)),
               rope_scaling=None if factor == 1.0 else LinearRopeScaling(factor),
               rope_local_theta=float(local.get("rope_theta", 10000.0)), head_dim=head_dim, num_kv_heads=kv_heads,
               global_head_dim=int(global_head_dim), global_kv_heads=int(global_kv), k_eq_v=k_eq_v,
               global_rope_fraction=float(full.get("partial_rotary_factor", 1.0)),
-              final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True, **moe)
+              final_logit_softcap=None if cap is None else float(cap), tie_embeddings=True, **moe, **small)
 
 
 def _qwen3_5_fields(cfg: dict, path: str) -> dict:

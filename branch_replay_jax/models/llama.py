@@ -72,7 +72,7 @@ EXPERT_TILE = 128   # rows per tile of config.expert_matmul = "tiled" (`kernels.
 
 # Logical axis names of the parameters' dimensions (module docstring); `annotated` refuses others.
 LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel",
-                "experts")
+                "experts", "ple")
 AXES_KEY = "out_sharding"   # Flax NNX's Variable metadata key for sharding names (nnx.get_partition_spec reads it)
 GATHER_KEY = "gather"       # Variable metadata the mesh step sets on an FSDP shard: a `Gather`
 

@@ -147,11 +147,15 @@ def check_spec(rank, alpha, targets, config: ModelConfig, *, field: str = "lora"
 def target_weights(model: Llama, target: str) -> list[tuple[Any, tuple[str, ...]]]:
   """[(a module holding a stack of `target`'s weight, its path in the model's pure dict)]: `model.layers`; for
   Qwen3.5's attention targets its full-attention layers' `model.layers.full` (stacked [Lf, ...]); for Gemma 4's
-  its sliding layers' `layers.sliding` and its global layers' `layers.full` (where it has that weight)."""
+  its sliding layers' `layers.sliding` and its global layers' `layers.full` (where it has that weight); with
+  K/V-sharing layers (E2B/E4B) their group's too, `layers.reuse` (no wk, wv there)."""
+  groups = [(model.layers, ("layers",))]
+  if model.config.kv_shared_layers:   # Gemma 4's K/V-sharing layers: their own group, `layers.reuse`
+    groups.append((model.layers.reuse, ("layers", "reuse")))
   if target not in ATTENTION_TARGETS or not (model.config.hybrid or model.config.gemma4):
-    return [(model.layers, ("layers",))]
+    return groups
   kinds = ("sliding", "full") if model.config.gemma4 else ("full",)
-  return [(getattr(model.layers, k), ("layers", k)) for k in kinds if hasattr(getattr(model.layers, k), target)]
+  return [(getattr(m, k), (*path, k)) for m, path in groups for k in kinds if hasattr(getattr(m, k), target)]
 
 
 def add_adapters(model: Llama, spec: LoraSpec, *, rngs: nnx.Rngs) -> Llama:
@@ -224,11 +228,11 @@ def merged(model: Llama) -> Llama:
   spec = model.lora
   graphdef, state = nnx.split(model)
   pure = nnx.to_pure_dict(state)
-  pure["layers"] = dict(pure["layers"])
   for t, (_, path) in [(t, m) for t in spec.targets for m in target_weights(model, t)]:
-    layers = pure["layers"]
-    if len(path) == 2:   # Qwen3.5's full-attention layers, Gemma 4's sliding or global ones
-      layers = pure["layers"][path[1]] = dict(pure["layers"][path[1]])
+    layers = pure   # down the target's path (Qwen3.5's full-attention layers, Gemma 4's kinds and groups), copied
+    for key in path:
+      layers[key] = dict(layers[key])
+      layers = layers[key]
     dtype = np.asarray(layers[t]).dtype
     a, b, w = (np.asarray(layers.pop(t + s), np.float64) for s in ("_lora_a", "_lora_b", ""))
     batch = w.shape[:1 + expert_axes(model.config, t)]   # [L] or an expert weight's [L, E]
