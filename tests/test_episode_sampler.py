@@ -51,17 +51,24 @@ def _episodes(model, *, keep_cache, temperature, branches=3, turns=3, budget=6, 
   return histories, sampled, logprobs, samplers
 
 
+def kept_equals_reprefill(model, temperature: float = 1.0):
+  """(kept, full): `_episodes` with the K/V (or state) kept between turns and with the whole history re-prefilled
+  every turn, asserted to draw the same tokens (same key) and log-probs to float32 rounding (<= 1e-4 relative)."""
+  kept = _episodes(model, keep_cache=True, temperature=temperature)
+  full = _episodes(model, keep_cache=False, temperature=temperature)
+  assert kept[0] == full[0] and kept[1] == full[1]
+  for a, b in zip(kept[2], full[2]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  return kept, full
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_kept_cache_samples_the_tokens_of_a_full_reprefill(model, temperature):
   # Same key, same draws: keeping the K/V between turns (and sharing the prompt's across branches)
   # must give exactly the tokens sampled by re-prefilling the whole history every turn, and their
   # log-probs to float32 rounding (<= 1e-4 relative; both are log pi(y | history) of the same model;
   # measured ~5e-7 absolute).
-  kept = _episodes(model, keep_cache=True, temperature=temperature)
-  full = _episodes(model, keep_cache=False, temperature=temperature)
-  assert kept[0] == full[0] and kept[1] == full[1]
-  for a, b in zip(kept[2], full[2]):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  kept, full = kept_equals_reprefill(model, temperature)
   if temperature == 1.0:   # some turns stopped early (the decode cache then holds fewer valid slots), some were cut
     assert {len(t) for t in kept[1]} > {6} and min(len(t) for t in kept[1]) >= 1
   # Different branches draw differently at temperature 1 (their keys differ).

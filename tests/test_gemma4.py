@@ -295,12 +295,8 @@ def test_episode_turns_on_the_kept_kv_sample_what_a_full_reprefill_samples(model
   # prompt's K/V shared, each turn decoded on both kinds of K/V cache and the observations prefilled on them;
   # turns of up to 6 tokens against a window of 4. Same key, same draws as re-prefilling the whole history every
   # turn; log-probs to float32 rounding.
-  from test_episode_sampler import _episodes
-  kept = _episodes(model, keep_cache=True, temperature=1.0)
-  full = _episodes(model, keep_cache=False, temperature=1.0)
-  assert kept[0] == full[0] and kept[1] == full[1]
-  for a, b in zip(kept[2], full[2]):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  from test_episode_sampler import kept_equals_reprefill
+  kept_equals_reprefill(model)
 
 
 def test_the_samplers_logprobs_are_the_trainers_of_the_capped_logits(model):

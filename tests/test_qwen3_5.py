@@ -340,12 +340,8 @@ def test_episode_turns_on_the_kept_state_sample_what_a_full_reprefill_samples():
   # tests/test_episode_sampler.py: three branches of three turns, the prompt's state shared, each turn decoded
   # on the running state and observations prefilled on the last block's. Same key, same draws as re-prefilling
   # the whole history every turn; log-probs to float32 rounding.
-  from test_episode_sampler import _episodes
+  from test_episode_sampler import kept_equals_reprefill
   m = _sharp(Qwen35(tiny_config(arch="qwen3_5_text", layer_types=(LINEAR, FULL), qk_norm=True, rotary_dim=4,
                                 linear_attention=GatedDeltaNetShape(2, 4, 8, 8)), rngs=nnx.Rngs(0)))
-  kept = _episodes(m, keep_cache=True, temperature=1.0)
-  full = _episodes(m, keep_cache=False, temperature=1.0)
-  assert kept[0] == full[0] and kept[1] == full[1]
+  kept, full = kept_equals_reprefill(m)
   assert {len(t) for t in kept[1]} > {6}   # some turns stopped early: their state is the stop token's
-  for a, b in zip(kept[2], full[2]):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

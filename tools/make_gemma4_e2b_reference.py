@@ -19,30 +19,15 @@ The shared half (seed, save, reference.json) is tools/tiny_fixture.py.
 
 from __future__ import annotations
 
-import torch
 import tiny_fixture
 from make_gemma4_reference import CONFIG as DENSE
-from make_gemma4_reference import FULL, GREEDY_PROMPT, GREEDY_TOKENS, LENGTHS, SLIDING
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from make_gemma4_reference import FULL, GREEDY_PROMPT, GREEDY_TOKENS, LENGTHS, SLIDING, build
 
 CONFIG = {**DENSE, "num_hidden_layers": 9, "layer_types": [SLIDING, SLIDING, FULL] * 3, "intermediate_size": 40,
           "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": DENSE["vocab_size"],
           "num_kv_shared_layers": 3, "use_double_wide_mlp": True}
 
 
-def build():
-  config = Gemma4TextConfig(**CONFIG)
-  config._attn_implementation = "eager"
-  model = Gemma4ForCausalLM(config).eval().float()
-  with torch.no_grad():   # random norm weights and layer scalars: a misread one must show
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    for layer in model.model.layers:
-      layer.layer_scalar.copy_(0.5 + torch.rand_like(layer.layer_scalar))
-  return model
-
-
 if __name__ == "__main__":
-  tiny_fixture.main(__doc__, "gemma4_e2b_tiny", build, CONFIG, seed=1, lengths=LENGTHS,
+  tiny_fixture.main(__doc__, "gemma4_e2b_tiny", lambda: build(CONFIG), CONFIG, seed=1, lengths=LENGTHS,
                     greedy_prompt=GREEDY_PROMPT, greedy_tokens=GREEDY_TOKENS)

@@ -40,8 +40,10 @@ CONFIG = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_la
 SEED, LENGTHS, GREEDY_PROMPT, GREEDY_TOKENS = 0, (23, 40), 9, 16
 
 
-def build():
-  config = Gemma4TextConfig(**CONFIG)
+def build(fields: dict = CONFIG):
+  """A float32 eval-mode Gemma4ForCausalLM of `fields` (a Gemma4TextConfig's) with random norms and layer
+  scalars."""
+  config = Gemma4TextConfig(**fields)
   config._attn_implementation = "eager"
   model = Gemma4ForCausalLM(config).eval().float()
   with torch.no_grad():   # random norm weights and layer scalars: a misread one must show
