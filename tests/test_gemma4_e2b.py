@@ -45,9 +45,10 @@ def test_config_reads_the_per_layer_embeddings_and_the_kv_sharing_layers(model):
   c = model.config
   assert (c.per_layer_input_dim, c.kv_shared_layers, c.double_wide_mlp) == (8, 3, True)
   assert c.kv_layer_types == (SLIDING, SLIDING, FULL) * 2
-  assert model.embed_per_layer.shape == (96, 9, 8) and model.per_layer_projection.shape == (48, 9, 8)
+  assert model.per_layer_projection.shape == (48, 9, 8)
   lay, reuse = model.layers, model.layers.reuse
   assert lay.w_gate.shape == (6, 48, 40) and reuse.w_gate.shape == (3, 48, 80)      # the double-wide MLP
+  assert lay.ple_table.shape == (6, 96, 8) and reuse.ple_table.shape == (3, 96, 8)   # each layer's table [V, Dp]
   assert lay.ple_gate.shape == (6, 48, 8) and reuse.ple_proj.shape == (3, 8, 48)
   assert set(nnx.to_pure_dict(nnx.state(reuse.sliding))) == {"wq", "wo", "q_norm"}   # no K/V of their own
   assert set(nnx.to_pure_dict(nnx.state(reuse.full))) == {"wq", "wo", "q_norm"}
@@ -61,11 +62,11 @@ def test_logprobs_match_transformers_float32(model, reference):
 
 
 @pytest.mark.parametrize("path,value", [
-    (("embed_per_layer",), 0.0), (("per_layer_projection",), 0.0), (("per_layer_projection_norm",), 1.0),
+    (("layers", "reuse", "ple_table"), 0.0), (("per_layer_projection",), 0.0), (("per_layer_projection_norm",), 1.0),
     (("layers", "ple_norm"), 1.0), (("layers", "reuse", "sliding", "q_norm"), 1.0),
 ])
 def test_each_part_of_the_small_model_layout_is_what_the_parity_measures(model, reference, path, value):
-  # The same weights with the per-layer table or projection silenced, a per-layer norm set to ones, or the
+  # The same weights with the K/V-sharing layers' per-layer tables or the projection silenced, a per-layer norm set to ones, or the
   # K/V-sharing layers' query norm set to ones, differ from transformers by far more than the parity bound.
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   leaf = params
@@ -87,8 +88,9 @@ def test_greedy_sampling_reproduces_transformers(model, reference):
 
 
 def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path):
-  # The per-layer embedding table [V, L·Dp] and projection [L·Dp, d], each layer's gate, projection and norm, the
-  # K/V-sharing layers without k_proj / v_proj / k_norm and with their [2F, d] MLP: transformers' names and shapes.
+  # The per-layer embedding table [V, L·Dp] (ours per layer, [V, Dp] each) and projection [L·Dp, d], each layer's
+  # gate, projection and norm, the K/V-sharing layers without k_proj / v_proj / k_norm and with their [2F, d] MLP:
+  # transformers' names and shapes.
   export_round_trip(model, FIXTURE, tmp_path)
 
 
@@ -118,7 +120,7 @@ def test_group_replay_equals_naive_float64_with_the_shared_kv_across_the_prompt(
   lr, _, gr = step(graphdef, params, arrays, objective, micro_batch=None, fused=True)
   assert abs(float(lr) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gr, gn) <= 1e-10
-  for leaf in (gn["embed_per_layer"], gn["per_layer_projection"], gn["layers"]["reuse"]["full"]["wq"],
+  for leaf in (gn["layers"]["ple_table"], gn["layers"]["reuse"]["ple_table"], gn["per_layer_projection"], gn["layers"]["reuse"]["full"]["wq"],
                gn["layers"]["reuse"]["w_down"], gn["layers"]["full"]["wk"]):
     assert float(jnp.abs(leaf[...]).max()) > 1e-8
 
@@ -263,4 +265,5 @@ def test_the_e2b_shapes_hold_its_published_effective_parameter_count():
   c = ARCHITECTURE_SHAPES["gemma-4-e2b"]
   shapes = nnx.to_pure_dict(jax.eval_shape(lambda: nnx.state(Gemma4(c, rngs=nnx.Rngs(0)), nnx.Param)))
   total = sum(x.size for x in jax.tree_util.tree_leaves(shapes))
-  assert round((total - shapes["embed_per_layer"].size) / 1e9, 1) == 2.3
+  tables = shapes["layers"]["ple_table"].size + shapes["layers"]["reuse"]["ple_table"].size
+  assert round((total - tables) / 1e9, 1) == 2.3

@@ -48,8 +48,9 @@ global Hg heads of width Dg; F MLP width), logical axis names as in `llama.py`:
       q_norm, k_norm [Lg, Dg]
     with experts (E of width F_e): layers.w_router [L, d, E], router_scale [L, d], expert_scale [L, E];
       layers.e_gate, e_up [L, E, d, F_e], e_down [L, E, F_e, d]; experts_norm, mlp_out_norm, experts_out_norm [L, d]
-    with per-layer embeddings (Dp wide): embed_per_layer [V, L, Dp], per_layer_projection [d, L, Dp],
-      per_layer_projection_norm [Dp]; layers.ple_gate [L, d, Dp], ple_proj [L, Dp, d], ple_norm [L, d]
+    with per-layer embeddings (Dp wide): per_layer_projection [d, L, Dp], per_layer_projection_norm [Dp];
+      layers.ple_table [L, V, Dp] (stacked by layer like the weights, so FSDP gathers one layer's table at a time),
+      ple_gate [L, d, Dp], ple_proj [L, Dp, d], ple_norm [L, d]
     with K/V-sharing layers (the last Lr): the layers.* above are the first L - Lr layers'; layers.reuse holds the
       last Lr layers' in the same names, its sliding and full bags with wq, wo, q_norm only, its MLP 2F wide with
       double_wide_mlp
@@ -159,8 +160,9 @@ class Gemma4Layers(nnx.Module):
     self.w_gate = normal(("layers", L), ("embed", d), ("mlp", f))
     self.w_up = normal(("layers", L), ("embed", d), ("mlp", f))
     self.w_down = normal(("layers", L), ("mlp", f), ("embed", d))
-    if c.per_layer_input_dim:   # E2B/E4B: the per-layer embedding's gate, projection and norm
+    if c.per_layer_input_dim:   # E2B/E4B: the per-layer embedding's table, gate, projection and norm
       dp = c.per_layer_input_dim
+      self.ple_table = normal(("layers", L), ("vocab", c.vocab_size), ("ple", dp))
       self.ple_gate = normal(("layers", L), ("embed", d), ("ple", dp))
       self.ple_proj = normal(("layers", L), ("ple", dp), ("embed", d))
       self.ple_norm = ones(("layers", L), ("embed", d))
@@ -239,10 +241,8 @@ class Gemma4(Llama):
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     super().__init__(config, dtype=dtype, remat=remat, attention_impl=attention_impl, rngs=rngs)
     dp = config.per_layer_input_dim
-    if dp:   # E2B/E4B's per-layer embeddings: a table and a projection of the embedding, Dp per layer
+    if dp:   # E2B/E4B's per-layer embeddings: the projection of the embedding (the tables are the layers')
       c, init = config, nnx.initializers.normal(0.02)
-      self.embed_per_layer = annotated(init(rngs.params(), (c.vocab_size, c.num_layers, dp)),
-                                       ("vocab", "layers", "ple"))
       self.per_layer_projection = annotated(init(rngs.params(), (c.d_model, c.num_layers, dp)),
                                             ("embed", "layers", "ple"))
       self.per_layer_projection_norm = annotated(jnp.ones((dp,), jnp.float32), ("ple",))
@@ -298,7 +298,7 @@ class Gemma4(Llama):
     x = self._embed(tokens_bt)
     x, (k, v, gk, gv), route, experts = self._layers(x, positions, list(ancestors), valid_bt,
                                                      per_layer_routes(self.config, routes), replay_routes,
-                                                     self._per_layer_inputs(tokens_bt, x))
+                                                     (tokens_bt, self._per_layer_inputs(x)))
     return SegmentOutput(Gemma4KV(k, v, valid_bt, gk, gv), self._final_norm(x), route, experts)
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
@@ -314,37 +314,37 @@ class Gemma4(Llama):
     """A segment's K/V as replay hands it to its descendants: trimmed to what a window reaches (`trim`)."""
     return trim(kv, self.config.sliding_window)
 
-  def _per_layer_inputs(self, tokens_bt, x_btd):
-    """[L, B, T, Dp] each layer's per-layer input (E2B/E4B; transformers' `get_per_layer_inputs` and
-    `project_per_layer_inputs`): (norm(x P · d^-1/2) + table[tokens] · sqrt(Dp)) · 2^-1/2 of the embedded
-    segment x (times sqrt(d) already); None without per-layer embeddings."""
+  def _per_layer_inputs(self, x_btd):
+    """[L, B, T, Dp] the context half of each layer's per-layer input (E2B/E4B; transformers'
+    `project_per_layer_inputs`): norm(x P · d^-1/2) of the embedded segment x (times sqrt(d) already); None without
+    per-layer embeddings. The token half, table_l[token] · sqrt(Dp), is looked up in the layer scan (`_scan`),
+    where FSDP gathers one layer's table [V, Dp] at a time."""
     c = self.config
     if not c.per_layer_input_dim:
       return None
     dt = self.dtype
-    table = param_value(self.embed_per_layer)[tokens_bt].astype(dt)
-    token = table * jnp.asarray(c.per_layer_input_dim ** 0.5, dt)
     proj = jnp.einsum("btd,dlp->btlp", x_btd, param_value(self.per_layer_projection).astype(dt))
     proj = rms_norm(proj * jnp.asarray(c.d_model ** -0.5, dt), param_value(self.per_layer_projection_norm),
                     c.norm_eps)
-    return jnp.moveaxis((proj + token) * jnp.asarray(2.0 ** -0.5, dt), 2, 0)
+    return jnp.moveaxis(proj, 2, 0)
 
   def _layers(self, x, positions, ancestors: list, valid_bt, routes=None, replay_routes: bool = True, ple=None):
     """The layers that compute K/V, then the K/V-sharing ones (`_scan` each): (x [B, T, d], (k, v [Ls, ...], gk,
     gv [Lg, ...]) of the former, and with experts the `RouterStats` [B, E] summed over the layers and the experts
-    [B, T, L, k]; else None, None). routes: [L, B, T, k] recorded experts or None (`moe_mlp`); ple: [L, B, T, Dp]
-    per-layer inputs or None."""
+    [B, T, L, k]; else None, None). routes: [L, B, T, k] recorded experts or None (`moe_mlp`); ple: (tokens [B, T],
+    the per-layer inputs' context half [L, B, T, Dp] or None)."""
     cfg = self.config
     n = len(cfg.kv_layer_types)
     scalars = np.ones(cfg.num_layers) if cfg.layer_scalars is None else np.asarray(cfg.layer_scalars)
     parts = [_ancestor(a, self.dtype) for a in ancestors]
     head = lambda a: None if a is None else a[:n]
+    tokens, ple = ple
     x, kv, route, experts = self._scan(self.layers, x, positions, parts, valid_bt, head(routes), replay_routes,
-                                       head(ple), scalars[:n])
+                                       None if ple is None else (tokens, ple[:n]), scalars[:n])
     if cfg.kv_shared_layers:   # each reads the last computing layer of its kind: its K/V here and its ancestors'
       last = lambda p: ((p[0][0][-1:], p[0][1][-1:]), p[1], (p[2][0][-1:], p[2][1][-1:]), p[3])
       x = self._scan(self.layers.reuse, x, positions, [last(p) for p in parts], valid_bt, None, replay_routes,
-                     None if ple is None else ple[n:], scalars[n:], donor=tuple(a[-1] for a in kv))[0]
+                     None if ple is None else (tokens, ple[n:]), scalars[n:], donor=tuple(a[-1] for a in kv))[0]
     return x, kv, route, experts
 
   def _scan(self, group: Gemma4Layers, x, positions, parts: list, valid_bt, routes, replay_routes: bool, ple,
@@ -352,7 +352,8 @@ class Gemma4(Llama):
     """Scan over the repetitions of `pattern` of one group of layers (`Gemma4Layers`): (x, (k, v [Ls, ...], gk, gv
     [Lg, ...]), route stats, experts) as `_layers`. parts: the ancestors' `_ancestor`s. donor: for the K/V-sharing
     group, the segment's (k, v, gk, gv) [B, T, H, D] of the last computing layer of each kind (the parts are then
-    theirs, [1, ...] too); this group then returns no K/V (None)."""
+    theirs, [1, ...] too); this group then returns no K/V (None). ple: (tokens [B, T], the group's context halves
+    [Lgroup, B, T, Dp]) or None."""
     cfg = self.config
     unit = pattern(cfg)
     reps = len(scalars) // len(unit)
@@ -366,7 +367,7 @@ class Gemma4(Llama):
       anc = (per_rep([p[0] for p in parts], ns), per_rep([p[2] for p in parts], nf))
     xs = (per_rep(shared, len(unit)), per_rep(sliding, ns), per_rep(full, nf), None if donor else anc,
           jnp.asarray(np.reshape(scalars, (reps, len(unit))), self.dtype),
-          None if routes is None else per_rep(routes, len(unit)), None if ple is None else per_rep(ple, len(unit)))
+          None if routes is None else per_rep(routes, len(unit)), None if ple is None else per_rep(ple[1], len(unit)))
     dispatch = {g.axes for g in gathers[0].values() if g is not None and g.dispatch}   # expert parallelism
     sliding_masks, global_valid = [p[1] for p in parts], [p[3] for p in parts]
     norm = lambda x, w: rms_norm(x, w, cfg.norm_eps)
@@ -412,7 +413,9 @@ class Gemma4(Llama):
           out = norm(out, p["mlp_out_norm"]) + norm(y, p["experts_out_norm"])
         x = x + norm(out, p["post_mlp_norm"])
         if ple_r is not None:   # E2B/E4B: the layer's per-layer input, gated by the stream (transformers' layer)
-          gate = jax.nn.gelu(project(p, "ple_gate", "btd,dp->btp", x, 0.0), approximate=True) * ple_r[i]
+          token = p["ple_table"][ple[0]].astype(x.dtype) * jnp.asarray(cfg.per_layer_input_dim ** 0.5, x.dtype)
+          u = (ple_r[i] + token) * jnp.asarray(2.0 ** -0.5, x.dtype)
+          gate = jax.nn.gelu(project(p, "ple_gate", "btd,dp->btp", x, 0.0), approximate=True) * u
           x = x + norm(project(p, "ple_proj", "btp,pd->btd", gate, 0.0), p["ple_norm"])
         x = x * scalar_r[i]
       stack = lambda kvs: tuple(jnp.stack(a) for a in zip(*kvs))
@@ -499,11 +502,15 @@ def _group_from_hf(tensors: dict, c: ModelConfig, layers: range) -> dict:
   moe_names = {**HF_MOE_NORMS, **HF_ROUTER} if c.moe else {}
   ple_names = dict(zip(HF_PLE_LAYER, PLE_LAYER)) if c.per_layer_input_dim else {}
   shared = {ours: [] for ours in (*HF_SHARED.values(), *moe_names.values(), *ple_names.values(),
+                                  *(("ple_table",) if ple_names else ()),
                                   *(("e_gate", "e_up", "e_down") if c.moe else ()))}
   kinds = {SLIDING: {}, FULL: {}}
+  table = (np.asarray(tensors[HF_PLE_TABLE]).reshape(c.vocab_size, c.num_layers, -1) if ple_names else None)
   for i in layers:
     kind = c.layer_types[i]
     t = lambda name: tensors[HF_LAYER.format(i) + name]
+    if ple_names:   # the table [V, L·Dp]: layer i's [V, Dp]
+      shared["ple_table"].append(table[:, i])
     for hf, ours in {**HF_SHARED, **ple_names}.items():   # matrices [out, in] -> [in, out]; norms as they are
       shared[ours].append(t(hf) if ours.endswith("norm") else t(hf).T)
     for hf, ours in moe_names.items():   # w_router [E, d] -> [d, E]; the norms and scales as they are
@@ -553,9 +560,8 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[Mod
   if c.kv_shared_layers:
     params["layers"]["reuse"] = _group_from_hf(tensors, c, range(n, c.num_layers))
   dp = c.per_layer_input_dim
-  if dp:   # table [V, L·Dp] -> [V, L, Dp]; projection [L·Dp, d] -> [d, L, Dp]
-    params.update(embed_per_layer=f32(tensors[HF_PLE_TABLE]).reshape(c.vocab_size, c.num_layers, dp),
-                  per_layer_projection=f32(tensors[HF_PLE_PROJECTION].T).reshape(c.d_model, c.num_layers, dp),
+  if dp:   # projection [L·Dp, d] -> [d, L, Dp]
+    params.update(per_layer_projection=f32(tensors[HF_PLE_PROJECTION].T).reshape(c.d_model, c.num_layers, dp),
                   per_layer_projection_norm=f32(tensors[HF_PLE_NORM]))
   return dataclasses.replace(c, layer_scalars=tuple(scalars)), params
 
@@ -567,8 +573,10 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
   out = {"model.embed_tokens.weight": f32(params["embed"]), "model.norm.weight": f32(params["final_norm"])}
   dp = c.per_layer_input_dim
-  if dp:
-    out[HF_PLE_TABLE] = f32(np.asarray(params["embed_per_layer"]).reshape(c.vocab_size, -1))
+  if dp:   # the groups' tables [Lgroup, V, Dp] -> [V, L·Dp]
+    lay = params["layers"]
+    tables = [np.asarray(lay["ple_table"])] + ([np.asarray(lay["reuse"]["ple_table"])] if "reuse" in lay else [])
+    out[HF_PLE_TABLE] = f32(np.moveaxis(np.concatenate(tables), 0, 1).reshape(c.vocab_size, -1))
     out[HF_PLE_PROJECTION] = f32(np.asarray(params["per_layer_projection"]).reshape(c.d_model, -1).T)
     out[HF_PLE_NORM] = f32(params["per_layer_projection_norm"])
   scalars = c.layer_scalars or (1.0,) * c.num_layers
