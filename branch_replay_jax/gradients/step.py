@@ -131,10 +131,9 @@ def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
     if prompt_fn is not None:
       kv[name], last[name], router = prompt_fn(trunk, **kw)
     else:
-      p_pad = batch.prompt_ids.shape[0]
-      out = trunk(batch.prompt_ids[None], 0, valid_bt=(jnp.arange(p_pad) < batch.prompt_len)[None], **kw)
-      kv[name], router = trunk.branch_kv(out.kv), out.router   # a sliding window's: only the keys it reaches
-      last[name] = jax.lax.dynamic_index_in_dim(out.hidden_btd[0], batch.prompt_len - 1, keepdims=False)
+      p_pad = batch.prompt_ids.shape[0]   # (a sliding window's K/V: only the keys it reaches, `branch_kv`)
+      kv[name], last[name], router = trunk.prompt_forward(
+          batch.prompt_ids[None], (jnp.arange(p_pad) < batch.prompt_len)[None], batch.prompt_len - 1, **kw)
     if name == "policy" and _tracks_routes(head, batch):
       state["router"] = None if router is None else jax.tree_util.tree_map(lambda x: x[0], router)
   return {"kv": kv, "last": last, "end": batch.prompt_len, **state}

@@ -263,7 +263,7 @@ class Gemma4(Llama):
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[Gemma4KV] = (),
                valid_bt: jax.Array | None = None, attention=None, routes=None,
-               replay_routes: bool = True) -> SegmentOutput:
+               replay_routes: bool = True, hidden_at=None) -> SegmentOutput:
     """Forward of one segment on its ancestors' K/V (`Llama.__call__`'s contract).
 
     Args:
@@ -275,10 +275,14 @@ class Gemma4(Llama):
       attention: must be None (the windowed attention is the layers' own).
       routes, replay_routes: with experts (26B-A4B) only, the sampler's recorded experts [B, T, L, k] int32
         (`Llama.__call__`, `llama.moe_mlp`).
+      hidden_at: None, or [] int: the one position whose final hidden state is read (a prompt's last real token,
+        `prompt_forward`). With K/V-sharing layers (E2B/E4B) those run on that position alone: they make no K/V,
+        so their other positions feed nothing but final hidden states no one reads (transformers' generate skips
+        them alike, `_maybe_slice_kv_shared_inputs`). hidden_btd is then [B, 1, d].
 
     Returns:
-      SegmentOutput(kv: this segment's `Gemma4KV` [.., B, T, ..], hidden_btd [B, T, d]; with experts: router, its
-      `llama.RouterStats` [B, E] summed over the layers, experts [B, T, L, k] int32).
+      SegmentOutput(kv: this segment's `Gemma4KV` [.., B, T, ..], hidden_btd [B, T, d] (hidden_at: [B, 1, d]);
+      with experts: router, its `llama.RouterStats` [B, E] summed over the layers, experts [B, T, L, k] int32).
 
     Raises:
       ValueError: an attention override, routes to a model without experts, or int32 key ends in valid_bt (a
@@ -298,17 +302,23 @@ class Gemma4(Llama):
     x = self._embed(tokens_bt)
     x, (k, v, gk, gv), route, experts = self._layers(x, positions, list(ancestors), valid_bt,
                                                      per_layer_routes(self.config, routes), replay_routes,
-                                                     (tokens_bt, self._per_layer_inputs(x)))
+                                                     (tokens_bt, self._per_layer_inputs(x)), hidden_at)
+    if hidden_at is not None and not self.config.kv_shared_layers:   # (else `_layers` took it)
+      x = jax.lax.dynamic_slice_in_dim(x, hidden_at, 1, axis=1)
     return SegmentOutput(Gemma4KV(k, v, valid_bt, gk, gv), self._final_norm(x), route, experts)
+
+  def prompt_forward(self, prompt_bt, valid_bt, last, **kw) -> tuple:
+    """`Llama.prompt_forward`: the K/V-sharing layers on position `last` alone (`__call__`'s hidden_at)."""
+    out = self(prompt_bt, 0, valid_bt=valid_bt, hidden_at=last, **kw)
+    return self.branch_kv(out.kv), out.hidden_btd[0, 0], out.router
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
                       attention=None, routes=(None, None), replay_routes: bool = True):
     """`Llama.prompt_and_rows`'s values: the prompt's forward, then the rows on its K/V (two layer scans)."""
     kw = dict(attention=attention, replay_routes=replay_routes)
-    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, routes=routes[0], **kw)
+    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, routes=routes[0], hidden_at=prompt_last, **kw)
     rows = self(rows_bt, rows_offset, ancestors=[prompt.kv], valid_bt=rows_valid_bt, routes=routes[1], **kw)
-    last = jax.lax.dynamic_index_in_dim(prompt.hidden_btd[0], prompt_last, keepdims=False)
-    return last, rows.hidden_btd, (prompt.router, rows.router)
+    return prompt.hidden_btd[0, 0], rows.hidden_btd, (prompt.router, rows.router)
 
   def branch_kv(self, kv: Gemma4KV) -> Gemma4KV | WindowedPrompt:
     """A segment's K/V as replay hands it to its descendants: trimmed to what a window reaches (`trim`)."""
@@ -328,11 +338,13 @@ class Gemma4(Llama):
                     c.norm_eps)
     return jnp.moveaxis(proj, 2, 0)
 
-  def _layers(self, x, positions, ancestors: list, valid_bt, routes=None, replay_routes: bool = True, ple=None):
+  def _layers(self, x, positions, ancestors: list, valid_bt, routes=None, replay_routes: bool = True, ple=None,
+              hidden_at=None):
     """The layers that compute K/V, then the K/V-sharing ones (`_scan` each): (x [B, T, d], (k, v [Ls, ...], gk,
     gv [Lg, ...]) of the former, and with experts the `RouterStats` [B, E] summed over the layers and the experts
     [B, T, L, k]; else None, None). routes: [L, B, T, k] recorded experts or None (`moe_mlp`); ple: (tokens [B, T],
-    the per-layer inputs' context half [L, B, T, Dp] or None)."""
+    the per-layer inputs' context half [L, B, T, Dp] or None); hidden_at: `__call__`'s (the K/V-sharing layers on
+    that position alone: x [B, 1, d] returned)."""
     cfg = self.config
     n = len(cfg.kv_layer_types)
     scalars = np.ones(cfg.num_layers) if cfg.layer_scalars is None else np.asarray(cfg.layer_scalars)
@@ -341,19 +353,33 @@ class Gemma4(Llama):
     tokens, ple = ple
     x, kv, route, experts = self._scan(self.layers, x, positions, parts, valid_bt, head(routes), replay_routes,
                                        None if ple is None else (tokens, ple[:n]), scalars[:n])
-    if cfg.kv_shared_layers:   # each reads the last computing layer of its kind: its K/V here and its ancestors'
-      last = lambda p: ((p[0][0][-1:], p[0][1][-1:]), p[1], (p[2][0][-1:], p[2][1][-1:]), p[3])
-      x = self._scan(self.layers.reuse, x, positions, [last(p) for p in parts], valid_bt, None, replay_routes,
-                     None if ple is None else (tokens, ple[n:]), scalars[n:], donor=tuple(a[-1] for a in kv))[0]
+    if not cfg.kv_shared_layers:
+      return x, kv, route, experts
+    # each K/V-sharing layer reads the last computing layer of its kind: its K/V here and its ancestors'
+    last = lambda p: ((p[0][0][-1:], p[0][1][-1:]), p[1], (p[2][0][-1:], p[2][1][-1:]), p[3])
+    parts, donor, own_valid = [last(p) for p in parts], tuple(a[-1] for a in kv), None
+    ple = None if ple is None else ple[n:]
+    if hidden_at is not None:   # one query: the segment's donor K/V up to it as one more ancestor block, no own keys
+      t = x.shape[1]
+      upto = valid_bt & (jnp.arange(t) <= hidden_at)[None]
+      parts.append(((donor[0][None], donor[1][None]), (upto,), (donor[2][None], donor[3][None]), upto))
+      at = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, hidden_at, 1, axis=axis)
+      x, positions, valid_bt, tokens = at(x, 1), at(positions, 1), at(valid_bt, 1), at(tokens, 1)
+      ple = None if ple is None else at(ple, 2)
+      donor = tuple(jnp.zeros_like(at(a, 1)) for a in donor)
+      own_valid = jnp.zeros_like(valid_bt)
+    x = self._scan(self.layers.reuse, x, positions, parts, valid_bt, None, replay_routes,
+                   None if ple is None else (tokens, ple), scalars[n:], donor=donor, own_valid=own_valid)[0]
     return x, kv, route, experts
 
   def _scan(self, group: Gemma4Layers, x, positions, parts: list, valid_bt, routes, replay_routes: bool, ple,
-            scalars, donor=None):
+            scalars, donor=None, own_valid=None):
     """Scan over the repetitions of `pattern` of one group of layers (`Gemma4Layers`): (x, (k, v [Ls, ...], gk, gv
     [Lg, ...]), route stats, experts) as `_layers`. parts: the ancestors' `_ancestor`s. donor: for the K/V-sharing
     group, the segment's (k, v, gk, gv) [B, T, H, D] of the last computing layer of each kind (the parts are then
-    theirs, [1, ...] too); this group then returns no K/V (None). ple: (tokens [B, T], the group's context halves
-    [Lgroup, B, T, Dp]) or None."""
+    theirs, [1, ...] too); this group then returns no K/V (None); own_valid: the donor K/V's valid mask where it
+    is not valid_bt (`_layers`' hidden_at). ple: (tokens [B, T], the group's context halves [Lgroup, B, T, Dp]) or
+    None."""
     cfg = self.config
     unit = pattern(cfg)
     reps = len(scalars) // len(unit)
@@ -370,6 +396,7 @@ class Gemma4(Llama):
           None if routes is None else per_rep(routes, len(unit)), None if ple is None else per_rep(ple[1], len(unit)))
     dispatch = {g.axes for g in gathers[0].values() if g is not None and g.dispatch}   # expert parallelism
     sliding_masks, global_valid = [p[1] for p in parts], [p[3] for p in parts]
+    keys_valid = valid_bt if own_valid is None else own_valid   # the segment's own keys' mask
     norm = lambda x, w: rms_norm(x, w, cfg.norm_eps)
     scale = 0.0 if self.lora is None else self.lora.scale   # LoRA (`models.lora`): both attention kinds and the MLP
 
@@ -391,12 +418,12 @@ class Gemma4(Llama):
         h = norm(x, p["attn_norm"])
         if kind == FULL:
           blocks = [KVBlock(k[a], v[a], m) for (k, v), m in zip(anc_f, global_valid)]
-          out, kv = _attention(cfg, at(full_r, j, gathers[2]), h, positions, glob_freq, blocks, valid_bt,
+          out, kv = _attention(cfg, at(full_r, j, gathers[2]), h, positions, glob_freq, blocks, keys_valid,
                                GLOBAL_WINDOW, scale, None if donor is None else donor[2:])
           out_f.append(kv)
         else:
           blocks = [b for (k, v), m in zip(anc_s, sliding_masks) for b in _sliding_blocks(k[a], v[a], m)]
-          out, kv = _attention(cfg, at(sliding_r, j, gathers[1]), h, positions, local_freq, blocks, valid_bt,
+          out, kv = _attention(cfg, at(sliding_r, j, gathers[1]), h, positions, local_freq, blocks, keys_valid,
                                cfg.sliding_window, scale, None if donor is None else donor[:2])
           out_s.append(kv)
         x = x + norm(out, p["post_attn_norm"])

@@ -581,6 +581,15 @@ class Llama(nnx.Module):
     experts = None if experts is None else jnp.moveaxis(experts, 0, 2)   # [L, B, T, k] -> [B, T, L, k]
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden, summed_over_layers(route), experts)
 
+  def prompt_forward(self, prompt_bt: jax.Array, valid_bt: jax.Array, last, **kw) -> tuple:
+    """A root prompt's forward for replay, of whose final hidden states only position `last`'s is read (it
+    predicts each child's first token): (its K/V for its descendants (`branch_kv`), the hidden state at `last`
+    [d], its `RouterStats` or None). prompt_bt, valid_bt: [1, P]; last: [] int; kw: `__call__`'s routes. Gemma 4
+    runs its K/V-sharing layers on position `last` alone (`gemma4.Gemma4.__call__`'s hidden_at)."""
+    out = self(prompt_bt, 0, valid_bt=valid_bt, **kw)
+    return (self.branch_kv(out.kv), jax.lax.dynamic_index_in_dim(out.hidden_btd[0], last, keepdims=False),
+            out.router)
+
   def branch_kv(self, kv: KVBlock) -> KVBlock | WindowedPrompt:
     """A segment's K/V (`SegmentOutput.kv`, its valid keys a prefix of its slots: a prompt, a tree node, an
     episode's turn) as replay hands it to its descendants, which take it back as an ancestor: a sliding-window
