@@ -204,15 +204,43 @@ def test_small_model_fields_are_refused_by_name():
     _tiny_e2b(num_experts=4, experts_per_token=2, expert_ffn_dim=8)
   with pytest.raises(ValueError, match="per_layer_input_dim must be None or a positive int, got 0"):
     _tiny_e2b(per_layer_input_dim=0)
+  with pytest.raises(ValueError, match="double_wide_mlp must be a bool, got 'no'"):
+    _tiny_e2b(double_wide_mlp="no")
 
 
-def test_a_per_layer_table_of_another_vocabulary_is_refused_naming_the_file(tmp_path):
+@pytest.mark.parametrize("edit,message", [
+    ({"vocab_size_per_layer_input": 50}, "vocab_size_per_layer_input=50 != vocab_size=96"),
+    ({"vocab_size_per_layer_input": None}, "vocab_size_per_layer_input=None != vocab_size=96"),
+    ({"use_double_wide_mlp": "false"}, "use_double_wide_mlp='false' must be true or false"),
+    ({"num_kv_shared_layers": 4}, "ModelConfig.kv_shared_layers=4: the first 5 layers are not whole repetitions"),
+    ({"num_kv_shared_layers": 9}, "ModelConfig.kv_shared_layers must be an int in \\[0, num_layers=9\\), got 9"),
+])
+def test_a_bad_small_model_field_is_refused_naming_the_file(tmp_path, edit, message):
+  # Before any weight is read: the field and its value, and the config.json that holds it.
   directory = tmp_path / "e2b"
   shutil.copytree(FIXTURE, directory)
   cfg = json.load(open(directory / "config.json"))
-  json.dump({**cfg, "vocab_size_per_layer_input": 50}, open(directory / "config.json", "w"))
-  with pytest.raises(ValueError, match="config.json: vocab_size_per_layer_input != vocab_size"):
+  json.dump({**cfg, **edit}, open(directory / "config.json", "w"))
+  with pytest.raises(ValueError, match=f"config.json: {message}"):
     load_hf_model(str(directory))
+
+
+def test_a_prompts_kv_sharing_layers_run_its_last_position_alone_float64(model64, x64):
+  # prompt_forward (replay's root prompt): the K/V-sharing layers see one query, the segment's donor K/V up to it
+  # as an ancestor block; its hidden state at the last real position and its K/V equal a full forward's (float64),
+  # with the prompt alone and on a trimmed ancestor (7 tokens, window 4).
+  m = nnx.merge(*model64)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(3, 96, (1, 13)))
+  valid = jnp.arange(13)[None] < 10
+  full = m(ids, 0, valid_bt=valid)
+  kv, last, _ = m.prompt_forward(ids, valid, jnp.int32(9))
+  assert float(jnp.abs(last - full.hidden_btd[0, 9]).max()) <= 1e-12
+  assert float(jnp.abs(kv.tail.k - m.branch_kv(full.kv).tail.k).max()) == 0.0
+  whole = m(ids, 0)
+  one = m(ids[:, 7:], 7, ancestors=[m.branch_kv(m(ids[:, :7], 0).kv)], hidden_at=jnp.int32(4))
+  assert one.hidden_btd.shape == (1, 1, 48)
+  assert float(jnp.abs(one.hidden_btd[0, 0] - whole.hidden_btd[0, 11]).max()) <= 1e-12
 
 
 def test_grpo_trains_an_e2b_layout_directory_by_replay(tmp_path, monkeypatch):

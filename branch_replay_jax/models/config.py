@@ -253,6 +253,9 @@ class ModelConfig:
                        f"{scalars!r}")
     if self.query_pre_attn_scalar is not None:
       raise ValueError("ModelConfig.query_pre_attn_scalar is Gemma 3's: Gemma 4's attention has no logit scale")
+    for name in ("k_eq_v", "double_wide_mlp"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
     dp = self.per_layer_input_dim
     if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp <= 0):
       raise ValueError(f"ModelConfig.per_layer_input_dim must be None or a positive int, got {dp!r}")

@@ -120,8 +120,9 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
   experts' count, top k and width (26B-A4B), and E2B/E4B's per-layer embedding width, K/V-sharing layers and
   double-wide MLP. Refuses what our decoder does not implement, naming it."""
   ple = cfg.get("hidden_size_per_layer_input") or None
-  refused = {"vocab_size_per_layer_input != vocab_size (a per-layer embedding table of another vocabulary)":
-                 ple is not None and cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]) != cfg["vocab_size"],
+  table = cfg.get("vocab_size_per_layer_input", cfg["vocab_size"])
+  refused = {f"vocab_size_per_layer_input={table!r} != vocab_size={cfg['vocab_size']!r} (a per-layer embedding "
+             "table of another vocabulary)": ple is not None and table != cfg["vocab_size"],
              "use_bidirectional_attention": bool(cfg.get("use_bidirectional_attention")),
              "attention_bias": bool(cfg.get("attention_bias")),
              "hidden_activation != gelu_pytorch_tanh":
@@ -135,7 +136,7 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
   layers = int(cfg["num_hidden_layers"])
   types = list(cfg.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(layers)])
   types[-1] = FULL   # transformers forces the last layer global
-  k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+  k_eq_v = _flag(cfg, path, "attention_k_eq_v")
   head_dim = _int(cfg, path, "head_dim", default=256)
   kv_heads = _int(cfg, path, "num_key_value_heads")
   common = {"head_dim": head_dim, "num_key_value_heads": kv_heads}
@@ -163,7 +164,7 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
   factor = float(full.get("factor", 1.0))
   cap = cfg.get("final_logit_softcapping")
   moe = {}
-  if cfg.get("enable_moe_block"):   # 26B-A4B: experts beside every layer's MLP; the router always renormalises
+  if _flag(cfg, path, "enable_moe_block"):   # 26B-A4B: experts beside every layer's MLP; the router always renormalises
     moe = dict(num_experts=_int(cfg, path, "num_experts"), experts_per_token=_int(cfg, path, "top_k_experts"),
                expert_ffn_dim=_int(cfg, path, "moe_intermediate_size"), norm_topk_prob=True)
     if not 0 < moe["experts_per_token"] <= moe["num_experts"]:
@@ -171,7 +172,7 @@ def _gemma4_fields(cfg: dict, path: str) -> dict:
                        f"{moe['num_experts']}")
   shared = _int(cfg, path, "num_kv_shared_layers", default=0)
   small = dict(per_layer_input_dim=None if ple is None else _int(cfg, path, "hidden_size_per_layer_input"),
-               kv_shared_layers=shared, double_wide_mlp=bool(cfg.get("use_double_wide_mlp")) and shared > 0)
+               kv_shared_layers=shared, double_wide_mlp=_flag(cfg, path, "use_double_wide_mlp") and shared > 0)
   return dict(layer_types=tuple(types), sliding_window=_int(cfg, path, "sliding_window", default=512),
               rope_theta=float(full.get("rope_theta", 1e6)),
               rope_scaling=None if factor == 1.0 else LinearRopeScaling(factor),
@@ -277,6 +278,17 @@ def _int(cfg: dict, path: str, key: str, *fallbacks: str, default=None) -> int:
   return value
 
 
+def _flag(cfg: dict, path: str, key: str) -> bool:
+  """config.json's bool field `key` (absent or null: False).
+
+  Raises:
+    ValueError: naming the file and the key, for a value that is not a JSON bool ("false" is a string)."""
+  value = cfg.get(key)
+  if value is not None and not isinstance(value, bool):
+    raise ValueError(f"{path}: {key}={value!r} must be true or false")
+  return bool(value)
+
+
 def read_config(directory: str) -> ModelConfig:
   """The `ModelConfig` of `directory/config.json` (of its language model for a multimodal qwen3_5 or gemma3
   checkpoint: `text_config`).
@@ -290,6 +302,15 @@ def read_config(directory: str) -> ModelConfig:
       with a warning).
   """
   path = os.path.join(directory, "config.json")
+  try:
+    return _read_config(directory, path)
+  except ValueError as e:   # ModelConfig's own checks name its field; say which file holds it
+    if str(e).startswith("ModelConfig."):
+      raise ValueError(f"{path}: {e}") from None
+    raise
+
+
+def _read_config(directory: str, path: str) -> ModelConfig:
   cfg, _ = text_config(directory)
   arch = cfg.get("model_type")
   if arch not in ARCHITECTURES:
