@@ -73,7 +73,8 @@ from branch_replay_jax.kernels import GLOBAL_WINDOW, KVBlock
 from branch_replay_jax.kernels.reference import accum_dtype, windowed_suffix_attention
 from branch_replay_jax.models.config import FULL, SLIDING, ModelConfig
 from branch_replay_jax.models.hf_loader import check_tensors
-from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, annotated, apply_rope, gathered,
+from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, annotated, apply_rope, at_position,
+                                            gathered,
                                             moe_mlp, param_value, per_layer_routes, project, rematerialized,
                                             rms_norm, rope_inv_freq, segment_positions, summed_over_layers)
 from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stack_layers, stacked_kinds
@@ -275,10 +276,11 @@ class Gemma4(Llama):
       attention: must be None (the windowed attention is the layers' own).
       routes, replay_routes: with experts (26B-A4B) only, the sampler's recorded experts [B, T, L, k] int32
         (`Llama.__call__`, `llama.moe_mlp`).
-      hidden_at: None, or [] int: the one position whose final hidden state is read (a prompt's last real token,
-        `prompt_forward`). With K/V-sharing layers (E2B/E4B) those run on that position alone: they make no K/V,
-        so their other positions feed nothing but final hidden states no one reads (transformers' generate skips
-        them alike, `_maybe_slice_kv_shared_inputs`). hidden_btd is then [B, 1, d].
+      hidden_at: None, or [] int: the one position whose final hidden state is read (a prompt's last real token:
+        `Llama.prompt_forward`, the sampler's prefills). With K/V-sharing layers (E2B/E4B) those run on that
+        position alone: they make no K/V, so their other positions feed nothing but final hidden states no one
+        reads (transformers' generate skips them alike, `_maybe_slice_kv_shared_inputs`). hidden_btd is then
+        [B, 1, d].
 
     Returns:
       SegmentOutput(kv: this segment's `Gemma4KV` [.., B, T, ..], hidden_btd [B, T, d] (hidden_at: [B, 1, d]);
@@ -303,14 +305,9 @@ class Gemma4(Llama):
     x, (k, v, gk, gv), route, experts = self._layers(x, positions, list(ancestors), valid_bt,
                                                      per_layer_routes(self.config, routes), replay_routes,
                                                      (tokens_bt, self._per_layer_inputs(x)), hidden_at)
-    if hidden_at is not None and not self.config.kv_shared_layers:   # (else `_layers` took it)
-      x = jax.lax.dynamic_slice_in_dim(x, hidden_at, 1, axis=1)
+    if not self.config.kv_shared_layers:   # (else `_layers` took the position)
+      x = at_position(x, hidden_at)
     return SegmentOutput(Gemma4KV(k, v, valid_bt, gk, gv), self._final_norm(x), route, experts)
-
-  def prompt_forward(self, prompt_bt, valid_bt, last, **kw) -> tuple:
-    """`Llama.prompt_forward`: the K/V-sharing layers on position `last` alone (`__call__`'s hidden_at)."""
-    out = self(prompt_bt, 0, valid_bt=valid_bt, hidden_at=last, **kw)
-    return self.branch_kv(out.kv), out.hidden_btd[0, 0], out.router
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
                       attention=None, routes=(None, None), replay_routes: bool = True):

@@ -397,6 +397,11 @@ def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, ax
   return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
 
 
+def at_position(x_btd, position):
+  """x_btd [B, T, d] itself (position None), or its one position `position` ([] int, may be traced): [B, 1, d]."""
+  return x_btd if position is None else jax.lax.dynamic_slice_in_dim(x_btd, position, 1, axis=1)
+
+
 def per_layer_routes(config: ModelConfig, routes):
   """Recorded routes [B, T, L, k] as the layer scan's xs [L, B, T, k] (None stays None; ValueError for a model
   without experts)."""
@@ -533,7 +538,7 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[KVBlock] = (),
                valid_bt: jax.Array | None = None, attention=None, routes=None,
-               replay_routes: bool = True) -> SegmentOutput:
+               replay_routes: bool = True, hidden_at=None) -> SegmentOutput:
     """Forward of one segment.
 
     Args:
@@ -554,9 +559,13 @@ class Llama(nnx.Module):
       routes: Qwen3-MoE only, None or [B, T, L, k] int32 the experts the sampler chose per token and layer
         (-1: none recorded), run in their place with replay_routes (routing replay), else only compared
         (`moe_mlp`, `RouterStats.mismatch`).
+      hidden_at: None, or [] int: the one position whose final hidden state is read (a prompt's last real token:
+        `prompt_forward`, the sampler's prefills); hidden_btd is then [B, 1, d]. A model with layers whose other
+        positions feed nothing else skips them (Gemma 4's K/V-sharing layers, `gemma4.Gemma4.__call__`).
 
     Returns:
-      SegmentOutput(kv with k, v [L, B, T, Hkv, D], hidden_btd [B, T, d], router: Qwen3-MoE's `RouterStats`).
+      SegmentOutput(kv with k, v [L, B, T, Hkv, D], hidden_btd [B, T, d] (hidden_at: [B, 1, d]), router:
+      Qwen3-MoE's `RouterStats`).
     """
     cfg = self.config
     b, t = tokens_bt.shape
@@ -577,7 +586,7 @@ class Llama(nnx.Module):
 
     xs = (anc_xs, self._layer_xs(), per_layer_routes(cfg, routes))
     x, (k, v, route, experts) = self._scan_layers(layer, x, xs)
-    hidden = self._final_norm(x)
+    hidden = self._final_norm(at_position(x, hidden_at))
     experts = None if experts is None else jnp.moveaxis(experts, 0, 2)   # [L, B, T, k] -> [B, T, L, k]
     return SegmentOutput(KVBlock(k, v, valid_bt), hidden, summed_over_layers(route), experts)
 
@@ -585,10 +594,9 @@ class Llama(nnx.Module):
     """A root prompt's forward for replay, of whose final hidden states only position `last`'s is read (it
     predicts each child's first token): (its K/V for its descendants (`branch_kv`), the hidden state at `last`
     [d], its `RouterStats` or None). prompt_bt, valid_bt: [1, P]; last: [] int; kw: `__call__`'s routes. Gemma 4
-    runs its K/V-sharing layers on position `last` alone (`gemma4.Gemma4.__call__`'s hidden_at)."""
-    out = self(prompt_bt, 0, valid_bt=valid_bt, **kw)
-    return (self.branch_kv(out.kv), jax.lax.dynamic_index_in_dim(out.hidden_btd[0], last, keepdims=False),
-            out.router)
+    runs its K/V-sharing layers on position `last` alone (`__call__`'s hidden_at)."""
+    out = self(prompt_bt, 0, valid_bt=valid_bt, hidden_at=last, **kw)
+    return self.branch_kv(out.kv), out.hidden_btd[0, 0], out.router
 
   def branch_kv(self, kv: KVBlock) -> KVBlock | WindowedPrompt:
     """A segment's K/V (`SegmentOutput.kv`, its valid keys a prefix of its slots: a prompt, a tree node, an

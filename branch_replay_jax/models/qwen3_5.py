@@ -51,8 +51,9 @@ from branch_replay_jax.models import gated_delta
 from branch_replay_jax.models.hf_loader import ROUTER_TENSOR, check_tensors, expert_tensor
 from branch_replay_jax.models.config import FULL, LINEAR, ModelConfig
 from branch_replay_jax.models.llama import (EXPERT_AXES, GATHER_KEY, REMAT_POLICIES, Llama, SegmentOutput, annotated,
-                                            apply_rope, gathered, moe_mlp, per_layer_routes, project, rematerialized,
-                                            rms_norm, rope_inv_freq, segment_positions, summed_over_layers)
+                                            apply_rope, at_position, gathered, moe_mlp, per_layer_routes, project,
+                                            rematerialized, rms_norm, rope_inv_freq, segment_positions,
+                                            summed_over_layers)
 
 CHUNK = 64   # tokens per chunk of the chunked gated delta rule (transformers' chunk_size)
 
@@ -251,7 +252,7 @@ class Qwen35(Llama):
 
   def __call__(self, tokens_bt: jax.Array, offset, *, ancestors: Sequence[HybridState] = (),
                valid_bt: jax.Array | None = None, attention=None, routes=None,
-               replay_routes: bool = True) -> SegmentOutput:
+               replay_routes: bool = True, hidden_at=None) -> SegmentOutput:
     """Forward of one segment on its ancestors' states (`Llama.__call__`'s contract).
 
     Args:
@@ -263,6 +264,7 @@ class Qwen35(Llama):
         (left padding); default all True. Padded positions leave the linear layers' state unchanged.
       attention: a `suffix_attention`-compatible function for the full layers (default: the model's own).
       routes, replay_routes: Qwen3.5-MoE only, the sampler's recorded experts [B, T, L, k] (`Llama.__call__`).
+      hidden_at: None or [] int, `Llama.__call__`'s: hidden_btd is then that position's, [B, 1, d].
 
     Returns:
       SegmentOutput(kv: this segment's `HybridState` [.., B, ..], hidden_btd [B, T, d]; Qwen3.5-MoE: router, its
@@ -282,17 +284,17 @@ class Qwen35(Llama):
     x, state, route, experts = self._layers(self._embed(tokens_bt), positions, list(ancestors), parent, valid_bt,
                                             self._attention(attention), per_layer_routes(self.config, routes),
                                             replay_routes)
-    return SegmentOutput(HybridState(*state[:2], valid_bt, *state[2:]), self._final_norm(x), route, experts)
+    return SegmentOutput(HybridState(*state[:2], valid_bt, *state[2:]), self._final_norm(at_position(x, hidden_at)),
+                         route, experts)
 
   def prompt_and_rows(self, prompt_bt, prompt_valid_bt, prompt_last, rows_bt, rows_offset, rows_valid_bt, *,
                       attention=None, routes=(None, None), replay_routes: bool = True):
     """`Llama.prompt_and_rows`'s values: the prompt's forward, then the rows on its state (two layer scans;
     the fused single scan is Llama's only); Qwen3.5-MoE's routing of each as Llama's."""
     kw = dict(attention=attention, replay_routes=replay_routes)
-    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, routes=routes[0], **kw)
+    prompt = self(prompt_bt, 0, valid_bt=prompt_valid_bt, routes=routes[0], hidden_at=prompt_last, **kw)
     rows = self(rows_bt, rows_offset, ancestors=[prompt.kv], valid_bt=rows_valid_bt, routes=routes[1], **kw)
-    last = jax.lax.dynamic_index_in_dim(prompt.hidden_btd[0], prompt_last, keepdims=False)
-    return last, rows.hidden_btd, (prompt.router, rows.router)
+    return prompt.hidden_btd[0, 0], rows.hidden_btd, (prompt.router, rows.router)
 
   def _layers(self, x, positions, ancestors, parent: HybridState, valid_bt, attention, routes=None,
               replay_routes: bool = True):

@@ -55,9 +55,8 @@ def _extend(graphdef, state, blocks, new_1t, new_len, offset):
   Qwen3-MoE model the experts each id ran [1, T, layers, k] int32 (else None)."""
   model = nnx.merge(graphdef, state)
   valid = jnp.arange(new_1t.shape[1])[None] < new_len
-  out = model(new_1t, offset, ancestors=blocks, valid_bt=valid)
-  last = jax.lax.dynamic_slice_in_dim(out.hidden_btd, new_len - 1, 1, axis=1)
-  return out.kv, model.logits(last)[:, 0], out.experts
+  out = model(new_1t, offset, ancestors=blocks, valid_bt=valid, hidden_at=new_len - 1)   # (its last hidden state)
+  return out.kv, model.logits(out.hidden_btd)[:, 0], out.experts
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))

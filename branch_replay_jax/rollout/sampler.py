@@ -126,11 +126,10 @@ def prefill(model: Llama, prompt_bt: jax.Array, prompt_len, *, with_routes: bool
   """
   b, t = prompt_bt.shape
   valid_bt = jnp.broadcast_to(jnp.arange(t) < prompt_len, (b, t))
-  out = model(prompt_bt, 0, valid_bt=valid_bt)
-  last_b1d = jax.lax.dynamic_slice_in_dim(out.hidden_btd, prompt_len - 1, 1, axis=1)
+  out = model(prompt_bt, 0, valid_bt=valid_bt, hidden_at=prompt_len - 1)   # (only its last hidden state is read)
   if with_routes:
-    return out.kv, model.logits(last_b1d)[:, 0], out.experts
-  return out.kv, model.logits(last_b1d)[:, 0]
+    return out.kv, model.logits(out.hidden_btd)[:, 0], out.experts
+  return out.kv, model.logits(out.hidden_btd)[:, 0]
 
 
 def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[KVBlock], cache: KVBlock,
