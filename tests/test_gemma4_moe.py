@@ -13,7 +13,7 @@ import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
                       grpo_on_exported, objective, params64, read_reference, reference_error, sampler_routes, step,
-                      tree_and_rows, window_tree)
+                      window_tree_equals_naive)
 from flax import nnx
 from test_moe import (group_routing_replay_equals_naive, sampler_records_the_trainers_routes,
                       tree_routing_replay_equals_naive)
@@ -116,13 +116,7 @@ def test_tree_routing_replay_equals_naive_float64(model64, x64):
 
 def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model64, x64):
   # tests/test_gemma4.py's depth-3 tree, each node routed once on its trimmed ancestors' K/V.
-  graphdef, params = model64
-  rng = np.random.default_rng(7)
-  tree_batch, rows, _ = tree_and_rows(window_tree(rng), rng)
-  ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
-  lt, _, gt = step(graphdef, params, tree_batch, objective, schedule="depth_first", micro_batch=2)
-  assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
-  assert max_rel_err(gt, gn) <= 1e-10
+  window_tree_equals_naive(*model64)
 
 
 def test_group_replay_float32_within_rounding_of_naive(model):
