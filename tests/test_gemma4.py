@@ -222,6 +222,9 @@ def test_what_our_gemma4_does_not_build_is_refused_by_name_before_loading(tmp_pa
   refused_before_loading(tmp_path, str(directory), "smoke", {}, f"{message} is not supported")
 
 
+# heavy (26 s): tests/test_gemma4_e2b.py's LoRA test runs the same code in CI (adapters on both attention kinds and
+# the MLP of Gemma 4's layer scan, replay against naive in float64, merging), on both of its groups of layers.
+@pytest.mark.heavy
 def test_lora_replay_equals_naive_float64_and_merging_keeps_the_function(model, x64):
   # Adapters (rank 2, random B) on the dense MLP and on both attention kinds: the sliding layers' wq, wk, wv, wo
   # and the global layers' wq, wk, wo (no wv: their values are their keys' projection), 10 stacks of two.

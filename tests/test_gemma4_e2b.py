@@ -172,6 +172,9 @@ def test_lora_replay_equals_naive_float64_on_both_groups_of_layers_and_merging_k
   assert float(jnp.abs(got - want).max()) <= 1e-12 * float(jnp.abs(want).max())
 
 
+# heavy (21 s): CI decodes on this model's kept K/V caches in test_greedy_sampling_reproduces_transformers, and keeps
+# Gemma 4's caches across episode turns in tests/test_gemma4.py's episode test (the same sampler code).
+@pytest.mark.heavy
 def test_episode_turns_on_the_kept_kv_sample_what_a_full_reprefill_samples(model):
   # tests/test_gemma4.py's check: three branches of three turns on the kept K/V caches (the computing layers'
   # only) draw what re-prefilling the whole history every turn draws; log-probs to float32 rounding.
@@ -238,6 +241,9 @@ def test_a_prompts_kv_sharing_layers_run_its_last_position_alone_float64(model64
   assert float(jnp.abs(one.hidden_btd[0, 0] - whole.hidden_btd[0, 11]).max()) <= 1e-12
 
 
+# heavy (31 s): CI covers the model code by this file's float64 replay tests and export round trip, and the loop on
+# an exported Gemma 4 directory by tests/test_gemma4.py's LoRA run and tests/test_gemma4_moe.py's routing-replay run.
+@pytest.mark.heavy
 def test_grpo_trains_an_e2b_layout_directory_by_replay(tmp_path, monkeypatch):
   # A random four-layer model of this layout over SmolLM2's tokenizer, exported and trained by the GRPO smoke
   # experiment; the run-time exactness check computes one group's gradient by replay and by naive rows: equal to

@@ -96,6 +96,10 @@ def test_group_replay_equals_naive_float64_with_the_routers_gradient(model64, x6
     assert float(jnp.abs(gn["layers"][name][...]).max()) > 1e-6, name
 
 
+# heavy (58-88 s): CI replays this model's recorded routes with the load-balancing loss on the mesh, float64, in
+# test_mesh_step_with_experts_split_over_branch_equals_naive_float64 (the same routes, flips and unrecorded tokens),
+# and this helper on one device with Qwen3-MoE in tests/test_moe.py.
+@pytest.mark.heavy
 def test_routing_replay_equals_naive_float64_with_the_load_balancing_loss(model64, x64):
   # tests/test_moe.py's check: 30% of the pairs recorded with another expert, 20% of the completion tokens
   # unrecorded, replayed with the load-balancing loss; replay equals naive rows, both log the same mismatch, and
@@ -105,7 +109,7 @@ def test_routing_replay_equals_naive_float64_with_the_load_balancing_loss(model6
 
 # heavy (25 s): CI replays Gemma 4's experts in a tree (depth first, windows cut) in
 # test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors, recorded routes with this model in
-# test_routing_replay_equals_naive_float64_with_the_load_balancing_loss, and a tree's recorded routes with
+# test_mesh_step_with_experts_split_over_branch_equals_naive_float64, and a tree's recorded routes with
 # tests/test_moe.py's ("level", 0.5) case: the same helper on Qwen3-MoE.
 @pytest.mark.heavy
 def test_tree_routing_replay_equals_naive_float64(model64, x64):
@@ -119,6 +123,9 @@ def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestor
   window_tree_equals_naive(*model64)
 
 
+# heavy (25 s): the float32 replay runs the code test_group_replay_equals_naive_float64_with_the_routers_gradient
+# checks in float64 (CI); tests/test_gemma4.py's float32 test runs Gemma 4's scans in float32 in CI.
+@pytest.mark.heavy
 def test_group_replay_float32_within_rounding_of_naive(model):
   arrays = arrays_of(random_group([2, 5, 9], prompt_len=6, seed=3, vocab=96), np.float32)
   graphdef, params = nnx.split(model)

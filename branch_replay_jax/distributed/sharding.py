@@ -2,7 +2,7 @@
 
 Every parameter carries the logical names of its dimensions as Flax NNX sharding metadata
 (`models.llama.annotated`: "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-"lora_rank", "conv_kernel", "experts", "ple" (Gemma 4's per-layer embedding width, never split); the layout tables are models/llama.py's and
+"lora_rank", "conv_kernel", "experts", "ple" (Gemma 4's per-layer embedding width); the layout tables are models/llama.py's and
 models/qwen3_5.py's docstrings). `LOGICAL_AXIS_RULES` maps them to mesh axes, per parameter mode, as
 MaxText's `logical_axis_rules` do: an ordered list of (logical name, mesh axes) pairs. A leaf's
 PartitionSpec (`spec_of`) takes the rules in order; a rule applies when the leaf has that logical
@@ -51,7 +51,7 @@ EXPERT_AXES = ("data", "branch")   # the mesh axes mesh.expert may name
 LOGICAL_AXIS_RULES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "replicated": (),
     "fsdp": tuple((name, MESH_AXES) for name in ("vocab", "mlp", "embed", "head_dim", "heads", "kv_heads",
-                                                  "lora_rank", "conv_kernel", "experts")),
+                                                  "lora_rank", "conv_kernel", "experts", "ple")),
 }
 
 
