@@ -273,8 +273,7 @@ class ModelConfig:
     if self.moe:
       raise ValueError(f"ModelConfig.kv_shared_layers={n} with num_experts={self.num_experts}: no Gemma 4 has both "
                        "and our decoder does not build it")
-    types = self.layer_types
-    unit = next(k for k in range(1, len(types) + 1) if len(types) % k == 0 and types == types[:k] * (len(types) // k))
+    unit = len(self.layer_pattern)
     if (self.num_layers - n) % unit:
       raise ValueError(f"ModelConfig.kv_shared_layers={n}: the first {self.num_layers - n} layers are not whole "
                        f"repetitions of the layer pattern ({unit} layers); our layer scans run whole repetitions")
@@ -319,6 +318,16 @@ class ModelConfig:
     """A mixture of experts in every layer: Qwen3-MoE's (a Qwen3 block), Qwen3.5-MoE's (a Qwen3.5 block, with a
     shared expert) or Gemma 4's where num_experts is set (beside the dense MLP)."""
     return self.arch in ("qwen3_moe", "qwen3_5_moe_text") or (self.gemma4 and self.num_experts is not None)
+
+  @property
+  def layer_pattern(self) -> tuple[str, ...] | None:
+    """The repeating unit of layer_types (its shortest period; the whole list when none repeats): the layers one
+    step of a layer scan runs (`models.qwen3_5`, `models.gemma4`)."""
+    types = self.layer_types
+    if types is None:
+      return None
+    return next(types[:k] for k in range(1, len(types) + 1)
+                if len(types) % k == 0 and types == types[:k] * (len(types) // k))
 
   @property
   def kv_layer_types(self) -> tuple[str, ...] | None:

@@ -77,7 +77,7 @@ from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, a
                                             gathered,
                                             moe_mlp, param_value, per_layer_routes, project, rematerialized,
                                             rms_norm, rope_inv_freq, segment_positions, summed_over_layers)
-from branch_replay_jax.models.qwen3_5 import ParamBag, pattern, stack_layers, stacked_kinds
+from branch_replay_jax.models.qwen3_5 import ParamBag, stack_layers, stacked_kinds
 from branch_replay_jax.models.window_kv import WindowedPrompt, last_keys
 
 
@@ -360,10 +360,9 @@ class Gemma4(Llama):
       t = x.shape[1]
       upto = valid_bt & (jnp.arange(t) <= hidden_at)[None]
       parts.append(((donor[0][None], donor[1][None]), (upto,), (donor[2][None], donor[3][None]), upto))
-      at = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, hidden_at, 1, axis=axis)
-      x, positions, valid_bt, tokens = at(x, 1), at(positions, 1), at(valid_bt, 1), at(tokens, 1)
-      ple = None if ple is None else at(ple, 2)
-      donor = tuple(jnp.zeros_like(at(a, 1)) for a in donor)
+      x, positions, valid_bt, tokens = (at_position(a, hidden_at) for a in (x, positions, valid_bt, tokens))
+      ple = None if ple is None else at_position(ple, hidden_at, axis=2)
+      donor = tuple(jnp.zeros_like(at_position(a, hidden_at)) for a in donor)
       own_valid = jnp.zeros_like(valid_bt)
     x = self._scan(self.layers.reuse, x, positions, parts, valid_bt, None, replay_routes,
                    None if ple is None else (tokens, ple), scalars[n:], donor=donor, own_valid=own_valid)[0]
@@ -371,14 +370,14 @@ class Gemma4(Llama):
 
   def _scan(self, group: Gemma4Layers, x, positions, parts: list, valid_bt, routes, replay_routes: bool, ple,
             scalars, donor=None, own_valid=None):
-    """Scan over the repetitions of `pattern` of one group of layers (`Gemma4Layers`): (x, (k, v [Ls, ...], gk, gv
+    """Scan over the repetitions of `ModelConfig.layer_pattern` of one group of layers (`Gemma4Layers`): (x, (k, v [Ls, ...], gk, gv
     [Lg, ...]), route stats, experts) as `_layers`. parts: the ancestors' `_ancestor`s. donor: for the K/V-sharing
     group, the segment's (k, v, gk, gv) [B, T, H, D] of the last computing layer of each kind (the parts are then
     theirs, [1, ...] too); this group then returns no K/V (None); own_valid: the donor K/V's valid mask where it
     is not valid_bt (`_layers`' hidden_at). ple: (tokens [B, T], the group's context halves [Lgroup, B, T, Dp]) or
     None."""
     cfg = self.config
-    unit = pattern(cfg)
+    unit = cfg.layer_pattern
     reps = len(scalars) // len(unit)
     ns, nf = unit.count(SLIDING), unit.count(FULL)
     acc = accum_dtype(self.dtype)
@@ -386,9 +385,9 @@ class Gemma4(Llama):
     (shared, sliding, full), gathers = group.stacked()
     gathering = any(g is not None for d in gathers for g in d.values())
     per_rep = lambda tree, n: jax.tree_util.tree_map(lambda a: a.reshape(reps, n, *a.shape[1:]), tree)
-    if donor is None:   # each layer its own ancestors' K/V (scanned over)
-      anc = (per_rep([p[0] for p in parts], ns), per_rep([p[2] for p in parts], nf))
-    xs = (per_rep(shared, len(unit)), per_rep(sliding, ns), per_rep(full, nf), None if donor else anc,
+    # each layer its own ancestors' K/V (scanned over); the K/V-sharing group's are the donor layers' (closed over)
+    anc = None if donor is not None else (per_rep([p[0] for p in parts], ns), per_rep([p[2] for p in parts], nf))
+    xs = (per_rep(shared, len(unit)), per_rep(sliding, ns), per_rep(full, nf), anc,
           jnp.asarray(np.reshape(scalars, (reps, len(unit))), self.dtype),
           None if routes is None else per_rep(routes, len(unit)), None if ple is None else per_rep(ple[1], len(unit)))
     dispatch = {g.axes for g in gathers[0].values() if g is not None and g.dispatch}   # expert parallelism
@@ -410,7 +409,7 @@ class Gemma4(Llama):
       for i, kind in enumerate(unit):
         j = counts[kind]
         counts[kind] += 1
-        a = 0 if donor else j   # the ancestors' layer this one attends to
+        a = j if donor is None else 0   # the ancestors' layer this one attends to
         p = at(shared_r, i, gathers[0])
         h = norm(x, p["attn_norm"])
         if kind == FULL:
@@ -590,28 +589,15 @@ def params_from_hf(tensors: dict, config: ModelConfig, source: str) -> tuple[Mod
   return dataclasses.replace(c, layer_scalars=tuple(scalars)), params
 
 
-def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-  """HF-named float32 tensors of `Gemma4` parameters (a pure dict) and the config's layer scalars:
-  `params_from_hf` inverted."""
-  c = config
+def _group_to_hf(out: dict, c: ModelConfig, lay: dict, layers: range) -> None:
+  """Write one layer group's HF-named float32 tensors (`_group_from_hf` inverted; lay: its pure dict, stacked from
+  layers[0]) into out."""
   f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
-  out = {"model.embed_tokens.weight": f32(params["embed"]), "model.norm.weight": f32(params["final_norm"])}
-  dp = c.per_layer_input_dim
-  if dp:   # the groups' tables [Lgroup, V, Dp] -> [V, L·Dp]
-    lay = params["layers"]
-    tables = [np.asarray(lay["ple_table"])] + ([np.asarray(lay["reuse"]["ple_table"])] if "reuse" in lay else [])
-    out[HF_PLE_TABLE] = f32(np.moveaxis(np.concatenate(tables), 0, 1).reshape(c.vocab_size, -1))
-    out[HF_PLE_PROJECTION] = f32(np.asarray(params["per_layer_projection"]).reshape(c.d_model, -1).T)
-    out[HF_PLE_NORM] = f32(params["per_layer_projection_norm"])
   scalars = c.layer_scalars or (1.0,) * c.num_layers
-  n = len(c.kv_layer_types)
-  ple_names = dict(zip(HF_PLE_LAYER, PLE_LAYER)) if dp else {}
+  ple_names = dict(zip(HF_PLE_LAYER, PLE_LAYER)) if c.per_layer_input_dim else {}
   counts = {SLIDING: 0, FULL: 0}
-  for i, kind in enumerate(c.layer_types):
-    if i == n:   # the K/V-sharing layers: their own group, counted from 0
-      counts = {SLIDING: 0, FULL: 0}
-    lay = params["layers"]["reuse"] if i >= n else params["layers"]
-    at = i - n if i >= n else i
+  for at, i in enumerate(layers):
+    kind = c.layer_types[i]
     pre = HF_LAYER.format(i)
     for hf, ours in {**HF_SHARED, **ple_names}.items():
       w = np.asarray(lay[ours][at])
@@ -631,6 +617,23 @@ def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
            **({"wk": flat(p["wk"]), "k_norm": p["k_norm"]} if "wk" in p else {}),
            **({"wv": flat(p["wv"])} if "wv" in p else {})}
     out.update({pre + hf: f32(own[ours]) for hf, ours in HF_ATTENTION.items() if ours in own})
+
+
+def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+  """HF-named float32 tensors of `Gemma4` parameters (a pure dict) and the config's layer scalars:
+  `params_from_hf` inverted."""
+  c = config
+  f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
+  out = {"model.embed_tokens.weight": f32(params["embed"]), "model.norm.weight": f32(params["final_norm"])}
+  lay, n = params["layers"], len(c.kv_layer_types)
+  groups = [(lay, range(n))] + ([(lay["reuse"], range(n, c.num_layers))] if c.kv_shared_layers else [])
+  for group, layers in groups:
+    _group_to_hf(out, c, group, layers)
+  if c.per_layer_input_dim:   # the groups' tables [Lgroup, V, Dp] -> [V, L·Dp]
+    tables = np.concatenate([np.asarray(group["ple_table"]) for group, _ in groups])
+    out[HF_PLE_TABLE] = f32(np.moveaxis(tables, 0, 1).reshape(c.vocab_size, -1))
+    out[HF_PLE_PROJECTION] = f32(np.asarray(params["per_layer_projection"]).reshape(c.d_model, -1).T)
+    out[HF_PLE_NORM] = f32(params["per_layer_projection_norm"])
   return out
 
 

@@ -397,9 +397,10 @@ def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, ax
   return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
 
 
-def at_position(x_btd, position):
-  """x_btd [B, T, d] itself (position None), or its one position `position` ([] int, may be traced): [B, 1, d]."""
-  return x_btd if position is None else jax.lax.dynamic_slice_in_dim(x_btd, position, 1, axis=1)
+def at_position(x, position, axis: int = 1):
+  """x (e.g. [B, T, d]) itself (position None), or its one position `position` ([] int, may be traced) along
+  `axis`, kept as a length-1 axis ([B, 1, d])."""
+  return x if position is None else jax.lax.dynamic_slice_in_dim(x, position, 1, axis=axis)
 
 
 def per_layer_routes(config: ModelConfig, routes):

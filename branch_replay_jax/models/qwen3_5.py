@@ -74,14 +74,6 @@ class HybridState(NamedTuple):
   recurrent: jax.Array
 
 
-def pattern(config: ModelConfig) -> tuple[str, ...]:
-  """The repeating unit of config.layer_types (its shortest period; the whole list when none repeats): the
-  layers one step of the layer scan runs."""
-  types = config.layer_types
-  return next(types[:n] for n in range(1, len(types) + 1)
-              if len(types) % n == 0 and types == types[:n] * (len(types) // n))
-
-
 class HybridLayers(nnx.Module):
   """Parameters of the L layers, stacked per kind: `shared` norms and MLP [L, ...] (Qwen3.5-MoE: its router,
   experts and shared expert, the module docstring), `full` [Lf, ...], `linear` [Ll, ...]."""
@@ -298,11 +290,12 @@ class Qwen35(Llama):
 
   def _layers(self, x, positions, ancestors, parent: HybridState, valid_bt, attention, routes=None,
               replay_routes: bool = True):
-    """Scan over the repetitions of `pattern`: (x [B, T, d], (k, v [Lf, ...], conv, recurrent [Ll, ...]), and of
-    Qwen3.5-MoE the `RouterStats` [B, E] summed over the layers and the experts [B, T, L, k]; else None, None).
+    """Scan over the repetitions of `ModelConfig.layer_pattern`: (x [B, T, d], (k, v [Lf, ...], conv, recurrent
+    [Ll, ...]), and of Qwen3.5-MoE the `RouterStats` [B, E] summed over the layers and the experts [B, T, L, k];
+    else None, None).
     routes: [L, B, T, k] recorded experts or None (`moe_mlp`)."""
     cfg = self.config
-    unit = pattern(cfg)
+    unit = cfg.layer_pattern
     reps = cfg.num_layers // len(unit)
     nf, nl = unit.count(FULL), unit.count(LINEAR)
     inv_freq = rope_inv_freq(cfg, accum_dtype(self.dtype))
