@@ -96,6 +96,28 @@ def max_rel_err(got, want, floor: float = 0.0) -> float:
   return max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, got, want)))
 
 
+@pytest.fixture(scope="module")
+def reference(request):
+  """reference.json of the test module's FIXTURE: a model family's tiny checkpoint, written by a
+  tools/make_*_reference.py script with transformers (test_gemma*.py, test_qwen3_5*.py, test_moe.py)."""
+  from families import read_reference
+  return read_reference(request.module.FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def model(request):
+  """The test module's FIXTURE checkpoint loaded in float32 (a module that defines its own `model` overrides it)."""
+  from branch_replay_jax.models.loading import load_hf_model
+  return load_hf_model(request.module.FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def model64(model):
+  """(graphdef, float64 params) of the module's `model` (`families.params64`)."""
+  from families import params64
+  return params64(model)
+
+
 @pytest.fixture
 def x64():
   with jax.enable_x64(True):

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, objective, read_reference,
-                      reference_error, refused_before_loading, step, tree_and_rows, window_tree)
+from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, objective, reference_error, refused_before_loading, step, tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -27,16 +26,6 @@ from branch_replay_jax.rollout.sampler import sample_group
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma3_tiny")
 WINDOW = 4   # the fixture's sliding_window: shorter than every input and segment path below
-
-
-@pytest.fixture(scope="module")
-def reference():
-  return read_reference(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_model(FIXTURE)
 
 
 def test_config_reads_the_window_layer_types_and_both_ropes(model):

@@ -12,7 +12,7 @@ import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
                       grpo_on_exported, lora_fsdp_step_equals_naive, lora_step, next_logprobs, objective, params64,
-                      read_reference, reference_error, refused_before_loading, step, tree_and_rows, window_tree)
+                      reference_error, refused_before_loading, step, tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -25,16 +25,6 @@ from branch_replay_jax.models.loading import build_model, load_hf_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4_tiny")
 WINDOW = 4   # the fixture's sliding_window: shorter than every input and segment path below
-
-
-@pytest.fixture(scope="module")
-def reference():
-  return read_reference(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_model(FIXTURE)
 
 
 def test_config_reads_both_layer_shapes_the_proportional_rope_the_cap_and_the_layer_scalars(model):

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive,
-                      greedy_reproduces, grpo_on_exported, lora_step, objective, params64, read_reference,
-                      reference_error, step, window_tree_equals_naive)
+                      greedy_reproduces, grpo_on_exported, lora_step, objective, reference_error, step, window_tree_equals_naive)
 from flax import nnx
 
 from branch_replay_jax.models import tiny_config
@@ -24,21 +23,6 @@ from branch_replay_jax.models.gemma4 import Gemma4
 from branch_replay_jax.models.loading import build_model, load_hf_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4_e2b_tiny")
-
-
-@pytest.fixture(scope="module")
-def reference():
-  return read_reference(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_model(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model64(model):
-  return params64(model)
 
 
 def test_config_reads_the_per_layer_embeddings_and_the_kv_sharing_layers(model):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, objective, params64, read_reference, reference_error, sampler_routes, step,
+                      grpo_on_exported, objective, reference_error, sampler_routes, step,
                       window_tree_equals_naive)
 from flax import nnx
 from test_moe import (group_routing_replay_equals_naive, sampler_records_the_trainers_routes,
@@ -25,21 +25,6 @@ from branch_replay_jax.models.gemma4 import Gemma4
 from branch_replay_jax.models.loading import build_model, load_hf_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4_moe_tiny")
-
-
-@pytest.fixture(scope="module")
-def reference():
-  return read_reference(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_model(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model64(model):
-  return params64(model)
 
 
 def test_config_reads_the_experts_beside_the_dense_mlp(model):

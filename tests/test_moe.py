@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, objective, params64, read_reference, reference_error, refused_before_loading,
+                      grpo_on_exported, objective, reference_error, refused_before_loading,
                       sampler_routes, step, tree_and_rows)
 from flax import nnx
 
@@ -20,20 +20,10 @@ from branch_replay_jax.data.trees import pad_tree, tree_from_trajectories
 from branch_replay_jax.models import Llama
 from branch_replay_jax.models.config import tiny_config
 from branch_replay_jax.models.llama import moe_mlp
-from branch_replay_jax.models.loading import build_model, load_hf_model
+from branch_replay_jax.models.loading import build_model
 from branch_replay_jax.rollout.sampler import sample_group
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_moe_tiny")
-
-
-@pytest.fixture(scope="module")
-def reference():
-  return read_reference(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_model(FIXTURE)
 
 
 def test_config_reads_the_experts(model):
@@ -75,11 +65,6 @@ def test_grouped_experts_equal_every_expert_on_every_token_float64(model, x64):
 
 def test_export_round_trip_gives_the_same_tensors_as_transformers_wrote(model, tmp_path):
   export_round_trip(model, FIXTURE, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def model64(model):
-  return params64(model)
 
 
 def test_group_replay_equals_naive_float64_with_the_routers_gradient(model64, x64):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, adapted64, arrays_of, fsdp_step_equals_naive, grpo_on_exported,
-                      lora_fsdp_step_equals_naive, lora_step, objective, read_reference, reference_error,
+                      lora_fsdp_step_equals_naive, lora_step, objective, reference_error,
                       refused_before_loading, step, tree_and_rows)
 from flax import nnx
 
@@ -28,16 +28,6 @@ from branch_replay_jax.rollout.tree_sampler import sample_tree
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_5_tiny")
 CHUNK = 3   # the replay tests' chunk of the chunked rule: segments span several chunks, some nodes are shorter
-
-
-@pytest.fixture(scope="module")
-def reference():
-  return read_reference(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_model(FIXTURE)
 
 
 def test_config_reads_the_layer_pattern_the_linear_shape_and_partial_rope(model):

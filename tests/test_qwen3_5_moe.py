@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, objective, params64, read_reference, reference_error, sampler_routes,
+                      grpo_on_exported, objective, reference_error, sampler_routes,
                       tree_and_rows)
 from flax import nnx
 
@@ -19,30 +19,14 @@ from branch_replay_jax.data.trees import tree_from_trajectories
 from branch_replay_jax.gradients.heads import Policy
 from branch_replay_jax.gradients.step import value_and_grad
 from branch_replay_jax.models.config import GatedDeltaNetShape, tiny_config
-from branch_replay_jax.models.loading import load_hf_model
 from branch_replay_jax.models.qwen3_5 import Qwen35
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_5_moe_tiny")
 
 
-@pytest.fixture(scope="module")
-def reference():
-  return read_reference(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_model(FIXTURE)
-
-
 def run(head, graphdef, params, batch, **kw):
   """(loss, aux, grads) of `objective` through `head`, jitted."""
   return jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, **kw))(params, batch)
-
-
-@pytest.fixture(scope="module")
-def model64(model):
-  return params64(model)
 
 
 def test_config_reads_the_experts_and_the_shared_expert(model):
