@@ -52,6 +52,21 @@ class KVBlock(NamedTuple):
   valid: jax.Array
 
 
+class PositionedKV(NamedTuple):
+  """A `KVBlock` whose keys carry their positions instead of taking them from their order: a sampler's
+  sliding-window ring cache (`rollout.sampler.init_cache`), whose slot s holds the latest generated token
+  t = s (mod W - 1). Read by `windowed_suffix_attention` only, as an ancestor.
+
+  k, v: [B or 1, S, Hkv, D]; valid: [B or 1, S] bool; positions: [B or 1, S] int32, each key's position (RoPE's),
+  any value on an invalid slot.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  valid: jax.Array
+  positions: jax.Array
+
+
 QUERY_CHUNK = 256
 """Queries per chunk of `suffix_attention`, and keys per tile of the segment's own keys. Chunk c
 (queries [cC, (c+1)C)) attends to own tiles 0..c-1, visible subject to their valid mask, and to
@@ -181,14 +196,20 @@ GLOBAL_WINDOW = 2 ** 30
 """A window no position difference reaches: `windowed_suffix_attention` with it is global attention."""
 
 
-def key_positions(ancestors: Sequence[KVBlock]) -> list[jax.Array]:
+def key_positions(ancestors: Sequence[KVBlock | PositionedKV]) -> list[jax.Array]:
   """Each ancestor key's position in its sequence, [B or 1, S_i] int32 per block: the number of valid keys
   before it, over the blocks in order (the prompt, then each segment, then a decode cache). This is the
   position RoPE gave the key wherever the blocks are the ancestors of a segment (module docstring); a
-  padded key's value is never read."""
+  padded key's value is never read. A `PositionedKV`'s keys take their own positions, and the blocks after
+  it continue from its last valid key's position + 1."""
   out, start = [], 0
   for blk in ancestors:
     valid = blk.valid.astype(jnp.int32)
+    if isinstance(blk, PositionedKV):
+      out.append(jnp.asarray(blk.positions, jnp.int32))
+      last = jnp.max(jnp.where(blk.valid, out[-1], -1), axis=-1, keepdims=True)
+      start = jnp.maximum(start, last + 1)
+      continue
     out.append(start + jnp.cumsum(valid, axis=-1) - valid)
     start = start + jnp.sum(valid, axis=-1, keepdims=True)
   return out

@@ -168,6 +168,26 @@ def window_tree(rng):
   return tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
 
 
+def ring_cache_equals_full_cache(model) -> None:
+  """The group sampler's program (`sampler._generate`) on `model` rebuilt in float64, with its sliding layers'
+  decode cache a ring of W - 1 slots (`window_kv.RingCache`) and with the whole cache: 4 samples of 14 tokens on
+  a prompt of 7 (the fixtures' W = 4: the ring of 3 wraps four times), temperature 1. The same tokens, and
+  log-probs equal to float64 rounding (<= 1e-12); the ring holds W - 1 slots."""
+  from branch_replay_jax.models.window_kv import RingCache
+  from branch_replay_jax.rollout.sampler import _generate, bucketed_prompt_and_eos, init_cache
+  graphdef, params = params64(model)
+  w = model.config.sliding_window
+  with jax.enable_x64(True):
+    cache = init_cache(nnx.merge(graphdef, params), 4, 14, ring=True)
+    assert isinstance(cache, RingCache) and cache.ring.valid.shape == (4, w - 1) and cache.full.valid.shape == (4, 14)
+    padded, eos = bucketed_prompt_and_eos("test", np.arange(5, 12), None, np.asarray([], np.int64))
+    args = (graphdef, params, jnp.asarray(padded), jnp.int32(7), jax.random.split(jax.random.key(3), 4),
+            jnp.float32(1.0), jnp.float32(1.0), jnp.asarray(eos, jnp.int32), jnp.int32(0), None, jnp.float32(1.0))
+    ring, full = (_generate(*args, max_new_tokens=14, greedy=False, use_top_p=False, ring=r) for r in (True, False))
+    assert np.array_equal(ring[2], [14] * 4) and np.array_equal(ring[0], full[0])
+    assert float(jnp.max(jnp.abs(ring[1] - full[1]))) <= 1e-12
+
+
 def window_tree_equals_naive(graphdef, params) -> None:
   """Float64: `window_tree`'s depth-3 tree (seed 7) by depth-first replay (micro-batch 2) against its naive rows:
   the loss to 1e-12 relative and every gradient to 1e-10."""

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, objective, reference_error, refused_before_loading, step, tree_and_rows, window_tree)
+from families import (SMOLLM2_VOCAB, arrays_of, fsdp_step_equals_naive, grpo_on_exported, objective, reference_error,
+                      refused_before_loading, ring_cache_equals_full_cache, step, tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -64,6 +65,12 @@ def test_greedy_sampling_through_the_kv_cache_reproduces_transformers(model, ref
   out = sample_group(model, np.asarray(g["prompt_ids"]), num_samples=2, max_new_tokens=len(g["ids"]),
                      key=jax.random.key(0), temperature=0.0)
   assert np.asarray(out.tokens).tolist() == [g["ids"]] * 2
+
+
+def test_group_sampler_ring_cache_equals_the_whole_cache_float64(model):
+  # Gemma 3: its sliding layers' ring [L, ...] beside the global layers' whole cache [Lg, ...], one layer stack;
+  # the sampler's tokens and log-probs as with the whole cache (families.ring_cache_equals_full_cache).
+  ring_cache_equals_full_cache(model)
 
 
 def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path, reference):

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
-from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive, greedy_reproduces,
-                      grpo_on_exported, lora_fsdp_step_equals_naive, lora_step, next_logprobs, objective, params64,
-                      reference_error, refused_before_loading, step, tree_and_rows, window_tree)
+from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive,
+                      greedy_reproduces, grpo_on_exported, lora_fsdp_step_equals_naive, lora_step, next_logprobs,
+                      objective, params64, reference_error, refused_before_loading, ring_cache_equals_full_cache,
+                      step, tree_and_rows, window_tree)
 from flax import nnx
 
 from branch_replay_jax.data.batches import pack_trees
@@ -68,6 +69,12 @@ def test_greedy_sampling_through_both_kv_caches_reproduces_transformers(model, r
   # the sliding layers' and the global layers' K/V caches (`Gemma4KV`). The smallest top-1/top-2 gap, 0.0044,
   # is ~1e3 times our logit error.
   greedy_reproduces(model, reference, min_gap=4e-3)
+
+
+def test_group_sampler_ring_cache_equals_the_whole_cache_float64(model):
+  # Gemma 4: the sliding layers' K/V (their own shape) in the ring, the global layers' whole; the sampler's
+  # tokens and log-probs as with the whole cache (families.ring_cache_equals_full_cache).
+  ring_cache_equals_full_cache(model)
 
 
 def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path):

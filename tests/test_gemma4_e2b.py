@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from conftest import max_rel_err, random_group
 from families import (SMOLLM2_VOCAB, adapted64, arrays_of, export_round_trip, fsdp_step_equals_naive,
-                      greedy_reproduces, grpo_on_exported, lora_step, objective, reference_error, step, window_tree_equals_naive)
+                      greedy_reproduces, grpo_on_exported, lora_step, objective, reference_error,
+                      ring_cache_equals_full_cache, step, window_tree_equals_naive)
 from flax import nnx
 
 from branch_replay_jax.models import tiny_config
@@ -69,6 +70,12 @@ def test_greedy_sampling_reproduces_transformers(model, reference):
   # 16 argmax steps on the K/V caches of the six computing layers (the last three read layers 4 and 5's); the
   # smallest top-1/top-2 gap, 0.10, is ~1e4 times our logit error.
   greedy_reproduces(model, reference, min_gap=0.1)
+
+
+def test_group_sampler_ring_cache_equals_the_whole_cache_float64(model):
+  # E2B: the K/V-sharing layers read their donor's ring; the sampler's tokens and log-probs as with the whole
+  # cache (families.ring_cache_equals_full_cache).
+  ring_cache_equals_full_cache(model)
 
 
 def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path):

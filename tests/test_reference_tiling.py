@@ -253,3 +253,35 @@ def test_windowed_tiled_float64_equals_the_windowed_dense_step(x64, monkeypatch,
   _assert_close(run(fn, jnp.float64, inputs), dense, 1e-12)
   if window == 1 << 30:
     _assert_close(run(suffix_attention, jnp.float64, inputs), dense, 1e-12)
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+def test_positioned_ring_block_equals_its_keys_in_order_float64(x64, monkeypatch, tiles):
+  # A decode step's query at position 40 (sliding window 12) over a 20-key prompt and a ring of the last 11
+  # generated keys (positions 29..39) stored rotated by 5 slots (slot s holds position 29 + (s + 5) mod 11),
+  # each key's position given (reference.PositionedKV): out and lse equal the same keys in order as a plain
+  # block, dense and through tiles of 4 keys (the prompt is beyond the window: its tiles skipped). Giving the
+  # ring no positions (its keys then counted 20..30) moves the result by far more than rounding.
+  from branch_replay_jax.kernels import windowed_suffix_attention
+  from branch_replay_jax.kernels.reference import PositionedKV
+  if tiles:
+    monkeypatch.setattr(reference, "KEY_BLOCK", 4)
+  rng = np.random.default_rng(0)
+  kv = lambda n: jnp.asarray(rng.normal(size=(2, n, 1, 8)))
+  q, prompt_k, prompt_v, ring_k, ring_v, own_k, own_v = (kv(1), kv(20), kv(20), kv(11), kv(11), kv(1), kv(1))
+  q = jnp.concatenate([q, q], axis=2)   # 2 query heads on 1 K/V head
+  prompt = KVBlock(prompt_k, prompt_v, jnp.ones((2, 20), bool))
+  # ordered: the prompt (positions 0..19), a gap of 9 keys no window reaches (20..28), the ring in order
+  gap = KVBlock(jnp.zeros((2, 9, 1, 8)), jnp.zeros((2, 9, 1, 8)), jnp.ones((2, 9), bool))
+  held = (np.arange(11) + 5) % 11                          # ring slot s holds the key at position 29 + held[s]
+  rotated = PositionedKV(ring_k[:, held], ring_v[:, held], jnp.ones((2, 11), bool),
+                         jnp.asarray(np.broadcast_to(29 + held, (2, 11)), jnp.int32))
+  own = KVBlock(own_k, own_v, jnp.ones((2, 1), bool))
+  positions = jnp.full((2, 1), 40, jnp.int32)
+  fn = lambda ancestors: windowed_suffix_attention(q, ancestors, own, window=12, query_positions=positions)
+  want = fn([prompt, gap, KVBlock(ring_k, ring_v, jnp.ones((2, 11), bool))])
+  got = fn([prompt, rotated])
+  for x, y in zip(got, want):
+    assert float(jnp.max(jnp.abs(x - y))) <= 1e-12
+  unpositioned = fn([prompt, KVBlock(*rotated[:3])])
+  assert float(jnp.max(jnp.abs(unpositioned[0] - want[0]))) > 1e-2

@@ -70,7 +70,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from branch_replay_jax.kernels import GLOBAL_WINDOW, KVBlock
-from branch_replay_jax.kernels.reference import accum_dtype, windowed_suffix_attention
+from branch_replay_jax.kernels.reference import PositionedKV, accum_dtype, windowed_suffix_attention
 from branch_replay_jax.models.config import FULL, SLIDING, ModelConfig
 from branch_replay_jax.models.hf_loader import check_tensors
 from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, annotated, apply_rope, at_position,
@@ -78,7 +78,7 @@ from branch_replay_jax.models.llama import (EXPERT_AXES, Llama, SegmentOutput, a
                                             moe_mlp, param_value, per_layer_routes, project, rematerialized,
                                             rms_norm, rope_inv_freq, segment_positions, summed_over_layers)
 from branch_replay_jax.models.qwen3_5 import ParamBag, stack_layers, stacked_kinds
-from branch_replay_jax.models.window_kv import WindowedPrompt, last_keys
+from branch_replay_jax.models.window_kv import RingCache, WindowedPrompt, last_keys
 
 
 # The mixture-of-experts block's norms (transformers' pre_feedforward_layernorm_2 of the experts' input,
@@ -112,10 +112,21 @@ def trim(kv: Gemma4KV, window: int) -> Gemma4KV | WindowedPrompt:
   return WindowedPrompt(KVBlock(kv.gk, kv.gv, kv.valid), *last_keys(KVBlock(kv.k, kv.v, kv.valid), window))
 
 
-def _ancestor(a: Gemma4KV | WindowedPrompt, dtype) -> tuple:
+class RingSlots(NamedTuple):
+  """A `RingCache`'s sliding layers' mask and positions, each [B, W - 1] (`_ancestor`)."""
+
+  valid: jax.Array
+  positions: jax.Array
+
+
+def _ancestor(a: Gemma4KV | WindowedPrompt | RingCache, dtype) -> tuple:
   """((sliding k, v [Ls, ...]), sliding valid masks, (global k, v [Lg, ...]), global valid) of an ancestor; a
-  trimmed one's sliding masks are its head block's ([B, T - (W - 1)] True before start) and its tail's."""
+  trimmed one's sliding masks are its head block's ([B, T - (W - 1)] True before start) and its tail's; a ring
+  cache's a `RingSlots`."""
   cast = lambda x: x.astype(dtype)
+  if isinstance(a, RingCache):   # the sampler's decode cache: the sliding layers' ring with its positions
+    return ((cast(a.ring.k), cast(a.ring.v)), RingSlots(a.ring.valid, a.positions), (cast(a.full.k), cast(a.full.v)),
+            a.full.valid)
   if isinstance(a, WindowedPrompt):
     head = a.full.valid.shape[-1] - a.tail.valid.shape[-1]
     before = jnp.arange(head)[None] < a.start[:, None]
@@ -125,7 +136,10 @@ def _ancestor(a: Gemma4KV | WindowedPrompt, dtype) -> tuple:
 
 def _sliding_blocks(k, v, masks) -> list[KVBlock]:
   """One sliding layer's blocks of an ancestor: its K/V k, v [B or 1, S, Hkv, D] with their mask, behind a head
-  block of zero keys where the ancestor is trimmed (masks = (head, tail))."""
+  block of zero keys where the ancestor is trimmed (masks = (head, tail)); a ring cache's with its keys'
+  positions (masks a `RingSlots`)."""
+  if isinstance(masks, RingSlots):
+    return [PositionedKV(k, v, *masks)]
   if len(masks) == 1:
     return [KVBlock(k, v, masks[0])]
   zeros = jnp.broadcast_to(jnp.zeros((), k.dtype), (masks[0].shape[0], masks[0].shape[1], *k.shape[2:]))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay_jax.kernels import KVBlock
+from branch_replay_jax.kernels.reference import PositionedKV
 from branch_replay_jax.models.config import FULL, SLIDING
 
 
@@ -47,6 +48,50 @@ class WindowedPrompt(NamedTuple):
   full: KVBlock
   tail: KVBlock
   start: jax.Array
+
+
+class RingCache(NamedTuple):
+  """A sliding-window model's decode cache (the group sampler's, `rollout.sampler.init_cache`): the global
+  layers' K/V of every generated token, the sliding layers' of the last W - 1 only. A token at position p sees
+  keys at p - W < k < p before its own, at most W - 1 of them, so ring slot s holds the latest token t with
+  t = s (mod W - 1), its position in `positions`; the attention reads each key's position from there
+  (`kernels.reference.PositionedKV`), not from the order of the slots.
+
+  full: the global layers' cache, k, v [Lg, B, N, Hg, Dg], valid [B, N] (slot t: token t).
+  ring: k, v [Lr, B, W - 1, Hkv, D], valid [B, W - 1]: the sliding layers' (Gemma 4: Lr = its sliding layers;
+    Gemma 3, whose layers scan as one stack: Lr = L, a global layer's slots unread).
+  positions: [B, W - 1] int32, the position of each ring slot's token (any value on an invalid slot).
+  """
+
+  full: KVBlock
+  ring: KVBlock
+  positions: jax.Array
+
+
+def ring_cache(full: KVBlock, ring: KVBlock) -> RingCache:
+  """An empty `RingCache` of the zero blocks full ([Lg, B, N, ...]) and ring ([Lr, B, W - 1, ...])."""
+  return RingCache(full, ring, jnp.zeros(ring.valid.shape, jnp.int32))
+
+
+def ring_write(cache: RingCache, full_kv, ring_kv, step, positions_b) -> RingCache:
+  """`cache` with one decoded token per row written: full_kv = (k, v) [Lg, B, 1, ...] at slot `step` of
+  `full`, ring_kv = (k, v) [Lr, B, 1, ...] at slot step mod (W - 1) of `ring`, its position positions_b [B]
+  int32 (the token's) in `positions`; both slots valid. step: int scalar (may be traced), the token's index
+  among the generated ones."""
+  zero = jnp.zeros((), jnp.int32)
+  step = jnp.asarray(step, jnp.int32)
+  slot = step % cache.ring.valid.shape[-1]
+
+  def put(blk: KVBlock, kv, at) -> KVBlock:
+    start = (zero, zero, at, zero, zero)
+    k, v = (jax.lax.dynamic_update_slice(old, new.astype(old.dtype), start) for old, new in zip(blk[:2], kv))
+    ones = jnp.ones((blk.valid.shape[0], 1), bool)
+    return KVBlock(k, v, jax.lax.dynamic_update_slice(blk.valid, ones, (zero, at)))
+
+  at = jnp.asarray(positions_b, jnp.int32).reshape(-1, 1)
+  positions = jax.lax.dynamic_update_slice(cache.positions, jnp.broadcast_to(at, (cache.positions.shape[0], 1)),
+                                           (zero, slot))
+  return RingCache(put(cache.full, full_kv, step), put(cache.ring, ring_kv, slot), positions)
 
 
 def layer_slots(layer_types: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -81,14 +126,17 @@ def last_keys(kv: KVBlock, window: int) -> tuple[KVBlock, jax.Array]:
   return KVBlock(rows(kv.k), rows(kv.v), valid), start
 
 
-def ancestor_blocks(ancestors: Sequence[KVBlock | WindowedPrompt], dtype, layer_types: Sequence[str] | None):
+def ancestor_blocks(ancestors: Sequence[KVBlock | WindowedPrompt | RingCache], dtype,
+                    layer_types: Sequence[str] | None):
   """(xs, blocks) for a layer scan over a segment's ancestors, oldest first, each a `KVBlock` (k, v [L, B or 1, S,
-  Hkv, D]) or a `WindowedPrompt`: xs, scanned with the layers, holds their per-layer K/V in `dtype` (a windowed
-  one's tail) and, where one is windowed, `layer_slots`; blocks(xs_l) is one layer's ancestor blocks in order (a
-  windowed one's two, `layer_blocks`, its `full` K/V read at the layer's slot)."""
+  Hkv, D]), a `WindowedPrompt` or a `RingCache` (scanned as a windowed one, its ring for the tail): xs, scanned
+  with the layers, holds their per-layer K/V in `dtype` (a windowed one's tail) and, where one is windowed,
+  `layer_slots`; blocks(xs_l) is one layer's ancestor blocks in order (a windowed one's two, `layer_blocks`, its
+  `full` K/V read at the layer's slot)."""
   cast = lambda x: x.astype(dtype)
-  windowed = [isinstance(a, WindowedPrompt) for a in ancestors]
-  kvs = [(cast(a.tail.k), cast(a.tail.v)) if w else (cast(a.k), cast(a.v)) for a, w in zip(ancestors, windowed)]
+  windowed = [isinstance(a, (WindowedPrompt, RingCache)) for a in ancestors]
+  scanned = lambda a: a.tail if isinstance(a, WindowedPrompt) else a.ring if isinstance(a, RingCache) else a
+  kvs = [(cast(scanned(a).k), cast(scanned(a).v)) for a in ancestors]
   fulls = [(cast(a.full.k), cast(a.full.v)) if w else None for a, w in zip(ancestors, windowed)]
   slots = tuple(map(jnp.asarray, layer_slots(layer_types))) if any(windowed) else None
 
@@ -101,13 +149,18 @@ def ancestor_blocks(ancestors: Sequence[KVBlock | WindowedPrompt], dtype, layer_
   return (kvs, slots), blocks
 
 
-def layer_blocks(prompt: WindowedPrompt, full_k, full_v, layer_xs) -> list[KVBlock]:
-  """One layer's two ancestor blocks of a trimmed segment (module docstring): full_k, full_v its `full` K/V in
-  the compute dtype [Lg, B, P, Hkv, D] (read at the layer's slot); layer_xs = (tail k, v [B, W - 1, Hkv, D] in the
-  compute dtype, global [] bool, slot [] int32), the layer's entries of the scanned (tail k, v, `layer_slots`)."""
+def layer_blocks(prompt: WindowedPrompt | RingCache, full_k, full_v, layer_xs) -> list[KVBlock]:
+  """One layer's two ancestor blocks of a trimmed segment (module docstring) or of a decode `RingCache` (a
+  global layer: its full cache, the ring masked; a sliding layer: the full cache masked, the ring with its
+  positions): full_k, full_v its `full` K/V in the compute dtype [Lg, B, P, Hkv, D] (read at the layer's slot);
+  layer_xs = (tail or ring k, v [B, W - 1, Hkv, D] in the compute dtype, global [] bool, slot [] int32), the
+  layer's entries of the scanned (k, v, `layer_slots`)."""
   tail_k, tail_v, is_global, slot = layer_xs
   k = jax.lax.dynamic_index_in_dim(full_k, slot, keepdims=False)
   v = jax.lax.dynamic_index_in_dim(full_v, slot, keepdims=False)
+  if isinstance(prompt, RingCache):   # a global layer reads its whole cache, a sliding layer the ring
+    return [KVBlock(k, v, prompt.full.valid & is_global),
+            PositionedKV(tail_k, tail_v, prompt.ring.valid & ~is_global, prompt.positions)]
   before_tail = jnp.arange(prompt.full.valid.shape[-1])[None] < prompt.start[:, None]   # [B, P]
   head_valid = jnp.where(is_global, prompt.full.valid, before_tail)
   return [KVBlock(k, v, head_valid), KVBlock(tail_k, tail_v, prompt.tail.valid & ~is_global)]

@@ -29,8 +29,11 @@ from flax import nnx
 
 from branch_replay_jax.data.groups import bucket_length
 from branch_replay_jax.kernels import KVBlock
+from branch_replay_jax.models.config import FULL
+from branch_replay_jax.models.gemma4 import Gemma4KV
 from branch_replay_jax.models.llama import Llama
 from branch_replay_jax.models.qwen3_5 import HybridState
+from branch_replay_jax.models.window_kv import RingCache, layer_slots, ring_cache, ring_write
 
 
 class Rollouts(NamedTuple):
@@ -91,13 +94,18 @@ def stop_reasons(finished, stop_string=None) -> np.ndarray:
   return np.where(by_string, "stop_string", np.where(finished, "eos", "length"))
 
 
-def init_cache(model: Llama, batch: int, length: int, context=None) -> KVBlock:
+def init_cache(model: Llama, batch: int, length: int, context=None, ring: bool = False) -> KVBlock:
   """An empty generated-token cache: k, v [L, batch, length, Hkv, D] zeros in the model's compute
   dtype, valid [batch, length] all False. Qwen3.5's (`models.qwen3_5.HybridState`) holds its full layers'
   K/V so and its linear layers' running state beside them, starting from `context`'s (the last ancestor:
   the state after the context's last token, broadcast to the batch). Gemma 4's (`models.gemma4.Gemma4KV`) its
-  sliding and its global layers' K/V side by side."""
+  sliding and its global layers' K/V side by side.
+
+  ring: a sliding-window model (Gemma 3, Gemma 4) whose length > W - 1 gets a `window_kv.RingCache`: its
+  sliding layers keep W - 1 slots, not `length` (the group sampler's, whose cache no later segment reads)."""
   cfg = model.config
+  if ring and cfg.sliding and length > cfg.sliding_window - 1:
+    return _ring_cache(model, batch, length)
   if cfg.gemma4:
     return model.initial_state(batch, length)
   if cfg.hybrid:
@@ -109,6 +117,28 @@ def init_cache(model: Llama, batch: int, length: int, context=None) -> KVBlock:
                        grow(state.conv, empty.conv), grow(state.recurrent, empty.recurrent))
   shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
   return KVBlock(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype), jnp.zeros((batch, length), bool))
+
+
+def _ring_cache(model: Llama, batch: int, length: int) -> RingCache:
+  """An empty `RingCache` of `length` global slots and W - 1 ring slots (`init_cache`)."""
+  cfg = model.config
+  r = cfg.sliding_window - 1
+  if cfg.gemma4:
+    full, ring = model.initial_state(batch, length), model.initial_state(batch, r)
+    return ring_cache(KVBlock(full.gk, full.gv, full.valid), KVBlock(ring.k, ring.v, ring.valid))
+  zeros = lambda layers, n: jnp.zeros((layers, batch, n, cfg.num_kv_heads, cfg.head_dim), model.dtype)
+  empty = lambda layers, n: KVBlock(zeros(layers, n), zeros(layers, n), jnp.zeros((batch, n), bool))
+  return ring_cache(empty(cfg.layer_types.count(FULL), length), empty(cfg.num_layers, r))
+
+
+def _write_ring(model: Llama, cache: RingCache, kv, step, positions) -> RingCache:
+  """`cache` with the decoded tokens' K/V `kv` (their segment's: a `Gemma4KV`, or a `KVBlock` [L, B, 1, ...])
+  written (`window_kv.ring_write`): the global layers' at slot `step`, the sliding layers' in the ring."""
+  if isinstance(kv, Gemma4KV):
+    return ring_write(cache, (kv.gk, kv.gv), (kv.k, kv.v), step, positions)
+  index = np.flatnonzero(layer_slots(model.config.layer_types)[0])
+  return ring_write(cache, (jnp.take(kv.k, index, axis=0), jnp.take(kv.v, index, axis=0)), (kv.k, kv.v), step,
+                    positions)
 
 
 def prefill(model: Llama, prompt_bt: jax.Array, prompt_len, *, with_routes: bool = False) -> tuple:
@@ -142,7 +172,8 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
     offset: int scalar or [B]: their absolute position (prompt length + step).
     ancestors: K/V blocks before the cache, k, v [L, B or 1, S, Hkv, D]; the shared prompt is
       passed with batch 1 and broadcast by the attention, not copied.
-    cache: k, v [L, B, N, Hkv, D], valid [B, N]; entries valid before the call are attended to.
+    cache: k, v [L, B, N, Hkv, D], valid [B, N]; entries valid before the call are attended to. Or a
+      `window_kv.RingCache` (`init_cache`'s ring): the sliding layers' K/V then goes to slot step mod (W - 1).
     step: int scalar (may be traced), cache slot of this token, 0 <= step < N.
 
   Returns:
@@ -152,6 +183,10 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
     experts: a Qwen3-MoE model's experts the fed tokens ran, [B, layers, k] int32; None without experts.
   """
   out = model(tokens_b[:, None], offset, ancestors=[*ancestors, cache])
+  experts = None if out.experts is None else out.experts[:, 0]
+  if isinstance(cache, RingCache):
+    positions = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), tokens_b.shape)
+    return model.logits(out.hidden_btd)[:, 0], _write_ring(model, cache, out.kv, step, positions), experts
   zero = jnp.zeros((), jnp.int32)
   start = (zero, zero, jnp.asarray(step, jnp.int32), zero, zero)
   write = lambda name: jax.lax.dynamic_update_slice(getattr(cache, name),
@@ -161,7 +196,7 @@ def decode_step(model: Llama, tokens_b: jax.Array, offset, ancestors: Sequence[K
   cache = cache._replace(valid=valid, **{f: write(f) for f in keyed})
   if isinstance(cache, HybridState):   # the linear layers' running state: this token's
     cache = cache._replace(conv=out.kv.conv, recurrent=out.kv.recurrent)
-  return model.logits(out.hidden_btd)[:, 0], cache, None if out.experts is None else out.experts[:, 0]
+  return model.logits(out.hidden_btd)[:, 0], cache, experts
 
 
 # Probability mass (float32) by which a cumulative mass may fall short of top_p and still count as
@@ -231,7 +266,7 @@ def _picked_logprob(logits_bv, tokens_b, temperature):
 def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array, offset, keys_g: jax.Array, *,
                 temperature, top_p, eos_ids: jax.Array, pad_id, max_new_tokens: int,
                 greedy: bool, stop_next: jax.Array | None = None, stop_state: jax.Array | None = None,
-                logprob_temperature=1.0):
+                logprob_temperature=1.0, ring: bool = False):
   """Samples G continuations of one context whose K/V are `ancestors` and next-token logits `logits_1v`.
 
   Token 0 is drawn from `logits_1v`; token t + 1 from the decode step that feeds token t. The loop
@@ -254,6 +289,8 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
       parent's final state); None: 0 (no text yet).
     logprob_temperature: tau_lp > 0 (may be traced): the recorded log-probs are
       log_softmax(logits / tau_lp)[token] (`Rollouts.logprobs`); 1 records them untempered.
+    ring: static; a sliding-window model decodes into a `window_kv.RingCache` (`init_cache`), and the cache
+      returned is that ring, which no later segment can take as an ancestor (the group sampler's).
 
   Returns:
     tokens [G, N] int32, logprobs [G, N] in the logits' dtype (float32; float64 for a float64
@@ -285,8 +322,8 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   done = eos | by_string
   cfg = model.config
   routes = (jnp.full((g, n, cfg.num_layers, cfg.experts_per_token), -1, jnp.int32) if cfg.moe else None)
-  carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), init_cache(model, g, n, ancestors[-1]), tokens, logprobs, by_string,
-           state, routes)
+  cache = init_cache(model, g, n, ancestors[-1], ring)
+  carry = (jnp.int32(0), tok, done, jnp.ones((g,), jnp.int32), cache, tokens, logprobs, by_string, state, routes)
 
   def cond(c):
     t, _, done, *_ = c
@@ -315,15 +352,16 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   return tokens, logprobs, lengths, done, cache, by_string, state, routes
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p", "ring"))
 def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, stop_next=None,
-              logprob_temperature=1.0, *, max_new_tokens, greedy, use_top_p):
+              logprob_temperature=1.0, *, max_new_tokens, greedy, use_top_p, ring: bool = True):
+  """`sample_group`'s program: prefill, then `decode_from` (a sliding-window model into a ring cache, `ring`)."""
   model = nnx.merge(graphdef, state)
   prompt_kv, logits_1v, prompt_routes = prefill(model, prompt_1t, prompt_len, with_routes=True)
   tokens, logprobs, lengths, done, _, by_string, _, routes = decode_from(
       model, [prompt_kv], logits_1v, prompt_len, keys_g, temperature=temperature, top_p=top_p if use_top_p else None,
       eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens, greedy=greedy, stop_next=stop_next,
-      logprob_temperature=logprob_temperature)
+      logprob_temperature=logprob_temperature, ring=ring)
   return tokens, logprobs, lengths, done, by_string, routes, None if prompt_routes is None else prompt_routes[0]
 
 
