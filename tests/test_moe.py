@@ -291,17 +291,26 @@ def test_fsdp_mesh_step_equals_naive_float64(model64):
     # heavy (~20 s): the same dispatch over another axis is CI's [branch-replicated-2], FSDP with experts its [-fsdp-2]
     pytest.param("data", "fsdp", 1, marks=pytest.mark.heavy),
     ("branch", "replicated", 2)])
-def test_mesh_step_with_routing_replay_equals_naive_float64(model64, expert, mode, seq):
+def test_mesh_step_with_routing_replay_equals_naive_float64(model64, expert, mode, seq, monkeypatch):
   # Two groups over data x branch (x seq = 2: the prompt and its routes, padded to the stacked P_pad with -1,
   # split over seq, each chunk's routing sums added over seq; a wrong or missing sum moves the auxiliary loss),
   # each with recorded routes (30% of the pairs otherwise than the router would choose, 20% of the completion
   # tokens unrecorded), replayed with the load-balancing loss. With mesh.expert the fixture's 8 experts are split
   # over that axis (4 per device), the tokens sent to them by all-gather and their partial sums reduce-scattered
   # back (models.llama._dispatched_expert_sum): over data, the two groups' tokens meet on each device; over
-  # branch, a group's completions do, and the prompt (every branch device's copy, its cotangent averaged over
-  # branch) is sent too. The loss and summed gradient equal the naive groups' (a missing or doubled sum of the
-  # experts' gradients over the expert axis, or of the router's, would move them).
+  # branch, a group's completions do, while the prompt, the same on every branch device, is not sent: each
+  # device runs its experts on its own copy and the partial sums are all-reduced (`llama.replicated_over`; its
+  # cotangent was averaged over branch, the psum's transpose sums it back). The loss and summed gradient equal
+  # the naive groups' (a missing or doubled sum of the experts' gradients over the expert axis, or of the
+  # router's, would move them); over branch the trace shows the prompt's layers took the replicated dispatch and
+  # the completions' the gathered one.
   from branch_replay_jax.gradients.heads import Policy
+  from branch_replay_jax.models import llama
+  dispatched, real = [], llama._dispatched_expert_sum
+  def recording(config, p, x, *args, **kwargs):
+    dispatched.append(llama._REPLICATED_OVER.get())
+    return real(config, p, x, *args, **kwargs)
+  monkeypatch.setattr(llama, "_dispatched_expert_sum", recording)
   graphdef, params = model64
   with jax.enable_x64(True):
     groups = []
@@ -312,6 +321,7 @@ def test_mesh_step_with_routing_replay_equals_naive_float64(model64, expert, mod
       groups.append(arrays.replace(prompt_routes=prompt_routes, levels=(arrays.branches.replace(routes=routes),)))
     fsdp_step_equals_naive(graphdef, params, groups, head=Policy(router_aux_coef=0.5, routing_replay=True), seq=seq,
                            mode=mode, expert=expert)
+  assert set(dispatched) == ({("branch",), ()} if expert else set())
 
 
 def _transformers_load_balancing_loss(logits_lte, top_k, mask_t):

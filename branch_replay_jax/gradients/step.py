@@ -50,6 +50,7 @@ from branch_replay_jax.distributed import mesh as meshes
 from branch_replay_jax.distributed.seq_parallel import check_prompt_split, prompt_split
 from branch_replay_jax.gradients.heads import Policy, SegmentOutputs
 from branch_replay_jax.losses import load_balancing_loss
+from branch_replay_jax.models.llama import replicated_over
 from branch_replay_jax.models.lora import WithBase, merge
 
 LAYOUTS = ("replay", "naive")
@@ -119,21 +120,24 @@ def _losses(head, objective, out: SegmentOutputs, rows, trajectories: int):
   return losses, aux
 
 
-def _prompt_state(head, model, batch, prompt_fn=None) -> dict:
+def _prompt_state(head, model, batch, prompt_fn=None, prompt_over=()) -> dict:
   """The prompt's state for its children. prompt_fn(trunk, **routes) -> (K/V, last real hidden state [d],
   `RouterStats` [1, E] or None) replaces each trunk's whole-prompt forward (context parallelism:
-  `seq_parallel.prompt_split`, batch.prompt_ids and prompt_routes this device's chunk). Following the routing
-  (`_tracks_routes`), "router": the prompt's `RouterStats` [E]."""
+  `seq_parallel.prompt_split`, batch.prompt_ids and prompt_routes this device's chunk). prompt_over: the mesh
+  axes every device of which computes this same prompt (the mesh step's ("branch",): `llama.replicated_over`).
+  Following the routing (`_tracks_routes`), "router": the prompt's `RouterStats` [E]."""
   kv, last, state = {}, {}, {}
   routes = getattr(batch, "prompt_routes", None)
   for name, trunk in head.trunks(model).items():
     kw = _routes_kw(head, name, None if routes is None else routes[None])
     if prompt_fn is not None:
-      kv[name], last[name], router = prompt_fn(trunk, **kw)
+      with replicated_over(prompt_over):
+        kv[name], last[name], router = prompt_fn(trunk, **kw)
     else:
       p_pad = batch.prompt_ids.shape[0]   # (a sliding window's K/V: only the keys it reaches, `branch_kv`)
-      kv[name], last[name], router = trunk.prompt_forward(
-          batch.prompt_ids[None], (jnp.arange(p_pad) < batch.prompt_len)[None], batch.prompt_len - 1, **kw)
+      with replicated_over(prompt_over):
+        kv[name], last[name], router = trunk.prompt_forward(
+            batch.prompt_ids[None], (jnp.arange(p_pad) < batch.prompt_len)[None], batch.prompt_len - 1, **kw)
     if name == "policy" and _tracks_routes(head, batch):
       state["router"] = None if router is None else jax.tree_util.tree_map(lambda x: x[0], router)
   return {"kv": kv, "last": last, "end": batch.prompt_len, **state}
@@ -377,11 +381,12 @@ def _unbind(graphdef):
   return (graphdef.graphdef, graphdef.base) if isinstance(graphdef, WithBase) else (graphdef, None)
 
 
-def _seq_split(head, graphdef, local, batch, mesh) -> dict:
-  """{} on one `seq` device, else `seq_parallel.prompt_split` for this device's prompt chunk."""
+def _mesh_kwargs(head, graphdef, local, batch, mesh) -> dict:
+  """The replay functions' mesh arguments: the prompt the same on every branch device (`_prompt_state`'s
+  prompt_over), and on several `seq` devices `seq_parallel.prompt_split` for this device's prompt chunk."""
   if mesh.shape["seq"] == 1:
-    return {}
-  return prompt_split(head.attention_impl(merge(graphdef, local)), batch)
+    return {"prompt_over": ("branch",)}
+  return {"prompt_over": ("branch",), **prompt_split(head.attention_impl(merge(graphdef, local)), batch)}
 
 
 def value_and_grad(head, graphdef, params, batch: RolloutBatch, objective: Objective, *,
@@ -441,7 +446,7 @@ def value_and_grad(head, graphdef, params, batch: RolloutBatch, objective: Objec
       g = graph if frozen is None else WithBase(graph, frozen)
       return _replay_value_and_grad(head, g, local, one, objective, _micro_batch(micro_batch, one), schedule,
                                     logprob_chunk, reduce=reduce, trajectories=leaf_siblings(one) * branch,
-                                    **_seq_split(head, g, local, one, mesh))
+                                    **_mesh_kwargs(head, g, local, one, mesh))
     return meshes.mesh_value_and_grad(per_group, params, batch, mesh, frozen=frozen)
   if isinstance(batch, PackedBatch):
     return _packed_value_and_grad(head, graphdef, params, batch, objective, logprob_chunk)
@@ -453,13 +458,13 @@ def value_and_grad(head, graphdef, params, batch: RolloutBatch, objective: Objec
 
 
 def _replay_value_and_grad(head, graphdef, params, batch, objective, m, schedule, chunk, *, attention=None,
-                           reduce=None, prompt_fn=None, trajectories=None):
+                           reduce=None, prompt_fn=None, prompt_over=(), trajectories=None):
   """Replay's (loss, aux, grads) of one group or tree on one device (`value_and_grad`'s unfused path);
   in the mesh wrapper, of one device's shard: `reduce` all-reduces the prompt's summed cotangent over
   `branch` (`core.replay.replay_vjp`'s reduce_prefix_cotangent), `prompt_fn` is the seq split's
-  prompt forward (`_prompt_state`), `trajectories` the group's completions on all devices (the
-  load-balancing loss's mean; default: this batch's)."""
-  root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
+  prompt forward and `prompt_over` the axes the prompt is the same over (`_prompt_state`), `trajectories` the
+  group's completions on all devices (the load-balancing loss's mean; default: this batch's)."""
+  root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn, prompt_over)
   if is_tree(batch):
     node_fn = _tree_node_fn(head, graphdef, chunk, objective, attention)
     return nested_replay_vjp(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m,
@@ -518,7 +523,7 @@ def forward(head, graphdef, params, batch: RolloutBatch, *, layout: str = "repla
     def per_group(local, one, frozen=None):
       g = graph if frozen is None else WithBase(graph, frozen)
       return _replay_forward(head, g, local, one, _micro_batch(micro_batch, one), logprob_chunk,
-                             **_seq_split(head, g, local, one, mesh))
+                             **_mesh_kwargs(head, g, local, one, mesh))
     return meshes.mesh_map(per_group, params, batch, mesh, frozen=frozen)
   if isinstance(batch, PackedBatch):
     return head.forward_result(_packed_outputs(head, merge(graphdef, params), batch, logprob_chunk))[0]
@@ -531,10 +536,11 @@ def forward(head, graphdef, params, batch: RolloutBatch, *, layout: str = "repla
                          attention=attention)
 
 
-def _replay_forward(head, graphdef, params, batch, m, logprob_chunk, *, attention=None, prompt_fn=None):
+def _replay_forward(head, graphdef, params, batch, m, logprob_chunk, *, attention=None, prompt_fn=None,
+                    prompt_over=()):
   """Replay's forward-only outputs of one group or tree on one device (or one device's shard in the
-  mesh wrapper, `prompt_fn` the seq split's prompt forward)."""
-  root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn)
+  mesh wrapper, `prompt_fn` the seq split's prompt forward, `prompt_over` as `_prompt_state`'s)."""
+  root_fn = lambda p: _prompt_state(head, merge(graphdef, p), batch, prompt_fn, prompt_over)
   if is_tree(batch):
     node_fn = _tree_node_fn(head, graphdef, logprob_chunk, attention=attention)
     return nested_replay_map(root_fn, [node_fn] * len(batch.levels), params, batch.levels, micro_batch=m)

@@ -48,6 +48,8 @@ boundaries: a branch's token sees its ancestors' keys inside the window only).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import NamedTuple, Sequence
@@ -91,6 +93,22 @@ class Gather(NamedTuple):
 
 
 EXPERT_AXES = "expert_axes"   # key of a layer's parameter dict holding the mesh axes its experts are split over
+
+# The mesh axes over which the segment being traced is the same on every device (`replicated_over`).
+_REPLICATED_OVER: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("replicated_over", default=())
+
+
+@contextlib.contextmanager
+def replicated_over(axes: Sequence[str]):
+  """While tracing inside it, the segment's tokens are the same on every device along the mesh `axes` (a root
+  prompt on the branch axis, which every branch device computes: `gradients.step._prompt_state`). A mixture of
+  experts split over those axes then runs each device's experts on its own copy and sums the partial outputs
+  (`_dispatched_expert_sum`), instead of all-gathering n copies of the same tokens. Read at trace time only."""
+  token = _REPLICATED_OVER.set(tuple(axes))
+  try:
+    yield
+  finally:
+    _REPLICATED_OVER.reset(token)
 
 
 def annotated(value, names: Sequence[str], kind=nnx.Param) -> nnx.Variable:
@@ -387,9 +405,19 @@ def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, ax
   sums are reduce-scattered back to each device's own tokens, so each token gets Σ_k w_k · SwiGLU_{experts_k}
   over all n devices' experts: the one-device value, summed in another order. Megatron-LM's "allgather" token
   dispatcher (`moe_token_dispatcher_type`); its transpose (reduce-scatter of the cotangents, all-gather of the
-  partial sums' cotangents) brings each expert the gradient of every token routed to it."""
+  partial sums' cotangents) brings each expert the gradient of every token routed to it.
+
+  Where the tokens are the same on every device along `axes` (`replicated_over`: the root prompt over branch),
+  nothing is gathered: each device runs its experts on its own copy and the partial sums are all-reduced (psum),
+  so every copy gets the whole value. The psum's transpose hands each device's experts the cotangent summed over
+  the devices, each copy's share of the prompt's (docs/design.md, "Expert parallelism")."""
   e_local = p["w_gate"].shape[0]
   x, experts, weights = (_varying(a, axes) for a in (x, experts, weights))
+  if set(axes) <= set(_REPLICATED_OVER.get()):
+    local = experts - jax.lax.axis_index(axes) * e_local
+    mine = (local >= 0) & (local < e_local)
+    y = _expert_sum(config, p, x, jnp.where(mine, local, 0), jnp.where(mine, weights, 0), lora_scale)
+    return jax.lax.pcast(jax.lax.psum(y, axes), axes, to="varying")
   gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)
   local = gather(experts) - jax.lax.axis_index(axes) * e_local                    # [n·N, k] this device's ids
   mine = (local >= 0) & (local < e_local)
