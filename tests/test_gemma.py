@@ -73,6 +73,21 @@ def test_group_sampler_ring_cache_equals_the_whole_cache_float64(model):
   ring_cache_equals_full_cache(model)
 
 
+@pytest.mark.parametrize("override", [dict(sliding_window=1), dict(layer_types=(SLIDING,) * 4),
+                                      dict(layer_types=(FULL,) * 4, sliding_window=None)],
+                         ids=["window-1", "no-global-layer", "no-sliding-layer"])
+def test_the_sampler_keeps_the_whole_cache_where_a_ring_has_nothing_to_cut(model, override):
+  # W = 1 (a ring of 0 slots), a Gemma 3 of sliding layers only (fewer layers than its sliding_window_pattern)
+  # or of global ones: the sampler decodes them into the whole cache, as before the ring (a helper found all
+  # three crashing sample_group), and samples 6 tokens.
+  from branch_replay_jax.models.window_kv import RingCache
+  from branch_replay_jax.rollout.sampler import init_cache
+  edge = build_model(dataclasses.replace(model.config, **override), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert not isinstance(init_cache(edge, 2, 6, ring=True), RingCache)
+  out = sample_group(edge, np.arange(5, 12), num_samples=2, max_new_tokens=6, key=jax.random.key(0))
+  assert np.asarray(out.lengths).tolist() == [6, 6]
+
+
 def test_export_writes_what_transformers_and_our_loader_read(model, tmp_path, reference):
   # Exported config.json + model.safetensors load back into the same parameters and log-probs.
   export_model(model, None, str(tmp_path / "out"))

@@ -29,7 +29,7 @@ from flax import nnx
 
 from branch_replay_jax.data.groups import bucket_length
 from branch_replay_jax.kernels import KVBlock
-from branch_replay_jax.models.config import FULL
+from branch_replay_jax.models.config import FULL, SLIDING
 from branch_replay_jax.models.gemma4 import Gemma4KV
 from branch_replay_jax.models.llama import Llama
 from branch_replay_jax.models.qwen3_5 import HybridState
@@ -94,17 +94,19 @@ def stop_reasons(finished, stop_string=None) -> np.ndarray:
   return np.where(by_string, "stop_string", np.where(finished, "eos", "length"))
 
 
-def init_cache(model: Llama, batch: int, length: int, context=None, ring: bool = False) -> KVBlock:
+def init_cache(model: Llama, batch: int, length: int, context=None,
+               ring: bool = False) -> KVBlock | HybridState | Gemma4KV | RingCache:
   """An empty generated-token cache: k, v [L, batch, length, Hkv, D] zeros in the model's compute
   dtype, valid [batch, length] all False. Qwen3.5's (`models.qwen3_5.HybridState`) holds its full layers'
   K/V so and its linear layers' running state beside them, starting from `context`'s (the last ancestor:
   the state after the context's last token, broadcast to the batch). Gemma 4's (`models.gemma4.Gemma4KV`) its
   sliding and its global layers' K/V side by side.
 
-  ring: a sliding-window model (Gemma 3, Gemma 4) whose length > W - 1 gets a `window_kv.RingCache`: its
-  sliding layers keep W - 1 slots, not `length` (the group sampler's, whose cache no later segment reads)."""
+  ring: a model with sliding layers of W >= 2 beside global ones (Gemma 3, Gemma 4) whose length > W - 1 gets a
+  `window_kv.RingCache`: its sliding layers keep W - 1 slots, not `length` (the group sampler's, whose cache no
+  later segment reads). Any other model (W = 1, a Gemma 3 of sliding or of global layers only) its whole cache."""
   cfg = model.config
-  if ring and cfg.sliding and length > cfg.sliding_window - 1:
+  if ring and _rings(cfg, length):
     return _ring_cache(model, batch, length)
   if cfg.gemma4:
     return model.initial_state(batch, length)
@@ -117,6 +119,13 @@ def init_cache(model: Llama, batch: int, length: int, context=None, ring: bool =
                        grow(state.conv, empty.conv), grow(state.recurrent, empty.recurrent))
   shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
   return KVBlock(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype), jnp.zeros((batch, length), bool))
+
+
+def _rings(cfg, length: int) -> bool:
+  """Whether `init_cache(ring=True)` makes a `RingCache`: sliding layers of W >= 2 beside global ones (of those
+  that compute K/V) and more than W - 1 slots to decode."""
+  types, w = cfg.kv_layer_types or (), cfg.sliding_window
+  return cfg.sliding and w is not None and 2 <= w <= length and SLIDING in types and FULL in types
 
 
 def _ring_cache(model: Llama, batch: int, length: int) -> RingCache:
@@ -295,8 +304,8 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
   Returns:
     tokens [G, N] int32, logprobs [G, N] in the logits' dtype (float32; float64 for a float64
     model; at logprob_temperature, 0 after the end), lengths [G] int32,
-    finished [G] bool (hit a stop id or a stop string), the cache (k, v [L, G, N, Hkv, D]) of the
-    fed tokens, by_string [G] bool (a stop string, not a stop id, ended it), the final
+    finished [G] bool (hit a stop id or a stop string), the cache (k, v [L, G, N, Hkv, D]; with ring, the
+    `RingCache` where `init_cache` makes one) of the fed tokens, by_string [G] bool (a stop string, not a stop id, ended it), the final
     automaton states [G] int32 (0 without stop strings) and, for a Qwen3-MoE model, the experts each fed
     token ran [G, N, layers, k] int32 (-1 where no token was fed; `Rollouts.routes`), else None.
   """
