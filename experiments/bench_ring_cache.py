@@ -1,7 +1,9 @@
-"""Benchmark: the group sampler's whole decode cache against the sliding layers' ring (branch_replay_jax/benchmarks/ring_cache.py).
+"""Benchmark: the group sampler's whole decode cache against the sliding layers' ring
+(branch_replay_jax/benchmarks/ring_cache.py).
 
   python -m branch_replay_jax.benchmarks.ring_cache --config=experiments/bench_ring_cache.py
-  python -m branch_replay_jax.benchmarks.ring_cache --config=experiments/bench_ring_cache.py --config.models=gemma-4-e2b --config.time_model=
+  python -m branch_replay_jax.benchmarks.ring_cache --config=experiments/bench_ring_cache.py \
+      --config.models=gemma-4-e2b --config.time_model=
 """
 
 import ml_collections
@@ -28,6 +30,9 @@ def get_config(arg=None):
   c.time_prompt = 256
   c.time_new_tokens = 1024
   c.repeats = 3
-  if arg not in (None, ""):
-    raise ValueError(f"experiments/bench_ring_cache.py: unknown variant {arg!r}; use ''")
+  if arg == "smoke":   # the timed case only, 2 samples of 12 tokens past a window of 4 (tests/test_bench.py)
+    c.models, c.time_samples, c.time_prompt, c.time_new_tokens, c.repeats = (), 2, 16, 12, 1
+    c.time_shape = tuple((k, 4) if k == "sliding_window" else (k, v) for k, v in c.time_shape)
+  elif arg not in (None, ""):
+    raise ValueError(f"experiments/bench_ring_cache.py: unknown variant {arg!r}; use '' or 'smoke'")
   return c

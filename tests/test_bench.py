@@ -294,3 +294,14 @@ def test_causal_block_attention_sends_the_prompt_to_dot_product_attention_and_th
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(attention(q, anc, own), suffix_attention(q, anc, own)))
   with pytest.raises(ValueError, match="implementation='tpu'"):
     causal_block_attention("tpu", suffix_attention)
+
+
+def test_ring_cache_smoke_times_both_caches_on_the_same_samples():
+  # experiments/bench_ring_cache.py:smoke: a random E2B-kind model (W = 4) decoding 2 x 12 tokens with the whole
+  # cache and with the ring: one row each, every sample decoding all 12 tokens (no EOS), finite positive times.
+  from branch_replay_jax.benchmarks import ring_cache
+  from experiments import bench_ring_cache
+  args = bench_ring_cache.get_config("smoke")
+  rows = [ring_cache.time_row(args, ring) for ring in (False, True)]
+  assert [r["ring"] for r in rows] == [False, True] and [r["generated"] for r in rows] == [24, 24]
+  assert all(r["window"] == 4 and 0 < r["wall_seconds"] and 0 < r["cpu_seconds"] for r in rows)
