@@ -169,12 +169,12 @@ def window_tree(rng):
 
 
 def ring_cache_equals_full_cache(model) -> None:
-  """The group sampler's program (`sampler._generate`) on `model` rebuilt in float64, with its sliding layers'
+  """The group sampler's program (`sampler.generate_program`) on `model` rebuilt in float64, with its sliding layers'
   decode cache a ring of W - 1 slots (`window_kv.RingCache`) and with the whole cache: 4 samples of 14 tokens on
   a prompt of 7 (the fixtures' W = 4: the ring of 3 wraps four times), temperature 1. The same tokens, and
   log-probs equal to float64 rounding (<= 1e-12); the ring holds W - 1 slots."""
   from branch_replay_jax.models.window_kv import RingCache
-  from branch_replay_jax.rollout.sampler import _generate, bucketed_prompt_and_eos, init_cache
+  from branch_replay_jax.rollout.sampler import generate_program, bucketed_prompt_and_eos, init_cache
   graphdef, params = params64(model)
   w = model.config.sliding_window
   with jax.enable_x64(True):
@@ -183,7 +183,8 @@ def ring_cache_equals_full_cache(model) -> None:
     padded, eos = bucketed_prompt_and_eos("test", np.arange(5, 12), None, np.asarray([], np.int64))
     args = (graphdef, params, jnp.asarray(padded), jnp.int32(7), jax.random.split(jax.random.key(3), 4),
             jnp.float32(1.0), jnp.float32(1.0), jnp.asarray(eos, jnp.int32), jnp.int32(0), None, jnp.float32(1.0))
-    ring, full = (_generate(*args, max_new_tokens=14, greedy=False, use_top_p=False, ring=r) for r in (True, False))
+    ring, full = (generate_program(*args, max_new_tokens=14, greedy=False, use_top_p=False, ring=r)
+                  for r in (True, False))
     assert np.array_equal(ring[2], [14] * 4) and np.array_equal(ring[0], full[0])
     assert float(jnp.max(jnp.abs(ring[1] - full[1]))) <= 1e-12
 

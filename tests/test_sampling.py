@@ -91,10 +91,10 @@ def test_same_bucket_does_not_recompile(model):
   # Prompts of 5 and 11 tokens both bucket to 16 and the prompt length is a traced value: one compile.
   kw = dict(num_samples=2, max_new_tokens=3, key=jax.random.key(3), temperature=0.5, top_p=0.5)
   sample_group(model, PROMPT[:5], **kw)
-  before = sampling._generate._cache_size()
+  before = sampling.generate_program._cache_size()
   sample_group(model, (PROMPT * 2)[:11], **kw)
   sample_group(model, PROMPT[:5], **{**kw, "temperature": 1.3, "key": jax.random.key(4)})
-  assert sampling._generate._cache_size() == before
+  assert sampling.generate_program._cache_size() == before
 
 
 def test_eos_stops_the_sample(peaked_model):
@@ -176,7 +176,7 @@ def test_prompt_kv_is_never_tiled(model):
   graphdef, state = nnx.split(model)
 
   def run(state):
-    return sampling._generate(graphdef=graphdef, state=state, prompt_1t=jnp.zeros((1, t), jnp.int32),
+    return sampling.generate_program(graphdef=graphdef, state=state, prompt_1t=jnp.zeros((1, t), jnp.int32),
                               prompt_len=jnp.int32(7), keys_g=jax.random.split(jax.random.key(0), g),
                               temperature=jnp.float32(1), top_p=jnp.float32(0.9), eos_ids=jnp.zeros((8,), jnp.int32),
                               pad_id=jnp.int32(0), max_new_tokens=5, greedy=False, use_top_p=True)

@@ -27,13 +27,13 @@ from ml_collections import config_flags
 
 from branch_replay_jax.models.config import architecture_shape
 from branch_replay_jax.models.loading import decoder_class
-from branch_replay_jax.rollout.sampler import _generate, bucketed_prompt_and_eos
+from branch_replay_jax.rollout.sampler import generate_program, bucketed_prompt_and_eos
 
 GIB = 1 << 30
 
 
 def _arguments(config, dtype, g: int, p: int, abstract: bool):
-  """(graphdef, state, the rest of `_generate`'s arguments) for G samples of a prompt of P tokens."""
+  """(graphdef, state, the rest of `generate_program`'s arguments) for G samples of a prompt of P tokens."""
   build = lambda: decoder_class(config)(config, dtype=dtype, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(nnx.eval_shape(build) if abstract else build())
   padded, eos = bucketed_prompt_and_eos("ring_cache", np.arange(p) % config.vocab_size, p, np.zeros(0, np.int64))
@@ -45,7 +45,7 @@ def _arguments(config, dtype, g: int, p: int, abstract: bool):
 def memory_row(name: str, dtype, g: int, p: int, n: int, ring: bool) -> dict:
   config = architecture_shape(name)
   graphdef, state, rest = _arguments(config, dtype, g, p, abstract=True)
-  compiled = _generate.lower(graphdef, state, *rest, max_new_tokens=n, greedy=False, use_top_p=False,
+  compiled = generate_program.lower(graphdef, state, *rest, max_new_tokens=n, greedy=False, use_top_p=False,
                              ring=ring).compile()
   mem = compiled.memory_analysis()
   return dict(case="memory", model=name, ring=ring, samples=g, prompt=p, new_tokens=n,
@@ -57,7 +57,7 @@ def memory_row(name: str, dtype, g: int, p: int, n: int, ring: bool) -> dict:
 def time_row(args, ring: bool) -> dict:
   config = dataclasses.replace(architecture_shape(args.time_model), **dict(args.time_shape))
   graphdef, state, rest = _arguments(config, jnp.float32, args.time_samples, args.time_prompt, abstract=False)
-  call = lambda key: _generate(graphdef, state, rest[0], rest[1], jax.random.split(key, args.time_samples),
+  call = lambda key: generate_program(graphdef, state, rest[0], rest[1], jax.random.split(key, args.time_samples),
                                *rest[3:], max_new_tokens=args.time_new_tokens, greedy=False, use_top_p=False,
                                ring=ring)
   jax.block_until_ready(call(jax.random.key(0)))

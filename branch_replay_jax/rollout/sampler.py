@@ -362,9 +362,12 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p", "ring"))
-def _generate(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id, stop_next=None,
-              logprob_temperature=1.0, *, max_new_tokens, greedy, use_top_p, ring: bool = True):
-  """`sample_group`'s program: prefill, then `decode_from` (a sliding-window model into a ring cache, `ring`)."""
+def generate_program(graphdef, state, prompt_1t, prompt_len, keys_g, temperature, top_p, eos_ids, pad_id,
+                     stop_next=None, logprob_temperature=1.0, *, max_new_tokens, greedy, use_top_p, ring: bool = True):
+  """`sample_group`'s jitted program: prefill, then `decode_from` (a sliding-window model into a ring cache,
+  `ring`; False: the whole cache, the reference the ring is tested against). Public for compile-only memory
+  analysis (`benchmarks.ring_cache`: `generate_program.lower(...)`); `sample_group` checks and prepares its
+  arguments and is the entry point."""
   model = nnx.merge(graphdef, state)
   prompt_kv, logits_1v, prompt_routes = prefill(model, prompt_1t, prompt_len, with_routes=True)
   tokens, logprobs, lengths, done, _, by_string, _, routes = decode_from(
@@ -479,7 +482,7 @@ def sample_group(model: Llama, prompt_ids, *, num_samples: int, max_new_tokens: 
   padded, eos = bucketed_prompt_and_eos("sample_group", prompt, prompt_bucket, eos)
   graphdef, state = nnx.split(model)
   greedy = temperature == 0
-  tokens, logprobs, lengths, finished, by_string, routes, prompt_routes = _generate(
+  tokens, logprobs, lengths, finished, by_string, routes, prompt_routes = generate_program(
       graphdef, state, jnp.asarray(padded), jnp.int32(p), jax.random.split(key, num_samples),
       jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.asarray(eos, jnp.int32),
       jnp.int32(pad_id), stop_next, jnp.float32(logprob_temperature), max_new_tokens=max_new_tokens, greedy=greedy,
