@@ -22,6 +22,9 @@ Either way the keys before the next block number n, so a descendant's positions 
 computes equal those on the untrimmed K/V up to the order of the softmax's sums (docs/design.md, "Sliding
 windows (Gemma 3)"). A segment's valid keys must be a prefix of its slots (`valid = arange(T) < n`, how every
 prompt and node is padded here).
+
+The group sampler's decode cache takes the same cut as it decodes (`RingCache`): its sliding layers keep the last
+W - 1 generated tokens in a ring, each key with its position (`kernels.reference.PositionedKV`).
 """
 
 from __future__ import annotations
