@@ -307,7 +307,8 @@ def decode_from(model: Llama, ancestors: Sequence[KVBlock], logits_1v: jax.Array
     finished [G] bool (hit a stop id or a stop string), the cache (k, v [L, G, N, Hkv, D]; with ring, the
     `RingCache` where `init_cache` makes one) of the fed tokens, by_string [G] bool (a stop string, not a
     stop id, ended it), the final automaton states [G] int32 (0 without stop strings) and, for a Qwen3-MoE
-    model, the experts each fed token ran [G, N, layers, k] int32 (-1 where no token was fed; `Rollouts.routes`), else None.
+    model, the experts each fed token ran [G, N, layers, k] int32 (-1 where no token was fed;
+    `Rollouts.routes`), else None.
   """
   g, n = keys_g.shape[0], max_new_tokens
   sample = functools.partial(sample_token, keys_b=keys_g, temperature=temperature, top_p=top_p, greedy=greedy)
