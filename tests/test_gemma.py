@@ -253,3 +253,11 @@ def test_fsdp_mesh_step_equals_naive_float64():
     m64 = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype=jnp.float64)
     groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s), np.float64) for s in range(2)]
     fsdp_step_equals_naive(*_params(m64, jnp.float64), groups)
+
+
+def test_episode_turns_on_the_kept_kv_sample_what_a_full_reprefill_samples(model):
+  # Three branches of three turns (tests/test_episode_sampler.py's setting: a 9-id prompt, turns of up to 6
+  # tokens, observations of 5) against a window of 4, so a turn's window ends inside earlier blocks. Same key,
+  # same draws as re-prefilling the whole history every turn; log-probs to float32 rounding.
+  from test_episode_sampler import kept_equals_reprefill
+  kept_equals_reprefill(model)
