@@ -30,9 +30,12 @@ def get_config(arg=None):
   c.time_prompt = 256
   c.time_new_tokens = 1024
   c.repeats = 3
-  if arg == "smoke":   # the timed case only, 2 samples of 12 tokens past a window of 4 (tests/test_bench.py)
+  if arg == "smoke":   # the timed case only: a small Gemma 3, 2 samples of 12 tokens past a window of 4
     c.models, c.time_samples, c.time_prompt, c.time_new_tokens, c.repeats = (), 2, 16, 12, 1
-    c.time_shape = tuple((k, 4) if k == "sliding_window" else (k, v) for k, v in c.time_shape)
+    c.time_model = "gemma-3-12b"
+    c.time_shape = (("vocab_size", 256), ("d_model", 64), ("num_layers", 6), ("ffn_dim", 128), ("num_heads", 2),
+                    ("num_kv_heads", 1), ("head_dim", 32), ("query_pre_attn_scalar", 32.0), ("sliding_window", 4),
+                    ("layer_types", ("sliding_attention",) * 5 + ("full_attention",)))
   elif arg not in (None, ""):
     raise ValueError(f"experiments/bench_ring_cache.py: unknown variant {arg!r}; use '' or 'smoke'")
   return c

@@ -297,7 +297,7 @@ def test_causal_block_attention_sends_the_prompt_to_dot_product_attention_and_th
 
 
 def test_ring_cache_smoke_times_both_caches_on_the_same_samples():
-  # experiments/bench_ring_cache.py:smoke: a random E2B-kind model (W = 4) decoding 2 x 12 tokens with the whole
+  # experiments/bench_ring_cache.py:smoke: a small random Gemma 3 (W = 4) decoding 2 x 12 tokens with the whole
   # cache and with the ring: one row each, every sample decoding all 12 tokens (no EOS), finite positive times.
   from branch_replay_jax.benchmarks import ring_cache
   from experiments import bench_ring_cache

@@ -117,6 +117,10 @@ def test_group_replay_equals_naive_float64_with_the_shared_kv_across_the_prompt(
     assert float(jnp.abs(leaf[...]).max()) > 1e-8
 
 
+# heavy (57 s): the K/V-sharing layers reading their ancestors' K/V run the same `_layers` code for one ancestor
+# (test_group_replay_equals_naive_float64_with_the_shared_kv_across_the_prompt, CI) as for a tree's several, and
+# tests/test_gemma4.py's tree test runs Gemma 4's depth-3 window tree in CI.
+@pytest.mark.heavy
 def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model64, x64):
   # tests/test_gemma4.py's depth-3 tree: each node's K/V-sharing layers read its trimmed ancestors' K/V of the
   # layers they share with.

@@ -103,6 +103,10 @@ def test_tree_routing_replay_equals_naive_float64(model64, x64):
   tree_routing_replay_equals_naive(*model64, "depth_first", 0.5)
 
 
+# heavy (43 s): the experts in Gemma 4's layer scan run in CI by
+# test_group_replay_equals_naive_float64_with_the_routers_gradient, Gemma 4's depth-3 window tree by
+# tests/test_gemma4.py's tree test, and experts in trees by tests/test_moe.py's tree routing-replay tests.
+@pytest.mark.heavy
 def test_tree_replay_equals_naive_float64_where_a_node_sees_part_of_its_ancestors(model64, x64):
   # tests/test_gemma4.py's depth-3 tree, each node routed once on its trimmed ancestors' K/V.
   window_tree_equals_naive(*model64)
