@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from branch_replay_jax.models.config import architecture_shape
 from branch_replay_jax.models.loading import decoder_class
-from branch_replay_jax.rollout.sampler import generate_program, bucketed_prompt_and_eos
+from branch_replay_jax.rollout.sampler import bucketed_prompt_and_eos, generate_program
 
 GIB = 1 << 30
 
@@ -46,7 +46,7 @@ def memory_row(name: str, dtype, g: int, p: int, n: int, ring: bool) -> dict:
   config = architecture_shape(name)
   graphdef, state, rest = _arguments(config, dtype, g, p, abstract=True)
   compiled = generate_program.lower(graphdef, state, *rest, max_new_tokens=n, greedy=False, use_top_p=False,
-                             ring=ring).compile()
+                                    ring=ring).compile()
   mem = compiled.memory_analysis()
   return dict(case="memory", model=name, ring=ring, samples=g, prompt=p, new_tokens=n,
               window=config.sliding_window, temp_gib=round(mem.temp_size_in_bytes / GIB, 3),
@@ -58,8 +58,8 @@ def time_row(args, ring: bool) -> dict:
   config = dataclasses.replace(architecture_shape(args.time_model), **dict(args.time_shape))
   graphdef, state, rest = _arguments(config, jnp.float32, args.time_samples, args.time_prompt, abstract=False)
   call = lambda key: generate_program(graphdef, state, rest[0], rest[1], jax.random.split(key, args.time_samples),
-                               *rest[3:], max_new_tokens=args.time_new_tokens, greedy=False, use_top_p=False,
-                               ring=ring)
+                                      *rest[3:], max_new_tokens=args.time_new_tokens, greedy=False, use_top_p=False,
+                                      ring=ring)
   jax.block_until_ready(call(jax.random.key(0)))
   wall, cpu = [], []
   for i in range(args.repeats):

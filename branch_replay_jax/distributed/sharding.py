@@ -1,20 +1,19 @@
 """Parameter layouts on the mesh by annotation: logical axis names -> mesh axes, one rules table.
 
-Every parameter carries the logical names of its dimensions as Flax NNX sharding metadata
-(`models.llama.annotated`: "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-"lora_rank", "conv_kernel", "experts", "ple" (Gemma 4's per-layer embedding width); the layout tables are models/llama.py's and
-models/qwen3_5.py's docstrings). `LOGICAL_AXIS_RULES` maps them to mesh axes, per parameter mode, as
-MaxText's `logical_axis_rules` do: an ordered list of (logical name, mesh axes) pairs. A leaf's
-PartitionSpec (`spec_of`) takes the rules in order; a rule applies when the leaf has that logical
-dimension, none of the rule's mesh axes is used yet by this leaf, and the dimension's size is
-divisible by the product of those mesh axes' sizes. A rule that does not apply is skipped; a
-dimension no rule applies to is not split, so a leaf that fits no rule is replicated (the documented
-fallback for sizes the mesh does not divide).
+Every parameter carries the logical names of its dimensions as Flax NNX sharding metadata (`models.llama.annotated`:
+"layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "lora_rank", "conv_kernel", "experts", "ple"
+(Gemma 4's per-layer embedding width); the layout tables are models/llama.py's and models/qwen3_5.py's docstrings).
+`LOGICAL_AXIS_RULES` maps them to mesh axes, per parameter mode, as MaxText's `logical_axis_rules` do: an ordered list
+of (logical name, mesh axes) pairs. A leaf's PartitionSpec (`spec_of`) takes the rules in order; a rule applies when
+the leaf has that logical dimension, none of the rule's mesh axes is used yet by this leaf, and the dimension's size
+is divisible by the product of those mesh axes' sizes. A rule that does not apply is skipped; a dimension no rule
+applies to is not split, so a leaf that fits no rule is replicated (the documented fallback for sizes the mesh does
+not divide).
 
     "replicated": no rule: every parameter whole on every device.
     "fsdp":       every rule splits over all mesh axes ("data", "branch", "seq"), so each leaf is
                   split on at most one dimension, the first of vocab, mlp, embed, head_dim, heads,
-                  kv_heads, lora_rank, conv_kernel, experts that the device count divides (for
+                  kv_heads, lora_rank, conv_kernel, experts, ple that the device count divides (for
                   SmolLM2 and the tests' tiny model, that is the largest dimension the device count
                   divides, the layout before annotations); "layers" has no rule: the layer scan slices one layer of
                   a stacked parameter and all-gathers that slice (distributed/mesh.py). ZeRO

@@ -130,14 +130,10 @@ def _prompt_state(head, model, batch, prompt_fn=None, prompt_over=()) -> dict:
   routes = getattr(batch, "prompt_routes", None)
   for name, trunk in head.trunks(model).items():
     kw = _routes_kw(head, name, None if routes is None else routes[None])
-    if prompt_fn is not None:
-      with replicated_over(prompt_over):
-        kv[name], last[name], router = prompt_fn(trunk, **kw)
-    else:
-      p_pad = batch.prompt_ids.shape[0]   # (a sliding window's K/V: only the keys it reaches, `branch_kv`)
-      with replicated_over(prompt_over):
-        kv[name], last[name], router = trunk.prompt_forward(
-            batch.prompt_ids[None], (jnp.arange(p_pad) < batch.prompt_len)[None], batch.prompt_len - 1, **kw)
+    p_pad = batch.prompt_ids.shape[0]   # (a sliding window's K/V: only the keys it reaches, `branch_kv`)
+    with replicated_over(prompt_over):
+      kv[name], last[name], router = (prompt_fn(trunk, **kw) if prompt_fn is not None else trunk.prompt_forward(
+          batch.prompt_ids[None], (jnp.arange(p_pad) < batch.prompt_len)[None], batch.prompt_len - 1, **kw))
     if name == "policy" and _tracks_routes(head, batch):
       state["router"] = None if router is None else jax.tree_util.tree_map(lambda x: x[0], router)
   return {"kv": kv, "last": last, "end": batch.prompt_len, **state}
@@ -384,9 +380,8 @@ def _unbind(graphdef):
 def _mesh_kwargs(head, graphdef, local, batch, mesh) -> dict:
   """The replay functions' mesh arguments: the prompt the same on every branch device (`_prompt_state`'s
   prompt_over), and on several `seq` devices `seq_parallel.prompt_split` for this device's prompt chunk."""
-  if mesh.shape["seq"] == 1:
-    return {"prompt_over": ("branch",)}
-  return {"prompt_over": ("branch",), **prompt_split(head.attention_impl(merge(graphdef, local)), batch)}
+  split = {} if mesh.shape["seq"] == 1 else prompt_split(head.attention_impl(merge(graphdef, local)), batch)
+  return {"prompt_over": ("branch",), **split}
 
 
 def value_and_grad(head, graphdef, params, batch: RolloutBatch, objective: Objective, *,

@@ -384,11 +384,11 @@ class Gemma4(Llama):
 
   def _scan(self, group: Gemma4Layers, x, positions, parts: list, valid_bt, routes, replay_routes: bool, ple,
             scalars, donor=None, own_valid=None):
-    """Scan over the repetitions of `ModelConfig.layer_pattern` of one group of layers (`Gemma4Layers`): (x, (k, v [Ls, ...], gk, gv
-    [Lg, ...]), route stats, experts) as `_layers`. parts: the ancestors' `_ancestor`s. donor: for the K/V-sharing
-    group, the segment's (k, v, gk, gv) [B, T, H, D] of the last computing layer of each kind (the parts are then
-    theirs, [1, ...] too); this group then returns no K/V (None); own_valid: the donor K/V's valid mask where it
-    is not valid_bt (`_layers`' hidden_at). ple: (tokens [B, T], the group's context halves [Lgroup, B, T, Dp]) or
+    """Scan over the repetitions of `ModelConfig.layer_pattern` of one group of layers (`Gemma4Layers`): (x, (k, v [Ls,
+    ...], gk, gv [Lg, ...]), route stats, experts) as `_layers`. parts: the ancestors' `_ancestor`s. donor: for the
+    K/V-sharing group, the segment's (k, v, gk, gv) [B, T, H, D] of the last computing layer of each kind (the parts
+    are then theirs, [1, ...] too); this group then returns no K/V (None); own_valid: the donor K/V's valid mask where
+    it is not valid_bt (`_layers`' hidden_at). ple: (tokens [B, T], the group's context halves [Lgroup, B, T, Dp]) or
     None."""
     cfg = self.config
     unit = cfg.layer_pattern

@@ -413,15 +413,13 @@ def _dispatched_expert_sum(config: ModelConfig, p: dict, x, experts, weights, ax
   the devices, each copy's share of the prompt's (docs/design.md, "Expert parallelism")."""
   e_local = p["w_gate"].shape[0]
   x, experts, weights = (_varying(a, axes) for a in (x, experts, weights))
-  if set(axes) <= set(_REPLICATED_OVER.get()):
-    local = experts - jax.lax.axis_index(axes) * e_local
-    mine = (local >= 0) & (local < e_local)
-    y = _expert_sum(config, p, x, jnp.where(mine, local, 0), jnp.where(mine, weights, 0), lora_scale)
-    return jax.lax.pcast(jax.lax.psum(y, axes), axes, to="varying")
-  gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)
+  replicated = set(axes) <= set(_REPLICATED_OVER.get())
+  gather = (lambda a: a) if replicated else lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)
   local = gather(experts) - jax.lax.axis_index(axes) * e_local                    # [n·N, k] this device's ids
   mine = (local >= 0) & (local < e_local)
   y = _expert_sum(config, p, gather(x), jnp.where(mine, local, 0), jnp.where(mine, gather(weights), 0), lora_scale)
+  if replicated:
+    return jax.lax.pcast(jax.lax.psum(y, axes), axes, to="varying")
   return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
 
 

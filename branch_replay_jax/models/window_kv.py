@@ -112,10 +112,13 @@ def trim(kv: KVBlock, layer_types: Sequence[str] | None, window: int | None) -> 
     return kv
   if kv.k.shape[2] <= window - 1:
     return kv
-  is_global, _ = layer_slots(layer_types)
-  index = np.flatnonzero(is_global)
-  full = KVBlock(jnp.take(kv.k, index, axis=0), jnp.take(kv.v, index, axis=0), kv.valid)
-  return WindowedPrompt(full, *last_keys(kv, window))
+  return WindowedPrompt(global_layers(kv, layer_types), *last_keys(kv, window))
+
+
+def global_layers(kv: KVBlock, layer_types: Sequence[str]) -> KVBlock:
+  """The global (FULL) layers' K/V of stacked K/V k, v [L, B, T, ...]: [Lg, B, T, ...], valid unchanged."""
+  index = np.flatnonzero(layer_slots(layer_types)[0])
+  return KVBlock(jnp.take(kv.k, index, axis=0), jnp.take(kv.v, index, axis=0), kv.valid)
 
 
 def last_keys(kv: KVBlock, window: int) -> tuple[KVBlock, jax.Array]:

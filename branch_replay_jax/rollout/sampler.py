@@ -33,7 +33,7 @@ from branch_replay_jax.models.config import FULL, SLIDING
 from branch_replay_jax.models.gemma4 import Gemma4KV
 from branch_replay_jax.models.llama import Llama
 from branch_replay_jax.models.qwen3_5 import HybridState
-from branch_replay_jax.models.window_kv import RingCache, layer_slots, ring_cache, ring_write
+from branch_replay_jax.models.window_kv import RingCache, global_layers, ring_cache, ring_write
 
 
 class Rollouts(NamedTuple):
@@ -143,11 +143,8 @@ def _ring_cache(model: Llama, batch: int, length: int) -> RingCache:
 def _write_ring(model: Llama, cache: RingCache, kv, step, positions) -> RingCache:
   """`cache` with the decoded tokens' K/V `kv` (their segment's: a `Gemma4KV`, or a `KVBlock` [L, B, 1, ...])
   written (`window_kv.ring_write`): the global layers' at slot `step`, the sliding layers' in the ring."""
-  if isinstance(kv, Gemma4KV):
-    return ring_write(cache, (kv.gk, kv.gv), (kv.k, kv.v), step, positions)
-  index = np.flatnonzero(layer_slots(model.config.layer_types)[0])
-  return ring_write(cache, (jnp.take(kv.k, index, axis=0), jnp.take(kv.v, index, axis=0)), (kv.k, kv.v), step,
-                    positions)
+  full = (kv.gk, kv.gv) if isinstance(kv, Gemma4KV) else global_layers(kv, model.config.layer_types)[:2]
+  return ring_write(cache, full, (kv.k, kv.v), step, positions)
 
 
 def prefill(model: Llama, prompt_bt: jax.Array, prompt_len, *, with_routes: bool = False) -> tuple:
