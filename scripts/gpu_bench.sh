@@ -55,6 +55,10 @@
 #               forward and forward+backward (benchmarks/prompt_attention.py; Hq:Hkv 32:8, D 128)
 #   attention   suffix attention at (S_anc, T) = (32768, 512): our kernel against cuDNN with the
 #               explicit suffix mask (benchmarks/attention.py)
+#   gated_delta (named only: `bash scripts/gpu_bench.sh install gated_delta`) Qwen3.5's chunked gated delta
+#               rule, its chunk scan by jax.lax.scan against the Pallas kernels (model.gated_delta_scan),
+#               forward and forward+backward at T = 8192 and 32768, 32 heads of 128 x 128
+#               (benchmarks/gated_delta.py; SMOKE: T = 40, the interpreter)
 #   summarize   branch_replay_jax.benchmarks.summarize: $OUT/*.jsonl -> $OUT/summary.md (always last)
 #
 # P15's stages still run when named: check (scripts/gpu_check.sh), bench (P15's replay set, to
@@ -101,6 +105,7 @@ if [[ "$SMOKE" == 1 ]]; then   # CPU: tiny model, tiny shapes; cuDNN becomes xla
   MESH_BASE=(--config=experiments/bench_mesh.py:smoke)
   PROMPT_ATTENTION=(--config=experiments/bench_prompt_attention.py:smoke)
   ATTENTION=(--config=experiments/bench_attention.py:smoke --config.impls=pallas,reference,dpa_cudnn)
+  GATED_DELTA=(--config=experiments/bench_gated_delta.py:smoke)
 else
   REPLAY_BASE=(--config=experiments/bench_replay.py --config.model=random:smollm2-135m --config.dtype=bfloat16
                --config.attention_impl=pallas)
@@ -112,6 +117,7 @@ else
              --config.prompt_len=1024 --config.completion_len=128 --config.micro_batch=8 --config.one_device=True)
   PROMPT_ATTENTION=(--config=experiments/bench_prompt_attention.py)
   ATTENTION=(--config=experiments/bench_attention.py --config.cases=32768:512 --config.impls=pallas,dpa_cudnn)
+  GATED_DELTA=(--config=experiments/bench_gated_delta.py)
 fi
 
 replay_case() {   # replay_case LOG P T G REMAT NAIVE_MICRO_BATCH REPEATS [OVERRIDE...]: one case, naive then replay
@@ -192,6 +198,9 @@ run_stage() {
     attention)
       timeout "$(box)" "$PY" -m branch_replay_jax.benchmarks.attention "${ATTENTION[@]}" \
         --config.output="$OUT/attention.jsonl" > "$LOGS/attention.log" 2>&1 || rc=$? ;;
+    gated_delta)
+      timeout "$(box)" "$PY" -m branch_replay_jax.benchmarks.gated_delta "${GATED_DELTA[@]}" \
+        --config.output="$OUT/gated_delta.jsonl" > "$LOGS/gated_delta.log" 2>&1 || rc=$? ;;
     check)   # P15; holds the timing lock throughout: its tests and timings never share the GPU with a timed step
       flock "$BENCH_TIMING_LOCK" env BENCH_TIMING_LOCK= timeout "$(box)" bash scripts/gpu_check.sh \
         > "$LOGS/check.log" 2>&1 || rc=$? ;;

@@ -2,6 +2,7 @@
 tools/make_qwen3_5_reference.py wrote, the chunked rule against the token-by-token one, a segment continued
 from its parent's state, and branch replay through the recurrent state exact against naive rows."""
 
+import dataclasses
 import os
 
 import jax
@@ -115,6 +116,13 @@ def _sharp(m):
   return m
 
 
+def _with_scan(graphdef, params, scan: str):
+  """graphdef of the same model with `ModelConfig.gated_delta_scan = scan`."""
+  m = nnx.merge(graphdef, params)
+  m.config = dataclasses.replace(m.config, gated_delta_scan=scan)
+  return nnx.split(m)[0]
+
+
 @pytest.fixture(scope="module")
 def small64():
   """(graphdef, float64 params) of a random 4-layer Qwen3.5, (linear, full) twice, vocabulary 96, chunks of
@@ -196,12 +204,16 @@ def test_group_replay_bfloat16_error_at_most_twice_naive(model):
   assert replay_err <= 2 * naive_err, (replay_err, naive_err)
 
 
-def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small64, x64):
+@pytest.mark.parametrize("scan", ["xla", "pallas"])
+def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small64, x64, scan):
   # Depth 3: prompt 5, nodes of 1-5 tokens (a node of 1 or 2 starts and ends inside its parent's convolution
   # window; most are shorter than a chunk of 3 or cross one). Each node continues from its parent's final
   # state, which holds its grandparents'; the cotangents of a node's state from its children are summed. The
-  # level schedule: each level's nodes as rows, each on its own parent's state (`_row_ancestor`).
+  # level schedule: each level's nodes as rows, each on its own parent's state (`_row_ancestor`). With
+  # scan="pallas" the tree's linear layers scan their chunks by the Pallas kernels (kernels/gated_delta_pallas.py,
+  # interpreted) and the naive rows by jax.lax.scan: the same function, so the same bounds.
   graphdef, params = small64
+  tree_graphdef = graphdef if scan == "xla" else _with_scan(graphdef, params, scan)
   rng = np.random.default_rng(7)
   seg = lambda first, n: [first] + list(rng.integers(3, 96, n - 1))
   one = {a: seg(10 + a, 1 + 2 * a) for a in range(2)}
@@ -210,7 +222,7 @@ def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small
   tree = tree_from_trajectories(list(rng.integers(3, 96, 5)), trajectories)
   tree_batch, rows, _ = tree_and_rows(tree, rng)   # the same draws, in the same order, as every family
   ln, _, gn = step(graphdef, params, rows, objective, layout="naive")
-  lt, _, gt = step(graphdef, params, tree_batch, objective, schedule="level", micro_batch=None)
+  lt, _, gt = step(tree_graphdef, params, tree_batch, objective, schedule="level", micro_batch=None)
   assert abs(float(lt) - float(ln)) <= 1e-12 * max(1.0, abs(float(ln)))
   assert max_rel_err(gt, gn) <= 1e-10
   with pytest.raises(ValueError, match="packed tree"):   # a packed row has no per-token recurrence

@@ -18,7 +18,7 @@ from branch_replay_jax.distributed.mesh import PARAM_MODES
 from branch_replay_jax.distributed.sharding import EXPERT_AXES
 from branch_replay_jax.gradients.step import PACKED, TREE_SCHEDULES
 from branch_replay_jax.models import lora, tiny_config
-from branch_replay_jax.models.config import EXPERT_MATMULS
+from branch_replay_jax.models.config import EXPERT_MATMULS, GATED_DELTA_SCANS
 from branch_replay_jax.outputs.checkpoints import check_run_dir_path
 from branch_replay_jax.rollout.chat import HISTORIES
 from branch_replay_jax.rollout.environments import environment_kind
@@ -114,8 +114,10 @@ def validate_layer_kinds(config) -> None:
   are built for trees by level), with model.routing_replay episodes whose history is "template" (a rewritten
   history is not what the sampler fed). A model without
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
-  'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh. mesh.expert: one of the EXPERT_AXES, a
-  model with experts, an axis of size > 1 that divides their count. Runs for every algorithm and data source."""
+  'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh. model.gated_delta_scan: one of
+  GATED_DELTA_SCANS, other than 'xla' only for linear-attention layers, 'pallas' not on a mesh. mesh.expert:
+  one of the EXPERT_AXES, a model with experts, an axis of size > 1 that divides their count. Runs for every
+  algorithm and data source."""
   m = config.model
   aux = config.loss.get("router_aux_coef", 0.0) if "loss" in config else 0.0   # GRPO's (DPO has no loss section)
   matmul = m.get("expert_matmul", "ragged_dot")
@@ -129,6 +131,15 @@ def validate_layer_kinds(config) -> None:
   if matmul == "pallas" and mesh is not None and mesh.data * mesh.branch * mesh.seq > 1:
     raise ValueError(f"model.expert_matmul='pallas' on a mesh of {mesh.data} x {mesh.branch} x {mesh.seq}: the Pallas "
                      "grouped matmul runs on one device (not inside the mesh step's shard_map); use 'tiled'")
+  scan = m.get("gated_delta_scan", "xla")
+  if scan not in GATED_DELTA_SCANS:
+    raise ValueError(f"model.gated_delta_scan={scan!r} is not one of {GATED_DELTA_SCANS}")
+  if scan != "xla" and not (arch is not None and arch.hybrid):
+    raise ValueError(f"model.gated_delta_scan={scan!r}: model.name={m.name!r} has no linear-attention layers; leave "
+                     "it 'xla'")
+  if scan == "pallas" and mesh is not None and mesh.data * mesh.branch * mesh.seq > 1:
+    raise ValueError(f"model.gated_delta_scan='pallas' on a mesh of {mesh.data} x {mesh.branch} x {mesh.seq}: the "
+                     "Pallas chunk scan runs on one device (not inside the mesh step's shard_map); use 'xla'")
   expert = placement.expert_axis(config)
   if expert:
     if expert not in EXPERT_AXES:

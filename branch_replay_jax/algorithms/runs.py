@@ -42,7 +42,8 @@ def build_model(config):
   else:
     model, tokenizer = load(config.model.name, dtype=dtype, remat=config.model.remat,
                             attention_impl=config.model.attention_impl,
-                            expert_matmul=config.model.get("expert_matmul", "ragged_dot"))
+                            expert_matmul=config.model.get("expert_matmul", "ragged_dot"),
+                            gated_delta_scan=config.model.get("gated_delta_scan", "xla"))
   if config.get("lora") is not None:
     rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(config.seed), 1))
     lora.add_adapters(model, lora_spec(config, model.config), rngs=rngs)

@@ -10,6 +10,7 @@ import logging
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_moe",
                  "qwen3_5_moe_text")
 EXPERT_MATMULS = ("ragged_dot", "tiled", "pallas")   # ModelConfig.expert_matmul
+GATED_DELTA_SCANS = ("xla", "pallas")   # ModelConfig.gated_delta_scan
 # Attention layer kinds (transformers' `layer_types`): Gemma 3's sliding and full, Qwen3.5's linear and full.
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
@@ -110,6 +111,10 @@ class ModelConfig:
       "tiled" (`kernels.grouped_matmul`: tiles of one expert's rows, any backend) or "pallas"
       (`kernels.grouped_matmul_pallas`: the same tiles as Pallas kernels, Triton on GPU, interpreted on the
       CPU; one device only); one of EXPERT_MATMULS.
+    gated_delta_scan: Qwen3.5's linear layers: how the chunked gated delta rule scans its state over the chunks
+      (a compute choice, not a checkpoint field): "xla" (`jax.lax.scan`) or "pallas"
+      (`kernels.gated_delta_pallas`: one program per row and value head, Triton on GPU, interpreted on the CPU;
+      one device only); one of GATED_DELTA_SCANS.
     global_head_dim, global_kv_heads, k_eq_v, global_rope_fraction, final_logit_softcap, layer_scalars: Gemma 4
       only (arch="gemma4_text", `models.gemma4`): its global layers' head width and K/V heads (head_dim and
       num_kv_heads are the sliding layers'), whether their values are their keys' projection (attention_k_eq_v),
@@ -154,6 +159,7 @@ class ModelConfig:
   expert_ffn_dim: int | None = None
   norm_topk_prob: bool = True
   expert_matmul: str = "ragged_dot"
+  gated_delta_scan: str = "xla"
   global_head_dim: int | None = None
   global_kv_heads: int | None = None
   k_eq_v: bool = False
@@ -169,6 +175,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.arch={self.arch!r} is not supported; expected one of {ARCHITECTURES}")
     if self.expert_matmul not in EXPERT_MATMULS:
       raise ValueError(f"ModelConfig.expert_matmul={self.expert_matmul!r} is not one of {EXPERT_MATMULS}")
+    if self.gated_delta_scan not in GATED_DELTA_SCANS:
+      raise ValueError(f"ModelConfig.gated_delta_scan={self.gated_delta_scan!r} is not one of {GATED_DELTA_SCANS}")
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
                  "max_positions"):
       value = getattr(self, name)

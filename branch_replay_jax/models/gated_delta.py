@@ -22,8 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from branch_replay_jax.kernels.gated_delta_pallas import chunk_scan_pallas
 from branch_replay_jax.kernels.reference import accum_dtype
 from branch_replay_jax.kernels.vma import to_common_varying
+from branch_replay_jax.models.config import GATED_DELTA_SCANS
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -90,7 +92,7 @@ def recurrent(q, k, v, g, beta, state):
   return jnp.moveaxis(out, 0, 1), state
 
 
-def chunked(q, k, v, g, beta, state, chunk: int = 64):
+def chunked(q, k, v, g, beta, state, chunk: int = 64, scan: str = "xla"):
   """The recurrence C = `chunk` tokens at a time (transformers' `torch_chunk_gated_delta_rule`).
 
   Inside chunk c, with γ_i = Σ_{j<=i} g_j (cumulative log decay), Γ_ij = exp(γ_i - γ_j) for j <= i:
@@ -98,8 +100,15 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
   at the chunk's start, v' = U - W S, out = (q ⊙ exp γ) S + ((q kᵀ) ⊙ Γ, lower with diagonal) v',
   S ← exp(γ_C) S + (k ⊙ exp(γ_C - γ))ᵀ v'. The sequence is zero-padded to a multiple of C (no-ops).
 
-  Args and returns: as `recurrent`; chunk: tokens per chunk (transformers uses 64).
+  Args and returns: as `recurrent`; chunk: tokens per chunk (transformers uses 64); scan: the scan of the state
+  over the chunks, "xla" (`jax.lax.scan`) or "pallas" (`kernels.gated_delta_pallas`: one program per row and
+  head; the same function, held equal in float64 by the tests).
+
+  Raises:
+    ValueError: scan not in GATED_DELTA_SCANS.
   """
+  if scan not in GATED_DELTA_SCANS:
+    raise ValueError(f"gated_delta.chunked: scan={scan!r} is not one of {GATED_DELTA_SCANS}")
   (q, k, v, g, beta, state), _ = to_common_varying(q, k, v, g, beta, state)
   b, t, h, dk = k.shape
   pad = (-t) % chunk
@@ -123,14 +132,18 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
   k_decayed = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
   chunk_decay = jnp.exp(gamma[..., -1])                                        # [B, H, n]
 
-  def step(s, xs):
-    u_c, w_c, attn_c, q_c, k_c, d_c = xs
-    v_new = u_c - jnp.einsum("bhik,bhkv->bhiv", w_c, s)
-    out = jnp.einsum("bhik,bhkv->bhiv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", attn_c, v_new)
-    s = s * d_c[..., None, None] + jnp.einsum("bhik,bhiv->bhkv", k_c, v_new)
-    return s, out
+  if scan == "pallas":
+    out, state = chunk_scan_pallas(u, w, attn, q_decayed, k_decayed, chunk_decay, state)
+  else:
+    def step(s, xs):
+      u_c, w_c, attn_c, q_c, k_c, d_c = xs
+      v_new = u_c - jnp.einsum("bhik,bhkv->bhiv", w_c, s)
+      out = jnp.einsum("bhik,bhkv->bhiv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", attn_c, v_new)
+      s = s * d_c[..., None, None] + jnp.einsum("bhik,bhiv->bhkv", k_c, v_new)
+      return s, out
 
-  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, attn, q_decayed, k_decayed, chunk_decay))   # [n, B, H, ...]
-  state, out = jax.lax.scan(step, state, xs)                                   # out [n, B, H, C, Dv]
-  out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, -1)[:, :, :t]
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, attn, q_decayed, k_decayed, chunk_decay))   # [n, B, H, ...]
+    state, out = jax.lax.scan(step, state, xs)                                 # out [n, B, H, C, Dv]
+    out = jnp.moveaxis(out, 0, 2)
+  out = out.reshape(b, h, n * chunk, -1)[:, :, :t]
   return jnp.moveaxis(out, 1, 2), state

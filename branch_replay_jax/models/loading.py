@@ -155,12 +155,16 @@ def decoder_class(config: ModelConfig) -> type[Llama]:
 
 
 def build_model(config: ModelConfig, params: dict, *, dtype=jnp.float32, remat: str = "none",
-                attention_impl: str = "xla", expert_matmul: str | None = None) -> Llama:
+                attention_impl: str = "xla", expert_matmul: str | None = None,
+                gated_delta_scan: str | None = None) -> Llama:
   """A `Llama` (a `qwen3_5.Qwen35` for Qwen3.5) holding exactly `params` (no random initialisation is run);
-  a mixture of experts' grouped matmuls lowered by `expert_matmul` (`ModelConfig.expert_matmul`; None: the
-  config's own)."""
+  a mixture of experts' grouped matmuls lowered by `expert_matmul` (`ModelConfig.expert_matmul`), linear
+  layers' chunk scan by `gated_delta_scan` (`ModelConfig.gated_delta_scan`); None: the config's own. Each is
+  set only on a model that has such layers."""
   if config.moe and expert_matmul is not None and expert_matmul != config.expert_matmul:
     config = dataclasses.replace(config, expert_matmul=expert_matmul)
+  if config.hybrid and gated_delta_scan is not None and gated_delta_scan != config.gated_delta_scan:
+    config = dataclasses.replace(config, gated_delta_scan=gated_delta_scan)
   cls = decoder_class(config)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(config, dtype=dtype, remat=remat, attention_impl=attention_impl,
                                                         rngs=nnx.Rngs(0))))
@@ -201,7 +205,7 @@ def _load_hf(directory: str, dtype, model_options: dict):
 
 
 def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla",
-                  expert_matmul: str = "ragged_dot") -> Llama:
+                  expert_matmul: str = "ragged_dot", gated_delta_scan: str = "xla") -> Llama:
   """The decoder of an HF checkpoint directory (config.json + *.safetensors), without its tokenizer (`load`
   reads both). Raises ValueError as `load` does for the weights."""
   config = hf_loader.read_config(directory)
@@ -213,22 +217,22 @@ def load_hf_model(directory: str, dtype=jnp.float32, remat: str = "none", attent
     if embed is None or head.shape != embed.shape or not np.array_equal(head, embed):
       raise ValueError(f"{directory}: tie_word_embeddings is true but lm_head.weight {head.shape} differs from "
                        f"model.embed_tokens.weight {None if embed is None else embed.shape}")
+  options = {"dtype": dtype, "remat": remat, "attention_impl": attention_impl, "expert_matmul": expert_matmul,
+             "gated_delta_scan": gated_delta_scan}
   if config.hybrid:
-    return build_model(config, qwen3_5.params_from_hf(tensors, config, directory), dtype=dtype, remat=remat,
-                       attention_impl=attention_impl, expert_matmul=expert_matmul)
+    return build_model(config, qwen3_5.params_from_hf(tensors, config, directory), **options)
   if config.gemma4:
     config, params = gemma4.params_from_hf(tensors, config, directory)
-    return build_model(config, params, dtype=dtype, remat=remat, attention_impl=attention_impl)
+    return build_model(config, params, **options)
   globs, layers = canonical_tensors(tensors, config, global_names=hf_loader.GLOBAL_NAMES,
                                     layer_prefix=hf_loader.LAYER_PREFIX,
                                     layer_names=hf_loader.layer_names(config.arch, config.num_experts),
                                     source=directory)
-  return build_model(config, assemble_params(config, globs, layers), dtype=dtype, remat=remat,
-                     attention_impl=attention_impl, expert_matmul=expert_matmul)
+  return build_model(config, assemble_params(config, globs, layers), **options)
 
 
 def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none", attention_impl: str = "xla",
-         expert_matmul: str = "ragged_dot"):
+         expert_matmul: str = "ragged_dot", gated_delta_scan: str = "xla"):
   """Load a pretrained decoder and its tokenizer from local files.
 
   Args:
@@ -238,6 +242,7 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none"
     dtype: compute dtype of the model; parameters are float32 (dequantised exactly).
     remat, attention_impl: passed to `Llama` (rematerialisation policy, suffix-attention kernel).
     expert_matmul: a mixture of experts' grouped-matmul lowering (`ModelConfig.expert_matmul`); unused otherwise.
+    gated_delta_scan: linear-attention layers' chunk scan (`ModelConfig.gated_delta_scan`); unused otherwise.
 
   Returns:
     (model, tokenizer): a `Llama` and a transformers fast tokenizer (with its chat template).
@@ -248,7 +253,8 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.float32, remat: str = "none"
       not fit the embedding. Nothing is loaded partially.
   """
   name = os.fspath(name_or_path)
-  options = {"remat": remat, "attention_impl": attention_impl, "expert_matmul": expert_matmul}
+  options = {"remat": remat, "attention_impl": attention_impl, "expert_matmul": expert_matmul,
+             "gated_delta_scan": gated_delta_scan}
   if name == "smollm2-135m-instruct":
     return _load_gguf(smollm2_gguf_path(), dtype, options)
   if os.path.isfile(name) and name.endswith(".gguf"):

@@ -197,7 +197,8 @@ def _linear_layer(config, p, x_btd, conv_state, state, valid_bt, chunk):
                                                           + p["dt_bias"].astype(acc))
   beta, g = jnp.where(valid_bt[..., None], beta, 0), jnp.where(valid_bt[..., None], g, 0)   # padding: no-op
   k = jnp.where(valid_bt[..., None, None], k, 0)
-  rule = gated_delta.recurrent if t == 1 else lambda *a: gated_delta.chunked(*a, chunk=chunk)
+  rule = gated_delta.recurrent if t == 1 else lambda *a: gated_delta.chunked(*a, chunk=chunk,
+                                                                          scan=config.gated_delta_scan)
   out, state = rule(q, k, v, g, beta, jnp.broadcast_to(state.astype(acc), (b, *state.shape[1:])))
   z = project(p, "wz", "btd,dhk->bthk", x, 0.0).astype(acc)
   y = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + config.norm_eps)
