@@ -32,7 +32,7 @@ def get_config(arg=None):
   #                                       # or offload_kv (save_kv with the saved arrays in host memory)
   c.model.attention_impl = "auto"         # suffix attention: xla (jnp reference), pallas, splash, auto (pallas on GPU, splash on TPU)
   c.model.expert_matmul = "ragged_dot"    # a mixture of experts' grouped matmuls: ragged_dot, tiled (kernels.grouped_matmul) or pallas
-  c.model.gated_delta_scan = "xla"        # linear-attention layers' chunk scan (Qwen3.5): xla or pallas (one device)
+  c.model.gated_delta_scan = "xla"        # linear-attention layers' chunk scan (Qwen3.5): xla or pallas
 
   jsonl, smoke = "jsonl" in arg, "smoke" in arg
   c.data = ml_collections.ConfigDict()

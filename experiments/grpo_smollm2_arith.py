@@ -50,7 +50,7 @@ def get_config(arg=None):
   #                                       # (kernels.grouped_matmul: tiles of one expert's rows; any backend)
   #                                       # or pallas (those tiles as Pallas kernels; one device)
   c.model.gated_delta_scan = "xla"        # linear-attention layers' chunk scan (Qwen3.5): xla (lax.scan) or pallas
-  #                                       # (kernels.gated_delta_pallas; one device)
+  #                                       # (kernels.gated_delta_pallas)
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "basic_arithmetic"        # a name in branch_replay_jax.rollout.tasks.TASKS (also gsm_symbolic)

@@ -25,9 +25,10 @@ equal in float64 (tests/test_gated_delta_pallas.py). Memory is the scan's: the n
 
 Accumulation in float32 (float64 for float64 inputs, in the interpreter); float32 dots at HIGHEST precision
 (never TF32). Targets: NVIDIA GPUs through the Triton lowering (C, Dk and Dv powers of two >= 16, as Qwen3.5's
-64, 128, 128), the CPU through the Pallas interpreter (tests). Not inside a mesh step's `shard_map` (its outputs
-state no varying mesh axes; the config check refuses `model.gated_delta_scan = "pallas"` on a mesh). No
-accelerator was lent to the session that wrote this, so the Triton lowering is untested and unmeasured here
+64, 128, 128), the CPU through the Pallas interpreter (tests). Inside the mesh step's `shard_map(check_vma=True)`
+the operands are cast to one manual-axis type and the outputs state it (kernels/vma.py), as the attention
+kernels do; interpreted there, each device runs all devices' rows and keeps its own (`_call`). No accelerator
+was lent to the session that wrote this, so the Triton lowering is untested and unmeasured here
 (docs/design.md, "Linear attention (Qwen3.5)").
 """
 
@@ -38,6 +39,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from branch_replay_jax.kernels.vma import out_struct, to_common_varying
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -77,35 +80,53 @@ def _backward_kernel(u_ref, w_ref, a_ref, q_ref, k_ref, d_ref, states_ref, do_re
   ds0_ref[b, h] = jax.lax.fori_loop(0, n, body, dfinal_ref[b, h])
 
 
-def _call(kernel, grid_of, outs, interpret, *args):
-  return pl.pallas_call(kernel, grid=grid_of, in_specs=[pl.no_block_spec] * len(args),
-                        out_specs=[pl.no_block_spec] * len(outs), out_shape=outs, interpret=interpret)(*args)
+def _call(kernel, outs, interpret: bool, varying: frozenset, *args):
+  """`kernel` over the grid (B, H) of args[0] [B, H, ...]: outputs `outs` (shapes and dtypes), typed to vary over
+  the manual mesh axes `varying` (kernels/vma.py).
+
+  Interpreted inside `shard_map` (tests on the CPU), the interpreter cannot run on operands that vary over mesh
+  axes (kernels/pallas_attention.py, `_interpret_per_device`): every device then gathers all devices' operands
+  (invariant), runs their rows as one batch of B x devices rows, and keeps its own; programs are independent
+  per (row, head), so the values are those of one call per device."""
+  def call(args, varying):
+    b, h = args[0].shape[:2]
+    return pl.pallas_call(kernel, grid=(b, h), in_specs=[pl.no_block_spec] * len(args),
+                          out_specs=[pl.no_block_spec] * len(outs), interpret=interpret,
+                          out_shape=[out_struct((b, *o.shape[1:]), o.dtype, varying) for o in outs])(*args)
+  if not (interpret and varying):
+    return call(args, varying)
+  axes = tuple(sorted(varying))
+  gathered = [jax.lax.all_gather(x, axes, to="invarying") for x in args]            # [devices, B, ...]
+  devices = gathered[0].shape[0]
+  outs_all = call([x.reshape(devices * x.shape[1], *x.shape[2:]) for x in gathered], frozenset())
+  me = jax.lax.axis_index(axes)
+  return [o.reshape(devices, -1, *o.shape[1:])[me] for o in outs_all]
 
 
-def _forward(u, w, a, q, k, d, s0, interpret):
+def _forward(u, w, a, q, k, d, s0, interpret, varying):
   bsz, h, n, _, dv = u.shape
   dk = w.shape[-1]
   struct = lambda *shape: jax.ShapeDtypeStruct(shape, u.dtype)
-  return _call(_forward_kernel, (bsz, h), [struct(*u.shape), struct(bsz, h, n, dk, dv), struct(bsz, h, dk, dv)],
-               interpret, u, w, a, q, k, d, s0)
+  return _call(_forward_kernel, [struct(*u.shape), struct(bsz, h, n, dk, dv), struct(bsz, h, dk, dv)],
+               interpret, varying, u, w, a, q, k, d, s0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _scan(u, w, a, q, k, d, s0, interpret):
-  out, _, final = _forward(u, w, a, q, k, d, s0, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _scan(u, w, a, q, k, d, s0, interpret, varying):
+  out, _, final = _forward(u, w, a, q, k, d, s0, interpret, varying)
   return out, final
 
 
-def _scan_fwd(u, w, a, q, k, d, s0, interpret):
-  out, states, final = _forward(u, w, a, q, k, d, s0, interpret)
+def _scan_fwd(u, w, a, q, k, d, s0, interpret, varying):
+  out, states, final = _forward(u, w, a, q, k, d, s0, interpret, varying)
   return (out, final), (u, w, a, q, k, d, states)
 
 
-def _scan_bwd(interpret, saved, cotangents):
+def _scan_bwd(interpret, varying, saved, cotangents):
   u, w, a, q, k, d, states = saved
   do, dfinal = (x.astype(u.dtype) for x in cotangents)
   outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (u, w, a, q, k, d, dfinal)]
-  return tuple(_call(_backward_kernel, u.shape[:2], outs, interpret, u, w, a, q, k, d, states, do, dfinal))
+  return tuple(_call(_backward_kernel, outs, interpret, varying, u, w, a, q, k, d, states, do, dfinal))
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
@@ -141,4 +162,5 @@ def chunk_scan_pallas(u, w, a, q, k, d, state, *, interpret: bool | None = None)
                        f"{list(want[name])} for u {list(u.shape)} and w's Dk={dk}")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  return _scan(u, w, a, q, k, d, state, bool(interpret))
+  args, varying = to_common_varying(u, w, a, q, k, d, state)
+  return _scan(*args, bool(interpret), varying)

@@ -94,11 +94,12 @@ def refused_before_loading(tmp_path, fixture: str, variant: str, overrides: dict
 
 
 def fsdp_step_equals_naive(graphdef, params, groups, head=POLICY, seq: int = 1, mode: str = "fsdp",
-                           expert: str = "") -> None:
+                           expert: str = "", mesh_graphdef=None) -> None:
   """Float64: the groups stacked over data x branch x seq = 2 x 2 x `seq` (4 or 8 of the 8 fake devices; the
   prompts split over seq) with parameters in layout `mode` (FSDP by default) and, with `expert`, a mixture of
   experts' experts split over that axis give the loss and summed gradient of the groups' naive steps
-  (<= 1e-10), both through `head`."""
+  (<= 1e-10), both through `head`; the mesh step through `mesh_graphdef` (default: graphdef)."""
+  mesh_graphdef = graphdef if mesh_graphdef is None else mesh_graphdef
   from branch_replay_jax.distributed.mesh import make_mesh, pad_prompts, shard_batch, shard_params, stack_groups
   naive = jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, layout="naive"))
   outs = [naive(params, a) for a in groups]
@@ -106,7 +107,7 @@ def fsdp_step_equals_naive(graphdef, params, groups, head=POLICY, seq: int = 1, 
   mesh = make_mesh(2, 2, seq, devices=jax.devices()[:4 * seq])
   with jax.set_mesh(mesh):
     batch = shard_batch(stack_groups(pad_prompts(groups, seq)), mesh)
-    loss, _, grads = jax.jit(lambda p, b: value_and_grad(head, graphdef, p, b, objective, mesh=mesh,
+    loss, _, grads = jax.jit(lambda p, b: value_and_grad(head, mesh_graphdef, p, b, objective, mesh=mesh,
                                                          micro_batch=1))(shard_params(params, mesh, mode, expert=expert),
                                                                          batch)
   assert float(loss) == pytest.approx(float(sum(o[0] for o in outs)), rel=1e-10)

@@ -260,11 +260,18 @@ def test_grpo_trains_a_qwen3_5_directory_by_replay_and_checks_it_against_naive_r
   # directory and trained by the GRPO smoke experiment: sampled through the recurrent state, trained by replay
   # from the prompt's final state (the prompt and the 4 completions of a group in one step, the fused replay,
   # `Qwen35.prompt_and_rows`). The run-time exactness check computes one group's gradient by replay and by naive
-  # rows: equal to float32 rounding (exactness_ok, the bound of algorithms/exactness.py).
+  # rows: equal to float32 rounding (exactness_ok, the bound of algorithms/exactness.py). The linear layers scan
+  # their chunks by the Pallas kernels (model.gated_delta_scan, through the loader; the sampler's prefill and the
+  # update both trace them); the lax.scan default trains in the LoRA GRPO test below.
   cfg = tiny_config(vocab_size=SMOLLM2_VOCAB, arch="qwen3_5_text", layer_types=(LINEAR, FULL), qk_norm=True,
                     linear_attention=GatedDeltaNetShape(2, 4, 8, 8), rotary_dim=4, max_positions=2048,
                     tie_embeddings=False)
-  record = grpo_on_exported(Qwen35(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch, **{"train.micro_batch": 4})
+  traced = []
+  kernel = gated_delta.chunk_scan_pallas
+  monkeypatch.setattr(gated_delta, "chunk_scan_pallas", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+  record = grpo_on_exported(Qwen35(cfg, rngs=nnx.Rngs(0)), tmp_path, monkeypatch,
+                            **{"train.micro_batch": 4, "model.gated_delta_scan": "pallas"})
+  assert len(traced) >= 2
   assert record["exactness_ok"] is True and 0 < record["exactness_grad_rel_err"] <= 1e-4
   assert np.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["reward_std"] > 0
 
@@ -326,15 +333,18 @@ def test_a_linear_attention_model_refuses_what_it_does_not_take_before_loading(t
                          f"has linear-attention layers \\(Qwen3.5\\): {message}")
 
 
-def test_fsdp_mesh_step_equals_naive_float64(small64):
+@pytest.mark.parametrize("scan", ["xla", "pallas"])
+def test_fsdp_mesh_step_equals_naive_float64(small64, scan):
   # Two groups over data x branch = 2 x 2 with FSDP parameters (every weight, the linear layers' included, split
   # and gathered one layer-pattern repetition at a time inside the scan; the prompt's final recurrent state
   # handed to the completions on each device, its cotangent all-reduced over branch): the summed gradient
-  # equals the two naive groups' to float64 rounding (<= 1e-10).
+  # equals the two naive groups' to float64 rounding (<= 1e-10). scan="pallas": the linear layers' chunk scan
+  # by the Pallas kernels inside the mesh step's shard_map, the naive groups' by jax.lax.scan on one device.
+  graphdef, params = small64
   with jax.enable_x64(True):
     groups = [arrays_of(random_group([2, 5, 9, 4], prompt_len=6 + 3 * s, seed=s, vocab=96), np.float64)
               for s in range(2)]
-    fsdp_step_equals_naive(*small64, groups)
+    fsdp_step_equals_naive(graphdef, params, groups, mesh_graphdef=_with_scan(graphdef, params, scan))
 
 
 def test_episode_turns_on_the_kept_state_sample_what_a_full_reprefill_samples():

@@ -115,7 +115,7 @@ def validate_layer_kinds(config) -> None:
   history is not what the sampler fed). A model without
   experts refuses loss.router_aux_coef > 0, model.routing_replay and model.expert_matmul other than
   'ragged_dot'; model.expert_matmul = 'pallas' is refused on a mesh. model.gated_delta_scan: one of
-  GATED_DELTA_SCANS, other than 'xla' only for linear-attention layers, 'pallas' not on a mesh. mesh.expert:
+  GATED_DELTA_SCANS, other than 'xla' only for linear-attention layers. mesh.expert:
   one of the EXPERT_AXES, a model with experts, an axis of size > 1 that divides their count. Runs for every
   algorithm and data source."""
   m = config.model
@@ -137,9 +137,6 @@ def validate_layer_kinds(config) -> None:
   if scan != "xla" and not (arch is not None and arch.hybrid):
     raise ValueError(f"model.gated_delta_scan={scan!r}: model.name={m.name!r} has no linear-attention layers; leave "
                      "it 'xla'")
-  if scan == "pallas" and mesh is not None and mesh.data * mesh.branch * mesh.seq > 1:
-    raise ValueError(f"model.gated_delta_scan='pallas' on a mesh of {mesh.data} x {mesh.branch} x {mesh.seq}: the "
-                     "Pallas chunk scan runs on one device (not inside the mesh step's shard_map); use 'xla'")
   expert = placement.expert_axis(config)
   if expert:
     if expert not in EXPERT_AXES:

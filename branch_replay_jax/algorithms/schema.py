@@ -75,7 +75,7 @@ class ModelConfig:
                           "(kernels.grouped_matmul_pallas: those tiles as Pallas kernels; one device)",
                           "ragged_dot")
   gated_delta_scan: str = _f("linear-attention layers' chunk scan (Qwen3.5): xla (jax.lax.scan) or pallas "
-                             "(kernels.gated_delta_pallas: one program per row and head; one device)", "xla")
+                             "(kernels.gated_delta_pallas: one program per row and head)", "xla")
 
 
 @_frozen

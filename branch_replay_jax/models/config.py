@@ -114,7 +114,7 @@ class ModelConfig:
     gated_delta_scan: Qwen3.5's linear layers: how the chunked gated delta rule scans its state over the chunks
       (a compute choice, not a checkpoint field): "xla" (`jax.lax.scan`) or "pallas"
       (`kernels.gated_delta_pallas`: one program per row and value head, Triton on GPU, interpreted on the CPU;
-      one device only); one of GATED_DELTA_SCANS.
+      on one device and inside the mesh step); one of GATED_DELTA_SCANS.
     global_head_dim, global_kv_heads, k_eq_v, global_rope_fraction, final_logit_softcap, layer_scalars: Gemma 4
       only (arch="gemma4_text", `models.gemma4`): its global layers' head width and K/V heads (head_dim and
       num_kv_heads are the sliding layers'), whether their values are their keys' projection (attention_k_eq_v),
