@@ -52,6 +52,28 @@ def test_the_pallas_scan_equals_the_lax_scan_values_and_gradients_float64(x64, c
     assert float(jnp.max(jnp.abs(x - w))) <= 1e-12 * max(1.0, float(jnp.max(jnp.abs(w)))), name
 
 
+@pytest.mark.parametrize("block_v", [1, 4, 8])
+def test_each_block_of_state_columns_scans_on_its_own_float64(x64, block_v):
+  # The kernels split the state's Dv = 8 columns into blocks of block_v, one program each (the columns evolve
+  # independently; the cotangents of W, A, Q, K and d sum over the blocks after the call): the scan's outputs and
+  # all seven cotangents equal gated_delta.chunk_scan's (jax.lax.scan) to float64 rounding for every split.
+  ks = jax.random.split(jax.random.key(3), 9)
+  b, h, n, c, dk, dv = 2, 3, 4, 5, 6, 8
+  u, w, a, q, k = (jax.random.normal(key, shape, jnp.float64) for key, shape in zip(
+      ks, [(b, h, n, c, dv), (b, h, n, c, dk), (b, h, n, c, c), (b, h, n, c, dk), (b, h, n, c, dk)]))
+  a = jnp.tril(a) * 0.3
+  d = jax.random.uniform(ks[5], (b, h, n), jnp.float64)
+  s0 = jax.random.normal(ks[6], (b, h, dk, dv), jnp.float64)
+  cts = (jax.random.normal(ks[7], u.shape, jnp.float64), jax.random.normal(ks[8], s0.shape, jnp.float64))
+  want, want_pull = jax.vjp(gated_delta.chunk_scan, u, w, a, q, k, d, s0)
+  got, got_pull = jax.vjp(lambda *x: chunk_scan_pallas(*x, block_v=block_v), u, w, a, q, k, d, s0)
+  for name, x, y in zip(("out", "state", "du", "dw", "da", "dq", "dk", "dd", "dstate"), (*got, *got_pull(cts)),
+                        (*want, *want_pull(cts))):
+    assert float(jnp.max(jnp.abs(x - y))) <= 1e-12 * max(1.0, float(jnp.max(jnp.abs(y)))), name
+  with pytest.raises(ValueError, match=r"chunk_scan_pallas: block_v=3 must be a positive divisor of Dv=8"):
+    chunk_scan_pallas(u, w, a, q, k, d, s0, block_v=3)
+
+
 def test_the_pallas_scan_follows_the_token_by_token_recurrence_float64(x64):
   # The recurrence token by token (`recurrent`, transformers' decoding form) is the independent reference.
   args = _inputs(jnp.float64)

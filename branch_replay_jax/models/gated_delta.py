@@ -92,6 +92,21 @@ def recurrent(q, k, v, g, beta, state):
   return jnp.moveaxis(out, 0, 1), state
 
 
+def chunk_scan(u, w, a, q, k, d, state):
+  """The scan of the state over the chunks by `jax.lax.scan` (`chunked`'s scan="xla"): per chunk c,
+  V' = U_c - W_c S, O_c = Q_c S + A_c V', S <- d_c S + K_cᵀ V'. Args and returns as
+  `kernels.gated_delta_pallas.chunk_scan_pallas`: u [B, H, n, C, Dv], w, q, k [B, H, n, C, Dk], a [B, H, n, C, C],
+  d [B, H, n], state [B, H, Dk, Dv] -> (out [B, H, n, C, Dv], final state [B, H, Dk, Dv])."""
+  def step(s, xs):
+    u_c, w_c, a_c, q_c, k_c, d_c = xs
+    v_new = u_c - jnp.einsum("bhik,bhkv->bhiv", w_c, s)
+    out = jnp.einsum("bhik,bhkv->bhiv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", a_c, v_new)
+    return s * d_c[..., None, None] + jnp.einsum("bhik,bhiv->bhkv", k_c, v_new), out
+
+  state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, a, q, k, d)))   # [n, B, H, ...]
+  return jnp.moveaxis(out, 0, 2), state
+
+
 def chunked(q, k, v, g, beta, state, chunk: int = 64, scan: str = "xla"):
   """The recurrence C = `chunk` tokens at a time (transformers' `torch_chunk_gated_delta_rule`).
 
@@ -132,18 +147,7 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64, scan: str = "xla"):
   k_decayed = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
   chunk_decay = jnp.exp(gamma[..., -1])                                        # [B, H, n]
 
-  if scan == "pallas":
-    out, state = chunk_scan_pallas(u, w, attn, q_decayed, k_decayed, chunk_decay, state)
-  else:
-    def step(s, xs):
-      u_c, w_c, attn_c, q_c, k_c, d_c = xs
-      v_new = u_c - jnp.einsum("bhik,bhkv->bhiv", w_c, s)
-      out = jnp.einsum("bhik,bhkv->bhiv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", attn_c, v_new)
-      s = s * d_c[..., None, None] + jnp.einsum("bhik,bhiv->bhkv", k_c, v_new)
-      return s, out
-
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, attn, q_decayed, k_decayed, chunk_decay))   # [n, B, H, ...]
-    state, out = jax.lax.scan(step, state, xs)                                 # out [n, B, H, C, Dv]
-    out = jnp.moveaxis(out, 0, 2)
+  scan_fn = chunk_scan_pallas if scan == "pallas" else chunk_scan
+  out, state = scan_fn(u, w, attn, q_decayed, k_decayed, chunk_decay, state)
   out = out.reshape(b, h, n * chunk, -1)[:, :, :t]
   return jnp.moveaxis(out, 1, 2), state
