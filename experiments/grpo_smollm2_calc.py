@@ -5,6 +5,8 @@ answers; the episodes of a problem share their prefix in training (docs/design.m
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py:smoke   # tiny model, 2 steps
   python -m branch_replay_jax.main --config=experiments/grpo_smollm2_calc.py:guess   # GEM's GuessTheNumber
+  PYTHONPATH=experiments/tasksets python -m branch_replay_jax.main \
+      --config=experiments/grpo_smollm2_calc.py:vf_arith   # a verifiers taskset with a second attempt
 
 RLOO: --config.loss.advantage=rloo (and remove loss.advantage_eps: `del` it in a variant).
 """
@@ -65,6 +67,24 @@ def get_config(arg=None):
     c.rollout.episodes.max_turns = 4      # the game's own limit
     c.rollout.episodes.max_turn_tokens = 32
     c.run_dir = "runs/grpo_smollm2_guess"
+  elif arg == "vf_arith":   # learning on a verifiers environment (docs/results/verifiers-arith)
+    # experiments/tasksets/vf_arith.py: the `:learn` experiment's few-shot arithmetic prompt (the untrained
+    # model copies the examples' numbers), a wrong answer gets a second turn; reward 1, 0.5 at the second.
+    c.rollout.episodes.environment = "verifiers:vf_arith"
+    c.rollout.episodes.env_options = ml_collections.ConfigDict({"num_tasks": 20_000})
+    c.rollout.episodes.few_shot = 0       # the taskset's prompt has its own examples
+    c.rollout.episodes.max_turns = 2      # the taskset's own limit
+    c.rollout.episodes.max_turn_tokens = 16   # "<answer>-123</answer>" + EOS is ~9 tokens
+    c.rollout.prompts_per_step = 4        # ~3 in 4 problems have all-wrong first answers at step 0
+    c.loss.kl_coef = 0.0                  # no reference forward (DAPO), as `:learn`
+    c.train.steps = 40
+    c.train.learning_rate = 5e-6
+    c.eval.size = 100
+    c.eval.every = 20
+    c.train.exactness_check_every = 10
+    c.checkpoint_every = 20
+    c.run_dir = "runs/grpo_smollm2_vf_arith"
   elif arg not in (None, ""):
-    raise ValueError(f"experiments/grpo_smollm2_calc.py: unknown variant {arg!r}; use '', 'smoke' or 'guess'")
+    raise ValueError(f"experiments/grpo_smollm2_calc.py: unknown variant {arg!r}; use '', 'smoke', 'guess' or "
+                     "'vf_arith'")
   return c

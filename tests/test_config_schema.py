@@ -33,7 +33,7 @@ def test_the_docstrings_list_every_variant():
       "rloo_smollm2_arith": ["", "smoke"],
       "ppo_smollm2_arith": ["", "tree", "smoke", "tree_smoke"],
       "dpo_smollm2_arith": ["", "jsonl", "smoke", "jsonl_smoke"],
-      "grpo_smollm2_calc": ["", "smoke", "guess"],
+      "grpo_smollm2_calc": ["", "smoke", "guess", "vf_arith"],
   }
 
 

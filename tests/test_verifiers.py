@@ -240,3 +240,29 @@ def test_verifiers_trace_holds_the_ids_we_sampled_and_their_logprobs(env, tokeni
   assert [i for n in sampled for i in n.token_ids] == np.concatenate([episode.prompt, *episode.segments]).tolist()
   assert [m for n in sampled for m in n.mask] == [False] * len(episode.prompt) + episode.model_mask().tolist()
   assert [x for n in sampled for x in n.logprobs] == [float(x) for lp in sampler.logprobs for x in lp]
+
+
+def test_the_arithmetic_taskset_pays_one_at_the_first_turn_and_half_after_its_retry(tokenizer, monkeypatch):
+  # experiments/tasksets/vf_arith.py (the learning run's taskset, docs/results/verifiers-arith): a tagged right
+  # answer at once pays 1 in one turn; a wrong one gets the RETRY user turn and a right second answer pays
+  # SECOND_TRY_REWARD = 0.5; two wrong answers pay 0. The prompt is make_task's: 4 solved examples, then
+  # problem i's question.
+  from pathlib import Path
+
+  from branch_replay_jax.rollout.verifiers_env import VerifiersEnv
+  monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "experiments" / "tasksets"))
+  import vf_arith
+  with VerifiersEnv("vf_arith", num_tasks=2) as env:
+    source = vf_arith.arith_task(env.env.taskset.config)
+    answers = [source[i].answer for i in (0, 1)]
+    assert env.tasks[1].data.prompt[-1].content.startswith(f"{source[1].question}\n")
+    assert len(env.tasks[1].data.prompt) == 9   # 4 example (user, assistant) pairs and the question
+    cases = [(0, [f"<answer>{answers[0]}</answer>"], 1.0, 1),
+             (1, ["<answer>12345</answer>", f"<answer>{answers[1]}</answer>"], 0.5, 2),
+             (1, [answers[1], "<answer>12345</answer>"], 0.0, 2)]   # untagged: not an answer (strict)
+    for task, replies, reward, turns in cases:
+      result = run_episode(env, task, 0, tokenizer, scripted_turns(tokenizer, replies), max_turns=3,
+                           max_turn_tokens=16, max_context=2048)
+      assert (result.status, result.reward, result.turns) == ("done", reward, turns)
+      if turns == 2:
+        assert vf_arith.RETRY in tokenizer.decode(list(result.episode.segments[1]))
