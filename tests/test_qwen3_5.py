@@ -208,7 +208,10 @@ def test_group_replay_bfloat16_error_at_most_twice_naive(model):
   assert replay_err <= 2 * naive_err, (replay_err, naive_err)
 
 
-@pytest.mark.parametrize("scan", ["xla", "pallas"])
+# The pallas case is heavy (~20-37 s): CI covers it by tests/test_gated_delta_pallas.py (the kernels equal the
+# lax.scan form in float64, values and gradients, each column split), the xla case here (replay through that
+# form) and test_grpo_trains_a_qwen3_5_directory_... (replay through the kernels checked against naive rows).
+@pytest.mark.parametrize("scan", ["xla", pytest.param("pallas", marks=pytest.mark.heavy)])
 def test_tree_replay_equals_naive_float64_each_node_from_its_parents_state(small64, x64, scan):
   # Depth 3: prompt 5, nodes of 1-5 tokens (a node of 1 or 2 starts and ends inside its parent's convolution
   # window; most are shorter than a chunk of 3 or cross one). Each node continues from its parent's final
