@@ -269,15 +269,14 @@ def test_the_schema_says_which_fields_apply_to_groups_trees_or_episodes_only():
   # Each field applies to every layout unless the schema says otherwise: the group's size and budget
   # (a tree config removes them; GRPO's episodes take G from rollout.group_size), the tree's segment
   # length, its replay order (trees and GRPO's episode trees), tree_fanouts (it picks group or tree),
-  # GRPO's dynamic sampling and overlong shaping (groups and trees), stop strings (groups and trees: an
+  # GRPO's overlong shaping (groups and trees), stop strings (groups and trees: an
   # episode's turns end at the model's stop ids), and GRPO's rollout.episodes.
   episodes = {f"rollout.episodes.{n}" for n in ("environment", "max_turns", "max_turn_tokens", "max_episode_tokens",
                                                 "max_context", "max_tool_calls", "few_shot", "max_tree_depth",
                                                 "min_shared_tokens", "share", "env_options", "history")}
   want = {"grpo": {("group",): {"rollout.max_new_tokens"}, ("group", "episode"): {"rollout.group_size"},
                    ("tree",): {"rollout.segment_length"}, ("tree", "episode"): {"train.tree_schedule"},
-                   ("group", "tree"): {"rollout.tree_fanouts", "rollout.dynamic_sampling", "rollout.max_prompt_draws",
-                                       "loss.overlong_buffer", "rollout.stop_strings"},
+                   ("group", "tree"): {"rollout.tree_fanouts", "loss.overlong_buffer", "rollout.stop_strings"},
                    ("episode",): episodes},
           "ppo": {("group",): {"rollout.group_size", "rollout.max_new_tokens"}, ("tree",): {"rollout.segment_length"},
                   ("tree", "episode"): {"train.tree_schedule"},

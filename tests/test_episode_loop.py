@@ -193,7 +193,6 @@ def test_the_run_time_exactness_check_compares_an_episode_tree_with_its_rows(scr
 
 @pytest.mark.parametrize("field, value, message", [
     ("rollout.max_new_tokens", 16, "rollout.max_new_tokens=16 does not apply to episodes"),
-    ("rollout.dynamic_sampling", True, "rollout.dynamic_sampling=True does not apply to episodes"),
     ("rollout.tree_fanouts", (2, 2), "rollout.tree_fanouts=(2, 2) does not apply to episodes"),
     ("loss.overlong_buffer", 2, "loss.overlong_buffer=2 does not apply to episodes"),
     ("rollout.stop_strings", ("</answer>",), "rollout.stop_strings=('</answer>',) does not apply to episodes"),
@@ -285,6 +284,19 @@ class TwoArgStep(NoStep):
 
 def broken(**options):
   raise KeyError("no such level")
+
+class HalfEnv:
+  """Problems in the order they are played: every episode of problem 0, 2, 4, ... pays 0 (equal rewards);
+  those of problem 1, 3, 5, ... pay 1 at every other reset (unequal rewards). Answers end the episode."""
+  def __init__(self, task):
+    self.task, self.question, self.problems, self.resets = task, None, -1, 0
+  def reset(self, problem):
+    if problem.question != self.question:
+      self.question, self.problems, self.resets = problem.question, self.problems + 1, 0
+    self.resets += 1
+    return list(self.task.messages(problem))
+  def step(self, assistant_message):
+    return None, float(self.problems % 2 == 1 and self.resets % 2 == 0), True
 '''
 
 
@@ -339,6 +351,26 @@ def test_an_environment_by_file_path_trains_with_its_options_and_resumes_once_fi
     records = [json.loads(line) for line in f]
   assert [rec["step"] for rec in records] == [1, 2]
   assert all(rec["reward_mean"] == pytest.approx(0.25) and rec["episodes_done"] == 8 for rec in records)
+
+
+def test_dynamic_sampling_drops_problems_whose_episodes_all_earn_the_same_reward(tmp_path, monkeypatch):
+  # rollout.dynamic_sampling with episodes: a problem's G = 4 episodes are its group. HalfEnv pays every
+  # episode of the 1st, 3rd, ... problem played 0 (dropped) and those of the 2nd, 4th, ... 0 and 1 in turn.
+  # A step keeps 2 problems: round 0 plays problems 0 and 1 (one kept), round 1 problems 2 and 3 (the second
+  # kept): 4 prompts drawn, 2 groups dropped, reward_mean 0.5 over the 8 kept episodes; step 2 plays 4-7 alike.
+  from branch_replay_jax.models.loading import load_tokenizer
+  Answers.tokenizer = load_tokenizer("smollm2-135m-instruct")
+  monkeypatch.setattr(collect, "EpisodeSampler", Answers)
+  config = _env_config(tmp_path, "FILE:HalfEnv")
+  config.rollout.dynamic_sampling, config.rollout.max_prompt_draws = True, 6
+  config.checkpoint_every, config.eval.size = 2, 0
+  algorithm = grpo.GRPO(config)
+  history = loop.train(config, algorithm)
+  assert algorithm.env.problems == 7   # problems 0..7 played, each once
+  for record in history:
+    assert (record["prompts_drawn"], record["dropped_groups"]) == (4, 2), record
+    assert record["reward_mean"] == pytest.approx(0.5) and record["episodes_done"] == 8
+    assert record["zero_variance_groups"] == 0 and np.isfinite(record["loss"])
 
 
 @pytest.mark.parametrize("environment, options, message", [

@@ -330,8 +330,8 @@ def _lookup(config, dotted: str):
 def validate_episode_rollout(config) -> None:
   """Episode rollouts (rollout.episodes set; docs/design.md, "Episodes"): its budgets and environment,
   and no field that does not apply to episodes (`schema.layouts`): such a field is refused unless it
-  holds its inert value (`schema.INERT`: segment_length 0, tree_fanouts (), dynamic_sampling False,
-  max_prompt_draws None, overlong_buffer 0, stop_strings ()), and one without an inert value (rollout.max_new_tokens:
+  holds its inert value (`schema.INERT`: segment_length 0, tree_fanouts (), overlong_buffer 0,
+  stop_strings ()), and one without an inert value (rollout.max_new_tokens:
   an episode's turns have rollout.episodes.max_turn_tokens) must be absent. Also refused: task.few_shot
   (its examples answer without tools; rollout.episodes.few_shot shows tool calls), a mesh (episodes
   train on one device) and G < 2."""

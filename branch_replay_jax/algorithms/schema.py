@@ -18,7 +18,7 @@ three (the default). A group-only field in a tree config is refused (checks.vali
 and so is a tree-only one set to act on groups (rollout.segment_length > 0); train.tree_schedule,
 which every shipped experiment sets, is read by trees and episodes and inert on groups. An episode
 config refuses every field that does not apply to episodes unless it holds its inert value
-(`INERT`: e.g. rollout.dynamic_sampling=False), and refuses fields without one
+(`INERT`: e.g. rollout.tree_fanouts=()), and refuses fields without one
 (rollout.max_new_tokens) outright (checks.validate_episode_rollout).
 
 `parse` reads the config's storage (`ConfigDict.items(preserve_field_references=True)`), not its
@@ -49,8 +49,8 @@ LAYOUTS = ("group", "tree", "episode")   # the rollout layouts a field can apply
 GROUPS_AND_TREES = ("group", "tree")
 # Fields that do not apply to every layout, at the value that leaves them inert: an episode config
 # may hold them at that value (the shipped experiments list every field); any other is refused.
-INERT = {"rollout.segment_length": 0, "rollout.tree_fanouts": (), "rollout.dynamic_sampling": False,
-         "rollout.max_prompt_draws": None, "loss.overlong_buffer": 0, "rollout.stop_strings": ()}
+INERT = {"rollout.segment_length": 0, "rollout.tree_fanouts": (), "loss.overlong_buffer": 0,
+         "rollout.stop_strings": ()}
 SHARES = ("tree", "prompt")     # rollout.episodes.share: what a replay step computes once (docs/design.md, "Episodes")
 
 
@@ -184,10 +184,10 @@ class EpisodesConfig:
 class GRPORolloutConfig(PPORolloutConfig):
   group_size: int = _f("G: completions (episodes: branching at the first turn) sampled per prompt; groups and "
                        "episodes (a tree config removes it)", None, layouts=("group", "episode"))
-  dynamic_sampling: bool = _f("DAPO: drop groups of equal rewards, draw more prompts; groups and trees",
-                              layouts=GROUPS_AND_TREES)
+  dynamic_sampling: bool = _f("DAPO: drop groups (episodes: a problem's G episodes) of equal rewards, draw more "
+                              "prompts")
   max_prompt_draws: Optional[int] = _f("prompts drawn per step at most, a multiple of prompts_per_step; "
-                                       "only with dynamic_sampling (None without)", layouts=GROUPS_AND_TREES)
+                                       "only with dynamic_sampling (None without)")
   episodes: Optional[EpisodesConfig] = _f("multi-turn episodes in an environment (the episode layout); absent: "
                                           "groups or trees", None, layouts=("episode",))
 
