@@ -75,8 +75,7 @@ def test_the_full_layers_take_the_pallas_kernels(model):
   # attention_impl="pallas" (interpreted on the CPU) runs the full layers' suffix attention through the
   # FlashAttention kernels of kernels/; the hidden states equal the jnp attention's to float32 rounding,
   # relative to their size (|h| up to ~4 here): the kernels sum the keys in tiles, another order than the
-  # jnp softmax, and XLA:CPU's order differs by machine (1.25e-5 absolute on a CPU without AVX-512). A wrong
-  # mask or a dropped tile moves them by > 1e-2.
+  # jnp softmax, and XLA:CPU's order differs by machine (1.25e-5 absolute on a CPU without AVX-512).
   pallas = build_model(model.config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), attention_impl="pallas")
   ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 40)))
   assert pallas.attention_impl == "pallas"
