@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from branch_replay_jax.kernels.vma import out_struct, to_common_varying
+from branch_replay_jax.kernels.vma import interpret_per_device, out_struct, to_common_varying
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 BLOCK_V = 64   # the state's columns per program at most (Dv = 128: two programs per row and head)
@@ -94,9 +94,7 @@ def _call(kernel, outs, blocks: int, interpret: bool, varying: frozenset, *args)
   vary over the manual mesh axes `varying` (kernels/vma.py).
 
   Interpreted inside `shard_map` (tests on the CPU), the interpreter cannot run on operands that vary over mesh
-  axes (kernels/pallas_attention.py, `_interpret_per_device`): every device then gathers all devices' operands
-  (invariant), runs their rows as one batch of B x devices rows, and keeps its own; programs are independent
-  per (row, head), so the values are those of one call per device."""
+  axes: every device runs all devices' calls and keeps its own (`vma.interpret_per_device`)."""
   def call(args, varying):
     b, h = args[0].shape[:2]
     return pl.pallas_call(kernel, grid=(b, h, blocks), in_specs=[pl.no_block_spec] * len(args),
@@ -104,12 +102,7 @@ def _call(kernel, outs, blocks: int, interpret: bool, varying: frozenset, *args)
                           out_shape=[out_struct((b, *o.shape[1:]), o.dtype, varying) for o in outs])(*args)
   if not (interpret and varying):
     return call(args, varying)
-  axes = tuple(sorted(varying))
-  gathered = [jax.lax.all_gather(x, axes, to="invarying") for x in args]            # [devices, B, ...]
-  devices = gathered[0].shape[0]
-  outs_all = call([x.reshape(devices * x.shape[1], *x.shape[2:]) for x in gathered], frozenset())
-  me = jax.lax.axis_index(axes)
-  return [o.reshape(devices, -1, *o.shape[1:])[me] for o in outs_all]
+  return interpret_per_device(lambda *a: call(a, frozenset()), varying, *args)
 
 
 def _forward(u, w, a, q, k, d, s0, blocks, interpret, varying):

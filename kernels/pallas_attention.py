@@ -35,7 +35,7 @@ pair in the backward). float32 inputs use exact float32 dots, never TF32.
 
 Inside `shard_map(check_vma=True)` (the mesh step): the operands are cast to one manual-axis type
 before the custom_vjp and every kernel output states it (kernels/vma.py); the interpreter runs each
-device's call from gathered operands (`_interpret_per_device`). docs/design.md, "Attention kernels
+device's call from gathered operands (`vma.interpret_per_device`). docs/design.md, "Attention kernels
 inside the mesh step".
 
 Targets: NVIDIA GPUs through the Triton lowering; the CPU through the Pallas interpreter (tests).
@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from branch_replay_jax.kernels.reference import KVBlock
-from branch_replay_jax.kernels.vma import out_struct, to_common_varying
+from branch_replay_jax.kernels.vma import interpret_per_device, out_struct, to_common_varying
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims the kernel takes: Triton tiles are powers of two and its dots need K >= 16."""
@@ -282,27 +282,11 @@ def _call(plan: _Plan, kernel, **kwargs):
 
 
 def _interpret_per_device(plan: _Plan, kernel, *, out_shape, **kwargs):
-  """The interpreted kernel inside shard_map(check_vma=True) on the CPU (tests), as one device's call.
-
-  The Pallas interpreter evaluates the state-discharged kernel, whose loops carry the K/V blocks
-  typed without manual axes, and JAX 0.10 refuses to run it on blocks that vary over mesh axes
-  ("Scan carry input and output got mismatched varying manual axes"); the Mosaic interpreter
-  (`pltpu.InterpretParams`) runs per device but through io_callbacks, which `jax.checkpoint`
-  (remat, FSDP's layer scan) does not take. So every device gathers all devices' operands
-  (invariant: `all_gather(..., to="invarying")`), runs the interpreted kernel on each under
-  `jax.vmap`, and keeps its own slice: the same values as the compiled kernel's one call per
-  device, at `mesh size` times the interpreter's work. Never on a GPU, where the Triton kernel runs
-  with the stated types.
-  """
-  axes = tuple(sorted(plan.varying))
+  """The interpreted kernel inside shard_map(check_vma=True) on the CPU (tests), as one device's call
+  (`vma.interpret_per_device`)."""
   invariant = jax.tree_util.tree_map(lambda s: out_struct(s.shape, s.dtype, frozenset()), out_shape)
   inner = pl.pallas_call(kernel, interpret=True, out_shape=invariant, **kwargs)
-
-  def run(*args):
-    outs = jax.vmap(inner)(*(jax.lax.all_gather(x, axes, to="invarying") for x in args))
-    me = jax.lax.axis_index(axes)
-    return jax.tree_util.tree_map(lambda o: o[me], outs)
-  return run
+  return lambda *args: interpret_per_device(inner, plan.varying, *args)
 
 
 def _forward(plan: _Plan, q, ks, vs, valids):

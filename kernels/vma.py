@@ -49,6 +49,25 @@ def to_common_varying(*trees):
   return jax.tree_util.tree_map(cast, trees), union
 
 
+def interpret_per_device(fn, varying: frozenset, *args):
+  """`fn(*args)` as one device's call inside `shard_map(check_vma=True)`, for a Pallas kernel run in the
+  interpreter (tests on the CPU), whose outputs `fn` types invariant.
+
+  The Pallas interpreter evaluates the state-discharged kernel, whose loops carry their blocks typed
+  without manual axes, and JAX 0.10 refuses to run it on operands that vary over mesh axes ("Scan
+  carry input and output got mismatched varying manual axes"); the Mosaic interpreter
+  (`pltpu.InterpretParams`) runs per device but through io_callbacks, which `jax.checkpoint` (remat,
+  FSDP's layer scan) does not take. So every device gathers all devices' operands (invariant:
+  `all_gather(..., to="invarying")`), runs `fn` on each under `jax.vmap`, and keeps its own slice: the
+  same values as the compiled kernel's one call per device, at `mesh size` times the interpreter's
+  work. Never on a GPU, where the Triton kernel runs with the stated types.
+  """
+  axes = tuple(sorted(varying))
+  outs = jax.vmap(fn)(*(jax.lax.all_gather(x, axes, to="invarying") for x in args))
+  me = jax.lax.axis_index(axes)
+  return jax.tree_util.tree_map(lambda o: o[me], outs)
+
+
 def out_struct(shape, dtype, varying: frozenset) -> jax.ShapeDtypeStruct:
   """A `pallas_call` out_shape entry that varies over the manual axes `varying`."""
   if ManualAxisType is None:   # pragma: no cover
